@@ -1,0 +1,85 @@
+"""Arrays to wire tensors and back, for both ends.
+
+    msg = codec.encode("dense/kernel", array)      # -> tfps_pb2.Tensor
+    name, array = codec.decode(msg)               # checks dtype, shape, length
+
+Bytes are little-endian whatever the host. ``decode`` is zero-copy: the array is
+a read-only view of the message's bytes (``np.frombuffer``). It raises
+``CodecError`` (a ``ValueError``) naming the tensor when the dtype is unknown, a
+dimension is negative, or the byte length does not match dtype and shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protos import tfps_pb2 as pb
+
+
+class CodecError(ValueError):
+    """A tensor message that cannot be turned into an array."""
+
+
+# DType enum value -> little-endian numpy dtype.
+_TO_NUMPY = {
+    pb.FLOAT16: np.dtype("<f2"),
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT64: np.dtype("<f8"),
+    pb.INT32: np.dtype("<i4"),
+    pb.INT64: np.dtype("<i8"),
+}
+_FROM_NUMPY = {dt.newbyteorder("="): code for code, dt in _TO_NUMPY.items()}
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    code = _FROM_NUMPY.get(np.dtype(dtype).newbyteorder("="))
+    if code is None:
+        supported = ", ".join(str(d) for d in _TO_NUMPY.values())
+        raise CodecError(f"dtype {np.dtype(dtype)} cannot travel; supported: {supported}")
+    return code
+
+
+def numpy_dtype(code: int) -> np.dtype:
+    try:
+        return _TO_NUMPY[code]
+    except KeyError:
+        raise CodecError(f"unknown wire dtype {code}") from None
+
+
+def encode(name: str, array: np.ndarray) -> pb.Tensor:
+    array = np.asarray(array)
+    code = dtype_code(array.dtype)
+    little = array.astype(_TO_NUMPY[code], copy=False)
+    # grpcio only takes bytes for a bytes field: this is the one unavoidable copy.
+    return pb.Tensor(name=name, dtype=code, shape=array.shape, data=little.tobytes())
+
+
+def decode(msg: pb.Tensor) -> tuple[str, np.ndarray]:
+    try:
+        dtype = numpy_dtype(msg.dtype)
+    except CodecError as e:
+        raise CodecError(f"tensor {msg.name!r}: {e}") from None
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"tensor {msg.name!r}: negative dimension in shape {list(shape)}")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise CodecError(
+            f"tensor {msg.name!r}: {len(msg.data)} bytes do not match "
+            f"shape {list(shape)} of {dtype.newbyteorder('=')} ({expected} bytes)"
+        )
+    return msg.name, np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+
+
+def encode_many(arrays: dict[str, np.ndarray]) -> list[pb.Tensor]:
+    return [encode(name, a) for name, a in arrays.items()]
+
+
+def decode_many(msgs) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for m in msgs:
+        name, array = decode(m)
+        if name in out:
+            raise CodecError(f"tensor {name!r} appears twice in one message")
+        out[name] = array
+    return out

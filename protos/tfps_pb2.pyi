@@ -1,0 +1,216 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    SYNC: _ClassVar[Mode]
+    ASYNC: _ClassVar[Mode]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+MODE_UNSPECIFIED: Mode
+SYNC: Mode
+ASYNC: Mode
+DTYPE_UNSPECIFIED: DType
+FLOAT16: DType
+FLOAT32: DType
+FLOAT64: DType
+INT32: DType
+INT64: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OptimizerConfig(_message.Message):
+    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    momentum: float
+    nesterov: bool
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_index", "num_workers", "worker_name")
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    worker_index: int
+    num_workers: int
+    worker_name: str
+    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    num_workers: int
+    worker_id: int
+    initialized: bool
+    version: int
+    barrier_timeout_s: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitializeRequest(_message.Message):
+    __slots__ = ("worker_id", "optimizer", "variables")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    optimizer: OptimizerConfig
+    variables: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class InitializeResponse(_message.Message):
+    __slots__ = ("created", "version")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    version: int
+    def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker_id", "names")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("version", "variables")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    variables: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    base_version: int
+    batch_size: int
+    gradients: _containers.RepeatedCompositeFieldContainer[Tensor]
+    loss: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("version", "staleness", "contributors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    staleness: int
+    contributors: int
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "worker_name", "last_step", "last_seen_age_s", "left", "pushes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    worker_name: str
+    last_step: int
+    last_seen_age_s: float
+    left: bool
+    pushes: int
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    num_workers: int
+    initialized: bool
+    version: int
+    round: int
+    waiting_for: _containers.RepeatedScalarFieldContainer[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    pushes_applied: int
+    examples_applied: int
+    mean_staleness: float
+    max_staleness: int
+    optimizer: OptimizerConfig
+    num_variables: int
+    num_parameters: int
+    uptime_s: float
+    rounds_timed_out: int
+    last_loss: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,64 @@
+"""Asynchronous mode: every push is applied the moment it arrives.
+
+    mode = AsyncMode(store, members)
+    result = mode.push(push)     # returns once this gradient is applied
+
+There is no barrier and no global lock. What "lock-free" means here, exactly:
+
+- What may interleave: pushes from different workers run concurrently. Each
+  variable has its own lock, held only for that variable's optimizer step
+  (read value, compute, swap in the new array). Two pushes may therefore update
+  different variables at the same time, and a push may have updated some
+  variables and not yet others when a pull reads them: a pull can return a mix
+  of "before" and "after" for a push in flight (as in Hogwild!-style training).
+  A gradient may have been computed on parameters several updates old; that
+  staleness is recorded.
+- What is still guaranteed: every accepted gradient is applied to every
+  variable exactly once (no lost update: each variable's read-modify-write is
+  serialized by its lock); no reader ever sees a half-written array
+  (copy-on-write values); the version counts fully applied pushes, grows by one
+  per push and never goes back; a pull returning version v includes every push
+  counted in v; a rejected push (unknown worker, bad shape, NaN) changes nothing,
+  because it is checked before any variable is touched.
+
+Staleness of a push = the server version when its apply starts minus the
+version its gradient was computed from (``base_version``).
+"""
+
+from __future__ import annotations
+
+from ps_server.core.errors import InvalidArgument
+from ps_server.core.membership import Membership
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.store import VariableStore
+
+
+class AsyncMode:
+    name = "async"
+
+    def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None):
+        self.store = store
+        self.members = members
+        self.stats = stats or Stats()
+
+    def push(self, push: Push) -> PushResult:
+        push.validate()
+        if push.batch_size == 0:
+            raise InvalidArgument(f"async push from worker {push.worker_id} has no examples (batch_size 0)")
+        self.store.check_gradients(push.gradients)
+        seen = self.store.version
+        if push.base_version > seen:
+            raise InvalidArgument(
+                f"worker {push.worker_id} claims base_version {push.base_version}, "
+                f"but the server is only at version {seen}"
+            )
+        staleness = seen - push.base_version
+        # Sorted order only makes runs reproducible; correctness does not depend on it.
+        for name in sorted(push.gradients):
+            self.store.apply_one(name, push.gradients[name])
+        version = self.store.bump_version()
+        self.stats.record(pushes=1, examples=push.batch_size, staleness=[staleness], loss=push.loss)
+        return PushResult(version=version, staleness=staleness, contributors=1)
+
+    def status(self) -> ModeStatus:
+        return ModeStatus()

@@ -1,0 +1,64 @@
+"""Errors the parameter-server core raises.
+
+    from ps_server.core.errors import PSError
+
+Every refusal of the core is one of these classes. The core never knows about
+gRPC: the service module holds the one table that turns each class into a status
+code (``ps_server.service.STATUS_OF``). A rejected call never changes stored
+state: each raising site checks before it mutates.
+"""
+
+
+class PSError(Exception):
+    """Base class of every error the core raises on purpose."""
+
+
+class InvalidArgument(PSError):
+    """The request itself is malformed: bad shape, dtype, value or spec."""
+
+
+class NotFound(PSError):
+    """A named variable does not exist on this server."""
+
+
+class NotInitialized(PSError):
+    """Variables were requested before the chief initialized them."""
+
+
+class SpecConflict(PSError):
+    """An initialization disagrees with the state already stored."""
+
+
+class ConfigMismatch(PSError):
+    """A worker's view of the cluster disagrees with the server's."""
+
+
+class UnknownWorker(PSError):
+    """A call names a worker id that never registered."""
+
+
+class StaleRound(PSError):
+    """A sync push for a round that has already completed."""
+
+
+class FutureRound(PSError):
+    """A sync push for a round that has not started yet."""
+
+
+class DuplicatePush(PSError):
+    """A worker pushed twice for the same round."""
+
+
+class BarrierTimeout(PSError):
+    """A sync round did not fill before the barrier timeout.
+
+    ``missing`` lists the worker ids that had not pushed.
+    """
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.missing = missing
+
+
+class Unavailable(PSError):
+    """The server is shutting down and takes no more work."""

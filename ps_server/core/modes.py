@@ -1,0 +1,86 @@
+"""The interface every consistency mode implements, and what a push returns.
+
+    mode = SyncMode(store, members, num_workers=2, barrier_timeout=60.0)
+    result = mode.push(Push(worker_id=0, step=0, base_version=0, batch_size=32,
+                            gradients={...}, loss=0.7))
+
+One module per mode (``sync_mode``, ``async_mode``) behind this interface;
+all of them share the store and its optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from ps_server.core.errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    worker_id: int
+    step: int
+    base_version: int
+    batch_size: int
+    gradients: Mapping[str, np.ndarray]
+    loss: float = 0.0
+
+    def validate(self) -> None:
+        if self.step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {self.step}")
+        if self.base_version < 0:
+            raise InvalidArgument(f"base_version must be >= 0, got {self.base_version}")
+        if self.batch_size < 0:
+            raise InvalidArgument(f"batch_size must be >= 0, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    version: int  # the version after this gradient was applied
+    staleness: int  # server version at apply time minus base_version
+    contributors: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeStatus:
+    round: int = 0
+    waiting_for: tuple[int, ...] = ()
+    rounds_timed_out: int = 0
+
+
+class Mode(Protocol):
+    name: str
+
+    def push(self, push: Push) -> PushResult: ...
+
+    def status(self) -> ModeStatus: ...
+
+
+class Stats:
+    """Counters every mode keeps: pushes, examples, staleness, last loss. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leaf lock
+        self.pushes_applied = 0
+        self.examples_applied = 0
+        self.staleness_counts: dict[int, int] = {}
+        self.last_loss = float("nan")
+
+    def record(self, pushes: int, examples: int, staleness: list[int], loss: float) -> None:
+        with self._lock:
+            self.pushes_applied += pushes
+            self.examples_applied += examples
+            for s in staleness:
+                self.staleness_counts[s] = self.staleness_counts.get(s, 0) + 1
+            self.last_loss = loss
+
+    def staleness_summary(self) -> tuple[float, int]:
+        with self._lock:
+            n = sum(self.staleness_counts.values())
+            if not n:
+                return 0.0, 0
+            mean = sum(s * c for s, c in self.staleness_counts.items()) / n
+            return mean, max(self.staleness_counts)

@@ -1,0 +1,185 @@
+"""The variable store: named arrays, their optimizer state, and the version.
+
+    store = VariableStore()
+    store.initialize({"w": np.zeros(3, np.float32)}, OptimizerSpec("sgd", 0.1))
+    version, values = store.read()               # consistent snapshot
+    store.apply_all({"w": g})                    # sync: one step on every variable
+    store.apply_one("w", g)                      # async: one variable, its own lock
+
+Values are copy-on-write: an optimizer step builds a new array and swaps the
+reference, so an array handed to a reader is never modified afterwards (arrays
+are marked read-only to enforce it). That is what lets pulls serialize outside
+any lock.
+
+Locks, in the order they may be taken: a variable's ``lock`` (held for its
+read-modify-write), then ``_publish`` (held only to swap references and read or
+bump the version). No lock here is held across network I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
+from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
+
+
+class _Variable:
+    __slots__ = ("name", "value", "state", "lock")
+
+    def __init__(self, name: str, value: np.ndarray, state: dict):
+        self.name = name
+        self.value = value
+        self.state = state
+        self.lock = threading.Lock()
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class VariableStore:
+    def __init__(self) -> None:
+        self._publish = threading.Lock()
+        self._vars: dict[str, _Variable] = {}
+        self._optimizer: Optimizer | None = None
+        self._version = 0
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self._optimizer is not None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec | None:
+        return self._optimizer.spec if self._optimizer else None
+
+    def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}
+
+    def num_parameters(self) -> int:
+        return sum(int(v.value.size) for v in self._vars.values())
+
+    # -- initialization ----------------------------------------------------------
+    def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> bool:
+        """Store the variables and optimizer; True if created, False if identical state exists.
+
+        A second call with the same names, shapes, dtypes and optimizer is harmless
+        (it does not overwrite trained values); any difference raises SpecConflict.
+        """
+        spec.validate()
+        if not variables:
+            raise InvalidArgument("initialize needs at least one variable")
+        for name, value in variables.items():
+            if not name:
+                raise InvalidArgument("variable names must be non-empty")
+            if value.dtype.kind != "f":
+                raise InvalidArgument(f"variable {name!r} has dtype {value.dtype}; only floating variables train")
+        with self._publish:
+            if self._optimizer is not None:
+                self._check_same(variables, spec)
+                return False
+            optimizer = make_optimizer(spec)
+            self._vars = {
+                name: _Variable(name, _frozen(np.array(value, copy=True)), optimizer.init_state(value))
+                for name, value in variables.items()
+            }
+            self._optimizer = optimizer
+            return True
+
+    def _check_same(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> None:
+        mine = self.specs()
+        theirs = {n: (np.dtype(a.dtype).newbyteorder("="), tuple(a.shape)) for n, a in variables.items()}
+        problems = []
+        for name in sorted(set(mine) | set(theirs)):
+            if name not in theirs:
+                problems.append(f"{name!r} is stored but not in the new spec")
+            elif name not in mine:
+                problems.append(f"{name!r} is new (not stored)")
+            elif mine[name] != theirs[name]:
+                problems.append(
+                    f"{name!r} is stored as {mine[name][0]}{list(mine[name][1])}, "
+                    f"new spec says {theirs[name][0]}{list(theirs[name][1])}"
+                )
+        if spec != self._optimizer.spec:
+            problems.append(f"optimizer is stored as {self._optimizer.spec.as_dict()}, new spec says {spec.as_dict()}")
+        if problems:
+            raise SpecConflict("initialization conflicts with the stored state: " + "; ".join(problems[:5])
+                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+    # -- reads -----------------------------------------------------------------
+    def read(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, values). Arrays are read-only and never change afterwards."""
+        self._require_initialized()
+        names = list(names) if names else None
+        if names:
+            unknown = [n for n in names if n not in self._vars]
+            if unknown:
+                raise NotFound(f"unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
+        with self._publish:
+            chosen = names or list(self._vars)
+            return self._version, {n: self._vars[n].value for n in chosen}
+
+    # -- gradients ---------------------------------------------------------------
+    def check_gradients(self, grads: Mapping[str, np.ndarray]) -> None:
+        """Raise unless grads has exactly one finite array per variable, of its shape and dtype."""
+        self._require_initialized()
+        unknown = [n for n in grads if n not in self._vars]
+        if unknown:
+            raise NotFound(f"gradient for unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
+        missing = [n for n in self._vars if n not in grads]
+        if missing:
+            raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
+        for name, g in grads.items():
+            value = self._vars[name].value
+            if g.shape != value.shape:
+                raise InvalidArgument(
+                    f"gradient for {name!r} has shape {list(g.shape)}, variable has {list(value.shape)}"
+                )
+            if np.dtype(g.dtype).newbyteorder("=") != value.dtype:
+                raise InvalidArgument(f"gradient for {name!r} has dtype {g.dtype}, variable has {value.dtype}")
+            if not np.isfinite(g).all():
+                raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
+
+    # -- updates -----------------------------------------------------------------
+    def apply_all(self, grads: Mapping[str, np.ndarray]) -> int:
+        """One optimizer step on every variable, published at once; returns the new version.
+
+        Callers check the gradients first (``check_gradients``) and serialize
+        apply_all (the sync barrier does); readers see either all of the old
+        values or all of the new ones.
+        """
+        new = {}
+        for name, g in grads.items():
+            var = self._vars[name]
+            new[name] = self._optimizer.apply(var.value, g, var.state)
+        with self._publish:
+            for name, (value, state) in new.items():
+                var = self._vars[name]
+                var.value, var.state = _frozen(value), state
+            self._version += 1
+            return self._version
+
+    def apply_one(self, name: str, grad: np.ndarray) -> None:
+        """One optimizer step on one variable under its own lock (async mode)."""
+        var = self._vars[name]
+        with var.lock:
+            value, state = self._optimizer.apply(var.value, grad, var.state)
+            var.value, var.state = _frozen(value), state
+
+    def bump_version(self) -> int:
+        with self._publish:
+            self._version += 1
+            return self._version
+
+    def _require_initialized(self) -> None:
+        if self._optimizer is None:
+            raise NotInitialized("variables are not initialized yet: the chief (worker 0) initializes them")

@@ -1,0 +1,178 @@
+"""The gRPC face of the parameter server: protobuf in, core calls, protobuf out.
+
+    servicer = ParameterServerServicer(core)
+    tfps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, grpc_server)
+
+This is the only module that turns protobuf into core calls, and core errors
+into gRPC status codes, through the one table ``STATUS_OF``. Every error leaves
+through ``context.abort(code, message)``; an unexpected exception is logged and
+becomes ``INTERNAL``, never ``UNKNOWN``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+
+from protos import codec
+from protos import tfps_pb2 as pb
+from protos import tfps_pb2_grpc as pb_grpc
+from ps_server.core import errors
+from ps_server.core.modes import Push
+from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.parameter_server import ParameterServer
+
+log = logging.getLogger("ps_server.service")
+
+# The one error table: core exception class -> gRPC status code.
+STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.NotInitialized: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SpecConflict: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ConfigMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.UnknownWorker: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.StaleRound: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.FutureRound: grpc.StatusCode.OUT_OF_RANGE,
+    errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,
+    errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+MODE_TO_WIRE = {"sync": pb.SYNC, "async": pb.ASYNC}
+
+
+def status_code_for(exc: Exception) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def _handled(method):
+    """Turn every exception of an RPC handler into a precise status."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except (errors.PSError, codec.CodecError) as e:
+            code = status_code_for(e)
+            log.info("%s refused: %s: %s", method.__name__, code.name, e)
+            context.abort(code, str(e))
+        except Exception as e:  # a bug: say so, but never as UNKNOWN
+            log.exception("%s failed unexpectedly", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def optimizer_to_wire(spec: OptimizerSpec | None) -> pb.OptimizerConfig:
+    if spec is None:
+        return pb.OptimizerConfig()
+    return pb.OptimizerConfig(**spec.as_dict())
+
+
+def optimizer_from_wire(msg: pb.OptimizerConfig) -> OptimizerSpec:
+    return OptimizerSpec(
+        name=msg.name,
+        learning_rate=msg.learning_rate,
+        momentum=msg.momentum,
+        nesterov=msg.nesterov,
+        beta_1=msg.beta_1,
+        beta_2=msg.beta_2,
+        epsilon=msg.epsilon,
+    )
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    def __init__(self, core: ParameterServer):
+        self.core = core
+
+    @_handled
+    def Register(self, request, context):
+        reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer())
+        log.info("worker %d registered (%s)", reg.worker_id, request.worker_name or context.peer())
+        return pb.RegisterResponse(
+            mode=MODE_TO_WIRE[reg.mode],
+            num_workers=reg.num_workers,
+            worker_id=reg.worker_id,
+            initialized=reg.initialized,
+            version=reg.version,
+            barrier_timeout_s=reg.barrier_timeout,
+        )
+
+    @_handled
+    def Initialize(self, request, context):
+        variables = codec.decode_many(request.variables)
+        created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer))
+        if created:
+            log.info(
+                "initialized %d variables (%d parameters) by worker %d, optimizer %s",
+                len(variables), sum(v.size for v in variables.values()), request.worker_id,
+                self.core.store.optimizer_spec.as_dict(),
+            )
+        return pb.InitializeResponse(created=created, version=version)
+
+    @_handled
+    def Pull(self, request, context):
+        version, values = self.core.pull(request.worker_id, list(request.names))
+        return pb.PullResponse(version=version, variables=codec.encode_many(values))
+
+    @_handled
+    def Push(self, request, context):
+        result = self.core.push(
+            Push(
+                worker_id=request.worker_id,
+                step=request.step,
+                base_version=request.base_version,
+                batch_size=request.batch_size,
+                gradients=codec.decode_many(request.gradients),
+                loss=request.loss,
+            )
+        )
+        return pb.PushResponse(version=result.version, staleness=result.staleness, contributors=result.contributors)
+
+    @_handled
+    def Leave(self, request, context):
+        self.core.leave(request.worker_id)
+        log.info("worker %d left", request.worker_id)
+        return pb.LeaveResponse()
+
+    @_handled
+    def Status(self, request, context):
+        s = self.core.status()
+        now = time.monotonic()
+        return pb.StatusResponse(
+            mode=MODE_TO_WIRE[s.mode],
+            num_workers=s.num_workers,
+            initialized=s.initialized,
+            version=s.version,
+            round=s.round,
+            waiting_for=list(s.waiting_for),
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=w.worker_id,
+                    worker_name=w.name,
+                    last_step=w.last_step,
+                    last_seen_age_s=now - w.last_seen,
+                    left=w.left,
+                    pushes=w.pushes,
+                )
+                for w in s.workers
+            ],
+            pushes_applied=s.pushes_applied,
+            examples_applied=s.examples_applied,
+            mean_staleness=s.mean_staleness,
+            max_staleness=s.max_staleness,
+            optimizer=optimizer_to_wire(s.optimizer),
+            num_variables=s.num_variables,
+            num_parameters=s.num_parameters,
+            uptime_s=s.uptime_s,
+            rounds_timed_out=s.rounds_timed_out,
+            last_loss=s.last_loss,
+        )

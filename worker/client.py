@@ -1,0 +1,208 @@
+"""Every gRPC call a worker makes, in one place.
+
+    client = PSClient("127.0.0.1:50051")
+    reg = client.register(worker_index=0, num_workers=2)
+    version, values = client.pull(reg.worker_id)
+    reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
+
+NumPy in, NumPy out: no TensorFlow here. Each call carries a deadline. Calls
+that are safe to repeat (Register, Initialize, Pull, Leave, Status) are retried
+on UNAVAILABLE by the channel's service-config retry policy; Push is not
+retried (a repeated push could be applied twice). Failures surface as
+``PSClientError`` whose message names the call, the status code and the
+server's own explanation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Iterable, Mapping
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import codec, wire
+from protos import tfps_pb2 as pb
+from protos import tfps_pb2_grpc as pb_grpc
+
+MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async"}
+
+_RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status")],
+                "retryPolicy": _RETRY_POLICY,
+            }
+        ]
+    }
+)
+
+
+class PSClientError(RuntimeError):
+    def __init__(self, call: str, address: str, code: grpc.StatusCode | None, details: str):
+        self.call, self.address, self.code, self.details = call, address, code, details
+        code_name = code.name if code is not None else "ERROR"
+        super().__init__(f"{call} to {address} failed: {code_name}: {details}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    worker_id: int
+    mode: str
+    num_workers: int
+    initialized: bool
+    version: int
+    barrier_timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReply:
+    version: int
+    staleness: int
+    contributors: int
+
+
+class PSClient:
+    def __init__(self, address: str, timeout: float = 30.0):
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            address,
+            options=wire.channel_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+        )
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, name: str, request, timeout: float | None = None, wait_for_ready: bool = False):
+        try:
+            return getattr(self._stub, name)(
+                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready
+            )
+        except grpc.RpcError as e:
+            raise PSClientError(name, self.address, e.code(), e.details() or "") from None
+
+    # -- calls ---------------------------------------------------------------------
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the server answers its health check as SERVING, or raise."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PSClientError("Health", self.address, grpc.StatusCode.UNAVAILABLE,
+                                    f"server not serving within {timeout:g} s ({last})")
+            try:
+                reply = self._health.Check(
+                    health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME),
+                    timeout=min(remaining, 5.0), wait_for_ready=True,
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def health(self, timeout: float = 5.0) -> str:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as e:
+            raise PSClientError("Health", self.address, e.code(), e.details() or "") from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
+        reply = self._call(
+            "Register",
+            pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name),
+            timeout=timeout,
+            wait_for_ready=True,  # the server may still be starting
+        )
+        return Registration(
+            worker_id=reply.worker_id,
+            mode=MODE_NAMES.get(reply.mode, "unknown"),
+            num_workers=reply.num_workers,
+            initialized=reply.initialized,
+            version=reply.version,
+            barrier_timeout=reply.barrier_timeout_s,
+        )
+
+    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
+        reply = self._call(
+            "Initialize",
+            pb.InitializeRequest(
+                worker_id=worker_id,
+                optimizer=pb.OptimizerConfig(**optimizer),
+                variables=codec.encode_many(variables),
+            ),
+        )
+        return reply.created
+
+    def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
+        reply = self._call("Pull", pb.PullRequest(worker_id=worker_id, names=list(names)))
+        return reply.version, codec.decode_many(reply.variables)
+
+    def push(
+        self,
+        worker_id: int,
+        step: int,
+        base_version: int,
+        batch_size: int,
+        gradients: Mapping[str, np.ndarray],
+        loss: float = 0.0,
+        timeout: float | None = None,
+    ) -> PushReply:
+        reply = self._call(
+            "Push",
+            pb.PushRequest(
+                worker_id=worker_id,
+                step=step,
+                base_version=base_version,
+                batch_size=batch_size,
+                gradients=codec.encode_many(gradients),
+                loss=loss,
+            ),
+            timeout=timeout,
+        )
+        return PushReply(reply.version, reply.staleness, reply.contributors)
+
+    def leave(self, worker_id: int) -> None:
+        self._call("Leave", pb.LeaveRequest(worker_id=worker_id))
+
+    def status(self) -> pb.StatusResponse:
+        return self._call("Status", pb.StatusRequest())
+
+    def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
+        """Pull once the chief has initialized the variables; raise after timeout."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return self.pull(worker_id)
+            except PSClientError as e:
+                if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise PSClientError("Pull", self.address, e.code,
+                                        f"variables still not initialized after {timeout:g} s: is the chief (worker 0) running?") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

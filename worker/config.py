@@ -1,0 +1,180 @@
+"""Configuration of one ``ps-worker`` process.
+
+    config = WorkerConfig.from_args(sys.argv[1:])   # flags, then TFPS_* env, then TF_CONFIG
+
+Every flag ``--global-batch-size`` has the environment fallback
+``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. With ``TF_CONFIG``
+(task type ``worker`` or ``chief``), the server address is ``cluster.ps[0]``,
+the worker index the task's position (a chief is worker 0) and the worker count
+the number of chief and worker tasks, unless flags say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from ps_server.tf_config import parse_tf_config
+from worker.data import DATASETS
+from worker.model import MODELS
+
+OPTIMIZERS = ("sgd", "adam")
+DEFAULT_LEARNING_RATE = {"sgd": 0.01, "adam": 0.001}  # Keras' defaults
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is shown to the user as is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    ps: str = "127.0.0.1:50051"
+    worker_index: int = 0
+    num_workers: int = 1
+    dataset: str = "digits"
+    model: str = "cnn"
+    epochs: int = 3
+    steps: int = 0  # 0: epochs * steps per epoch
+    global_batch_size: int = 64
+    optimizer: str = "adam"
+    learning_rate: float = 0.0  # 0: the optimizer's Keras default
+    momentum: float = 0.0
+    nesterov: bool = False
+    seed: int = 0
+    log_every: int = 10
+    result_json: str = ""
+    save_weights: str = ""
+    connect_timeout: float = 60.0
+    init_timeout: float = 120.0
+    final_wait: float = 600.0
+    deterministic: bool = True
+    intra_op_threads: int = 0
+    log_level: str = "INFO"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.worker_index == 0
+
+    @property
+    def lr(self) -> float:
+        return self.learning_rate or DEFAULT_LEARNING_RATE[self.optimizer]
+
+    def optimizer_spec(self) -> dict:
+        """The optimizer as the server's ``OptimizerSpec`` fields."""
+        return {
+            "name": self.optimizer,
+            "learning_rate": self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "beta_1": 0.9,
+            "beta_2": 0.999,
+            "epsilon": 1e-7,
+        }
+
+    def validate(self) -> "WorkerConfig":
+        host, sep, port = self.ps.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")
+        if self.num_workers < 1:
+            raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.worker_index < self.num_workers:
+            raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1}, got {self.worker_index}")
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.epochs < 1 and self.steps < 1:
+            raise ConfigError("give --epochs >= 1 or --steps >= 1")
+        if self.steps < 0:
+            raise ConfigError(f"--steps must be >= 0, got {self.steps}")
+        if self.global_batch_size < self.num_workers:
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} is smaller than --num-workers {self.num_workers}: "
+                "some workers would get no examples"
+            )
+        if self.learning_rate < 0:
+            raise ConfigError(f"--learning-rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        for name in ("connect_timeout", "init_timeout", "final_wait"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.log_every < 1:
+            raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        return self
+
+    @classmethod
+    def parser(cls, prog: str = "ps-worker") -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(
+            prog=prog,
+            description="tfps worker: pulls parameters, computes gradients with tf.GradientTape on its shard "
+            "of each global batch, pushes them. Every flag falls back to TFPS_<FLAG> in the environment.",
+        )
+        add_training_flags(p)
+        p.add_argument("--ps", help="parameter server HOST:PORT (default 127.0.0.1:50051)")
+        p.add_argument("--worker-index", type=int, help="this worker's index, 0 is the chief (default 0)")
+        p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
+        p.add_argument("--result-json", help="chief: write the final metrics here")
+        p.add_argument("--save-weights", help="chief: save the final parameters here (.npz)")
+        return p
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "WorkerConfig":
+        environ = os.environ if environ is None else environ
+        args = cls.parser().parse_args(argv)
+        values: dict = {}
+        spec = parse_tf_config(environ.get("TF_CONFIG"))
+        if spec is not None and spec.task_type in ("worker", "chief"):
+            if spec.ps_addresses:
+                values["ps"] = spec.ps_addresses[0]
+            if spec.num_workers:
+                values["num_workers"] = spec.num_workers
+            values["worker_index"] = spec.task_index
+        for f in dataclasses.fields(cls):
+            flag_value = getattr(args, f.name, None)
+            env_value = environ.get("TFPS_" + f.name.upper())
+            if flag_value is not None:
+                values[f.name] = flag_value
+            elif env_value not in (None, ""):
+                values[f.name] = _cast(f.name, env_value, type(f.default))
+        return cls(**values).validate()
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that describe the training; ps-launch forwards them to every worker."""
+    p.add_argument("--dataset", choices=DATASETS, help="digits (default, offline), mnist, synthetic")
+    p.add_argument("--model", choices=MODELS, help="cnn (default) or mlp")
+    p.add_argument("--epochs", type=int, help="passes over the training data (default 3)")
+    p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
+    p.add_argument("--global-batch-size", type=int, help="examples per step over all workers (default 64)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="adam (default) or sgd, applied on the server")
+    p.add_argument("--learning-rate", type=float, help="default: 0.001 for adam, 0.01 for sgd")
+    p.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
+    p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
+    p.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
+    p.add_argument("--log-every", type=int, help="progress line every this many steps (default 10)")
+    p.add_argument("--connect-timeout", type=float, help="seconds to wait for the server (default 60)")
+    p.add_argument("--init-timeout", type=float, help="seconds to wait for the chief's initialization (default 120)")
+    p.add_argument("--final-wait", type=float, help="async chief: seconds to wait for the others to finish (default 600)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                   help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
+    p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+
+
+def _cast(name: str, raw: str, kind: type):
+    if kind is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a boolean")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None

@@ -1,0 +1,242 @@
+"""``ps-launch``: one server and N workers as separate OS processes on loopback.
+
+    ps-launch --mode sync --workers 2 --dataset digits --epochs 3 --metrics-json m.json
+
+Starts ``ps-server`` on a free loopback port, waits until its gRPC health
+check says SERVING, then starts the workers (worker 0 is the chief) with the
+training flags given here. Every line the children print is shown prefixed
+with ``[ps]`` or ``[worker I]``. It stops them all at the end, on Ctrl-C, or as
+soon as any one fails, and exits non-zero if any failed. Children are also
+told by the kernel to stop if the launcher itself dies (no orphans). On
+success the chief's metrics are written to ``--metrics-json`` as
+``{"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s",
+"examples_per_s"}`` (plus a few more keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ps_server.core.parameter_server import MODES
+from worker.config import ConfigError, WorkerConfig, add_training_flags
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM us when the launcher dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Child:
+    def __init__(self, label: str, argv: list[str], out_lock: threading.Lock, env: dict):
+        self.label = label
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent,
+            text=True,
+            bufsize=1,
+        )
+        self._lock = out_lock
+        self.tail: list[str] = []
+        self._pump = threading.Thread(target=self._relay, name=f"relay-{label}", daemon=True)
+        self._pump.start()
+
+    def _relay(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail = (self.tail + [line])[-20:]
+            with self._lock:
+                print(f"[{self.label}] {line}", flush=True)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump.join(timeout=2.0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-launch",
+        description="Train with one ps-server and N ps-worker processes on this machine.",
+    )
+    p.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default sync)")
+    p.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
+    p.add_argument("--barrier-timeout", type=float, default=60.0, help="sync barrier timeout in seconds (default 60)")
+    p.add_argument("--metrics-json", help="write the run's metrics here")
+    p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
+    add_training_flags(p)
+    return p
+
+
+def training_flags(args: argparse.Namespace) -> list[str]:
+    """The training flags the user gave, as argv for every worker."""
+    out: list[str] = []
+    probe = argparse.ArgumentParser(add_help=False)
+    add_training_flags(probe)
+    for action in probe._actions:
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise LaunchError(f"--workers must be >= 1, got {args.workers}")
+    worker_flags = training_flags(args)
+    # Fail on a bad combination now, with the worker's own message, not in N processes.
+    try:
+        WorkerConfig.from_args(worker_flags + ["--num-workers", str(args.workers)], environ={})
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+    out_lock = threading.Lock()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)  # the launcher describes the cluster itself
+    children: list[Child] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
+        port_file = os.path.join(tmp, "port")
+        result_file = os.path.join(tmp, "result.json")
+        try:
+            server = Child(
+                "ps",
+                [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+                 "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)],
+                out_lock, env,
+            )
+            children.append(server)
+            address = _wait_for_server(server, port_file, args.server_start_timeout)
+            for i in range(args.workers):
+                argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
+                        "--num-workers", str(args.workers), *worker_flags]
+                if i == 0:
+                    argv += ["--result-json", result_file]
+                children.append(Child(f"worker {i}", argv, out_lock, env))
+            failed = _wait_for_workers(children[1:], server)
+        except KeyboardInterrupt:
+            print("ps-launch: interrupted, stopping all processes", file=sys.stderr)
+            for c in reversed(children):
+                c.stop()
+            return 130
+        finally:
+            for c in reversed(children):
+                c.stop()
+        wall_s = time.monotonic() - started
+        if failed:
+            for c in failed:
+                print(f"ps-launch: {c.label} exited with status {c.proc.returncode}", file=sys.stderr)
+            return 1
+        try:
+            with open(result_file) as f:
+                result = json.load(f)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"the chief finished but wrote no metrics ({e})") from None
+    metrics = {
+        "mode": args.mode,
+        "workers": args.workers,
+        "steps": result["steps"],
+        "test_accuracy": result["test_accuracy"],
+        "final_loss": result["final_loss"],
+        "wall_s": wall_s,
+        "examples_per_s": result["examples_per_s"],
+        "train_s": result["train_s"],
+        "test_loss": result["test_loss"],
+        "mean_staleness": result["mean_staleness"],
+        "max_staleness": result["max_staleness"],
+    }
+    print(
+        f"ps-launch: {args.mode} with {args.workers} workers: {metrics['steps']} steps, "
+        f"test accuracy {metrics['test_accuracy']:.4f}, final loss {metrics['final_loss']:.4f}, "
+        f"{metrics['examples_per_s']:.0f} examples/s, wall {wall_s:.1f} s",
+        flush=True,
+    )
+    if args.metrics_json:
+        tmp_path = args.metrics_json + ".tmp"
+        with open(tmp_path, "w") as f:
+            json.dump(metrics, f, indent=2)
+        os.replace(tmp_path, args.metrics_json)
+    return 0
+
+
+def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:
+    from worker.client import PSClient, PSClientError
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(port_file):
+        if server.poll() is not None:
+            raise LaunchError(f"ps-server exited with status {server.proc.returncode} before serving")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"ps-server did not start within {timeout:g} s")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        address = f"127.0.0.1:{int(f.read())}"
+    with PSClient(address) as client:
+        try:
+            client.wait_ready(max(1.0, deadline - time.monotonic()))
+        except PSClientError as e:
+            raise LaunchError(f"ps-server at {address} is not healthy: {e}") from None
+    return address
+
+
+def _wait_for_workers(workers: list[Child], server: Child) -> list[Child]:
+    """Until every worker exited; returns the failed ones (stopping the rest at the first failure)."""
+    while True:
+        codes = [w.poll() for w in workers]
+        failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        if failed:
+            return failed
+        if server.poll() is not None:
+            print(f"ps-launch: ps-server exited with status {server.proc.returncode} while training", file=sys.stderr)
+            return [server]
+        if all(c == 0 for c in codes):
+            return []
+        time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except LaunchError as e:
+        print(f"ps-launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

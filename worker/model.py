@@ -1,0 +1,127 @@
+"""The models, and the one gradient function every runner shares.
+
+    tf_setup(deterministic=True, intra_op_threads=1)   # before anything else in TensorFlow
+    model = build_model("cnn", seed=0)
+    grad_fn = make_grad_fn(model)
+    loss, grads = grad_fn(x, y)          # mean loss over x, gradients of that mean
+
+``cnn`` is the model of TensorFlow's tutorials: Conv2D(32, 3, relu) on 28x28x1,
+Flatten, Dense(10, softmax), sparse categorical cross-entropy. ``mlp`` is a
+larger fully connected model (about 1M parameters) for throughput runs.
+
+Loss scaling: each worker differentiates the *mean* loss over its own shard;
+the server takes the batch-weighted mean of those gradients. That equals
+``tf.nn.compute_average_loss(per_example, global_batch_size=B)`` with summed
+replica gradients, the convention of TensorFlow's MirroredStrategy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+MODELS = ("cnn", "mlp")
+
+
+def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_threads: int = 0):
+    """Configure TensorFlow before first use; returns the tensorflow module.
+
+    With ``deterministic``, oneDNN is switched off (it must be, before TensorFlow
+    is imported, and it changes bits) and op determinism is enabled, so equal
+    inputs give equal bits across processes with the same thread counts.
+    """
+    if deterministic:
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    if intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    if inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
+    return tf
+
+
+def device_name() -> str:
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    return "/GPU:0" if gpus else "/CPU:0"
+
+
+def build_model(name: str = "cnn", seed: int = 0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    if name == "cnn":
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(10, activation="softmax"),
+            ],
+            name="cnn",
+        )
+    elif name == "mlp":
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1024, activation="relu"),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ],
+            name="mlp",
+        )
+    else:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    return model
+
+
+def variable_names(model) -> list[str]:
+    return [v.path for v in model.trainable_variables]
+
+
+def get_weights(model) -> dict[str, np.ndarray]:
+    return {v.path: np.array(v.numpy()) for v in model.trainable_variables}
+
+
+def set_weights(model, values: dict[str, np.ndarray]) -> None:
+    for v in model.trainable_variables:
+        v.assign(values[v.path])
+
+
+def make_grad_fn(model):
+    import keras
+    import tensorflow as tf
+
+    @tf.function(reduce_retracing=True)
+    def grad_fn(x, y):
+        with tf.GradientTape() as tape:
+            probs = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, probs))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return grad_fn
+
+
+def compute_gradients(grad_fn, model, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    loss, grads = grad_fn(x, y)
+    return float(loss), {v.path: np.asarray(g) for v, g in zip(model.trainable_variables, grads)}
+
+
+def evaluate(model, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
+    """(mean loss, accuracy) of the model as it is."""
+    import keras
+
+    losses, correct = [], 0
+    for start in range(0, len(y), batch_size):
+        probs = model(x[start : start + batch_size], training=False)
+        yb = y[start : start + batch_size]
+        losses.append(np.asarray(keras.losses.sparse_categorical_crossentropy(yb, probs)))
+        correct += int(np.sum(np.argmax(np.asarray(probs), axis=1) == yb))
+    return float(np.mean(np.concatenate(losses))), correct / len(y)

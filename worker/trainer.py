@@ -1,0 +1,172 @@
+"""The worker's training loop against a parameter server.
+
+    result = train(WorkerConfig(ps="127.0.0.1:50051", worker_index=0, num_workers=2))
+
+Per step: pull the parameters (and the server's version), compute the mean
+loss and its gradients with ``tf.GradientTape`` on this worker's shard of the
+global batch, push them with the step, the version they were computed from and
+the shard size. In sync mode the push returns when the whole round is applied;
+in async mode as soon as this gradient is.
+
+The chief (worker 0) initializes the server from its freshly built model; the
+others wait for that, pull, and check that their model and optimizer match
+what the server holds. At the end the chief (after the other workers have left,
+in async mode) evaluates the final parameters: test accuracy and loss, and the
+loss on the whole training set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+
+from worker.client import PSClient, PSClientError
+from worker.config import ConfigError, WorkerConfig
+from worker.data import global_batches, load_dataset, shard, steps_per_epoch
+
+log = logging.getLogger("worker")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why."""
+
+
+def train(config: WorkerConfig) -> dict:
+    from worker import model as models
+
+    tf = models.tf_setup(config.deterministic, config.intra_op_threads)
+    device = models.device_name()
+    log.info("worker %d computes on %s (TensorFlow %s)", config.worker_index, device, tf.__version__)
+
+    data = load_dataset(config.dataset)
+    n_train = len(data.y_train)
+    total_steps = config.steps or config.epochs * steps_per_epoch(n_train, config.global_batch_size)
+    epochs_needed = -(-total_steps // steps_per_epoch(n_train, config.global_batch_size))
+
+    with tf.device(device):
+        model = models.build_model(config.model, config.seed)
+    grad_fn = models.make_grad_fn(model)
+    names = models.variable_names(model)
+
+    client = PSClient(config.ps, timeout=max(30.0, config.connect_timeout))
+    try:
+        reg = client.register(
+            config.worker_index, config.num_workers, f"{socket.gethostname()}:{os.getpid()}",
+            timeout=config.connect_timeout,
+        )
+        log.info("registered as worker %d of %d; server mode %s, version %d",
+                 reg.worker_id, reg.num_workers, reg.mode, reg.version)
+        _join(config, client, reg.worker_id, model, models)
+        push_timeout = reg.barrier_timeout + 30.0 if reg.mode == "sync" else 120.0
+
+        t0 = time.monotonic()
+        last_log, examples_since, loss = t0, 0, float("nan")
+        batches = global_batches(n_train, config.global_batch_size, epochs_needed, config.seed)
+        for step, batch in zip(range(total_steps), batches):
+            mine = shard(batch, config.worker_index, config.num_workers)
+            version, values = client.pull(reg.worker_id)
+            models.set_weights(model, values)
+            if len(mine):
+                with tf.device(device):
+                    loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine], data.y_train[mine])
+            else:  # a tiny last batch left this worker nothing: weight 0 in the round
+                loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
+            reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
+            examples_since += len(mine)
+            if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
+                now = time.monotonic()
+                log.info("step %d/%d loss %.4f examples/s %.0f version %d staleness %d",
+                         step + 1, total_steps, loss, examples_since / max(now - last_log, 1e-9),
+                         reply.version, reply.staleness)
+                last_log, examples_since = now, 0
+        train_s = time.monotonic() - t0
+        client.leave(reg.worker_id)
+        log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
+        if not config.is_chief:
+            return {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
+        return _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
+    finally:
+        client.close()
+
+
+def _join(config: WorkerConfig, client: PSClient, worker_id: int, model, models) -> None:
+    """Chief: initialize the server. Others: wait for it and check the spec matches."""
+    if config.is_chief:
+        created = client.initialize(worker_id, models.get_weights(model), config.optimizer_spec())
+        log.info("%s the server's variables (%d tensors)",
+                 "initialized" if created else "found identical state on", len(model.trainable_variables))
+        return
+    _, values = client.wait_initialized(worker_id, config.init_timeout)
+    mine = {v.path: tuple(v.shape) for v in model.trainable_variables}
+    theirs = {n: tuple(a.shape) for n, a in values.items()}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+        raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
+                          "start every worker with the same --model")
+    server_opt = client.status().optimizer
+    wanted = config.optimizer_spec()
+    got = {k: getattr(server_opt, k) for k in wanted}
+    if got != wanted:
+        raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")
+
+
+def _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s) -> dict:
+    if reg.mode == "async":
+        _wait_for_others(config, client)
+    version, values = client.pull(reg.worker_id)
+    models.set_weights(model, values)
+    test_loss, test_acc = models.evaluate(model, data.x_test, data.y_test)
+    train_loss, train_acc = models.evaluate(model, data.x_train, data.y_train)
+    status = client.status()
+    result = {
+        "mode": reg.mode,
+        "workers": reg.num_workers,
+        "steps": total_steps,
+        "version": version,
+        "test_accuracy": test_acc,
+        "test_loss": test_loss,
+        "final_loss": train_loss,
+        "train_accuracy": train_acc,
+        "train_s": train_s,
+        "examples": int(status.examples_applied),
+        "examples_per_s": status.examples_applied / train_s if train_s > 0 else 0.0,
+        "mean_staleness": status.mean_staleness,
+        "max_staleness": int(status.max_staleness),
+    }
+    log.info("final: test accuracy %.4f, test loss %.4f, training loss %.4f at version %d",
+             test_acc, test_loss, train_loss, version)
+    print(f"test_accuracy={test_acc:.4f}", flush=True)
+    if config.result_json:
+        _write_json(config.result_json, result)
+    if config.save_weights:
+        np.savez(config.save_weights, **{k.replace("/", "__"): v for k, v in values.items()})
+    return result
+
+
+def _wait_for_others(config: WorkerConfig, client: PSClient) -> None:
+    deadline = time.monotonic() + config.final_wait
+    while True:
+        status = client.status()
+        running = [w.worker_id for w in status.workers if not w.left]
+        registered = {w.worker_id for w in status.workers}
+        never = [i for i in range(status.num_workers) if i not in registered]
+        if not running and not never:
+            return
+        if time.monotonic() > deadline:
+            raise TrainingError(f"workers {running + never} did not finish within --final-wait {config.final_wait:g} s")
+        time.sleep(0.2)
+
+
+def _write_json(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(tmp, path)
+
+
+__all__ = ["train", "TrainingError", "PSClientError"]
