@@ -167,6 +167,23 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
 
 
+def training_flags(args: argparse.Namespace) -> list[str]:
+    """The training flags the user gave, as argv for every worker."""
+    out: list[str] = []
+    probe = argparse.ArgumentParser(add_help=False)
+    add_training_flags(probe)
+    for action in probe._actions:
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def _cast(name: str, raw: str, kind: type):
     if kind is bool:
         if raw.lower() in ("1", "true", "yes", "on"):

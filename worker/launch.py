@@ -26,7 +26,7 @@ import threading
 import time
 
 from ps_server.core.parameter_server import MODES
-from worker.config import ConfigError, WorkerConfig, add_training_flags
+from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
 _PR_SET_PDEATHSIG = 1
 
@@ -96,23 +96,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
     add_training_flags(p)
     return p
-
-
-def training_flags(args: argparse.Namespace) -> list[str]:
-    """The training flags the user gave, as argv for every worker."""
-    out: list[str] = []
-    probe = argparse.ArgumentParser(add_help=False)
-    add_training_flags(probe)
-    for action in probe._actions:
-        value = getattr(args, action.dest, None)
-        if value is None:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,6 +95,16 @@ def set_weights(model, values: dict[str, np.ndarray]) -> None:
         v.assign(values[v.path])
 
 
+def save_npz(path: str, values: dict[str, np.ndarray]) -> None:
+    """Variables by path to an .npz ('/' in names is stored as '__')."""
+    np.savez(path, **{k.replace("/", "__"): v for k, v in values.items()})
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return {k.replace("__", "/"): f[k] for k in f.files}
+
+
 def make_grad_fn(model):
     import keras
     import tensorflow as tf

@@ -23,6 +23,7 @@ import os
 import socket
 import time
 
+import grpc
 import numpy as np
 
 from worker.client import PSClient, PSClientError
@@ -55,10 +56,16 @@ def train(config: WorkerConfig) -> dict:
 
     client = PSClient(config.ps, timeout=max(30.0, config.connect_timeout))
     try:
-        reg = client.register(
-            config.worker_index, config.num_workers, f"{socket.gethostname()}:{os.getpid()}",
-            timeout=config.connect_timeout,
-        )
+        try:
+            reg = client.register(
+                config.worker_index, config.num_workers, f"{socket.gethostname()}:{os.getpid()}",
+                timeout=config.connect_timeout,
+            )
+        except PSClientError as e:
+            if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise TrainingError(f"cannot reach the parameter server at {config.ps} within "
+                                    f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?") from None
+            raise
         log.info("registered as worker %d of %d; server mode %s, version %d",
                  reg.worker_id, reg.num_workers, reg.mode, reg.version)
         _join(config, client, reg.worker_id, model, models)
@@ -144,7 +151,7 @@ def _finish_as_chief(config, client, reg, model, models, data, total_steps, trai
     if config.result_json:
         _write_json(config.result_json, result)
     if config.save_weights:
-        np.savez(config.save_weights, **{k.replace("/", "__"): v for k, v in values.items()})
+        models.save_npz(config.save_weights, values)
     return result
 
 

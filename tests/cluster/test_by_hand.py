@@ -1,0 +1,108 @@
+"""The three processes started by hand, with the installed console scripts.
+
+Issue 2: "ps-server plus two ps-worker started by hand train as well", and bad
+flags, an unreachable server or a mismatched configuration give a one-line
+error and a non-zero exit, not a traceback.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cluster.conftest import read_log, wait_exit
+
+pytestmark = pytest.mark.cluster
+
+BIN = os.path.dirname(sys.executable)
+
+
+def script(name: str) -> str:
+    path = os.path.join(BIN, name)
+    return path if os.path.exists(path) else shutil.which(name)
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if ": error:" in line]
+
+
+def test_server_and_two_workers_started_by_hand_train_digits_to_90_percent(procs, tmp_path):
+    port_file = tmp_path / "port"
+    server = procs.start([script("ps-server"), "--mode", "async", "--num-workers", "2", "--port", "0",
+                          "--port-file", str(port_file)], "ps")
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert server.poll() is None and time.monotonic() < deadline, read_log(server)
+        time.sleep(0.05)
+    address = f"127.0.0.1:{int(port_file.read_text())}"
+    result = tmp_path / "result.json"
+    common = ["--ps", address, "--num-workers", "2", "--dataset", "digits", "--epochs", "3"]
+    w0 = procs.start([script("ps-worker"), *common, "--worker-index", "0", "--result-json", str(result)], "worker0")
+    w1 = procs.start([script("ps-worker"), *common, "--worker-index", "1"], "worker1")
+    assert wait_exit(w0, 600) == 0, read_log(w0)[-3000:]
+    assert wait_exit(w1, 600) == 0, read_log(w1)[-3000:]
+    metrics = json.loads(result.read_text())
+    assert metrics["mode"] == "async" and metrics["test_accuracy"] >= 0.90, metrics
+    assert "test_accuracy=" in read_log(w0)
+    server.send_signal(15)
+    assert wait_exit(server, 30) == 0, read_log(server)
+
+
+def test_worker_with_unreachable_server_fails_with_one_line_error():
+    run = subprocess.run([script("ps-worker"), "--ps", "127.0.0.1:1", "--connect-timeout", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    assert _error_lines(run.stderr) == [
+        "ps-worker: error: worker 0: cannot reach the parameter server at 127.0.0.1:1 within "
+        "--connect-timeout 1 s: is ps-server running there?"
+    ]
+
+
+def test_worker_with_mismatched_worker_count_fails_with_one_line_error(procs):
+    server, address = procs.server("sync", num_workers=2)
+    run = subprocess.run([script("ps-worker"), "--ps", address, "--num-workers", "3", "--worker-index", "0",
+                          "--dataset", "synthetic"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    errors = _error_lines(run.stderr)
+    assert len(errors) == 1 and "--num-workers 3" in errors[0] and "server runs with 2" in errors[0], run.stderr
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["ps-server", "--mode", "bulk"], "invalid choice"),
+    (["ps-server", "--num-workers", "0"], "--num-workers must be >= 1"),
+    (["ps-server", "--port", "70000"], "--port must be in 0..65535"),
+    (["ps-worker", "--ps", "nohost"], "--ps must be HOST:PORT"),
+    (["ps-worker", "--worker-index", "2", "--num-workers", "2"], "--worker-index must be in 0..1"),
+    (["ps-worker", "--global-batch-size", "0"], "--global-batch-size"),
+    (["ps-launch", "--workers", "0"], "--workers must be >= 1"),
+])
+def test_bad_flags_give_one_line_error_and_exit_2(argv, expected):
+    run = subprocess.run([script(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    errors = _error_lines(run.stderr)
+    assert len(errors) == 1 and expected in errors[0], run.stderr
+
+
+def test_server_port_in_use_is_a_one_line_error(procs):
+    server, address = procs.server("sync", 1)
+    port = address.rsplit(":", 1)[1]
+    run = subprocess.run([script("ps-server"), "--port", port], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert len(_error_lines(run.stderr)) == 1 and port in run.stderr
+
+
+def test_tf_config_names_the_server_and_the_worker_index(procs, tmp_path):
+    server, address = procs.server("sync", num_workers=1)
+    tf_config = json.dumps({"cluster": {"ps": [address], "worker": ["127.0.0.1:1"]},
+                            "task": {"type": "worker", "index": 0}})
+    result = tmp_path / "r.json"
+    run = subprocess.run([script("ps-worker"), "--dataset", "synthetic", "--steps", "3", "--result-json", str(result)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TF_CONFIG": tf_config})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(result.read_text())["steps"] == 3
