@@ -6,10 +6,14 @@
 Bytes are little-endian whatever the host. ``decode`` is zero-copy: the array is
 a read-only view of the message's bytes (``np.frombuffer``). It raises
 ``CodecError`` (a ``ValueError``) naming the tensor when the dtype is unknown, a
-dimension is negative, or the byte length does not match dtype and shape.
+dimension is negative, the byte length does not match dtype and shape, or the
+shape is too big for NumPy; ``encode`` raises it, naming the tensor, for a dtype
+that cannot travel.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -48,7 +52,10 @@ def numpy_dtype(code: int) -> np.dtype:
 
 def encode(name: str, array: np.ndarray) -> pb.Tensor:
     array = np.asarray(array)
-    code = dtype_code(array.dtype)
+    try:
+        code = dtype_code(array.dtype)
+    except CodecError as e:
+        raise CodecError(f"tensor {name!r}: {e}") from None
     little = array.astype(_TO_NUMPY[code], copy=False)
     # grpcio only takes bytes for a bytes field: this is the one unavoidable copy.
     return pb.Tensor(name=name, dtype=code, shape=array.shape, data=little.tobytes())
@@ -62,13 +69,19 @@ def decode(msg: pb.Tensor) -> tuple[str, np.ndarray]:
     shape = tuple(int(d) for d in msg.shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor {msg.name!r}: negative dimension in shape {list(shape)}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints: np.prod in int64 wraps around, and a shape such as
+    # [2**32, 2**32] would then "match" zero bytes.
+    expected = math.prod(shape) * dtype.itemsize
     if len(msg.data) != expected:
         raise CodecError(
             f"tensor {msg.name!r}: {len(msg.data)} bytes do not match "
             f"shape {list(shape)} of {dtype.newbyteorder('=')} ({expected} bytes)"
         )
-    return msg.name, np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    try:
+        array = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    except ValueError as e:  # e.g. [0, 2**62]: zero bytes, yet a shape too big for NumPy
+        raise CodecError(f"tensor {msg.name!r}: shape {list(shape)} cannot be represented: {e}") from None
+    return msg.name, array
 
 
 def encode_many(arrays: dict[str, np.ndarray]) -> list[pb.Tensor]:

@@ -13,6 +13,7 @@ import argparse
 import filecmp
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -26,21 +27,26 @@ def proto_files() -> list[pathlib.Path]:
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Run protoc (from grpcio-tools) on every .proto into out_dir/protos/."""
-    from grpc_tools import protoc  # only needed by developers, not at run time
+    """Run protoc (from grpcio-tools) on every .proto into out_dir/protos/.
 
+    protoc runs in its own interpreter: in-process it shares protobuf's native
+    symbols with whatever else is loaded (TensorFlow, say) and can crash.
+    """
     (out_dir / "protos").mkdir(parents=True, exist_ok=True)
     rels = [str(p.relative_to(ROOT)) for p in proto_files()]
     args = [
-        "protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         *rels,
     ]
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed on {rels}")
+    run = subprocess.run(args, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"protoc failed on {rels}: {run.stderr.strip()}")
     return sorted(
         p for p in (out_dir / "protos").iterdir() if p.name.endswith(GENERATED_SUFFIXES)
     )

@@ -11,6 +11,12 @@ reference, so an array handed to a reader is never modified afterwards (arrays
 are marked read-only to enforce it). That is what lets pulls serialize outside
 any lock.
 
+Arrays may arrive in either byte order (the codec decodes little-endian wire
+data, which is not native on a big-endian host); the store keeps native ones
+and converts gradients before the optimizer sees them, so a check that
+accepts a gradient is never contradicted by the optimizer after some
+variables were already updated.
+
 Locks, in the order they may be taken: a variable's ``lock`` (held for its
 read-modify-write), then ``_publish`` (held only to swap references and read or
 bump the version). No lock here is held across network I/O.
@@ -40,6 +46,11 @@ class _Variable:
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+def _native(a: np.ndarray, copy: bool = False) -> np.ndarray:
+    """``a`` in native byte order; without ``copy``, ``a`` itself when it already is."""
+    return a.astype(a.dtype.newbyteorder("="), copy=copy)
 
 
 class VariableStore:
@@ -88,9 +99,9 @@ class VariableStore:
                 self._check_same(variables, spec)
                 return False
             optimizer = make_optimizer(spec)
+            values = {name: _frozen(_native(value, copy=True)) for name, value in variables.items()}
             self._vars = {
-                name: _Variable(name, _frozen(np.array(value, copy=True)), optimizer.init_state(value))
-                for name, value in variables.items()
+                name: _Variable(name, value, optimizer.init_state(value)) for name, value in values.items()
             }
             self._optimizer = optimizer
             return True
@@ -160,7 +171,7 @@ class VariableStore:
         new = {}
         for name, g in grads.items():
             var = self._vars[name]
-            new[name] = self._optimizer.apply(var.value, g, var.state)
+            new[name] = self._optimizer.apply(var.value, _native(g), var.state)
         with self._publish:
             for name, (value, state) in new.items():
                 var = self._vars[name]
@@ -171,6 +182,7 @@ class VariableStore:
     def apply_one(self, name: str, grad: np.ndarray) -> None:
         """One optimizer step on one variable under its own lock (async mode)."""
         var = self._vars[name]
+        grad = _native(grad)
         with var.lock:
             value, state = self._optimizer.apply(var.value, grad, var.state)
             var.value, var.state = _frozen(value), state

@@ -29,6 +29,7 @@ waiting. Nothing here does network I/O.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Callable
@@ -92,7 +93,7 @@ class SyncMode:
                 self._round_ended.wait(remaining)
             outcome = self._outcomes[generation]
         if isinstance(outcome, PSError):
-            raise outcome
+            raise copy.copy(outcome)  # each waiter gets its own instance (and traceback)
         return outcome
 
     def _complete(self, generation: int) -> PushResult:

@@ -1,0 +1,134 @@
+"""Tests of ps_server.core.membership: who is in the cluster.
+
+    cd /work/main && python -m pytest tests/core/test_membership.py -q
+
+A fake clock makes ``registered_at`` and ``last_seen`` exact.
+"""
+
+import pytest
+
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, UnknownWorker
+from ps_server.core.membership import Membership
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def members(clock):
+    return Membership(num_workers=3, clock=clock)
+
+
+def test_register_records_the_worker_with_the_time(members, clock):
+    rec = members.register(worker_index=1, claimed_num_workers=3, name="host:77")
+    assert (rec.worker_id, rec.name, rec.registered_at, rec.last_seen) == (1, "host:77", 100.0, 100.0)
+    assert (rec.last_step, rec.pushes, rec.left) == (-1, 0, False)
+    assert [r.worker_id for r in members.snapshot()] == [1]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_every_index_from_zero_to_num_workers_minus_one_may_register(members, index):
+    assert members.register(index, 3).worker_id == index
+
+
+@pytest.mark.parametrize("index", [-1, 3, 10])
+def test_index_outside_the_cluster_is_refused_and_not_recorded(members, index):
+    with pytest.raises(InvalidArgument, match=rf"worker index {index} is outside 0\.\.2 \(the server runs with 3 workers\)"):
+        members.register(index, 3)
+    assert members.snapshot() == []
+
+
+def test_num_workers_mismatch_raises_config_mismatch_naming_both_numbers(members):
+    with pytest.raises(ConfigMismatch) as e:
+        members.register(worker_index=1, claimed_num_workers=4)
+    assert str(e.value) == "worker 1 was started with --num-workers 4 but the server runs with 3"
+    assert members.snapshot() == []
+
+
+def test_a_worker_that_does_not_say_its_num_workers_is_accepted(members):
+    assert members.register(worker_index=2, claimed_num_workers=0).worker_id == 2
+
+
+def test_registering_again_replaces_the_record(members, clock):
+    members.register(0, 3, name="old:1")
+    members.record_push(0, step=5)
+    clock.now = 200.0
+    rec = members.register(0, 3, name="new:2")
+    assert (rec.name, rec.registered_at, rec.last_step, rec.pushes) == ("new:2", 200.0, -1, 0)
+    [only] = members.snapshot()
+    assert (only.worker_id, only.name, only.pushes) == (0, "new:2", 0)
+
+
+def test_require_of_an_unregistered_worker_raises_unknown_worker(members):
+    members.register(0, 3)
+    with pytest.raises(UnknownWorker, match="worker 2 is not registered; call Register first"):
+        members.require(2)
+
+
+def test_require_of_a_registered_worker_updates_last_seen(members, clock):
+    members.register(0, 3)
+    clock.now = 150.0
+    members.require(0)
+    assert members.snapshot()[0].last_seen == 150.0
+
+
+def test_record_push_counts_pushes_and_keeps_the_highest_step(members, clock):
+    members.register(1, 3)
+    clock.now = 120.0
+    members.record_push(1, 4)
+    members.record_push(1, 2)
+    rec = members.snapshot()[0]
+    assert (rec.pushes, rec.last_step, rec.last_seen) == (2, 4, 120.0)
+
+
+def test_record_push_of_an_unregistered_worker_is_ignored(members):
+    members.record_push(2, 0)
+    assert members.snapshot() == []
+
+
+def test_leave_marks_the_worker_and_requires_registration(members):
+    members.register(1, 3)
+    members.leave(1)
+    assert members.snapshot()[0].left is True
+    with pytest.raises(UnknownWorker):
+        members.leave(2)
+
+
+def test_describe_names_workers_with_their_address_when_known(members):
+    members.register(1, 3, name="host:77")
+    members.register(2, 3)
+    assert members.describe([0, 1, 2]) == "0, 1 (host:77), 2"
+    assert members.describe(w for w in (1,)) == "1 (host:77)"
+    assert members.describe([]) == ""
+    assert members.name_of(1) == "host:77" and members.name_of(0) == ""
+
+
+def test_snapshot_is_sorted_by_worker_id_and_is_a_copy(members):
+    for w in (2, 0, 1):
+        members.register(w, 3)
+    snap = members.snapshot()
+    assert [r.worker_id for r in snap] == [0, 1, 2]
+    snap[0].pushes = 99
+    assert members.snapshot()[0].pushes == 0
+
+
+def test_returned_registration_is_a_copy(members):
+    rec = members.register(0, 3)
+    rec.pushes = 99
+    assert members.snapshot()[0].pushes == 0
+
+
+@pytest.mark.parametrize("n", [0, -2])
+def test_a_cluster_needs_at_least_one_worker(n):
+    with pytest.raises(InvalidArgument, match=f"num_workers must be >= 1, got {n}"):
+        Membership(num_workers=n)

@@ -1,0 +1,271 @@
+"""Tests of ps_server.core.store: initialization, reads, gradient checks, updates.
+
+    cd /work/main && python -m pytest tests/core/test_store.py -q
+
+Every refusal is checked twice: the exception and its message, then that the
+stored values (byte for byte), the version and the optimizer are unchanged.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
+from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.store import VariableStore
+
+SGD = OptimizerSpec("sgd", learning_rate=0.5)
+
+
+def initial():
+    return {
+        "w": np.array([[1, 2, 3], [4, 5, 6]], np.float32),
+        "b": np.array([0.5, -0.5], np.float64),
+    }
+
+
+def grads(**over):
+    g = {"w": np.ones((2, 3), np.float32), "b": np.array([2.0, 4.0])}
+    g.update(over)
+    return g
+
+
+def snapshot(store):
+    """Version, optimizer and the stored bytes of every variable."""
+    version, values = store.read()
+    return version, store.optimizer_spec, {n: (a.dtype.str, a.shape, a.tobytes()) for n, a in values.items()}
+
+
+@pytest.fixture
+def store():
+    s = VariableStore()
+    assert s.initialize(initial(), SGD) is True
+    return s
+
+
+# -- initialize -----------------------------------------------------------------
+
+
+def test_initialize_stores_the_values_at_version_zero(store):
+    version, values = store.read()
+    assert version == 0
+    assert store.initialized
+    assert store.optimizer_spec == SGD
+    for name, value in initial().items():
+        np.testing.assert_array_equal(values[name], value)
+        assert values[name].dtype == value.dtype
+    assert store.specs() == {"w": (np.dtype(np.float32), (2, 3)), "b": (np.dtype(np.float64), (2,))}
+    assert store.num_parameters() == 8
+
+
+def test_initialize_copies_the_callers_arrays(store):
+    mine = initial()
+    s = VariableStore()
+    s.initialize(mine, SGD)
+    mine["w"][0, 0] = 99
+    assert s.read()[1]["w"][0, 0] == 1
+
+
+def test_identical_initialize_returns_false_and_keeps_trained_values(store):
+    store.apply_all(grads())
+    trained = snapshot(store)
+    assert store.initialize(initial(), OptimizerSpec("sgd", learning_rate=0.5)) is False
+    assert snapshot(store) == trained
+    np.testing.assert_array_equal(store.read()[1]["w"], initial()["w"] - 0.5)
+
+
+def test_identical_initialize_ignores_the_values_and_the_name_order(store):
+    other = {"b": np.zeros(2), "w": np.full((2, 3), 7, np.float32)}
+    before = snapshot(store)
+    assert store.initialize(other, SGD) is False
+    assert snapshot(store) == before
+
+
+@pytest.mark.parametrize(
+    "variables, spec, message",
+    [
+        ({"w": np.zeros((3, 2), np.float32), "b": np.zeros(2)}, SGD,
+         "'w' is stored as float32[2, 3], new spec says float32[3, 2]"),
+        ({"w": np.zeros((2, 3), np.float64), "b": np.zeros(2)}, SGD,
+         "'w' is stored as float32[2, 3], new spec says float64[2, 3]"),
+        ({"w": np.zeros((2, 3), np.float32)}, SGD,
+         "'b' is stored but not in the new spec"),
+        ({"w": np.zeros((2, 3), np.float32), "b": np.zeros(2), "c": np.zeros(1)}, SGD,
+         "'c' is new (not stored)"),
+        (initial(), OptimizerSpec("sgd", learning_rate=0.25),
+         "optimizer is stored as {'name': 'sgd', 'learning_rate': 0.5"),
+        (initial(), OptimizerSpec("adam", learning_rate=0.5),
+         "new spec says {'name': 'adam'"),
+        (initial(), OptimizerSpec("sgd", learning_rate=0.5, momentum=0.9),
+         "'momentum': 0.9"),
+    ],
+    ids=["shape", "dtype", "name_missing", "name_added", "learning_rate", "optimizer_name", "momentum"],
+)
+def test_conflicting_initialize_raises_spec_conflict_and_changes_nothing(store, variables, spec, message):
+    store.apply_all(grads())
+    before = snapshot(store)
+    with pytest.raises(SpecConflict, match=re.escape(message)):
+        store.initialize(variables, spec)
+    assert snapshot(store) == before
+
+
+def test_spec_conflict_names_every_difference_up_to_five():
+    s = VariableStore()
+    s.initialize({f"v{i}": np.zeros(1, np.float32) for i in range(8)}, SGD)
+    with pytest.raises(SpecConflict) as e:
+        s.initialize({f"v{i}": np.zeros(2, np.float32) for i in range(8)}, SGD)
+    assert str(e.value).count("new spec says float32[2]") == 5
+    assert str(e.value).endswith("(and 3 more)")
+
+
+@pytest.mark.parametrize(
+    "variables, spec, message",
+    [
+        ({}, SGD, "initialize needs at least one variable"),
+        ({"": np.zeros(1, np.float32)}, SGD, "variable names must be non-empty"),
+        ({"i": np.zeros(2, np.int32)}, SGD, "variable 'i' has dtype int32; only floating variables train"),
+        ({"w": np.zeros(2, np.float32)}, OptimizerSpec("sgd", learning_rate=-1.0), "learning_rate must be > 0"),
+        ({"w": np.zeros(2, np.float32)}, OptimizerSpec("rmsprop"), "optimizer name must be one of"),
+    ],
+    ids=["empty", "empty_name", "int_dtype", "bad_learning_rate", "unknown_optimizer"],
+)
+def test_invalid_initialize_raises_invalid_argument_and_stores_nothing(variables, spec, message):
+    s = VariableStore()
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        s.initialize(variables, spec)
+    assert not s.initialized
+    assert s.specs() == {}
+    with pytest.raises(NotInitialized):
+        s.read()
+
+
+def test_variables_in_non_native_byte_order_are_stored_in_native_order():
+    # The codec decodes little-endian wire data; on a big-endian host that is
+    # a non-native array, which must train like any other.
+    swapped = np.array([1.0, 2.0], dtype=np.dtype(np.float32).newbyteorder("S"))
+    s = VariableStore()
+    assert s.initialize({"w": swapped}, SGD) is True
+    value = s.read()[1]["w"]
+    assert value.dtype == np.float32 and value.dtype.isnative
+    np.testing.assert_array_equal(value, [1.0, 2.0])
+    assert s.initialize({"w": swapped}, SGD) is False
+
+
+# -- reads ------------------------------------------------------------------------
+
+
+def test_read_before_initialize_raises_not_initialized():
+    with pytest.raises(NotInitialized, match="variables are not initialized yet"):
+        VariableStore().read()
+    with pytest.raises(NotInitialized):
+        VariableStore().check_gradients({"w": np.zeros(1, np.float32)})
+
+
+def test_read_returns_read_only_arrays(store):
+    _, values = store.read()
+    for a in values.values():
+        assert not a.flags.writeable
+        with pytest.raises(ValueError):
+            a[...] = 0
+
+
+def test_arrays_handed_to_a_reader_never_change_afterwards(store):
+    _, old = store.read()
+    old_bytes = {n: a.tobytes() for n, a in old.items()}
+    store.apply_all(grads())
+    store.apply_one("w", np.ones((2, 3), np.float32))
+    assert {n: a.tobytes() for n, a in old.items()} == old_bytes
+    _, new = store.read()
+    assert new["w"] is not old["w"]
+    assert not new["w"].flags.writeable
+
+
+def test_read_of_some_names_returns_only_those(store):
+    version, values = store.read(["b"])
+    assert version == 0 and list(values) == ["b"]
+
+
+def test_read_of_unknown_names_raises_not_found_naming_them(store):
+    with pytest.raises(NotFound, match=r"unknown variable\(s\): 'x', 'y'"):
+        store.read(["w", "x", "y"])
+
+
+# -- check_gradients --------------------------------------------------------------
+
+NAN = np.array([1.0, np.nan])
+INF = np.array([np.inf, 1.0])
+NEG_INF_32 = np.full((2, 3), -np.inf, np.float32)
+
+
+@pytest.mark.parametrize(
+    "gradients, error, message",
+    [
+        (grads(x=np.zeros(1)), NotFound, "gradient for unknown variable(s): 'x'"),
+        ({"w": np.ones((2, 3), np.float32)}, InvalidArgument, "missing gradient(s) for: 'b'"),
+        ({}, InvalidArgument, "missing gradient(s) for: 'w', 'b'"),
+        (grads(w=np.ones((3, 2), np.float32)), InvalidArgument, "gradient for 'w' has shape [3, 2], variable has [2, 3]"),
+        (grads(w=np.ones(6, np.float32)), InvalidArgument, "gradient for 'w' has shape [6], variable has [2, 3]"),
+        (grads(w=np.ones((2, 3), np.float64)), InvalidArgument, "gradient for 'w' has dtype float64, variable has float32"),
+        (grads(b=np.ones(2, np.float32)), InvalidArgument, "gradient for 'b' has dtype float32, variable has float64"),
+        (grads(w=np.ones((2, 3), np.int32)), InvalidArgument, "gradient for 'w' has dtype int32, variable has float32"),
+        (grads(b=NAN), InvalidArgument, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
+        (grads(b=INF), InvalidArgument, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
+        (grads(w=NEG_INF_32), InvalidArgument, "gradient for 'w' contains NaN or Inf; rejected, nothing applied"),
+    ],
+    ids=["unknown", "missing", "all_missing", "shape", "shape_flat", "dtype_wider", "dtype_narrower",
+         "dtype_int", "nan", "inf", "neg_inf"],
+)
+def test_check_gradients_rejects_with_a_precise_message_and_changes_nothing(store, gradients, error, message):
+    store.apply_all(grads())
+    before = snapshot(store)
+    with pytest.raises(error, match=re.escape(message)):
+        store.check_gradients(gradients)
+    assert snapshot(store) == before
+
+
+def test_check_gradients_accepts_one_finite_array_per_variable(store):
+    store.check_gradients(grads())
+    store.check_gradients(grads(w=np.float32(-1e38) * np.ones((2, 3), np.float32)))
+
+
+# -- updates ------------------------------------------------------------------------
+
+
+def test_apply_all_is_one_sgd_step_on_every_variable_and_bumps_the_version(store):
+    assert store.apply_all(grads()) == 1
+    version, values = store.read()
+    assert version == 1
+    np.testing.assert_array_equal(values["w"], initial()["w"] - 0.5)
+    np.testing.assert_array_equal(values["b"], [0.5 - 1.0, -0.5 - 2.0])
+    assert values["w"].dtype == np.float32 and values["b"].dtype == np.float64
+    assert store.apply_all(grads()) == 2
+
+
+def test_apply_one_updates_one_variable_and_leaves_the_version(store):
+    store.apply_one("b", np.array([1.0, 1.0]))
+    version, values = store.read()
+    assert version == 0
+    np.testing.assert_array_equal(values["b"], [0.0, -1.0])
+    np.testing.assert_array_equal(values["w"], initial()["w"])
+    assert store.bump_version() == 1 and store.version == 1
+
+
+def test_gradients_in_non_native_byte_order_are_applied_like_native_ones(store):
+    swapped = np.dtype(np.float64).newbyteorder("S")
+    store.check_gradients(grads(b=np.array([2.0, 4.0], swapped)))
+    store.apply_all(grads(b=np.array([2.0, 4.0], swapped)))
+    store.apply_one("b", np.array([2.0, 4.0], swapped))
+    b = store.read()[1]["b"]
+    assert b.dtype.isnative
+    np.testing.assert_array_equal(b, [0.5 - 2.0, -0.5 - 4.0])
+
+
+def test_optimizer_state_is_per_variable_and_survives_reads():
+    s = VariableStore()
+    s.initialize({"w": np.zeros(2, np.float32)}, OptimizerSpec("sgd", learning_rate=0.5, momentum=0.5))
+    g = np.ones(2, np.float32)
+    s.apply_all({"w": g})  # m = -0.5, w = -0.5
+    s.read()
+    s.apply_all({"w": g})  # m = -0.25 - 0.5 = -0.75, w = -1.25
+    np.testing.assert_array_equal(s.read()[1]["w"], [-1.25, -1.25])

@@ -1,0 +1,565 @@
+"""Tests of ps_server.core.sync_mode: the barrier, with real threads.
+
+    cd /work/main && python -m pytest tests/core/test_sync_mode.py -q
+
+Each test checks one guarantee of the module docstring. Expected parameters are
+computed by hand (numbers exact in binary) or, for many rounds, by a plain
+sequential loop. Every wait is bounded: threads are joined with a timeout and
+then asserted dead; polls give up after a few seconds.
+"""
+
+import re
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ps_server.core.errors import (
+    BarrierTimeout,
+    DuplicatePush,
+    FutureRound,
+    InvalidArgument,
+    NotInitialized,
+    StaleRound,
+    UnknownWorker,
+)
+from ps_server.core.membership import Membership
+from ps_server.core.modes import Push
+from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.parameter_server import ParameterServer
+from ps_server.core.store import VariableStore
+from ps_server.core.sync_mode import SyncMode
+
+JOIN = 20.0  # a thread still running after this long is hung
+
+
+class Worker(threading.Thread):
+    """Runs fn in a thread and keeps its result or its exception."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            self.error = e
+
+
+def start(fn):
+    w = Worker(fn)
+    w.start()
+    return w
+
+
+def finish(*workers, timeout=JOIN):
+    for w in workers:
+        w.join(timeout)
+        assert not w.is_alive(), "a push never returned"
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+class FakeClock:
+    """The barrier's clock; it moves only when a test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class HeldAfterWakeup(threading.Condition):
+    """A condition whose chosen threads, once woken, wait at a gate before retaking the lock.
+
+    It opens, on purpose, the window in which a fast worker starts the next
+    round (or a new generation of the same round) before the waiters of the
+    last one have looked at the book again.
+    """
+
+    def __init__(self, lock):
+        super().__init__(lock)
+        self.gate = threading.Event()
+        self.held: set[int] = set()
+        self.at_gate = threading.Semaphore(0)
+        self._plain_acquire_restore = self._acquire_restore
+        self._acquire_restore = self._held_acquire_restore
+
+    def hold_me(self):
+        self.held.add(threading.get_ident())
+
+    def _held_acquire_restore(self, state):
+        if threading.get_ident() in self.held:
+            self.at_gate.release()
+            self.gate.wait(JOIN)
+        self._plain_acquire_restore(state)
+
+
+def f32(*xs):
+    return np.array(xs, dtype=np.float32)
+
+
+W0 = {"w": f32(1, 2, 3, 4), "b": np.array([10.0])}
+LR = 0.5
+# Round of three workers, batch sizes 1, 1, 2 (weights 1/4, 1/4, 1/2):
+# mean w = [1+0+1, 0+1+1, 2+2-1, -1+1+0] = [2, 2, 3, 0], mean b = 1 + 2 - 1 = 2.
+SIZES = [1, 1, 2]
+GRADS = [
+    {"w": f32(4, 0, 8, -4), "b": np.array([4.0])},
+    {"w": f32(0, 4, 8, 4), "b": np.array([8.0])},
+    {"w": f32(2, 2, -2, 0), "b": np.array([-2.0])},
+]
+AFTER_ONE_ROUND = {"w": f32(1 - 1, 2 - 1, 3 - 1.5, 4 - 0), "b": np.array([10.0 - 1.0])}
+
+
+def make(num_workers=3, barrier_timeout=JOIN, clock=time.monotonic, variables=W0, lr=LR):
+    store = VariableStore()
+    store.initialize(variables, OptimizerSpec("sgd", learning_rate=lr))
+    members = Membership(num_workers)
+    return SyncMode(store, members, num_workers, barrier_timeout, clock=clock), store
+
+
+def push(mode, worker, step=0, grads=None, size=None, base=None):
+    return mode.push(Push(
+        worker_id=worker,
+        step=step,
+        base_version=step if base is None else base,
+        batch_size=SIZES[worker] if size is None else size,
+        gradients=GRADS[worker] if grads is None else grads,
+    ))
+
+
+def snapshot(store):
+    version, values = store.read()
+    return version, {n: a.tobytes() for n, a in values.items()}
+
+
+def assert_values(store, expected):
+    _, values = store.read()
+    assert set(values) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(values[name], value, err_msg=name)
+
+
+@pytest.fixture
+def tight_switching():
+    """Switch threads every few microseconds so that interleavings actually happen."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+# -- a complete round ----------------------------------------------------------------
+
+
+def test_round_applies_w_minus_lr_times_batch_weighted_mean_and_all_get_the_new_version():
+    ps = ParameterServer(mode="sync", num_workers=3, barrier_timeout=JOIN)
+    for w in range(3):
+        ps.register(w, 3)
+    ps.initialize(0, W0, OptimizerSpec("sgd", learning_rate=LR))
+    workers = [
+        start(lambda w=w: ps.push(Push(w, 0, 0, SIZES[w], GRADS[w], loss=float(w))))
+        for w in range(3)
+    ]
+    finish(*workers)
+    assert [w.error for w in workers] == [None] * 3
+    assert {(w.result.version, w.result.staleness, w.result.contributors) for w in workers} == {(1, 0, 3)}
+    assert_values(ps.store, AFTER_ONE_ROUND)
+    status = ps.status()
+    assert (status.version, status.round, status.waiting_for) == (1, 1, ())
+    assert (status.pushes_applied, status.examples_applied) == (3, 4)
+    assert status.last_loss == 0.25 * 0 + 0.25 * 1 + 0.5 * 2
+    assert [r.pushes for r in status.workers] == [1, 1, 1]
+
+
+def test_round_waits_until_every_worker_has_pushed():
+    mode, store = make()
+    t0, t1 = start(lambda: push(mode, 0)), start(lambda: push(mode, 1))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    t0.join(0.1)
+    assert t0.is_alive() and t1.is_alive()
+    assert store.version == 0
+    assert_values(store, W0)
+    assert push(mode, 2).version == 1
+    finish(t0, t1)
+    assert t0.result.version == t1.result.version == 1
+
+
+def test_no_push_of_a_round_is_answered_before_the_round_is_applied():
+    mode, store = make()
+    applied = threading.Event()
+    apply_all = store.apply_all
+
+    def slow_apply_all(grads):
+        time.sleep(0.05)  # widen the window in which an early answer would show
+        version = apply_all(grads)
+        applied.set()
+        return version
+
+    store.apply_all = slow_apply_all
+
+    def push_and_look(w):
+        result = push(mode, w)
+        return result, applied.is_set(), snapshot(store)
+
+    workers = [start(lambda w=w: push_and_look(w)) for w in range(3)]
+    finish(*workers)
+    expected = (1, {n: a.tobytes() for n, a in AFTER_ONE_ROUND.items()})
+    for w in workers:
+        assert w.error is None
+        result, was_applied, seen = w.result
+        assert was_applied and result.version == 1
+        assert seen == expected  # the new version and its values are visible on return
+
+
+def test_gradients_are_combined_in_worker_id_order_not_arrival_order():
+    # Products 2**22, 1/4 and -2**22 (weights 1/4, 1/4, 1/2): in float32,
+    # (2**22 + 1/4) - 2**22 = 0 while (-2**22 + 1/4) + 2**22 = 1/4.
+    grads = [{"w": f32(2**24)}, {"w": f32(1)}, {"w": f32(-(2**23))}]
+    mode, store = make(variables={"w": f32(0)}, lr=1.0)
+    t2 = start(lambda: push(mode, 2, grads=grads[2]))
+    wait_until(lambda: mode.status().waiting_for == (0, 1))
+    t1 = start(lambda: push(mode, 1, grads=grads[1]))
+    wait_until(lambda: mode.status().waiting_for == (0,))
+    push(mode, 0, grads=grads[0])
+    finish(t1, t2)
+    assert_values(store, {"w": f32(0)})  # arrival order would give -0.25
+
+
+# -- refused pushes ------------------------------------------------------------------
+
+
+def complete_round(mode, step=0, grads=GRADS):
+    workers = [start(lambda w=w: push(mode, w, step=step, grads=grads[w])) for w in range(1, 3)]
+    wait_until(lambda: mode.status().waiting_for == (0,))
+    result = push(mode, 0, step=step, grads=grads[0])
+    finish(*workers)
+    assert all(w.error is None for w in workers)
+    return result
+
+
+def test_late_push_for_completed_round_is_rejected_and_changes_nothing():
+    mode, store = make()
+    complete_round(mode)
+    before, status = snapshot(store), mode.status()
+    with pytest.raises(StaleRound, match="worker 0 for step 0 is late: round 0 already completed"):
+        push(mode, 0, step=0, base=1)
+    assert snapshot(store) == before
+    assert mode.status() == status
+
+
+def test_push_for_a_future_round_is_rejected_and_changes_nothing():
+    mode, store = make()
+    before = snapshot(store)
+    with pytest.raises(FutureRound, match="worker 1 for step 1 is early: round 0 has not completed"):
+        push(mode, 1, step=1, base=0)
+    assert snapshot(store) == before
+    assert mode.status().waiting_for == ()
+    assert complete_round(mode).version == 1
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+def test_duplicate_push_is_rejected_and_the_first_push_counts():
+    mode, store = make()
+    t0 = start(lambda: push(mode, 0))
+    wait_until(lambda: mode.status().waiting_for == (1, 2))
+    with pytest.raises(DuplicatePush, match="worker 0 already pushed for round 0"):
+        push(mode, 0, grads={"w": f32(1000, 1000, 1000, 1000), "b": np.array([1000.0])})
+    assert mode.status().waiting_for == (1, 2)
+    t1 = start(lambda: push(mode, 1))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    push(mode, 2)
+    finish(t0, t1)
+    assert t0.error is None and t0.result.version == 1
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+@pytest.mark.parametrize("base", [1, 7])
+def test_push_computed_on_another_version_is_rejected_and_changes_nothing(base):
+    mode, store = make()
+    before = snapshot(store)
+    with pytest.raises(InvalidArgument, match=re.escape(
+        f"worker 2 computed its gradient for round 0 on version {base}, but sync round 0 is on version 0; pull first"
+    )):
+        push(mode, 2, base=base)
+    assert snapshot(store) == before
+    assert mode.status().waiting_for == ()
+    complete_round(mode)
+    with pytest.raises(InvalidArgument, match="pull first"):
+        push(mode, 0, step=1, base=0)  # the right round, but the old parameters
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(grads={"w": f32(1, np.nan, 0, 0), "b": np.array([1.0])}), "contains NaN or Inf"),
+        (dict(grads={"w": f32(1, 2), "b": np.array([1.0])}), "has shape [2], variable has [4]"),
+        (dict(grads={"w": f32(1, 2, 3, 4)}), "missing gradient(s) for: 'b'"),
+        (dict(size=-1), "batch_size must be >= 0"),
+        (dict(step=-1, base=0), "step must be >= 0"),
+        (dict(base=-1), "base_version must be >= 0"),
+    ],
+    ids=["nan", "shape", "missing", "negative_batch", "negative_step", "negative_base"],
+)
+def test_invalid_push_is_rejected_before_it_joins_the_round(kwargs, message):
+    mode, store = make()
+    t0 = start(lambda: push(mode, 0))
+    wait_until(lambda: mode.status().waiting_for == (1, 2))
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        push(mode, 1, **kwargs)
+    assert mode.status().waiting_for == (1, 2)
+    assert store.version == 0
+    t1 = start(lambda: push(mode, 1))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    assert push(mode, 2).version == 1
+    finish(t0, t1)
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+def test_worker_id_outside_the_cluster_is_rejected():
+    mode, _ = make()
+    with pytest.raises(InvalidArgument, match=r"worker id 3 is outside 0\.\.2"):
+        mode.push(Push(3, 0, 0, 1, GRADS[0]))
+    assert mode.status().waiting_for == ()
+
+
+def test_push_of_an_unregistered_worker_is_rejected_by_the_server():
+    ps = ParameterServer(mode="sync", num_workers=3, barrier_timeout=JOIN)
+    ps.register(0, 3)
+    ps.initialize(0, W0, OptimizerSpec("sgd", learning_rate=LR))
+    with pytest.raises(UnknownWorker, match="worker 1 is not registered"):
+        ps.push(Push(1, 0, 0, 1, GRADS[1]))
+    assert ps.status().waiting_for == ()
+
+
+def test_push_before_initialization_is_rejected():
+    mode = SyncMode(VariableStore(), Membership(1), 1, JOIN)
+    with pytest.raises(NotInitialized):
+        mode.push(Push(0, 0, 0, 1, {"w": f32(1)}))
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0])
+def test_barrier_timeout_must_be_positive(timeout):
+    with pytest.raises(InvalidArgument, match="barrier_timeout must be > 0"):
+        make(barrier_timeout=timeout)
+
+
+def test_round_without_examples_fails_for_every_worker_and_changes_nothing():
+    mode, store = make()
+    before = snapshot(store)
+    workers = [start(lambda w=w: push(mode, w, size=0)) for w in range(1, 3)]
+    wait_until(lambda: mode.status().waiting_for == (0,))
+    with pytest.raises(InvalidArgument, match="at least one example"):
+        push(mode, 0, size=0)
+    finish(*workers)
+    assert all(isinstance(w.error, InvalidArgument) for w in workers)
+    assert snapshot(store) == before
+    assert mode.status().round == 0
+    assert complete_round(mode).version == 1
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+# -- the barrier timeout -------------------------------------------------------------
+
+
+def test_barrier_timeout_names_the_missing_worker_and_changes_nothing():
+    clock = FakeClock()  # both pushes surely join the round before it times out
+    mode, store = make(barrier_timeout=0.3, clock=clock)
+    mode.members.register(1, 3, name="host:77")
+    before = snapshot(store)
+    t0 = start(lambda: push(mode, 0))
+    t2 = start(lambda: push(mode, 2))
+    wait_until(lambda: mode.status().waiting_for == (1,))
+    clock.now = 0.3
+    finish(t0, t2)
+    for t in (t0, t2):
+        assert isinstance(t.error, BarrierTimeout)
+        assert t.error.missing == (1,)
+        message = str(t.error)
+        assert "sync round 0 timed out after 0.3 s waiting for worker(s) 1 (host:77)" in message
+        assert "pushed: 0, 2" in message
+        assert "round discarded, parameters unchanged at version 0" in message
+    assert snapshot(store) == before
+    status = mode.status()
+    assert (status.round, status.waiting_for, status.rounds_timed_out) == (0, (), 1)
+
+
+def test_barrier_timeout_lists_every_missing_worker_on_the_real_clock():
+    mode, _ = make(barrier_timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(BarrierTimeout, match=r"waiting for worker\(s\) 0, 2; pushed: 1;") as e:
+        push(mode, 1)
+    assert time.monotonic() - t0 >= 0.3
+    assert e.value.missing == (0, 2)
+
+
+def test_after_a_barrier_timeout_every_worker_may_push_the_same_step_again():
+    clock = FakeClock()
+    mode, store = make(barrier_timeout=0.3, clock=clock)
+    huge = {"w": f32(1000, 1000, 1000, 1000), "b": np.array([1000.0])}
+    t0 = start(lambda: push(mode, 0, grads=huge))
+    t1 = start(lambda: push(mode, 1, grads=huge))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    clock.now = 0.3
+    finish(t0, t1)
+    assert isinstance(t0.error, BarrierTimeout) and isinstance(t1.error, BarrierTimeout)
+    assert complete_round(mode).version == 1  # the clock stands still: no second timeout
+    assert_values(store, AFTER_ONE_ROUND)  # the timed-out gradient was thrown away
+
+
+def test_round_times_out_barrier_timeout_after_its_first_push_not_its_last():
+    clock = FakeClock()
+    mode, store = make(barrier_timeout=0.3, clock=clock)
+    t0 = start(lambda: push(mode, 0))  # deadline 0.3
+    wait_until(lambda: mode.status().waiting_for == (1, 2))
+    clock.now = 0.2
+    t1 = start(lambda: push(mode, 1))  # its own deadline would be 0.5
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    clock.now = 0.31  # past the first push's deadline, before the second's
+    finish(t0, t1)
+    assert isinstance(t0.error, BarrierTimeout) and isinstance(t1.error, BarrierTimeout)
+    assert t0.error.missing == t1.error.missing == (2,)
+    assert store.version == 0
+
+
+# -- generations ----------------------------------------------------------------------
+
+
+def test_fast_worker_pushing_the_next_round_does_not_disturb_the_waiters_of_the_last():
+    mode, store = make()
+    cond = mode._round_ended = HeldAfterWakeup(mode._lock)
+
+    def held_push(w):
+        cond.hold_me()
+        return push(mode, w)
+
+    t0, t1 = start(lambda: held_push(0)), start(lambda: held_push(1))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    assert push(mode, 2).version == 1
+    for _ in range(2):  # both waiters were woken and are held before looking again
+        assert cond.at_gate.acquire(timeout=JOIN)
+    fast = start(lambda: push(mode, 2, step=1))  # the fast worker is already in round 1
+    wait_until(lambda: (mode.status().round, mode.status().waiting_for) == (1, (0, 1)))
+    cond.gate.set()
+    finish(t0, t1)
+    assert t0.error is None and t1.error is None
+    assert t0.result.version == t1.result.version == 1  # round 0's answer, not round 1's
+    fast.join(0.1)
+    assert fast.is_alive()  # round 0's wake-up did not release round 1
+    t0b = start(lambda: push(mode, 0, step=1))
+    wait_until(lambda: mode.status().waiting_for == (1,))
+    assert push(mode, 1, step=1).version == 2
+    finish(t0b, fast)
+    assert fast.result.version == t0b.result.version == 2
+    # Two identical rounds: the mean step is applied twice.
+    assert_values(store, {"w": f32(1 - 2, 2 - 2, 3 - 3, 4 - 0), "b": np.array([10.0 - 2.0])})
+
+
+def test_waiter_of_a_timed_out_round_fails_even_when_the_same_round_has_restarted():
+    clock = FakeClock()
+    mode, store = make(barrier_timeout=0.3, clock=clock)
+    cond = mode._round_ended = HeldAfterWakeup(mode._lock)
+
+    def held_push(w):
+        cond.hold_me()
+        return push(mode, w)
+
+    t0 = start(lambda: push(mode, 0))
+    wait_until(lambda: mode.status().waiting_for == (1, 2))
+    t1 = start(lambda: held_push(1))
+    wait_until(lambda: mode.status().waiting_for == (2,))
+    clock.now = 1.0  # worker 0's deadline has passed: it aborts generation 0
+    finish(t0)
+    assert isinstance(t0.error, BarrierTimeout)
+    assert cond.at_gate.acquire(timeout=JOIN)  # worker 1 was woken and is held
+    # Round 0 starts over (same number, new generation) before worker 1 looks again.
+    t2 = start(lambda: push(mode, 2))
+    wait_until(lambda: mode.status().waiting_for == (0, 1))
+    cond.gate.set()
+    finish(t1)
+    assert isinstance(t1.error, BarrierTimeout) and t1.error.missing == (2,)
+    t2.join(0.1)
+    assert t2.is_alive()  # worker 2 waits for the new generation of round 0
+    t0b = start(lambda: push(mode, 0))
+    wait_until(lambda: mode.status().waiting_for == (1,))
+    assert push(mode, 1).version == 1
+    finish(t0b, t2)
+    assert t2.result.version == t0b.result.version == 1
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+# -- many rounds ---------------------------------------------------------------------
+
+N, ROUNDS = 4, 50
+SHAPES = {"k": (5, 3), "b": (3,)}
+
+
+def batch_size(worker, step):
+    return 1 + (7 * worker + 3 * step) % 5  # uneven, and changing from round to round
+
+
+def gradient(worker, step, values):
+    """A gradient that depends on the pulled parameters, so a wrong pull shows."""
+    rng = np.random.default_rng([worker, step])
+    return {
+        name: (values[name] * np.float32(0.1) + rng.standard_normal(shape).astype(np.float32))
+        for name, shape in SHAPES.items()
+    }
+
+
+def sequential(w0, lr):
+    """The same training, one round after another, in plain NumPy."""
+    w = dict(w0)
+    for step in range(ROUNDS):
+        grads = [gradient(k, step, w) for k in range(N)]
+        sizes = [batch_size(k, step) for k in range(N)]
+        total = sum(sizes)
+        for name in w:
+            acc = None
+            for g, b in zip(grads, sizes):
+                term = g[name] * np.float32(b / total)
+                acc = term if acc is None else acc + term
+            w[name] = w[name] - acc * np.float32(lr)
+    return w
+
+
+def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(tight_switching):
+    rng = np.random.default_rng(0)
+    w0 = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    lr = 0.05
+    store = VariableStore()
+    store.initialize(w0, OptimizerSpec("sgd", learning_rate=lr))
+    mode = SyncMode(store, Membership(N), N, barrier_timeout=JOIN)
+
+    def train(worker):
+        pulled = []
+        for step in range(ROUNDS):
+            version, values = store.read()
+            pulled.append((version, {n: a.tobytes() for n, a in values.items()}))
+            result = mode.push(Push(worker, step, version, batch_size(worker, step), gradient(worker, step, values)))
+            assert result.version == step + 1
+        return pulled
+
+    workers = [start(lambda k=k: train(k)) for k in range(N)]
+    finish(*workers, timeout=60)
+    assert [w.error for w in workers] == [None] * N
+    # Every worker pulled the same parameters at the same version in every round.
+    assert all(w.result == workers[0].result for w in workers)
+    assert [v for v, _ in workers[0].result] == list(range(ROUNDS))
+    expected = sequential(w0, lr)
+    version, values = store.read()
+    assert version == ROUNDS
+    for name in SHAPES:
+        np.testing.assert_array_equal(values[name].view(np.uint32), expected[name].view(np.uint32))
+    assert mode.stats.pushes_applied == N * ROUNDS
+    assert mode.stats.examples_applied == sum(batch_size(k, s) for k in range(N) for s in range(ROUNDS))
