@@ -15,11 +15,8 @@ import dataclasses
 import os
 
 from ps_server.core.parameter_server import MODES
+from ps_server.settings import ConfigError, cast, resolve
 from ps_server.tf_config import parse_tf_config
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is shown to the user as is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,22 +81,9 @@ class ServerConfig:
             if spec.task_index >= len(spec.ps_addresses):
                 raise ConfigError(f"TF_CONFIG task.index {spec.task_index} has no entry in cluster.ps")
             _, _, port = spec.ps_addresses[spec.task_index].rpartition(":")
-            values["port"] = _cast("port", port, int)
+            values["port"] = cast("port", port, int)
             values["host"] = "0.0.0.0"  # the address other tasks use names this host
             if spec.num_workers:
                 values["num_workers"] = spec.num_workers
-        for f in dataclasses.fields(cls):
-            flag_value = getattr(args, f.name)
-            env_value = environ.get("TFPS_" + f.name.upper())
-            if flag_value is not None:
-                values[f.name] = flag_value
-            elif env_value is not None and env_value != "":
-                values[f.name] = _cast(f.name, env_value, type(f.default))
-        return cls(**values).validate()
+        return resolve(cls, args, environ, values).validate()
 
-
-def _cast(name: str, raw: str, kind: type):
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None

@@ -15,16 +15,13 @@ import argparse
 import dataclasses
 import os
 
+from ps_server.settings import ConfigError, resolve
 from ps_server.tf_config import parse_tf_config
 from worker.data import DATASETS
 from worker.model import MODELS
 
 OPTIMIZERS = ("sgd", "adam")
 DEFAULT_LEARNING_RATE = {"sgd": 0.01, "adam": 0.001}  # Keras' defaults
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is shown to the user as is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,14 +132,7 @@ class WorkerConfig:
             if spec.num_workers:
                 values["num_workers"] = spec.num_workers
             values["worker_index"] = spec.task_index
-        for f in dataclasses.fields(cls):
-            flag_value = getattr(args, f.name, None)
-            env_value = environ.get("TFPS_" + f.name.upper())
-            if flag_value is not None:
-                values[f.name] = flag_value
-            elif env_value not in (None, ""):
-                values[f.name] = _cast(f.name, env_value, type(f.default))
-        return cls(**values).validate()
+        return resolve(cls, args, environ, values).validate()
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -183,15 +173,3 @@ def training_flags(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     return out
 
-
-def _cast(name: str, raw: str, kind: type):
-    if kind is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a boolean")
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None

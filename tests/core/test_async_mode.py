@@ -25,8 +25,8 @@ from ps_server.core.modes import ModeStatus, Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
+from tests.core.threads import JOIN, finish, start
 
-JOIN = 60.0  # a thread still running after this long is hung
 LR = 0.5
 
 # Every element of a variable starts equal and every gradient is a constant
@@ -34,32 +34,6 @@ LR = 0.5
 SHAPES = {"a": ((64,), np.float32), "b": ((3, 5), np.float32), "c": ((17,), np.float64)}
 SCALE = {"a": 1, "b": 2, "c": 3}  # gradient for variable n: SCALE[n], or (k + 1) * SCALE[n] from worker k
 START = 1000.0
-
-
-class Worker(threading.Thread):
-    """Runs fn in a thread and keeps its result or its exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.error = fn, None, None
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
-            self.error = e
-
-
-def start(fn):
-    w = Worker(fn)
-    w.start()
-    return w
-
-
-def finish(*workers, timeout=JOIN):
-    for w in workers:
-        w.join(timeout)
-        assert not w.is_alive(), "a thread never finished"
 
 
 def uniform_variables():

@@ -30,42 +30,9 @@ from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
+from tests.core.threads import JOIN, finish, start, wait_until
 from ps_server.core.sync_mode import SyncMode
 
-JOIN = 20.0  # a thread still running after this long is hung
-
-
-class Worker(threading.Thread):
-    """Runs fn in a thread and keeps its result or its exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.error = fn, None, None
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
-            self.error = e
-
-
-def start(fn):
-    w = Worker(fn)
-    w.start()
-    return w
-
-
-def finish(*workers, timeout=JOIN):
-    for w in workers:
-        w.join(timeout)
-        assert not w.is_alive(), "a push never returned"
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
 
 
 class FakeClock:

@@ -1,0 +1,39 @@
+"""Bounded thread helpers for the core tier: every wait has a limit."""
+
+import threading
+import time
+
+JOIN = 60.0  # a thread still running after this long is hung
+
+
+class Worker(threading.Thread):
+    """Runs fn in a thread and keeps its result or its exception."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            self.error = e
+
+
+def start(fn) -> Worker:
+    w = Worker(fn)
+    w.start()
+    return w
+
+
+def finish(*workers, timeout=JOIN):
+    for w in workers:
+        w.join(timeout)
+        assert not w.is_alive(), "a thread never finished (a push never returned?)"
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
