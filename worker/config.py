@@ -42,6 +42,10 @@ class WorkerConfig:
     log_every: int = 10
     result_json: str = ""
     save_weights: str = ""
+    initial_weights: str = ""  # .npz of w0, w1, ... in trainable_variables order
+    history_json: str = ""
+    snapshot_steps: str = ""  # e.g. "1,20": chief saves the pulled parameters after these steps
+    snapshot_dir: str = ""
     connect_timeout: float = 60.0
     init_timeout: float = 120.0
     final_wait: float = 600.0
@@ -52,6 +56,10 @@ class WorkerConfig:
     @property
     def is_chief(self) -> bool:
         return self.worker_index == 0
+
+    @property
+    def snapshot_step_list(self) -> list[int]:
+        return [int(s) for s in self.snapshot_steps.split(",") if s.strip()]
 
     @property
     def lr(self) -> float:
@@ -101,6 +109,14 @@ class WorkerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.snapshot_steps and not self.snapshot_dir:
+            raise ConfigError("--snapshot-steps needs --snapshot-dir")
+        try:
+            steps = self.snapshot_step_list
+        except ValueError:
+            raise ConfigError(f"--snapshot-steps must be comma-separated step numbers, got {self.snapshot_steps!r}") from None
+        if any(s < 1 for s in steps):
+            raise ConfigError(f"--snapshot-steps counts steps from 1, got {self.snapshot_steps!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         return self
@@ -118,6 +134,12 @@ class WorkerConfig:
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
         p.add_argument("--result-json", help="chief: write the final metrics here")
         p.add_argument("--save-weights", help="chief: save the final parameters here (.npz)")
+        p.add_argument("--initial-weights", help="start from these weights (.npz of w0, w1, ... in model order) "
+                       "instead of the seeded initialization (chief)")
+        p.add_argument("--history-json", help="write this worker's per-step loss, batch size, version, staleness here")
+        p.add_argument("--snapshot-steps", help="chief: after these steps (from 1, comma-separated) save the "
+                       "pulled parameters to --snapshot-dir/step<N>.npz")
+        p.add_argument("--snapshot-dir", help="where --snapshot-steps writes")
         return p
 
     @classmethod

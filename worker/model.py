@@ -105,6 +105,22 @@ def load_npz(path: str) -> dict[str, np.ndarray]:
         return {k.replace("__", "/"): f[k] for k in f.files}
 
 
+def save_ordered_npz(model, values: dict[str, np.ndarray], path: str) -> None:
+    """Values in the model's trainable_variables order, as w0, w1, ... (names may differ across runners)."""
+    np.savez(path, **{f"w{i}": values[v.path] for i, v in enumerate(model.trainable_variables)})
+
+
+def load_ordered_npz(model, path: str) -> None:
+    with np.load(path) as f:
+        arrays = [f[f"w{i}"] for i in range(len(f.files))]
+    variables = model.trainable_variables
+    if len(arrays) != len(variables) or any(tuple(v.shape) != a.shape for v, a in zip(variables, arrays)):
+        raise ValueError(f"{path} does not hold this model's weights: "
+                         f"{[a.shape for a in arrays]} vs {[tuple(v.shape) for v in variables]}")
+    for v, a in zip(variables, arrays):
+        v.assign(a)
+
+
 def make_grad_fn(model):
     import keras
     import tensorflow as tf

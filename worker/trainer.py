@@ -51,6 +51,11 @@ def train(config: WorkerConfig) -> dict:
 
     with tf.device(device):
         model = models.build_model(config.model, config.seed)
+    if config.initial_weights:
+        try:
+            models.load_ordered_npz(model, config.initial_weights)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"--initial-weights: {e}") from None
     grad_fn = models.make_grad_fn(model)
     names = models.variable_names(model)
 
@@ -73,6 +78,8 @@ def train(config: WorkerConfig) -> dict:
 
         t0 = time.monotonic()
         last_log, examples_since, loss = t0, 0, float("nan")
+        history: list[dict] = []
+        snapshots = set(config.snapshot_step_list) if config.is_chief else set()
         batches = global_batches(n_train, config.global_batch_size, epochs_needed, config.seed)
         for step, batch in zip(range(total_steps), batches):
             mine = shard(batch, config.worker_index, config.num_workers)
@@ -85,6 +92,11 @@ def train(config: WorkerConfig) -> dict:
                 loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
             reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
             examples_since += len(mine)
+            history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
+                            "version": reply.version, "staleness": reply.staleness})
+            if step + 1 in snapshots:
+                _, now_values = client.pull(reg.worker_id)
+                models.save_ordered_npz(model, now_values, os.path.join(config.snapshot_dir, f"step{step + 1}.npz"))
             if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
                 now = time.monotonic()
                 log.info("step %d/%d loss %.4f examples/s %.0f version %d staleness %d",
@@ -93,6 +105,9 @@ def train(config: WorkerConfig) -> dict:
                 last_log, examples_since = now, 0
         train_s = time.monotonic() - t0
         client.leave(reg.worker_id)
+        if config.history_json:
+            _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
+                                              "train_s": train_s, "steps": history})
         log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
         if not config.is_chief:
             return {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
@@ -152,6 +167,8 @@ def _finish_as_chief(config, client, reg, model, models, data, total_steps, trai
         _write_json(config.result_json, result)
     if config.save_weights:
         models.save_npz(config.save_weights, values)
+    if config.snapshot_dir:
+        models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
     return result
 
 

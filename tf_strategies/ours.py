@@ -1,0 +1,158 @@
+"""Runner: our parameter server, sync or async, through the real gRPC server.
+
+    python -m tf_strategies.ours --mode sync --spec-json '{"steps": 20, ...}' --out DIR
+
+Starts one ``ps-server`` and ``spec.num_workers`` ``ps-worker`` processes on
+127.0.0.1 (our server binds loopback only), from ``spec.initial_weights``,
+with the spec's data order, seed and TensorFlow settings. Per-step losses come
+from the workers' histories: in sync mode the batch-weighted mean of the
+workers' shard losses per round (the loss of the global batch); in async mode
+one entry per applied push, in the order the server applied them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from tf_strategies.common import RunResult, RunSpec, load_initial_weights, save_result
+from tf_strategies.isolation import die_with_parent
+
+MODES = ("sync", "async")
+
+
+class RunnerError(RuntimeError):
+    pass
+
+
+def _worker_flags(spec: RunSpec) -> list[str]:
+    flags = ["--dataset", spec.dataset, "--model", spec.model, "--steps", str(spec.steps),
+             "--global-batch-size", str(spec.global_batch_size), "--optimizer", spec.optimizer,
+             "--learning-rate", repr(spec.lr), "--seed", str(spec.seed),
+             "--intra-op-threads", str(spec.intra_op_threads),
+             "--deterministic" if spec.deterministic else "--no-deterministic", "--log-every", "1000000"]
+    if spec.loss_scaling != "global":
+        raise RunnerError(f"our workers implement only the 'global' loss scaling, not {spec.loss_scaling!r}")
+    return flags
+
+
+def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
+    if mode not in MODES:
+        raise RunnerError(f"mode must be sync or async, got {mode!r}")
+    started = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="tfps-ours-") as tmp:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("TF_CONFIG", None)
+
+        def start(argv, name):
+            log = open(os.path.join(tmp, f"{name}.log"), "w")
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=env, preexec_fn=die_with_parent)
+            p.log_name = name
+            procs.append(p)
+            return p
+
+        def log_tail(p) -> str:
+            with open(os.path.join(tmp, f"{p.log_name}.log")) as f:
+                return "".join(f.readlines()[-15:])
+
+        try:
+            port_file = os.path.join(tmp, "port")
+            server = start([sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
+                            "--port-file", port_file, "--mode", mode, "--num-workers", str(spec.num_workers),
+                            "--log-level", "WARNING"], "ps")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(port_file):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RunnerError(f"ps-server did not start:\n{log_tail(server)}")
+                time.sleep(0.05)
+            with open(port_file) as f:
+                address = f"127.0.0.1:{int(f.read())}"
+            snap = os.path.join(tmp, "snap")
+            os.makedirs(snap)
+            workers = []
+            for i in range(spec.num_workers):
+                argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
+                        "--num-workers", str(spec.num_workers), *_worker_flags(spec),
+                        "--history-json", os.path.join(tmp, f"history{i}.json")]
+                if i == 0:
+                    argv += ["--result-json", os.path.join(tmp, "result.json"), "--snapshot-dir", snap]
+                    if spec.initial_weights:
+                        argv += ["--initial-weights", spec.initial_weights]
+                    if mode == "sync":
+                        argv += ["--snapshot-steps", "1"]
+                workers.append(start(argv, f"worker{i}"))
+            deadline = time.monotonic() + timeout
+            for w in workers:
+                try:
+                    code = w.wait(max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RunnerError(f"{w.log_name} still running after {timeout:g} s") from None
+                if code != 0:
+                    raise RunnerError(f"{w.log_name} exited with status {code}:\n{log_tail(w)}")
+            with open(os.path.join(tmp, "result.json")) as f:
+                chief = json.load(f)
+            histories = []
+            for i in range(spec.num_workers):
+                with open(os.path.join(tmp, f"history{i}.json")) as f:
+                    histories.append(json.load(f)["steps"])
+            final = load_initial_weights(os.path.join(snap, "final.npz"))
+            step1 = load_initial_weights(os.path.join(snap, "step1.npz")) if mode == "sync" else None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+    return RunResult(
+        runner=f"ours-{mode}",
+        losses=_losses(histories, mode),
+        weights_step1=step1,
+        weights_final=final,
+        test_accuracy=chief["test_accuracy"],
+        steps_per_s=spec.steps / chief["train_s"] if chief["train_s"] > 0 else 0.0,
+        examples=int(chief["examples"]),
+        wall_s=time.monotonic() - started,
+        notes=f"{spec.num_workers} workers, 1 ps, gRPC on loopback"
+        + (f", mean staleness {chief['mean_staleness']:.2f}" if mode == "async" else ""),
+    )
+
+
+def _losses(histories: list[list[dict]], mode: str) -> list[float]:
+    if mode == "sync":
+        out = []
+        for records in zip(*histories):
+            total = sum(r["batch_size"] for r in records)
+            out.append(sum(r["loss"] * r["batch_size"] for r in records) / total)
+        return out
+    pushes = sorted((r["version"], r["loss"]) for h in histories for r in h)
+    return [loss for _, loss in pushes]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tf_strategies.ours", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--spec-json", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    try:
+        result = run(RunSpec.from_json(args.spec_json), args.mode, args.timeout)
+    except RunnerError as e:
+        print(f"runner ours-{args.mode} failed: {e}", file=sys.stderr)
+        return 1
+    save_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
