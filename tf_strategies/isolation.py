@@ -23,11 +23,15 @@ import subprocess
 
 
 def die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM this child when its parent dies (no orphans)."""
+    """preexec_fn: ask Linux to SIGKILL this child when its parent dies (no orphans).
+
+    SIGKILL, not SIGTERM: a TensorFlow task that joined a cluster treats SIGTERM as a
+    preemption notice and keeps running.
+    """
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
