@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/tfps.proto\x12\x07tfps.v1\"R\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.tfps.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x8b\x01\n\x0fOptimizerConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x10\n\x08nesterov\x18\x04 \x01(\x08\x12\x0e\n\x06\x62\x65ta_1\x18\x05 \x01(\x01\x12\x0e\n\x06\x62\x65ta_2\x18\x06 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x07 \x01(\x01\"Q\n\x0fRegisterRequest\x12\x14\n\x0cworker_index\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\"\x98\x01\n\x10RegisterResponse\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.tfps.v1.Mode\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x19\n\x11\x62\x61rrier_timeout_s\x18\x06 \x01(\x01\"w\n\x11InitializeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12+\n\toptimizer\x18\x02 \x01(\x0b\x32\x18.tfps.v1.OptimizerConfig\x12\"\n\tvariables\x18\x03 \x03(\x0b\x32\x0f.tfps.v1.Tensor\"6\n\x12InitializeResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"/\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05names\x18\x02 \x03(\t\"C\n\x0cPullResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\tvariables\x18\x02 \x03(\x0b\x32\x0f.tfps.v1.Tensor\"\x8a\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nbatch_size\x18\x04 \x01(\x03\x12\"\n\tgradients\x18\x05 \x03(\x0b\x32\x0f.tfps.v1.Tensor\x12\x0c\n\x04loss\x18\x06 \x01(\x01\"H\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\x05\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"\x80\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x11\n\tlast_step\x18\x03 \x01(\x03\x12\x17\n\x0flast_seen_age_s\x18\x04 \x01(\x01\x12\x0c\n\x04left\x18\x05 \x01(\x08\x12\x0e\n\x06pushes\x18\x06 \x01(\x03\"\xb0\x03\n\x0eStatusResponse\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.tfps.v1.Mode\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x13\n\x0bwaiting_for\x18\x06 \x03(\x05\x12&\n\x07workers\x18\x07 \x03(\x0b\x32\x15.tfps.v1.WorkerStatus\x12\x16\n\x0epushes_applied\x18\x08 \x01(\x03\x12\x18\n\x10\x65xamples_applied\x18\t \x01(\x03\x12\x16\n\x0emean_staleness\x18\n \x01(\x01\x12\x15\n\rmax_staleness\x18\x0b \x01(\x03\x12+\n\toptimizer\x18\x0c \x01(\x0b\x32\x18.tfps.v1.OptimizerConfig\x12\x15\n\rnum_variables\x18\r \x01(\x03\x12\x16\n\x0enum_parameters\x18\x0e \x01(\x03\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\x18\n\x10rounds_timed_out\x18\x10 \x01(\x03\x12\x11\n\tlast_loss\x18\x11 \x01(\x01*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04SYNC\x10\x01\x12\t\n\x05\x41SYNC\x10\x02*[\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x0b\n\x07\x46LOAT64\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05\x32\xf6\x02\n\x0fParameterServer\x12?\n\x08Register\x12\x18.tfps.v1.RegisterRequest\x1a\x19.tfps.v1.RegisterResponse\x12\x45\n\nInitialize\x12\x1a.tfps.v1.InitializeRequest\x1a\x1b.tfps.v1.InitializeResponse\x12\x33\n\x04Pull\x12\x14.tfps.v1.PullRequest\x1a\x15.tfps.v1.PullResponse\x12\x33\n\x04Push\x12\x14.tfps.v1.PushRequest\x1a\x15.tfps.v1.PushResponse\x12\x36\n\x05Leave\x12\x15.tfps.v1.LeaveRequest\x1a\x16.tfps.v1.LeaveResponse\x12\x39\n\x06Status\x12\x16.tfps.v1.StatusRequest\x1a\x17.tfps.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/tfps.proto\x12\x07tfps.v1\"R\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0e.tfps.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x8b\x01\n\x0fOptimizerConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x10\n\x08nesterov\x18\x04 \x01(\x08\x12\x0e\n\x06\x62\x65ta_1\x18\x05 \x01(\x01\x12\x0e\n\x06\x62\x65ta_2\x18\x06 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x07 \x01(\x01\"Q\n\x0fRegisterRequest\x12\x14\n\x0cworker_index\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\"\xd5\x01\n\x10RegisterResponse\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.tfps.v1.Mode\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x19\n\x11\x62\x61rrier_timeout_s\x18\x06 \x01(\x01\x12\r\n\x05round\x18\x07 \x01(\x03\x12\x17\n\x0flease_timeout_s\x18\x08 \x01(\x01\x12\x13\n\x0bincarnation\x18\t \x01(\t\"w\n\x11InitializeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12+\n\toptimizer\x18\x02 \x01(\x0b\x32\x18.tfps.v1.OptimizerConfig\x12\"\n\tvariables\x18\x03 \x03(\x0b\x32\x0f.tfps.v1.Tensor\"6\n\x12InitializeResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"/\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05names\x18\x02 \x03(\t\"C\n\x0cPullResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\tvariables\x18\x02 \x03(\x0b\x32\x0f.tfps.v1.Tensor\"\x8a\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nbatch_size\x18\x04 \x01(\x03\x12\"\n\tgradients\x18\x05 \x03(\x0b\x32\x0f.tfps.v1.Tensor\x12\x0c\n\x04loss\x18\x06 \x01(\x01\"~\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x14\n\x0c\x63ontributors\x18\x03 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x08\x12\x11\n\tnext_step\x18\x05 \x01(\x03\x12\x10\n\x08replayed\x18\x06 \x01(\x08\"3\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\"A\n\x11HeartbeatResponse\x12\x17\n\x0flease_timeout_s\x18\x01 \x01(\x01\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"\x9f\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x11\n\tlast_step\x18\x03 \x01(\x03\x12\x17\n\x0flast_seen_age_s\x18\x04 \x01(\x01\x12\x0c\n\x04left\x18\x05 \x01(\x08\x12\x0e\n\x06pushes\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x65\x61\x64\x18\x07 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x03\"\xfa\x04\n\x0eStatusResponse\x12\x1b\n\x04mode\x18\x01 \x01(\x0e\x32\r.tfps.v1.Mode\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x13\n\x0binitialized\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05round\x18\x05 \x01(\x03\x12\x13\n\x0bwaiting_for\x18\x06 \x03(\x05\x12&\n\x07workers\x18\x07 \x03(\x0b\x32\x15.tfps.v1.WorkerStatus\x12\x16\n\x0epushes_applied\x18\x08 \x01(\x03\x12\x18\n\x10\x65xamples_applied\x18\t \x01(\x03\x12\x16\n\x0emean_staleness\x18\n \x01(\x01\x12\x15\n\rmax_staleness\x18\x0b \x01(\x03\x12+\n\toptimizer\x18\x0c \x01(\x0b\x32\x18.tfps.v1.OptimizerConfig\x12\x15\n\rnum_variables\x18\r \x01(\x03\x12\x16\n\x0enum_parameters\x18\x0e \x01(\x03\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\x18\n\x10rounds_timed_out\x18\x10 \x01(\x03\x12\x11\n\tlast_loss\x18\x11 \x01(\x01\x12\x13\n\x0bincarnation\x18\x12 \x01(\t\x12\x16\n\x0epushes_dropped\x18\x13 \x01(\x03\x12\x17\n\x0fpushes_replayed\x18\x14 \x01(\x03\x12\x16\n\x0erounds_aborted\x18\x15 \x01(\x03\x12\x1a\n\x12\x64\x65\x61\x64_worker_policy\x18\x16 \x01(\t\x12\x1d\n\x15replicas_to_aggregate\x18\x17 \x01(\x05\x12\x17\n\x0flease_timeout_s\x18\x18 \x01(\x01\x12\x16\n\x0e\x61\x63tive_workers\x18\x19 \x03(\x05*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x08\n\x04SYNC\x10\x01\x12\t\n\x05\x41SYNC\x10\x02*[\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x0b\n\x07\x46LOAT64\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05\x32\xba\x03\n\x0fParameterServer\x12?\n\x08Register\x12\x18.tfps.v1.RegisterRequest\x1a\x19.tfps.v1.RegisterResponse\x12\x45\n\nInitialize\x12\x1a.tfps.v1.InitializeRequest\x1a\x1b.tfps.v1.InitializeResponse\x12\x33\n\x04Pull\x12\x14.tfps.v1.PullRequest\x1a\x15.tfps.v1.PullResponse\x12\x33\n\x04Push\x12\x14.tfps.v1.PushRequest\x1a\x15.tfps.v1.PushResponse\x12\x36\n\x05Leave\x12\x15.tfps.v1.LeaveRequest\x1a\x16.tfps.v1.LeaveResponse\x12\x42\n\tHeartbeat\x12\x19.tfps.v1.HeartbeatRequest\x1a\x1a.tfps.v1.HeartbeatResponse\x12\x39\n\x06Status\x12\x16.tfps.v1.StatusRequest\x1a\x17.tfps.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tfps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1639
-  _globals['_MODE']._serialized_end=1688
-  _globals['_DTYPE']._serialized_start=1690
-  _globals['_DTYPE']._serialized_end=1781
+  _globals['_MODE']._serialized_start=2107
+  _globals['_MODE']._serialized_end=2156
+  _globals['_DTYPE']._serialized_start=2158
+  _globals['_DTYPE']._serialized_end=2249
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=112
   _globals['_OPTIMIZERCONFIG']._serialized_start=115
@@ -42,29 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=256
   _globals['_REGISTERREQUEST']._serialized_end=337
   _globals['_REGISTERRESPONSE']._serialized_start=340
-  _globals['_REGISTERRESPONSE']._serialized_end=492
-  _globals['_INITIALIZEREQUEST']._serialized_start=494
-  _globals['_INITIALIZEREQUEST']._serialized_end=613
-  _globals['_INITIALIZERESPONSE']._serialized_start=615
-  _globals['_INITIALIZERESPONSE']._serialized_end=669
-  _globals['_PULLREQUEST']._serialized_start=671
-  _globals['_PULLREQUEST']._serialized_end=718
-  _globals['_PULLRESPONSE']._serialized_start=720
-  _globals['_PULLRESPONSE']._serialized_end=787
-  _globals['_PUSHREQUEST']._serialized_start=790
-  _globals['_PUSHREQUEST']._serialized_end=928
-  _globals['_PUSHRESPONSE']._serialized_start=930
-  _globals['_PUSHRESPONSE']._serialized_end=1002
-  _globals['_LEAVEREQUEST']._serialized_start=1004
-  _globals['_LEAVEREQUEST']._serialized_end=1037
-  _globals['_LEAVERESPONSE']._serialized_start=1039
-  _globals['_LEAVERESPONSE']._serialized_end=1054
-  _globals['_STATUSREQUEST']._serialized_start=1056
-  _globals['_STATUSREQUEST']._serialized_end=1071
-  _globals['_WORKERSTATUS']._serialized_start=1074
-  _globals['_WORKERSTATUS']._serialized_end=1202
-  _globals['_STATUSRESPONSE']._serialized_start=1205
-  _globals['_STATUSRESPONSE']._serialized_end=1637
-  _globals['_PARAMETERSERVER']._serialized_start=1784
-  _globals['_PARAMETERSERVER']._serialized_end=2158
+  _globals['_REGISTERRESPONSE']._serialized_end=553
+  _globals['_INITIALIZEREQUEST']._serialized_start=555
+  _globals['_INITIALIZEREQUEST']._serialized_end=674
+  _globals['_INITIALIZERESPONSE']._serialized_start=676
+  _globals['_INITIALIZERESPONSE']._serialized_end=730
+  _globals['_PULLREQUEST']._serialized_start=732
+  _globals['_PULLREQUEST']._serialized_end=779
+  _globals['_PULLRESPONSE']._serialized_start=781
+  _globals['_PULLRESPONSE']._serialized_end=848
+  _globals['_PUSHREQUEST']._serialized_start=851
+  _globals['_PUSHREQUEST']._serialized_end=989
+  _globals['_PUSHRESPONSE']._serialized_start=991
+  _globals['_PUSHRESPONSE']._serialized_end=1117
+  _globals['_HEARTBEATREQUEST']._serialized_start=1119
+  _globals['_HEARTBEATREQUEST']._serialized_end=1170
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1172
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1237
+  _globals['_LEAVEREQUEST']._serialized_start=1239
+  _globals['_LEAVEREQUEST']._serialized_end=1272
+  _globals['_LEAVERESPONSE']._serialized_start=1274
+  _globals['_LEAVERESPONSE']._serialized_end=1289
+  _globals['_STATUSREQUEST']._serialized_start=1291
+  _globals['_STATUSREQUEST']._serialized_end=1306
+  _globals['_WORKERSTATUS']._serialized_start=1309
+  _globals['_WORKERSTATUS']._serialized_end=1468
+  _globals['_STATUSRESPONSE']._serialized_start=1471
+  _globals['_STATUSRESPONSE']._serialized_end=2105
+  _globals['_PARAMETERSERVER']._serialized_start=2252
+  _globals['_PARAMETERSERVER']._serialized_end=2694
 # @@protoc_insertion_point(module_scope)

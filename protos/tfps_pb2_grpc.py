@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tfps.v1.ParameterServer/Heartbeat',
+                request_serializer=protos_dot_tfps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Status',
                 request_serializer=protos_dot_tfps__pb2.StatusRequest.SerializeToString,
@@ -101,6 +106,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renews this worker's lease; any other call from it renews it too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,6 +146,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=protos_dot_tfps__pb2.LeaveRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=protos_dot_tfps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -276,6 +293,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/Leave',
             protos_dot_tfps__pb2.LeaveRequest.SerializeToString,
             protos_dot_tfps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/Heartbeat',
+            protos_dot_tfps__pb2.HeartbeatRequest.SerializeToString,
+            protos_dot_tfps__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

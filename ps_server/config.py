@@ -15,6 +15,8 @@ import dataclasses
 import os
 
 from ps_server.core.parameter_server import MODES
+
+DEAD_WORKER_POLICIES = ("abort", "wait", "shrink")
 from ps_server.settings import ConfigError, cast, resolve
 from ps_server.tf_config import parse_tf_config
 
@@ -29,6 +31,22 @@ class ServerConfig:
     threads: int = 0  # 0: sized from num_workers, see pool_threads
     port_file: str = ""
     log_level: str = "INFO"
+    # Liveness (issue 4): a worker silent for lease_timeout seconds is dead.
+    lease_timeout: float = 10.0
+    dead_worker_policy: str = "abort"  # sync: abort | wait | shrink
+    replacement_timeout: float = 60.0  # policy "wait": how long a dead worker's index may stay empty
+    replicas_to_aggregate: int = 0  # sync backup workers: finish a round with the first K pushes (0: all)
+    allow_nonfinite: bool = False
+    # Checkpoints.
+    checkpoint_dir: str = ""
+    checkpoint_interval: float = 30.0
+    checkpoint_keep: int = 3
+    # Security: paths to PEM files. The bearer token never comes from a flag (it would
+    # show in `ps`): TFPS_AUTH_TOKEN in the environment, or --auth-token-file.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set: mutual TLS, clients must present a certificate signed by this CA
+    auth_token_file: str = ""
 
     @property
     def pool_threads(self) -> int:
@@ -52,6 +70,24 @@ class ServerConfig:
             )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not self.lease_timeout > 0:
+            raise ConfigError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}")
+        if self.dead_worker_policy not in DEAD_WORKER_POLICIES:
+            raise ConfigError(f"--dead-worker-policy must be one of {', '.join(DEAD_WORKER_POLICIES)}, "
+                              f"got {self.dead_worker_policy!r}")
+        if not self.replacement_timeout > 0:
+            raise ConfigError(f"--replacement-timeout must be > 0 seconds, got {self.replacement_timeout}")
+        if not 0 <= self.replicas_to_aggregate <= self.num_workers:
+            raise ConfigError(f"--replicas-to-aggregate must be in 1..{self.num_workers} (or 0 for all), "
+                              f"got {self.replicas_to_aggregate}")
+        if not self.checkpoint_interval > 0:
+            raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("--tls-cert-file and --tls-key-file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
         return self
 
     @classmethod
@@ -69,6 +105,25 @@ class ServerConfig:
         p.add_argument("--threads", type=int, help="gRPC handler threads (default max(16, 2N+8))")
         p.add_argument("--port-file", help="write the bound port to this file once serving")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+        g = p.add_argument_group("faults")
+        g.add_argument("--lease-timeout", type=float, help="seconds without a heartbeat before a worker is dead (default 10)")
+        g.add_argument("--dead-worker-policy", choices=DEAD_WORKER_POLICIES,
+                       help="sync: abort the round (default), wait for a replacement, or shrink to the live workers")
+        g.add_argument("--replacement-timeout", type=float, help="policy wait: seconds to wait for a replacement (default 60)")
+        g.add_argument("--replicas-to-aggregate", type=int,
+                       help="sync backup workers: finish each round with the first K pushes (default: all)")
+        g.add_argument("--allow-nonfinite", action=argparse.BooleanOptionalAction,
+                       help="accept NaN/Inf gradients (default: rejected)")
+        g = p.add_argument_group("checkpoints")
+        g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
+        g.add_argument("--checkpoint-interval", type=float, help="seconds between checkpoints (default 30)")
+        g.add_argument("--checkpoint-keep", type=int, help="how many checkpoints to keep (default 3)")
+        g = p.add_argument_group("security")
+        g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS")
+        g.add_argument("--tls-key-file", help="server private key (PEM)")
+        g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
+        g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
+                       "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
         return p
 
     @classmethod

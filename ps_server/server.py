@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import tfps_pb2_grpc as pb_grpc
 from protos import wire
 from ps_server.config import ConfigError, ServerConfig
+from ps_server import security
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.service import ParameterServerServicer
 
@@ -38,16 +39,32 @@ class RunningServer:
     core: ParameterServer
     health: health.HealthServicer
     config: ServerConfig
+    _stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _ticker: threading.Thread | None = None
 
     def start(self) -> "RunningServer":
         self.server.start()
+        self._ticker = threading.Thread(target=self._tick_leases, name="ps-leases", daemon=True)
+        self._ticker.start()
         for service in ("", wire.SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
 
+    def _tick_leases(self) -> None:
+        """Declare silent workers dead a few times per lease timeout (and apply the policy)."""
+        period = min(1.0, self.config.lease_timeout / 4)
+        while not self._stopping.wait(period):
+            try:
+                self.core.tick()
+            except Exception:  # never let the lease checker die silently
+                log.exception("lease check failed")
+
     def stop(self, grace: float | None = 2.0) -> None:
+        self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5.0)
 
     @property
     def address(self) -> str:
@@ -59,10 +76,22 @@ class RunningServer:
 
 def build_server(config: ServerConfig) -> RunningServer:
     config.validate()
-    core = ParameterServer(config.mode, config.num_workers, config.barrier_timeout)
+    core = ParameterServer(
+        config.mode,
+        config.num_workers,
+        config.barrier_timeout,
+        lease_timeout=config.lease_timeout,
+        dead_worker_policy=config.dead_worker_policy,
+        replacement_timeout=config.replacement_timeout,
+        replicas_to_aggregate=config.replicas_to_aggregate,
+        allow_nonfinite=config.allow_nonfinite,
+    )
+    token = security.load_token(config.auth_token_file, os.environ)
+    credentials = security.server_credentials(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.pool_threads, thread_name_prefix="ps-rpc"),
         options=wire.server_options(),
+        interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
     pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(core), server)
     health_servicer = health.HealthServicer()
@@ -71,11 +100,20 @@ def build_server(config: ServerConfig) -> RunningServer:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = config.host if ":" not in config.host or config.host.startswith("[") else f"[{config.host}]"
     try:
-        port = server.add_insecure_port(f"{host}:{config.port}")
+        if credentials is None:
+            port = server.add_insecure_port(f"{host}:{config.port}")
+        else:
+            port = server.add_secure_port(f"{host}:{config.port}", credentials)
     except RuntimeError as e:
         raise ConfigError(f"cannot bind {config.host}:{config.port}: {e}") from None
     if port == 0:
         raise ConfigError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this host)")
+    log.info("security: TLS %s, client certificates %s, bearer token %s",
+             "on" if credentials is not None else "off", "required" if config.tls_client_ca_file else "not required",
+             "required" if token else "off")  # never the token itself
+    if token and credentials is None:
+        log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
+                    "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
     return RunningServer(server, port, core, health_servicer, config)
 
 

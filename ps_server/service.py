@@ -40,6 +40,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.FutureRound: grpc.StatusCode.OUT_OF_RANGE,
     errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,
     errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.WorkerDead: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -104,6 +105,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             initialized=reg.initialized,
             version=reg.version,
             barrier_timeout_s=reg.barrier_timeout,
+            round=reg.round,
+            lease_timeout_s=reg.lease_timeout,
+            incarnation=reg.incarnation,
         )
 
     @_handled
@@ -135,13 +139,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 loss=request.loss,
             )
         )
-        return pb.PushResponse(version=result.version, staleness=result.staleness, contributors=result.contributors)
+        return pb.PushResponse(
+            version=result.version,
+            staleness=result.staleness,
+            contributors=result.contributors,
+            dropped=result.dropped,
+            next_step=result.next_step,
+            replayed=result.replayed,
+        )
 
     @_handled
     def Leave(self, request, context):
         self.core.leave(request.worker_id)
         log.info("worker %d left", request.worker_id)
         return pb.LeaveResponse()
+
+    @_handled
+    def Heartbeat(self, request, context):
+        self.core.heartbeat(request.worker_id, request.step)
+        return pb.HeartbeatResponse(lease_timeout_s=self.core.members.lease_timeout, incarnation=self.core.incarnation)
 
     @_handled
     def Status(self, request, context):
@@ -162,6 +178,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     last_seen_age_s=now - w.last_seen,
                     left=w.left,
                     pushes=w.pushes,
+                    dead=w.dead,
+                    dropped=w.dropped,
                 )
                 for w in s.workers
             ],
@@ -175,4 +193,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             uptime_s=s.uptime_s,
             rounds_timed_out=s.rounds_timed_out,
             last_loss=s.last_loss,
+            incarnation=s.incarnation,
+            pushes_dropped=s.pushes_dropped,
+            pushes_replayed=s.pushes_replayed,
+            rounds_aborted=s.rounds_aborted,
+            dead_worker_policy=s.dead_worker_policy,
+            replicas_to_aggregate=s.replicas_to_aggregate,
+            lease_timeout_s=s.lease_timeout,
+            active_workers=list(s.active_workers),
         )

@@ -6,9 +6,10 @@
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
 
 NumPy in, NumPy out: no TensorFlow here. Each call carries a deadline. Calls
-that are safe to repeat (Register, Initialize, Pull, Leave, Status) are retried
-on UNAVAILABLE by the channel's service-config retry policy; Push is not
-retried (a repeated push could be applied twice). Failures surface as
+that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat)
+are retried on UNAVAILABLE by the channel's service-config retry policy. Push
+is retried only by the trainer, deliberately: the server answers a repeated
+(worker, step) from its record instead of applying it twice. Failures surface as
 ``PSClientError`` whose message names the call, the status code and the
 server's own explanation.
 """
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
+from ps_server import security
 
 MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async"}
 
@@ -41,7 +43,7 @@ SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status")],
+                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status", "Heartbeat")],
                 "retryPolicy": _RETRY_POLICY,
             }
         ]
@@ -64,6 +66,9 @@ class Registration:
     initialized: bool
     version: int
     barrier_timeout: float
+    round: int = 0
+    lease_timeout: float = 10.0
+    incarnation: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +76,35 @@ class PushReply:
     version: int
     staleness: int
     contributors: int
+    dropped: bool = False
+    next_step: int = 0
+    replayed: bool = False
 
 
 class PSClient:
-    def __init__(self, address: str, timeout: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        *,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
+        token: str | None = None,
+    ):
+        """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
+        is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``)."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
+        self._channel = security.client_channel(
             address,
             options=wire.channel_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+            ca_file=tls_ca_file,
+            cert_file=tls_cert_file,
+            key_file=tls_key_file,
+            server_name=tls_server_name,
+            token=token,
         )
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -144,6 +169,9 @@ class PSClient:
             initialized=reply.initialized,
             version=reply.version,
             barrier_timeout=reply.barrier_timeout_s,
+            round=reply.round,
+            lease_timeout=reply.lease_timeout_s,
+            incarnation=reply.incarnation,
         )
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
@@ -183,7 +211,13 @@ class PSClient:
             ),
             timeout=timeout,
         )
-        return PushReply(reply.version, reply.staleness, reply.contributors)
+        return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
+                         reply.replayed)
+
+    def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
+        """Renew this worker's lease; returns the server's incarnation."""
+        reply = self._call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step), timeout=timeout)
+        return reply.incarnation
 
     def leave(self, worker_id: int) -> None:
         self._call("Leave", pb.LeaveRequest(worker_id=worker_id))

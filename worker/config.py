@@ -46,6 +46,14 @@ class WorkerConfig:
     history_json: str = ""
     snapshot_steps: str = ""  # e.g. "1,20": chief saves the pulled parameters after these steps
     snapshot_dir: str = ""
+    heartbeat_interval: float = 0.0  # 0: a third of the server's lease timeout
+    reconnect_timeout: float = 120.0  # how long to keep retrying a lost server before giving up
+    # Security (see ps-server): server CA, optional client certificate, token from file or TFPS_AUTH_TOKEN.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""  # override the name checked against the server certificate
+    auth_token_file: str = ""
     connect_timeout: float = 60.0
     init_timeout: float = 120.0
     final_wait: float = 600.0
@@ -109,6 +117,12 @@ class WorkerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
+        if self.heartbeat_interval < 0 or self.reconnect_timeout <= 0:
+            raise ConfigError("--heartbeat-interval must be >= 0 and --reconnect-timeout > 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("--tls-cert-file and --tls-key-file (client certificate) go together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ConfigError("a client certificate (--tls-cert-file) needs --tls-ca-file")
         if self.snapshot_steps and not self.snapshot_dir:
             raise ConfigError("--snapshot-steps needs --snapshot-dir")
         try:
@@ -177,6 +191,13 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
+    p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")
+    p.add_argument("--tls-ca-file", help="CA (PEM) that signed the server certificate; enables TLS")
+    p.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key-file", help="client private key (PEM) for mutual TLS")
+    p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
+    p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
 
 
 def training_flags(args: argparse.Namespace) -> list[str]:

@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
+    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file or args.tls_server_name:
+        raise LaunchError("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
+                          "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
+                          "or --auth-token-file reaches the server and every worker")
     worker_flags = training_flags(args)
     # Fail on a bad combination now, with the worker's own message, not in N processes.
     try:
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
             server = Child(
                 "ps",
                 [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                 "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)],
+                 "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)]
+                + (["--auth-token-file", args.auth_token_file] if args.auth_token_file else []),
                 out_lock, env,
             )
             children.append(server)

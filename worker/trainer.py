@@ -17,15 +17,18 @@ loss on the whole training set.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import socket
+import threading
 import time
 
 import grpc
 import numpy as np
 
+from ps_server import security
 from worker.client import PSClient, PSClientError
 from worker.config import ConfigError, WorkerConfig
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
@@ -59,50 +62,72 @@ def train(config: WorkerConfig) -> dict:
     grad_fn = models.make_grad_fn(model)
     names = models.variable_names(model)
 
-    client = PSClient(config.ps, timeout=max(30.0, config.connect_timeout))
+    client = PSClient(
+        config.ps, timeout=max(30.0, config.connect_timeout),
+        tls_ca_file=config.tls_ca_file or None, tls_cert_file=config.tls_cert_file or None,
+        tls_key_file=config.tls_key_file or None, tls_server_name=config.tls_server_name or None,
+        token=security.load_token(config.auth_token_file, os.environ),
+    )
     try:
         try:
-            reg = client.register(
-                config.worker_index, config.num_workers, f"{socket.gethostname()}:{os.getpid()}",
-                timeout=config.connect_timeout,
-            )
+            reg = _register(config, client, config.connect_timeout)
         except PSClientError as e:
             if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise TrainingError(f"cannot reach the parameter server at {config.ps} within "
                                     f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?") from None
             raise
-        log.info("registered as worker %d of %d; server mode %s, version %d",
-                 reg.worker_id, reg.num_workers, reg.mode, reg.version)
+        log.info("registered as worker %d of %d; server mode %s, version %d, round %d",
+                 reg.worker_id, reg.num_workers, reg.mode, reg.version, reg.round)
         _join(config, client, reg.worker_id, model, models)
-        push_timeout = reg.barrier_timeout + 30.0 if reg.mode == "sync" else 120.0
+        heartbeat = _Heartbeat(client, reg, config.heartbeat_interval)
+        sync = reg.mode == "sync"
 
+        batches = list(itertools.islice(
+            global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), total_steps))
         t0 = time.monotonic()
         last_log, examples_since, loss = t0, 0, float("nan")
         history: list[dict] = []
         snapshots = set(config.snapshot_step_list) if config.is_chief else set()
-        batches = global_batches(n_train, config.global_batch_size, epochs_needed, config.seed)
-        for step, batch in zip(range(total_steps), batches):
-            mine = shard(batch, config.worker_index, config.num_workers)
-            version, values = client.pull(reg.worker_id)
-            models.set_weights(model, values)
-            if len(mine):
-                with tf.device(device):
-                    loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine], data.y_train[mine])
-            else:  # a tiny last batch left this worker nothing: weight 0 in the round
-                loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
-            reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
-            examples_since += len(mine)
-            history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
-                            "version": reply.version, "staleness": reply.staleness})
-            if step + 1 in snapshots:
-                _, now_values = client.pull(reg.worker_id)
-                models.save_ordered_npz(model, now_values, os.path.join(config.snapshot_dir, f"step{step + 1}.npz"))
-            if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
-                now = time.monotonic()
-                log.info("step %d/%d loss %.4f examples/s %.0f version %d staleness %d",
-                         step + 1, total_steps, loss, examples_since / max(now - last_log, 1e-9),
-                         reply.version, reply.staleness)
-                last_log, examples_since = now, 0
+        step = reg.round if sync else 0  # a (re)joining sync worker starts at the server's round
+        try:
+            while step < total_steps:
+                heartbeat.step = step
+                mine = shard(batches[step], config.worker_index, config.num_workers)
+                try:
+                    version, values = client.pull(reg.worker_id)
+                    models.set_weights(model, values)
+                    if len(mine):
+                        with tf.device(device):
+                            loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine],
+                                                                   data.y_train[mine])
+                    else:  # a tiny last batch left this worker nothing: weight 0 in the round
+                        loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
+                    push_timeout = reg.barrier_timeout + 30.0 if sync else 120.0
+                    reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
+                except PSClientError as e:
+                    if not _recoverable(e):
+                        raise
+                    reg, step = _rejoin(config, client, reg, step, e, model, models)
+                    heartbeat.reg = reg
+                    continue
+                examples_since += len(mine)
+                history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
+                                "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped})
+                if step + 1 in snapshots:
+                    _, now_values = client.pull(reg.worker_id)
+                    models.save_ordered_npz(model, now_values,
+                                            os.path.join(config.snapshot_dir, f"step{step + 1}.npz"))
+                if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
+                    now = time.monotonic()
+                    log.info("step %d/%d loss %.4f examples/s %.0f version %d staleness %d%s",
+                             step + 1, total_steps, loss, examples_since / max(now - last_log, 1e-9),
+                             reply.version, reply.staleness, " (gradient dropped: round finished without it)"
+                             if reply.dropped else "")
+                    last_log, examples_since = now, 0
+                # Sync: the server says which round is next (a dropped push skips ahead).
+                step = max(reply.next_step, step + 1) if sync else step + 1
+        finally:
+            heartbeat.stop()
         train_s = time.monotonic() - t0
         client.leave(reg.worker_id)
         if config.history_json:
@@ -114,6 +139,85 @@ def train(config: WorkerConfig) -> dict:
         return _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
     finally:
         client.close()
+
+
+def _register(config: WorkerConfig, client: PSClient, timeout: float):
+    return client.register(config.worker_index, config.num_workers, f"{socket.gethostname()}:{os.getpid()}",
+                           timeout=timeout)
+
+
+# Failures a worker rides out by reconnecting and registering again: the server is
+# down or restarting, it restarted without knowing us, or it declared us dead (a
+# pause longer than the lease) or out of step.
+_REJOIN_DETAILS = ("not registered", "declared dead", "not initialized", "is late", "is early",
+                   "not part of sync round", "pull first")
+
+
+def _recoverable(e: PSClientError) -> bool:
+    if e.code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if e.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.INVALID_ARGUMENT):
+        return any(d in e.details for d in _REJOIN_DETAILS)
+    return False
+
+
+def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSClientError, model, models):
+    """Reconnect within --reconnect-timeout, register again, and say where to resume."""
+    log.warning("worker %d lost its place at step %d (%s); reconnecting for up to %g s",
+                config.worker_index, step, error, config.reconnect_timeout)
+    deadline = time.monotonic() + config.reconnect_timeout
+    delay = 0.2
+    while True:
+        try:
+            new = _register(config, client, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+            if not new.initialized and config.is_chief:
+                # A server restarted with no checkpoint: carry on from our last parameters.
+                created = client.initialize(new.worker_id, models.get_weights(model), config.optimizer_spec())
+                log.warning("server at %s had no state; re-initialized it from this worker's last parameters "
+                            "(created=%s)", config.ps, created)
+            elif not new.initialized:
+                client.wait_initialized(new.worker_id, max(1.0, deadline - time.monotonic()))
+            break
+        except PSClientError as e:
+            if not _recoverable(e) and e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise TrainingError(f"lost the parameter server at {config.ps} and could not rejoin within "
+                                    f"--reconnect-timeout {config.reconnect_timeout:g} s ({e})") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    if new.incarnation != reg.incarnation:
+        lost = max(0, step - new.round) if new.mode == "sync" else 0
+        log.warning("the server restarted (incarnation %s -> %s) at version %d%s", reg.incarnation,
+                    new.incarnation, new.version,
+                    f": resuming at round {new.round}, {lost} step(s) of updates were lost" if new.mode == "sync" else "")
+    resume = new.round if new.mode == "sync" else step
+    log.info("worker %d rejoined: resuming at step %d", new.worker_id, resume)
+    return new, resume
+
+
+class _Heartbeat:
+    """Renews the worker's lease from a thread, so a long barrier wait or a slow
+    step never looks like a death. Errors are left to the training loop."""
+
+    def __init__(self, client: PSClient, reg, interval: float):
+        self.client, self.reg, self.step = client, reg, 0
+        self.interval = interval or max(0.1, reg.lease_timeout / 3)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.client.heartbeat(self.reg.worker_id, self.step, timeout=max(1.0, self.interval))
+            except PSClientError as e:
+                log.debug("heartbeat failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 def _join(config: WorkerConfig, client: PSClient, worker_id: int, model, models) -> None:

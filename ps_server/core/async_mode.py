@@ -23,11 +23,21 @@ There is no barrier and no global lock. What "lock-free" means here, exactly:
 
 Staleness of a push = the server version when its apply starts minus the
 version its gradient was computed from (``base_version``).
+
+Exactly once: a worker's steps must increase. A push repeating the worker's
+last applied step (a retry after a lost reply) is answered from the record
+(``replayed``) and not applied again; an older step is refused
+(``StaleRound``). Pushes of one worker are serialized by that worker's own lock,
+so two copies of the same retry cannot both apply; different workers never
+wait for each other.
 """
 
 from __future__ import annotations
 
-from ps_server.core.errors import InvalidArgument
+import dataclasses
+import threading
+
+from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.store import VariableStore
@@ -36,16 +46,32 @@ from ps_server.core.store import VariableStore
 class AsyncMode:
     name = "async"
 
-    def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None):
+    def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
+                 allow_nonfinite: bool = False):
         self.store = store
         self.members = members
         self.stats = stats or Stats()
+        self.allow_nonfinite = allow_nonfinite
+        self._worker_locks = [threading.Lock() for _ in range(members.num_workers)]
+        self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
 
     def push(self, push: Push) -> PushResult:
         push.validate()
         if push.batch_size == 0:
             raise InvalidArgument(f"async push from worker {push.worker_id} has no examples (batch_size 0)")
-        self.store.check_gradients(push.gradients)
+        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
+        with self._worker_locks[push.worker_id]:  # one worker's pushes in order; others run beside
+            last = self._last.get(push.worker_id)
+            if last is not None and push.step == last[0]:
+                self.stats.count("replayed")
+                return dataclasses.replace(last[1], replayed=True)
+            if last is not None and push.step < last[0]:
+                raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; step {push.step} is older")
+            result = self._apply(push)
+            self._last[push.worker_id] = (push.step, result)
+            return result
+
+    def _apply(self, push: Push) -> PushResult:
         seen = self.store.version
         if push.base_version > seen:
             raise InvalidArgument(
@@ -58,7 +84,13 @@ class AsyncMode:
             self.store.apply_one(name, push.gradients[name])
         version = self.store.bump_version()
         self.stats.record(pushes=1, examples=push.batch_size, staleness=[staleness], loss=push.loss)
-        return PushResult(version=version, staleness=staleness, contributors=1)
+        return PushResult(version=version, staleness=staleness, contributors=1, next_step=push.step + 1)
 
     def status(self) -> ModeStatus:
-        return ModeStatus()
+        return ModeStatus(active_workers=tuple(range(self.members.num_workers)))
+
+    def workers_died(self, worker_ids: list[int]) -> None:
+        """Nothing waits for anyone in async mode: a dead worker only stops pushing."""
+
+    def worker_joined(self, worker_id: int) -> None:
+        """A restarted worker carries on with its own steps."""

@@ -62,3 +62,12 @@ class BarrierTimeout(PSError):
 
 class Unavailable(PSError):
     """The server is shutting down and takes no more work."""
+
+
+class WorkerDead(PSError):
+    """A sync round cannot complete: a worker it needs is dead (policy abort, or
+    policy wait with no replacement in time). ``dead`` lists them."""
+
+    def __init__(self, message: str, dead: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.dead = dead

@@ -1,11 +1,18 @@
-"""Who is in the cluster: registered workers and what each last did.
+"""Who is in the cluster: registered workers, their leases, and what each last did.
 
-    members = Membership(num_workers=2)
+    members = Membership(num_workers=2, lease_timeout=10.0)
     members.register(worker_index=0, claimed_num_workers=2, name="host:1234")
-    members.require(0)            # raises UnknownWorker for an id never registered
+    members.require(0)            # renews the lease; UnknownWorker if never registered or dead
+    newly_dead = members.expire() # workers silent for longer than the lease timeout
 
-Registering an index again (a restarted worker) replaces its record. Thread-safe:
-one small lock guards the table and is never held while calling out.
+A worker holds a lease, renewed by every call it makes (``require``) and by
+heartbeats. ``expire`` declares dead every registered, not-yet-left worker whose
+lease ran out; from then on its calls are refused (UnknownWorker, "declared
+dead") until it registers again. Registering an index again (a restarted or
+replacement worker) replaces its record and revives it.
+
+Thread-safe: one small lock guards the table and is never held while calling
+out. The clock is injected, so tests drive time by hand.
 """
 
 from __future__ import annotations
@@ -26,14 +33,21 @@ class WorkerRecord:
     last_seen: float
     last_step: int = -1
     pushes: int = 0
+    dropped: int = 0
     left: bool = False
+    dead: bool = False
+    dead_since: float = 0.0
 
 
 class Membership:
-    def __init__(self, num_workers: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, num_workers: int, lease_timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         if num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
+        if not lease_timeout > 0:
+            raise InvalidArgument(f"lease_timeout must be > 0, got {lease_timeout}")
         self.num_workers = num_workers
+        self.lease_timeout = lease_timeout
         self._clock = clock
         self._lock = threading.Lock()  # guards _workers; leaf lock, nothing is called under it
         self._workers: dict[int, WorkerRecord] = {}
@@ -52,27 +66,70 @@ class Membership:
         now = self._clock()
         record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now)
         with self._lock:
+            old = self._workers.get(worker_index)
+            if old is not None:  # keep the counters of the index across restarts
+                record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
             self._workers[worker_index] = record
         return dataclasses.replace(record)
 
-    def require(self, worker_id: int) -> None:
+    def restore(self, records: list[WorkerRecord]) -> None:
+        """Load records from a checkpoint: known indexes, leases starting now."""
+        now = self._clock()
         with self._lock:
-            if worker_id not in self._workers:
-                raise UnknownWorker(f"worker {worker_id} is not registered; call Register first")
-            self._workers[worker_id].last_seen = self._clock()
+            for r in records:
+                if 0 <= r.worker_id < self.num_workers:
+                    self._workers[r.worker_id] = dataclasses.replace(r, last_seen=now, registered_at=now,
+                                                                     dead=False, dead_since=0.0)
 
-    def record_push(self, worker_id: int, step: int) -> None:
+    def require(self, worker_id: int) -> None:
+        """Raise unless the worker is registered and alive; renews its lease."""
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            if rec is None:
+                raise UnknownWorker(f"worker {worker_id} is not registered; call Register first")
+            if rec.dead:
+                raise UnknownWorker(
+                    f"worker {worker_id} was declared dead (no call or heartbeat for more than "
+                    f"{self.lease_timeout:g} s); register again to rejoin"
+                )
+            rec.last_seen = self._clock()
+
+    heartbeat = require
+
+    def record_push(self, worker_id: int, step: int, dropped: bool = False) -> None:
         with self._lock:
             rec = self._workers.get(worker_id)
             if rec is not None:
                 rec.last_step = max(rec.last_step, step)
                 rec.pushes += 1
+                rec.dropped += int(dropped)
                 rec.last_seen = self._clock()
 
     def leave(self, worker_id: int) -> None:
         self.require(worker_id)
         with self._lock:
             self._workers[worker_id].left = True
+
+    def expire(self) -> list[int]:
+        """Declare dead every live, registered, not-left worker whose lease ran out; returns them."""
+        now = self._clock()
+        newly = []
+        with self._lock:
+            for w, rec in self._workers.items():
+                if not rec.dead and not rec.left and now - rec.last_seen > self.lease_timeout:
+                    rec.dead, rec.dead_since = True, now
+                    newly.append(w)
+        return sorted(newly)
+
+    def is_dead(self, worker_id: int) -> bool:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            return rec is not None and rec.dead
+
+    def silent_for(self, worker_id: int) -> float:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            return self._clock() - rec.last_seen if rec is not None else float("inf")
 
     def name_of(self, worker_id: int) -> str:
         with self._lock:

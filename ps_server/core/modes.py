@@ -42,6 +42,9 @@ class PushResult:
     version: int  # the version after this gradient was applied
     staleness: int  # server version at apply time minus base_version
     contributors: int = 1
+    dropped: bool = False  # sync with backup workers: the round completed without it
+    next_step: int = 0  # the step this worker should push next
+    replayed: bool = False  # already applied before: this is the recorded answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,8 @@ class ModeStatus:
     round: int = 0
     waiting_for: tuple[int, ...] = ()
     rounds_timed_out: int = 0
+    rounds_aborted: int = 0
+    active_workers: tuple[int, ...] = ()
 
 
 class Mode(Protocol):
@@ -57,6 +62,10 @@ class Mode(Protocol):
     def push(self, push: Push) -> PushResult: ...
 
     def status(self) -> ModeStatus: ...
+
+    def workers_died(self, worker_ids: list[int]) -> None: ...
+
+    def worker_joined(self, worker_id: int) -> None: ...
 
 
 class Stats:
@@ -68,6 +77,8 @@ class Stats:
         self.examples_applied = 0
         self.staleness_counts: dict[int, int] = {}
         self.last_loss = float("nan")
+        self.dropped = 0
+        self.replayed = 0
 
     def record(self, pushes: int, examples: int, staleness: list[int], loss: float) -> None:
         with self._lock:
@@ -76,6 +87,11 @@ class Stats:
             for s in staleness:
                 self.staleness_counts[s] = self.staleness_counts.get(s, 0) + 1
             self.last_loss = loss
+
+    def count(self, what: str, n: int = 1) -> None:
+        """Bump one of the event counters: "dropped" or "replayed"."""
+        with self._lock:
+            setattr(self, what, getattr(self, what) + n)
 
     def staleness_summary(self) -> tuple[float, int]:
         with self._lock:

@@ -2,6 +2,7 @@
 
     ps = ParameterServer(mode="sync", num_workers=2, barrier_timeout=60.0)
     reg = ps.register(worker_index=0, claimed_num_workers=2)
+    ps.tick()        # every second or so: declare silent workers dead, apply the policy
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
     ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g))
@@ -14,7 +15,9 @@ service module maps them to gRPC status codes. Every method is thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import uuid
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -29,6 +32,8 @@ from ps_server.core.sync_mode import SyncMode
 
 MODES = ("sync", "async")
 
+log = logging.getLogger("ps_server.core")
+
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
@@ -38,6 +43,9 @@ class Registration:
     initialized: bool
     version: int
     barrier_timeout: float
+    round: int = 0
+    lease_timeout: float = 10.0
+    incarnation: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,26 +67,52 @@ class Status:
     uptime_s: float
     rounds_timed_out: int
     last_loss: float
+    incarnation: str = ""
+    pushes_dropped: int = 0
+    pushes_replayed: int = 0
+    rounds_aborted: int = 0
+    dead_worker_policy: str = ""
+    replicas_to_aggregate: int = 0
+    lease_timeout: float = 0.0
+    active_workers: tuple[int, ...] = ()
 
 
 class ParameterServer:
-    def __init__(self, mode: str, num_workers: int, barrier_timeout: float = 60.0):
+    def __init__(
+        self,
+        mode: str,
+        num_workers: int,
+        barrier_timeout: float = 60.0,
+        lease_timeout: float = 10.0,
+        dead_worker_policy: str = "abort",
+        replacement_timeout: float = 60.0,
+        replicas_to_aggregate: int = 0,
+        allow_nonfinite: bool = False,
+        clock=time.monotonic,
+    ):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         self.mode_name = mode
         self.num_workers = num_workers
         self.barrier_timeout = barrier_timeout
-        self.members = Membership(num_workers)
+        self.dead_worker_policy = dead_worker_policy
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore()
         self.stats = Stats()
         self._started = time.monotonic()
         if mode == "sync":
-            self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats)
+            self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
+                                 policy=dead_worker_policy, replacement_timeout=replacement_timeout,
+                                 replicas_to_aggregate=replicas_to_aggregate, allow_nonfinite=allow_nonfinite)
         else:
-            self.mode = AsyncMode(self.store, self.members, self.stats)
+            self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
         rec = self.members.register(worker_index, claimed_num_workers, name)
+        self.mode.worker_joined(rec.worker_id)
+        status = self.mode.status()
         return Registration(
             worker_id=rec.worker_id,
             mode=self.mode_name,
@@ -86,7 +120,22 @@ class ParameterServer:
             initialized=self.store.initialized,
             version=self.store.version,
             barrier_timeout=self.barrier_timeout,
+            round=status.round,
+            lease_timeout=self.members.lease_timeout,
+            incarnation=self.incarnation,
         )
+
+    def heartbeat(self, worker_id: int, step: int = -1) -> None:
+        self.members.heartbeat(worker_id)
+
+    def tick(self) -> list[int]:
+        """Declare workers whose lease ran out dead and apply the dead-worker policy."""
+        dead = self.members.expire()
+        if dead:
+            log.warning("worker(s) %s declared dead: no call or heartbeat for more than %g s",
+                        self.members.describe(dead), self.members.lease_timeout)
+            self.mode.workers_died(dead)
+        return dead
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless."""
@@ -102,7 +151,7 @@ class ParameterServer:
     def push(self, push: Push) -> PushResult:
         self.members.require(push.worker_id)
         result = self.mode.push(push)
-        self.members.record_push(push.worker_id, push.step)
+        self.members.record_push(push.worker_id, push.step, dropped=result.dropped)
         return result
 
     def leave(self, worker_id: int) -> None:
@@ -130,6 +179,14 @@ class ParameterServer:
             uptime_s=time.monotonic() - self._started,
             rounds_timed_out=mode_status.rounds_timed_out,
             last_loss=self.stats.last_loss,
+            incarnation=self.incarnation,
+            pushes_dropped=self.stats.dropped,
+            pushes_replayed=self.stats.replayed,
+            rounds_aborted=mode_status.rounds_aborted,
+            dead_worker_policy=self.dead_worker_policy if self.mode_name == "sync" else "",
+            replicas_to_aggregate=self.replicas_to_aggregate,
+            lease_timeout=self.members.lease_timeout,
+            active_workers=mode_status.active_workers,
         )
 
 

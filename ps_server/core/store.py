@@ -140,8 +140,11 @@ class VariableStore:
             return self._version, {n: self._vars[n].value for n in chosen}
 
     # -- gradients ---------------------------------------------------------------
-    def check_gradients(self, grads: Mapping[str, np.ndarray]) -> None:
-        """Raise unless grads has exactly one finite array per variable, of its shape and dtype."""
+    def check_gradients(self, grads: Mapping[str, np.ndarray], allow_nonfinite: bool = False) -> None:
+        """Raise unless grads has exactly one finite array per variable, of its shape and dtype.
+
+        ``allow_nonfinite`` lets NaN and Inf through (they are rejected by default).
+        """
         self._require_initialized()
         unknown = [n for n in grads if n not in self._vars]
         if unknown:
@@ -157,7 +160,7 @@ class VariableStore:
                 )
             if np.dtype(g.dtype).newbyteorder("=") != value.dtype:
                 raise InvalidArgument(f"gradient for {name!r} has dtype {g.dtype}, variable has {value.dtype}")
-            if not np.isfinite(g).all():
+            if not allow_nonfinite and not np.isfinite(g).all():
                 raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
 
     # -- updates -----------------------------------------------------------------

@@ -1,45 +1,60 @@
 """Synchronous mode: one barrier per step.
 
     mode = SyncMode(store, members, num_workers=2, barrier_timeout=60.0)
-    result = mode.push(push)     # blocks until all workers pushed this round
+    result = mode.push(push)     # blocks until the round completes
 
-Round ``r`` waits until each of the N workers has pushed step ``r``. The thread
-whose push fills the round aggregates the gradients (batch-weighted mean, in
-worker-id order: ``aggregation.weighted_mean``), applies the optimizer once,
-bumps the version, and only then are all pushes of the round answered, each
-with the new version. Every worker therefore pulls the same parameters for
-round ``r + 1``; the result equals one optimizer step on the whole global batch.
+Round ``r`` waits until each active worker has pushed step ``r`` (or, with
+backup workers, until the first ``replicas_to_aggregate`` pushes arrived). The
+thread whose push fills the round aggregates the gradients (batch-weighted
+mean, in worker-id order: ``aggregation.weighted_mean``), applies the optimizer
+once, bumps the version, and only then are all pushes of the round answered,
+each with the new version and ``next_step``. Every worker therefore pulls the
+same parameters for round ``r + 1``; the result equals one optimizer step on
+the whole global batch of the workers that contributed.
 
 Guarantees:
 - a gradient is applied at most once, and only as part of a full round;
-- a push for a completed round (``StaleRound``), a future round
-  (``FutureRound``) or a second push in a round (``DuplicatePush``) is refused
-  and changes nothing;
+  pushes are idempotent per (worker, step): a retry while the first is waiting
+  gets the same answer, a retry after the round completed gets the recorded
+  answer (``replayed``), and neither is applied twice;
+- a push for a future round (``FutureRound``), for a completed round it was not
+  part of (``StaleRound``; with backup workers it is answered ``dropped`` and
+  counted instead), or from a worker dropped from the cluster is refused and
+  changes nothing;
 - a round that does not fill within ``barrier_timeout`` seconds of its first
   push is discarded (parameters unchanged) and every waiting push fails with
-  ``BarrierTimeout`` naming the workers that never pushed; the workers may
-  push that step again.
+  ``BarrierTimeout`` naming the workers that never pushed;
+- when a worker the round needs is declared dead (``Membership.expire``), the
+  ``policy`` decides: ``abort`` ends the round at once with ``WorkerDead`` for
+  every waiter (and for new pushes while it stays dead); ``wait`` keeps the
+  round open until a replacement registers with that index, up to
+  ``replacement_timeout`` after the death, then aborts; ``shrink`` stops
+  expecting the dead worker and finishes rounds with the live ones, weighted by
+  their batch shares (a worker that registers again is expected again).
 
 Threading: ``RoundBook`` is the deterministic core; this class owns the one
 lock around it and the condition ``_round_ended`` (a generation ended:
-completed or aborted). The aggregation and apply run under the lock: no push
-of the next round can arrive before it ends anyway, since every worker is
-waiting. Nothing here does network I/O.
+completed or aborted, or the set of dead workers changed). The aggregation and
+apply run under the lock: no push of the next round can arrive before it ends
+anyway. Nothing here does network I/O.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from typing import Callable
 
 from ps_server.core.aggregation import weighted_loss, weighted_mean
-from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError
+from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
-from ps_server.core.rounds import RoundBook
+from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import VariableStore
+
+POLICIES = ("abort", "wait", "shrink")
 
 # How many ended generations keep their outcome for waiters that wake late.
 _OUTCOMES_KEPT = 8
@@ -56,45 +71,84 @@ class SyncMode:
         barrier_timeout: float,
         stats: Stats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        policy: str = "abort",
+        replacement_timeout: float = 60.0,
+        replicas_to_aggregate: int = 0,
+        allow_nonfinite: bool = False,
     ):
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
+        if policy not in POLICIES:
+            raise InvalidArgument(f"dead-worker policy must be one of {POLICIES}, got {policy!r}")
         self.store = store
         self.members = members
         self.barrier_timeout = barrier_timeout
+        self.policy = policy
+        self.replacement_timeout = replacement_timeout
+        self.allow_nonfinite = allow_nonfinite
         self.stats = stats or Stats()
         self._clock = clock
         self._lock = threading.Lock()
         self._round_ended = threading.Condition(self._lock)
-        self._book = RoundBook(num_workers, start_round=store.version)
+        self._book = RoundBook(num_workers, start_round=store.version, quorum=replicas_to_aggregate)
         self._outcomes: dict[int, PushResult | PSError] = {}
+        self._results: dict[int, PushResult] = {}  # completed round -> its answer, for replays
+        self._dead_since: dict[int, float] = {}  # dead workers still expected (abort/wait policies)
+        self._round_started: float | None = None
         self._rounds_timed_out = 0
+        self._rounds_aborted = 0
 
+    # -- pushes ------------------------------------------------------------------
     def push(self, push: Push) -> PushResult:
         push.validate()
-        self.store.check_gradients(push.gradients)
+        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._lock:
-            self._book.check(push.worker_id, push.step)
-            if push.base_version != self.store.version:
-                raise InvalidArgument(
-                    f"worker {push.worker_id} computed its gradient for round {push.step} on version "
-                    f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; pull first"
-                )
-            full = self._book.add(push.worker_id, push.step, push)
-            generation = self._book.generation
-            if full:
-                return self._complete(generation)
-            deadline = self._clock() + self.barrier_timeout
-            while self._book.generation == generation:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    self._abort(generation, push.step)
-                    break
-                self._round_ended.wait(remaining)
-            outcome = self._outcomes[generation]
+            kind = self._book.check(push.worker_id, push.step)
+            if kind == "replay":
+                self.stats.count("replayed")
+                return dataclasses.replace(self._results[push.step], replayed=True, next_step=self._book.round)
+            if kind == "late":
+                self.stats.count("dropped")
+                version = self.store.version
+                return PushResult(version=version, staleness=version - push.base_version, contributors=0,
+                                  dropped=True, next_step=self._book.round)
+            if kind == "new":
+                if push.base_version != self.store.version:
+                    raise InvalidArgument(
+                        f"worker {push.worker_id} computed its gradient for round {push.step} on version "
+                        f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; "
+                        "pull first"
+                    )
+                self._raise_if_blocked()
+                if not self._book.pushed():
+                    self._round_started = self._clock()
+                if self._book.add(push.worker_id, push.step, push):
+                    return self._complete(self._book.generation)
+            return self._wait(self._book.generation, push.step)
+
+    def _wait(self, generation: int, step: int) -> PushResult:
+        """Wait, lock held, until this generation ends; return or raise its outcome."""
+        while self._book.generation == generation:
+            deadline = self._deadline()
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                self._expire_round(step)
+                break
+            self._round_ended.wait(remaining)
+        outcome = self._outcomes[generation]
         if isinstance(outcome, PSError):
             raise copy.copy(outcome)  # each waiter gets its own instance (and traceback)
         return outcome
+
+    def _deadline(self) -> float:
+        started = self._round_started if self._round_started is not None else self._clock()
+        deadline = started + self.barrier_timeout
+        if self.policy == "wait":
+            # A dead worker's index may be filled by a replacement: give it its time.
+            for w in self._book.missing():
+                if w in self._dead_since:
+                    deadline = max(deadline, self._dead_since[w] + self.replacement_timeout)
+        return deadline
 
     def _complete(self, generation: int) -> PushResult:
         """Aggregate and apply the full round. Called with the lock held."""
@@ -106,6 +160,7 @@ class SyncMode:
             self._settle(generation, e)
             raise
         version = self.store.apply_all(mean)
+        completed = self._book.round
         self._book.take()
         sizes = [p.batch_size for p in pushes]
         self.stats.record(
@@ -114,27 +169,101 @@ class SyncMode:
             staleness=[0] * len(pushes),
             loss=weighted_loss([p.loss for p in pushes], sizes),
         )
-        result = PushResult(version=version, staleness=0, contributors=len(pushes))
+        result = PushResult(version=version, staleness=0, contributors=len(pushes), next_step=self._book.round)
+        self._results[completed] = result
+        self._results.pop(completed - ROUNDS_REMEMBERED, None)
         self._settle(generation, result)
         return result
 
-    def _abort(self, generation: int, step: int) -> None:
+    def _expire_round(self, step: int) -> None:
+        """The round ran out of time: a plain timeout, or no replacement for a dead worker."""
+        dead = tuple(w for w in self._book.missing() if w in self._dead_since)
+        if dead:
+            self._abort_for_dead(dead, f"no replacement registered within {self.replacement_timeout:g} s")
+            return
+        generation = self._book.generation
         missing = self._book.abort()
         self._rounds_timed_out += 1
-        pushed = self.members.describe(w for w in range(self._book.num_workers) if w not in missing)
-        error = BarrierTimeout(
+        pushed = self.members.describe(w for w in sorted(self._book.active) if w not in missing)
+        self._settle(generation, BarrierTimeout(
             f"sync round {step} timed out after {self.barrier_timeout:g} s waiting for "
             f"worker(s) {self.members.describe(missing)}; pushed: {pushed or 'none'}; "
             f"round discarded, parameters unchanged at version {self.store.version}",
             missing=missing,
+        ))
+
+    def _abort_for_dead(self, dead: tuple[int, ...], why: str) -> None:
+        generation = self._book.generation
+        self._book.abort()
+        self._rounds_aborted += 1
+        self._settle(generation, self._dead_error(dead, why))
+
+    def _dead_error(self, dead: tuple[int, ...], why: str) -> WorkerDead:
+        return WorkerDead(
+            f"sync round {self._book.round} cannot complete: worker(s) {self.members.describe(dead)} died "
+            f"(no heartbeat for more than {self.members.lease_timeout:g} s); {why} (dead-worker policy "
+            f"{self.policy}); parameters unchanged at version {self.store.version}",
+            dead=dead,
         )
-        self._settle(generation, error)
+
+    def _blocking_dead(self) -> tuple[int, ...]:
+        """Dead workers without whom the current round cannot fill."""
+        dead_missing = tuple(w for w in self._book.missing() if w in self._dead_since)
+        if not dead_missing:
+            return ()
+        if self._book.quorum:
+            live_possible = len(self._book.pushed()) + len(self._book.missing()) - len(dead_missing)
+            return dead_missing if live_possible < self._book.needed else ()
+        return dead_missing
+
+    def _raise_if_blocked(self) -> None:
+        if self.policy == "abort":
+            dead = self._blocking_dead()
+            if dead:
+                raise self._dead_error(dead, "the round was aborted")
 
     def _settle(self, generation: int, outcome: PushResult | PSError) -> None:
         self._outcomes[generation] = outcome
         for old in [g for g in self._outcomes if g <= generation - _OUTCOMES_KEPT]:
             del self._outcomes[old]
+        self._round_started = None
         self._round_ended.notify_all()
+
+    # -- membership ----------------------------------------------------------------
+    def workers_died(self, worker_ids: list[int]) -> None:
+        """Apply the dead-worker policy to workers the lease check just declared dead."""
+        if not worker_ids:
+            return
+        with self._lock:
+            now = self._clock()
+            for w in worker_ids:
+                if w not in self._book.active:
+                    continue
+                if self.policy == "shrink":
+                    self._book.deactivate(w)
+                else:
+                    self._dead_since[w] = now
+            if self.policy == "shrink":
+                if self._book.full():
+                    self._complete(self._book.generation)
+            elif self.policy == "abort":
+                dead = self._blocking_dead()
+                if dead and self._book.pushed():
+                    self._abort_for_dead(dead, "the round was aborted")
+            self._round_ended.notify_all()  # waiters recompute their deadlines
+
+    def worker_joined(self, worker_id: int) -> None:
+        """A worker (re)registered: it is expected in rounds again."""
+        with self._lock:
+            self._dead_since.pop(worker_id, None)
+            self._book.activate(worker_id)
+            self._round_ended.notify_all()
+
+    # -- status --------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        with self._lock:
+            return self._book.round
 
     def status(self) -> ModeStatus:
         with self._lock:
@@ -142,4 +271,6 @@ class SyncMode:
                 round=self._book.round,
                 waiting_for=self._book.missing() if self._book.pushed() else (),
                 rounds_timed_out=self._rounds_timed_out,
+                rounds_aborted=self._rounds_aborted,
+                active_workers=tuple(sorted(self._book.active)),
             )

@@ -59,14 +59,15 @@ def test_a_worker_that_does_not_say_its_num_workers_is_accepted(members):
     assert members.register(worker_index=2, claimed_num_workers=0).worker_id == 2
 
 
-def test_registering_again_replaces_the_record(members, clock):
+def test_registering_again_replaces_the_record_but_keeps_the_index_counters(members, clock):
     members.register(0, 3, name="old:1")
     members.record_push(0, step=5)
     clock.now = 200.0
     rec = members.register(0, 3, name="new:2")
-    assert (rec.name, rec.registered_at, rec.last_step, rec.pushes) == ("new:2", 200.0, -1, 0)
+    # A restarted worker is a new process (name, lease) doing the same index's work (counters).
+    assert (rec.name, rec.registered_at, rec.last_step, rec.pushes) == ("new:2", 200.0, 5, 1)
     [only] = members.snapshot()
-    assert (only.worker_id, only.name, only.pushes) == (0, "new:2", 0)
+    assert (only.worker_id, only.name, only.pushes, only.dead) == (0, "new:2", 1, False)
 
 
 def test_require_of_an_unregistered_worker_raises_unknown_worker(members):

@@ -100,14 +100,19 @@ def test_worker_id_outside_the_cluster_is_refused_and_changes_nothing(worker_id)
     assert state(book) == before
 
 
-def test_check_raises_exactly_what_add_would_and_never_records():
+def test_check_classifies_or_raises_what_add_would_and_never_records():
     book = RoundBook(num_workers=2, start_round=5)
-    book.check(0, 5)  # acceptable, and still not recorded
+    assert book.check(0, 5) == "new"  # acceptable, and still not recorded
     assert book.pushed() == ()
     book.add(0, 5, "a")
-    for args, error in [((0, 5), DuplicatePush), ((1, 4), StaleRound), ((1, 6), FutureRound), ((2, 5), InvalidArgument)]:
+    assert book.check(0, 5) == "join"  # a retry waits for the first push's outcome
+    with pytest.raises(DuplicatePush):
+        book.add(0, 5, "again")
+    for args, error in [((1, 4), StaleRound), ((1, 6), FutureRound), ((2, 5), InvalidArgument)]:
         with pytest.raises(error):
             book.check(*args)
+        with pytest.raises(error):
+            book.add(*args, "x")
     assert book.pushed() == (0,)
 
 

@@ -215,12 +215,24 @@ def complete_round(mode, step=0, grads=GRADS):
     return result
 
 
-def test_late_push_for_completed_round_is_rejected_and_changes_nothing():
+def test_retried_push_for_a_completed_round_is_replayed_not_applied_again():
     mode, store = make()
-    complete_round(mode)
+    first = complete_round(mode)
+    before, status = snapshot(store), mode.status()
+    again = push(mode, 0, step=0, base=0)  # the reply was lost; the worker retries
+    assert again.replayed and (again.version, again.next_step) == (first.version, 1)
+    assert snapshot(store) == before
+    assert mode.status() == status
+    assert mode.stats.replayed == 1
+
+
+def test_late_push_for_a_round_it_was_not_part_of_is_rejected_and_changes_nothing():
+    mode, store = make()
+    for step in range(17):  # older than the rounds remembered for replays
+        complete_round(mode, step=step)
     before, status = snapshot(store), mode.status()
     with pytest.raises(StaleRound, match="worker 0 for step 0 is late: round 0 already completed"):
-        push(mode, 0, step=0, base=1)
+        push(mode, 0, step=0, base=0)
     assert snapshot(store) == before
     assert mode.status() == status
 
@@ -236,18 +248,18 @@ def test_push_for_a_future_round_is_rejected_and_changes_nothing():
     assert_values(store, AFTER_ONE_ROUND)
 
 
-def test_duplicate_push_is_rejected_and_the_first_push_counts():
+def test_retried_push_while_the_first_waits_gets_the_same_answer_and_applies_once():
     mode, store = make()
     t0 = start(lambda: push(mode, 0))
     wait_until(lambda: mode.status().waiting_for == (1, 2))
-    with pytest.raises(DuplicatePush, match="worker 0 already pushed for round 0"):
-        push(mode, 0, grads={"w": f32(1000, 1000, 1000, 1000), "b": np.array([1000.0])})
-    assert mode.status().waiting_for == (1, 2)
+    # A retry (its content is ignored: the key is worker and step) joins the first push's wait.
+    retry = start(lambda: push(mode, 0, grads={"w": f32(1000, 1000, 1000, 1000), "b": np.array([1000.0])}))
     t1 = start(lambda: push(mode, 1))
     wait_until(lambda: mode.status().waiting_for == (2,))
     push(mode, 2)
-    finish(t0, t1)
-    assert t0.error is None and t0.result.version == 1
+    finish(t0, retry, t1)
+    assert t0.error is None and retry.error is None
+    assert t0.result == retry.result and t0.result.version == 1
     assert_values(store, AFTER_ONE_ROUND)
 
 

@@ -255,16 +255,30 @@ def test_sync_round_applies_batch_weighted_mean_once_and_answers_both_workers_wi
     assert status.last_loss == pytest.approx(0.75)  # 1/4 * 0.0 + 3/4 * 1.0
 
 
-def test_late_push_for_completed_round_is_failed_precondition_and_changes_nothing(ps, snapshot):
+def test_retried_push_for_completed_round_is_replayed_and_changes_nothing(ps, snapshot):
     _, client = ps(mode="sync", num_workers=1)
     client.register(0, 1)
     client.initialize(0, W0, SGD)
-    client.push(0, step=0, base_version=0, batch_size=1, gradients=ONES)
+    first = client.push(0, step=0, base_version=0, batch_size=1, gradients=ONES)
     before = snapshot(client)
-    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 1, 1, ONES)
+    again = client.push(0, 0, 0, 1, ONES)  # the reply was lost: the same (worker, step) again
+    assert again.version == first.version == 1
+    assert snapshot(client) == before
+    status = client.status()
+    assert (status.pushes_applied, status.pushes_replayed) == (1, 1)
+
+
+def test_late_push_for_a_forgotten_round_is_failed_precondition_and_changes_nothing(ps, snapshot):
+    _, client = ps(mode="sync", num_workers=1)
+    client.register(0, 1)
+    client.initialize(0, W0, SGD)
+    for step in range(17):  # replies are remembered for the last 16 rounds only
+        client.push(0, step=step, base_version=step, batch_size=1, gradients=ONES)
+    before = snapshot(client)
+    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 0, 1, ONES)
     assert "step 0 is late" in details and "round 0 already completed" in details
     assert snapshot(client) == before
-    assert client.status().pushes_applied == 1
+    assert client.status().pushes_applied == 17
 
 
 def test_push_for_a_future_round_is_out_of_range_and_changes_nothing(ps, snapshot):
@@ -277,23 +291,20 @@ def test_push_for_a_future_round_is_out_of_range_and_changes_nothing(ps, snapsho
     assert list(client.status().waiting_for) == []
 
 
-def test_duplicate_push_in_a_round_is_already_exists_and_only_the_first_counts(ps, connect, bg, snapshot,
-                                                                                wait_until):
+def test_retried_push_in_a_round_waits_for_the_same_answer_and_counts_once(ps, connect, bg, snapshot, wait_until):
     running, client = ps(mode="sync", num_workers=2)
     client.register(0, 2)
     client.register(1, 2)
     client.initialize(0, W0, SGD)
-    before = snapshot(client)
     first = bg(connect(running).push, 0, 0, 0, 1, ONES)
     wait_until(lambda: list(client.status().waiting_for) == [1], what="worker 0 waiting in the barrier")
     twice = {name: 100 * g for name, g in ONES.items()}
-    assert "worker 0 already pushed for round 0" in refused(Code.ALREADY_EXISTS, client.push, 0, 0, 0, 1, twice)
-    assert snapshot(client) == before
-    assert not first.done()  # the first push is still waiting, unharmed
+    retry = bg(connect(running).push, 0, 0, 0, 1, twice)  # a retry: same (worker, step)
+    assert not first.done() and not retry.done()
     reply = client.push(1, 0, 0, 1, ONES)
-    assert first.result(timeout=10) == reply
+    assert first.result(timeout=10) == reply == retry.result(timeout=10)
     _, values = client.pull()
-    # mean of worker 0's first gradient (ones) and worker 1's (ones): the duplicate never counted.
+    # mean of worker 0's first gradient (ones) and worker 1's (ones): the retry never counted.
     np.testing.assert_array_equal(values["w"], W0["w"] - 0.5)
 
 
