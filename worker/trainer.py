@@ -73,8 +73,10 @@ def train(config: WorkerConfig) -> dict:
             reg = _register(config, client, config.connect_timeout)
         except PSClientError as e:
             if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                hint = " (or does its certificate not match --tls-ca-file?)" if config.tls_ca_file else ""
                 raise TrainingError(f"cannot reach the parameter server at {config.ps} within "
-                                    f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?") from None
+                                    f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?"
+                                    f"{hint}") from None
             raise
         log.info("registered as worker %d of %d; server mode %s, version %d, round %d",
                  reg.worker_id, reg.num_workers, reg.mode, reg.version, reg.round)
