@@ -210,7 +210,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers")
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,8 @@ class StatusResponse(_message.Message):
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     initialized: bool
@@ -261,4 +263,6 @@ class StatusResponse(_message.Message):
     replicas_to_aggregate: int
     lease_timeout_s: float
     active_workers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ...) -> None: ...
+    last_checkpoint_version: int
+    checkpoint_age_s: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ...) -> None: ...

@@ -4,6 +4,14 @@
     running.server.start(); print(running.port)     # tests bind port 0
     serve(config)                                    # ps-server: runs until SIGTERM/SIGINT
 
+With ``checkpoint_dir`` set, ``build_server`` restores the newest valid
+checkpoint there (skipping damaged ones with a warning), a thread writes one
+every ``checkpoint_interval`` seconds when the version changed since the last,
+and ``serve`` writes a final one on SIGTERM/SIGINT after the last call ended
+(``RunningServer.stop(checkpoint=True)``). A restart therefore loses at most
+the updates of one interval; workers find out from the new incarnation and say
+how many steps were lost.
+
 ``build_server`` returns the started-or-not gRPC server, the port it bound and the
 core, apart from ``serve()``, so tests can run a real server in-process. The
 standard gRPC health service reports SERVING for "" and for the tfps service
@@ -17,6 +25,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -26,6 +35,8 @@ from protos import tfps_pb2_grpc as pb_grpc
 from protos import wire
 from ps_server.config import ConfigError, ServerConfig
 from ps_server import security
+from ps_server.core import checkpoint
+from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.service import ParameterServerServicer
 
@@ -41,11 +52,18 @@ class RunningServer:
     config: ServerConfig
     _stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     _ticker: threading.Thread | None = None
+    _checkpointer: threading.Thread | None = None
+    _checkpoint_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # one writer at a time
+    last_checkpoint_version: int | None = None  # written or restored; None: none yet
 
     def start(self) -> "RunningServer":
         self.server.start()
         self._ticker = threading.Thread(target=self._tick_leases, name="ps-leases", daemon=True)
         self._ticker.start()
+        if self.config.checkpoint_dir:
+            self._checkpointer = threading.Thread(target=self._checkpoint_periodically, name="ps-checkpoints",
+                                                  daemon=True)
+            self._checkpointer.start()
         for service in ("", wire.SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -59,12 +77,46 @@ class RunningServer:
             except Exception:  # never let the lease checker die silently
                 log.exception("lease check failed")
 
-    def stop(self, grace: float | None = 2.0) -> None:
+    def _checkpoint_periodically(self) -> None:
+        # Snapshots start every interval on a fixed schedule (not interval after the last
+        # write ended), so at most one interval of updates is ever missing from disk.
+        interval = self.config.checkpoint_interval
+        due = time.monotonic() + interval
+        while not self._stopping.wait(max(0.0, due - time.monotonic())):
+            due = max(due + interval, time.monotonic())
+            try:
+                self.write_checkpoint()
+            except Exception:  # a full disk must not stop training; the next interval tries again
+                log.exception("writing a checkpoint to %s failed", self.config.checkpoint_dir)
+
+    def write_checkpoint(self, force: bool = False, why: str = "periodic") -> str | None:
+        """Write a checkpoint unless nothing is initialized or (without ``force``) the version
+        has not changed since the last one; returns its path, or None if none was written."""
+        with self._checkpoint_lock:
+            state = self.core.checkpoint_state()
+            if state is None or (not force and state.version == self.last_checkpoint_version):
+                return None
+            t0 = time.perf_counter()
+            path = checkpoint.write_checkpoint(self.config.checkpoint_dir, state, self.config.checkpoint_keep)
+            self.last_checkpoint_version = state.version
+            self.core.checkpointed(state.version)
+            log.info("%s checkpoint: version %d%s written to %s in %.0f ms", why, state.version,
+                     _round(state), path, (time.perf_counter() - t0) * 1e3)
+            return path
+
+    def stop(self, grace: float | None = 2.0, checkpoint: bool = False) -> None:
+        """Stop serving; with ``checkpoint`` (and a checkpoint_dir) write a final checkpoint
+        once every call has ended, so it holds every update the server acknowledged."""
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self._ticker is not None:
             self._ticker.join(timeout=5.0)
+        if self._checkpointer is not None:
+            self._checkpointer.join(timeout=30.0)
+        if checkpoint and self.config.checkpoint_dir:
+            if self.write_checkpoint(force=True, why="final") is None:
+                log.info("final checkpoint: nothing to write (no variables initialized)")
 
     @property
     def address(self) -> str:
@@ -86,6 +138,7 @@ def build_server(config: ServerConfig) -> RunningServer:
         replicas_to_aggregate=config.replicas_to_aggregate,
         allow_nonfinite=config.allow_nonfinite,
     )
+    restored = _restore(core, config.checkpoint_dir) if config.checkpoint_dir else None
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)
     server = grpc.server(
@@ -114,7 +167,39 @@ def build_server(config: ServerConfig) -> RunningServer:
     if token and credentials is None:
         log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
-    return RunningServer(server, port, core, health_servicer, config)
+    return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored)
+
+
+def _round(state: checkpoint.ServerState) -> str:
+    return f" (round {state.round})" if state.mode == "sync" else ""
+
+
+def _restore(core: ParameterServer, directory: str) -> int | None:
+    """Restore the newest valid checkpoint in ``directory`` into ``core``; its version, or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {directory}: {e}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"--checkpoint-dir {directory} is not writable")
+    removed = checkpoint.remove_temporary_files(directory)
+    if removed:
+        log.warning("removed %d unfinished checkpoint file(s) in %s (a write was interrupted): %s",
+                    len(removed), directory, ", ".join(removed))
+    found = checkpoint.latest_valid(directory)
+    if found is None:
+        log.info("no checkpoint in %s: starting empty", directory)
+        return None
+    state, path = found
+    try:
+        core.restore(state)
+    except (ConfigMismatch, SpecConflict) as e:
+        raise ConfigError(f"cannot restore {path}: {e}") from None
+    info = checkpoint.describe(state, path)
+    log.info("restored version %d%s from %s, written %s by incarnation %s; %d worker(s) known, "
+             "%d variables, %d parameters", state.version, _round(state), path, info["written"] or "?",
+             state.incarnation or "?", len(state.members), info["variables"], info["parameters"])
+    return state.version
 
 
 def serve(config: ServerConfig) -> int:
@@ -138,7 +223,11 @@ def serve(config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
-    running.stop(grace=2.0)
+    try:
+        running.stop(grace=2.0, checkpoint=True)
+    except Exception:
+        log.exception("final checkpoint to %s failed", config.checkpoint_dir)
+        return 1
     status = running.core.status()
     log.info("stopped at version %d after %d pushes", status.version, status.pushes_applied)
     return 0

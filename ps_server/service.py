@@ -201,4 +201,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             replicas_to_aggregate=s.replicas_to_aggregate,
             lease_timeout_s=s.lease_timeout,
             active_workers=list(s.active_workers),
+            last_checkpoint_version=s.last_checkpoint_version,
+            checkpoint_age_s=s.checkpoint_age_s,
         )

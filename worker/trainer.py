@@ -91,12 +91,14 @@ def train(config: WorkerConfig) -> dict:
         history: list[dict] = []
         snapshots = set(config.snapshot_step_list) if config.is_chief else set()
         step = reg.round if sync else 0  # a (re)joining sync worker starts at the server's round
+        seen = reg.version  # the newest server version this worker saw: after a restart, what was lost
         try:
             while step < total_steps:
                 heartbeat.step = step
                 mine = shard(batches[step], config.worker_index, config.num_workers)
                 try:
                     version, values = client.pull(reg.worker_id)
+                    seen = max(seen, version)
                     models.set_weights(model, values)
                     if len(mine):
                         with tf.device(device):
@@ -109,9 +111,11 @@ def train(config: WorkerConfig) -> dict:
                 except PSClientError as e:
                     if not _recoverable(e):
                         raise
-                    reg, step = _rejoin(config, client, reg, step, e, model, models)
+                    reg, step = _rejoin(config, client, reg, step, e, model, models, seen)
+                    seen = reg.version
                     heartbeat.reg = reg
                     continue
+                seen = max(seen, reply.version)
                 examples_since += len(mine)
                 history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
                                 "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped})
@@ -164,7 +168,8 @@ def _recoverable(e: PSClientError) -> bool:
     return False
 
 
-def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSClientError, model, models):
+def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSClientError, model, models,
+            seen: int = 0):
     """Reconnect within --reconnect-timeout, register again, and say where to resume."""
     log.warning("worker %d lost its place at step %d (%s); reconnecting for up to %g s",
                 config.worker_index, step, error, config.reconnect_timeout)
@@ -190,10 +195,14 @@ def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSCli
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
     if new.incarnation != reg.incarnation:
-        lost = max(0, step - new.round) if new.mode == "sync" else 0
+        # Sync: rounds this worker had seen completed that the restored state lacks. Async: the
+        # versions it saw beyond the restored one (others' pushes it never saw may be lost too).
+        if new.mode == "sync":
+            lost = f": resuming at round {new.round}, {max(0, step - new.round)} step(s) of updates were lost"
+        else:
+            lost = f": at least {max(0, seen - new.version)} update(s) were lost (this worker had seen version {seen})"
         log.warning("the server restarted (incarnation %s -> %s) at version %d%s", reg.incarnation,
-                    new.incarnation, new.version,
-                    f": resuming at round {new.round}, {lost} step(s) of updates were lost" if new.mode == "sync" else "")
+                    new.incarnation, new.version, lost)
     resume = new.round if new.mode == "sync" else step
     log.info("worker %d rejoined: resuming at step %d", new.worker_id, resume)
     return new, resume

@@ -47,7 +47,7 @@ def weighted_mean(contributions: Sequence[Contribution]) -> dict[str, np.ndarray
             g = grads[name]
             term = g * np.asarray(w, dtype=g.dtype)
             acc = term if acc is None else acc + term
-        out[name] = acc
+        out[name] = np.asarray(acc)  # NumPy turns 0-d results into scalars; keep an ndarray
     return out
 
 

@@ -40,7 +40,7 @@ import threading
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
-from ps_server.core.store import VariableStore
+from ps_server.core.store import StoreState, VariableStore
 
 
 class AsyncMode:
@@ -94,3 +94,18 @@ class AsyncMode:
 
     def worker_joined(self, worker_id: int) -> None:
         """A restarted worker carries on with its own steps."""
+
+    def export_state(self) -> tuple[StoreState, ModeStatus]:
+        """The store's snapshot: each variable whole, its version a lower bound (see ``store``)."""
+        return self.store.export_state(), self.status()
+
+    def restore(self, status: ModeStatus) -> None:
+        """Forget each worker's last step: after a restart a worker resumes from its own step,
+        which may repeat steps the checkpoint does not hold; they are applied (once) again."""
+        for lock in self._worker_locks:
+            lock.acquire()
+        try:
+            self._last.clear()
+        finally:
+            for lock in self._worker_locks:
+                lock.release()

@@ -11,12 +11,20 @@ all of them share the store and its optimizer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
-from typing import Mapping, Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import numpy as np
 
 from ps_server.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ps_server.core.store import StoreState
+
+
+MAX_STEP = 2**63 - 1  # steps are below it, so step + 1 still fits in an int64
+MAX_BATCH_SIZE = 2**32  # per push; 2**31 - 1 pushes of it still sum to an int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +37,18 @@ class Push:
     loss: float = 0.0
 
     def validate(self) -> None:
+        # The upper bounds keep every answer and counter a signed 64-bit integer:
+        # next_step is step + 1, and examples_applied sums batch sizes.
         if self.step < 0:
             raise InvalidArgument(f"step must be >= 0, got {self.step}")
+        if self.step >= MAX_STEP:
+            raise InvalidArgument(f"step must be < {MAX_STEP}, got {self.step}")
         if self.base_version < 0:
             raise InvalidArgument(f"base_version must be >= 0, got {self.base_version}")
         if self.batch_size < 0:
             raise InvalidArgument(f"batch_size must be >= 0, got {self.batch_size}")
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise InvalidArgument(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +81,14 @@ class Mode(Protocol):
 
     def worker_joined(self, worker_id: int) -> None: ...
 
+    def export_state(self) -> tuple["StoreState", ModeStatus]:
+        """The store's snapshot and the mode's status, consistent with each other (checkpoints)."""
+        ...
+
+    def restore(self, status: ModeStatus) -> None:
+        """Start again from a checkpoint: at ``status.round``, nothing pending, its counters."""
+        ...
+
 
 class Stats:
     """Counters every mode keeps: pushes, examples, staleness, last loss. Thread-safe."""
@@ -92,6 +114,30 @@ class Stats:
         """Bump one of the event counters: "dropped" or "replayed"."""
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
+
+    def export(self) -> dict:
+        """The counters as plain JSON-able values (for a checkpoint)."""
+        with self._lock:
+            return {
+                "pushes_applied": self.pushes_applied,
+                "examples_applied": self.examples_applied,
+                "staleness_counts": {str(s): c for s, c in sorted(self.staleness_counts.items())},
+                "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,  # JSON has no NaN/Inf
+                "dropped": self.dropped,
+                "replayed": self.replayed,
+            }
+
+    def restore(self, counters: Mapping) -> None:
+        """Load counters written by ``export``; missing ones keep their value."""
+        with self._lock:
+            for name in ("pushes_applied", "examples_applied", "dropped", "replayed"):
+                if name in counters:
+                    setattr(self, name, int(counters[name]))
+            if "staleness_counts" in counters:
+                self.staleness_counts = {int(s): int(c) for s, c in counters["staleness_counts"].items()}
+            if "last_loss" in counters:
+                loss = counters["last_loss"]
+                self.last_loss = float("nan") if loss is None else float(loss)
 
     def staleness_summary(self) -> tuple[float, int]:
         with self._lock:

@@ -6,6 +6,8 @@
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
     ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g))
+    state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
+    ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
 
 Plain Python and NumPy: no gRPC, no protobuf, no TensorFlow (a test imports it
 in a fresh interpreter to hold that). Errors are ``core.errors`` classes; the
@@ -23,11 +25,12 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ps_server.core.async_mode import AsyncMode
-from ps_server.core.errors import InvalidArgument
+from ps_server.core.checkpoint import ServerState
+from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
-from ps_server.core.modes import Push, PushResult, Stats
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.optimizers import OptimizerSpec
-from ps_server.core.store import VariableStore
+from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.sync_mode import SyncMode
 
 MODES = ("sync", "async")
@@ -75,6 +78,8 @@ class Status:
     replicas_to_aggregate: int = 0
     lease_timeout: float = 0.0
     active_workers: tuple[int, ...] = ()
+    last_checkpoint_version: int = -1  # -1: none written or restored by this process
+    checkpoint_age_s: float = -1.0  # seconds since that checkpoint was written or restored
 
 
 class ParameterServer:
@@ -102,6 +107,7 @@ class ParameterServer:
         self.store = VariableStore()
         self.stats = Stats()
         self._started = time.monotonic()
+        self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if mode == "sync":
             self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,
@@ -157,6 +163,64 @@ class ParameterServer:
     def leave(self, worker_id: int) -> None:
         self.members.leave(worker_id)
 
+    # -- checkpoints ---------------------------------------------------------------
+    def checkpoint_state(self) -> ServerState | None:
+        """Everything a restart needs, or None while nothing is initialized.
+
+        Zero-copy and short: it holds the store's publish lock (and in sync mode
+        the barrier's lock) only to collect references. Consistency: in sync
+        mode the values, optimizer state, version and round are those after one
+        round exactly; in async mode each variable is whole and the version is
+        a lower bound (``store`` docstring). Stats and membership are read just
+        after, so their counters may be a push ahead.
+        """
+        if not self.store.initialized:
+            return None
+        store_state, mode_status = self.mode.export_state()
+        return ServerState(
+            mode=self.mode_name,
+            num_workers=self.num_workers,
+            version=store_state.version,
+            optimizer=store_state.optimizer,
+            values=store_state.values,
+            states=store_state.states,
+            mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
+                                   rounds_aborted=mode_status.rounds_aborted),
+            members=tuple(self.members.snapshot()),
+            stats=self.stats.export(),
+            incarnation=self.incarnation,
+            wall_time=time.time(),
+        )
+
+    def restore(self, state: ServerState) -> None:
+        """Carry on from a checkpoint, before serving: variables, optimizer state, version,
+        the sync round (nothing pending), counters and membership (leases start now).
+
+        The mode and the worker count must equal this server's: a sync round
+        means nothing to async mode, and a round book for N workers cannot take
+        another N. A different one raises ConfigMismatch and changes nothing;
+        start the server with the checkpoint's --mode and --num-workers, or
+        export the parameters (``ps-export``) and start a fresh cluster from
+        them. A server that already holds variables refuses (SpecConflict).
+        This process keeps its own new incarnation, so workers can tell that
+        the server restarted.
+        """
+        if state.mode != self.mode_name or state.num_workers != self.num_workers:
+            raise ConfigMismatch(
+                f"the checkpoint was written by a {state.mode} server with {state.num_workers} worker(s); "
+                f"this server runs {self.mode_name} with {self.num_workers}: start it with --mode {state.mode} "
+                f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
+            )
+        self.store.restore_state(StoreState(state.version, state.optimizer, state.values, state.states))
+        self.mode.restore(state.mode_status)
+        self.stats.restore(state.stats)
+        self.members.restore(list(state.members))
+        self.checkpointed(state.version)
+
+    def checkpointed(self, version: int) -> None:
+        """Note that a checkpoint of ``version`` was just written (or restored): Status reports it."""
+        self._checkpoint = (version, time.monotonic())
+
     def status(self) -> Status:
         mode_status = self.mode.status()
         mean_s, max_s = self.stats.staleness_summary()
@@ -187,6 +251,8 @@ class ParameterServer:
             replicas_to_aggregate=self.replicas_to_aggregate,
             lease_timeout=self.members.lease_timeout,
             active_workers=mode_status.active_workers,
+            last_checkpoint_version=self._checkpoint[0] if self._checkpoint else -1,
+            checkpoint_age_s=time.monotonic() - self._checkpoint[1] if self._checkpoint else -1.0,
         )
 
 

@@ -20,11 +20,21 @@ variables were already updated.
 Locks, in the order they may be taken: a variable's ``lock`` (held for its
 read-modify-write), then ``_publish`` (held only to swap references and read or
 bump the version). No lock here is held across network I/O.
+
+Checkpoints: ``export_state`` takes a zero-copy snapshot under ``_publish``.
+Every swap of a value and its optimizer state happens under ``_publish``, so
+each variable in a snapshot is whole (its value and slots from the same step).
+With ``apply_all`` (sync) the snapshot is one version exactly. With
+``apply_one`` (async) a push updates variable after variable and counts in the
+version only once all are done: a snapshot holds every push its version
+counts, and may also hold part of a push still in flight (some of its
+variables updated, not yet counted). Its version is a lower bound.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -51,6 +61,22 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def _native(a: np.ndarray, copy: bool = False) -> np.ndarray:
     """``a`` in native byte order; without ``copy``, ``a`` itself when it already is."""
     return a.astype(a.dtype.newbyteorder("="), copy=copy)
+
+
+@dataclass(frozen=True)
+class StoreState:
+    """A snapshot of the store: what a checkpoint holds of it.
+
+    ``states[name]`` is the optimizer state of variable ``name``: its slots
+    (e.g. ``m`` and ``v`` for Adam) and ``iterations``. Arrays are shared with
+    the store, never copied, and never modified (copy-on-write): do not write
+    into them.
+    """
+
+    version: int
+    optimizer: OptimizerSpec
+    values: dict[str, np.ndarray]
+    states: dict[str, dict]
 
 
 class VariableStore:
@@ -188,7 +214,62 @@ class VariableStore:
         grad = _native(grad)
         with var.lock:
             value, state = self._optimizer.apply(var.value, grad, var.state)
-            var.value, var.state = _frozen(value), state
+            with self._publish:  # a snapshot sees value and state of the same step
+                var.value, var.state = _frozen(value), state
+
+    # -- checkpoints -------------------------------------------------------------
+    def export_state(self) -> StoreState:
+        """A snapshot for a checkpoint, zero-copy (see the module docstring for its consistency)."""
+        self._require_initialized()
+        with self._publish:
+            return StoreState(
+                version=self._version,
+                optimizer=self._optimizer.spec,
+                values={n: v.value for n, v in self._vars.items()},
+                states={n: dict(v.state) for n, v in self._vars.items()},
+            )
+
+    def restore_state(self, state: StoreState) -> None:
+        """Load a snapshot into an empty store: values, optimizer state and version.
+
+        Checks everything first (float values, every slot the optimizer needs,
+        shaped like its variable, a non-negative ``iterations``), so a refused
+        state leaves the store empty. A store that already holds state refuses.
+        """
+        optimizer = make_optimizer(state.optimizer)
+        if not state.values:
+            raise InvalidArgument("the state to restore has no variables")
+        if set(state.states) != set(state.values):
+            raise InvalidArgument("the state to restore has optimizer state for other variables than its values")
+        if state.version < 0:
+            raise InvalidArgument(f"the state to restore has version {state.version}")
+        variables = {}
+        for name, value in state.values.items():
+            if not name or value.dtype.kind != "f":
+                raise InvalidArgument(f"cannot restore variable {name!r} of dtype {value.dtype}")
+            value = _frozen(_native(value, copy=True))
+            wanted = optimizer.init_state(value)
+            given = state.states[name]
+            if set(given) != set(wanted):
+                raise InvalidArgument(f"variable {name!r} has optimizer state {sorted(given)}; "
+                                      f"optimizer {state.optimizer.name} keeps {sorted(wanted)}")
+            iterations = given["iterations"]
+            if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 0:
+                raise InvalidArgument(f"variable {name!r} has iterations {iterations!r}")
+            slots = {}
+            for slot, array in given.items():
+                if slot == "iterations":
+                    continue
+                array = _native(np.asarray(array), copy=True)
+                if array.shape != value.shape or array.dtype != value.dtype:
+                    raise InvalidArgument(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
+                                          f"the variable is {value.dtype}{list(value.shape)}")
+                slots[slot] = array
+            variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)})
+        with self._publish:
+            if self._optimizer is not None:
+                raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")
+            self._vars, self._optimizer, self._version = variables, optimizer, state.version
 
     def bump_version(self) -> int:
         with self._publish:

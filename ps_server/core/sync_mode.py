@@ -28,7 +28,8 @@ Guarantees:
   ``policy`` decides: ``abort`` ends the round at once with ``WorkerDead`` for
   every waiter (and for new pushes while it stays dead); ``wait`` keeps the
   round open until a replacement registers with that index, up to
-  ``replacement_timeout`` after the death, then aborts; ``shrink`` stops
+  ``replacement_timeout`` after the death, then aborts (a replacement that
+  registers in time has a whole ``barrier_timeout`` to push); ``shrink`` stops
   expecting the dead worker and finishes rounds with the live ones, weighted by
   their batch shares (a worker that registers again is expected again).
 
@@ -52,7 +53,7 @@ from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, Work
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
-from ps_server.core.store import VariableStore
+from ps_server.core.store import StoreState, VariableStore
 
 POLICIES = ("abort", "wait", "shrink")
 
@@ -155,11 +156,11 @@ class SyncMode:
         pushes: list[Push] = self._book.peek()
         try:
             mean = weighted_mean([(p.batch_size, p.gradients) for p in pushes])
-        except PSError as e:  # every shard was empty: drop the round, state unchanged
-            self._book.abort()
+            version = self.store.apply_all(mean)
+        except PSError as e:  # every shard was empty, or the step was refused: drop the round,
+            self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
-        version = self.store.apply_all(mean)
         completed = self._book.round
         self._book.take()
         sizes = [p.batch_size for p in pushes]
@@ -255,8 +256,40 @@ class SyncMode:
     def worker_joined(self, worker_id: int) -> None:
         """A worker (re)registered: it is expected in rounds again."""
         with self._lock:
-            self._dead_since.pop(worker_id, None)
+            replaced = self._dead_since.pop(worker_id, None) is not None
+            if replaced and self.policy == "wait" and self._round_started is not None \
+                    and worker_id in self._book.missing():
+                # The round waited for this replacement: give it a whole barrier
+                # timeout to pull and push, not what is left of the first push's.
+                self._round_started = max(self._round_started, self._clock())
             self._book.activate(worker_id)
+            self._round_ended.notify_all()
+
+    # -- checkpoints ---------------------------------------------------------------
+    def export_state(self) -> tuple[StoreState, ModeStatus]:
+        """The store's snapshot and the round it is at, taken under the barrier's lock.
+
+        Rounds are applied under this lock, so the snapshot is exactly the state
+        after round ``status.round - 1``; pushes waiting in the current round are
+        not part of it (a restart asks for them again).
+        """
+        with self._lock:
+            return self.store.export_state(), self._status()
+
+    def restore(self, status: ModeStatus) -> None:
+        """Restart the round book at ``status.round``: no pending pushes, every worker
+        expected, no record of earlier rounds (a push for one is late). Counters
+        of timed-out and aborted rounds carry on."""
+        with self._lock:
+            generation = self._book.generation + 1  # stays monotonic for anyone holding one
+            self._book = RoundBook(self._book.num_workers, start_round=status.round, quorum=self._book.quorum)
+            self._book.generation = generation
+            self._outcomes.clear()
+            self._results.clear()
+            self._dead_since.clear()
+            self._round_started = None
+            self._rounds_timed_out = status.rounds_timed_out
+            self._rounds_aborted = status.rounds_aborted
             self._round_ended.notify_all()
 
     # -- status --------------------------------------------------------------------
@@ -267,10 +300,13 @@ class SyncMode:
 
     def status(self) -> ModeStatus:
         with self._lock:
-            return ModeStatus(
-                round=self._book.round,
-                waiting_for=self._book.missing() if self._book.pushed() else (),
-                rounds_timed_out=self._rounds_timed_out,
-                rounds_aborted=self._rounds_aborted,
-                active_workers=tuple(sorted(self._book.active)),
-            )
+            return self._status()
+
+    def _status(self) -> ModeStatus:
+        return ModeStatus(
+            round=self._book.round,
+            waiting_for=self._book.missing() if self._book.pushed() else (),
+            rounds_timed_out=self._rounds_timed_out,
+            rounds_aborted=self._rounds_aborted,
+            active_workers=tuple(sorted(self._book.active)),
+        )

@@ -1,0 +1,355 @@
+"""Checkpoint files: the whole state of a parameter server, written atomically.
+
+    path = write_checkpoint("/ckpt", core.checkpoint_state(), keep=3)
+    found = latest_valid("/ckpt")          # (ServerState, path) or None
+    if found:
+        core.restore(found[0])
+
+One file per checkpoint, named ``ckpt-<version:012d>.tfps``. Layout (all
+integers little-endian)::
+
+    offset 0   magic          8 bytes  b"TFPSCKPT"
+           8   format         u32      1
+          12   flags          u32      0 (reserved)
+          16   header_len     u64      bytes of the JSON header
+          24   data_len       u64      bytes of array data
+          32   header         JSON, UTF-8, padded with spaces so data starts at a multiple of 64
+               data           raw little-endian arrays, at offsets the header gives (from data start)
+       end-32  sha256         32 bytes over everything before it
+
+The header describes everything else: ``mode``, ``num_workers``, ``version``,
+``round``, ``optimizer`` (the ``OptimizerSpec`` fields), ``variables`` (for
+each: ``name``, ``dtype`` such as ``"<f4"``, ``shape``, ``iterations``, the
+offset of its ``value`` and of each optimizer slot in ``slots``), ``members``
+(the membership records), ``mode_status`` and ``stats`` (counters),
+``incarnation`` of the server that wrote it and ``wall_time`` (Unix seconds).
+Not saved, on purpose: pushes waiting in an unfinished sync round (workers
+push that round again), the answers kept for replaying lost replies (a retry
+from before the restart is judged against the restored round), and leases
+(they start again at restore).
+
+Guarantees:
+- a reader never sees a half-written file: the file is written under a
+  temporary name in the same directory, flushed and fsynced, renamed over its
+  final name (``os.replace``, atomic on POSIX) and the directory is fsynced;
+  a failed write removes its temporary file and leaves older checkpoints alone;
+- a damaged file is never restored: the size must match the header's lengths
+  and the SHA-256 must match; ``latest_valid`` skips a damaged file with a
+  warning naming it and the reason, and falls back to the next newest;
+- a round trip is bit-exact: values and slots keep dtype, shape and every bit
+  (NaN payloads and signed zeros included).
+
+Plain Python and NumPy, like the rest of the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from ps_server.core.errors import PSError
+from ps_server.core.membership import WorkerRecord
+from ps_server.core.modes import ModeStatus
+from ps_server.core.optimizers import OptimizerSpec
+
+log = logging.getLogger("ps_server.checkpoint")
+
+MAGIC = b"TFPSCKPT"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sIIQQ")  # magic, format, flags, header_len, data_len
+_DIGEST_BYTES = 32
+_ALIGN = 64
+_NAME = re.compile(r"^ckpt-(\d{12,})\.tfps$")
+_TEMP_PREFIX = ".ckpt-"
+_TEMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(PSError):
+    """A checkpoint file is unreadable, damaged, or not a checkpoint at all."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerState:
+    """Everything a parameter server needs to carry on after a restart.
+
+    ``states[name]`` is variable ``name``'s optimizer state: its slot arrays and
+    ``iterations`` (the store's format). ``mode_status`` carries the sync round
+    and the counters of timed-out and aborted rounds; ``stats`` the counters of
+    ``modes.Stats.export``.
+    """
+
+    mode: str
+    num_workers: int
+    version: int
+    optimizer: OptimizerSpec
+    values: dict[str, np.ndarray]
+    states: dict[str, dict]
+    mode_status: ModeStatus = ModeStatus()
+    members: tuple[WorkerRecord, ...] = ()
+    stats: dict = dataclasses.field(default_factory=dict)
+    incarnation: str = ""
+    wall_time: float = 0.0
+
+    @property
+    def round(self) -> int:
+        return self.mode_status.round
+
+
+def checkpoint_name(version: int) -> str:
+    return f"ckpt-{version:012d}.tfps"
+
+
+# -- encoding ----------------------------------------------------------------------
+def _little(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
+
+
+def encode(state: ServerState) -> bytes:
+    """The whole file as bytes (see the module docstring for the layout)."""
+    chunks: list[bytes] = []
+    offset = 0
+
+    def put(array: np.ndarray) -> int:
+        nonlocal offset
+        data = _little(array).tobytes()
+        at = offset
+        chunks.append(data)
+        offset += len(data)
+        return at
+
+    if set(state.states) != set(state.values):
+        raise CheckpointError("the state has optimizer state for other variables than its values")
+    variables = []
+    for name, value in state.values.items():
+        value = np.asarray(value)
+        opt_state = state.states[name]
+        slots = {}
+        for slot in sorted(k for k in opt_state if k != "iterations"):
+            array = np.asarray(opt_state[slot])
+            if array.shape != value.shape or array.dtype.newbyteorder("=") != value.dtype.newbyteorder("="):
+                raise CheckpointError(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
+                                      f"the variable is {value.dtype}{list(value.shape)}")
+            slots[slot] = array
+        variables.append({
+            "name": name,
+            "dtype": value.dtype.newbyteorder("<").str,
+            "shape": list(value.shape),
+            "iterations": int(opt_state.get("iterations", 0)),
+            "value": put(value),
+            "slots": {slot: put(array) for slot, array in slots.items()},
+        })
+    header = {
+        "format": FORMAT_VERSION,
+        "mode": state.mode,
+        "num_workers": state.num_workers,
+        "version": state.version,
+        "round": state.mode_status.round,
+        "mode_status": {"round": state.mode_status.round,
+                        "rounds_timed_out": state.mode_status.rounds_timed_out,
+                        "rounds_aborted": state.mode_status.rounds_aborted},
+        "optimizer": state.optimizer.as_dict(),
+        "variables": variables,
+        "members": [dataclasses.asdict(r) for r in state.members],
+        "stats": state.stats,
+        "incarnation": state.incarnation,
+        "wall_time": state.wall_time,
+    }
+    text = json.dumps(header, sort_keys=True, allow_nan=False).encode("utf-8")
+    text += b" " * (-(_PREFIX.size + len(text)) % _ALIGN)
+    body = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(text), offset), text, *chunks])
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
+    """Parse and verify a whole file; CheckpointError says what is wrong with it."""
+    view = memoryview(blob)
+    if len(blob) < len(MAGIC) or bytes(view[: len(MAGIC)]) != MAGIC:
+        raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
+    if len(blob) < _PREFIX.size + _DIGEST_BYTES:
+        raise CheckpointError(f"{what}: truncated ({len(blob)} bytes, not even a header)")
+    _, fmt, _flags, header_len, data_len = _PREFIX.unpack_from(blob)
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(f"{what}: format version {fmt}, this tfps reads version {FORMAT_VERSION}")
+    expected = _PREFIX.size + header_len + data_len + _DIGEST_BYTES
+    if len(blob) != expected:
+        kind = "truncated" if len(blob) < expected else "has trailing bytes"
+        raise CheckpointError(f"{what}: {kind} ({len(blob)} bytes, its header says {expected})")
+    body = view[: -_DIGEST_BYTES]
+    if hashlib.sha256(body).digest() != bytes(view[-_DIGEST_BYTES:]):
+        raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]).decode("utf-8"))
+        data = view[_PREFIX.size + header_len : -_DIGEST_BYTES]
+        values, states = {}, {}
+        for v in header["variables"]:
+            dtype, shape = np.dtype(v["dtype"]), tuple(int(d) for d in v["shape"])
+            if dtype.kind != "f":
+                raise ValueError(f"variable {v['name']!r} has dtype {dtype}")
+
+            def array(at: int) -> np.ndarray:
+                count = int(np.prod(shape, dtype=np.int64))
+                if not 0 <= at <= len(data) - count * dtype.itemsize:
+                    raise ValueError(f"array of {v['name']!r} lies outside the data")
+                a = np.frombuffer(data, dtype=dtype, count=count, offset=at).reshape(shape)
+                return a.astype(dtype.newbyteorder("="))  # a native, writable copy
+
+            values[v["name"]] = array(v["value"])
+            states[v["name"]] = {**{slot: array(at) for slot, at in v["slots"].items()},
+                                 "iterations": int(v["iterations"])}
+        status = header["mode_status"]
+        return ServerState(
+            mode=header["mode"],
+            num_workers=int(header["num_workers"]),
+            version=int(header["version"]),
+            optimizer=OptimizerSpec.from_dict(header["optimizer"]),
+            values=values,
+            states=states,
+            mode_status=ModeStatus(round=int(status["round"]), rounds_timed_out=int(status["rounds_timed_out"]),
+                                   rounds_aborted=int(status["rounds_aborted"])),
+            members=tuple(WorkerRecord(**r) for r in header["members"]),
+            stats=dict(header["stats"]),
+            incarnation=str(header["incarnation"]),
+            wall_time=float(header["wall_time"]),
+        )
+    except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
+        raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None
+
+
+# -- files -------------------------------------------------------------------------
+def read_checkpoint(path: str) -> ServerState:
+    """One file, verified; raises CheckpointError (or OSError if it cannot be read)."""
+    with open(path, "rb") as f:
+        return decode(f.read(), what=path)
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Checkpoint files in ``directory``, newest version first (temporary files excluded)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := _NAME.match(n))]
+    return [os.path.join(directory, n) for _, n in sorted(found, reverse=True)]
+
+
+def latest_valid(directory: str) -> tuple[ServerState, str] | None:
+    """The newest checkpoint in ``directory`` that verifies, with its path; None if there is none.
+
+    Each damaged or unreadable newer file is skipped with a warning that names
+    it and says why.
+    """
+    for path in list_checkpoints(directory):
+        try:
+            return read_checkpoint(path), path
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s", e)
+        except OSError as e:
+            log.warning("skipping checkpoint %s: cannot read it (%s)", path, e)
+    return None
+
+
+def write_checkpoint(directory: str, state: ServerState, keep: int = 3) -> str:
+    """Write ``state`` atomically as ``directory/ckpt-<version>.tfps``; keep the ``keep`` newest.
+
+    Returns the path. A file of the same version is replaced (atomically).
+    Pruning keeps the files written most recently (by modification time, then
+    version), so a damaged file left by an earlier run does not outlive the
+    checkpoints written after it.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    os.makedirs(directory, exist_ok=True)
+    blob = encode(state)
+    path = os.path.join(directory, checkpoint_name(state.version))
+    fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    _prune(directory, keep)
+    return path
+
+
+def remove_temporary_files(directory: str) -> list[str]:
+    """Delete temporary files left by a write that was interrupted (a crash); returns them.
+
+    Only for a directory no other process is writing to.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _prune(directory: str, keep: int) -> None:
+    def written(path: str) -> tuple[float, str]:
+        try:
+            return os.stat(path).st_mtime_ns, path
+        except FileNotFoundError:
+            return -1, path
+
+    for path in sorted(list_checkpoints(directory), key=written, reverse=True)[keep:]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename durable: fsync the directory entry (POSIX; a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def describe(state: ServerState, path: str = "") -> dict[str, Any]:
+    """A short summary for logs and tools."""
+    return {
+        "path": path,
+        "mode": state.mode,
+        "num_workers": state.num_workers,
+        "version": state.version,
+        "round": state.round,
+        "variables": len(state.values),
+        "parameters": int(sum(v.size for v in state.values.values())),
+        "workers_known": len(state.members),
+        "optimizer": state.optimizer.name,
+        "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.wall_time)) if state.wall_time else "",
+        "incarnation": state.incarnation,
+    }

@@ -1,0 +1,72 @@
+"""Upper bounds of a push's step and batch size: every answer and counter stays an int64.
+
+    cd /work/main && python -m pytest tests/core/test_push_bounds.py -q
+
+Rule (modes.Push.validate): steps are below MAX_STEP = 2**63 - 1, so the answer's
+``next_step = step + 1`` fits the wire's int64; a batch size is at most
+MAX_BATCH_SIZE = 2**32, so the ``examples_applied`` sum fits too. Found by the
+service fuzz test: an async push of step 2**63 - 1 was applied and then its
+answer could not be encoded (INTERNAL), after which every later push of that
+worker was stale; two pushes of batch size 2**62 broke every Status call.
+"""
+
+import numpy as np
+import pytest
+
+from ps_server.core.async_mode import AsyncMode
+from ps_server.core.errors import InvalidArgument
+from ps_server.core.membership import Membership
+from ps_server.core.modes import MAX_BATCH_SIZE, MAX_STEP, Push
+from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.store import VariableStore
+from ps_server.core.sync_mode import SyncMode
+
+INT64_MAX = 2**63 - 1
+W0 = {"w": np.array([1.0, 2.0], np.float32)}
+G = {"w": np.array([2.0, -2.0], np.float32)}
+
+
+def store():
+    s = VariableStore()
+    s.initialize(W0, OptimizerSpec("sgd", learning_rate=0.5))
+    return s
+
+
+def state(s):
+    version, values = s.read()
+    return version, values["w"].tobytes()
+
+
+def test_the_bounds_keep_next_step_and_the_examples_sum_inside_int64():
+    assert MAX_STEP == INT64_MAX  # the largest step, MAX_STEP - 1, answers next_step MAX_STEP
+    assert (2**31 - 1) * MAX_BATCH_SIZE <= INT64_MAX  # two billion pushes of the largest batch
+
+
+@pytest.mark.parametrize("step", [MAX_STEP, MAX_STEP + 1])
+def test_async_push_of_a_step_at_or_above_the_bound_is_refused_and_changes_nothing(step):
+    s = store()
+    mode = AsyncMode(s, Membership(1))
+    before = state(s)
+    with pytest.raises(InvalidArgument, match=f"step must be < {MAX_STEP}, got {step}"):
+        mode.push(Push(0, step, 0, 1, G))
+    assert state(s) == before
+    assert mode.push(Push(0, 0, 0, 1, G)).version == 1  # the worker is not stuck
+
+
+def test_async_push_of_the_largest_step_is_applied_and_answers_an_int64_next_step():
+    mode = AsyncMode(store(), Membership(1))
+    result = mode.push(Push(0, MAX_STEP - 1, 0, 1, G))
+    assert (result.version, result.next_step) == (1, INT64_MAX)
+
+
+@pytest.mark.parametrize("make", [lambda s: AsyncMode(s, Membership(1)), lambda s: SyncMode(s, Membership(1), 1, 60.0)],
+                         ids=["async", "sync"])
+def test_push_of_a_batch_above_the_bound_is_refused_and_changes_nothing(make):
+    s = store()
+    mode = make(s)
+    before = state(s)
+    with pytest.raises(InvalidArgument, match=f"batch_size must be <= {MAX_BATCH_SIZE}, got {MAX_BATCH_SIZE + 1}"):
+        mode.push(Push(0, 0, 0, MAX_BATCH_SIZE + 1, G))
+    assert state(s) == before
+    assert mode.push(Push(0, 0, 0, MAX_BATCH_SIZE, G)).version == 1
+    assert mode.stats.examples_applied == MAX_BATCH_SIZE

@@ -1,0 +1,390 @@
+"""Arbitrary messages at every RPC of the ParameterServer service.
+
+    cd /work/main && python -m pytest tests/service/test_fuzz.py -q
+
+Hypothesis builds PushRequest, PullRequest, InitializeRequest, RegisterRequest,
+HeartbeatRequest and LeaveRequest with arbitrary integers (negative, int32 and
+int64 extremes), strings, dtype enums (unknown values too), shapes and bytes, and
+sends them through the generated stub (pushes are often near the server's own
+step and version, so that some are applied, replayed or one round off); a
+second test sends raw random bytes, mangled encodings of real requests, and real
+requests with an unknown field appended to each of the seven methods through
+``channel.unary_unary`` with no serializer. One real in-process server per mode
+(sync with one worker, so an accepted push never waits at a barrier; async with
+two), module-scoped; runs are derandomized, so CI sees the same examples.
+
+Properties (service.py: "an unexpected exception is logged and becomes INTERNAL,
+never UNKNOWN"; errors.py: "A rejected call never changes stored state"):
+
+- every call ends within its deadline, either OK or with a code of the error
+  table that this server can produce here (INVALID_ARGUMENT, NOT_FOUND,
+  FAILED_PRECONDITION, ALREADY_EXISTS, OUT_OF_RANGE). Never UNKNOWN, never
+  INTERNAL (a servicer bug), and never DEADLINE_EXCEEDED, ABORTED or
+  UNAVAILABLE: with one sync worker and an hour-long lease nothing can wait
+  or die, so those would mean a hang.
+  One exception, for raw bytes only: bytes that do not parse as the method's
+  request are refused by grpcio itself, before any servicer code runs, as
+  INTERNAL "Exception deserializing request!". The test allows exactly that,
+  and only when the bytes really do not parse.
+- "state" is what a good client sees: the version and the dtype, shape and
+  bytes of every variable (a pull), plus the status counters (round, pushes,
+  examples, dropped, replayed, aborted and timed-out rounds, waiting workers,
+  active workers, optimizer) and the worker table (id, name, last step, left,
+  pushes, dead, dropped; not lease ages). A rejected call leaves all of it as
+  it was. Pull, Heartbeat, Initialize (the server is initialized: an identical
+  spec is harmless, any other is refused) and Status leave it as it was even
+  when accepted.
+- Register: an accepted registration may change that worker's row of the
+  worker table (it replaces the record: a new name, not left, not dead;
+  counters of the index are kept) and nothing else, never the variables or
+  counters. A refused one changes nothing, worker table included.
+- Leave: an accepted leave sets ``left`` on that worker's row and nothing else.
+- Push: an accepted push answered ``replayed`` leaves version and variables as
+  they were; any other accepted push advances the version by exactly one (one
+  async apply, or one round of the only sync worker) and says so in its reply.
+- the server is still SERVING on the standard health service after each test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from google.protobuf.message import DecodeError
+
+from protos import codec, wire
+from protos import tfps_pb2 as pb
+from protos import tfps_pb2_grpc as pb_grpc
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from worker.client import PSClient
+
+Code = grpc.StatusCode
+EXPECTED = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.OUT_OF_RANGE}
+GRPCIO_UNPARSEABLE = "Exception deserializing request!"
+CALL_TIMEOUT = 10.0
+
+VARIABLES = {"w": np.array([1.0, -2.0, 3.0], np.float32), "b": np.array([[0.5, 0.25]], np.float64)}
+OPTIMIZER = {"name": "sgd", "learning_rate": 0.5}
+
+FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+RAW = settings(FUZZ, max_examples=120)
+
+REQUESTS = {
+    "Register": pb.RegisterRequest,
+    "Initialize": pb.InitializeRequest,
+    "Pull": pb.PullRequest,
+    "Push": pb.PushRequest,
+    "Leave": pb.LeaveRequest,
+    "Heartbeat": pb.HeartbeatRequest,
+    "Status": pb.StatusRequest,
+}
+assert set(REQUESTS) == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
+
+
+# -- the server under test -------------------------------------------------------------
+
+
+class Target:
+    """One running server, a good client, the raw stub, and the last state seen."""
+
+    def __init__(self, mode: str):
+        num_workers = 1 if mode == "sync" else 2
+        config = ServerConfig(host="127.0.0.1", port=0, mode=mode, num_workers=num_workers,
+                              barrier_timeout=5.0, lease_timeout=3600.0)
+        self.mode, self.num_workers = mode, num_workers
+        self.running = build_server(config).start()
+        self.client = PSClient(self.running.address, timeout=CALL_TIMEOUT)
+        for worker in range(num_workers):
+            self.client.register(worker, num_workers, name=f"good {worker}")
+        assert self.client.initialize(0, VARIABLES, OPTIMIZER) is True
+        self.channel = grpc.insecure_channel(self.running.address, options=wire.channel_options())
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.state = self.read_state()
+
+    def read_state(self) -> dict:
+        version, values = self.client.pull()
+        s = self.client.status()
+        return {
+            "version": version,
+            "values": {n: (a.dtype.str, a.shape, a.tobytes()) for n, a in values.items()},
+            "counters": (s.initialized, s.version, s.round, tuple(s.waiting_for), s.pushes_applied,
+                         s.examples_applied, s.pushes_dropped, s.pushes_replayed, s.rounds_aborted,
+                         s.rounds_timed_out, s.max_staleness, tuple(s.active_workers),
+                         s.optimizer.SerializeToString(deterministic=True)),
+            "workers": {w.worker_id: (w.worker_name, w.last_step, w.left, w.pushes, w.dead, w.dropped)
+                        for w in s.workers},
+        }
+
+    def close(self):
+        self.channel.close()
+        self.client.close()
+        self.running.stop(grace=0.5)
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def target(request):
+    t = Target(request.param)
+    yield t
+    t.close()
+
+
+@pytest.fixture(autouse=True)
+def still_serving(target):
+    yield
+    for service in ("", wire.SERVICE_NAME):
+        reply = target.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- the property ------------------------------------------------------------------------
+
+
+def outcome(call, request):
+    """(code, details, reply) of one call; the reply only when OK."""
+    try:
+        return Code.OK, "", call(request, timeout=CALL_TIMEOUT)
+    except grpc.RpcError as e:
+        return e.code(), e.details(), None
+
+
+def allowed_change(method: str, request, reply, before: dict, after: dict) -> None:
+    """Assert that an accepted call of ``method`` changed only what it may."""
+    if method == "Push":
+        if reply.replayed or reply.dropped:  # answered from the record: nothing applied
+            assert (after["version"], after["values"]) == (before["version"], before["values"])
+        else:  # one gradient (async) or one round of the only worker (sync)
+            assert after["version"] == reply.version == before["version"] + 1
+        return
+    same = ("version", "values", "counters")
+    assert {k: after[k] for k in same} == {k: before[k] for k in same}, f"accepted {method} changed the store"
+    if method not in ("Register", "Leave"):
+        assert after["workers"] == before["workers"], f"accepted {method} changed the worker table"
+        return
+    worker = request.worker_index if method == "Register" else request.worker_id
+    others = lambda state: {w: row for w, row in state["workers"].items() if w != worker}  # noqa: E731
+    assert others(after) == others(before), f"accepted {method} changed another worker's row"
+    row = after["workers"][worker]
+    if method == "Leave":
+        assert row == before["workers"][worker][:2] + (True,) + before["workers"][worker][3:]
+    else:
+        name, _, left, _, dead, _ = row
+        assert not left and not dead
+        assert name == request.worker_name or not request.worker_name
+
+
+def check(target: Target, method: str, request, code, details, reply) -> None:
+    after = target.read_state()
+    before, target.state = target.state, after
+    if code == Code.OK:
+        allowed_change(method, request, reply, before, after)
+        return
+    assert code in EXPECTED, f"{method} answered {code.name}: {details!r} to {request!r}"
+    assert after == before, f"refused {method} ({code.name}: {details}) changed state"
+
+
+def fuzz(target: Target, method: str, request) -> None:
+    code, details, reply = outcome(getattr(target.stub, method), request)
+    check(target, method, request, code, details, reply)
+
+
+# -- strategies ------------------------------------------------------------------------------
+
+INT32 = st.one_of(st.sampled_from([0, 1, 2, -1, 2**31 - 1, -(2**31)]), st.integers(-(2**31), 2**31 - 1))
+WORKER = st.one_of(st.just(0), st.just(1), INT32)  # mostly registered workers: the calls get further
+INT64 = st.one_of(
+    st.integers(-3, 20),
+    st.sampled_from([2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 2, 2**63 - 1, -(2**63)]),
+    st.integers(-(2**63), 2**63 - 1),
+)
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=24)
+NAMES = st.one_of(st.sampled_from(["w", "b", "", "W", "w ", "w\x00", "ü", "w/0"]), TEXT)
+DTYPES = st.one_of(st.sampled_from(list(pb.DType.values())), st.integers(-(2**31), 2**31 - 1))
+DIMS = st.one_of(st.integers(0, 4), st.sampled_from([-1, 2**31, 2**32, 2**62, 2**63 - 1, -(2**63)]))
+DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@st.composite
+def any_tensor(draw):
+    """Anything a Tensor message can hold."""
+    return pb.Tensor(name=draw(NAMES), dtype=draw(DTYPES), shape=draw(st.lists(DIMS, max_size=4)),
+                     data=draw(st.binary(max_size=80)))
+
+
+@st.composite
+def consistent_tensor(draw):
+    """A tensor the codec decodes (random bit patterns: NaN, Inf, huge, denormal), for any name."""
+    code = draw(st.sampled_from([pb.FLOAT16, pb.FLOAT32, pb.FLOAT64, pb.INT32, pb.INT64]))
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    size = math.prod(shape) * codec.numpy_dtype(code).itemsize
+    return pb.Tensor(name=draw(NAMES), dtype=code, shape=shape, data=draw(st.binary(min_size=size, max_size=size)))
+
+
+def _little(xs, dtype) -> bytes:
+    with np.errstate(over="ignore"):  # a double beyond float32 becomes Inf, which is what we want
+        return np.array(xs, np.float64).astype(dtype.newbyteorder("<")).tobytes()
+
+
+@st.composite
+def matching_tensor(draw, name=None):
+    """A tensor with a stored variable's name, dtype and shape: it reaches the core's checks."""
+    name = name or draw(st.sampled_from(sorted(VARIABLES)))
+    value = VARIABLES[name]
+    data = draw(st.one_of(
+        st.binary(min_size=value.nbytes, max_size=value.nbytes),
+        st.lists(DOUBLES, min_size=value.size, max_size=value.size).map(lambda xs: _little(xs, value.dtype)),
+    ))
+    return pb.Tensor(name=name, dtype=codec.dtype_code(value.dtype), shape=value.shape, data=data)
+
+
+TENSORS = st.lists(st.one_of(any_tensor(), consistent_tensor(), matching_tensor()), max_size=4)
+ALL_MATCHING = st.permutations(sorted(VARIABLES)).flatmap(
+    lambda names: st.tuples(*[matching_tensor(n) for n in names]).map(list))
+GRADIENTS = st.one_of(TENSORS, ALL_MATCHING)
+
+OPTIMIZERS = st.builds(
+    pb.OptimizerConfig,
+    name=st.one_of(st.sampled_from(["sgd", "adam", "SGD", ""]), TEXT),
+    learning_rate=st.one_of(st.just(0.5), DOUBLES),
+    momentum=st.one_of(st.just(0.0), DOUBLES),
+    nesterov=st.booleans(),
+    beta_1=DOUBLES,
+    beta_2=DOUBLES,
+    epsilon=DOUBLES,
+)
+SAME_SPEC = pb.InitializeRequest(worker_id=0, optimizer=pb.OptimizerConfig(**OPTIMIZER),
+                                 variables=codec.encode_many(VARIABLES))
+
+STRATEGIES = {
+    "Register": st.builds(pb.RegisterRequest, worker_index=WORKER,
+                          num_workers=st.one_of(st.sampled_from([0, 1, 2]), INT32), worker_name=TEXT),
+    "Initialize": st.one_of(
+        st.just(SAME_SPEC),
+        st.builds(pb.InitializeRequest, worker_id=WORKER, optimizer=OPTIMIZERS, variables=TENSORS),
+        st.builds(pb.InitializeRequest, worker_id=WORKER, optimizer=st.just(SAME_SPEC.optimizer), variables=GRADIENTS),
+    ),
+    "Pull": st.builds(pb.PullRequest, worker_id=WORKER, names=st.lists(NAMES, max_size=4)),
+    "Push": st.builds(pb.PushRequest, worker_id=WORKER, step=INT64, base_version=INT64, batch_size=INT64,
+                      gradients=GRADIENTS, loss=DOUBLES),
+    "Leave": st.builds(pb.LeaveRequest, worker_id=WORKER),
+    "Heartbeat": st.builds(pb.HeartbeatRequest, worker_id=WORKER, step=INT64),
+    "Status": st.just(pb.StatusRequest()),
+}
+
+
+# -- typed messages through the generated stub ------------------------------------------------
+
+
+def pushes_near(target: Target):
+    """Pushes of registered workers whose step and base version are the server's own or one
+    off (accepted, replayed, stale, early, from the future), with gradients for every variable."""
+    version = target.state["version"]
+    step = target.state["counters"][2] if target.mode == "sync" else version  # async: steps only grow
+    near = lambda x: st.sampled_from([x, x, x - 1, x + 1])  # noqa: E731
+    rarely = lambda usual, extremes: st.one_of(*[usual] * 9, st.sampled_from(extremes))  # noqa: E731
+    return st.builds(pb.PushRequest, worker_id=st.sampled_from(range(target.num_workers)),
+                     step=rarely(near(step), [2**62, 2**63 - 2, 2**63 - 1]), base_version=near(version),
+                     batch_size=rarely(st.integers(0, 4), [2**32, 2**32 + 1, 2**62, 2**63 - 1]),
+                     gradients=ALL_MATCHING, loss=DOUBLES)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_push_is_answered_with_a_table_code_and_a_refusal_changes_nothing(target, data):
+    fuzz(target, "Push", data.draw(st.one_of(STRATEGIES["Push"], pushes_near(target)), label="request"))
+
+
+@FUZZ
+@given(request=STRATEGIES["Pull"])
+def test_fuzzed_pull_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    fuzz(target, "Pull", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["Initialize"])
+def test_fuzzed_initialize_of_an_initialized_server_is_harmless_or_refused(target, request):
+    fuzz(target, "Initialize", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["Register"])
+def test_fuzzed_register_changes_at_most_its_own_worker_row(target, request):
+    fuzz(target, "Register", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["Heartbeat"])
+def test_fuzzed_heartbeat_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    fuzz(target, "Heartbeat", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["Leave"])
+def test_fuzzed_leave_changes_at_most_the_left_flag_of_its_worker(target, request):
+    fuzz(target, "Leave", request)
+
+
+# -- raw bytes ----------------------------------------------------------------------------------
+
+
+@st.composite
+def mangled(draw, method: str):
+    """A real encoding of the method's request, cut short, with junk spliced in."""
+    encoded = draw(STRATEGIES[method]).SerializeToString()
+    encoded = encoded[: draw(st.integers(1, max(len(encoded), 1)))]
+    at = draw(st.integers(0, len(encoded)))
+    return encoded[:at] + draw(st.binary(max_size=16)) + encoded[at:]
+
+
+def with_unknown_field(method: str):
+    """A real encoding with an unknown field appended (a newer client): it parses."""
+    field = st.integers(16, 2**29 - 1)
+    varint = st.tuples(field, st.integers(0, 2**64 - 1)).map(lambda t: _varint(t[0] << 3) + _varint(t[1]))
+    blob = st.tuples(field, st.binary(max_size=32)).map(lambda t: _varint(t[0] << 3 | 2) + _varint(len(t[1])) + t[1])
+    return st.tuples(STRATEGIES[method], st.one_of(varint, blob)).map(lambda t: t[0].SerializeToString() + t[1])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def raw_bytes(method: str):
+    return st.one_of(st.binary(max_size=256), mangled(method), with_unknown_field(method))
+
+
+def parses(method: str, data: bytes) -> bool:
+    try:
+        REQUESTS[method].FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("method", sorted(REQUESTS))
+@RAW
+@given(data=st.data())
+def test_raw_bytes_to_every_method_are_refused_or_harmless(target, method, data):
+    payload = data.draw(raw_bytes(method), label="payload")
+    call = target.channel.unary_unary(f"/{wire.SERVICE_NAME}/{method}", request_serializer=None,
+                                      response_deserializer=None)
+    code, details, reply = outcome(call, payload)
+    if code == Code.INTERNAL and details == GRPCIO_UNPARSEABLE:
+        assert not parses(method, payload), f"grpcio failed to parse bytes that parse: {payload!r}"
+        assert target.read_state() == target.state
+        return
+    request = REQUESTS[method].FromString(payload)  # the server parsed it: so does this
+    if reply is not None:
+        reply = getattr(pb, f"{method}Response").FromString(reply)
+    check(target, method, request, code, details, reply)

@@ -1,0 +1,193 @@
+"""``ps-export``: write a parameter server's state as a Keras model file.
+
+    ps-export --checkpoint /ckpt --model cnn --out model.keras            # newest valid checkpoint in /ckpt
+    ps-export --checkpoint /ckpt/ckpt-000000000069.tfps --out cnn.weights.h5
+    ps-export --from-server 127.0.0.1:50051 --model cnn --out model.keras  # the live parameters
+
+The model is ``worker.model.build_model(--model)``, the one the workers train;
+each of its trainable variables takes the array stored under its path
+(``cnn/dense/kernel``). Names or shapes that do not match are an error that
+lists the differences; nothing is written then.
+
+- ``.keras``: the whole model, for ``keras.models.load_model``. It is compiled
+  with the workers' loss, an accuracy metric and the server's optimizer, so
+  ``evaluate`` works as loaded. From a checkpoint the optimizer also carries the
+  server's slots (SGD momentum, Adam m and v) and step count, so ``fit``
+  continues where the server stopped (the server's optimizers compute what
+  Keras computes); a live server does not send its slots, so the optimizer
+  then starts fresh.
+- ``.weights.h5``: the weights only, for ``model.load_weights`` on
+  ``build_model(--model)``.
+
+The file is written under a temporary name and renamed, so a reader never
+opens half of it. Exit status 2 for bad flags or a mismatch, 1 when the source
+cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from ps_server import security
+from ps_server.core.checkpoint import CheckpointError, ServerState, latest_valid, read_checkpoint
+from ps_server.settings import ConfigError
+from worker.client import PSClient, PSClientError
+from worker.model import MODELS
+
+SUFFIXES = (".weights.h5", ".keras")
+# Where Keras 3 keeps each server slot: optimizer attribute, one variable per trainable variable.
+KERAS_SLOTS = {"adam": {"m": "_momentums", "v": "_velocities"}, "sgd": {"momentum": "momentums"}}
+
+
+class ExportError(RuntimeError):
+    """The source and the model do not fit, or the output cannot be written."""
+
+
+def load_source(checkpoint: str = "", server: str = "", client_options: dict | None = None) -> tuple[ServerState | None, dict, object, str]:
+    """(state or None, values, optimizer spec or None, description) from a checkpoint or a server."""
+    if checkpoint:
+        if os.path.isdir(checkpoint):
+            found = latest_valid(checkpoint)
+            if found is None:
+                raise FileNotFoundError(f"no valid checkpoint in {checkpoint}")
+            state, path = found
+        else:
+            state, path = read_checkpoint(checkpoint), checkpoint
+        return state, state.values, state.optimizer, f"{path} (version {state.version})"
+    with PSClient(server, **(client_options or {})) as client:
+        version, values = client.pull()
+        wire = client.status().optimizer
+    from ps_server.core.optimizers import OptimizerSpec
+
+    spec = OptimizerSpec(wire.name, wire.learning_rate, wire.momentum, wire.nesterov, wire.beta_1, wire.beta_2,
+                         wire.epsilon) if wire.name else None
+    return None, values, spec, f"server {server} (version {version})"
+
+
+def assign(model, values: dict[str, np.ndarray]) -> None:
+    """Give each trainable variable of ``model`` its array by path; ExportError lists every mismatch."""
+    mine = {v.path: tuple(v.shape) for v in model.trainable_variables}
+    theirs = {n: tuple(np.shape(a)) for n, a in values.items()}
+    kinds = [
+        [f"{n} {list(s)} is not in the source" for n, s in mine.items() if n not in theirs],
+        [f"{n} {list(s)} is not in the model" for n, s in theirs.items() if n not in mine],
+        [f"{n} is {list(mine[n])} in the model but {list(theirs[n])} in the source"
+         for n in mine if n in theirs and mine[n] != theirs[n]],
+    ]
+    count = sum(map(len, kinds))
+    if count:
+        shown = [p for kind in kinds for p in kind[:3]]  # a few of each kind
+        raise ExportError(f"the source does not hold this model's variables ({count} difference(s)): "
+                          + "; ".join(shown) + ("; ..." if len(shown) < count else "")
+                          + ": export with the --model the workers trained")
+    for v in model.trainable_variables:
+        v.assign(values[v.path])
+
+
+def compile_like_the_server(model, spec, state: ServerState | None) -> str:
+    """Compile with the workers' loss and the server's optimizer; load its slots from a checkpoint."""
+    import keras
+
+    if spec is None:
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return "no optimizer (the server holds none yet)"
+    if spec.name == "adam":
+        optimizer = keras.optimizers.Adam(spec.learning_rate, beta_1=spec.beta_1, beta_2=spec.beta_2,
+                                          epsilon=spec.epsilon)
+    else:
+        optimizer = keras.optimizers.SGD(spec.learning_rate, momentum=spec.momentum, nesterov=spec.nesterov)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    if state is None:
+        return f"{spec.name}, fresh state (a live server does not send its optimizer slots)"
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    for slot, attribute in KERAS_SLOTS[spec.name].items():
+        keras_slots = getattr(optimizer, attribute, None) or []
+        if slot in state.states[variables[0].path] and len(keras_slots) != len(variables):
+            raise ExportError(f"this Keras keeps {spec.name}'s {slot!r} slots elsewhere; cannot export them")
+        for v, keras_slot in zip(variables, keras_slots):
+            keras_slot.assign(state.states[v.path][slot])
+    steps = sorted({int(state.states[v.path]["iterations"]) for v in variables})
+    optimizer.iterations.assign(steps[-1])
+    note = f"{spec.name} with the server's slots at step {steps[-1]}"
+    if len(steps) > 1:  # an async checkpoint taken while a push was half applied
+        note += f" (variables were at steps {steps[0]}..{steps[-1]}; Keras keeps one count)"
+    return note
+
+
+def export(out: str, model_name: str = "cnn", checkpoint: str = "", server: str = "",
+           client_options: dict | None = None) -> str:
+    """Build the model, load the source into it, write ``out``; returns a one-line summary."""
+    suffix = next((s for s in SUFFIXES if out.endswith(s)), None)
+    if suffix is None:
+        raise ExportError(f"--out must end in .keras (whole model) or .weights.h5 (weights only), got {out!r}")
+    if bool(checkpoint) == bool(server):
+        raise ExportError("give exactly one of --checkpoint and --from-server")
+    state, values, spec, source = load_source(checkpoint, server, client_options)
+
+    from worker import model as models
+
+    models.tf_setup(deterministic=True)
+    import keras
+
+    keras.backend.clear_session()  # layer names restart at "conv2d", as in a worker process
+    model = models.build_model(model_name)
+    assign(model, values)
+    tmp = f"{out[: -len(suffix)]}.tmp-{os.getpid()}{suffix}"
+    try:
+        if suffix == ".keras":
+            optimizer = compile_like_the_server(model, spec, state)
+            model.save(tmp)
+        else:
+            optimizer = "not saved (weights only)"
+            model.save_weights(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    return (f"wrote {out}: model {model_name}, {len(model.trainable_variables)} variables, {n} parameters "
+            f"from {source}; optimizer: {optimizer}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ps-export", description="Write a tfps checkpoint or a live server's "
+                                "parameters as a Keras model file (.keras or .weights.h5).")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a checkpoint file, or a directory (its newest valid checkpoint)")
+    source.add_argument("--from-server", metavar="HOST:PORT", help="pull the live parameters from a ps-server")
+    p.add_argument("--model", default="cnn", choices=MODELS, help="the model the workers trained (default cnn)")
+    p.add_argument("--out", required=True, help="output file: NAME.keras or NAME.weights.h5")
+    g = p.add_argument_group("security (--from-server)")
+    g.add_argument("--tls-ca-file", help="CA (PEM) that signs the server certificate")
+    g.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key-file", help="client private key (PEM)")
+    g.add_argument("--tls-server-name", help="name to check the server certificate against")
+    g.add_argument("--auth-token-file", help="bearer token file (or TFPS_AUTH_TOKEN in the environment)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        client_options = {}
+        if args.from_server:
+            client_options = dict(tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,
+                                  tls_key_file=args.tls_key_file, tls_server_name=args.tls_server_name,
+                                  token=security.load_token(args.auth_token_file, os.environ))
+        print(export(args.out, args.model, args.checkpoint or "", args.from_server or "", client_options), flush=True)
+    except (ExportError, ConfigError) as e:
+        print(f"ps-export: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, CheckpointError, PSClientError) as e:
+        print(f"ps-export: error: cannot read the source: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
