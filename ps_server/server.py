@@ -31,14 +31,13 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos import tfps_pb2_grpc as pb_grpc
 from protos import wire
 from ps_server.config import ConfigError, ServerConfig
 from ps_server import security
 from ps_server.core import checkpoint
 from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.service import ParameterServerServicer
+from ps_server.service import ParameterServerServicer, add_to_server
 
 log = logging.getLogger("ps_server")
 
@@ -146,7 +145,7 @@ def build_server(config: ServerConfig) -> RunningServer:
         options=wire.server_options(),
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(core), server)
+    add_to_server(ParameterServerServicer(core), server)
     health_servicer = health.HealthServicer()
     for service in ("", wire.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -54,11 +54,48 @@ def status_code_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+class Malformed:
+    """Stands in for a request whose bytes do not parse as its message type."""
+
+    def __init__(self, message_type: str, error: Exception):
+        self.message_type, self.error = message_type, error
+
+
+def _tolerant(message_class):
+    """A request deserializer that never raises: grpcio would answer INTERNAL."""
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception as e:  # DecodeError and friends
+            return Malformed(message_class.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
+    """Register the service like the generated ``add_ParameterServerServicer_to_server``,
+    but with deserializers that let malformed bytes reach ``_handled`` (INVALID_ARGUMENT)."""
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
 def _handled(method):
     """Turn every exception of an RPC handler into a precise status."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{method.__name__}: the request is not a valid {request.message_type}: {request.error}")
         try:
             return method(self, request, context)
         except (errors.PSError, codec.CodecError) as e:
