@@ -57,14 +57,6 @@ def snapshot(mode):
     return version, {n: a.tobytes() for n, a in values.items()}, mode.stats.pushes_applied
 
 
-@pytest.fixture
-def tight_switching():
-    """Switch threads every few microseconds so that interleavings actually happen."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(old)
-
 
 # -- the stress test -----------------------------------------------------------------
 

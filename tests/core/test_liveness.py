@@ -27,20 +27,11 @@ from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
-from tests.core.threads import JOIN, finish, start, wait_until
+from tests.core.threads import FakeClock, JOIN, finish, start, wait_until
 
 PROMPT = 5.0  # a waiter woken by the lease check returns well within this (the barrier timeout is JOIN)
 LEASE = 10.0
 
-
-class FakeClock:
-    """Membership's and the barrier's clock; it moves only when a test moves it."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def f32(*xs):
@@ -89,14 +80,6 @@ def declare_dead(ps, clock, dead, alive, at):
         ps.heartbeat(w)
     assert ps.tick() == list(dead)
 
-
-@pytest.fixture
-def tight_switching():
-    """Switch threads every few microseconds so that interleavings actually happen."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(old)
 
 
 # -- leases (membership) ---------------------------------------------------------------

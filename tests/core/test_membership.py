@@ -9,19 +9,12 @@ import pytest
 
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, UnknownWorker
 from ps_server.core.membership import Membership
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
+from tests.core.threads import FakeClock
 
 
 @pytest.fixture
 def clock():
-    return FakeClock()
+    return FakeClock(now=100.0)
 
 
 @pytest.fixture

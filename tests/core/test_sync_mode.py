@@ -30,19 +30,10 @@ from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
-from tests.core.threads import JOIN, finish, start, wait_until
+from tests.core.threads import FakeClock, JOIN, finish, start, wait_until
 from ps_server.core.sync_mode import SyncMode
 
 
-
-class FakeClock:
-    """The barrier's clock; it moves only when a test moves it."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class HeldAfterWakeup(threading.Condition):
@@ -116,14 +107,6 @@ def assert_values(store, expected):
     for name, value in expected.items():
         np.testing.assert_array_equal(values[name], value, err_msg=name)
 
-
-@pytest.fixture
-def tight_switching():
-    """Switch threads every few microseconds so that interleavings actually happen."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(old)
 
 
 # -- a complete round ----------------------------------------------------------------

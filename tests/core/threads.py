@@ -37,3 +37,13 @@ def wait_until(condition, timeout=5.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.002)
+
+
+class FakeClock:
+    """A clock for membership and the barrier; it moves only when a test moves it."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
