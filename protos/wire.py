@@ -42,3 +42,15 @@ def channel_options() -> list[tuple[str, int]]:
 def server_options() -> list[tuple[str, int]]:
     # so_reuseport off: two servers must never silently share a port.
     return channel_options() + [("grpc.so_reuseport", 0)]
+
+
+# glibc malloc settings for processes that move large messages: keep big buffers
+# mapped instead of returning them to the kernel after every message, so a fresh
+# 100 MiB receive buffer does not page-fault on every step. Measured with
+# bench/transport.py (BENCHMARKS.md): 2-5x push+pull throughput at 10-100 MiB.
+# They only take effect in a process started with them in its environment.
+ALLOCATOR_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "1073741824",
+    "MALLOC_TRIM_THRESHOLD_": "4294967296",
+    "MALLOC_ARENA_MAX": "1",
+}

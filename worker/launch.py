@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 
+from protos import wire
 from ps_server.core.parameter_server import MODES
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
@@ -115,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     out_lock = threading.Lock()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TF_CONFIG", None)  # the launcher describes the cluster itself
+    for key, value in wire.ALLOCATOR_ENV.items():  # large messages without page faults (BENCHMARKS.md)
+        env.setdefault(key, value)
     children: list[Child] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
