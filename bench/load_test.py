@@ -34,7 +34,6 @@ holds, 1 otherwise, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -53,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
+from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file  # noqa: E402
 from worker.client import PSClient, PSClientError  # noqa: E402
 
 # The model: a few variables of different shapes, one of 1 MiB.
@@ -72,11 +72,6 @@ CALL_TIMEOUT = 120.0
 BARRIER_TIMEOUT = 120.0
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the kernel kills this process when its parent dies."""
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-
-
 # -- the server under test ---------------------------------------------------------------
 class Server:
     """One ``ps-server`` subprocess; its log goes to a file in ``workdir``."""
@@ -93,17 +88,12 @@ class Server:
         env.pop("TF_CONFIG", None)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=workdir, env=env, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ps-server exited with {self.proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("ps-server did not write its port within 60 s")
-            time.sleep(0.05)
-        with open(port_file) as f:
-            self.address = f"127.0.0.1:{int(f.read())}"
+                                         cwd=workdir, env=env, preexec_fn=die_with_parent)
+        try:
+            self.address = f"127.0.0.1:{wait_for_port_file(port_file, self.proc, 60)}"
+        except ServerStartError as e:
+            self.kill()
+            raise RuntimeError(f"{e}: {self.log_tail()}") from None
 
     @property
     def pid(self) -> int:
@@ -269,7 +259,7 @@ def _worker(index: int, args: dict, shared: _Shared, tally: _Tally) -> None:
 
 def client_process(indices: list[int], args: dict, shared: _Shared, results) -> None:
     """One client process: a thread per worker index; puts its tally on ``results``."""
-    _die_with_parent()
+    die_with_parent()
     tally = _Tally()
     threads = [threading.Thread(target=_worker, args=(i, args, shared, tally), name=f"worker-{i}", daemon=True)
                for i in indices]

@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from tf_strategies.isolation import die_with_parent, free_ports, isolated  # noqa: E402
+from ps_server.procs import die_with_parent, wait_for_port_file  # noqa: E402
+from tf_strategies.isolation import free_ports, isolated  # noqa: E402
 
 MIB = 2**20
 TUNED = wire.ALLOCATOR_ENV
@@ -80,12 +81,7 @@ def measure_ours(sizes: list[int], reps: int) -> dict:
                 env=dict(os.environ), preexec_fn=die_with_parent, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             try:
-                deadline = time.monotonic() + 60
-                while not os.path.exists(port_file):
-                    if time.monotonic() > deadline or server.poll() is not None:
-                        raise RuntimeError("ps-server did not start")
-                    time.sleep(0.05)
-                with PSClient(f"127.0.0.1:{int(open(port_file).read())}", timeout=300) as client:
+                with PSClient(f"127.0.0.1:{wait_for_port_file(port_file, server, 60)}", timeout=300) as client:
                     client.wait_ready(30)
                     client.register(0, 1)
                     client.initialize(0, {"v": np.zeros(mib * MIB // 4, np.float32)}, spec)

@@ -18,22 +18,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import signal
 import subprocess
 
-
-def die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGKILL this child when its parent dies (no orphans).
-
-    SIGKILL, not SIGTERM: a TensorFlow task that joined a cluster treats SIGTERM as a
-    preemption notice and keeps running.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+from ps_server.procs import die_with_parent  # noqa: F401  (runners import it from here)
 
 
 def _prefix() -> list[str]:

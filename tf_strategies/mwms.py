@@ -196,10 +196,9 @@ def _die_with_launcher() -> None:
     """Re-arm PR_SET_PDEATHSIG with SIGKILL: TensorFlow's coordination agent catches
     the SIGTERM that ``isolation.die_with_parent`` asks for, and the worker would
     outlive its launcher."""
-    import ctypes
-    import signal
+    from ps_server.procs import die_with_parent
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent()
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and os.getppid() != int(launcher):  # it died before we asked
         os._exit(1)

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from tf_strategies.common import RunResult, RunSpec, load_initial_weights, save_result
-from tf_strategies.isolation import die_with_parent
+from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
 
 MODES = ("sync", "async")
 
@@ -67,13 +67,10 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
             server = start([sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
                             "--port-file", port_file, "--mode", mode, "--num-workers", str(spec.num_workers),
                             "--log-level", "WARNING"], "ps")
-            deadline = time.monotonic() + 60
-            while not os.path.exists(port_file):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RunnerError(f"ps-server did not start:\n{log_tail(server)}")
-                time.sleep(0.05)
-            with open(port_file) as f:
-                address = f"127.0.0.1:{int(f.read())}"
+            try:
+                address = f"127.0.0.1:{wait_for_port_file(port_file, server, 60)}"
+            except ServerStartError as e:
+                raise RunnerError(f"{e}:\n{log_tail(server)}") from None
             snap = os.path.join(tmp, "snap")
             os.makedirs(snap)
             workers = []

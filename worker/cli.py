@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-worker: error: worker {config.worker_index}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"ps-worker: interrupted", file=sys.stderr)
+        print("ps-worker: interrupted", file=sys.stderr)
         return 130
     return 0
 

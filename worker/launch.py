@@ -27,19 +27,11 @@ import time
 
 from protos import wire
 from ps_server.core.parameter_server import MODES
+from ps_server.procs import ServerStartError, on_parent_death, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM us when the launcher dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+# SIGTERM: a ps-server still shuts down cleanly (and checkpoints) when the launcher dies.
+_die_with_parent = on_parent_death(signal.SIGTERM)
 
 
 class LaunchError(RuntimeError):
@@ -189,14 +181,10 @@ def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:
     from worker.client import PSClient, PSClientError
 
     deadline = time.monotonic() + timeout
-    while not os.path.exists(port_file):
-        if server.poll() is not None:
-            raise LaunchError(f"ps-server exited with status {server.proc.returncode} before serving")
-        if time.monotonic() > deadline:
-            raise LaunchError(f"ps-server did not start within {timeout:g} s")
-        time.sleep(0.05)
-    with open(port_file) as f:
-        address = f"127.0.0.1:{int(f.read())}"
+    try:
+        address = f"127.0.0.1:{wait_for_port_file(port_file, server.proc, timeout)}"
+    except ServerStartError as e:
+        raise LaunchError(str(e)) from None
     with PSClient(address) as client:
         try:
             client.wait_ready(max(1.0, deadline - time.monotonic()))

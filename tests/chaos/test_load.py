@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from tests.cluster.conftest import ROOT, _die_with_parent
+from ps_server.procs import die_with_parent
+from tests.cluster.conftest import ROOT
 
 pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
 
@@ -32,7 +33,7 @@ def load(tmp_path_factory) -> dict[str, dict]:
     proc = subprocess.run(
         [sys.executable, "bench/load_test.py", "--mode", "both", "--clients", str(CLIENTS),
          "--seconds", str(SECONDS), "--procs", "2", "--json-out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=_die_with_parent,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=die_with_parent,
     )
     assert out.exists(), f"load test wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}

@@ -6,22 +6,16 @@ PR_SET_PDEATHSIG, when pytest itself dies), so nothing outlives a test.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
+from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
 from worker.client import PSClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
 
 
 class Procs:
@@ -35,7 +29,7 @@ class Procs:
         env.pop("TF_CONFIG", None)
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=self.tmp_path, env=env, preexec_fn=_die_with_parent,
+            cwd=self.tmp_path, env=env, preexec_fn=die_with_parent,
         )
         proc.log_path = self.tmp_path / f"{log_name}.log"
         self.procs.append(proc)
@@ -49,12 +43,7 @@ class Procs:
              "--mode", mode, "--num-workers", str(num_workers), "--barrier-timeout", str(barrier_timeout), *extra],
             "ps",
         )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, f"ps-server died: {read_log(proc)}"
-            assert time.monotonic() < deadline, "ps-server did not write its port in 60 s"
-            time.sleep(0.05)
-        address = f"127.0.0.1:{int(port_file.read_text())}"
+        address = f"127.0.0.1:{port_of(proc, port_file)}"
         with PSClient(address) as c:
             c.wait_ready(30)
         return proc, address
@@ -71,6 +60,14 @@ class Procs:
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=30)
+
+
+def port_of(proc, port_file) -> int:
+    """The port a ps-server started with --port-file wrote; fails the test with its log otherwise."""
+    try:
+        return wait_for_port_file(str(port_file), proc, 60)
+    except ServerStartError as e:
+        pytest.fail(f"{e}; log:\n{read_log(proc)[-3000:]}")
 
 
 def read_log(proc) -> str:

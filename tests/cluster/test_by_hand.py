@@ -10,11 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.cluster.conftest import read_log, wait_exit
+from tests.cluster.conftest import port_of, read_log, wait_exit
 
 pytestmark = pytest.mark.cluster
 
@@ -34,11 +33,7 @@ def test_server_and_two_workers_started_by_hand_train_digits_to_90_percent(procs
     port_file = tmp_path / "port"
     server = procs.start([script("ps-server"), "--mode", "async", "--num-workers", "2", "--port", "0",
                           "--port-file", str(port_file)], "ps")
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert server.poll() is None and time.monotonic() < deadline, read_log(server)
-        time.sleep(0.05)
-    address = f"127.0.0.1:{int(port_file.read_text())}"
+    address = f"127.0.0.1:{port_of(server, port_file)}"
     result = tmp_path / "result.json"
     common = ["--ps", address, "--num-workers", "2", "--dataset", "digits", "--epochs", "3"]
     w0 = procs.start([script("ps-worker"), *common, "--worker-index", "0", "--result-json", str(result)], "worker0")

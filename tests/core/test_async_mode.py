@@ -12,7 +12,6 @@ learning rate 1/2 and small integer gradients.
 """
 
 import re
-import sys
 import threading
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument, NotFound, UnknownWorker
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push
+from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore

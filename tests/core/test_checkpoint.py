@@ -9,7 +9,6 @@ is the core alone: two workers push seeded gradients in threads, so an
 interrupted run and an uninterrupted one can be compared exactly.
 """
 
-import dataclasses
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from ps_server.core.checkpoint import (
     write_checkpoint,
 )
 from ps_server.core.errors import ConfigMismatch, FutureRound, InvalidArgument, SpecConflict, StaleRound
-from ps_server.core.modes import ModeStatus, Push
+from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import StoreState, VariableStore

@@ -13,7 +13,6 @@ joined with a timeout and then asserted dead; polls give up after a few seconds.
 
 import logging
 import re
-import sys
 import threading
 import time
 

@@ -9,7 +9,6 @@ then asserted dead; polls give up after a few seconds.
 """
 
 import re
-import sys
 import threading
 import time
 
@@ -18,7 +17,6 @@ import pytest
 
 from ps_server.core.errors import (
     BarrierTimeout,
-    DuplicatePush,
     FutureRound,
     InvalidArgument,
     NotInitialized,

@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -37,7 +36,7 @@ from ps_server import security
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
 from ps_server.settings import ConfigError
-from tests.cluster.conftest import procs, read_log, wait_exit  # noqa: F401 (procs is a fixture)
+from tests.cluster.conftest import port_of, procs, read_log, wait_exit  # noqa: F401 (procs is a fixture)
 from worker.client import PSClient, PSClientError
 
 Code = grpc.StatusCode
@@ -375,11 +374,7 @@ def test_readme_secure_commands_train_and_a_worker_without_the_token_is_refused(
                           "--port-file", str(port_file), "--tls-cert-file", pki["server_crt"],
                           "--tls-key-file", pki["server_key"], "--tls-client-ca-file", pki["ca_crt"],
                           "--auth-token-file", pki["token"]], "ps")
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert server.poll() is None and time.monotonic() < deadline, read_log(server)
-        time.sleep(0.05)
-    address = f"127.0.0.1:{int(port_file.read_text())}"
+    address = f"127.0.0.1:{port_of(server, port_file)}"
     tls = ["--tls-ca-file", pki["ca_crt"], "--tls-cert-file", pki["client_crt"], "--tls-key-file", pki["client_key"]]
     common = ["--ps", address, "--num-workers", "1", "--dataset", "synthetic", "--steps", "3",
               "--connect-timeout", "30", *tls]

@@ -16,12 +16,9 @@ the server refuses. Expected values are computed by hand.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -31,16 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
+from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
 
 LIMIT = 2**20  # TFPS_MAX_MESSAGE_MB=1
 CALL_TIMEOUT = 30.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 W0 = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
 G = np.array([2.0, 4.0, -2.0, 0.0], np.float32)
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive pytest
 
 
 class Server:
@@ -54,14 +48,14 @@ class Server:
                 [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file",
                  str(port_file), "--mode", "sync", "--num-workers", "1", "--lease-timeout", "3600"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,  # never outlive pytest
             )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert self.proc.poll() is None, f"ps-server died: {self.log_path.read_text()}"
-            assert time.monotonic() < deadline, "ps-server did not write its port within 60 s"
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
+        try:
+            self.address = f"127.0.0.1:{wait_for_port_file(str(port_file), self.proc, 60)}"
+        except ServerStartError as e:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+            pytest.fail(f"{e}: {self.log_path.read_text()}")
         self.channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_send_message_length", 64 * LIMIT), ("grpc.max_receive_message_length", 64 * LIMIT)])
         self.stub = pb_grpc.ParameterServerStub(self.channel)
