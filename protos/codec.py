@@ -7,7 +7,8 @@ Bytes are little-endian whatever the host. ``decode`` is zero-copy: the array is
 a read-only view of the message's bytes (``np.frombuffer``). It raises
 ``CodecError`` (a ``ValueError``) naming the tensor when the dtype is unknown, a
 dimension is negative, the byte length does not match dtype and shape, or the
-shape is too big for NumPy; ``encode`` raises it, naming the tensor, for a dtype
+shape is too big for NumPy; a BFLOAT16 tensor (an optional gradient wire
+format) is widened to a new float32 array. ``encode`` raises it, naming the tensor, for a dtype
 that cannot travel.
 """
 
@@ -62,8 +63,9 @@ def encode(name: str, array: np.ndarray) -> pb.Tensor:
 
 
 def decode(msg: pb.Tensor) -> tuple[str, np.ndarray]:
+    bfloat16 = msg.dtype == pb.BFLOAT16  # float32 gradients sent in half the bytes: widened here
     try:
-        dtype = numpy_dtype(msg.dtype)
+        dtype = np.dtype("<u2") if bfloat16 else numpy_dtype(msg.dtype)
     except CodecError as e:
         raise CodecError(f"tensor {msg.name!r}: {e}") from None
     shape = tuple(int(d) for d in msg.shape)
@@ -81,6 +83,8 @@ def decode(msg: pb.Tensor) -> tuple[str, np.ndarray]:
         array = np.frombuffer(msg.data, dtype=dtype).reshape(shape)
     except ValueError as e:  # e.g. [0, 2**62]: zero bytes, yet a shape too big for NumPy
         raise CodecError(f"tensor {msg.name!r}: shape {list(shape)} cannot be represented: {e}") from None
+    if bfloat16:
+        array = (array.astype(np.uint32) << 16).view(np.float32)
     return msg.name, array
 
 

@@ -54,6 +54,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.PushRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PullStream = channel.unary_stream(
+                '/tfps.v1.ParameterServer/PullStream',
+                request_serializer=protos_dot_tfps__pb2.PullRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.PullChunk.FromString,
+                _registered_method=True)
+        self.PushStream = channel.stream_unary(
+                '/tfps.v1.ParameterServer/PushStream',
+                request_serializer=protos_dot_tfps__pb2.PushChunk.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.PushResponse.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Leave',
                 request_serializer=protos_dot_tfps__pb2.LeaveRequest.SerializeToString,
@@ -100,6 +110,19 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullStream(self, request, context):
+        """The same two calls, streamed in ~1 MiB chunks (see PushHeader).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -140,6 +163,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=protos_dot_tfps__pb2.PushRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.PushResponse.SerializeToString,
+            ),
+            'PullStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullStream,
+                    request_deserializer=protos_dot_tfps__pb2.PullRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.PullChunk.SerializeToString,
+            ),
+            'PushStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushStream,
+                    request_deserializer=protos_dot_tfps__pb2.PushChunk.FromString,
                     response_serializer=protos_dot_tfps__pb2.PushResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
@@ -265,6 +298,60 @@ class ParameterServer:
             target,
             '/tfps.v1.ParameterServer/Push',
             protos_dot_tfps__pb2.PushRequest.SerializeToString,
+            protos_dot_tfps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/PullStream',
+            protos_dot_tfps__pb2.PullRequest.SerializeToString,
+            protos_dot_tfps__pb2.PullChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tfps.v1.ParameterServer/PushStream',
+            protos_dot_tfps__pb2.PushChunk.SerializeToString,
             protos_dot_tfps__pb2.PushResponse.FromString,
             options,
             channel_credentials,

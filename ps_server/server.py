@@ -54,6 +54,7 @@ class RunningServer:
     _checkpointer: threading.Thread | None = None
     _checkpoint_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # one writer at a time
     last_checkpoint_version: int | None = None  # written or restored; None: none yet
+    servicer: ParameterServerServicer | None = None
 
     def start(self) -> "RunningServer":
         self.server.start()
@@ -145,7 +146,8 @@ def build_server(config: ServerConfig) -> RunningServer:
         options=wire.server_options(),
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
-    add_to_server(ParameterServerServicer(core), server)
+    servicer = ParameterServerServicer(core)
+    add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     for service in ("", wire.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -166,7 +168,8 @@ def build_server(config: ServerConfig) -> RunningServer:
     if token and credentials is None:
         log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
-    return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored)
+    return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored,
+                         servicer=servicer)
 
 
 def _round(state: checkpoint.ServerState) -> str:

@@ -17,13 +17,16 @@ import time
 
 import grpc
 
-from protos import codec
+import numpy as np
+
+from protos import codec, stream
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import errors
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
+from ps_server.buffers import BufferPool
 
 log = logging.getLogger("ps_server.service")
 
@@ -73,18 +76,40 @@ def _tolerant(message_class):
     return parse
 
 
+def _tolerant_chunks(message_class):
+    """A stream-message deserializer that never raises: data chunks become
+    zero-copy memoryviews (``protos.stream``), bad bytes a ``Malformed``."""
+    parse = stream.deserializer(message_class)
+
+    def tolerant(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:
+            return Malformed(message_class.DESCRIPTOR.full_name, e)
+
+    return tolerant
+
+
 def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
     """Register the service like the generated ``add_ParameterServerServicer_to_server``,
-    but with deserializers that let malformed bytes reach ``_handled`` (INVALID_ARGUMENT)."""
+    but with deserializers that let malformed bytes reach ``_handled`` (INVALID_ARGUMENT),
+    and the streams' hand-framed data chunks (``protos.stream``)."""
     service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
-    handlers = {
-        m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name),
-            request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
-        )
-        for m in service.methods
-    }
+    handlers = {}
+    for m in service.methods:
+        method = getattr(servicer, m.name)
+        if m.name == "PushStream":
+            handlers[m.name] = grpc.stream_unary_rpc_method_handler(
+                method, request_deserializer=_tolerant_chunks(pb.PushChunk),
+                response_serializer=pb.PushResponse.SerializeToString)
+        elif m.name == "PullStream":
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                method, request_deserializer=_tolerant(pb.PullRequest),
+                response_serializer=stream.serializer(pb.PullChunk))
+        else:
+            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                method, request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
+                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
@@ -127,9 +152,31 @@ def optimizer_from_wire(msg: pb.OptimizerConfig) -> OptimizerSpec:
     )
 
 
+def _push_result_to_wire(result) -> pb.PushResponse:
+    return pb.PushResponse(
+        version=result.version,
+        staleness=result.staleness,
+        contributors=result.contributors,
+        dropped=result.dropped,
+        next_step=result.next_step,
+        replayed=result.replayed,
+    )
+
+
+_HALF = (pb.FLOAT16, pb.BFLOAT16)
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, core: ParameterServer):
+    def __init__(self, core: ParameterServer, chunk_bytes: int = stream.CHUNK_BYTES):
         self.core = core
+        self.chunk_bytes = chunk_bytes
+        self.buffers = BufferPool(keep=max(4, 2 * core.num_workers))
+
+    def _since(self, request) -> int | None:
+        """The version a pull may skip unchanged variables from, if the caller's copies are ours."""
+        if request.known_incarnation and request.known_incarnation == self.core.incarnation:
+            return request.known_version
+        return None
 
     @_handled
     def Register(self, request, context):
@@ -161,29 +208,82 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Pull(self, request, context):
-        version, values = self.core.pull(request.worker_id, list(request.names))
-        return pb.PullResponse(version=version, variables=codec.encode_many(values))
+        version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
+        return pb.PullResponse(version=version, variables=codec.encode_many(values),
+                               incarnation=self.core.incarnation)
+
+    @_handled
+    def PullStream(self, request, context):
+        # Everything that can fail happens here, before the first message.
+        version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
+        wire = {name: stream.to_wire(a) for name, a in values.items()}
+        header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
+        return self._pull_chunks(header, [a for _, a in wire.values()])
+
+    def _pull_chunks(self, header: pb.PullHeader, arrays: list[np.ndarray]):
+        yield pb.PullChunk(header=header)
+        yield from stream.chunk_buffers(arrays, self.chunk_bytes)
 
     @_handled
     def Push(self, request, context):
+        gradients = codec.decode_many(request.gradients)
+        specs = self.core.store.specs()
+        for name, g in list(gradients.items()):  # float16 on the wire for a float32 variable: widen
+            if g.dtype == np.float16 and name in specs and specs[name][0] == np.float32:
+                gradients[name] = g.astype(np.float32)
         result = self.core.push(
             Push(
                 worker_id=request.worker_id,
                 step=request.step,
                 base_version=request.base_version,
                 batch_size=request.batch_size,
-                gradients=codec.decode_many(request.gradients),
+                gradients=gradients,
                 loss=request.loss,
             )
         )
-        return pb.PushResponse(
-            version=result.version,
-            staleness=result.staleness,
-            contributors=result.contributors,
-            dropped=result.dropped,
-            next_step=result.next_step,
-            replayed=result.replayed,
-        )
+        return _push_result_to_wire(result)
+
+    @_handled
+    def PushStream(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if isinstance(first, Malformed):
+            raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
+        if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
+            raise codec.CodecError("PushStream: the first message must carry the header, and no data")
+        h = first.header
+        layout = stream.Layout.of(h.gradients)
+        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout))
+        buffer = self.buffers.acquire(layout.nbytes)
+        try:
+            assembler = stream.Assembler(layout, buffer)
+            for chunk in request_iterator:
+                if not isinstance(chunk, memoryview):
+                    what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) \
+                        else "a second header"
+                    raise codec.CodecError(f"PushStream: after the header, every message must be data; got {what}")
+                assembler.feed(chunk)
+            gradients = assembler.arrays()
+            specs = self.core.store.specs()
+            for e in layout.entries:
+                if e.code == pb.FLOAT16 and specs[e.name][0] == np.float32:
+                    gradients[e.name] = gradients[e.name].astype(np.float32)
+            result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
+                                         batch_size=h.batch_size, gradients=gradients, loss=h.loss))
+        finally:  # the core keeps no reference to the gradients once push returns
+            self.buffers.release(buffer)
+        return _push_result_to_wire(result)
+
+    def _widened(self, layout: stream.Layout) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """name -> (dtype, shape) as the store will see it: half-precision gradients of
+        float32 variables are widened on arrival."""
+        specs = self.core.store.specs()
+        out = {}
+        for e in layout.entries:
+            dtype = np.dtype(np.float32) if e.bfloat16 else e.dtype
+            if e.code in _HALF and e.name in specs and specs[e.name][0] == np.float32:
+                dtype = np.dtype(np.float32)
+            out[e.name] = (dtype, e.shape)
+        return out
 
     @_handled
     def Leave(self, request, context):

@@ -5,7 +5,13 @@
     version, values = client.pull(reg.worker_id)
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
 
-NumPy in, NumPy out: no TensorFlow here. Each call carries a deadline. Calls
+NumPy in, NumPy out: no TensorFlow here. Pulls and pushes are streamed in
+~1 MiB chunks (``PullStream``, ``PushStream``: ``protos.stream``). A full pull
+sends the server the version and incarnation of the values this client holds,
+and gets back only the variables that changed since (the rest come from its
+cache). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
+gradient bytes (the server widens them back; off by default: it costs accuracy).
+Each call carries a deadline. Calls
 that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat)
 are retried on UNAVAILABLE by the channel's service-config retry policy. Push
 is retried only by the trainer, deliberately: the server answers a repeated
@@ -25,7 +31,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import codec, wire
+from protos import codec, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server import security
@@ -92,11 +98,17 @@ class PSClient:
         tls_key_file: str | None = None,
         tls_server_name: str | None = None,
         token: str | None = None,
+        grad_wire_dtype: str = "float32",
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
         is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``)."""
+        if grad_wire_dtype not in stream.WIRE_DTYPES:
+            raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
         self.timeout = timeout
+        self.grad_wire_dtype = grad_wire_dtype
+        # The last full pull: (incarnation, version, values); what the next one may skip.
+        self._cache: tuple[str, int, dict[str, np.ndarray]] | None = None
         self._channel = security.client_channel(
             address,
             options=wire.channel_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
@@ -107,6 +119,13 @@ class PSClient:
             token=token,
         )
         self._stub = pb_grpc.ParameterServerStub(self._channel)
+        method = f"/{wire.SERVICE_NAME}/"
+        self._pull_stream = self._channel.unary_stream(
+            method + "PullStream", request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=stream.deserializer(pb.PullChunk))
+        self._push_stream = self._channel.stream_unary(
+            method + "PushStream", request_serializer=stream.serializer(pb.PushChunk),
+            response_deserializer=pb.PushResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -186,8 +205,36 @@ class PSClient:
         return reply.created
 
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
-        reply = self._call("Pull", pb.PullRequest(worker_id=worker_id, names=list(names)))
-        return reply.version, codec.decode_many(reply.variables)
+        """(version, values), streamed. Arrays are read-only; a full pull (no ``names``)
+        reuses the previous pull's arrays for the variables that did not change."""
+        names = list(names)
+        cache = self._cache if not names else None
+        request = pb.PullRequest(worker_id=worker_id, names=names)
+        if cache is not None:
+            request.known_incarnation, request.known_version = cache[0], cache[1]
+        try:
+            replies = self._pull_stream(request, timeout=self.timeout, wait_for_ready=False)
+            header = next(replies)
+            if not isinstance(header, pb.PullChunk) or not header.HasField("header"):
+                raise PSClientError("PullStream", self.address, None, "the reply did not start with a header")
+            header = header.header
+            assembler = stream.Assembler(stream.Layout.of(header.variables))
+            for chunk in replies:
+                if not isinstance(chunk, memoryview):
+                    raise PSClientError("PullStream", self.address, None, "a second header in the reply")
+                assembler.feed(chunk)
+            values = assembler.arrays()
+        except grpc.RpcError as e:
+            raise PSClientError("Pull", self.address, e.code(), e.details() or "") from None
+        except (codec.CodecError, StopIteration) as e:
+            raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
+        for a in values.values():
+            a.flags.writeable = False
+        if cache is not None and header.incarnation == cache[0]:
+            values = {n: values.get(n, cache[2][n]) for n in cache[2]} if set(values) <= set(cache[2]) else values
+        if not names:
+            self._cache = (header.incarnation, header.version, values)
+        return header.version, values
 
     def push(
         self,
@@ -199,18 +246,21 @@ class PSClient:
         loss: float = 0.0,
         timeout: float | None = None,
     ) -> PushReply:
-        reply = self._call(
-            "Push",
-            pb.PushRequest(
-                worker_id=worker_id,
-                step=step,
-                base_version=base_version,
-                batch_size=batch_size,
-                gradients=codec.encode_many(gradients),
-                loss=loss,
-            ),
-            timeout=timeout,
-        )
+        try:
+            wire_arrays = {n: stream.to_wire(g, self.grad_wire_dtype) for n, g in gradients.items()}
+        except codec.CodecError as e:
+            raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
+                               loss=loss, gradients=stream.metas(wire_arrays))
+
+        def messages():
+            yield pb.PushChunk(header=header)
+            yield from stream.chunk_buffers([a for _, a in wire_arrays.values()])
+
+        try:
+            reply = self._push_stream(messages(), timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
         return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
                          reply.replayed)
 

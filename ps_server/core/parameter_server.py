@@ -5,6 +5,7 @@
     ps.tick()        # every second or so: declare silent workers dead, apply the policy
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
+    version, changed = ps.pull(since=version)     # only variables updated after it
     ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g))
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
     ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
@@ -149,10 +150,21 @@ class ParameterServer:
         created = self.store.initialize(variables, spec)
         return created, self.store.version
 
-    def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None,
+             since: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, values); with ``since``, only the variables changed after that version."""
         if worker_id is not None and worker_id >= 0:
             self.members.require(worker_id)
-        return self.store.read(names)
+        return self.store.read(names, since)
+
+    def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
+                   specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+        """Refuse a push from its header alone, before its gradients arrive (streamed pushes):
+        the worker, the step bounds, and every gradient's name, shape and dtype.
+        ``push`` checks all of it again, with the values."""
+        self.members.require(worker_id)
+        Push(worker_id, step, base_version, batch_size, {}).validate()
+        self.store.check_gradient_specs(specs)
 
     def push(self, push: Push) -> PushResult:
         self.members.require(push.worker_id)

@@ -3,6 +3,7 @@
     store = VariableStore()
     store.initialize({"w": np.zeros(3, np.float32)}, OptimizerSpec("sgd", 0.1))
     version, values = store.read()               # consistent snapshot
+    version, changed = store.read(since=version) # only what changed after it
     store.apply_all({"w": g})                    # sync: one step on every variable
     store.apply_one("w", g)                      # async: one variable, its own lock
 
@@ -44,13 +45,16 @@ from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
 
 
 class _Variable:
-    __slots__ = ("name", "value", "state", "lock")
+    __slots__ = ("name", "value", "state", "lock", "changed")
 
-    def __init__(self, name: str, value: np.ndarray, state: dict):
+    def __init__(self, name: str, value: np.ndarray, state: dict, changed: int = 0):
         self.name = name
         self.value = value
         self.state = state
         self.lock = threading.Lock()
+        # A version by which this value was published: a reader that saw version
+        # v < changed may hold an older value; one that saw v >= changed holds this one.
+        self.changed = changed
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -153,8 +157,15 @@ class VariableStore:
                                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
     # -- reads -----------------------------------------------------------------
-    def read(self, names: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """(version, values). Arrays are read-only and never change afterwards."""
+    def read(self, names: Iterable[str] | None = None, since: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, values). Arrays are read-only and never change afterwards.
+
+        With ``since``: only the variables that may have changed after a read
+        that returned version ``since`` (the caller keeps its copies of the
+        rest). Sync updates publish every variable with the new version; an
+        async update publishes a variable as of the version being built, so a
+        reader that caught it half-way through a push gets it again, never misses it.
+        """
         self._require_initialized()
         names = list(names) if names else None
         if names:
@@ -163,6 +174,8 @@ class VariableStore:
                 raise NotFound(f"unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
         with self._publish:
             chosen = names or list(self._vars)
+            if since is not None:
+                chosen = [n for n in chosen if self._vars[n].changed > since]
             return self._version, {n: self._vars[n].value for n in chosen}
 
     # -- gradients ---------------------------------------------------------------
@@ -171,23 +184,30 @@ class VariableStore:
 
         ``allow_nonfinite`` lets NaN and Inf through (they are rejected by default).
         """
+        self.check_gradient_specs({n: (g.dtype, g.shape) for n, g in grads.items()})
+        if not allow_nonfinite:
+            for name, g in grads.items():
+                if not np.isfinite(g).all():
+                    raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
+
+    def check_gradient_specs(self, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+        """Raise unless ``specs`` (name -> (dtype, shape)) names every variable once with
+        its shape and dtype: what a streamed push checks before any data arrives."""
         self._require_initialized()
-        unknown = [n for n in grads if n not in self._vars]
+        unknown = [n for n in specs if n not in self._vars]
         if unknown:
             raise NotFound(f"gradient for unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
-        missing = [n for n in self._vars if n not in grads]
+        missing = [n for n in self._vars if n not in specs]
         if missing:
             raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
-        for name, g in grads.items():
+        for name, (dtype, shape) in specs.items():
             value = self._vars[name].value
-            if g.shape != value.shape:
+            if tuple(shape) != value.shape:
                 raise InvalidArgument(
-                    f"gradient for {name!r} has shape {list(g.shape)}, variable has {list(value.shape)}"
+                    f"gradient for {name!r} has shape {list(shape)}, variable has {list(value.shape)}"
                 )
-            if np.dtype(g.dtype).newbyteorder("=") != value.dtype:
-                raise InvalidArgument(f"gradient for {name!r} has dtype {g.dtype}, variable has {value.dtype}")
-            if not allow_nonfinite and not np.isfinite(g).all():
-                raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
+            if np.dtype(dtype).newbyteorder("=") != value.dtype:
+                raise InvalidArgument(f"gradient for {name!r} has dtype {np.dtype(dtype)}, variable has {value.dtype}")
 
     # -- updates -----------------------------------------------------------------
     def apply_all(self, grads: Mapping[str, np.ndarray]) -> int:
@@ -202,10 +222,10 @@ class VariableStore:
             var = self._vars[name]
             new[name] = self._optimizer.apply(var.value, _native(g), var.state)
         with self._publish:
+            self._version += 1
             for name, (value, state) in new.items():
                 var = self._vars[name]
-                var.value, var.state = _frozen(value), state
-            self._version += 1
+                var.value, var.state, var.changed = _frozen(value), state, self._version
             return self._version
 
     def apply_one(self, name: str, grad: np.ndarray) -> None:
@@ -215,7 +235,7 @@ class VariableStore:
         with var.lock:
             value, state = self._optimizer.apply(var.value, grad, var.state)
             with self._publish:  # a snapshot sees value and state of the same step
-                var.value, var.state = _frozen(value), state
+                var.value, var.state, var.changed = _frozen(value), state, self._version + 1
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
@@ -265,7 +285,7 @@ class VariableStore:
                     raise InvalidArgument(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
                                           f"the variable is {value.dtype}{list(value.shape)}")
                 slots[slot] = array
-            variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)})
+            variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)}, state.version)
         with self._publish:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")

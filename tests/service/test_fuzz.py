@@ -56,7 +56,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from google.protobuf.message import DecodeError
 
-from protos import codec, wire
+from protos import codec, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.config import ServerConfig
@@ -83,7 +83,8 @@ REQUESTS = {
     "Heartbeat": pb.HeartbeatRequest,
     "Status": pb.StatusRequest,
 }
-assert set(REQUESTS) == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
+STREAMS = {"PushStream", "PullStream"}  # fuzzed below, message by message
+assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
 
 
 # -- the server under test -------------------------------------------------------------
@@ -268,7 +269,8 @@ STRATEGIES = {
         st.builds(pb.InitializeRequest, worker_id=WORKER, optimizer=OPTIMIZERS, variables=TENSORS),
         st.builds(pb.InitializeRequest, worker_id=WORKER, optimizer=st.just(SAME_SPEC.optimizer), variables=GRADIENTS),
     ),
-    "Pull": st.builds(pb.PullRequest, worker_id=WORKER, names=st.lists(NAMES, max_size=4)),
+    "Pull": st.builds(pb.PullRequest, worker_id=WORKER, names=st.lists(NAMES, max_size=4),
+                      known_version=st.one_of(st.integers(-2, 3), INT64), known_incarnation=st.one_of(TEXT)),
     "Push": st.builds(pb.PushRequest, worker_id=WORKER, step=INT64, base_version=INT64, batch_size=INT64,
                       gradients=GRADIENTS, loss=DOUBLES),
     "Leave": st.builds(pb.LeaveRequest, worker_id=WORKER),
@@ -386,3 +388,53 @@ def test_raw_bytes_to_every_method_are_refused_or_harmless(target, method, data)
     if reply is not None:
         reply = getattr(pb, f"{method}Response").FromString(reply)
     check(target, method, request, code, details, reply)
+
+
+# -- the streamed forms: PushStream and PullStream, message by message ----------------------
+
+
+def as_stream(request: pb.PushRequest, data) -> list[bytes]:
+    """The push as PushStream messages: a header, then its tensors' bytes cut at drawn
+    points; sometimes mangled (bytes missing or extra, a second header, garbage, no header)."""
+    header = pb.PushHeader(worker_id=request.worker_id, step=request.step, base_version=request.base_version,
+                           batch_size=request.batch_size, loss=request.loss,
+                           gradients=[pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape)
+                                      for t in request.gradients])
+    payload = b"".join(t.data for t in request.gradients)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(payload)), max_size=4), label="cuts"))
+    pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)]) if b > a]
+    messages = [pb.PushChunk(header=header).SerializeToString()] + [stream.frame([p]) for p in pieces]
+    mangle = data.draw(st.sampled_from(["none"] * 6 + ["short", "long", "header", "garbage", "headless"]),
+                       label="mangle")
+    if mangle == "short" and pieces:
+        messages[-1] = stream.frame([pieces[-1][:-1]])
+    elif mangle == "long":
+        messages.append(stream.frame([b"\x00\x01\x02"]))
+    elif mangle == "header":
+        messages.insert(data.draw(st.integers(1, len(messages)), label="at"), messages[0])
+    elif mangle == "garbage":
+        messages.insert(data.draw(st.integers(1, len(messages)), label="at"),
+                        data.draw(st.binary(min_size=1, max_size=16), label="garbage"))
+    elif mangle == "headless":
+        messages = messages[1:]
+    return messages
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_push_stream_is_answered_with_a_table_code_and_a_refusal_changes_nothing(target, data):
+    """PushStream keeps Push's promises whatever the messages: a stream is applied whole or not at all."""
+    request = data.draw(st.one_of(STRATEGIES["Push"], pushes_near(target)), label="request")
+    call = target.channel.stream_unary(f"/{wire.SERVICE_NAME}/PushStream", request_serializer=None,
+                                       response_deserializer=pb.PushResponse.FromString)
+    code, details, reply = outcome(call, iter(as_stream(request, data)))
+    check(target, "Push", request, code, details, reply)
+
+
+@FUZZ
+@given(request=STRATEGIES["Pull"])
+def test_fuzzed_pull_stream_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    call = target.channel.unary_stream(f"/{wire.SERVICE_NAME}/PullStream", request_serializer=None,
+                                       response_deserializer=None)
+    code, details, reply = outcome(lambda r, timeout: list(call(r.SerializeToString(), timeout=timeout)), request)
+    check(target, "Pull", request, code, details, reply)
