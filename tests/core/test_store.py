@@ -269,3 +269,39 @@ def test_optimizer_state_is_per_variable_and_survives_reads():
     s.read()
     s.apply_all({"w": g})  # m = -0.25 - 0.5 = -0.75, w = -1.25
     np.testing.assert_array_equal(s.read()[1]["w"], [-1.25, -1.25])
+
+
+# -- reads that skip what the reader already has (store.read(since=...)) -------------------------
+
+
+def test_read_since_the_current_version_returns_nothing_and_since_an_older_one_what_changed(store):
+    version, _ = store.read()
+    assert store.read(since=version) == (version, {})
+    store.check_gradients(grads())
+    new = store.apply_all(grads())
+    assert store.read(since=version)[1].keys() == {"w", "b"}  # sync: every variable, with the new version
+    assert store.read(since=new) == (new, {})
+    assert store.read(["w"], since=version)[1].keys() == {"w"}
+
+
+def test_an_async_update_is_sent_again_to_a_reader_that_caught_it_before_the_version_counted_it(store):
+    """A reader at version v that already saw a variable updated half-way through a push
+    gets it again (never misses it), and no longer once it read the counted version."""
+    store.apply_one("b", np.array([1.0, 1.0]))
+    version, values = store.read()  # sees the new b, version not yet bumped
+    assert store.read(since=version)[1].keys() == {"b"}
+    counted = store.bump_version()
+    assert store.read(since=version)[1].keys() == {"b"}
+    assert store.read(since=counted) == (counted, {})
+    store.apply_one("w", np.ones((2, 3), np.float32))
+    assert store.read(since=counted)[1].keys() == {"w"}
+
+
+def test_a_restored_store_resends_everything_to_a_reader_older_than_the_checkpoint(store):
+    store.check_gradients(grads())
+    store.apply_all(grads())
+    state = store.export_state()
+    restored = VariableStore()
+    restored.restore_state(state)
+    assert restored.read(since=state.version - 1)[1].keys() == {"w", "b"}
+    assert restored.read(since=state.version) == (state.version, {})
