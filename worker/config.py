@@ -6,7 +6,9 @@ Every flag ``--global-batch-size`` has the environment fallback
 ``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. With ``TF_CONFIG``
 (task type ``worker`` or ``chief``), the server address is ``cluster.ps[0]``,
 the worker index the task's position (a chief is worker 0) and the worker count
-the number of chief and worker tasks, unless flags say otherwise.
+the number of chief and worker tasks, unless flags say otherwise. ``--ps``
+with a comma-separated list names several ps-server shards
+(``worker.sharded_client``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 
 from ps_server.settings import ConfigError, resolve
 from ps_server.tf_config import parse_tf_config
+from protos.stream import WIRE_DTYPES
 from worker.data import DATASETS
 from worker.model import MODELS
 
@@ -60,6 +63,7 @@ class WorkerConfig:
     deterministic: bool = True
     intra_op_threads: int = 0
     log_level: str = "INFO"
+    grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
 
     @property
     def is_chief(self) -> bool:
@@ -85,10 +89,24 @@ class WorkerConfig:
             "epsilon": 1e-7,
         }
 
+    @property
+    def ps_addresses(self) -> list[str]:
+        """The server shards: ``--ps HOST:PORT`` is one, ``HOST:PORT,HOST:PORT`` several."""
+        return [a.strip() for a in self.ps.split(",")] if "," in self.ps else [self.ps]
+
     def validate(self) -> "WorkerConfig":
-        host, sep, port = self.ps.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")
+        if "," not in self.ps:
+            if not _is_host_port(self.ps):
+                raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")
+        else:
+            addresses = self.ps_addresses
+            for i, a in enumerate(addresses):
+                if not _is_host_port(a):
+                    raise ConfigError(f"--ps must be HOST:PORT or a comma-separated list of them, got {self.ps!r} "
+                                      f"(entry {i + 1} is {a!r})")
+            twice = sorted({a for a in addresses if addresses.count(a) > 1})
+            if twice:
+                raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if not 0 <= self.worker_index < self.num_workers:
@@ -143,7 +161,8 @@ class WorkerConfig:
             "of each global batch, pushes them. Every flag falls back to TFPS_<FLAG> in the environment.",
         )
         add_training_flags(p)
-        p.add_argument("--ps", help="parameter server HOST:PORT (default 127.0.0.1:50051)")
+        p.add_argument("--ps", help="parameter server HOST:PORT (default 127.0.0.1:50051), or several "
+                       "server shards as HOST:PORT,HOST:PORT,... (every worker lists the same shards)")
         p.add_argument("--worker-index", type=int, help="this worker's index, 0 is the chief (default 0)")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
         p.add_argument("--result-json", help="chief: write the final metrics here")
@@ -171,10 +190,15 @@ class WorkerConfig:
         return resolve(cls, args, environ, values).validate()
 
 
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
 def add_training_flags(p: argparse.ArgumentParser) -> None:
     """Flags that describe the training; ps-launch forwards them to every worker."""
     p.add_argument("--dataset", choices=DATASETS, help="digits (default, offline), mnist, synthetic")
-    p.add_argument("--model", choices=MODELS, help="cnn (default) or mlp")
+    p.add_argument("--model", choices=MODELS, help=f"{', '.join(MODELS)} (default cnn)")
     p.add_argument("--epochs", type=int, help="passes over the training data (default 3)")
     p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
     p.add_argument("--global-batch-size", type=int, help="examples per step over all workers (default 64)")
@@ -190,6 +214,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
+    p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
+                   help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
+                        "default float32: exact)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
     p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")

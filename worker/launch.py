@@ -1,16 +1,20 @@
-"""``ps-launch``: one server and N workers as separate OS processes on loopback.
+"""``ps-launch``: one server (or M server shards) and N workers as separate OS processes on loopback.
 
     ps-launch --mode sync --workers 2 --dataset digits --epochs 3 --metrics-json m.json
+    ps-launch --num-ps 2 --mode sync --workers 2 --dataset digits --epochs 3
 
-Starts ``ps-server`` on a free loopback port, waits until its gRPC health
-check says SERVING, then starts the workers (worker 0 is the chief) with the
-training flags given here. Every line the children print is shown prefixed
-with ``[ps]`` or ``[worker I]``. It stops them all at the end, on Ctrl-C, or as
-soon as any one fails, and exits non-zero if any failed. Children are also
-told by the kernel to stop if the launcher itself dies (no orphans). On
-success the chief's metrics are written to ``--metrics-json`` as
-``{"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s",
-"examples_per_s"}`` (plus a few more keys).
+Starts ``ps-server`` on a free loopback port (``--num-ps M``: M of them, each
+with the same mode, worker count and flags, and ``--checkpoint-dir D/shard-<i>``
+when a checkpoint directory is given), waits until every health check says
+SERVING, then starts the workers (worker 0 is the chief) with the training
+flags given here and ``--ps`` listing every server. Every line the children
+print is shown prefixed with ``[ps]`` (``[ps I]`` for shard I) or ``[worker
+I]``. It stops them all at the end, on Ctrl-C, or as soon as any one fails,
+and exits non-zero if any failed. Children are also told by the kernel to
+stop if the launcher itself dies (no orphans). On success the chief's metrics
+are written to ``--metrics-json`` as ``{"mode", "workers", "steps",
+"test_accuracy", "final_loss", "wall_s", "examples_per_s"}`` (plus a few more
+keys, among them ``shards``: what each server holds at the end).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import threading
 import time
 
 from protos import wire
+from ps_server import security
 from ps_server.core.parameter_server import MODES
 from ps_server.procs import ServerStartError, on_parent_death, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
@@ -87,13 +92,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--barrier-timeout", type=float, default=60.0, help="sync barrier timeout in seconds (default 60)")
     p.add_argument("--metrics-json", help="write the run's metrics here")
     p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
+    p.add_argument("--num-ps", type=int, default=1,
+                   help="server shards: the variables are spread over this many ps-server processes (default 1)")
+    p.add_argument("--replicas-to-aggregate", type=int,
+                   help="sync backup workers: finish each round with the first K pushes (one server only)")
+    p.add_argument("--checkpoint-dir", help="servers checkpoint here (shard I of several in DIR/shard-I)")
     add_training_flags(p)
     return p
+
+
+def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[str]:
+    """The command line of server ``shard`` (0 .. --num-ps - 1)."""
+    argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+            "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)]
+    if args.replicas_to_aggregate is not None:
+        argv += ["--replicas-to-aggregate", str(args.replicas_to_aggregate)]
+    if args.checkpoint_dir:
+        directory = args.checkpoint_dir if args.num_ps == 1 else os.path.join(args.checkpoint_dir, f"shard-{shard}")
+        argv += ["--checkpoint-dir", directory]
+    if args.auth_token_file:
+        argv += ["--auth-token-file", args.auth_token_file]
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
+    if args.num_ps < 1:
+        raise LaunchError(f"--num-ps must be >= 1, got {args.num_ps}")
+    if args.replicas_to_aggregate is not None and args.num_ps > 1:
+        raise LaunchError(f"--replicas-to-aggregate (backup workers) cannot be used with --num-ps {args.num_ps}: "
+                          "each server shard would drop different workers' gradients")
     if args.tls_ca_file or args.tls_cert_file or args.tls_key_file or args.tls_server_name:
         raise LaunchError("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
                           "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
@@ -111,27 +140,29 @@ def run(args: argparse.Namespace) -> int:
     for key, value in wire.ALLOCATOR_ENV.items():  # large messages without page faults (BENCHMARKS.md)
         env.setdefault(key, value)
     children: list[Child] = []
+    shards: list[dict] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
-        port_file = os.path.join(tmp, "port")
         result_file = os.path.join(tmp, "result.json")
         try:
-            server = Child(
-                "ps",
-                [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                 "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)]
-                + (["--auth-token-file", args.auth_token_file] if args.auth_token_file else []),
-                out_lock, env,
-            )
-            children.append(server)
-            address = _wait_for_server(server, port_file, args.server_start_timeout)
+            servers, port_files = [], []
+            for i in range(args.num_ps):  # all start at once, then each is waited for
+                port_files.append(os.path.join(tmp, f"port-{i}"))
+                servers.append(Child("ps" if args.num_ps == 1 else f"ps {i}", server_argv(args, i, port_files[-1]),
+                                     out_lock, env))
+                children.append(servers[-1])
+            deadline = time.monotonic() + args.server_start_timeout
+            addresses = [_wait_for_server(server, port_file, max(1.0, deadline - time.monotonic()))
+                         for server, port_file in zip(servers, port_files)]
             for i in range(args.workers):
-                argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
+                argv = [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(i),
                         "--num-workers", str(args.workers), *worker_flags]
                 if i == 0:
                     argv += ["--result-json", result_file]
                 children.append(Child(f"worker {i}", argv, out_lock, env))
-            failed = _wait_for_workers(children[1:], server)
+            failed = _wait_for_workers(children[len(servers):], servers)
+            if not failed:
+                shards = _shard_summary(addresses, args.auth_token_file)
         except KeyboardInterrupt:
             print("ps-launch: interrupted, stopping all processes", file=sys.stderr)
             for c in reversed(children):
@@ -162,9 +193,17 @@ def run(args: argparse.Namespace) -> int:
         "test_loss": result["test_loss"],
         "mean_staleness": result["mean_staleness"],
         "max_staleness": result["max_staleness"],
+        "num_ps": args.num_ps,
+        "shards": shards,
     }
+    if args.num_ps > 1:
+        for i, shard in enumerate(shards):
+            print(f"ps-launch: shard {i} at {shard['address']} holds {shard['variables']} pieces "
+                  f"({shard['parameters']:,} parameters), version {shard['version']}, round {shard['round']}",
+                  flush=True)
+    servers_text = f" and {args.num_ps} server shards" if args.num_ps > 1 else ""
     print(
-        f"ps-launch: {args.mode} with {args.workers} workers: {metrics['steps']} steps, "
+        f"ps-launch: {args.mode} with {args.workers} workers{servers_text}: {metrics['steps']} steps, "
         f"test accuracy {metrics['test_accuracy']:.4f}, final loss {metrics['final_loss']:.4f}, "
         f"{metrics['examples_per_s']:.0f} examples/s, wall {wall_s:.1f} s",
         flush=True,
@@ -193,16 +232,36 @@ def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:
     return address
 
 
-def _wait_for_workers(workers: list[Child], server: Child) -> list[Child]:
+def _shard_summary(addresses: list[str], token_file: str | None) -> list[dict]:
+    """What each server holds at the end, from its Status (empty if one does not answer)."""
+    from worker.client import PSClient, PSClientError
+
+    out = []
+    for address in addresses:
+        try:
+            with PSClient(address, timeout=10.0, token=security.load_token(token_file, os.environ)) as client:
+                s = client.status()
+        except (PSClientError, ConfigError) as e:
+            print(f"ps-launch: no status from {address}: {e}", file=sys.stderr)
+            return []
+        out.append({"address": address, "variables": int(s.num_variables), "parameters": int(s.num_parameters),
+                    "version": int(s.version), "round": int(s.round), "pushes_applied": int(s.pushes_applied)})
+    return out
+
+
+def _wait_for_workers(workers: list[Child], servers: list[Child]) -> list[Child]:
     """Until every worker exited; returns the failed ones (stopping the rest at the first failure)."""
     while True:
         codes = [w.poll() for w in workers]
         failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
         if failed:
             return failed
-        if server.poll() is not None:
-            print(f"ps-launch: ps-server exited with status {server.proc.returncode} while training", file=sys.stderr)
-            return [server]
+        for i, server in enumerate(servers):
+            if server.poll() is not None:
+                name = "ps-server" if len(servers) == 1 else f"ps-server shard {i}"
+                print(f"ps-launch: {name} exited with status {server.proc.returncode} while training",
+                      file=sys.stderr)
+                return [server]
         if all(c == 0 for c in codes):
             return []
         time.sleep(0.1)

@@ -13,6 +13,10 @@ others wait for that, pull, and check that their model and optimizer match
 what the server holds. At the end the chief (after the other workers have left,
 in async mode) evaluates the final parameters: test accuracy and loss, and the
 loss on the whole training set.
+
+With several servers in ``--ps`` (shards), the loop is the same: a
+``ShardedClient`` splits every initialize, pull and push over them
+(``worker.sharded_client``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ps_server import security
 from worker.client import PSClient, PSClientError
 from worker.config import ConfigError, WorkerConfig
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
+from worker.sharded_client import ShardedClient
 
 log = logging.getLogger("worker")
 
@@ -62,19 +67,15 @@ def train(config: WorkerConfig) -> dict:
     grad_fn = models.make_grad_fn(model)
     names = models.variable_names(model)
 
-    client = PSClient(
-        config.ps, timeout=max(30.0, config.connect_timeout),
-        tls_ca_file=config.tls_ca_file or None, tls_cert_file=config.tls_cert_file or None,
-        tls_key_file=config.tls_key_file or None, tls_server_name=config.tls_server_name or None,
-        token=security.load_token(config.auth_token_file, os.environ),
-    )
+    client = _client(config)
     try:
         try:
             reg = _register(config, client, config.connect_timeout)
         except PSClientError as e:
             if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 hint = " (or does its certificate not match --tls-ca-file?)" if config.tls_ca_file else ""
-                raise TrainingError(f"cannot reach the parameter server at {config.ps} within "
+                where = config.ps if isinstance(client, PSClient) else e.address  # the shard that did not answer
+                raise TrainingError(f"cannot reach the parameter server at {where} within "
                                     f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?"
                                     f"{hint}") from None
             raise
@@ -145,6 +146,19 @@ def train(config: WorkerConfig) -> dict:
         return _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
     finally:
         client.close()
+
+
+def _client(config: WorkerConfig) -> PSClient | ShardedClient:
+    """One server: a PSClient. Several shards in --ps: a ShardedClient, with the same methods."""
+    kwargs = dict(
+        timeout=max(30.0, config.connect_timeout),
+        tls_ca_file=config.tls_ca_file or None, tls_cert_file=config.tls_cert_file or None,
+        tls_key_file=config.tls_key_file or None, tls_server_name=config.tls_server_name or None,
+        token=security.load_token(config.auth_token_file, os.environ),
+        grad_wire_dtype=config.grad_wire_dtype,
+    )
+    addresses = config.ps_addresses
+    return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)
 
 
 def _register(config: WorkerConfig, client: PSClient, timeout: float):

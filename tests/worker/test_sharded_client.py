@@ -1,0 +1,261 @@
+"""ShardedClient against in-memory fake shards: how calls are split and replies combined.
+
+    python -m pytest -q tests/worker/test_sharded_client.py
+
+No sockets: each fake shard has PSClient's methods and keeps its variables in a
+dict (a push applies SGD with learning rate 1). ``tests/cluster/test_shards.py``
+runs the same with real ps-server processes.
+"""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from protos import tfps_pb2 as pb
+from ps_server.settings import ConfigError
+from worker.client import PSClientError, PushReply, Registration
+from worker.sharded_client import ShardedClient, combine_statuses
+
+VALUES = {
+    "dense/kernel": np.arange(2 * 70000, dtype=np.float32).reshape(70000, 2),  # 547 KiB: cut in two
+    "dense/bias": np.array([1.0, 2.0], np.float32),
+    "out/kernel": np.ones((2, 3), np.float32),
+}
+SGD = {"name": "sgd", "learning_rate": 1.0}
+
+
+class FakeShard:
+    def __init__(self, address, mode="sync", num_workers=2, version=0, round=0, replicas_to_aggregate=0):
+        self.address, self.mode, self.num_workers = address, mode, num_workers
+        self.version, self.round, self.replicas_to_aggregate = version, round, replicas_to_aggregate
+        self.incarnation = f"inc-{address}"
+        self.values = None
+        self.pushes, self.heartbeats = [], []
+        self.reply = None  # a PushReply to answer instead of the computed one
+        self.fail = None  # a PSClientError to raise from every data call
+        self.block = None  # an Event a push waits for
+
+    def register(self, worker_index, num_workers=0, name="", timeout=None):
+        return Registration(worker_id=worker_index, mode=self.mode, num_workers=self.num_workers,
+                            initialized=self.values is not None, version=self.version, barrier_timeout=60.0,
+                            round=self.round, lease_timeout=10.0, incarnation=self.incarnation)
+
+    def initialize(self, worker_id, variables, optimizer):
+        if self.values is not None:
+            return False
+        self.values = {n: np.array(a) for n, a in variables.items()}
+        return True
+
+    def pull(self, worker_id=-1, names=()):
+        if self.fail:
+            raise self.fail
+        if self.values is None:
+            raise PSClientError("Pull", self.address, grpc.StatusCode.FAILED_PRECONDITION, "variables not initialized")
+        return self.version, {n: self.values[n].copy() for n in (names or self.values)}
+
+    def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None):
+        if self.block:
+            self.block.wait(10)
+        if self.fail:
+            raise self.fail
+        self.pushes.append({"step": step, "base_version": base_version, "gradients": dict(gradients)})
+        if self.reply:
+            return self.reply
+        for n, g in gradients.items():
+            self.values[n] = self.values[n] - g
+        self.version += 1
+        self.round = step + 1
+        return PushReply(version=self.version, staleness=self.version - 1 - base_version, contributors=2,
+                         next_step=step + 1)
+
+    def heartbeat(self, worker_id, step=-1, timeout=5.0):
+        self.heartbeats.append(step)
+        return self.incarnation
+
+    def leave(self, worker_id):
+        pass
+
+    def status(self):
+        return pb.StatusResponse(mode=pb.SYNC if self.mode == "sync" else pb.ASYNC, num_workers=self.num_workers,
+                                 version=self.version, round=self.round,
+                                 replicas_to_aggregate=self.replicas_to_aggregate)
+
+    def close(self):
+        pass
+
+
+def cluster(n=2, **kwargs):
+    shards = [FakeShard(f"h:{i}", **kwargs) for i in range(n)]
+    return shards, ShardedClient([s.address for s in shards], clients=shards)
+
+
+def test_initialize_sends_each_shard_its_pieces_and_pull_joins_them_bit_exactly():
+    shards, client = cluster()
+    client.register(0, 2)
+    assert client.initialize(0, VALUES, SGD) is True
+    held = [set(s.values) for s in shards]
+    assert held[0] | held[1] == {"dense/kernel/part_0_of_2", "dense/kernel/part_1_of_2", "dense/bias", "out/kernel"}
+    assert not held[0] & held[1]
+    version, values = client.pull(0)
+    assert version == 0 and list(values) == list(VALUES)
+    assert all(values[n].tobytes() == VALUES[n].tobytes() for n in VALUES)
+    assert client.initialize(0, VALUES, SGD) is False  # repeating it is harmless
+
+
+def test_a_worker_that_did_not_initialize_learns_the_placement_from_the_shards():
+    shards, chief = cluster()
+    chief.register(0, 2)
+    chief.initialize(0, VALUES, SGD)
+    other = ShardedClient([s.address for s in shards], clients=shards)
+    other.register(1, 2)
+    assert other.placement is None
+    _, values = other.pull(1)
+    assert {p.name: p.shard for p in other.placement.pieces} == {p.name: p.shard for p in chief.placement.pieces}
+    assert all(values[n].tobytes() == VALUES[n].tobytes() for n in VALUES)
+    _, some = other.pull(1, ["dense/bias"])
+    assert list(some) == ["dense/bias"]
+
+
+def test_wait_initialized_waits_until_every_shard_is_initialized():
+    shards, client = cluster()
+    client.register(1, 2)
+    with pytest.raises(PSClientError, match="still not initialized after 0.2 s"):
+        client.wait_initialized(1, 0.2)
+    ShardedClient([s.address for s in shards], clients=shards).initialize(0, VALUES, SGD)
+    _, values = client.wait_initialized(1, 5)
+    assert set(values) == set(VALUES)
+
+
+def test_pull_returns_the_smallest_version_and_push_sends_each_shard_its_own():
+    shards, client = cluster(mode="async")
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    shards[0].version, shards[1].version = 7, 5
+    version, _ = client.pull(0)
+    assert version == 5
+    grads = {n: np.ones_like(a) for n, a in VALUES.items()}
+    reply = client.push(0, 3, version, 32, grads)
+    assert [s.pushes[-1]["base_version"] for s in shards] == [7, 5]
+    assert reply.version == 6 and reply.staleness == 0  # min of (8, 6); max staleness of (0, 0)
+    _, values = client.pull(0)
+    assert all(np.array_equal(values[n], VALUES[n] - 1) for n in VALUES)
+
+
+def test_push_replies_combine_as_documented():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    version, _ = client.pull(0)
+    shards[0].reply = PushReply(version=9, staleness=0, contributors=2, next_step=1, replayed=True)
+    shards[1].reply = PushReply(version=8, staleness=2, contributors=1, next_step=1, replayed=False)
+    reply = client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()})
+    assert reply == PushReply(version=8, staleness=2, contributors=1, dropped=False, next_step=1, replayed=False)
+
+
+def test_registration_combines_the_shards_and_joins_their_incarnations():
+    shards, client = cluster()
+    shards[0].version, shards[1].version = 4, 3
+    shards[0].values = {}
+    reg = client.register(1, 2)
+    assert (reg.worker_id, reg.mode, reg.num_workers, reg.version) == (1, "sync", 2, 3)
+    assert reg.initialized is False  # one shard is not
+    assert reg.incarnation == "inc-h:0,inc-h:1"
+    assert client.heartbeat(1, 0) == "inc-h:0,inc-h:1"
+
+
+def test_a_sync_worker_resumes_at_the_newest_round_and_pushes_each_shard_its_own_round():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    # Shard 1 restarted from an older checkpoint: it collects round 7, shard 0 round 10.
+    shards[0].round, shards[0].version = 10, 10
+    shards[1].round, shards[1].version = 7, 7
+    reg = client.register(0, 2)
+    assert reg.round == 10
+    version, _ = client.pull(0)
+    grads = {n: np.zeros_like(a) for n, a in VALUES.items()}
+    reply = client.push(0, reg.round, version, 32, grads)
+    assert [s.pushes[-1]["step"] for s in shards] == [10, 7]
+    assert [s.pushes[-1]["base_version"] for s in shards] == [10, 7]
+    assert reply.next_step == 11
+    version, _ = client.pull(0)
+    client.push(0, reply.next_step, version, 32, grads)
+    assert [s.pushes[-1]["step"] for s in shards] == [11, 8]
+
+
+def test_shards_that_disagree_on_mode_or_worker_count_are_refused_naming_them():
+    shards = [FakeShard("h:0"), FakeShard("h:1", mode="async")]
+    client = ShardedClient(["h:0", "h:1"], clients=shards)
+    with pytest.raises(PSClientError) as e:
+        client.register(0, 2)
+    assert "h:0 runs sync with 2 workers" in str(e.value) and "h:1 runs async with 2 workers" in str(e.value)
+
+
+def test_shards_with_backup_workers_are_refused():
+    shards = [FakeShard("h:0"), FakeShard("h:1", replicas_to_aggregate=1)]
+    client = ShardedClient(["h:0", "h:1"], clients=shards)
+    with pytest.raises(PSClientError, match="--replicas-to-aggregate 1") as e:
+        client.register(0, 2)
+    assert e.value.address == "h:1"
+
+
+def test_shards_that_disagree_on_dropped_raise():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    version, _ = client.pull(0)
+    shards[0].reply = PushReply(version=1, staleness=0, contributors=1, dropped=True, next_step=1)
+    with pytest.raises(PSClientError, match="disagree.*h:0: dropped, h:1: applied"):
+        client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()})
+
+
+def test_an_error_from_one_shard_propagates_naming_that_shard():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    shards[1].fail = PSClientError("Pull", "h:1", grpc.StatusCode.UNAVAILABLE, "connection refused")
+    with pytest.raises(PSClientError) as e:
+        client.pull(0)
+    assert (e.value.call, e.value.address, e.value.code) == ("Pull", "h:1", grpc.StatusCode.UNAVAILABLE)
+
+
+def test_more_shards_than_pieces_is_a_clear_error():
+    shards, client = cluster(4)
+    client.register(0, 2)
+    with pytest.raises(ConfigError, match="h:3 would hold nothing"):
+        client.initialize(0, {"w": np.zeros(3, np.float32), "b": np.zeros(1, np.float32)}, SGD)
+    assert all(s.values is None for s in shards)  # nothing was sent
+
+
+def test_heartbeats_reach_the_shards_while_a_push_waits_in_their_barriers():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    version, _ = client.pull(0)
+    release = threading.Event()
+    for s in shards:
+        s.block = release
+    pusher = threading.Thread(target=client.push, args=(0, 0, version, 32, {n: np.zeros_like(a) for n, a in
+                                                                           VALUES.items()}))
+    pusher.start()
+    try:
+        assert client.heartbeat(0, 0) == "inc-h:0,inc-h:1"  # not queued behind the push
+        assert all(s.heartbeats == [0] for s in shards) and all(s.pushes == [] for s in shards)
+    finally:
+        release.set()
+        pusher.join(10)
+    assert all(len(s.pushes) == 1 for s in shards)
+
+
+def test_combined_status_counts_a_worker_as_left_only_when_it_left_every_shard():
+    a = pb.StatusResponse(version=5, round=5, examples_applied=320, num_parameters=10, incarnation="a",
+                          workers=[pb.WorkerStatus(worker_id=0, left=True, pushes=5),
+                                   pb.WorkerStatus(worker_id=1, left=True, pushes=5)])
+    b = pb.StatusResponse(version=4, round=4, examples_applied=256, num_parameters=7, incarnation="b",
+                          workers=[pb.WorkerStatus(worker_id=0, left=True, pushes=4),
+                                   pb.WorkerStatus(worker_id=1, left=False, pushes=4)])
+    s = combine_statuses([a, b])
+    assert (s.version, s.round, s.examples_applied, s.num_parameters, s.incarnation) == (4, 5, 256, 17, "a,b")
+    assert [(w.worker_id, w.left, w.pushes) for w in s.workers] == [(0, True, 4), (1, False, 4)]

@@ -1,0 +1,418 @@
+"""Several ps-server shards behind the same methods as ``PSClient``.
+
+    client = ShardedClient(["127.0.0.1:50051", "127.0.0.1:50052"], timeout=30.0)
+    reg = client.register(worker_index=0, num_workers=2)
+    client.initialize(reg.worker_id, values, optimizer)    # chief: plan, then each shard its pieces
+    version, values = client.pull(reg.worker_id)           # whole variables again
+    reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
+
+Each shard is an ordinary ``ps-server`` that owns the pieces it was initialized
+with; it knows nothing of the others. Everything sharded happens here, on top
+of one ``PSClient`` per shard (so every gRPC call still lives in
+``worker.client``). Calls go to all shards at once, from a thread pool with one
+thread per shard (gRPC releases the GIL while it waits). Heartbeats and other
+control calls have their own pool: a push that waits in the shards' barriers
+occupies every data thread, and the lease must still be renewed meanwhile.
+
+**Placement.** The chief's ``initialize`` makes the plan (``worker.sharding.plan``,
+balanced by bytes, large variables cut into row slices) from the values it
+sends. The other workers never plan: their first ``pull`` reads every shard
+whole and learns the placement from the piece names and shapes the shards
+hold (``worker.sharding.learn``). The shards are thus the one source of truth,
+and a worker whose model differs sees the same variables-do-not-match error
+as with one server. The plan is deterministic, so a chief that restarts plans
+the same placement and its repeated initialization is harmless. A plan that
+leaves a shard empty is refused (a ps-server cannot hold nothing).
+
+**Versions.** Every shard has its own version. ``pull`` returns the smallest
+(the version every shard has reached) and remembers each shard's version from
+that pull; ``push(..., base_version=...)`` sends every shard its own version
+from the pull that returned ``base_version`` (a version no pull returned is
+sent to every shard as it is). Combined push replies: version min, staleness
+max, contributors min, dropped any, next_step max, replayed all.
+
+**Registration.** A worker registers on every shard; they must agree on the
+mode, the worker count and the worker id (otherwise a clear error names the
+shards). Combined: initialized only if every shard is, version min, barrier
+timeout max, lease timeout min, the incarnations joined with commas (a restart
+of any shard shows as a new incarnation), and round the largest any shard is
+collecting. In sync mode each shard runs its own barrier, and the worker
+pushes each shard its own round: ``step`` as the trainer counts it plus a
+per-shard offset (0 when all shards agree, which is the normal case). A shard
+restored from an older checkpoint has lost the rounds since (as one server
+would); the worker resumes at the newest round and does not apply the lost
+steps again on the shards that kept them. Shards with backup workers
+(``--replicas-to-aggregate`` below the worker count) are refused: each would
+drop different workers' gradients.
+
+**Failures.** A call waits for every shard's answer (each call has its
+deadline), then raises the first ``PSClientError`` to arrive: its ``call`` and
+``address`` name the shard. A push is not atomic across shards: when one
+shard fails, the others may have applied their pieces. Sync mode keeps the
+rounds aligned by the per-shard rounds above when the worker registers again;
+in async mode that gradient is partly applied, as the per-variable apply of
+async mode already allows.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Callable, Iterable, Mapping, Sequence
+
+import grpc
+import numpy as np
+
+from protos import tfps_pb2 as pb
+from ps_server.settings import ConfigError
+from worker import sharding
+from worker.client import PSClient, PSClientError, PushReply, Registration
+
+log = logging.getLogger("worker")
+
+_VERSIONS_REMEMBERED = 8  # pulls whose per-shard versions a push may name
+
+
+class ShardedClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        timeout: float = 30.0,
+        *,
+        min_slice_bytes: int = sharding.DEFAULT_MIN_SLICE_BYTES,
+        clients: Sequence | None = None,
+        **client_kwargs,
+    ):
+        """``client_kwargs`` (TLS files, ``token``) go to every shard's ``PSClient``;
+        ``clients`` replaces those with ready objects that have PSClient's methods
+        (tests pass fakes)."""
+        addresses = list(addresses)
+        if not addresses:
+            raise ValueError("ShardedClient needs at least one address")
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"an address is listed twice: {addresses}")
+        self.addresses = addresses
+        self.address = ",".join(addresses)
+        self.timeout = timeout
+        self.min_slice_bytes = min_slice_bytes
+        self._clients = list(clients) if clients is not None else [
+            PSClient(a, timeout, **client_kwargs) for a in addresses]
+        n = len(self._clients)
+        self._data = ThreadPoolExecutor(n, thread_name_prefix="shard-data")
+        self._control = ThreadPoolExecutor(n, thread_name_prefix="shard-control")
+        # Guards the fields below; never held across a call to a shard.
+        self._lock = threading.Lock()
+        self.placement: sharding.Placement | None = None
+        self._sync = False
+        self._offsets = [0] * n  # sync: the round shard i collects minus the step the trainer counts
+        self._pulled: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._clients)
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+        self._data.shutdown(wait=True, cancel_futures=True)
+        self._control.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "ShardedClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _each(self, pool: ThreadPoolExecutor, call: Callable, shards: Iterable[int] | None = None) -> dict:
+        """``call(i, client)`` on the shards at once; {shard: result} once all answered,
+        or the first exception to arrive."""
+        shards = range(self.num_shards) if shards is None else shards
+        futures = {pool.submit(call, i, self._clients[i]): i for i in shards}
+        results, first = {}, None
+        for f in as_completed(futures):
+            try:
+                results[futures[f]] = f.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, once every shard answered
+                first = first or e
+        if first is not None:
+            raise first
+        return results
+
+    def _error(self, call: str, code: grpc.StatusCode | None, details: str) -> PSClientError:
+        return PSClientError(call, self.address, code, details)
+
+    # -- control -----------------------------------------------------------------
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every shard answers its health check as SERVING, or raise."""
+        self._each(self._control, lambda i, c: c.wait_ready(timeout))
+
+    def health(self, timeout: float = 5.0) -> str:
+        """SERVING when every shard is; otherwise the first other status, in shard order."""
+        states = self._each(self._control, lambda i, c: c.health(timeout))
+        return next((states[i] for i in range(self.num_shards) if states[i] != "SERVING"), "SERVING")
+
+    def register(self, worker_index: int, num_workers: int = 0, name: str = "",
+                 timeout: float | None = None) -> Registration:
+        regs = self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name, timeout=timeout))
+        regs = [regs[i] for i in range(self.num_shards)]
+        if len({(r.mode, r.num_workers, r.worker_id) for r in regs}) > 1:
+            runs = ", ".join(f"{a} runs {r.mode} with {r.num_workers} workers (worker id {r.worker_id})"
+                             for a, r in zip(self.addresses, regs))
+            raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the shards disagree: {runs}; start every shard with the same --mode and --num-workers")
+        first = regs[0]
+        sync = first.mode == "sync"
+        if sync and self.num_shards > 1:
+            self._refuse_backup_workers(first.num_workers)
+        rounds = [r.round for r in regs]
+        combined_round = max(rounds)
+        if sync and len(set(rounds)) > 1:
+            log.warning("the shards collect different rounds (%s): resuming at round %d and pushing each shard "
+                        "its own round (a shard that restarted lost the rounds since its last checkpoint)",
+                        ", ".join(f"{a}: {r}" for a, r in zip(self.addresses, rounds)), combined_round)
+        with self._lock:
+            self._sync = sync
+            self._offsets = [r - combined_round for r in rounds] if sync else [0] * self.num_shards
+            self._pulled.clear()
+        return Registration(
+            worker_id=first.worker_id,
+            mode=first.mode,
+            num_workers=first.num_workers,
+            initialized=all(r.initialized for r in regs),
+            version=min(r.version for r in regs),
+            barrier_timeout=max(r.barrier_timeout for r in regs),
+            round=combined_round,
+            lease_timeout=min(r.lease_timeout for r in regs),
+            incarnation=",".join(r.incarnation for r in regs),
+        )
+
+    def _refuse_backup_workers(self, num_workers: int) -> None:
+        statuses = self._each(self._control, lambda i, c: c.status())
+        for i in range(self.num_shards):
+            k = statuses[i].replicas_to_aggregate
+            if 0 < k < num_workers:
+                raise PSClientError(
+                    "Register", self.addresses[i], grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this shard runs with --replicas-to-aggregate {k} (backup workers), which several shards "
+                    "cannot use: each shard would drop different workers' gradients; start the shards without it")
+
+    def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
+        """Renew the lease on every shard; returns the shards' incarnations joined."""
+        offsets = self._offsets
+        incarnations = self._each(self._control, lambda i, c: c.heartbeat(
+            worker_id, step + offsets[i] if step >= 0 else step, timeout=timeout))
+        return ",".join(incarnations[i] for i in range(self.num_shards))
+
+    def leave(self, worker_id: int) -> None:
+        self._each(self._control, lambda i, c: c.leave(worker_id))
+
+    def statuses(self) -> list[pb.StatusResponse]:
+        """Every shard's own Status, in shard order."""
+        replies = self._each(self._control, lambda i, c: c.status())
+        return [replies[i] for i in range(self.num_shards)]
+
+    def status(self) -> pb.StatusResponse:
+        """One Status for the whole cluster (see ``combine_statuses``)."""
+        return combine_statuses(self.statuses())
+
+    # -- data --------------------------------------------------------------------
+    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
+        """Plan (once), then send every shard its pieces. True if any shard was created by this call."""
+        placement = self.placement
+        if placement is None:
+            try:
+                placement = sharding.plan(sharding.specs_of(variables), self.num_shards, self.min_slice_bytes)
+            except sharding.ShardingError as e:
+                raise ConfigError(f"cannot shard the model over {self.num_shards} servers: {e}") from None
+            empty = placement.empty_shards()
+            if empty:
+                raise ConfigError(
+                    f"--ps lists {self.num_shards} servers but the model makes only {len(placement.pieces)} "
+                    f"pieces (variables and slices): {', '.join(self.addresses[s] for s in empty)} would hold "
+                    f"nothing; list at most {len(placement.pieces)} servers")
+        try:
+            per_shard = placement.split(variables)
+        except sharding.ShardingError as e:
+            raise self._error("Initialize", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        created = self._each(self._data, lambda i, c: c.initialize(worker_id, per_shard[i], optimizer))
+        self._adopt(placement, "planned")
+        return any(created.values())
+
+    def _adopt(self, placement: sharding.Placement, how: str) -> None:
+        with self._lock:
+            if self.placement is not None:
+                return
+            self.placement = placement
+        log.info("%s the placement of %d variables in %d pieces over %d shards:", how, len(placement.variables),
+                 len(placement.pieces), self.num_shards)
+        for line in placement.describe(self.addresses):
+            log.info("  %s", line)
+
+    def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
+        """(the smallest shard version, {variable: array}); the first pull of a worker
+        that did not initialize learns the placement from what the shards hold."""
+        names = list(names)
+        placement = self.placement
+        if placement is None or not names:
+            replies = self._each(self._data, lambda i, c: c.pull(worker_id))
+            per_shard = [replies[i][1] for i in range(self.num_shards)]
+            if placement is None:
+                try:
+                    placement = sharding.learn(per_shard)
+                except sharding.ShardingError as e:
+                    raise self._error("Pull", None, f"the shards do not hold one model's variables: {e}") from None
+                self._adopt(placement, "learned")
+        else:
+            try:
+                wanted = placement.shards_of(names)
+            except sharding.ShardingError as e:
+                raise self._error("Pull", grpc.StatusCode.NOT_FOUND, str(e)) from None
+            replies = self._each(self._data, lambda i, c: c.pull(worker_id, wanted[i]), shards=sorted(wanted))
+            per_shard = [replies[i][1] if i in replies else {} for i in range(self.num_shards)]
+        try:
+            values = placement.join(per_shard, partial=bool(names))
+        except sharding.ShardingError as e:
+            raise self._error("Pull", None, f"the shards' contents do not match the placement: {e}") from None
+        if names:
+            missing = [n for n in names if n not in values]
+            if missing:
+                raise self._error("Pull", grpc.StatusCode.NOT_FOUND, f"unknown variable(s) {missing[:4]}")
+            values = {n: values[n] for n in names}
+        versions = [replies[i][0] for i in sorted(replies)]
+        version = min(versions)
+        if len(replies) == self.num_shards:
+            with self._lock:
+                self._pulled[version] = versions
+                self._pulled.move_to_end(version)
+                while len(self._pulled) > _VERSIONS_REMEMBERED:
+                    self._pulled.popitem(last=False)
+        return version, values
+
+    def push(
+        self,
+        worker_id: int,
+        step: int,
+        base_version: int,
+        batch_size: int,
+        gradients: Mapping[str, np.ndarray],
+        loss: float = 0.0,
+        timeout: float | None = None,
+    ) -> PushReply:
+        """Each shard gets its pieces of the gradients, its own base version and
+        (sync) its own round; the replies are combined as the module says."""
+        placement = self.placement
+        if placement is None:
+            raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
+                              "no placement yet: initialize or pull before the first push")
+        try:
+            per_shard = placement.split(gradients)
+        except sharding.ShardingError as e:
+            raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        with self._lock:
+            bases = self._pulled.get(base_version, [base_version] * self.num_shards)
+            offsets, sync = list(self._offsets), self._sync
+        replies = self._each(self._data, lambda i, c: c.push(
+            worker_id, step + offsets[i], bases[i], batch_size, per_shard[i], loss, timeout=timeout))
+        replies = [replies[i] for i in range(self.num_shards)]
+        if len({r.dropped for r in replies}) > 1:
+            which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))
+            raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the shards disagree on step {step}'s gradient ({which}); backup workers "
+                              "(--replicas-to-aggregate) cannot be used with several shards")
+        if sync:
+            # Each shard says which round it collects next; keep pushing each its own.
+            next_step = max(r.next_step - off for r, off in zip(replies, offsets))
+            with self._lock:
+                if self._offsets == offsets:  # not re-registered meanwhile
+                    self._offsets = [r.next_step - next_step for r in replies]
+        else:
+            next_step = max(r.next_step for r in replies)
+        return PushReply(
+            version=min(r.version for r in replies),
+            staleness=max(r.staleness for r in replies),
+            contributors=min(r.contributors for r in replies),
+            dropped=any(r.dropped for r in replies),
+            next_step=next_step,
+            replayed=all(r.replayed for r in replies),
+        )
+
+    def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
+        """Pull once the chief has initialized every shard; raise after timeout."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return self.pull(worker_id)
+            except PSClientError as e:
+                if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise PSClientError("Pull", e.address, e.code,
+                                        f"variables still not initialized after {timeout:g} s: is the chief "
+                                        "(worker 0) running?") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def combine_statuses(statuses: Sequence[pb.StatusResponse]) -> pb.StatusResponse:
+    """One Status for several shards, with the meaning the trainer reads from one server.
+
+    Everything that must hold on every shard takes the weakest shard: initialized
+    (all), version, pushes and examples applied, checkpoint version (min). Staleness,
+    round and the event counters (timed-out, aborted, dropped, replayed) take the
+    largest, since each event happens on every shard. Variables and parameters are
+    summed (variables count pieces). A worker has left only when it left every
+    shard; it is dead when any shard says so. The optimizer, the policy and the
+    last loss are the first shard's; the incarnations are joined with commas.
+    """
+    first = statuses[0]
+    workers: dict[int, pb.WorkerStatus] = {}
+    left_on: collections.Counter = collections.Counter()
+    for s in statuses:
+        for w in s.workers:
+            left_on[w.worker_id] += int(w.left)
+            have = workers.get(w.worker_id)
+            if have is None:
+                workers[w.worker_id] = pb.WorkerStatus(
+                    worker_id=w.worker_id, worker_name=w.worker_name, last_step=w.last_step,
+                    last_seen_age_s=w.last_seen_age_s, pushes=w.pushes, dead=w.dead, dropped=w.dropped)
+            else:
+                have.last_step = max(have.last_step, w.last_step)
+                have.last_seen_age_s = max(have.last_seen_age_s, w.last_seen_age_s)
+                have.pushes = min(have.pushes, w.pushes)
+                have.dead = have.dead or w.dead
+                have.dropped = max(have.dropped, w.dropped)
+    for worker_id, w in workers.items():
+        w.left = left_on[worker_id] == len(statuses)
+    return pb.StatusResponse(
+        mode=first.mode,
+        num_workers=first.num_workers,
+        initialized=all(s.initialized for s in statuses),
+        version=min(s.version for s in statuses),
+        round=max(s.round for s in statuses),
+        waiting_for=sorted({w for s in statuses for w in s.waiting_for}),
+        workers=[workers[k] for k in sorted(workers)],
+        pushes_applied=min(s.pushes_applied for s in statuses),
+        examples_applied=min(s.examples_applied for s in statuses),
+        mean_staleness=max(s.mean_staleness for s in statuses),
+        max_staleness=max(s.max_staleness for s in statuses),
+        optimizer=first.optimizer,
+        num_variables=sum(s.num_variables for s in statuses),
+        num_parameters=sum(s.num_parameters for s in statuses),
+        uptime_s=min(s.uptime_s for s in statuses),
+        rounds_timed_out=max(s.rounds_timed_out for s in statuses),
+        last_loss=first.last_loss,
+        incarnation=",".join(s.incarnation for s in statuses),
+        pushes_dropped=max(s.pushes_dropped for s in statuses),
+        pushes_replayed=max(s.pushes_replayed for s in statuses),
+        rounds_aborted=max(s.rounds_aborted for s in statuses),
+        dead_worker_policy=first.dead_worker_policy,
+        replicas_to_aggregate=max(s.replicas_to_aggregate for s in statuses),
+        lease_timeout_s=min(s.lease_timeout_s for s in statuses),
+        active_workers=sorted({w for s in statuses for w in s.active_workers}),
+        last_checkpoint_version=min(s.last_checkpoint_version for s in statuses),
+        checkpoint_age_s=max(s.checkpoint_age_s for s in statuses),
+    )
