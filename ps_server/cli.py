@@ -12,6 +12,8 @@ import dataclasses
 import logging
 import sys
 
+from protos import wire
+
 from ps_server.config import ConfigError, ServerConfig
 from ps_server.tf_config import TFConfigError
 
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("ps_server").info("configuration: %s", dataclasses.asdict(config))
+    logging.getLogger("ps_server").info(wire.tune_allocator())
     from ps_server.server import serve  # imports grpc; keep --help fast
 
     try:

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import sys
 
+from protos import wire
+
 from worker.config import ConfigError, WorkerConfig
 from ps_server.tf_config import TFConfigError
 
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("worker").info("configuration: %s", dataclasses.asdict(config))
+    logging.getLogger("worker").info(wire.tune_allocator())
     from worker.client import PSClientError
     from worker.trainer import TrainingError, train
 

@@ -43,6 +43,9 @@ def test_server_and_two_workers_started_by_hand_train_digits_to_90_percent(procs
     metrics = json.loads(result.read_text())
     assert metrics["mode"] == "async" and metrics["test_accuracy"] >= 0.90, metrics
     assert "test_accuracy=" in read_log(w0)
+    # Started by hand, without ps-launch's environment, both tune the allocator themselves.
+    for p in (server, w0, w1):
+        assert "allocator: glibc tuned for large buffers" in read_log(p), read_log(p)[:2000]
     server.send_signal(15)
     assert wait_exit(server, 30) == 0, read_log(server)
 
