@@ -9,6 +9,9 @@ processes started with that environment:
 
 - ours: one float32 variable of the given size on a real ``ps-server``
   (127.0.0.1, async mode, SGD): one Push of its gradient plus one Pull of it;
+- ours-shm: the same with ``PSClient(shm=True)``, the same-host fast path
+  (``protos/shm.py``): the tensors go through shared memory, gRPC carries the
+  headers (the run fails if the probe does not succeed);
 - raw: a TCP socket pair on 127.0.0.1 moving the same bytes there and back;
 - tensorflow: a variable placed on a ``tf.distribute.Server`` ps task, written
   (``assign``) and read back (``read_value``) from a client process; the two run
@@ -16,8 +19,8 @@ processes started with that environment:
   interfaces.
 
 Throughput = 2 x size / (time of one push + one pull), median of ``--reps``
-after one warm-up. It prints every figure and the ratios ours/raw and
-ours/tensorflow, each from the same run.
+after one warm-up. It prints every figure and the ratios ours/raw,
+ours/tensorflow and ours-shm/tensorflow, each from the same run.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def _time_reps(fn, reps: int) -> float:
 
 
 # -- ours ------------------------------------------------------------------------------
-def measure_ours(sizes: list[int], reps: int) -> dict:
-    """One fresh server per size, holding one variable of that size."""
+def measure_ours(sizes: list[int], reps: int, shm: bool = False) -> dict:
+    """One fresh server per size, holding one variable of that size; ``shm``: through
+    the same-host fast path."""
     from worker.client import PSClient
 
     spec = {"name": "sgd", "learning_rate": 1e-9, "momentum": 0.0, "nesterov": False,
@@ -81,9 +85,11 @@ def measure_ours(sizes: list[int], reps: int) -> dict:
                 env=dict(os.environ), preexec_fn=die_with_parent, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             try:
-                with PSClient(f"127.0.0.1:{wait_for_port_file(port_file, server, 60)}", timeout=300) as client:
+                address = f"127.0.0.1:{wait_for_port_file(port_file, server, 60)}"
+                with PSClient(address, timeout=300, shm=shm) as client:
                     client.wait_ready(30)
-                    client.register(0, 1)
+                    if client.register(0, 1).shm != shm:
+                        raise RuntimeError(f"the shared-memory probe failed: {client.shm_fallback_reason}")
                     client.initialize(0, {"v": np.zeros(mib * MIB // 4, np.float32)}, spec)
                     grads = {"v": np.ones(mib * MIB // 4, np.float32)}
                     step = [0]
@@ -93,7 +99,10 @@ def measure_ours(sizes: list[int], reps: int) -> dict:
                         client.push(0, step[0], version, 1, grads)
                         step[0] += 1
 
+                    once()  # with shm=True the first pull sizes the pull segment: one more warm-up
                     out[mib] = 2 * mib * MIB / _time_reps(once, reps) / 2**30
+                    if client.shm_active != shm:  # a fallback during the run would make the figure a lie
+                        raise RuntimeError(f"shared memory went off: {client.shm_fallback_reason}")
             finally:
                 server.kill()
                 server.wait()
@@ -207,7 +216,8 @@ def measure_tensorflow(sizes: list[int], reps: int) -> dict:
 
 # -- driver ----------------------------------------------------------------------------
 def child(which: str, sizes: list[int], reps: int) -> None:
-    fn = {"ours": measure_ours, "raw": measure_raw, "tensorflow": measure_tensorflow}[which]
+    fn = {"ours": measure_ours, "ours-shm": lambda s, r: measure_ours(s, r, shm=True), "raw": measure_raw,
+          "tensorflow": measure_tensorflow}[which]
     print(json.dumps(fn(sizes, reps)))
 
 
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1,10,100", help="MiB, comma-separated (default 1,10,100)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json-out")
-    p.add_argument("--child", choices=("ours", "raw", "tensorflow"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("ours", "ours-shm", "raw", "tensorflow"), help=argparse.SUPPRESS)
     p.add_argument("--skip-tensorflow", action="store_true")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -225,7 +235,7 @@ def main(argv=None) -> int:
         return 0
     results: dict = {}
     for alloc in ALLOCATORS:
-        for which in ("ours", "raw") + (() if args.skip_tensorflow else ("tensorflow",)):
+        for which in ("ours", "ours-shm", "raw") + (() if args.skip_tensorflow else ("tensorflow",)):
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which, "--sizes", args.sizes,
                                   "--reps", str(args.reps)], capture_output=True, text=True, env=_env(alloc),
                                  timeout=1800, preexec_fn=die_with_parent)
@@ -235,13 +245,15 @@ def main(argv=None) -> int:
             results.setdefault(alloc, {})[which] = {int(k): v for k, v in
                                                     json.loads(run.stdout.strip().splitlines()[-1]).items()}
     print(f"push+pull throughput, GiB/s (median of {args.reps}); ratios from the same run")
-    print(f"{'allocator':<9} {'MiB':>4} {'ours':>7} {'raw':>7} {'tf':>7} {'ours/raw':>9} {'ours/tf':>8}")
+    print(f"{'allocator':<9} {'MiB':>4} {'ours':>7} {'ours-shm':>8} {'raw':>7} {'tf':>7} {'ours/raw':>9} "
+          f"{'ours/tf':>8} {'ours-shm/tf':>11}")
     for alloc, r in results.items():
         for mib in sizes:
-            ours, raw, tf = (r.get(k, {}).get(mib) for k in ("ours", "raw", "tensorflow"))
-            fmt = lambda x: f"{x:7.2f}" if x else "      -"  # noqa: E731
-            ratio = lambda a, b: f"{a / b:9.2f}" if a and b else "        -"  # noqa: E731
-            print(f"{alloc:<9} {mib:>4} {fmt(ours)} {fmt(raw)} {fmt(tf)} {ratio(ours, raw)} {ratio(ours, tf)[1:]}")
+            ours, shm, raw, tf = (r.get(k, {}).get(mib) for k in ("ours", "ours-shm", "raw", "tensorflow"))
+            fmt = lambda x, w=7: f"{x:{w}.2f}" if x else " " * (w - 1) + "-"  # noqa: E731
+            ratio = lambda a, b, w=9: f"{a / b:{w}.2f}" if a and b else " " * (w - 1) + "-"  # noqa: E731
+            print(f"{alloc:<9} {mib:>4} {fmt(ours)} {fmt(shm, 8)} {fmt(raw)} {fmt(tf)} {ratio(ours, raw)} "
+                  f"{ratio(ours, tf, 8)} {ratio(shm, tf, 11)}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"sizes_mib": sizes, "reps": args.reps, "gib_per_s": results}, f, indent=2)

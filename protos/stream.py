@@ -131,7 +131,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
 def to_bfloat16(a: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = np.asarray(a, dtype=np.float32, order="C").view(np.uint32)  # keeps 0-d 0-d
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     nan = np.isnan(a)
     if nan.any():

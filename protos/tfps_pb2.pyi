@@ -64,17 +64,21 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_index", "num_workers", "worker_name")
+    __slots__ = ("worker_index", "num_workers", "worker_name", "shm_push_name", "shm_pull_name")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_PUSH_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_PULL_NAME_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     num_workers: int
     worker_name: str
-    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ...) -> None: ...
+    shm_push_name: str
+    shm_pull_name: str
+    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ..., shm_push_name: _Optional[str] = ..., shm_pull_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s", "round", "lease_timeout_s", "incarnation")
+    __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s", "round", "lease_timeout_s", "incarnation", "shm_token", "shm_nonce", "shm_error")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +88,9 @@ class RegisterResponse(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SHM_ERROR_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     worker_id: int
@@ -93,7 +100,10 @@ class RegisterResponse(_message.Message):
     round: int
     lease_timeout_s: float
     incarnation: str
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    shm_token: bytes
+    shm_nonce: bytes
+    shm_error: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
     __slots__ = ("worker_id", "optimizer", "variables")
@@ -114,16 +124,18 @@ class InitializeResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "known_version", "known_incarnation")
+    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     known_version: int
     known_incarnation: str
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ...) -> None: ...
+    shm_name: str
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "variables", "incarnation")
@@ -146,20 +158,24 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
     batch_size: int
     loss: float
     gradients: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    shm_name: str
+    shm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -170,14 +186,20 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "incarnation", "variables")
+    __slots__ = ("version", "incarnation", "variables", "shm", "shm_offsets", "shm_bytes_needed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_NEEDED_FIELD_NUMBER: _ClassVar[int]
     version: int
     incarnation: str
     variables: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    shm: bool
+    shm_offsets: _containers.RepeatedScalarFieldContainer[int]
+    shm_bytes_needed: int
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm: _Optional[bool] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., shm_bytes_needed: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -37,6 +37,9 @@ class ServerConfig:
     replacement_timeout: float = 60.0  # policy "wait": how long a dead worker's index may stay empty
     replicas_to_aggregate: int = 0  # sync backup workers: finish a round with the first K pushes (0: all)
     allow_nonfinite: bool = False
+    # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
+    # tensors through their shared-memory segments. --no-shm refuses it: they stream.
+    shm: bool = True
     # Checkpoints.
     checkpoint_dir: str = ""
     checkpoint_interval: float = 30.0
@@ -114,6 +117,10 @@ class ServerConfig:
                        help="sync backup workers: finish each round with the first K pushes (default: all)")
         g.add_argument("--allow-nonfinite", action=argparse.BooleanOptionalAction,
                        help="accept NaN/Inf gradients (default: rejected)")
+        g = p.add_argument_group("transport")
+        g.add_argument("--shm", action=argparse.BooleanOptionalAction,
+                       help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
+                       "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC)")
         g = p.add_argument_group("checkpoints")
         g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
         g.add_argument("--checkpoint-interval", type=float, help="seconds between checkpoints (default 30)")

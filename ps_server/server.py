@@ -146,7 +146,7 @@ def build_server(config: ServerConfig) -> RunningServer:
         options=wire.server_options(),
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
-    servicer = ParameterServerServicer(core)
+    servicer = ParameterServerServicer(core, allow_shm=config.shm)
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     for service in ("", wire.SERVICE_NAME):
@@ -162,6 +162,7 @@ def build_server(config: ServerConfig) -> RunningServer:
         raise ConfigError(f"cannot bind {config.host}:{config.port}: {e}") from None
     if port == 0:
         raise ConfigError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this host)")
+    log.info("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
     log.info("security: TLS %s, client certificates %s, bearer token %s",
              "on" if credentials is not None else "off", "required" if config.tls_client_ca_file else "not required",
              "required" if token else "off")  # never the token itself

@@ -7,6 +7,14 @@ This is the only module that turns protobuf into core calls, and core errors
 into gRPC status codes, through the one table ``STATUS_OF``. Every error leaves
 through ``context.abort(code, message)``; an unexpected exception is logged and
 becomes ``INTERNAL``, never ``UNKNOWN``.
+
+Same-host fast path (``protos.shm``; off with ``ParameterServerServicer(core,
+allow_shm=False)``, ``ps-server --no-shm``): Register answers the worker's probe,
+PushStream reads the gradients straight from the worker's segment (zero-copy,
+read-only; no reference is kept once the push returns) and PullStream writes
+the values into it. Every refusal of that path (disabled, a bad name, a missing
+or foreign segment, an offset or size that does not fit) is FAILED_PRECONDITION
+"shared memory: ...", raised before anything is applied or written.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import grpc
 
 import numpy as np
 
-from protos import codec, stream
+from protos import codec, shm, stream
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import errors
@@ -45,6 +53,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WorkerDead: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
 }
 
 MODE_TO_WIRE = {"sync": pb.SYNC, "async": pb.ASYNC}
@@ -123,7 +132,7 @@ def _handled(method):
                           f"{method.__name__}: the request is not a valid {request.message_type}: {request.error}")
         try:
             return method(self, request, context)
-        except (errors.PSError, codec.CodecError) as e:
+        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
             code = status_code_for(e)
             log.info("%s refused: %s: %s", method.__name__, code.name, e)
             context.abort(code, str(e))
@@ -167,10 +176,32 @@ _HALF = (pb.FLOAT16, pb.BFLOAT16)
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, core: ParameterServer, chunk_bytes: int = stream.CHUNK_BYTES):
+    def __init__(self, core: ParameterServer, chunk_bytes: int = stream.CHUNK_BYTES, allow_shm: bool = True):
         self.core = core
         self.chunk_bytes = chunk_bytes
         self.buffers = BufferPool(keep=max(4, 2 * core.num_workers))
+        self.allow_shm = allow_shm
+        self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped
+
+    def _segment(self, worker_id: int, role: str, name: str, writable: bool) -> shm.Mapping:
+        """A worker's segment, mapped; ShmError when this server does not take it."""
+        if not self.allow_shm:
+            raise shm.ShmError("refused: this server was started with --no-shm")
+        if worker_id < 0:
+            raise shm.ShmError("needs a registered worker id")
+        return self.segments.get(worker_id, role, name, writable)
+
+    def _probe(self, worker_id: int, push_name: str, pull_name: str) -> tuple[bytes, bytes]:
+        """(the token at the start of the push segment, the nonce written at the start of the pull one)."""
+        push = self._segment(worker_id, "push", push_name, writable=False)
+        pull = self._segment(worker_id, "pull", pull_name, writable=True)
+        for m in (push, pull):
+            if m.size < shm.TOKEN_BYTES:
+                raise shm.ShmError(f"segment {m.name!r} holds {m.size} bytes, fewer than the probe's "
+                                   f"{shm.TOKEN_BYTES}")
+        nonce = shm.new_token()
+        pull.array[:shm.TOKEN_BYTES] = np.frombuffer(nonce, np.uint8)
+        return push.array[:shm.TOKEN_BYTES].tobytes(), nonce
 
     def _since(self, request) -> int | None:
         """The version a pull may skip unchanged variables from, if the caller's copies are ours."""
@@ -181,8 +212,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_handled
     def Register(self, request, context):
         reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer())
-        log.info("worker %d registered (%s)", reg.worker_id, request.worker_name or context.peer())
-        return pb.RegisterResponse(
+        self.segments.drop(reg.worker_id)  # a new registration brings its own segments, if any
+        reply = pb.RegisterResponse(
             mode=MODE_TO_WIRE[reg.mode],
             num_workers=reg.num_workers,
             worker_id=reg.worker_id,
@@ -193,6 +224,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             lease_timeout_s=reg.lease_timeout,
             incarnation=reg.incarnation,
         )
+        fast_path = ""
+        if request.shm_push_name or request.shm_pull_name:
+            try:
+                reply.shm_token, reply.shm_nonce = self._probe(reg.worker_id, request.shm_push_name,
+                                                               request.shm_pull_name)
+                fast_path = ", shared memory on"
+            except shm.ShmError as e:  # never fails the registration: the worker streams instead
+                self.segments.drop(reg.worker_id)
+                reply.shm_error = str(e)
+                fast_path = f", {e}"
+        log.info("worker %d registered (%s)%s", reg.worker_id, request.worker_name or context.peer(), fast_path)
+        return reply
 
     @_handled
     def Initialize(self, request, context):
@@ -218,7 +261,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
         wire = {name: stream.to_wire(a) for name, a in values.items()}
         header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
-        return self._pull_chunks(header, [a for _, a in wire.values()])
+        arrays = {name: a for name, (_, a) in wire.items()}
+        if request.shm_name:
+            segment = self._segment(request.worker_id, "pull", request.shm_name, writable=True)
+            offsets, needed = shm.aligned_offsets(a.nbytes for a in arrays.values())
+            if needed <= segment.size:
+                shm.write(segment, arrays, offsets)
+                header.shm = True
+                header.shm_offsets.extend(offsets)
+                return iter([pb.PullChunk(header=header)])
+            header.shm_bytes_needed = needed  # too small: streamed this time
+        return self._pull_chunks(header, list(arrays.values()))
 
     def _pull_chunks(self, header: pb.PullHeader, arrays: list[np.ndarray]):
         yield pb.PullChunk(header=header)
@@ -252,7 +305,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise codec.CodecError("PushStream: the first message must carry the header, and no data")
         h = first.header
         layout = stream.Layout.of(h.gradients)
+        if h.shm_offsets and not h.shm_name:
+            raise codec.CodecError("PushStream: shm_offsets without shm_name")
         self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout))
+        if h.shm_name:
+            return self._push_from_segment(h, layout, request_iterator)
         buffer = self.buffers.acquire(layout.nbytes)
         try:
             assembler = stream.Assembler(layout, buffer)
@@ -262,16 +319,35 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                         else "a second header"
                     raise codec.CodecError(f"PushStream: after the header, every message must be data; got {what}")
                 assembler.feed(chunk)
-            gradients = assembler.arrays()
-            specs = self.core.store.specs()
-            for e in layout.entries:
-                if e.code == pb.FLOAT16 and specs[e.name][0] == np.float32:
-                    gradients[e.name] = gradients[e.name].astype(np.float32)
+            gradients = self._widen_half(layout, assembler.arrays())
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         finally:  # the core keeps no reference to the gradients once push returns
             self.buffers.release(buffer)
         return _push_result_to_wire(result)
+
+    def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, rest) -> pb.PushResponse:
+        """A push whose gradients lie in the worker's segment: checked whole, then applied
+        from read-only views of it. The core keeps no reference once push returns, and the
+        worker leaves the segment alone until then."""
+        if next(rest, None) is not None:
+            raise codec.CodecError("PushStream: a push through shared memory (shm_name) carries no data messages")
+        segment = self._segment(h.worker_id, "push", h.shm_name, writable=False)
+        wire = shm.views(segment, layout.entries, list(h.shm_offsets))
+        gradients = {e.name: stream.from_bfloat16(wire[e.name]) if e.bfloat16 else wire[e.name]
+                     for e in layout.entries}
+        gradients = self._widen_half(layout, gradients)
+        result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
+                                     batch_size=h.batch_size, gradients=gradients, loss=h.loss))
+        return _push_result_to_wire(result)
+
+    def _widen_half(self, layout: stream.Layout, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """float16 gradients of float32 variables, widened (bfloat16 ones already are)."""
+        specs = self.core.store.specs()
+        for e in layout.entries:
+            if e.code == pb.FLOAT16 and specs[e.name][0] == np.float32:
+                gradients[e.name] = gradients[e.name].astype(np.float32)
+        return gradients
 
     def _widened(self, layout: stream.Layout) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """name -> (dtype, shape) as the store will see it: half-precision gradients of
@@ -288,6 +364,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_handled
     def Leave(self, request, context):
         self.core.leave(request.worker_id)
+        self.segments.drop(request.worker_id)
         log.info("worker %d left", request.worker_id)
         return pb.LeaveResponse()
 

@@ -11,6 +11,23 @@ sends the server the version and incarnation of the values this client holds,
 and gets back only the variables that changed since (the rest come from its
 cache). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
 gradient bytes (the server widens them back; off by default: it costs accuracy).
+
+Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register``
+the client creates two shared-memory segments in ``/dev/shm`` (``protos.shm``:
+``tfps-<pid>-<random>``, mode 0600), writes a random token into one and names
+both; the server must read the token back and write a nonce into the other.
+Only then do pushes put the gradients into the push segment and pulls have the
+server write the values into the pull segment, with gRPC carrying the headers
+alone; ``shm_active`` says whether that is the case. A failed probe (a server
+on another host, one started with ``--no-shm``, an older one), a segment that
+cannot be made (``/dev/shm`` full: a container's is 64 MiB unless
+``--shm-size`` says more), or any "shared memory:" refusal on a call makes the
+client log one line and stream from then on; a refused call is repeated over
+the stream, which is safe because a refusal changes nothing on the server. The
+values a pull returns are copies, valid after the next pull. ``close()``
+unlinks the segments, and so does interpreter exit; a SIGKILLed worker leaves
+them behind (``ls /dev/shm/tfps-*``; the pid in the name says whose).
+
 Each call carries a deadline. Calls
 that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat)
 are retried on UNAVAILABLE by the channel's service-config retry policy. Push
@@ -24,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import threading
 import time
 from typing import Iterable, Mapping
 
@@ -31,12 +50,21 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import codec, stream, wire
+from protos import codec, shm as shmem, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server import security
 
 MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async"}
+
+log = logging.getLogger("worker.client")
+
+# Codes a server answers only once its handler has finished with a call: after
+# any other failure (a deadline, a dropped connection) the server may still be
+# reading or writing the call's segment, so the client takes a new one.
+_HANDLER_DONE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                 grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED,
+                 grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
 
 _RETRY_POLICY = {
     "maxAttempts": 5,
@@ -75,6 +103,7 @@ class Registration:
     round: int = 0
     lease_timeout: float = 10.0
     incarnation: str = ""
+    shm: bool = False  # the same-host fast path is on for this registration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +114,50 @@ class PushReply:
     dropped: bool = False
     next_step: int = 0
     replayed: bool = False
+
+
+class _ShmRefused(Exception):
+    """The fast path cannot serve this call; nothing was applied: repeat it over the stream."""
+
+
+class _Slot:
+    """One of the client's segments (push or pull), lent to one call at a time (``lock``)."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.lock = threading.Lock()
+        self.segment: shmem.Segment | None = None
+        self.want = 0  # bytes the next call will likely need (the server said, or the model's size)
+
+    def ensure(self, nbytes: int) -> shmem.Segment:
+        """A segment of at least ``nbytes`` (and ``want``): this one, or a new one. Sizes are
+        fixed for a segment's life, so growing means a new name. OSError if it cannot be made."""
+        if self.segment is None or self.segment.size < max(nbytes, self.want):
+            new = shmem.Segment.create(max(nbytes, self.want))
+            self.close()
+            self.segment = new
+        return self.segment
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[int]) -> dict[str, np.ndarray]:
+    """Copies of the values the server wrote into ``segment``, after checking every offset
+    (_ShmRefused if one does not fit): one copy of the span they cover, viewed per variable."""
+    if len(offsets) != len(layout.entries):
+        raise _ShmRefused(f"the reply gave {len(offsets)} offsets for {len(layout.entries)} variables")
+    end = 0
+    for e, off in zip(layout.entries, offsets):
+        if off < 0 or off + e.nbytes > segment.size:
+            raise _ShmRefused(f"the reply put {e.name!r} ({e.nbytes} bytes) at offset {off}, outside the "
+                              f"{segment.size}-byte segment")
+        end = max(end, off + e.nbytes)
+    span = segment.array[:end].copy()
+    return {e.name: span[off:off + e.nbytes].view(e.dtype).reshape(e.shape)
+            for e, off in zip(layout.entries, offsets)}
 
 
 class PSClient:
@@ -99,9 +172,11 @@ class PSClient:
         tls_server_name: str | None = None,
         token: str | None = None,
         grad_wire_dtype: str = "float32",
+        shm: bool = False,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
-        is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``)."""
+        is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``).
+        ``shm``: try the same-host fast path (module docstring) from ``register`` on."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -127,9 +202,48 @@ class PSClient:
             method + "PushStream", request_serializer=stream.serializer(pb.PushChunk),
             response_deserializer=pb.PushResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Same-host fast path: asked for, on (a probe succeeded since the last register),
+        # and why it went off for good (None: it did not).
+        self.shm = shm
+        self._shm_on = False
+        self.shm_fallback_reason: str | None = None
+        self._shm_lock = threading.Lock()  # guards shm_fallback_reason; leaf lock
+        self._push_slot, self._pull_slot = _Slot("push"), _Slot("pull")
+
+    @property
+    def shm_active(self) -> bool:
+        """True while pushes and pulls go through shared memory."""
+        return self._shm_on
+
+    def _fall_back(self, reason: str) -> None:
+        """Stream from now on; say why once."""
+        self._shm_on = False
+        with self._shm_lock:
+            first, self.shm_fallback_reason = self.shm_fallback_reason is None, self.shm_fallback_reason or reason
+        if first:
+            log.warning("same-host shared memory off for %s, streaming over gRPC from now on: %s",
+                        self.address, reason)
+
+    def _release_segments(self) -> None:
+        """Close the segments no call is using (the others: at close() or exit)."""
+        for slot in (self._push_slot, self._pull_slot):
+            if slot.lock.acquire(blocking=False):
+                try:
+                    slot.close()
+                finally:
+                    slot.lock.release()
+
+    def _lend(self, slot: _Slot, worker_id: int) -> _Slot | None:
+        """The slot, locked, if this call may use shared memory; None: stream it. A slot
+        busy with another call of this client (a push waiting at a barrier) is not waited for."""
+        if not self._shm_on or worker_id < 0 or not slot.lock.acquire(blocking=False):
+            return None
+        return slot
 
     def close(self) -> None:
         self._channel.close()
+        for slot in (self._push_slot, self._pull_slot):
+            slot.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -175,12 +289,22 @@ class PSClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
-        reply = self._call(
-            "Register",
-            pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name),
-            timeout=timeout,
-            wait_for_ready=True,  # the server may still be starting
-        )
+        """Join the cluster; with ``shm``, probe the same-host fast path too (every time:
+        a restarted server may run elsewhere)."""
+        request = pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name)
+        self._shm_on = False
+        held = self._hold_for_probe()
+        try:
+            token = self._probe_request(request) if held else None
+            reply = self._call("Register", request, timeout=timeout,
+                               wait_for_ready=True)  # the server may still be starting
+            if token is not None:
+                self._probe_answer(reply, token)
+        finally:
+            for slot in held:
+                slot.lock.release()
+        if self.shm and self.shm_fallback_reason is not None:
+            self._release_segments()
         return Registration(
             worker_id=reply.worker_id,
             mode=MODE_NAMES.get(reply.mode, "unknown"),
@@ -191,7 +315,46 @@ class PSClient:
             round=reply.round,
             lease_timeout=reply.lease_timeout_s,
             incarnation=reply.incarnation,
+            shm=self._shm_on,
         )
+
+    def _hold_for_probe(self) -> list[_Slot]:
+        """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
+        if not self.shm or self.shm_fallback_reason is not None:
+            return []
+        held = []
+        for slot in (self._push_slot, self._pull_slot):
+            if not slot.lock.acquire(blocking=False):
+                for h in held:
+                    h.lock.release()
+                return []
+            held.append(slot)
+        return held
+
+    def _probe_request(self, request: pb.RegisterRequest) -> bytes | None:
+        """Name both segments in ``request`` with a fresh token in the push one; the token,
+        or None when the segments cannot be made (then the client streams for good)."""
+        try:
+            push = self._push_slot.ensure(shmem.TOKEN_BYTES)
+            pull = self._pull_slot.ensure(shmem.TOKEN_BYTES)
+        except OSError as e:
+            self._fall_back(f"cannot create a segment in {shmem.DIRECTORY}: {e}")
+            return None
+        token = shmem.new_token()
+        push.array[:shmem.TOKEN_BYTES] = np.frombuffer(token, np.uint8)
+        pull.array[:shmem.TOKEN_BYTES] = 0
+        request.shm_push_name, request.shm_pull_name = push.name, pull.name
+        return token
+
+    def _probe_answer(self, reply: pb.RegisterResponse, token: bytes) -> None:
+        nonce = self._pull_slot.segment.array[:shmem.TOKEN_BYTES].tobytes()
+        if reply.shm_error:
+            self._fall_back(f"the server refused the probe: {reply.shm_error}")
+        elif reply.shm_token != token or reply.shm_nonce != nonce or len(nonce) != shmem.TOKEN_BYTES:
+            self._fall_back("the server does not see this client's segments (another host, another /dev/shm, "
+                            "or a server without the fast path)")
+        else:
+            self._shm_on = True
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
         reply = self._call(
@@ -205,36 +368,78 @@ class PSClient:
         return reply.created
 
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
-        """(version, values), streamed. Arrays are read-only; a full pull (no ``names``)
-        reuses the previous pull's arrays for the variables that did not change."""
+        """(version, values), streamed or through shared memory. Arrays are read-only and
+        the client's own; a full pull (no ``names``) reuses the previous pull's arrays for
+        the variables that did not change."""
         names = list(names)
         cache = self._cache if not names else None
         request = pb.PullRequest(worker_id=worker_id, names=names)
         if cache is not None:
             request.known_incarnation, request.known_version = cache[0], cache[1]
+        slot = self._lend(self._pull_slot, worker_id)
         try:
-            replies = self._pull_stream(request, timeout=self.timeout, wait_for_ready=False)
-            header = next(replies)
-            if not isinstance(header, pb.PullChunk) or not header.HasField("header"):
-                raise PSClientError("PullStream", self.address, None, "the reply did not start with a header")
-            header = header.header
-            assembler = stream.Assembler(stream.Layout.of(header.variables))
-            for chunk in replies:
-                if not isinstance(chunk, memoryview):
-                    raise PSClientError("PullStream", self.address, None, "a second header in the reply")
-                assembler.feed(chunk)
-            values = assembler.arrays()
-        except grpc.RpcError as e:
-            raise PSClientError("Pull", self.address, e.code(), e.details() or "") from None
-        except (codec.CodecError, StopIteration) as e:
-            raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
+            try:
+                header, values = self._pull_once(request, slot)
+            except _ShmRefused as e:
+                self._fall_back(str(e))
+                request.ClearField("shm_name")
+                header, values = self._pull_once(request, None)
+        finally:
+            if slot is not None:
+                slot.lock.release()
+        if slot is not None and not self._shm_on:
+            self._release_segments()
         for a in values.values():
             a.flags.writeable = False
         if cache is not None and header.incarnation == cache[0]:
             values = {n: values.get(n, cache[2][n]) for n in cache[2]} if set(values) <= set(cache[2]) else values
         if not names:
             self._cache = (header.incarnation, header.version, values)
+            self._pull_slot.want = max(self._pull_slot.want, shmem.needed_bytes(a.nbytes for a in values.values()))
         return header.version, values
+
+    def _pull_once(self, request: pb.PullRequest, slot: _Slot | None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        """One PullStream: through ``slot``'s segment if given (_ShmRefused when it cannot
+        be), else streamed."""
+        segment = None
+        if slot is not None:
+            try:
+                segment = slot.ensure(shmem.MIN_BYTES)
+            except OSError as e:
+                raise _ShmRefused(f"cannot create a segment in {shmem.DIRECTORY}: {e}") from None
+            request.shm_name = segment.name
+        try:
+            replies = self._pull_stream(request, timeout=self.timeout, wait_for_ready=False)
+            first = next(replies)
+            if not isinstance(first, pb.PullChunk) or not first.HasField("header"):
+                raise PSClientError("PullStream", self.address, None, "the reply did not start with a header")
+            header = first.header
+            layout = stream.Layout.of(header.variables)
+            if header.shm:
+                if segment is None:
+                    raise PSClientError("PullStream", self.address, None, "a shared-memory reply to a streamed pull")
+                values = _read_segment(segment, layout, list(header.shm_offsets))
+                if next(replies, None) is not None:
+                    raise _ShmRefused("a shared-memory reply went on with data messages")
+                return header, values
+            assembler = stream.Assembler(layout)
+            for chunk in replies:
+                if not isinstance(chunk, memoryview):
+                    raise PSClientError("PullStream", self.address, None, "a second header in the reply")
+                assembler.feed(chunk)
+            if slot is not None and header.shm_bytes_needed > segment.size:
+                slot.want = max(slot.want, header.shm_bytes_needed)  # the next pull gets a big enough one
+            return header, assembler.arrays()
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if segment is not None and code == grpc.StatusCode.FAILED_PRECONDITION \
+                    and details.startswith("shared memory:"):
+                raise _ShmRefused(details) from None
+            if slot is not None and code not in _HANDLER_DONE:
+                slot.close()  # the server may still write into it
+            raise PSClientError("Pull", self.address, code, details) from None
+        except (codec.CodecError, StopIteration) as e:
+            raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
     def push(
         self,
@@ -246,23 +451,61 @@ class PSClient:
         loss: float = 0.0,
         timeout: float | None = None,
     ) -> PushReply:
+        """Streamed, or through shared memory; either way applied once or refused whole."""
         try:
             wire_arrays = {n: stream.to_wire(g, self.grad_wire_dtype) for n, g in gradients.items()}
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
                                loss=loss, gradients=stream.metas(wire_arrays))
+        timeout = self.timeout if timeout is None else timeout
+        reply = None
+        slot = self._lend(self._push_slot, worker_id)
+        if slot is not None:
+            try:
+                reply = self._push_through_segment(slot, header, [a for _, a in wire_arrays.values()], timeout)
+            except _ShmRefused as e:  # nothing was applied: stream it instead
+                self._fall_back(str(e))
+                header.ClearField("shm_name")
+                header.ClearField("shm_offsets")
+            finally:
+                slot.lock.release()
+            if not self._shm_on:
+                self._release_segments()
+        if reply is None:
+            def messages():
+                yield pb.PushChunk(header=header)
+                yield from stream.chunk_buffers([a for _, a in wire_arrays.values()])
 
-        def messages():
-            yield pb.PushChunk(header=header)
-            yield from stream.chunk_buffers([a for _, a in wire_arrays.values()])
-
-        try:
-            reply = self._push_stream(messages(), timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+            try:
+                reply = self._push_stream(messages(), timeout=timeout)
+            except grpc.RpcError as e:
+                raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
         return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
                          reply.replayed)
+
+    def _push_through_segment(self, slot: _Slot, header: pb.PushHeader, arrays: list[np.ndarray],
+                              timeout: float) -> pb.PushResponse:
+        """The gradients into the push segment, then the header alone. The segment stays
+        untouched until the reply (the caller holds the slot): the server reads it in place."""
+        offsets, needed = shmem.aligned_offsets(a.nbytes for a in arrays)
+        try:
+            segment = slot.ensure(needed)
+        except OSError as e:
+            raise _ShmRefused(f"cannot create a segment of {needed} bytes in {shmem.DIRECTORY}: {e}") from None
+        for a, off in zip(arrays, offsets):
+            segment.array[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        header.shm_name = segment.name
+        header.shm_offsets.extend(offsets)
+        try:
+            return self._push_stream(iter([pb.PushChunk(header=header)]), timeout=timeout)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("shared memory:"):
+                raise _ShmRefused(details) from None
+            if code not in _HANDLER_DONE:
+                slot.close()  # the server may still read it (a push waiting at the barrier)
+            raise PSClientError("Push", self.address, code, details) from None
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew this worker's lease; returns the server's incarnation."""

@@ -64,6 +64,7 @@ class WorkerConfig:
     intra_op_threads: int = 0
     log_level: str = "INFO"
     grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
+    shm: bool = False  # same-host fast path through shared memory (protos.shm), falls back by itself
 
     @property
     def is_chief(self) -> bool:
@@ -217,6 +218,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
                    help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
                         "default float32: exact)")
+    p.add_argument("--shm", action=argparse.BooleanOptionalAction,
+                   help="move tensors through shared memory when the server is on this host (or shares "
+                        "/dev/shm); detected at registration, falls back to gRPC streams (default off)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
     p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")

@@ -156,6 +156,7 @@ def _client(config: WorkerConfig) -> PSClient | ShardedClient:
         tls_key_file=config.tls_key_file or None, tls_server_name=config.tls_server_name or None,
         token=security.load_token(config.auth_token_file, os.environ),
         grad_wire_dtype=config.grad_wire_dtype,
+        shm=config.shm,
     )
     addresses = config.ps_addresses
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)

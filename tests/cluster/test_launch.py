@@ -92,3 +92,22 @@ def test_launch_bad_flag_is_a_one_line_error():
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr
     assert "--global-batch-size" in run.stderr
+
+
+@pytest.mark.parametrize("extra", [("--shm",), ("--shm", "--num-ps", "2", "--grad-wire-dtype", "bfloat16")])
+def test_launch_with_the_same_host_fast_path_trains_through_shared_memory(extra, tmp_path):
+    """issue 5: "Same-host fast path ... opt-in, detected": on one host every worker's
+    registration probe succeeds and the run trains as well as over gRPC alone."""
+    metrics = tmp_path / "m.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.launch", "--mode", "sync", "--workers", "2", "--dataset", "digits",
+         "--epochs", "2", "--metrics-json", str(metrics), *extra],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    m = json.loads(metrics.read_text())
+    assert m["test_accuracy"] >= 0.88, m
+    shards = 2 if "--num-ps" in extra else 1
+    assert run.stdout.count("registered (") >= 2 * shards
+    assert run.stdout.count("shared memory on") == run.stdout.count("registered ("), run.stdout[-3000:]
+    assert "shared memory off" not in run.stdout + run.stderr

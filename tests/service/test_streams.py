@@ -99,6 +99,8 @@ def test_bfloat16_rounds_to_nearest_even_and_widens_exactly():
     assert stream.to_bfloat16(above)[0] == 0x3F81
     nan = stream.from_bfloat16(stream.to_bfloat16(np.array([np.nan, -np.nan], np.float32)))
     assert np.isnan(nan).all()
+    scalar = stream.to_bfloat16(np.float32(1.5))
+    assert scalar.shape == () and stream.from_bfloat16(scalar) == 1.5
     big = np.array([3.4028235e38], np.float32)  # rounds up past the largest bfloat16: inf, as IEEE says
     assert np.isinf(stream.from_bfloat16(stream.to_bfloat16(big)))[0]
 
