@@ -111,7 +111,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullStream(self, request, context):
-        """The same two calls, streamed in ~1 MiB chunks (see PushHeader).
+        """The same two calls, streamed in ~2 MiB chunks (see PushHeader).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

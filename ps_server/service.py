@@ -176,9 +176,9 @@ _HALF = (pb.FLOAT16, pb.BFLOAT16)
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, core: ParameterServer, chunk_bytes: int = stream.CHUNK_BYTES, allow_shm: bool = True):
+    def __init__(self, core: ParameterServer, chunk_bytes: int | None = None, allow_shm: bool = True):
         self.core = core
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
         self.buffers = BufferPool(keep=max(4, 2 * core.num_workers))
         self.allow_shm = allow_shm
         self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped

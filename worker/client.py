@@ -6,7 +6,7 @@
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
 
 NumPy in, NumPy out: no TensorFlow here. Pulls and pushes are streamed in
-~1 MiB chunks (``PullStream``, ``PushStream``: ``protos.stream``). A full pull
+~2 MiB chunks (``PullStream``, ``PushStream``: ``protos.stream``). A full pull
 sends the server the version and incarnation of the values this client holds,
 and gets back only the variables that changed since (the rest come from its
 cache). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32

@@ -162,10 +162,13 @@ class Optimizer:
         for name in self.slot_names:
             _check_like(f"slot {name!r}", state[name], value)
         iterations = int(state["iterations"])
+        shape = value.shape
+        if not shape:  # NumPy turns 0-d results into scalars, which take no ``out=``: step on shape [1]
+            value, grad = value.reshape(1), grad.reshape(1)
+            state = {name: state[name].reshape(1) for name in self.slot_names}
         new_value, slots = self._step(value, grad, state, iterations, self._constants[value.dtype])
-        # NumPy turns 0-d results into scalars; keep every result an ndarray.
-        slots = {name: np.asarray(x) for name, x in slots.items()}
-        return np.asarray(new_value), {**slots, "iterations": iterations + 1}
+        slots = {name: x.reshape(shape) for name, x in slots.items()}
+        return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 
     def _step(self, w, g, state, iterations, c) -> tuple[np.ndarray, dict]:
         raise NotImplementedError
@@ -180,12 +183,18 @@ class SGD(Optimizer):
         self.slot_names = ("momentum",) if spec.momentum != 0 else ()
 
     def _step(self, w, g, state, iterations, c):
+        # The same IEEE operations as the formulas above, in as few fresh arrays as
+        # possible (``out=`` into temporaries): a fresh array is fresh pages to fault in.
+        step = np.multiply(g, c["lr"])  # g*lr
         if not self.slot_names:
-            return w - g * c["lr"], {}
-        m = state["momentum"] * c["momentum"] - g * c["lr"]
+            return np.subtract(w, step, out=step), {}
+        m = np.multiply(state["momentum"], c["momentum"])
+        np.subtract(m, step, out=m)  # m*mu - g*lr
         if self.spec.nesterov:
-            return w + (m * c["momentum"] - g * c["lr"]), {"momentum": m}
-        return w + m, {"momentum": m}
+            ahead = np.multiply(m, c["momentum"])
+            np.subtract(ahead, step, out=ahead)  # m*mu - g*lr, with the new m
+            return np.add(w, ahead, out=ahead), {"momentum": m}
+        return np.add(w, m, out=step), {"momentum": m}
 
 
 class Adam(Optimizer):
@@ -199,9 +208,20 @@ class Adam(Optimizer):
         beta_1_power = _scalar_pow(c["beta_1"], local_step)
         beta_2_power = _scalar_pow(c["beta_2"], local_step)
         alpha = c["lr"] * np.sqrt(c["one"] - beta_2_power) / (c["one"] - beta_1_power)
-        m = state["m"] + (g - state["m"]) * c["one_minus_beta_1"]
-        v = state["v"] + (np.square(g) - state["v"]) * c["one_minus_beta_2"]
-        return w - (m * alpha) / (np.sqrt(v) + c["epsilon"]), {"m": m, "v": v}
+        # m + (g - m) * (1 - beta_1); v + (g^2 - v) * (1 - beta_2); w - (m * alpha) / (sqrt(v) + eps),
+        # operation by operation as written, into reused temporaries (see SGD).
+        m = np.subtract(g, state["m"])
+        np.multiply(m, c["one_minus_beta_1"], out=m)
+        np.add(state["m"], m, out=m)
+        v = np.square(g)
+        np.subtract(v, state["v"], out=v)
+        np.multiply(v, c["one_minus_beta_2"], out=v)
+        np.add(state["v"], v, out=v)
+        denominator = np.sqrt(v)
+        np.add(denominator, c["epsilon"], out=denominator)
+        update = np.multiply(m, alpha)
+        np.divide(update, denominator, out=update)
+        return np.subtract(w, update, out=update), {"m": m, "v": v}
 
 
 def make_optimizer(spec: OptimizerSpec) -> Optimizer:
