@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
-from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file  # noqa: E402
+from ps_server.procs import ServerStartError, die_with_parent, dying_with_parent, wait_for_port_file  # noqa: E402
 from worker.client import PSClient, PSClientError  # noqa: E402
 
 # The model: a few variables of different shapes, one of 1 MiB.
@@ -87,8 +87,8 @@ class Server:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("TF_CONFIG", None)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=workdir, env=env, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(dying_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=workdir, env=env)
         try:
             self.address = f"127.0.0.1:{wait_for_port_file(port_file, self.proc, 60)}"
         except ServerStartError as e:

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from ps_server.procs import die_with_parent, wait_for_port_file  # noqa: E402
+from ps_server.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 from tf_strategies.isolation import free_ports, isolated  # noqa: E402
 
 MIB = 2**20
@@ -80,10 +80,10 @@ def measure_ours(sizes: list[int], reps: int, shm: bool = False) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             port_file = os.path.join(tmp, "port")
             server = subprocess.Popen(
-                [sys.executable, "-m", "ps_server", "--port", "0", "--port-file", port_file, "--mode", "async",
-                 "--num-workers", "1", "--log-level", "WARNING", "--lease-timeout", "3600"],
-                env=dict(os.environ), preexec_fn=die_with_parent, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
+                dying_with_parent([sys.executable, "-m", "ps_server", "--port", "0", "--port-file", port_file,
+                                   "--mode", "async", "--num-workers", "1", "--log-level", "WARNING",
+                                   "--lease-timeout", "3600"]),
+                env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 address = f"127.0.0.1:{wait_for_port_file(port_file, server, 60)}"
                 with PSClient(address, timeout=300, shm=shm) as client:
@@ -125,8 +125,8 @@ def measure_raw(sizes: list[int], reps: int) -> dict:
         n = mib * MIB
         srv = socket.create_server(("127.0.0.1", 0))
         port = srv.getsockname()[1]
-        echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(port), str(n), str(reps + 1)],
-                                preexec_fn=die_with_parent, env=dict(os.environ))
+        echo = subprocess.Popen(dying_with_parent([sys.executable, "-c", _ECHO, str(port), str(n), str(reps + 1)]),
+                                env=dict(os.environ))
         srv.close()
         time.sleep(0.3)
         out_buf = np.ones(n, np.uint8).tobytes()
@@ -207,8 +207,8 @@ def measure_tensorflow(sizes: list[int], reps: int) -> dict:
     a, b = free_ports(2)
     argv, note = isolated([sys.executable, "-c", _TF_PAIR, _TF_PS, _TF_CLIENT, str(a), str(b),
                            ",".join(map(str, sizes)), str(reps)])
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env=dict(os.environ),
-                         preexec_fn=die_with_parent)
+    run = subprocess.run(dying_with_parent(argv), capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ))
     if run.returncode != 0:
         raise RuntimeError(f"tensorflow transport run failed: {run.stderr[-1500:]}")
     return {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
@@ -236,9 +236,9 @@ def main(argv=None) -> int:
     results: dict = {}
     for alloc in ALLOCATORS:
         for which in ("ours", "ours-shm", "raw") + (() if args.skip_tensorflow else ("tensorflow",)):
-            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which, "--sizes", args.sizes,
-                                  "--reps", str(args.reps)], capture_output=True, text=True, env=_env(alloc),
-                                 timeout=1800, preexec_fn=die_with_parent)
+            run = subprocess.run(dying_with_parent([sys.executable, os.path.abspath(__file__), "--child", which,
+                                                    "--sizes", args.sizes, "--reps", str(args.reps)]),
+                                 capture_output=True, text=True, env=_env(alloc), timeout=1800)
             if run.returncode != 0:
                 print(f"{alloc}/{which} failed: {run.stderr[-800:]}", file=sys.stderr)
                 continue

@@ -1,8 +1,15 @@
 """Helpers for the programs that start a ps-server (or workers) as child processes.
 
-    proc = subprocess.Popen([sys.executable, "-m", "ps_server", "--port", "0",
-                             "--port-file", pf, ...], preexec_fn=die_with_parent)
+    proc = subprocess.Popen(dying_with_parent([sys.executable, "-m", "ps_server", "--port", "0",
+                                               "--port-file", pf, ...]))
     port = wait_for_port_file(pf, proc, timeout=60)
+
+Children die with their parent (Linux's PR_SET_PDEATHSIG), set by a small shim
+that the child runs before it execs the real command, never by a
+``preexec_fn``: a ``preexec_fn`` makes Python fork() the whole process and run
+every library's atfork handlers, and gRPC's can hang a process that has used
+gRPC (seen here: a benchmark stuck in fork(), inside gRPC's handler). Without
+one, Python starts the child with vfork/posix_spawn, which run no handlers.
 
 ``ps-server --port-file`` writes the bound port atomically once it serves; the
 launcher, the parity runner, the benchmarks and the tests all wait for it the
@@ -14,8 +21,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1
 
@@ -25,7 +33,9 @@ class ServerStartError(RuntimeError):
 
 
 def on_parent_death(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn`` asking Linux to send ``sig`` to the child when its parent dies."""
+    """A function that asks Linux to send ``sig`` to the calling process when its parent
+    dies; for a process to call on itself (children started through
+    ``dying_with_parent`` have it done for them)."""
 
     def arm() -> None:
         try:
@@ -42,6 +52,25 @@ def on_parent_death(sig: int) -> Callable[[], None]:
 # preemption notice and keeps running. ps-launch uses SIGTERM for its own children,
 # so a ps-server still writes its final checkpoint.
 die_with_parent = on_parent_death(signal.SIGKILL)
+
+# argv: [parent pid, signal, command...]. The setting survives exec; if the parent
+# died before it was made, the child is already an orphan and stops here.
+_SHIM = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[2]))\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def dying_with_parent(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """``argv`` wrapped so that the child receives ``sig`` when this process dies.
+
+    Pass the result to ``subprocess.Popen``/``run`` without a ``preexec_fn`` (module
+    docstring). The child keeps its pid: the shim execs the command in place.
+    """
+    return [sys.executable, "-S", "-c", _SHIM, str(os.getpid()), str(int(sig)), *argv]
 
 
 def wait_for_port_file(path: str, proc: subprocess.Popen, timeout: float) -> int:

@@ -1,7 +1,7 @@
 """Run TensorFlow's multi-process strategies without exposing ports to the network.
 
     argv, note = isolated([sys.executable, "-m", "tf_strategies.mwms", ...])
-    subprocess.run(argv, preexec_fn=die_with_parent)
+    subprocess.run(dying_with_parent(argv))
 
 TensorFlow's gRPC servers (``tf.distribute.Server``, used by
 MultiWorkerMirroredStrategy and ParameterServerStrategy) listen on all
@@ -20,7 +20,7 @@ import os
 import shutil
 import subprocess
 
-from ps_server.procs import die_with_parent  # noqa: F401  (runners import it from here)
+from ps_server.procs import die_with_parent, dying_with_parent  # noqa: F401  (runners import them from here)
 
 
 def _prefix() -> list[str]:

@@ -102,10 +102,10 @@ def run(spec: common.RunSpec, timeout_s: float | None = None) -> common.RunResul
             logs.append(os.path.join(work, f"worker{i}.log"))
             with open(logs[-1], "w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tf_strategies.mwms", "--role", "worker", "--index", str(i),
-                     "--spec-json", spec.to_json(), "--out", os.path.join(work, f"worker{i}")],
+                    isolation.dying_with_parent(
+                        [sys.executable, "-m", "tf_strategies.mwms", "--role", "worker", "--index", str(i),
+                         "--spec-json", spec.to_json(), "--out", os.path.join(work, f"worker{i}")]),
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    preexec_fn=isolation.die_with_parent,
                 ))
         deadline = time.monotonic() + timeout_s
         while True:

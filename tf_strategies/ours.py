@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from tf_strategies.common import RunResult, RunSpec, load_initial_weights, save_result
-from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
+from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 
 MODES = ("sync", "async")
 
@@ -52,8 +52,8 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
 
         def start(argv, name):
             log = open(os.path.join(tmp, f"{name}.log"), "w")
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, preexec_fn=die_with_parent)
+            p = subprocess.Popen(dying_with_parent(argv), stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=env)
             p.log_name = name
             procs.append(p)
             return p

@@ -42,7 +42,7 @@ import tempfile
 import time
 
 from tf_strategies.common import RunResult, RunSpec, load_result, max_abs_diff
-from tf_strategies.isolation import die_with_parent, isolated
+from tf_strategies.isolation import dying_with_parent, isolated
 from worker.data import load_dataset, steps_per_epoch
 
 MODELS = ("cnn", "mlp")
@@ -100,7 +100,7 @@ def run_one(runner: Runner, spec: RunSpec, out_dir: str, timeout: float) -> Outc
     if runner.tensorflow_servers:
         argv, note = isolated(argv)
     try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent,
+        run = subprocess.run(dying_with_parent(argv), capture_output=True, text=True, timeout=timeout,
                              stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return Outcome(runner.name, status="failed", reason=f"timed out after {timeout:g} s")

@@ -84,8 +84,8 @@ class _Child:
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=isolation.die_with_parent,
+                isolation.dying_with_parent(argv), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env,
             )
 
     def why_dead(self) -> str | None:

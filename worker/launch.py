@@ -32,11 +32,10 @@ import time
 from protos import wire
 from ps_server import security
 from ps_server.core.parameter_server import MODES
-from ps_server.procs import ServerStartError, on_parent_death, wait_for_port_file
+from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
 # SIGTERM: a ps-server still shuts down cleanly (and checkpoints) when the launcher dies.
-_die_with_parent = on_parent_death(signal.SIGTERM)
 
 
 class LaunchError(RuntimeError):
@@ -47,12 +46,11 @@ class Child:
     def __init__(self, label: str, argv: list[str], out_lock: threading.Lock, env: dict):
         self.label = label
         self.proc = subprocess.Popen(
-            argv,
+            dying_with_parent(argv, signal.SIGTERM),  # SIGTERM: a server still writes its checkpoint
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            preexec_fn=_die_with_parent,
             text=True,
             bufsize=1,
         )

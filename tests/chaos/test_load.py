@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from ps_server.procs import die_with_parent
+from ps_server.procs import dying_with_parent
 from tests.cluster.conftest import ROOT
 
 pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
@@ -31,9 +31,9 @@ PEAK_RSS_LIMIT_MIB = 768  # a 16-worker run peaks near 150 MiB; this only catche
 def load(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("load") / "load.json"
     proc = subprocess.run(
-        [sys.executable, "bench/load_test.py", "--mode", "both", "--clients", str(CLIENTS),
-         "--seconds", str(SECONDS), "--procs", "2", "--json-out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=die_with_parent,
+        dying_with_parent([sys.executable, "bench/load_test.py", "--mode", "both", "--clients", str(CLIENTS),
+                           "--seconds", str(SECONDS), "--procs", "2", "--json-out", str(out)]),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert out.exists(), f"load test wrote no results (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}

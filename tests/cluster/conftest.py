@@ -1,7 +1,8 @@
 """Real processes on loopback: a ps-server and ps-workers, as users start them.
 
 Every process started here is killed when its test ends (and, through
-PR_SET_PDEATHSIG, when pytest itself dies), so nothing outlives a test.
+PR_SET_PDEATHSIG, when pytest itself dies: ``procs.dying_with_parent``), so
+nothing outlives a test.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
+from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.client import PSClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,8 +29,8 @@ class Procs:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("TF_CONFIG", None)
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=self.tmp_path, env=env, preexec_fn=die_with_parent,
+            dying_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=self.tmp_path, env=env,
         )
         proc.log_path = self.tmp_path / f"{log_name}.log"
         self.procs.append(proc)

@@ -68,8 +68,8 @@ def base(tmp_path_factory) -> tuple[common.RunSpec, list[np.ndarray], list[float
 def run_pss(spec: common.RunSpec, num_ps: int, out) -> subprocess.CompletedProcess:
     argv, _ = isolation.isolated([sys.executable, "-m", "tf_strategies.pss", "--spec-json", spec.to_json(),
                                   "--num-ps", str(num_ps), "--out", str(out)])
-    return subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(),
-                          preexec_fn=isolation.die_with_parent)
+    return subprocess.run(isolation.dying_with_parent(argv), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=_env())
 
 
 def train(base, tmp_path, num_ps: int, steps: int) -> common.RunResult:

@@ -40,8 +40,8 @@ def run_cli(runner: str, spec: common.RunSpec, out, *extra: str, timeout: float 
     if runner == "mwms":
         argv, _ = isolation.isolated(argv)
     env = dict(_env(), TMPDIR=str(os.path.dirname(str(out))))  # a failed launcher leaves its logs there
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
-                          preexec_fn=isolation.die_with_parent)
+    return subprocess.run(isolation.dying_with_parent(argv), capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +163,8 @@ def test_mwms_workers_die_with_a_killed_launcher_although_tensorflow_catches_sig
     spec, marker = _marked_spec(base_spec, tmp_path, "orphan-init.npz", steps=1_000_000)
     argv, _ = isolation.isolated([sys.executable, "-m", "tf_strategies.mwms", "--spec-json", spec.to_json(),
                                   "--out", str(tmp_path / "out")])
-    launcher = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=dict(_env(), TMPDIR=str(tmp_path)),
-                                preexec_fn=isolation.die_with_parent)
+    launcher = subprocess.Popen(isolation.dying_with_parent(argv), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=dict(_env(), TMPDIR=str(tmp_path)))
     try:
         deadline = time.monotonic() + 120
         while True:  # until both workers have joined the cluster (TensorFlow then catches SIGTERM)

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
-from ps_server.procs import ServerStartError, die_with_parent, wait_for_port_file
+from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 
 LIMIT = 2**20  # TFPS_MAX_MESSAGE_MB=1
 CALL_TIMEOUT = 30.0
@@ -45,10 +45,10 @@ class Server:
         env.pop("TF_CONFIG", None)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file",
-                 str(port_file), "--mode", "sync", "--num-workers", "1", "--lease-timeout", "3600"],
+                dying_with_parent(  # never outlive pytest
+                    [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file",
+                     str(port_file), "--mode", "sync", "--num-workers", "1", "--lease-timeout", "3600"]),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                preexec_fn=die_with_parent,  # never outlive pytest
             )
         try:
             self.address = f"127.0.0.1:{wait_for_port_file(str(port_file), self.proc, 60)}"
