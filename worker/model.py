@@ -7,7 +7,10 @@
 
 ``cnn`` is the model of TensorFlow's tutorials: Conv2D(32, 3, relu) on 28x28x1,
 Flatten, Dense(10, softmax), sparse categorical cross-entropy. ``mlp`` is a
-larger fully connected model (about 1M parameters) for throughput runs.
+larger fully connected model (about 1M parameters) for throughput runs, and
+``mlp25m`` a much larger one: Flatten, Dense(8192, relu), Dense(2304, relu),
+Dense(10, softmax), 25,330,442 parameters (~97 MiB of float32), the size of
+model issue 5's training benchmark (``bench/training.py``) compares on.
 
 Loss scaling: each worker differentiates the *mean* loss over its own shard;
 the server takes the batch-weighted mean of those gradients. That equals
@@ -21,7 +24,7 @@ import os
 
 import numpy as np
 
-MODELS = ("cnn", "mlp")
+MODELS = ("cnn", "mlp", "mlp25m")
 
 
 def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_threads: int = 0):
@@ -76,6 +79,17 @@ def build_model(name: str = "cnn", seed: int = 0):
                 keras.layers.Dense(10, activation="softmax"),
             ],
             name="mlp",
+        )
+    elif name == "mlp25m":
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(8192, activation="relu"),
+                keras.layers.Dense(2304, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ],
+            name="mlp25m",
         )
     else:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
