@@ -5,8 +5,8 @@
     version, values = client.pull(reg.worker_id)
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
 
-NumPy in, NumPy out: no TensorFlow here. Pulls and pushes are streamed in
-~2 MiB chunks (``PullStream``, ``PushStream``: ``protos.stream``). A full pull
+NumPy in, NumPy out: no TensorFlow here. Pulls and pushes of more than
+``SMALL_BYTES`` are streamed in ~2 MiB chunks (``PullStream``, ``PushStream``: ``protos.stream``). A full pull
 sends the server the version and incarnation of the values this client holds,
 and gets back only the variables that changed since (the rest come from its
 cache). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
@@ -83,6 +83,12 @@ SERVICE_CONFIG = json.dumps(
         ]
     }
 )
+
+
+# Pushes and pulls of at most this many bytes go as one unary message: a streamed
+# call costs a thread on each side and ~0.3 ms more (bench/barrier.py), which is
+# more than moving 1 MiB. Larger ones are streamed, or go through shared memory.
+SMALL_BYTES = 1 << 20
 
 
 class PSClientError(RuntimeError):
@@ -173,15 +179,18 @@ class PSClient:
         token: str | None = None,
         grad_wire_dtype: str = "float32",
         shm: bool = False,
+        small_bytes: int = SMALL_BYTES,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
         is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``).
-        ``shm``: try the same-host fast path (module docstring) from ``register`` on."""
+        ``shm``: try the same-host fast path (module docstring) from ``register`` on.
+        ``small_bytes``: pushes and pulls up to this size go as one unary message."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
         self.timeout = timeout
         self.grad_wire_dtype = grad_wire_dtype
+        self.small_bytes = small_bytes
         # The last full pull: (incarnation, version, values); what the next one may skip.
         self._cache: tuple[str, int, dict[str, np.ndarray]] | None = None
         self._channel = security.client_channel(
@@ -376,19 +385,22 @@ class PSClient:
         request = pb.PullRequest(worker_id=worker_id, names=names)
         if cache is not None:
             request.known_incarnation, request.known_version = cache[0], cache[1]
-        slot = self._lend(self._pull_slot, worker_id)
-        try:
+        if cache is not None and sum(a.nbytes for a in cache[2].values()) <= self.small_bytes:
+            header, values = self._pull_unary(request)  # a small model: one message beats a stream
+        else:
+            slot = self._lend(self._pull_slot, worker_id)
             try:
-                header, values = self._pull_once(request, slot)
-            except _ShmRefused as e:
-                self._fall_back(str(e))
-                request.ClearField("shm_name")
-                header, values = self._pull_once(request, None)
-        finally:
-            if slot is not None:
-                slot.lock.release()
-        if slot is not None and not self._shm_on:
-            self._release_segments()
+                try:
+                    header, values = self._pull_once(request, slot)
+                except _ShmRefused as e:
+                    self._fall_back(str(e))
+                    request.ClearField("shm_name")
+                    header, values = self._pull_once(request, None)
+            finally:
+                if slot is not None:
+                    slot.lock.release()
+            if slot is not None and not self._shm_on:
+                self._release_segments()
         for a in values.values():
             a.flags.writeable = False
         if cache is not None and header.incarnation == cache[0]:
@@ -397,6 +409,14 @@ class PSClient:
             self._cache = (header.incarnation, header.version, values)
             self._pull_slot.want = max(self._pull_slot.want, shmem.needed_bytes(a.nbytes for a in values.values()))
         return header.version, values
+
+    def _pull_unary(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        reply = self._call("Pull", request)
+        try:
+            values = codec.decode_many(reply.variables)
+        except codec.CodecError as e:
+            raise PSClientError("Pull", self.address, None, f"malformed reply: {e}") from None
+        return pb.PullHeader(version=reply.version, incarnation=reply.incarnation), values
 
     def _pull_once(self, request: pb.PullRequest, slot: _Slot | None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
         """One PullStream: through ``slot``'s segment if given (_ShmRefused when it cannot
@@ -459,6 +479,13 @@ class PSClient:
         header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
                                loss=loss, gradients=stream.metas(wire_arrays))
         timeout = self.timeout if timeout is None else timeout
+        if sum(a.nbytes for _, a in wire_arrays.values()) <= self.small_bytes:  # one message beats a stream
+            reply = self._call("Push", pb.PushRequest(
+                worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size, loss=loss,
+                gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes())
+                           for n, (code, a) in wire_arrays.items()]), timeout=timeout)
+            return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
+                             reply.replayed)
         reply = None
         slot = self._lend(self._push_slot, worker_id)
         if slot is not None:

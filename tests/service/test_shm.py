@@ -82,7 +82,9 @@ def cluster(bg):
             return running
 
         def client(self, running, shm=True, **kw) -> PSClient:
-            c = PSClient(running.address, timeout=CLIENT_TIMEOUT, shm=shm, **kw)
+            # small_bytes=0: these small models take the shared-memory path (or the streams),
+            # not the unary calls a client uses for payloads under worker.client.SMALL_BYTES.
+            c = PSClient(running.address, timeout=CLIENT_TIMEOUT, shm=shm, **{"small_bytes": 0, **kw})
             self.clients.append(c)
             return c
 

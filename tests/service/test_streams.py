@@ -253,3 +253,22 @@ def test_a_pull_error_names_the_call_and_keeps_the_servers_explanation(ps):
     client.register(0, 1)
     with pytest.raises(PSClientError, match="Pull to .* FAILED_PRECONDITION: variables are not initialized"):
         client.pull(0)
+
+
+def test_a_small_model_goes_unary_with_the_same_skipping_and_the_same_values(ps, raw_stub):
+    """Under SMALL_BYTES a push and a pull are one message each; a pull still skips what
+    the client holds, and the values equal a plain pull's."""
+    running, client, values = _start(ps, mode="async", value={"w": np.arange(10, dtype=np.float32),
+                                                              "b": np.array(0.5, np.float32)})
+    calls = []
+    real_call = client._call
+    client._call = lambda name, *a, **k: (calls.append(name), real_call(name, *a, **k))[1]
+    v0, first = client.pull(0)  # no cache yet: streamed, learns the size
+    v1, again = client.pull(0)
+    assert calls == ["Pull"] and (v0, v1) == (0, 0) and all(again[n] is first[n] for n in first)
+    client.push(0, 0, 0, 1, {"w": np.ones(10, np.float32), "b": np.array(1.0, np.float32)})
+    version, mine = client.pull(0)
+    assert calls == ["Pull", "Push", "Pull"] and version == 1
+    plain = codec.decode_many(raw_stub(running).Pull(pb.PullRequest(worker_id=0), timeout=30).variables)
+    assert {n: a.tobytes() for n, a in mine.items()} == {n: a.tobytes() for n, a in plain.items()}
+    assert mine["b"].shape == () and not mine["w"].flags.writeable
