@@ -11,7 +11,10 @@ For each model (``cnn``, the tutorial CNN, 0.2M parameters; ``mlp25m``, a
 - ``ours-sync``: a ``ps-server --mode sync`` and 2 ``ps-worker`` processes;
 - ``pss``: ``tf.distribute.ParameterServerStrategy``, 1 ps task, 2 workers and
   the coordinator (``tf_strategies.pss.run(spec, num_ps=1)``);
-- ``ours-async``: a ``ps-server --mode async`` and 2 ``ps-worker`` processes.
+- ``ours-async``: a ``ps-server --mode async`` and 2 ``ps-worker`` processes;
+- ``ours-sync-shm``, ``ours-async-shm``: the same with ``ps-worker --shm``, the
+  same-host fast path (tensors through shared memory, gRPC for control); every
+  process here is on one host, which is where that path applies.
 
 All of them get the same ``RunSpec``: the ``digits`` data, ``--steps`` global
 batches of ``--global-batch-size`` examples split into 2 shards, the optimizer
@@ -45,8 +48,15 @@ from tf_strategies import parity  # noqa: E402
 from tf_strategies.common import RunSpec  # noqa: E402
 from worker.model import MODELS  # noqa: E402
 
-RUNNERS = {"mwms": "mwms", "ours-sync": "ours-sync", "pss": "pss-1ps", "ours-async": "ours-async"}
-PAIRS = (("ours-sync", "mwms"), ("ours-async", "pss"))
+RUNNERS = {"mwms": "mwms", "ours-sync": "ours-sync", "ours-sync-shm": "ours-sync-shm", "pss": "pss-1ps",
+           "ours-async": "ours-async", "ours-async-shm": "ours-async-shm"}
+PAIRS = (("ours-sync", "mwms"), ("ours-sync-shm", "mwms"), ("ours-async", "pss"), ("ours-async-shm", "pss"))
+# Not in ps-parity's matrix: the fast path computes the same as the streams (tests/service/test_shm.py).
+_SHM_RUNNERS = (
+    parity.Runner("ours-sync-shm", "tf_strategies.ours", ("--mode", "sync", "--shm"), honours_loss_scaling=False),
+    parity.Runner("ours-async-shm", "tf_strategies.ours", ("--mode", "async", "--shm"), sync=False,
+                  honours_loss_scaling=False),
+)
 DEFAULT_STEPS = {"cnn": 600, "mlp": 200, "mlp25m": 60}
 
 
@@ -65,7 +75,7 @@ def parse_steps(text: str, models: list[str]) -> dict[str, int]:
 
 def run_model(spec: RunSpec, workdir: str) -> dict:
     """Every runner on ``spec`` (examples/s, or the reason it failed) and the ratios."""
-    by_name = {r.name: r for r in parity.RUNNERS}
+    by_name = {r.name: r for r in (*parity.RUNNERS, *_SHM_RUNNERS)}
     out: dict[str, dict] = {}
     for label, name in RUNNERS.items():
         outcome = parity.run_one(by_name[name], spec, os.path.join(workdir, f"{spec.model}-{label}"),
@@ -112,14 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             results[model] = run_model(spec, workdir)
     print(f"training examples/s, 2 workers, global batch {args.global_batch_size}, {args.optimizer}, digits; "
           f"ratios from the same run ({time.monotonic() - started:.0f} s)")
-    print(f"{'model':<7} {'steps':>5} {'mwms':>8} {'ours-sync':>9} {'pss':>8} {'ours-async':>10} "
-          f"{'sync/mwms':>9} {'async/pss':>9}")
+    print(f"{'model':<7} {'steps':>5} " + " ".join(f"{k:>14}" for k in RUNNERS))
     for model, r in results.items():
-        runners, ratios = r["runners"], r["ratios"]
+        runners = r["runners"]
         speed = lambda k: f"{runners[k]['examples_per_s']:.0f}" if runners[k]["status"] == "ok" else "-"  # noqa: E731
-        ratio = lambda k: f"{ratios[k]:.2f}" if k in ratios else "-"  # noqa: E731
-        print(f"{model:<7} {steps[model]:>5} {speed('mwms'):>8} {speed('ours-sync'):>9} {speed('pss'):>8} "
-              f"{speed('ours-async'):>10} {ratio('ours-sync/mwms'):>9} {ratio('ours-async/pss'):>9}")
+        print(f"{model:<7} {steps[model]:>5} " + " ".join(f"{speed(k):>14}" for k in RUNNERS))
+    print(f"{'model':<7} " + " ".join(f"{ours + '/' + theirs:>20}" for ours, theirs in PAIRS))
+    for model, r in results.items():
+        ratio = lambda k: f"{r['ratios'][k]:.2f}" if k in r["ratios"] else "-"  # noqa: E731
+        print(f"{model:<7} " + " ".join(f"{ratio(ours + '/' + theirs):>20}" for ours, theirs in PAIRS))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"global_batch_size": args.global_batch_size, "optimizer": args.optimizer,

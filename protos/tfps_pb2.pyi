@@ -210,36 +210,42 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_VALUES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
     batch_size: int
     gradients: _containers.RepeatedCompositeFieldContainer[Tensor]
     loss: float
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
+    return_values: bool
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed")
+    __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed", "variables", "incarnation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     contributors: int
     dropped: bool
     next_step: int
     replayed: bool
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ..., dropped: _Optional[bool] = ..., next_step: _Optional[int] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    variables: _containers.RepeatedCompositeFieldContainer[Tensor]
+    incarnation: str
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ..., dropped: _Optional[bool] = ..., next_step: _Optional[int] = ..., replayed: _Optional[bool] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "step")

@@ -294,7 +294,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 loss=request.loss,
             )
         )
-        return _push_result_to_wire(result)
+        reply = _push_result_to_wire(result)
+        if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
+            version, values = self.core.pull(request.worker_id)
+            if version == result.version:
+                reply.variables.extend(codec.encode_many(values))
+                reply.incarnation = self.core.incarnation
+        return reply
+
+    def _values_stay_current(self) -> bool:
+        """Sync without backup workers: no round completes without every active worker,
+        so the values after a worker's round are current until it pushes again."""
+        core = self.core
+        return core.mode_name == "sync" and core.replicas_to_aggregate in (0, core.num_workers)
 
     @_handled
     def PushStream(self, request_iterator, context):

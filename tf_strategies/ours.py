@@ -41,7 +41,9 @@ def _worker_flags(spec: RunSpec) -> list[str]:
     return flags
 
 
-def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
+def run(spec: RunSpec, mode: str, timeout: float = 900.0, shm: bool = False) -> RunResult:
+    """Train ``spec`` with one ps-server and ``spec.num_workers`` ps-worker processes;
+    ``shm``: the workers ask for the same-host fast path (``ps-worker --shm``)."""
     if mode not in MODES:
         raise RunnerError(f"mode must be sync or async, got {mode!r}")
     started = time.monotonic()
@@ -76,7 +78,7 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
             workers = []
             for i in range(spec.num_workers):
                 argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
-                        "--num-workers", str(spec.num_workers), *_worker_flags(spec),
+                        "--num-workers", str(spec.num_workers), *_worker_flags(spec), *(["--shm"] if shm else []),
                         "--history-json", os.path.join(tmp, f"history{i}.json")]
                 if i == 0:
                     argv += ["--result-json", os.path.join(tmp, "result.json"), "--snapshot-dir", snap]
@@ -111,7 +113,7 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
                         p.kill()
                         p.wait()
     return RunResult(
-        runner=f"ours-{mode}",
+        runner=f"ours-{mode}" + ("-shm" if shm else ""),
         losses=_losses(histories, mode),
         weights_step1=step1,
         weights_final=final,
@@ -119,7 +121,8 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0) -> RunResult:
         steps_per_s=spec.steps / chief["train_s"] if chief["train_s"] > 0 else 0.0,
         examples=int(chief["examples"]),
         wall_s=time.monotonic() - started,
-        notes=f"{spec.num_workers} workers, 1 ps, gRPC on loopback"
+        notes=f"{spec.num_workers} workers, 1 ps, "
+        + ("shared memory for payloads over 1 MiB, gRPC for the rest" if shm else "gRPC on loopback")
         + (f", mean staleness {chief['mean_staleness']:.2f}" if mode == "async" else ""),
     )
 
@@ -141,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-json", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--shm", action="store_true", help="workers use the same-host fast path (shared memory)")
     args = p.parse_args(argv)
     try:
-        result = run(RunSpec.from_json(args.spec_json), args.mode, args.timeout)
+        result = run(RunSpec.from_json(args.spec_json), args.mode, args.timeout, shm=args.shm)
     except RunnerError as e:
         print(f"runner ours-{args.mode} failed: {e}", file=sys.stderr)
         return 1

@@ -87,8 +87,11 @@ SERVICE_CONFIG = json.dumps(
 
 # Pushes and pulls of at most this many bytes go as one unary message: a streamed
 # call costs a thread on each side and ~0.3 ms more (bench/barrier.py), which is
-# more than moving 1 MiB. Larger ones are streamed, or go through shared memory.
+# more than moving 1 MiB. Larger ones are streamed, or go through shared memory,
+# which already beats one message at 1 MiB (bench/transport.py): with shared
+# memory on, the limit is SMALL_SHM_BYTES.
 SMALL_BYTES = 1 << 20
+SMALL_SHM_BYTES = 256 << 10
 
 
 class PSClientError(RuntimeError):
@@ -191,6 +194,10 @@ class PSClient:
         self.timeout = timeout
         self.grad_wire_dtype = grad_wire_dtype
         self.small_bytes = small_bytes
+        # Sync: a push reply may carry the new parameters (PushRequest.return_values);
+        # then the next full pull is answered from them without a call (_fresh).
+        self._sync = False
+        self._fresh = False
         # The last full pull: (incarnation, version, values); what the next one may skip.
         self._cache: tuple[str, int, dict[str, np.ndarray]] | None = None
         self._channel = security.client_channel(
@@ -302,6 +309,7 @@ class PSClient:
         a restarted server may run elsewhere)."""
         request = pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name)
         self._shm_on = False
+        self._fresh = False
         held = self._hold_for_probe()
         try:
             token = self._probe_request(request) if held else None
@@ -314,6 +322,7 @@ class PSClient:
                 slot.lock.release()
         if self.shm and self.shm_fallback_reason is not None:
             self._release_segments()
+        self._sync = reply.mode == pb.SYNC
         return Registration(
             worker_id=reply.worker_id,
             mode=MODE_NAMES.get(reply.mode, "unknown"),
@@ -381,11 +390,14 @@ class PSClient:
         the client's own; a full pull (no ``names``) reuses the previous pull's arrays for
         the variables that did not change."""
         names = list(names)
+        if not names and self._fresh and self._cache is not None:
+            self._fresh = False  # the last push's reply brought them: nothing can have changed since
+            return self._cache[1], self._cache[2]
         cache = self._cache if not names else None
         request = pb.PullRequest(worker_id=worker_id, names=names)
         if cache is not None:
             request.known_incarnation, request.known_version = cache[0], cache[1]
-        if cache is not None and sum(a.nbytes for a in cache[2].values()) <= self.small_bytes:
+        if cache is not None and sum(a.nbytes for a in cache[2].values()) <= self._unary_limit():
             header, values = self._pull_unary(request)  # a small model: one message beats a stream
         else:
             slot = self._lend(self._pull_slot, worker_id)
@@ -409,6 +421,9 @@ class PSClient:
             self._cache = (header.incarnation, header.version, values)
             self._pull_slot.want = max(self._pull_slot.want, shmem.needed_bytes(a.nbytes for a in values.values()))
         return header.version, values
+
+    def _unary_limit(self) -> int:
+        return min(self.small_bytes, SMALL_SHM_BYTES) if self._shm_on else self.small_bytes
 
     def _pull_unary(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
         reply = self._call("Pull", request)
@@ -479,11 +494,18 @@ class PSClient:
         header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
                                loss=loss, gradients=stream.metas(wire_arrays))
         timeout = self.timeout if timeout is None else timeout
-        if sum(a.nbytes for _, a in wire_arrays.values()) <= self.small_bytes:  # one message beats a stream
+        self._fresh = False
+        if sum(a.nbytes for _, a in wire_arrays.values()) <= self._unary_limit():  # one message beats a stream
             reply = self._call("Push", pb.PushRequest(
                 worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size, loss=loss,
                 gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes())
-                           for n, (code, a) in wire_arrays.items()]), timeout=timeout)
+                           for n, (code, a) in wire_arrays.items()], return_values=self._sync), timeout=timeout)
+            if reply.variables:
+                try:
+                    values = codec.decode_many(reply.variables)
+                except codec.CodecError as e:
+                    raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
+                self._cache, self._fresh = (reply.incarnation, reply.version, values), True
             return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
                              reply.replayed)
         reply = None

@@ -62,9 +62,10 @@ def test_training_reports_examples_per_s_of_every_runner_and_the_ratios(tmp_path
                        timeout=900)
     cnn = report["results"]["cnn"]
     assert cnn["spec"]["steps"] == 3 and cnn["spec"]["num_workers"] == 2
-    for name in ("mwms", "ours-sync", "pss", "ours-async"):
+    for name in ("mwms", "ours-sync", "ours-sync-shm", "pss", "ours-async", "ours-async-shm"):
         r = cnn["runners"][name]
         assert r["status"] == "ok", r
         assert r["examples"] == 3 * 64 and r["examples_per_s"] > 0
-    assert set(cnn["ratios"]) == {"ours-sync/mwms", "ours-async/pss"}
+        assert ("shared memory" in r["notes"]) == name.endswith("-shm"), r["notes"]
+    assert set(cnn["ratios"]) == {"ours-sync/mwms", "ours-sync-shm/mwms", "ours-async/pss", "ours-async-shm/pss"}
     assert all(v > 0 for v in cnn["ratios"].values())

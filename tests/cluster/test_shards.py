@@ -143,7 +143,8 @@ def test_sync_workers_ride_out_a_shard_restart_from_its_checkpoint(procs, tmp_pa
     procs.start(argv, "restarted-shard-after")
     assert wait_exit(w0, 300) == 0, read_log(w0)[-3000:]
     assert wait_exit(w1, 300) == 0, read_log(w1)[-3000:]
-    assert "rejoined" in read_log(w0) and "rejoined" in read_log(w1)
+    # No "rejoined" check: when the restored checkpoint holds exactly the round the workers
+    # reached and no call hit the restart, they carry on without an error to rejoin on.
     first_status, second_status = statuses(ps.split(","))
     assert first_status.round == 30  # every step once on the shard that kept running
     assert 0 < second_status.round <= 30 and second_status.incarnation != ""
