@@ -569,16 +569,23 @@ class PSClient:
 
     def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Pull once the chief has initialized the variables; raise after timeout."""
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            try:
-                return self.pull(worker_id)
-            except PSClientError as e:
-                if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise PSClientError("Pull", self.address, e.code,
-                                        f"variables still not initialized after {timeout:g} s: is the chief (worker 0) running?") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        return pull_when_initialized(self, worker_id, timeout)
+
+
+def pull_when_initialized(client, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
+    """``client.pull(worker_id)`` once the chief has initialized the variables (of every
+    shard, for a ``ShardedClient``), retrying with backoff; PSClientError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            return client.pull(worker_id)
+        except PSClientError as e:
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise PSClientError("Pull", e.address, e.code,
+                                    f"variables still not initialized after {timeout:g} s: is the chief "
+                                    "(worker 0) running?") from None
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)

@@ -59,7 +59,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -69,7 +68,7 @@ import numpy as np
 from protos import tfps_pb2 as pb
 from ps_server.settings import ConfigError
 from worker import sharding
-from worker.client import PSClient, PSClientError, PushReply, Registration
+from worker.client import PSClient, PSClientError, PushReply, Registration, pull_when_initialized
 
 log = logging.getLogger("worker")
 
@@ -341,20 +340,7 @@ class ShardedClient:
 
     def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Pull once the chief has initialized every shard; raise after timeout."""
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            try:
-                return self.pull(worker_id)
-            except PSClientError as e:
-                if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise PSClientError("Pull", e.address, e.code,
-                                        f"variables still not initialized after {timeout:g} s: is the chief "
-                                        "(worker 0) running?") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        return pull_when_initialized(self, worker_id, timeout)
 
 
 def combine_statuses(statuses: Sequence[pb.StatusResponse]) -> pb.StatusResponse:
