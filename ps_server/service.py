@@ -280,10 +280,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_handled
     def Push(self, request, context):
         gradients = codec.decode_many(request.gradients)
-        specs = self.core.store.specs()
-        for name, g in list(gradients.items()):  # float16 on the wire for a float32 variable: widen
-            if g.dtype == np.float16 and name in specs and specs[name][0] == np.float32:
-                gradients[name] = g.astype(np.float32)
+        if any(g.dtype == np.float16 for g in gradients.values()):  # for a float32 variable: widen
+            specs = self.core.store.specs()
+            for name, g in list(gradients.items()):
+                if g.dtype == np.float16 and name in specs and specs[name][0] == np.float32:
+                    gradients[name] = g.astype(np.float32)
         result = self.core.push(
             Push(
                 worker_id=request.worker_id,
