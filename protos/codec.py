@@ -84,8 +84,23 @@ def decode(msg: pb.Tensor) -> tuple[str, np.ndarray]:
     except ValueError as e:  # e.g. [0, 2**62]: zero bytes, yet a shape too big for NumPy
         raise CodecError(f"tensor {msg.name!r}: shape {list(shape)} cannot be represented: {e}") from None
     if bfloat16:
-        array = (array.astype(np.uint32) << 16).view(np.float32)
+        array = from_bfloat16(array)
     return msg.name, array
+
+
+def to_bfloat16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
+    bits = np.asarray(a, dtype=np.float32, order="C").view(np.uint32)  # keeps 0-d 0-d
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def encode_many(arrays: dict[str, np.ndarray]) -> list[pb.Tensor]:

@@ -3,7 +3,7 @@
     # sender: a header message, then the tensors' bytes cut into chunks
     yield pb.PushChunk(header=...)
     for buffers in stream.chunk_buffers(arrays):      # lists of memoryviews
-        yield buffers                                  # framed by serialize_chunk
+        yield buffers                                  # framed by stream.serializer(...)
 
     # receiver: metas from the header, then every chunk into one buffer
     layout = stream.Layout.of(header.gradients)        # checks dtypes and shapes
@@ -36,6 +36,7 @@ import numpy as np
 
 from protos import codec
 from protos import tfps_pb2 as pb
+from protos.codec import from_bfloat16, to_bfloat16
 
 CHUNK_BYTES = 2 << 20
 _DATA_TAG = 0x12  # field 2, wire type 2 (length-delimited)
@@ -131,21 +132,6 @@ def chunk_buffers(arrays: Iterable[np.ndarray], chunk_bytes: int | None = None) 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def to_bfloat16(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
-    bits = np.asarray(a, dtype=np.float32, order="C").view(np.uint32)  # keeps 0-d 0-d
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        rounded[nan] = 0x7FC0
-    return rounded
-
-
-def from_bfloat16(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> float32, exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def to_wire(array: np.ndarray, wire: str = "float32") -> tuple[int, np.ndarray]:
     """(DType code, little-endian contiguous array) of ``array`` sent as ``wire``.
 
@@ -195,7 +181,7 @@ class Layout:
     nbytes: int
 
     @classmethod
-    def of(cls, metas: Iterable[pb.TensorMeta], max_bytes: int | None = None) -> "Layout":
+    def of(cls, metas: Iterable[pb.TensorMeta]) -> "Layout":
         """Check every meta (known dtype, non-negative shape, unique name) and lay them out.
 
         Raises ``codec.CodecError`` naming the tensor."""
@@ -212,15 +198,14 @@ class Layout:
             if any(d < 0 for d in shape):
                 raise codec.CodecError(f"tensor {m.name!r}: negative dimension in shape {list(shape)}")
             nbytes = math.prod(shape) * dtype.itemsize
-            if max_bytes is not None and offset + nbytes > max_bytes:
-                raise codec.CodecError(f"tensor {m.name!r}: the stream would hold more than {max_bytes} bytes")
             entries.append(Entry(m.name, m.dtype, dtype, shape, offset, nbytes))
             offset += nbytes
         return cls(tuple(entries), offset)
 
-    def specs(self) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """name -> (wire DType, shape)."""
-        return {e.name: (e.code, e.shape) for e in self.entries}
+
+def widened(entries: Iterable[Entry], raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors of ``raw`` (as the bytes lie) with bfloat16 bit patterns widened to float32."""
+    return {e.name: from_bfloat16(raw[e.name]) if e.bfloat16 else raw[e.name] for e in entries}
 
 
 def metas(arrays: dict[str, tuple[int, np.ndarray]]) -> list[pb.TensorMeta]:
@@ -247,17 +232,17 @@ class Assembler:
         self.buffer[self.received:self.received + n] = np.frombuffer(chunk, np.uint8)
         self.received += n
 
-    def arrays(self, widen_bfloat16: bool = True) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, np.ndarray]:
         """Every tensor, as a view into the buffer (bfloat16 widened to a new float32 array)."""
         if self.received != self.layout.nbytes:
             raise codec.CodecError(f"the stream ended after {self.received} of the {self.layout.nbytes} bytes "
                                    "its header announced")
-        out = {}
+        raw = {}
         for e in self.layout.entries:
             try:
-                a = np.frombuffer(self.buffer, e.dtype, count=math.prod(e.shape), offset=e.offset).reshape(e.shape)
+                raw[e.name] = np.frombuffer(self.buffer, e.dtype, count=math.prod(e.shape),
+                                            offset=e.offset).reshape(e.shape)
             except ValueError as err:
                 raise codec.CodecError(f"tensor {e.name!r}: shape {list(e.shape)} cannot be represented: {err}") \
                     from None
-            out[e.name] = from_bfloat16(a) if e.bfloat16 and widen_bfloat16 else a
-        return out
+        return widened(self.layout.entries, raw)

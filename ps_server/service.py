@@ -73,27 +73,16 @@ class Malformed:
         self.message_type, self.error = message_type, error
 
 
-def _tolerant(message_class):
-    """A request deserializer that never raises: grpcio would answer INTERNAL."""
-
-    def parse(data: bytes):
-        try:
-            return message_class.FromString(data)
-        except Exception as e:  # DecodeError and friends
-            return Malformed(message_class.DESCRIPTOR.full_name, e)
-
-    return parse
-
-
-def _tolerant_chunks(message_class):
-    """A stream-message deserializer that never raises: data chunks become
-    zero-copy memoryviews (``protos.stream``), bad bytes a ``Malformed``."""
-    parse = stream.deserializer(message_class)
+def _tolerant(message_class, parse=None):
+    """A request deserializer that never raises (grpcio would answer INTERNAL): bad bytes
+    become a ``Malformed``. ``parse`` defaults to ``message_class.FromString``; streams
+    pass ``protos.stream.deserializer``, which makes data chunks zero-copy memoryviews."""
+    parse = parse or message_class.FromString
 
     def tolerant(data: bytes):
         try:
             return parse(data)
-        except Exception as e:
+        except Exception as e:  # DecodeError and friends
             return Malformed(message_class.DESCRIPTOR.full_name, e)
 
     return tolerant
@@ -109,7 +98,7 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         method = getattr(servicer, m.name)
         if m.name == "PushStream":
             handlers[m.name] = grpc.stream_unary_rpc_method_handler(
-                method, request_deserializer=_tolerant_chunks(pb.PushChunk),
+                method, request_deserializer=_tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk)),
                 response_serializer=pb.PushResponse.SerializeToString)
         elif m.name == "PullStream":
             handlers[m.name] = grpc.unary_stream_rpc_method_handler(
@@ -170,9 +159,6 @@ def _push_result_to_wire(result) -> pb.PushResponse:
         next_step=result.next_step,
         replayed=result.replayed,
     )
-
-
-_HALF = (pb.FLOAT16, pb.BFLOAT16)
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -279,12 +265,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Push(self, request, context):
-        gradients = codec.decode_many(request.gradients)
-        if any(g.dtype == np.float16 for g in gradients.values()):  # for a float32 variable: widen
-            specs = self.core.store.specs()
-            for name, g in list(gradients.items()):
-                if g.dtype == np.float16 and name in specs and specs[name][0] == np.float32:
-                    gradients[name] = g.astype(np.float32)
+        gradients = self._widen_half(codec.decode_many(request.gradients))
         result = self.core.push(
             Push(
                 worker_id=request.worker_id,
@@ -332,7 +313,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                         else "a second header"
                     raise codec.CodecError(f"PushStream: after the header, every message must be data; got {what}")
                 assembler.feed(chunk)
-            gradients = self._widen_half(layout, assembler.arrays())
+            gradients = self._widen_half(assembler.arrays())
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         finally:  # the core keeps no reference to the gradients once push returns
@@ -346,33 +327,28 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if next(rest, None) is not None:
             raise codec.CodecError("PushStream: a push through shared memory (shm_name) carries no data messages")
         segment = self._segment(h.worker_id, "push", h.shm_name, writable=False)
-        wire = shm.views(segment, layout.entries, list(h.shm_offsets))
-        gradients = {e.name: stream.from_bfloat16(wire[e.name]) if e.bfloat16 else wire[e.name]
-                     for e in layout.entries}
-        gradients = self._widen_half(layout, gradients)
+        raw = shm.views(segment, layout.entries, list(h.shm_offsets))
+        gradients = self._widen_half(stream.widened(layout.entries, raw))
         result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                      batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         return _push_result_to_wire(result)
 
-    def _widen_half(self, layout: stream.Layout, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """float16 gradients of float32 variables, widened (bfloat16 ones already are)."""
+    def _widen_half(self, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """float16 gradients of float32 variables widened (bfloat16 ones already are, by the
+        decoders); every other gradient as it came, for the store to check."""
+        if not any(g.dtype == np.float16 for g in gradients.values()):
+            return gradients
         specs = self.core.store.specs()
-        for e in layout.entries:
-            if e.code == pb.FLOAT16 and specs[e.name][0] == np.float32:
-                gradients[e.name] = gradients[e.name].astype(np.float32)
-        return gradients
+        return {name: g.astype(np.float32) if g.dtype == np.float16 and name in specs
+                and specs[name][0] == np.float32 else g for name, g in gradients.items()}
 
     def _widened(self, layout: stream.Layout) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """name -> (dtype, shape) as the store will see it: half-precision gradients of
-        float32 variables are widened on arrival."""
+        """name -> (dtype, shape) as the store will see it once widened: bfloat16 always
+        arrives as float32 (the decoders), float16 for a float32 variable (``_widen_half``)."""
         specs = self.core.store.specs()
-        out = {}
-        for e in layout.entries:
-            dtype = np.dtype(np.float32) if e.bfloat16 else e.dtype
-            if e.code in _HALF and e.name in specs and specs[e.name][0] == np.float32:
-                dtype = np.dtype(np.float32)
-            out[e.name] = (dtype, e.shape)
-        return out
+        widened = lambda e: e.bfloat16 or (e.code == pb.FLOAT16 and e.name in specs  # noqa: E731
+                                           and specs[e.name][0] == np.float32)
+        return {e.name: (np.dtype(np.float32) if widened(e) else e.dtype, e.shape) for e in layout.entries}
 
     @_handled
     def Leave(self, request, context):

@@ -154,19 +154,13 @@ class _Slot:
 
 
 def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[int]) -> dict[str, np.ndarray]:
-    """Copies of the values the server wrote into ``segment``, after checking every offset
-    (_ShmRefused if one does not fit): one copy of the span they cover, viewed per variable."""
-    if len(offsets) != len(layout.entries):
-        raise _ShmRefused(f"the reply gave {len(offsets)} offsets for {len(layout.entries)} variables")
-    end = 0
-    for e, off in zip(layout.entries, offsets):
-        if off < 0 or off + e.nbytes > segment.size:
-            raise _ShmRefused(f"the reply put {e.name!r} ({e.nbytes} bytes) at offset {off}, outside the "
-                              f"{segment.size}-byte segment")
-        end = max(end, off + e.nbytes)
-    span = segment.array[:end].copy()
-    return {e.name: span[off:off + e.nbytes].view(e.dtype).reshape(e.shape)
-            for e, off in zip(layout.entries, offsets)}
+    """Copies of the values the server wrote into ``segment``; _ShmRefused if an offset
+    does not fit (``shm.views`` checks every one first)."""
+    try:
+        views = shmem.views(segment, layout.entries, offsets)
+    except shmem.ShmError as e:
+        raise _ShmRefused(f"the reply's {e}") from None
+    return {name: v.copy() for name, v in views.items()}
 
 
 class PSClient:
@@ -491,8 +485,6 @@ class PSClient:
             wire_arrays = {n: stream.to_wire(g, self.grad_wire_dtype) for n, g in gradients.items()}
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
-                               loss=loss, gradients=stream.metas(wire_arrays))
         timeout = self.timeout if timeout is None else timeout
         self._fresh = False
         if sum(a.nbytes for _, a in wire_arrays.values()) <= self._unary_limit():  # one message beats a stream
@@ -506,8 +498,16 @@ class PSClient:
                 except codec.CodecError as e:
                     raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
                 self._cache, self._fresh = (reply.incarnation, reply.version, values), True
-            return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
-                             reply.replayed)
+        else:
+            reply = self._push_large(worker_id, step, base_version, batch_size, loss, wire_arrays, timeout)
+        return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
+                         reply.replayed)
+
+    def _push_large(self, worker_id: int, step: int, base_version: int, batch_size: int, loss: float,
+                    wire_arrays: dict[str, tuple[int, np.ndarray]], timeout: float) -> pb.PushResponse:
+        """Through the push segment when shared memory is on, else streamed."""
+        header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
+                               loss=loss, gradients=stream.metas(wire_arrays))
         reply = None
         slot = self._lend(self._push_slot, worker_id)
         if slot is not None:
@@ -530,8 +530,7 @@ class PSClient:
                 reply = self._push_stream(messages(), timeout=timeout)
             except grpc.RpcError as e:
                 raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
-        return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
-                         reply.replayed)
+        return reply
 
     def _push_through_segment(self, slot: _Slot, header: pb.PushHeader, arrays: list[np.ndarray],
                               timeout: float) -> pb.PushResponse:
