@@ -266,10 +266,6 @@ class SegmentCache:
             for key in [k for k in self._maps if k[0] == worker_id]:
                 del self._maps[key]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._maps.clear()
-
     def names(self) -> dict[tuple[int, str], str]:
         """(worker id, role) -> segment name, for tests and status pages."""
         with self._lock:

@@ -42,7 +42,3 @@ class BufferPool:
             free = self._free.setdefault(buffer.nbytes, [])
             if len(free) < self.keep:
                 free.append(buffer)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()

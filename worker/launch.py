@@ -35,9 +35,6 @@ from ps_server.core.parameter_server import MODES
 from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
-# SIGTERM: a ps-server still shuts down cleanly (and checkpoints) when the launcher dies.
-
-
 class LaunchError(RuntimeError):
     pass
 

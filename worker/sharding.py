@@ -106,9 +106,6 @@ class Placement:
         used = {p.shard for p in self.pieces}
         return [s for s in range(self.num_shards) if s not in used]
 
-    def specs_on(self, shard: int) -> dict[str, Spec]:
-        return {p.name: (p.shape, p.dtype) for p in self.on_shard(shard)}
-
     def shards_of(self, names: Sequence[str]) -> dict[int, list[str]]:
         """Shard -> the piece names that hold the given variables (unknown names raise)."""
         unknown = [n for n in names if n not in self.variables]
