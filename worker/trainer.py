@@ -74,8 +74,7 @@ def train(config: WorkerConfig) -> dict:
         except PSClientError as e:
             if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 hint = " (or does its certificate not match --tls-ca-file?)" if config.tls_ca_file else ""
-                where = config.ps if isinstance(client, PSClient) else e.address  # the shard that did not answer
-                raise TrainingError(f"cannot reach the parameter server at {where} within "
+                raise TrainingError(f"cannot reach the parameter server at {e.address} within "  # that shard
                                     f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?"
                                     f"{hint}") from None
             raise
