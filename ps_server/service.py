@@ -47,6 +47,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.SpecConflict: grpc.StatusCode.ALREADY_EXISTS,
     errors.ConfigMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     errors.UnknownWorker: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NoFreeIndex: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StaleRound: grpc.StatusCode.FAILED_PRECONDITION,
     errors.FutureRound: grpc.StatusCode.OUT_OF_RANGE,
     errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,

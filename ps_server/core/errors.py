@@ -37,6 +37,10 @@ class UnknownWorker(PSError):
     """A call names a worker id that never registered."""
 
 
+class NoFreeIndex(PSError):
+    """An auto-index registration found every worker index taken by a live or finished worker."""
+
+
 class StaleRound(PSError):
     """A sync push for a round that has already completed."""
 

@@ -2,6 +2,7 @@
 
     members = Membership(num_workers=2, lease_timeout=10.0)
     members.register(worker_index=0, claimed_num_workers=2, name="host:1234")
+    members.register(AUTO_INDEX).worker_id   # the server picks: lowest free index
     members.require(0)            # renews the lease; UnknownWorker if never registered or dead
     newly_dead = members.expire() # workers silent for longer than the lease timeout
 
@@ -10,6 +11,11 @@ heartbeats. ``expire`` declares dead every registered, not-yet-left worker whose
 lease ran out; from then on its calls are refused (UnknownWorker, "declared
 dead") until it registers again. Registering an index again (a restarted or
 replacement worker) replaces its record and revives it.
+
+A worker that does not know its index (identical containers scaled by
+``docker compose --scale``) registers with ``AUTO_INDEX`` and gets the lowest
+index nobody registered yet, else the lowest one whose worker was declared dead
+(it replaces that worker); never one whose worker finished (left) or is alive.
 
 Thread-safe: one small lock guards the table and is never held while calling
 out. The clock is injected, so tests drive time by hand.
@@ -22,7 +28,9 @@ import threading
 import time
 from typing import Callable
 
-from ps_server.core.errors import ConfigMismatch, InvalidArgument, UnknownWorker
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
+
+AUTO_INDEX = -1  # register(AUTO_INDEX): the server assigns the index
 
 
 @dataclasses.dataclass
@@ -53,24 +61,43 @@ class Membership:
         self._workers: dict[int, WorkerRecord] = {}
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> WorkerRecord:
+        who = "a worker" if worker_index == AUTO_INDEX else f"worker {worker_index}"
         if claimed_num_workers and claimed_num_workers != self.num_workers:
             raise ConfigMismatch(
-                f"worker {worker_index} was started with --num-workers {claimed_num_workers} "
+                f"{who} was started with --num-workers {claimed_num_workers} "
                 f"but the server runs with {self.num_workers}"
             )
-        if not 0 <= worker_index < self.num_workers:
+        if worker_index != AUTO_INDEX and not 0 <= worker_index < self.num_workers:
             raise InvalidArgument(
                 f"worker index {worker_index} is outside 0..{self.num_workers - 1} "
                 f"(the server runs with {self.num_workers} workers)"
             )
         now = self._clock()
-        record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now)
         with self._lock:
+            if worker_index == AUTO_INDEX:
+                worker_index = self._free_index()
+            record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now)
             old = self._workers.get(worker_index)
             if old is not None:  # keep the counters of the index across restarts
                 record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
             self._workers[worker_index] = record
         return dataclasses.replace(record)
+
+    def _free_index(self) -> int:
+        """Under the lock: the index an AUTO_INDEX registration gets, or NoFreeIndex."""
+        for i in range(self.num_workers):
+            if i not in self._workers:
+                return i
+        for i in range(self.num_workers):
+            rec = self._workers[i]
+            if rec.dead and not rec.left:
+                return i
+        left = sorted(i for i, r in self._workers.items() if r.left)
+        raise NoFreeIndex(
+            f"all {self.num_workers} worker indexes are taken (alive: "
+            f"{sorted(i for i, r in self._workers.items() if not r.left)}, finished: {left}); "
+            f"a worker declared dead (silent for {self.lease_timeout:g} s) frees its index for a replacement"
+        )
 
     def restore(self, records: list[WorkerRecord]) -> None:
         """Load records from a checkpoint: known indexes, leases starting now."""
@@ -143,6 +170,15 @@ class Membership:
             name = self.name_of(w)
             parts.append(f"{w} ({name})" if name else str(w))
         return ", ".join(parts)
+
+    def finished(self) -> tuple[bool, list[int], list[int]]:
+        """(done, left, dead): done once every index registered and each worker
+        since either left (finished) or was declared dead, so nobody trains."""
+        with self._lock:
+            left = sorted(i for i, r in self._workers.items() if r.left)
+            dead = sorted(i for i, r in self._workers.items() if r.dead and not r.left)
+            done = len(self._workers) == self.num_workers and len(left) + len(dead) == self.num_workers
+        return done, left, dead
 
     def snapshot(self) -> list[WorkerRecord]:
         with self._lock:

@@ -132,6 +132,10 @@ class ParameterServer:
             incarnation=self.incarnation,
         )
 
+    def finished(self) -> tuple[bool, list[int], list[int]]:
+        """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done."""
+        return self.members.finished()
+
     def heartbeat(self, worker_id: int, step: int = -1) -> None:
         self.members.heartbeat(worker_id)
 

@@ -7,8 +7,8 @@ A fake clock makes ``registered_at`` and ``last_seen`` exact.
 
 import pytest
 
-from ps_server.core.errors import ConfigMismatch, InvalidArgument, UnknownWorker
-from ps_server.core.membership import Membership
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
+from ps_server.core.membership import AUTO_INDEX, Membership
 from tests.core.threads import FakeClock
 
 
@@ -34,7 +34,7 @@ def test_every_index_from_zero_to_num_workers_minus_one_may_register(members, in
     assert members.register(index, 3).worker_id == index
 
 
-@pytest.mark.parametrize("index", [-1, 3, 10])
+@pytest.mark.parametrize("index", [-2, 3, 10])
 def test_index_outside_the_cluster_is_refused_and_not_recorded(members, index):
     with pytest.raises(InvalidArgument, match=rf"worker index {index} is outside 0\.\.2 \(the server runs with 3 workers\)"):
         members.register(index, 3)
@@ -126,3 +126,48 @@ def test_returned_registration_is_a_copy(members):
 def test_a_cluster_needs_at_least_one_worker(n):
     with pytest.raises(InvalidArgument, match=f"num_workers must be >= 1, got {n}"):
         Membership(num_workers=n)
+
+
+# -- auto-assigned indexes (docker compose --scale: identical workers) ---------------
+
+def test_auto_index_hands_out_the_lowest_unregistered_index(members):
+    members.register(1, 3)
+    assert [members.register(AUTO_INDEX, 3, name=f"w{i}").worker_id for i in range(2)] == [0, 2]
+    assert {r.worker_id: r.name for r in members.snapshot()} == {0: "w0", 1: "", 2: "w1"}
+
+
+def test_auto_index_replaces_a_dead_worker_but_never_a_live_or_finished_one(members, clock):
+    for i in range(3):
+        members.register(i, 3)
+    members.leave(0)
+    with pytest.raises(NoFreeIndex, match=r"all 3 worker indexes are taken \(alive: \[1, 2\], finished: \[0\]\)"):
+        members.register(AUTO_INDEX, 3)
+    clock.now += 5.0
+    members.heartbeat(1)
+    clock.now += 6.0  # worker 2 silent for 11 s > lease 10 s; 0 left, so never expires
+    assert members.expire() == [2]
+    rec = members.register(AUTO_INDEX, 3, name="replacement")
+    assert (rec.worker_id, rec.name) == (2, "replacement")
+    assert not members.is_dead(2)
+
+
+def test_auto_index_checks_the_worker_count_first(members):
+    with pytest.raises(ConfigMismatch, match="a worker was started with --num-workers 4 but the server runs with 3"):
+        members.register(AUTO_INDEX, 4)
+    assert members.snapshot() == []
+
+
+def test_finished_once_every_index_registered_and_each_left_or_died(members, clock):
+    assert members.finished() == (False, [], [])
+    members.register(0, 3)
+    members.register(1, 3)
+    members.leave(0)
+    assert members.finished() == (False, [0], [])  # 2 never registered
+    members.register(2, 3)
+    members.leave(2)
+    assert members.finished() == (False, [0, 2], [])  # 1 still trains
+    clock.now += 11.0
+    assert members.expire() == [1]
+    assert members.finished() == (True, [0, 2], [1])
+    members.register(1, 3)  # a replacement revives the index: not done any more
+    assert members.finished() == (False, [0, 2], [])

@@ -64,7 +64,8 @@ from ps_server.server import build_server
 from worker.client import PSClient
 
 Code = grpc.StatusCode
-EXPECTED = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.OUT_OF_RANGE}
+EXPECTED = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.OUT_OF_RANGE,
+            Code.RESOURCE_EXHAUSTED}  # Register(worker_index=-1, auto) with every index taken
 CALL_TIMEOUT = 10.0
 
 VARIABLES = {"w": np.array([1.0, -2.0, 3.0], np.float32), "b": np.array([[0.5, 0.25]], np.float64)}
@@ -167,7 +168,9 @@ def allowed_change(method: str, request, reply, before: dict, after: dict) -> No
     if method not in ("Register", "Leave"):
         assert after["workers"] == before["workers"], f"accepted {method} changed the worker table"
         return
-    worker = request.worker_index if method == "Register" else request.worker_id
+    # Register: its own row is the index it asked for, or with -1 (auto) the one it was given.
+    worker = (reply.worker_id if request.worker_index == -1 else request.worker_index) if method == "Register" \
+        else request.worker_id
     others = lambda state: {w: row for w, row in state["workers"].items() if w != worker}  # noqa: E731
     assert others(after) == others(before), f"accepted {method} changed another worker's row"
     row = after["workers"][worker]

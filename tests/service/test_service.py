@@ -90,11 +90,19 @@ def test_register_with_mismatched_num_workers_is_failed_precondition(ps):
     assert "--num-workers 3" in details and "server runs with 2" in details
 
 
-@pytest.mark.parametrize("index", [-1, 2, 100])
+@pytest.mark.parametrize("index", [-2, 2, 100])
 def test_register_with_out_of_range_index_is_invalid_argument(ps, index):
     _, client = ps(num_workers=2)
     details = refused(Code.INVALID_ARGUMENT, client.register, worker_index=index, num_workers=2)
     assert f"worker index {index} is outside 0..1" in details
+
+
+def test_register_with_index_minus_one_gets_the_lowest_free_index_until_none_is_left(ps):
+    _, client = ps(num_workers=2)
+    assert client.register(worker_index=1, num_workers=2).worker_id == 1
+    assert client.register(worker_index=-1, num_workers=2).worker_id == 0
+    details = refused(Code.RESOURCE_EXHAUSTED, client.register, worker_index=-1, num_workers=2)
+    assert "all 2 worker indexes are taken (alive: [0, 1], finished: [])" in details
 
 
 # -- Initialize ----------------------------------------------------------------------------------
