@@ -1,6 +1,6 @@
 """Transport settings shared by both ends of the wire.
 
-    channel = grpc.insecure_channel(addr, options=wire.channel_options())
+    channel = grpc.insecure_channel(addr, options=wire.client_options())
     server = grpc.server(pool, options=wire.server_options())
 
 One setting, ``MAX_MESSAGE_BYTES``, raises gRPC's 4 MiB default on the client and
@@ -39,9 +39,31 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
+# Keepalive: a client pings a connection that carried no data for KEEPALIVE_MS and
+# drops it when the answer takes longer than KEEPALIVE_MS more; its calls then fail
+# UNAVAILABLE, which workers ride out by reconnecting. Without it a cut link (a
+# container disconnected from its network, a host gone without a FIN) leaves calls
+# waiting for their deadlines, a minute or more. The server lets clients ping that
+# often (gRPC's default would answer such pings with GOAWAY "too_many_pings").
+KEEPALIVE_MS = 10_000
+
+
+def client_options() -> list[tuple[str, int]]:
+    return channel_options() + [
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a long barrier wait
+    ]
+
+
 def server_options() -> list[tuple[str, int]]:
     # so_reuseport off: two servers must never silently share a port.
-    return channel_options() + [("grpc.so_reuseport", 0)]
+    return channel_options() + [
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ]
 
 
 # glibc malloc settings for processes that move large messages: keep big buffers

@@ -40,6 +40,9 @@ class ServerConfig:
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = True
+    # Stop by itself (final checkpoint, exit 0) once every worker finished or died:
+    # a compose run then ends when its training does.
+    exit_when_done: bool = False
     # Checkpoints.
     checkpoint_dir: str = ""
     checkpoint_interval: float = 30.0
@@ -108,6 +111,9 @@ class ServerConfig:
         p.add_argument("--threads", type=int, help="gRPC handler threads (default max(16, 2N+8))")
         p.add_argument("--port-file", help="write the bound port to this file once serving")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+        p.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction,
+                       help="once all --num-workers workers registered and each since finished or was declared "
+                       "dead, write a final checkpoint and exit 0 (default: serve until SIGTERM)")
         g = p.add_argument_group("faults")
         g.add_argument("--lease-timeout", type=float, help="seconds without a heartbeat before a worker is dead (default 10)")
         g.add_argument("--dead-worker-policy", choices=DEAD_WORKER_POLICIES,

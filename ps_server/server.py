@@ -7,7 +7,8 @@
 With ``checkpoint_dir`` set, ``build_server`` restores the newest valid
 checkpoint there (skipping damaged ones with a warning), a thread writes one
 every ``checkpoint_interval`` seconds when the version changed since the last,
-and ``serve`` writes a final one on SIGTERM/SIGINT after the last call ended
+and ``serve`` writes a final one on SIGTERM/SIGINT (or, with ``exit_when_done``,
+once every worker finished or died) after the last call ended
 (``RunningServer.stop(checkpoint=True)``). A restart therefore loses at most
 the updates of one interval; workers find out from the new incarnation and say
 how many steps were lost.
@@ -225,7 +226,13 @@ def serve(config: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    while not stop.wait(0.5):
+        if config.exit_when_done:
+            done, left, dead = running.core.finished()
+            if done:
+                log.info("every worker is done (finished: %s, declared dead: %s): exiting (--exit-when-done)",
+                         left or "none", dead or "none")
+                break
     try:
         running.stop(grace=2.0, checkpoint=True)
     except Exception:

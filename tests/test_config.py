@@ -49,3 +49,21 @@ def test_pool_must_exceed_the_workers_that_can_block_in_a_barrier():
     with pytest.raises(ConfigError, match="starve"):
         ServerConfig.from_args(["--num-workers", "8", "--threads", "8"], environ={})
     assert ServerConfig.from_args(["--num-workers", "8"], environ={}).pool_threads == 24
+
+
+def test_worker_index_auto_from_a_flag_or_the_environment():
+    from worker.config import AUTO_INDEX
+
+    assert WorkerConfig.from_args(["--worker-index", "auto", "--num-workers", "3"], environ={}).worker_index == AUTO_INDEX
+    c = WorkerConfig.from_args([], environ={"TFPS_WORKER_INDEX": "auto", "TFPS_NUM_WORKERS": "3"})
+    assert c.worker_index == AUTO_INDEX and not c.is_chief  # the chief is whoever the server makes worker 0
+    with pytest.raises(SystemExit):
+        WorkerConfig.from_args(["--worker-index", "first"], environ={})
+    with pytest.raises(ConfigError, match="--worker-index must be in 0..1 or auto, got -2"):
+        WorkerConfig.from_args(["--num-workers", "2"], environ={"TFPS_WORKER_INDEX": "-2"})
+
+
+def test_server_exit_when_done_from_a_flag_or_the_environment():
+    assert not ServerConfig.from_args([], environ={}).exit_when_done
+    assert ServerConfig.from_args(["--exit-when-done"], environ={}).exit_when_done
+    assert ServerConfig.from_args([], environ={"TFPS_EXIT_WHEN_DONE": "1"}).exit_when_done

@@ -25,15 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TFConfigError) as e:
         print(f"ps-worker: error: {e}", file=sys.stderr)
         return 2
+    from worker.client import PSClientError
+    from worker.trainer import LOG_TAG, TrainingError, train
+
+    LOG_TAG.index = config.worker_index  # "worker?" until the server assigns it (--worker-index auto)
     logging.basicConfig(
         level=config.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker{config.worker_index}: %(message)s",
+        format="%(asctime)s %(levelname)s %(worker)s: %(message)s",
         stream=sys.stderr,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(LOG_TAG)
     logging.getLogger("worker").info("configuration: %s", dataclasses.asdict(config))
     logging.getLogger("worker").info(wire.tune_allocator())
-    from worker.client import PSClientError
-    from worker.trainer import TrainingError, train
 
     try:
         train(config)
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ps-worker: error: {e}", file=sys.stderr)
         return 2
     except (PSClientError, TrainingError) as e:
-        print(f"ps-worker: error: worker {config.worker_index}: {e}", file=sys.stderr)
+        who = f"worker {LOG_TAG.index}" if LOG_TAG.index >= 0 else "worker (no index assigned yet)"
+        print(f"ps-worker: error: {who}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("ps-worker: interrupted", file=sys.stderr)

@@ -196,7 +196,7 @@ class PSClient:
         self._cache: tuple[str, int, dict[str, np.ndarray]] | None = None
         self._channel = security.client_channel(
             address,
-            options=wire.channel_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+            options=wire.client_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
             ca_file=tls_ca_file,
             cert_file=tls_cert_file,
             key_file=tls_key_file,

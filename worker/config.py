@@ -6,7 +6,9 @@ Every flag ``--global-batch-size`` has the environment fallback
 ``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. With ``TF_CONFIG``
 (task type ``worker`` or ``chief``), the server address is ``cluster.ps[0]``,
 the worker index the task's position (a chief is worker 0) and the worker count
-the number of chief and worker tasks, unless flags say otherwise. ``--ps``
+the number of chief and worker tasks, unless flags say otherwise.
+``--worker-index auto`` (``TFPS_WORKER_INDEX=auto``) lets the server assign the
+index (identical containers under ``docker compose --scale``). ``--ps``
 with a comma-separated list names several ps-server shards
 (``worker.sharded_client``).
 """
@@ -24,6 +26,7 @@ from worker.data import DATASETS
 from worker.model import MODELS
 
 OPTIMIZERS = ("sgd", "adam")
+AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
 DEFAULT_LEARNING_RATE = {"sgd": 0.01, "adam": 0.001}  # Keras' defaults
 
 
@@ -45,6 +48,7 @@ class WorkerConfig:
     log_every: int = 10
     result_json: str = ""
     save_weights: str = ""
+    save_model: str = ""  # chief: the trained model as a Keras file (.keras or .h5)
     initial_weights: str = ""  # .npz of w0, w1, ... in trainable_variables order
     history_json: str = ""
     snapshot_steps: str = ""  # e.g. "1,20": chief saves the pulled parameters after these steps
@@ -110,8 +114,8 @@ class WorkerConfig:
                 raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
-        if not 0 <= self.worker_index < self.num_workers:
-            raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1}, got {self.worker_index}")
+        if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
+            raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1} or auto, got {self.worker_index}")
         if self.dataset not in DATASETS:
             raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
         if self.model not in MODELS:
@@ -142,6 +146,8 @@ class WorkerConfig:
             raise ConfigError("--tls-cert-file and --tls-key-file (client certificate) go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ConfigError("a client certificate (--tls-cert-file) needs --tls-ca-file")
+        if self.save_model and not self.save_model.endswith((".keras", ".h5")):
+            raise ConfigError(f"--save-model must end in .keras (or .h5), got {self.save_model!r}")
         if self.snapshot_steps and not self.snapshot_dir:
             raise ConfigError("--snapshot-steps needs --snapshot-dir")
         try:
@@ -164,10 +170,13 @@ class WorkerConfig:
         add_training_flags(p)
         p.add_argument("--ps", help="parameter server HOST:PORT (default 127.0.0.1:50051), or several "
                        "server shards as HOST:PORT,HOST:PORT,... (every worker lists the same shards)")
-        p.add_argument("--worker-index", type=int, help="this worker's index, 0 is the chief (default 0)")
+        p.add_argument("--worker-index", type=_index, help="this worker's index, 0 is the chief (default 0); "
+                       "auto: the server assigns the lowest free one")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
         p.add_argument("--result-json", help="chief: write the final metrics here")
         p.add_argument("--save-weights", help="chief: save the final parameters here (.npz)")
+        p.add_argument("--save-model", help="chief: save the trained model here as a Keras file (.keras), "
+                       "which keras.models.load_model opens")
         p.add_argument("--initial-weights", help="start from these weights (.npz of w0, w1, ... in model order) "
                        "instead of the seeded initialization (chief)")
         p.add_argument("--history-json", help="write this worker's per-step loss, batch size, version, staleness here")
@@ -179,6 +188,8 @@ class WorkerConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "WorkerConfig":
         environ = os.environ if environ is None else environ
+        if environ.get("TFPS_WORKER_INDEX", "").strip().lower() == "auto":
+            environ = {**environ, "TFPS_WORKER_INDEX": str(AUTO_INDEX)}
         args = cls.parser().parse_args(argv)
         values: dict = {}
         spec = parse_tf_config(environ.get("TF_CONFIG"))
@@ -189,6 +200,15 @@ class WorkerConfig:
                 values["num_workers"] = spec.num_workers
             values["worker_index"] = spec.task_index
         return resolve(cls, args, environ, values).validate()
+
+
+def _index(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_INDEX
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {raw!r}") from None
 
 
 def _is_host_port(address: str) -> bool:

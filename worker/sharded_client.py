@@ -155,7 +155,14 @@ class ShardedClient:
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "",
                  timeout: float | None = None) -> Registration:
-        regs = self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name, timeout=timeout))
+        regs = {}
+        if worker_index < 0:  # auto: shard 0 assigns the index, the others are told it
+            regs = self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name,
+                                                                     timeout=timeout), shards=[0])
+            worker_index = regs[0].worker_id
+        regs.update(self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name,
+                                                                      timeout=timeout),
+                               shards=[i for i in range(self.num_shards) if i not in regs]))
         regs = [regs[i] for i in range(self.num_shards)]
         if len({(r.mode, r.num_workers, r.worker_id) for r in regs}) > 1:
             runs = ", ".join(f"{a} runs {r.mode} with {r.num_workers} workers (worker id {r.worker_id})"

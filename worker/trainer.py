@@ -21,6 +21,7 @@ With several servers in ``--ps`` (shards), the loop is the same: a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -34,7 +35,7 @@ import numpy as np
 
 from ps_server import security
 from worker.client import PSClient, PSClientError
-from worker.config import ConfigError, WorkerConfig
+from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
 from worker.sharded_client import ShardedClient
 
@@ -45,12 +46,28 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message says why."""
 
 
+class WorkerLogTag(logging.Filter):
+    """Adds ``%(worker)s`` ("worker1") to log records. ps-worker's log format uses it:
+    with --worker-index auto the index is known only once the server assigned it."""
+
+    def __init__(self, index: int | None = None):
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = f"worker{self.index}" if self.index is not None and self.index >= 0 else "worker?"
+        return True
+
+
+LOG_TAG = WorkerLogTag()
+
+
 def train(config: WorkerConfig) -> dict:
     from worker import model as models
 
     tf = models.tf_setup(config.deterministic, config.intra_op_threads)
     device = models.device_name()
-    log.info("worker %d computes on %s (TensorFlow %s)", config.worker_index, device, tf.__version__)
+    log.info("computes on %s (TensorFlow %s)", device, tf.__version__)
 
     data = load_dataset(config.dataset)
     n_train = len(data.y_train)
@@ -69,17 +86,14 @@ def train(config: WorkerConfig) -> dict:
 
     client = _client(config)
     try:
-        try:
-            reg = _register(config, client, config.connect_timeout)
-        except PSClientError as e:
-            if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                hint = " (or does its certificate not match --tls-ca-file?)" if config.tls_ca_file else ""
-                raise TrainingError(f"cannot reach the parameter server at {e.address} within "  # that shard
-                                    f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?"
-                                    f"{hint}") from None
-            raise
-        log.info("registered as worker %d of %d; server mode %s, version %d, round %d",
-                 reg.worker_id, reg.num_workers, reg.mode, reg.version, reg.round)
+        reg = _register_first(config, client)
+        auto = config.worker_index == AUTO_INDEX
+        if auto:  # from now on this worker is the index the server gave it, also when it rejoins
+            config = dataclasses.replace(config, worker_index=reg.worker_id)
+            LOG_TAG.index = reg.worker_id
+        log.info("registered as worker %d of %d%s; server mode %s, version %d, round %d",
+                 reg.worker_id, reg.num_workers, " (index assigned by the server)" if auto else "",
+                 reg.mode, reg.version, reg.round)
         _join(config, client, reg.worker_id, model, models)
         heartbeat = _Heartbeat(client, reg, config.heartbeat_interval)
         sync = reg.mode == "sync"
@@ -132,17 +146,21 @@ def train(config: WorkerConfig) -> dict:
                     last_log, examples_since = now, 0
                 # Sync: the server says which round is next (a dropped push skips ahead).
                 step = max(reply.next_step, step + 1) if sync else step + 1
+            train_s = time.monotonic() - t0
+            if config.history_json:
+                _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
+                                                  "train_s": train_s, "steps": history})
+            log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
+            if config.is_chief:
+                result = _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
+            else:
+                result = {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
+            # The chief leaves last, after its final pull, with its lease renewed until then:
+            # a server started with --exit-when-done stops once everyone left.
+            client.leave(reg.worker_id)
+            return result
         finally:
             heartbeat.stop()
-        train_s = time.monotonic() - t0
-        client.leave(reg.worker_id)
-        if config.history_json:
-            _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
-                                              "train_s": train_s, "steps": history})
-        log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
-        if not config.is_chief:
-            return {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
-        return _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
     finally:
         client.close()
 
@@ -159,6 +177,25 @@ def _client(config: WorkerConfig) -> PSClient | ShardedClient:
     )
     addresses = config.ps_addresses
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)
+
+
+def _register_first(config: WorkerConfig, client: PSClient | ShardedClient):
+    """Register within --connect-timeout. An auto-index worker that finds every index
+    taken retries meanwhile: a dead worker's index frees once its lease runs out."""
+    deadline = time.monotonic() + config.connect_timeout
+    while True:
+        try:
+            return _register(config, client, max(1.0, deadline - time.monotonic()))
+        except PSClientError as e:
+            if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                hint = " (or does its certificate not match --tls-ca-file?)" if config.tls_ca_file else ""
+                raise TrainingError(f"cannot reach the parameter server at {e.address} within "  # that shard
+                                    f"--connect-timeout {config.connect_timeout:g} s: is ps-server running there?"
+                                    f"{hint}") from None
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + 1.0 > deadline:
+                raise
+            log.info("no free worker index yet (%s); retrying", e.details)
+            time.sleep(1.0)
 
 
 def _register(config: WorkerConfig, client: PSClient, timeout: float):
@@ -296,6 +333,9 @@ def _finish_as_chief(config, client, reg, model, models, data, total_steps, trai
         _write_json(config.result_json, result)
     if config.save_weights:
         models.save_npz(config.save_weights, values)
+    if config.save_model:  # the weights are the server's final ones (set above)
+        model.save(config.save_model)
+        log.info("saved the trained model to %s", config.save_model)
     if config.snapshot_dir:
         models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
     return result
@@ -305,10 +345,14 @@ def _wait_for_others(config: WorkerConfig, client: PSClient) -> None:
     deadline = time.monotonic() + config.final_wait
     while True:
         status = client.status()
-        running = [w.worker_id for w in status.workers if not w.left]
+        others = [w for w in status.workers if w.worker_id != config.worker_index]
+        running = [w.worker_id for w in others if not w.left and not w.dead]
         registered = {w.worker_id for w in status.workers}
         never = [i for i in range(status.num_workers) if i not in registered]
         if not running and not never:
+            dead = [w.worker_id for w in others if w.dead and not w.left]
+            if dead:
+                log.warning("worker(s) %s were declared dead and did not finish: evaluating without them", dead)
             return
         if time.monotonic() > deadline:
             raise TrainingError(f"workers {running + never} did not finish within --final-wait {config.final_wait:g} s")

@@ -104,3 +104,40 @@ def test_tf_config_names_the_server_and_the_worker_index(procs, tmp_path):
                          capture_output=True, text=True, timeout=300, env={**os.environ, "TF_CONFIG": tf_config})
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(result.read_text())["steps"] == 3
+
+
+def test_auto_index_workers_and_a_server_that_exits_when_they_are_done(procs, tmp_path):
+    """As under `docker compose --scale worker=2`: identical workers, indexes from the
+    server; the server checkpoints and exits 0 once both left, the chief having left last."""
+    ckpt = tmp_path / "ckpt"
+    server, address = procs.server("sync", num_workers=2, extra=("--exit-when-done", "--checkpoint-dir", str(ckpt)))
+    result = tmp_path / "result.json"
+    common = [sys.executable, "-m", "worker", "--ps", address, "--num-workers", "2", "--worker-index", "auto",
+              "--dataset", "synthetic", "--steps", "6", "--result-json", str(result),
+              "--save-weights", str(tmp_path / "w.npz"), "--save-model", str(tmp_path / "model.keras")]
+    workers = [procs.start(common, f"auto{i}") for i in range(2)]
+    for w in workers:
+        assert wait_exit(w, 300) == 0, read_log(w)[-3000:]
+    logs = [read_log(w) for w in workers]
+    assigned = sorted(int(line.split("registered as worker ")[1].split()[0])
+                      for log in logs for line in log.splitlines() if "registered as worker" in line)
+    assert assigned == [0, 1], logs
+    assert all("(index assigned by the server)" in log for log in logs)
+    chief = logs[0] if "worker0:" in logs[0] else logs[1]
+    assert "test_accuracy=" in chief  # only the chief evaluates and writes the result
+    assert json.loads(result.read_text())["steps"] == 6
+    # The chief's Keras file holds the server's final parameters.
+    import keras
+    import numpy as np
+
+    model = keras.models.load_model(tmp_path / "model.keras")
+    from worker.model import load_npz
+
+    saved = load_npz(str(tmp_path / "w.npz"))
+    assert sorted(saved) == sorted(v.path for v in model.trainable_variables)
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(v.numpy(), saved[v.path])
+    assert wait_exit(server, 30) == 0, read_log(server)[-3000:]
+    log = read_log(server)
+    assert "every worker is done (finished: [0, 1], declared dead: none): exiting (--exit-when-done)" in log, log
+    assert "final checkpoint: version 6" in log, log

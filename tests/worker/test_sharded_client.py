@@ -38,6 +38,9 @@ class FakeShard:
         self.block = None  # an Event a push waits for
 
     def register(self, worker_index, num_workers=0, name="", timeout=None):
+        self.registered = getattr(self, "registered", []) + [worker_index]
+        if worker_index == -1:  # auto: this fake hands out the highest index, to tell it apart from 0
+            worker_index = self.num_workers - 1
         return Registration(worker_id=worker_index, mode=self.mode, num_workers=self.num_workers,
                             initialized=self.values is not None, version=self.version, barrier_timeout=60.0,
                             round=self.round, lease_timeout=10.0, incarnation=self.incarnation)
@@ -163,6 +166,12 @@ def test_registration_combines_the_shards_and_joins_their_incarnations():
     assert reg.initialized is False  # one shard is not
     assert reg.incarnation == "inc-h:0,inc-h:1"
     assert client.heartbeat(1, 0) == "inc-h:0,inc-h:1"
+
+
+def test_auto_index_is_assigned_by_the_first_shard_and_registered_as_such_on_the_others():
+    shards, client = cluster(3, num_workers=4)
+    assert client.register(-1, 4).worker_id == 3
+    assert [s.registered for s in shards] == [[-1], [3], [3]]
 
 
 def test_a_sync_worker_resumes_at_the_newest_round_and_pushes_each_shard_its_own_round():
