@@ -45,16 +45,16 @@ case "${1:-}" in
     *) echo "build-base.sh: unknown argument: $1 (try --help)" >&2; exit 2 ;;
 esac
 
-if [ "$(id -u)" -ne 0 ]; then
-    echo "build-base.sh: debootstrap needs root; run it as root (or with sudo)" >&2
-    exit 1
-fi
 command -v docker >/dev/null || { echo "build-base.sh: docker not found" >&2; exit 1; }
 
 if [ "$rebuild" -eq 0 ] && docker image inspect "$tag" >/dev/null 2>&1; then
     echo "== $tag exists (pass --rebuild to build it again)"
     echo "$tag"
     exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "build-base.sh: debootstrap needs root; run it as root (or with sudo)" >&2
+    exit 1
 fi
 
 start=$SECONDS

@@ -1,0 +1,235 @@
+"""The container tier: real images, real `docker-compose` runs, real kills.
+
+Tests marked ``docker`` build the images once per session (the base image with
+docker/build-base.sh, as on a machine without a registry, unless
+TFPS_DOCKER_BASE_IMAGE names one to use, e.g. python:3.11-slim), then run
+docker/compose.yaml under a project name of their own (``tfpstest<pid>x<n>``),
+so they never touch a user's `tfps` project. Every project is taken down with
+``down -v`` when its test ends, pass or fail, and leftovers of an earlier run
+that was killed are removed when the session starts.
+
+The tier runs in the default test command on a machine with the ``docker``
+command; on one without, it is skipped and says so. A Docker engine that does
+not answer is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCKER_DIR = os.path.join(ROOT, "docker")
+PREFIX = "tfpstest"
+SERVER_IMAGE = "tfps-server:test"
+WORKER_IMAGE = "tfps-worker:test"
+BUILD_TIMEOUT = 1200
+
+# Asked inside the server container (its image has the package, without TensorFlow).
+STATUS_SCRIPT = """
+import json
+from worker.client import PSClient
+with PSClient("127.0.0.1:50051", timeout=5) as c:
+    s = c.status()
+print(json.dumps({"version": s.version, "round": s.round, "initialized": s.initialized,
+                  "incarnation": s.incarnation, "active": list(s.active_workers),
+                  "workers": [{"id": w.worker_id, "name": w.worker_name, "left": w.left, "dead": w.dead,
+                               "last_step": w.last_step} for w in s.workers]}))
+"""
+
+
+def run(argv: list[str], timeout: float = 120, check: bool = True, env: dict | None = None,
+        input: str | None = None) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, input=input,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s; output so far:\n"
+                             f"{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}") from None
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def _remove_leftovers() -> None:
+    """Containers, networks and volumes of test projects an interrupted run left behind."""
+    ids = run(["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project"], check=False).stdout.split()
+    for cid in ids:
+        project = run(["docker", "inspect", "-f", '{{index .Config.Labels "com.docker.compose.project"}}', cid],
+                      check=False).stdout.strip()
+        if project.startswith(PREFIX):
+            run(["docker", "rm", "-f", "-v", cid], check=False)
+    for kind in ("network", "volume"):
+        names = run(["docker", kind, "ls", "-q", "--filter", f"name={PREFIX}"], check=False).stdout.split()
+        for name in names:
+            run(["docker", kind, "rm", name], check=False)
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> str:
+    if shutil.which("docker") is None:
+        pytest.skip("no docker command on this machine: the container tier needs a Docker engine")
+    info = run(["docker", "info", "--format", "{{.ServerVersion}}"], check=False, timeout=60)
+    if info.returncode != 0:
+        pytest.fail(f"the docker command is here but the engine does not answer: {info.stderr.strip()}")
+    if shutil.which("docker-compose") is None:
+        pytest.fail("the container tier runs docker/compose.yaml with docker-compose, which is not installed")
+    _remove_leftovers()
+    return info.stdout.strip()
+
+
+class Images:
+    def __init__(self, base: str, seconds: dict[str, float]):
+        self.base, self.seconds = base, seconds
+        self.server, self.worker = SERVER_IMAGE, WORKER_IMAGE
+
+
+@pytest.fixture(scope="session")
+def images(docker_engine) -> Images:
+    """The base image (docker/build-base.sh, or TFPS_DOCKER_BASE_IMAGE) and both images
+    built from docker/Dockerfile, as the README says; the times go to the test report."""
+    seconds = {}
+    t0 = time.monotonic()
+    base = os.environ.get("TFPS_DOCKER_BASE_IMAGE")
+    if not base:
+        out = run(["bash", os.path.join(DOCKER_DIR, "build-base.sh")], timeout=BUILD_TIMEOUT).stdout
+        base = out.strip().splitlines()[-1]
+    seconds["base"] = time.monotonic() - t0
+    for target, tag in (("server", SERVER_IMAGE), ("worker", WORKER_IMAGE)):
+        t0 = time.monotonic()
+        run(["docker", "build", "-q", "-f", "docker/Dockerfile", "--target", target,
+             "--build-arg", f"BASE_IMAGE={base}", "-t", tag, "."], timeout=BUILD_TIMEOUT)
+        seconds[target] = time.monotonic() - t0
+    print(f"\ncontainer images built: base {base} {seconds['base']:.0f} s, server {seconds['server']:.0f} s, "
+          f"worker {seconds['worker']:.0f} s")
+    return Images(base, seconds)
+
+
+class Compose:
+    """One docker-compose project of docker/compose.yaml (plus override files)."""
+
+    _count = 0
+
+    def __init__(self, images: Images, files: tuple[str, ...] = ("compose.yaml",), **settings: str):
+        Compose._count += 1
+        self.name = f"{PREFIX}{os.getpid()}x{Compose._count}"
+        self.images = images
+        self.files = [os.path.join(DOCKER_DIR, f) for f in files]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TFPS_")}
+        env.update(BASE_IMAGE=images.base, TFPS_SERVER_IMAGE=images.server, TFPS_WORKER_IMAGE=images.worker)
+        env.update({k: str(v) for k, v in settings.items()})
+        self.env = env
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        argv = ["docker-compose", "-p", self.name]
+        for f in self.files:
+            argv += ["-f", f]
+        return run(argv + list(args), timeout=timeout, check=check, env=self.env)
+
+    def up_detached(self) -> None:
+        self.compose("up", "-d", "--no-build", timeout=300)
+
+    def down(self) -> None:
+        self.compose("down", "-v", "--remove-orphans", "-t", "5", timeout=180, check=False)
+
+    # -- containers -----------------------------------------------------------------
+    def containers(self, service: str) -> list[str]:
+        out = run(["docker", "ps", "-a", "-q", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.name}",
+                   "--filter", f"label=com.docker.compose.service={service}"]).stdout
+        return sorted(out.split())
+
+    def server(self, service: str = "server") -> str:
+        (cid,) = self.containers(service)
+        return cid
+
+    def state(self, cid: str) -> dict:
+        return json.loads(run(["docker", "inspect", "-f", "{{json .State}}", cid]).stdout)
+
+    def logs(self, cid: str) -> str:
+        out = run(["docker", "logs", cid], check=False)
+        return out.stdout + out.stderr
+
+    def all_logs(self) -> str:
+        return self.compose("logs", "--no-color", check=False, timeout=60).stdout[-12000:]
+
+    def wait_exited(self, timeout: float) -> dict[str, int]:
+        """Every container of the project stopped: {container id: exit code}."""
+        deadline = time.monotonic() + timeout
+        ids = [c for s in self.services() for c in self.containers(s)]
+        while True:
+            states = {c: self.state(c) for c in ids}
+            if not any(s["Running"] for s in states.values()):
+                return {c: s["ExitCode"] for c, s in states.items()}
+            if time.monotonic() > deadline:
+                running = [c[:12] for c, s in states.items() if s["Running"]]
+                raise AssertionError(f"containers {running} still run after {timeout} s\n{self.all_logs()}")
+            time.sleep(1.0)
+
+    def services(self) -> list[str]:
+        return self.compose("config", "--services").stdout.split()
+
+    def volume(self, name: str) -> str:
+        return f"{self.name}_{name}"  # compose's name of the project's volume `name`
+
+    network = volume  # networks are named the same way
+
+    def read_file(self, volume: str, path: str) -> str:
+        """A file from a named volume, through a throwaway container of the server image."""
+        return run(["docker", "run", "--rm", "-v", f"{self.volume(volume)}:/data:ro", "--entrypoint", "cat",
+                    self.images.server, path]).stdout
+
+    # -- the cluster, as the server sees it ------------------------------------------
+    def status(self, service: str = "server") -> dict | None:
+        """The server's Status, or None while it does not answer."""
+        done = run(["docker", "exec", "-i", self.server(service), "python", "-"], input=STATUS_SCRIPT, check=False,
+                   timeout=60)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def wait_for(self, predicate, timeout: float, what: str, service: str = "server") -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(service)
+            if status is not None and predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout} s (last status {status})\n{self.all_logs()}")
+            time.sleep(0.5)
+
+    def worker_container(self, index: int, status: dict) -> str:
+        """The container of worker ``index``: its registration name is "<hostname>:<pid>",
+        and a container's hostname is its short id."""
+        (name,) = [w["name"] for w in status["workers"] if w["id"] == index]
+        host = name.split(":")[0]
+        (cid,) = [c for c in self.containers("worker") if c.startswith(host)]
+        return cid
+
+
+@pytest.fixture
+def compose_project(images, request):
+    """``compose_project(files=..., **settings) -> Compose``; every project is taken down
+    (``down -v``) when the test ends, with its logs printed when the test failed."""
+    made: list[Compose] = []
+
+    def make(files: tuple[str, ...] = ("compose.yaml",), **settings) -> Compose:
+        project = Compose(images, files, **settings)
+        made.append(project)
+        return project
+
+    yield make
+    for project in made:
+        if getattr(request.node, "rep_call_failed", False):
+            print(f"\n--- logs of {project.name} ---\n{project.all_logs()}")
+        project.down()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        item.rep_call_failed = True

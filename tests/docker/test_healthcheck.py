@@ -1,0 +1,80 @@
+"""docker/healthcheck.py, the images' HEALTHCHECK, against real servers on loopback.
+
+    python -m pytest tests/docker/test_healthcheck.py -q
+
+No container needed: the script is run as the image runs it, with the server's
+environment, against a plaintext, a TLS and a mutual-TLS server (the README's
+test certificates).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from tests.security.test_security import _make_pki
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "docker", "healthcheck.py")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return _make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def serve():
+    started = []
+
+    def start(**fields):
+        running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="async", **fields)).start()
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop(grace=0.5)
+
+
+def check(port: int, **env) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TFPS_")}
+    return subprocess.run([sys.executable, SCRIPT], env={**clean, "TFPS_PORT": str(port), **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plaintext_server_is_healthy(serve):
+    run = check(serve().port)
+    assert (run.returncode, run.stderr) == (0, "")
+
+
+def test_no_server_is_unhealthy_with_one_line(serve):
+    port = serve().port
+    run = check(1)
+    assert run.returncode == 1 and run.stderr.strip() == "tfps-healthcheck: 127.0.0.1:1: UNAVAILABLE", run.stderr
+    assert check(port).returncode == 0
+
+
+def test_tls_server_is_healthy_when_the_check_trusts_its_ca(pki, serve):
+    running = serve(tls_cert_file=pki["server_crt"], tls_key_file=pki["server_key"])
+    tls = {"TFPS_TLS_CERT_FILE": pki["server_crt"], "TFPS_TLS_KEY_FILE": pki["server_key"]}
+    assert check(running.port).returncode == 1  # plaintext against TLS: not healthy
+    run = check(running.port, **tls, TFPS_HEALTHCHECK_CA_FILE=pki["ca_crt"])
+    assert (run.returncode, run.stderr) == (0, "")
+    run = check(running.port, **tls, TFPS_HEALTHCHECK_CA_FILE=pki["ca_crt"], TFPS_HEALTHCHECK_SERVER_NAME="elsewhere")
+    assert run.returncode == 1 and "UNAVAILABLE" in run.stderr  # the name is checked
+
+
+def test_mutual_tls_server_needs_the_check_to_present_a_client_certificate(pki, serve):
+    running = serve(tls_cert_file=pki["server_crt"], tls_key_file=pki["server_key"],
+                    tls_client_ca_file=pki["ca_crt"])
+    env = {"TFPS_TLS_CERT_FILE": pki["server_crt"], "TFPS_TLS_CLIENT_CA_FILE": pki["ca_crt"],
+           "TFPS_HEALTHCHECK_CA_FILE": pki["ca_crt"]}
+    run = check(running.port, **env)
+    assert run.returncode == 1 and "set TFPS_HEALTHCHECK_CERT_FILE and TFPS_HEALTHCHECK_KEY_FILE" in run.stderr
+    run = check(running.port, **env, TFPS_HEALTHCHECK_CERT_FILE=pki["client_crt"],
+                TFPS_HEALTHCHECK_KEY_FILE=pki["client_key"])
+    assert (run.returncode, run.stderr) == (0, "")
