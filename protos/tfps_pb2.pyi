@@ -12,6 +12,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     SYNC: _ClassVar[Mode]
     ASYNC: _ClassVar[Mode]
+    SSP: _ClassVar[Mode]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 MODE_UNSPECIFIED: Mode
 SYNC: Mode
 ASYNC: Mode
+SSP: Mode
 DTYPE_UNSPECIFIED: DType
 FLOAT16: DType
 FLOAT32: DType
@@ -298,7 +300,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s")
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +328,11 @@ class StatusResponse(_message.Message):
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DROP_STALENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_SCALED_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     initialized: bool
@@ -353,4 +360,9 @@ class StatusResponse(_message.Message):
     active_workers: _containers.RepeatedScalarFieldContainer[int]
     last_checkpoint_version: int
     checkpoint_age_s: float
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ...) -> None: ...
+    staleness_bound: int
+    max_ahead: int
+    stale_policy: str
+    drop_staleness_above: int
+    pushes_scaled: int
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ...) -> None: ...

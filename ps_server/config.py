@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import os
 
-from ps_server.core.parameter_server import MODES
+from ps_server.core.parameter_server import MODES, STALE_POLICIES
 
 DEAD_WORKER_POLICIES = ("abort", "wait", "shrink")
 from ps_server.settings import ConfigError, cast, resolve
@@ -37,6 +37,10 @@ class ServerConfig:
     replacement_timeout: float = 60.0  # policy "wait": how long a dead worker's index may stay empty
     replicas_to_aggregate: int = 0  # sync backup workers: finish a round with the first K pushes (0: all)
     allow_nonfinite: bool = False
+    # Bounded staleness (mode ssp) and stale gradients (async, ssp).
+    staleness: int = 3  # ssp: S, how many steps a worker may run ahead of the slowest
+    stale_gradient_policy: str = "none"  # none | drop | scale
+    max_staleness: int = 8  # policy drop: drop pushes staler than this many versions
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = True
@@ -86,6 +90,15 @@ class ServerConfig:
         if not 0 <= self.replicas_to_aggregate <= self.num_workers:
             raise ConfigError(f"--replicas-to-aggregate must be in 1..{self.num_workers} (or 0 for all), "
                               f"got {self.replicas_to_aggregate}")
+        if self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.stale_gradient_policy not in STALE_POLICIES:
+            raise ConfigError(f"--stale-gradient-policy must be one of {', '.join(STALE_POLICIES)}, "
+                              f"got {self.stale_gradient_policy!r}")
+        if self.stale_gradient_policy != "none" and self.mode == "sync":
+            raise ConfigError("--stale-gradient-policy applies to --mode async and ssp; sync has no stale gradients")
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
@@ -101,11 +114,12 @@ class ServerConfig:
         p = argparse.ArgumentParser(
             prog="ps-server",
             description="tfps parameter server: stores variables, aggregates gradients (sync) "
-            "or applies them on arrival (async). Every flag falls back to TFPS_<FLAG> in the environment.",
+            "or applies them on arrival (async, ssp). Every flag falls back to TFPS_<FLAG> in the environment.",
         )
         p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
         p.add_argument("--port", type=int, help="port to bind; 0 picks a free one (default 50051)")
-        p.add_argument("--mode", choices=MODES, help="sync (barrier per step) or async (apply on arrival)")
+        p.add_argument("--mode", choices=MODES, help="sync (barrier per step), async (apply on arrival) or ssp "
+                       "(apply on arrival, nobody more than --staleness steps ahead of the slowest)")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
         p.add_argument("--barrier-timeout", type=float, help="seconds a sync round may wait for its last push (default 60)")
         p.add_argument("--threads", type=int, help="gRPC handler threads (default max(16, 2N+8))")
@@ -123,6 +137,14 @@ class ServerConfig:
                        help="sync backup workers: finish each round with the first K pushes (default: all)")
         g.add_argument("--allow-nonfinite", action=argparse.BooleanOptionalAction,
                        help="accept NaN/Inf gradients (default: rejected)")
+        g = p.add_argument_group("staleness")
+        g.add_argument("--staleness", type=int, help="ssp: how many steps a worker may run ahead of the slowest "
+                       "(default 3; 0 is lockstep)")
+        g.add_argument("--stale-gradient-policy", choices=STALE_POLICIES,
+                       help="async/ssp: none (default), drop pushes staler than --max-staleness versions, or "
+                       "scale their learning rate by 1/(1+staleness)")
+        g.add_argument("--max-staleness", type=int, help="policy drop: the staleness above which a push is dropped "
+                       "(default 8)")
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "

@@ -138,6 +138,9 @@ def build_server(config: ServerConfig) -> RunningServer:
         replacement_timeout=config.replacement_timeout,
         replicas_to_aggregate=config.replicas_to_aggregate,
         allow_nonfinite=config.allow_nonfinite,
+        staleness_bound=config.staleness,
+        stale_policy=config.stale_gradient_policy,
+        max_staleness=config.max_staleness,
     )
     restored = _restore(core, config.checkpoint_dir) if config.checkpoint_dir else None
     token = security.load_token(config.auth_token_file, os.environ)

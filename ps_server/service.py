@@ -57,7 +57,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
 }
 
-MODE_TO_WIRE = {"sync": pb.SYNC, "async": pb.ASYNC}
+MODE_TO_WIRE = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
 
 
 def status_code_for(exc: Exception) -> grpc.StatusCode:
@@ -407,4 +407,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             active_workers=list(s.active_workers),
             last_checkpoint_version=s.last_checkpoint_version,
             checkpoint_age_s=s.checkpoint_age_s,
+            staleness_bound=s.staleness_bound,
+            max_ahead=s.max_ahead,
+            stale_policy=s.stale_policy,
+            drop_staleness_above=s.drop_staleness_above,
+            pushes_scaled=s.pushes_scaled,
         )

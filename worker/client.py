@@ -55,7 +55,7 @@ from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server import security
 
-MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async"}
+MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async", pb.SSP: "ssp"}
 
 log = logging.getLogger("worker.client")
 

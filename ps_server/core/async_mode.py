@@ -24,6 +24,11 @@ There is no barrier and no global lock. What "lock-free" means here, exactly:
 Staleness of a push = the server version when its apply starts minus the
 version its gradient was computed from (``base_version``).
 
+Stale gradients (``stale_policy``): "none" applies every push as it is;
+"drop" answers a push staler than ``max_staleness`` versions ``dropped``
+(counted, nothing applied); "scale" applies it with the learning rate times
+1/(1 + staleness) (counted as ``scaled`` when staleness > 0).
+
 Exactly once: a worker's steps must increase. A push repeating the worker's
 last applied step (a retry after a lost reply) is answered from the record
 (``replayed``) and not applied again; an older step is refused
@@ -42,16 +47,24 @@ from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.store import StoreState, VariableStore
 
+STALE_POLICIES = ("none", "drop", "scale")
+
 
 class AsyncMode:
     name = "async"
 
     def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = 0):
+        if stale_policy not in STALE_POLICIES:
+            raise InvalidArgument(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        if max_staleness < 0:
+            raise InvalidArgument(f"max_staleness must be >= 0, got {max_staleness}")
         self.store = store
         self.members = members
         self.stats = stats or Stats()
         self.allow_nonfinite = allow_nonfinite
+        self.stale_policy = stale_policy
+        self.max_staleness = max_staleness
         self._worker_locks = [threading.Lock() for _ in range(members.num_workers)]
         self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
 
@@ -79,10 +92,17 @@ class AsyncMode:
                 f"but the server is only at version {seen}"
             )
         staleness = seen - push.base_version
+        if self.stale_policy == "drop" and staleness > self.max_staleness:
+            self.stats.count("dropped")
+            return PushResult(version=seen, staleness=staleness, contributors=0, dropped=True,
+                              next_step=push.step + 1)
+        lr_scale = 1.0 / (1 + staleness) if self.stale_policy == "scale" else 1.0
         # Sorted order only makes runs reproducible; correctness does not depend on it.
         for name in sorted(push.gradients):
-            self.store.apply_one(name, push.gradients[name])
+            self.store.apply_one(name, push.gradients[name], lr_scale)
         version = self.store.bump_version()
+        if lr_scale != 1.0:
+            self.stats.count("scaled")
         self.stats.record(pushes=1, examples=push.batch_size, staleness=[staleness], loss=push.loss)
         return PushResult(version=version, staleness=staleness, contributors=1, next_step=push.step + 1)
 

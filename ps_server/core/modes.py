@@ -4,7 +4,7 @@
     result = mode.push(Push(worker_id=0, step=0, base_version=0, batch_size=32,
                             gradients={...}, loss=0.7))
 
-One module per mode (``sync_mode``, ``async_mode``) behind this interface;
+One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``) behind this interface;
 all of them share the store and its optimizer.
 """
 
@@ -68,6 +68,7 @@ class ModeStatus:
     rounds_timed_out: int = 0
     rounds_aborted: int = 0
     active_workers: tuple[int, ...] = ()
+    max_ahead: int = 0  # SSP: the most steps any applied push was ahead of the slowest worker
 
 
 class Mode(Protocol):
@@ -101,6 +102,7 @@ class Stats:
         self.last_loss = float("nan")
         self.dropped = 0
         self.replayed = 0
+        self.scaled = 0  # async/SSP policy "scale": pushes applied with a reduced learning rate
 
     def record(self, pushes: int, examples: int, staleness: list[int], loss: float) -> None:
         with self._lock:
@@ -111,7 +113,7 @@ class Stats:
             self.last_loss = loss
 
     def count(self, what: str, n: int = 1) -> None:
-        """Bump one of the event counters: "dropped" or "replayed"."""
+        """Bump one of the event counters: "dropped", "replayed" or "scaled"."""
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
 
@@ -125,12 +127,13 @@ class Stats:
                 "last_loss": self.last_loss if math.isfinite(self.last_loss) else None,  # JSON has no NaN/Inf
                 "dropped": self.dropped,
                 "replayed": self.replayed,
+                "scaled": self.scaled,
             }
 
     def restore(self, counters: Mapping) -> None:
         """Load counters written by ``export``; missing ones keep their value."""
         with self._lock:
-            for name in ("pushes_applied", "examples_applied", "dropped", "replayed"):
+            for name in ("pushes_applied", "examples_applied", "dropped", "replayed", "scaled"):
                 if name in counters:
                     setattr(self, name, int(counters[name]))
             if "staleness_counts" in counters:

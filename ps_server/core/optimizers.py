@@ -151,8 +151,12 @@ class Optimizer:
         state["iterations"] = 0
         return state
 
-    def apply(self, value: np.ndarray, grad: np.ndarray, state: dict) -> tuple[np.ndarray, dict]:
-        """Pure: returns (new_value, new_state); never mutates `value`, `grad` or arrays in `state`."""
+    def apply(self, value: np.ndarray, grad: np.ndarray, state: dict,
+              lr_scale: float = 1.0) -> tuple[np.ndarray, dict]:
+        """Pure: returns (new_value, new_state); never mutates `value`, `grad` or arrays in `state`.
+
+        ``lr_scale`` multiplies the learning rate of this one step (async/SSP stale-gradient
+        policy "scale"); 1.0 computes exactly what Keras computes."""
         _check_float_array("variable", value)
         _check_float_array("gradient", grad)
         _check_like("gradient", grad, value)
@@ -166,7 +170,12 @@ class Optimizer:
         if not shape:  # NumPy turns 0-d results into scalars, which take no ``out=``: step on shape [1]
             value, grad = value.reshape(1), grad.reshape(1)
             state = {name: state[name].reshape(1) for name in self.slot_names}
-        new_value, slots = self._step(value, grad, state, iterations, self._constants[value.dtype])
+        constants = self._constants[value.dtype]
+        if lr_scale != 1.0:
+            if not 0.0 < lr_scale <= 1.0:
+                raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
+            constants = {**constants, "lr": (constants["lr"] * np.float64(lr_scale)).astype(value.dtype)}
+        new_value, slots = self._step(value, grad, state, iterations, constants)
         slots = {name: x.reshape(shape) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 

@@ -25,16 +25,17 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.async_mode import STALE_POLICIES, AsyncMode
 from ps_server.core.checkpoint import ServerState
 from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
+from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.sync_mode import SyncMode
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "ssp")
 
 log = logging.getLogger("ps_server.core")
 
@@ -81,6 +82,11 @@ class Status:
     active_workers: tuple[int, ...] = ()
     last_checkpoint_version: int = -1  # -1: none written or restored by this process
     checkpoint_age_s: float = -1.0  # seconds since that checkpoint was written or restored
+    staleness_bound: int = -1  # ssp: S; -1 in the other modes
+    stale_policy: str = "none"
+    drop_staleness_above: int = 0  # policy drop: pushes staler than this are dropped
+    pushes_scaled: int = 0
+    max_ahead: int = 0  # ssp: the most steps an applied push was ahead of the slowest worker
 
 
 class ParameterServer:
@@ -94,15 +100,22 @@ class ParameterServer:
         replacement_timeout: float = 60.0,
         replicas_to_aggregate: int = 0,
         allow_nonfinite: bool = False,
+        staleness_bound: int = 0,
+        stale_policy: str = "none",
+        max_staleness: int = 0,
         clock=time.monotonic,
     ):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+        if stale_policy != "none" and mode == "sync":
+            raise InvalidArgument("a stale-gradient policy applies to async and ssp modes; sync has no stale gradients")
         self.mode_name = mode
         self.num_workers = num_workers
         self.barrier_timeout = barrier_timeout
         self.dead_worker_policy = dead_worker_policy
         self.replicas_to_aggregate = replicas_to_aggregate
+        self.staleness_bound = staleness_bound if mode == "ssp" else -1
+        self.stale_policy, self.max_staleness = stale_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
         self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore()
@@ -113,8 +126,13 @@ class ParameterServer:
             self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,
                                  replicas_to_aggregate=replicas_to_aggregate, allow_nonfinite=allow_nonfinite)
+        elif mode == "ssp":
+            self.mode = SSPMode(self.store, self.members, staleness_bound, barrier_timeout, self.stats,
+                                allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
+                                max_staleness=max_staleness, clock=clock)
         else:
-            self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite)
+            self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite,
+                                  stale_policy=stale_policy, max_staleness=max_staleness)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
         rec = self.members.register(worker_index, claimed_num_workers, name)
@@ -269,7 +287,12 @@ class ParameterServer:
             active_workers=mode_status.active_workers,
             last_checkpoint_version=self._checkpoint[0] if self._checkpoint else -1,
             checkpoint_age_s=time.monotonic() - self._checkpoint[1] if self._checkpoint else -1.0,
+            staleness_bound=self.staleness_bound,
+            stale_policy=self.stale_policy,
+            drop_staleness_above=self.max_staleness,
+            pushes_scaled=self.stats.scaled,
+            max_ahead=mode_status.max_ahead,
         )
 
 
-__all__ = ["MODES", "ParameterServer", "Push", "PushResult", "Registration", "Status"]
+__all__ = ["MODES", "STALE_POLICIES", "ParameterServer", "Push", "PushResult", "Registration", "Status"]

@@ -228,12 +228,13 @@ class VariableStore:
                 var.value, var.state, var.changed = _frozen(value), state, self._version
             return self._version
 
-    def apply_one(self, name: str, grad: np.ndarray) -> None:
-        """One optimizer step on one variable under its own lock (async mode)."""
+    def apply_one(self, name: str, grad: np.ndarray, lr_scale: float = 1.0) -> None:
+        """One optimizer step on one variable under its own lock (async and SSP modes);
+        ``lr_scale`` scales this step's learning rate (stale-gradient policy "scale")."""
         var = self._vars[name]
         grad = _native(grad)
         with var.lock:
-            value, state = self._optimizer.apply(var.value, grad, var.state)
+            value, state = self._optimizer.apply(var.value, grad, var.state, lr_scale)
             with self._publish:  # a snapshot sees value and state of the same step
                 var.value, var.state, var.changed = _frozen(value), state, self._version + 1
 

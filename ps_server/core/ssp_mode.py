@@ -1,0 +1,153 @@
+"""Stale synchronous parallel (SSP): async apply, but nobody runs more than S steps ahead.
+
+    mode = SSPMode(store, members, staleness_bound=2, barrier_timeout=60.0)
+    result = mode.push(push)   # applied on arrival; returns once the worker may start its next step
+
+Each push is applied the moment it arrives, exactly as in ``async_mode`` (same
+per-variable locks, same exactly-once record, same stale-gradient policies). What
+SSP adds is a bound on how far the workers drift apart. A worker's *clock* is the
+number of steps it completed (its last applied step + 1). A worker may start step
+t only when every participating worker's clock is at least t - S; the reply to
+its push of step t - 1 is held until then, and it pulls only after that reply. So:
+
+- S = 0 is lockstep (bulk synchronous): step t starts once everyone finished
+  step t - 1, and its pull sees all of their updates. Unlike ``sync`` mode the
+  N gradients of a step are applied one by one, not averaged into one update.
+- S = infinity is ``async``: nobody ever waits.
+- In between, a fast worker runs at most S steps ahead of the slowest, and the
+  staleness of what it reads is bounded accordingly.
+
+Participating workers: every index 0..N-1 that has not left (finished) and is
+not declared dead. An index that never registered counts with clock 0, so no
+one races ahead before the cluster is complete; a dead worker stops holding
+the others back (its replacement rejoins with its own step, and may then be
+behind by more than S until it catches up).
+
+A wait longer than ``barrier_timeout`` raises ``BarrierTimeout`` naming the
+workers that hold it; the push itself was applied (a retry is answered from
+the record and waits again).
+
+The server's own record of the bound: for every applied push, how many steps
+its worker was ahead of the slowest participating clock at that moment
+(``ahead``); ``max_ahead`` is reported in the status, and ``records`` keeps the
+most recent ones for tests and reports. Without deaths and rejoins, ahead <= S.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+from ps_server.core.async_mode import AsyncMode
+from ps_server.core.errors import BarrierTimeout, InvalidArgument
+from ps_server.core.membership import Membership
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.store import StoreState, VariableStore
+
+RECORDS_KEPT = 100_000
+UNBOUNDED = 2**62  # a staleness bound no run reaches: async pacing
+
+
+@dataclasses.dataclass(frozen=True)
+class SSPRecord:
+    worker_id: int
+    step: int
+    slowest_clock: int  # the smallest participating clock when the push was applied
+    ahead: int  # step - slowest_clock
+
+
+class SSPMode(AsyncMode):
+    name = "ssp"
+
+    def __init__(self, store: VariableStore, members: Membership, staleness_bound: int,
+                 barrier_timeout: float = 60.0, stats: Stats | None = None, allow_nonfinite: bool = False,
+                 stale_policy: str = "none", max_staleness: int = 0, clock: Callable[[], float] = time.monotonic):
+        if staleness_bound < 0:
+            raise InvalidArgument(f"the staleness bound must be >= 0, got {staleness_bound}")
+        super().__init__(store, members, stats, allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
+                         max_staleness=max_staleness)
+        self.staleness_bound = staleness_bound
+        self.barrier_timeout = barrier_timeout
+        self._now = clock
+        self._cond = threading.Condition()  # guards _clocks, records, max_ahead
+        self._clocks = [0] * members.num_workers
+        self.records: collections.deque[SSPRecord] = collections.deque(maxlen=RECORDS_KEPT)
+        self.max_ahead = 0
+
+    def _participants(self) -> list[int]:
+        """Indexes not left and not dead. Also raises each clock to what membership
+        recorded (after a restart from a checkpoint, the workers' restored last steps)."""
+        records = self.members.snapshot()
+        with self._cond:
+            for r in records:
+                self._clocks[r.worker_id] = max(self._clocks[r.worker_id], r.last_step + 1)
+        gone = {r.worker_id for r in records if r.left or r.dead}
+        return [w for w in range(self.members.num_workers) if w not in gone]
+
+    def _slowest(self, participants: list[int]) -> int:
+        return min((self._clocks[w] for w in participants), default=UNBOUNDED)
+
+    def _apply(self, push: Push) -> PushResult:
+        # Runs under the pushing worker's lock (AsyncMode.push), for a step not applied before.
+        participants = self._participants()
+        with self._cond:
+            slowest = self._slowest(participants)
+            ahead = max(0, push.step - slowest) if slowest != UNBOUNDED else 0
+            self.records.append(SSPRecord(push.worker_id, push.step, slowest, ahead))
+            self.max_ahead = max(self.max_ahead, ahead)
+        result = super()._apply(push)
+        with self._cond:
+            self._clocks[push.worker_id] = max(self._clocks[push.worker_id], push.step + 1)
+            self._cond.notify_all()
+        return result
+
+    def push(self, push: Push) -> PushResult:
+        result = super().push(push)  # applied, or answered from the record
+        self._wait_to_start(push.worker_id, push.step + 1)
+        return result
+
+    def _wait_to_start(self, worker_id: int, step: int) -> None:
+        """Block until ``worker_id`` may start ``step``: every participant's clock >= step - S."""
+        need = step - self.staleness_bound
+        if need <= 0:
+            return
+        deadline = self._now() + self.barrier_timeout
+        with self._cond:
+            while True:
+                participants = self._participants()  # deaths and departures release waiters
+                behind = [w for w in participants if self._clocks[w] < need and w != worker_id]
+                if not behind:
+                    return
+                left = deadline - self._now()
+                if left <= 0:
+                    raise BarrierTimeout(
+                        f"ssp: worker {worker_id} may not start step {step} before worker(s) "
+                        f"{self.members.describe(behind)} finish step {need - 1} (staleness bound "
+                        f"{self.staleness_bound}); waited {self.barrier_timeout:g} s. Its push of step "
+                        f"{step - 1} was applied", missing=tuple(behind))
+                self._cond.wait(timeout=min(0.25, left))
+
+    def status(self) -> ModeStatus:
+        participants = self._participants()
+        with self._cond:
+            slowest = self._slowest(participants)
+            waiting = tuple(w for w in participants if self._clocks[w] == slowest) if participants else ()
+            return ModeStatus(round=slowest if slowest != UNBOUNDED else 0, waiting_for=waiting,
+                              active_workers=tuple(participants), max_ahead=self.max_ahead)
+
+    def workers_died(self, worker_ids: list[int]) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def export_state(self) -> tuple[StoreState, ModeStatus]:
+        return self.store.export_state(), self.status()
+
+    def restore(self, status: ModeStatus) -> None:
+        """As async: forget each worker's last step. The clocks start again from the
+        restored membership's last steps (see ``_participants``)."""
+        super().restore(status)
+        with self._cond:
+            self._clocks = [0] * self.members.num_workers
