@@ -384,6 +384,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                     pushes=w.pushes,
                     dead=w.dead,
                     dropped=w.dropped,
+                    work_s=w.work_s,
+                    wait_s=w.wait_s,
                 )
                 for w in s.workers
             ],

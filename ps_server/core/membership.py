@@ -45,6 +45,23 @@ class WorkerRecord:
     left: bool = False
     dead: bool = False
     dead_since: float = 0.0
+    # Where a worker's time goes, as moving averages over its recent pushes (see record_push):
+    # work_s: between the end of its previous push and the arrival of this one (its pull,
+    # compute and upload); wait_s: inside the server's push (applying, and in sync or ssp
+    # the wait for the others). A straggler has a large work_s; the workers it holds up a large wait_s.
+    work_s: float = 0.0
+    wait_s: float = 0.0
+    last_push_done: float = 0.0
+
+
+AVERAGE_WEIGHT = 0.2  # weight of the newest sample in work_s and wait_s (after the first few)
+
+
+def _average(mean: float, sample: float, n: int) -> float:
+    """A running mean over the first 1/AVERAGE_WEIGHT samples, then an exponential average."""
+    if n <= 1:
+        return sample
+    return mean + (sample - mean) * max(AVERAGE_WEIGHT, 1.0 / n)
 
 
 class Membership:
@@ -106,7 +123,8 @@ class Membership:
             for r in records:
                 if 0 <= r.worker_id < self.num_workers:
                     self._workers[r.worker_id] = dataclasses.replace(r, last_seen=now, registered_at=now,
-                                                                     dead=False, dead_since=0.0)
+                                                                     dead=False, dead_since=0.0,
+                                                                     last_push_done=0.0)  # another clock
 
     def require(self, worker_id: int) -> None:
         """Raise unless the worker is registered and alive; renews its lease."""
@@ -123,7 +141,10 @@ class Membership:
 
     heartbeat = require
 
-    def record_push(self, worker_id: int, step: int, dropped: bool = False) -> None:
+    def record_push(self, worker_id: int, step: int, dropped: bool = False, arrived: float | None = None,
+                    done: float | None = None) -> None:
+        """Count a push; with its ``arrived`` and ``done`` times (this membership's clock),
+        update the worker's work_s and wait_s averages."""
         with self._lock:
             rec = self._workers.get(worker_id)
             if rec is not None:
@@ -131,6 +152,11 @@ class Membership:
                 rec.pushes += 1
                 rec.dropped += int(dropped)
                 rec.last_seen = self._clock()
+                if arrived is not None and done is not None:
+                    rec.wait_s = _average(rec.wait_s, done - arrived, rec.pushes)
+                    if rec.last_push_done and arrived >= rec.last_push_done:
+                        rec.work_s = _average(rec.work_s, arrived - rec.last_push_done, rec.pushes - 1)
+                    rec.last_push_done = done
 
     def leave(self, worker_id: int) -> None:
         self.require(worker_id)

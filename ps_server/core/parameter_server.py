@@ -117,6 +117,7 @@ class ParameterServer:
         self.staleness_bound = staleness_bound if mode == "ssp" else -1
         self.stale_policy, self.max_staleness = stale_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
+        self._clock = clock
         self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore()
         self.stats = Stats()
@@ -190,8 +191,10 @@ class ParameterServer:
 
     def push(self, push: Push) -> PushResult:
         self.members.require(push.worker_id)
+        arrived = self._clock()
         result = self.mode.push(push)
-        self.members.record_push(push.worker_id, push.step, dropped=result.dropped)
+        self.members.record_push(push.worker_id, push.step, dropped=result.dropped, arrived=arrived,
+                                 done=self._clock())
         return result
 
     def leave(self, worker_id: int) -> None:

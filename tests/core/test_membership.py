@@ -171,3 +171,20 @@ def test_finished_once_every_index_registered_and_each_left_or_died(members, clo
     assert members.finished() == (True, [0, 2], [1])
     members.register(1, 3)  # a replacement revives the index: not done any more
     assert members.finished() == (False, [0, 2], [])
+
+
+def test_work_and_wait_times_average_what_happens_between_and_inside_pushes(members, clock):
+    members.register(0, 3)
+    # Push 1 arrives at 100, done at 100.5 (0.5 s in the server); the worker then works 2 s.
+    members.record_push(0, 0, arrived=100.0, done=100.5)
+    rec = members.snapshot()[0]
+    assert (rec.wait_s, rec.work_s) == (0.5, 0.0)  # no work interval yet
+    members.record_push(0, 1, arrived=102.5, done=102.6)
+    rec = members.snapshot()[0]
+    assert rec.work_s == pytest.approx(2.0) and rec.wait_s == pytest.approx(0.3)  # mean of 0.5 and 0.1
+    for step in range(2, 40):  # long after: the exponential average follows the new level
+        members.record_push(0, step, arrived=102.6 + (step - 1) * 1.1, done=102.6 + (step - 1) * 1.1 + 0.1)
+    rec = members.snapshot()[0]
+    assert rec.work_s == pytest.approx(1.0, abs=0.01) and rec.wait_s == pytest.approx(0.1, abs=0.01)
+    members.register(0, 3)  # a new registration starts the averages again
+    assert members.snapshot()[0].last_push_done == 0.0
