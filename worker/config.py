@@ -10,13 +10,16 @@ the number of chief and worker tasks, unless flags say otherwise.
 ``--worker-index auto`` (``TFPS_WORKER_INDEX=auto``) lets the server assign the
 index (identical containers under ``docker compose --scale``). ``--ps``
 with a comma-separated list names several ps-server shards
-(``worker.sharded_client``).
+(``worker.sharded_client``). The experiment knobs (``--slowdown``,
+``--bandwidth-mbps``, ``--added-latency-ms``, ``--pause-at-step``/``--pause-for``)
+make this one worker a straggler or give it a slow link (``worker.knobs``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from ps_server.settings import ConfigError, resolve
@@ -69,6 +72,13 @@ class WorkerConfig:
     log_level: str = "INFO"
     grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
     shm: bool = False  # same-host fast path through shared memory (protos.shm), falls back by itself
+    # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
+    slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
+    bandwidth_mbps: float = 0.0  # each push sleeps its bytes / (X * 1e6 / 8) first; 0: unlimited
+    added_latency_ms: float = 0.0  # each pull and push sleeps this long first
+    pause_at_step: int = 0  # before this step (from 0) sleep --pause-for seconds, once; 0: never
+    pause_for: float = 0.0
+    eval_every: int = 0  # chief: test accuracy of the pulled parameters every K steps, into the history; 0: off
 
     @property
     def is_chief(self) -> bool:
@@ -156,9 +166,26 @@ class WorkerConfig:
             raise ConfigError(f"--snapshot-steps must be comma-separated step numbers, got {self.snapshot_steps!r}") from None
         if any(s < 1 for s in steps):
             raise ConfigError(f"--snapshot-steps counts steps from 1, got {self.snapshot_steps!r}")
+        self._validate_knobs()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         return self
+
+    def _validate_knobs(self) -> None:
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1):
+            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown:g}")
+        for name in ("bandwidth_mbps", "added_latency_ms", "pause_for"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value:g}")
+        if self.pause_at_step < 0:
+            raise ConfigError(f"--pause-at-step must be >= 0, got {self.pause_at_step}")
+        if self.pause_for > 0 and self.pause_at_step == 0:
+            raise ConfigError("--pause-for needs --pause-at-step K >= 1 (the step to pause before, from 0)")
+        if self.pause_at_step > 0 and self.pause_for == 0:
+            raise ConfigError("--pause-at-step needs --pause-for S > 0 (seconds)")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
 
     @classmethod
     def parser(cls, prog: str = "ps-worker") -> argparse.ArgumentParser:
@@ -229,9 +256,12 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
     p.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
     p.add_argument("--log-every", type=int, help="progress line every this many steps (default 10)")
+    p.add_argument("--eval-every", type=int, help="chief: every K steps evaluate the pulled parameters on the "
+                   "test set, recorded in --history-json (default 0: off)")
     p.add_argument("--connect-timeout", type=float, help="seconds to wait for the server (default 60)")
     p.add_argument("--init-timeout", type=float, help="seconds to wait for the chief's initialization (default 120)")
-    p.add_argument("--final-wait", type=float, help="async chief: seconds to wait for the others to finish (default 600)")
+    p.add_argument("--final-wait", type=float,
+                   help="async and ssp chief: seconds to wait for the others to finish (default 600)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
@@ -249,6 +279,16 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", help="client private key (PEM) for mutual TLS")
     p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
     p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
+    k = p.add_argument_group("experiment knobs", "conditions to compare the modes under (each sleeps; "
+                             "the history records how long)")
+    k.add_argument("--slowdown", type=float, help="this worker computes F times slower: after a step's "
+                   "gradients (c seconds) it sleeps (F-1)*c (default 1)")
+    k.add_argument("--bandwidth-mbps", type=float, help="before each push sleep bytes/(X*1e6/8) s, the time "
+                   "the gradients take at X Mbit/s (default 0: unlimited)")
+    k.add_argument("--added-latency-ms", type=float, help="sleep L ms before each pull and each push (default 0)")
+    k.add_argument("--pause-at-step", type=int, help="before step K (from 0) sleep --pause-for seconds, once; "
+                   "heartbeats go on, so it is a straggler, not a death (default 0: never)")
+    k.add_argument("--pause-for", type=float, help="seconds of the --pause-at-step pause")
 
 
 def training_flags(args: argparse.Namespace) -> list[str]:

@@ -2,19 +2,22 @@
 
     ps-launch --mode sync --workers 2 --dataset digits --epochs 3 --metrics-json m.json
     ps-launch --num-ps 2 --mode sync --workers 2 --dataset digits --epochs 3
+    ps-launch --mode ssp --staleness 2 --workers 3 --worker-args 2 "--slowdown 3" --dataset digits
 
 Starts ``ps-server`` on a free loopback port (``--num-ps M``: M of them, each
 with the same mode, worker count and flags, and ``--checkpoint-dir D/shard-<i>``
 when a checkpoint directory is given), waits until every health check says
 SERVING, then starts the workers (worker 0 is the chief) with the training
-flags given here and ``--ps`` listing every server. Every line the children
-print is shown prefixed with ``[ps]`` (``[ps I]`` for shard I) or ``[worker
-I]``. It stops them all at the end, on Ctrl-C, or as soon as any one fails,
-and exits non-zero if any failed. Children are also told by the kernel to
-stop if the launcher itself dies (no orphans). On success the chief's metrics
-are written to ``--metrics-json`` as ``{"mode", "workers", "steps",
-"test_accuracy", "final_loss", "wall_s", "examples_per_s"}`` (plus a few more
-keys, among them ``shards``: what each server holds at the end).
+flags given here and ``--ps`` listing every server, plus, for worker I only,
+the arguments of each ``--worker-args I "ARGS"`` (say an experiment knob that
+makes it a straggler). Every line the children print is shown prefixed with
+``[ps]`` (``[ps I]`` for shard I) or ``[worker I]``. It stops them all at the
+end, on Ctrl-C, or as soon as any one fails, and exits non-zero if any failed.
+Children are also told by the kernel to stop if the launcher itself dies (no
+orphans). On success the chief's metrics are written to ``--metrics-json`` as
+``{"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s",
+"examples_per_s"}`` (plus a few more keys, among them ``shards``: what each
+server holds at the end).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,7 +35,7 @@ import time
 
 from protos import wire
 from ps_server import security
-from ps_server.core.parameter_server import MODES
+from ps_server.core.parameter_server import MODES, STALE_POLICIES
 from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
@@ -77,12 +81,25 @@ class Child:
         self._pump.join(timeout=2.0)
 
 
+_SET_BY_LAUNCH = ("ps", "worker_index", "num_workers", "result_json")  # --worker-args may not override these
+
+
+def _non_negative_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {raw!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-launch",
         description="Train with one ps-server and N ps-worker processes on this machine.",
     )
-    p.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default sync)")
+    p.add_argument("--mode", choices=MODES, default="sync", help=f"{', '.join(MODES)} (default sync)")
     p.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
     p.add_argument("--barrier-timeout", type=float, default=60.0, help="sync barrier timeout in seconds (default 60)")
     p.add_argument("--metrics-json", help="write the run's metrics here")
@@ -92,8 +109,56 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas-to-aggregate", type=int,
                    help="sync backup workers: finish each round with the first K pushes (one server only)")
     p.add_argument("--checkpoint-dir", help="servers checkpoint here (shard I of several in DIR/shard-I)")
+    # Passed to the server(s) only when given; ps-server checks them and says what is wrong.
+    p.add_argument("--staleness", type=_non_negative_int, help="ps-server --staleness (ssp: the bound S)")
+    p.add_argument("--stale-gradient-policy", choices=STALE_POLICIES, help="ps-server --stale-gradient-policy")
+    p.add_argument("--max-staleness", type=_non_negative_int, help="ps-server --max-staleness (policy drop)")
+    p.add_argument("--worker-args", nargs=2, action="append", metavar=("I", "ARGS"), default=[],
+                   help="more ps-worker arguments for worker I only, as one shell-quoted string, e.g. "
+                   "--worker-args 1 \"--slowdown 3 --history-json h1.json\" (repeatable; a lone flag "
+                   "needs a space to stay one string: \" --no-shm\")")
     add_training_flags(p)
     return p
+
+
+def worker_extra_args(args: argparse.Namespace) -> dict[int, list[str]]:
+    """Each ``--worker-args I "ARGS"`` as {I: argv}, checked to be ps-worker flags that
+    ps-launch does not set itself; several for the same I are joined in order."""
+    extra: dict[int, list[str]] = {}
+    for raw_index, raw_args in args.worker_args:
+        try:
+            index = int(raw_index)
+        except ValueError:
+            raise LaunchError(f"--worker-args takes a worker index and a string, got index {raw_index!r}") from None
+        if not 0 <= index < args.workers:
+            raise LaunchError(f"--worker-args {index}: the workers are 0..{args.workers - 1}")
+        try:
+            argv = shlex.split(raw_args)
+        except ValueError as e:
+            raise LaunchError(f"--worker-args {index} {raw_args!r}: {e}") from None
+        parsed = _worker_parser(index).parse_args(argv)
+        taken = [f"--{name.replace('_', '-')}" for name in _SET_BY_LAUNCH if getattr(parsed, name) is not None]
+        if taken:
+            raise LaunchError(f"--worker-args {index}: ps-launch sets {', '.join(taken)} itself")
+        extra.setdefault(index, []).extend(argv)
+    return extra
+
+
+def _worker_parser(index: int) -> argparse.ArgumentParser:
+    """ps-worker's parser, with errors raised as one-line LaunchErrors instead of a usage exit."""
+    p = WorkerConfig.parser()
+
+    def error(message: str):
+        raise LaunchError(f"--worker-args {index}: {message}")
+
+    p.error = error
+    return p
+
+
+def worker_argv(args: argparse.Namespace, index: int, addresses: list[str], extra: list[str] = ()) -> list[str]:
+    """The command line of worker ``index``: the training flags, then its ``--worker-args``."""
+    return [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(index),
+            "--num-workers", str(args.workers), *training_flags(args), *extra]
 
 
 def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[str]:
@@ -105,6 +170,10 @@ def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[st
     if args.checkpoint_dir:
         directory = args.checkpoint_dir if args.num_ps == 1 else os.path.join(args.checkpoint_dir, f"shard-{shard}")
         argv += ["--checkpoint-dir", directory]
+    for flag in ("--staleness", "--stale-gradient-policy", "--max-staleness"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            argv += [flag, str(value)]
     if args.auth_token_file:
         argv += ["--auth-token-file", args.auth_token_file]
     return argv
@@ -122,12 +191,14 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
                           "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
                           "or --auth-token-file reaches the server and every worker")
-    worker_flags = training_flags(args)
+    extra = worker_extra_args(args)
     # Fail on a bad combination now, with the worker's own message, not in N processes.
-    try:
-        WorkerConfig.from_args(worker_flags + ["--num-workers", str(args.workers)], environ={})
-    except ConfigError as e:
-        raise LaunchError(str(e)) from None
+    for i in sorted({0, *extra}):
+        try:
+            WorkerConfig.from_args(training_flags(args) + extra.get(i, []) + ["--num-workers", str(args.workers),
+                                                                              "--worker-index", str(i)], environ={})
+        except ConfigError as e:
+            raise LaunchError(f"worker {i}: {e}" if i in extra else str(e)) from None
 
     out_lock = threading.Lock()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -150,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
             addresses = [_wait_for_server(server, port_file, max(1.0, deadline - time.monotonic()))
                          for server, port_file in zip(servers, port_files)]
             for i in range(args.workers):
-                argv = [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(i),
-                        "--num-workers", str(args.workers), *worker_flags]
+                argv = worker_argv(args, i, addresses, extra.get(i, []))
                 if i == 0:
                     argv += ["--result-json", result_file]
                 children.append(Child(f"worker {i}", argv, out_lock, env))

@@ -6,13 +6,26 @@ Per step: pull the parameters (and the server's version), compute the mean
 loss and its gradients with ``tf.GradientTape`` on this worker's shard of the
 global batch, push them with the step, the version they were computed from and
 the shard size. In sync mode the push returns when the whole round is applied;
-in async mode as soon as this gradient is.
+in async mode as soon as this gradient is; in ssp mode (bounded staleness) the
+same, unless this worker is too far ahead of the slowest, when the reply waits.
+The experiment knobs (``worker.knobs``: slowdown, bandwidth, latency, a pause)
+sleep around those phases.
+
+With ``--history-json`` every step is recorded: loss, batch size, the version
+pulled and the one after the push, staleness, whether it was dropped, and its
+timing: ``t`` (seconds since training started, at the end of the step) and the
+wall time of each phase: ``pull_s`` (the pull and loading the parameters into
+the model), ``compute_s`` (the gradients) and ``push_s`` (with any barrier or
+staleness wait). None of them counts the knobs' sleeps: those are ``knob_s``.
+With ``--eval-every K`` the chief also records, every K steps, the test accuracy
+and loss of the parameters it pulled for that step, timed on their own
+(``eval_s``) and outside every step's phases.
 
 The chief (worker 0) initializes the server from its freshly built model; the
 others wait for that, pull, and check that their model and optimizer match
 what the server holds. At the end the chief (after the other workers have left,
-in async mode) evaluates the final parameters: test accuracy and loss, and the
-loss on the whole training set.
+in async and ssp modes) evaluates the final parameters: test accuracy and loss,
+and the loss on the whole training set.
 
 With several servers in ``--ps`` (shards), the loop is the same: a
 ``ShardedClient`` splits every initialize, pull and push over them
@@ -37,6 +50,7 @@ from ps_server import security
 from worker.client import PSClient, PSClientError
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
+from worker.knobs import Knobs, payload_nbytes
 from worker.sharded_client import ShardedClient
 
 log = logging.getLogger("worker")
@@ -96,13 +110,18 @@ def train(config: WorkerConfig) -> dict:
                  reg.mode, reg.version, reg.round)
         _join(config, client, reg.worker_id, model, models)
         heartbeat = _Heartbeat(client, reg, config.heartbeat_interval)
-        sync = reg.mode == "sync"
+        sync = reg.mode == "sync"  # async and ssp both apply pushes on arrival
+        knobs = Knobs.from_config(config)
+        if knobs.active:
+            log.info("experiment knobs: %s", knobs.describe())
 
         batches = list(itertools.islice(
             global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), total_steps))
         t0 = time.monotonic()
         last_log, examples_since, loss = t0, 0, float("nan")
         history: list[dict] = []
+        evals: list[dict] = []
+        eval_every = config.eval_every if config.is_chief else 0
         snapshots = set(config.snapshot_step_list) if config.is_chief else set()
         step = reg.round if sync else 0  # a (re)joining sync worker starts at the server's round
         seen = reg.version  # the newest server version this worker saw: after a restart, what was lost
@@ -110,18 +129,28 @@ def train(config: WorkerConfig) -> dict:
             while step < total_steps:
                 heartbeat.step = step
                 mine = shard(batches[step], config.worker_index, config.num_workers)
+                # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
+                knob_s = knobs.before_step(step)
                 try:
+                    knob_s += knobs.before_pull()
+                    pull_start = time.monotonic()
                     version, values = client.pull(reg.worker_id)
                     seen = max(seen, version)
                     models.set_weights(model, values)
+                    compute_start = time.monotonic()
                     if len(mine):
                         with tf.device(device):
                             loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine],
                                                                    data.y_train[mine])
                     else:  # a tiny last batch left this worker nothing: weight 0 in the round
                         loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
+                    compute_s = time.monotonic() - compute_start
+                    knob_s += knobs.after_compute(compute_s)
+                    knob_s += knobs.before_push(payload_nbytes(grads, config.grad_wire_dtype))
+                    push_start = time.monotonic()
                     push_timeout = reg.barrier_timeout + 30.0 if sync else 120.0
                     reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
+                    step_end = time.monotonic()
                 except PSClientError as e:
                     if not _recoverable(e):
                         raise
@@ -132,7 +161,11 @@ def train(config: WorkerConfig) -> dict:
                 seen = max(seen, reply.version)
                 examples_since += len(mine)
                 history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
-                                "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped})
+                                "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped,
+                                "t": step_end - t0, "pull_s": compute_start - pull_start, "compute_s": compute_s,
+                                "push_s": step_end - push_start, "knob_s": knob_s})
+                if eval_every and (step + 1) % eval_every == 0:
+                    evals.append(_evaluate(model, models, data, step, version, t0))
                 if step + 1 in snapshots:
                     _, now_values = client.pull(reg.worker_id)
                     models.save_ordered_npz(model, now_values,
@@ -149,7 +182,8 @@ def train(config: WorkerConfig) -> dict:
             train_s = time.monotonic() - t0
             if config.history_json:
                 _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
-                                                  "train_s": train_s, "steps": history})
+                                                  "train_s": train_s, "knobs": knobs.settings(),
+                                                  "eval_every": eval_every, "steps": history, "evals": evals})
             log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
             if config.is_chief:
                 result = _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
@@ -303,8 +337,18 @@ def _join(config: WorkerConfig, client: PSClient, worker_id: int, model, models)
         raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")
 
 
+def _evaluate(model, models, data, step: int, version: int, t0: float) -> dict:
+    """--eval-every: test accuracy of the parameters pulled for ``step`` (the model holds them)."""
+    start = time.monotonic()
+    test_loss, test_acc = models.evaluate(model, data.x_test, data.y_test)
+    log.info("eval at step %d: test accuracy %.4f, test loss %.4f (parameters at version %d)", step + 1,
+             test_acc, test_loss, version)
+    return {"step": step, "t": start - t0, "version": version, "test_accuracy": test_acc, "test_loss": test_loss,
+            "eval_s": time.monotonic() - start}
+
+
 def _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s) -> dict:
-    if reg.mode == "async":
+    if reg.mode != "sync":  # async, ssp: nobody waits at a barrier, so wait for the others here
         _wait_for_others(config, client)
     version, values = client.pull(reg.worker_id)
     models.set_weights(model, values)

@@ -1,0 +1,104 @@
+"""Experiment knobs: make one worker slower, its network thinner, or pause it once.
+
+    knobs = Knobs.from_config(config)     # --slowdown --bandwidth-mbps --added-latency-ms --pause-at-step --pause-for
+    slept = knobs.before_step(step)       # the pause, once
+    slept += knobs.before_pull()          # latency
+    ...pull, then compute the gradients in c seconds...
+    slept += knobs.after_compute(c)       # (slowdown - 1) * c
+    slept += knobs.before_push(payload_nbytes(grads, config.grad_wire_dtype))   # latency + bytes / bandwidth
+    ...push...
+
+The knobs model the conditions under which sync, async and bounded-staleness
+training are compared: a straggler (a slower machine, or one that stalls for a
+while), a slow link. They only sleep, so what they add is exact and known: each
+method sleeps through the injected ``sleep`` and returns the seconds it asked
+for, which the trainer records as the step's ``knob_s``. A knob left at its
+default sleeps nothing. Sleeping happens in the training thread; the heartbeat
+thread keeps renewing the lease meanwhile, so a pause is a straggler, not a
+death. Plain Python and NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+
+SETTINGS = ("slowdown", "bandwidth_mbps", "added_latency_ms", "pause_at_step", "pause_for")  # WorkerConfig fields
+
+
+@dataclasses.dataclass
+class Knobs:
+    slowdown: float = 1.0  # compute is this many times slower
+    bandwidth_mbps: float = 0.0  # pushes go through a link this fast; 0: unlimited
+    added_latency_ms: float = 0.0  # before every pull and push
+    pause_at_step: int = 0  # before this step (from 0) ...
+    pause_for: float = 0.0  # ... sleep this long, once; 0: never
+    sleep: Callable[[float], None] = dataclasses.field(default=time.sleep, repr=False, compare=False)
+    paused: bool = dataclasses.field(default=False, compare=False)
+
+    @classmethod
+    def from_config(cls, config, sleep: Callable[[float], None] = time.sleep) -> "Knobs":
+        """From a validated ``WorkerConfig`` (its fields carry the same names)."""
+        return cls(**{f: getattr(config, f) for f in SETTINGS}, sleep=sleep)
+
+    def settings(self) -> dict:
+        """The knob values, as the history JSON records them."""
+        return {f: getattr(self, f) for f in SETTINGS}
+
+    @property
+    def active(self) -> bool:
+        return self.settings() != Knobs().settings()
+
+    def describe(self) -> str:
+        """One line for the log, naming only the knobs that are set."""
+        parts = []
+        if self.slowdown != 1.0:
+            parts.append(f"compute {self.slowdown:g}x slower")
+        if self.bandwidth_mbps:
+            parts.append(f"pushes at {self.bandwidth_mbps:g} Mbit/s")
+        if self.added_latency_ms:
+            parts.append(f"{self.added_latency_ms:g} ms added before every pull and push")
+        if self.pause_for:
+            parts.append(f"a {self.pause_for:g} s pause before step {self.pause_at_step}")
+        return ", ".join(parts) or "none"
+
+    def before_step(self, step: int) -> float:
+        """The pause: once, before the first step numbered ``pause_at_step`` or more
+        (a sync worker whose round was skipped still pauses, at the next one)."""
+        if self.pause_for <= 0 or self.paused or step < self.pause_at_step:
+            return 0.0
+        self.paused = True
+        return self._sleep(self.pause_for)
+
+    def before_pull(self) -> float:
+        """A pull request is tiny: only the latency."""
+        return self._sleep(self.added_latency_ms / 1000.0)
+
+    def after_compute(self, compute_s: float) -> float:
+        """A machine ``slowdown`` times slower would have taken ``slowdown * compute_s``."""
+        return self._sleep((self.slowdown - 1.0) * compute_s)
+
+    def before_push(self, nbytes: int) -> float:
+        """Latency plus the time ``nbytes`` take at ``bandwidth_mbps`` (10^6 bits per second)."""
+        transfer = nbytes / (self.bandwidth_mbps * 1e6 / 8) if self.bandwidth_mbps > 0 else 0.0
+        return self._sleep(self.added_latency_ms / 1000.0 + transfer)
+
+    def _sleep(self, seconds: float) -> float:
+        if seconds <= 0:
+            return 0.0
+        self.sleep(seconds)
+        return seconds
+
+
+def payload_nbytes(gradients: Mapping[str, np.ndarray], wire_dtype: str = "float32") -> int:
+    """Bytes of the gradients as a push sends them: float32 arrays take 2 bytes per
+    element with ``--grad-wire-dtype`` float16 or bfloat16, everything else its own size
+    (``protos.stream.to_wire``)."""
+    total = 0
+    for g in gradients.values():
+        g = np.asarray(g)
+        total += g.size * 2 if wire_dtype != "float32" and g.dtype == np.float32 else g.nbytes
+    return int(total)
