@@ -1,0 +1,89 @@
+"""ps-compare and ps-advise with real processes, in tiny configurations.
+
+    python -m pytest -q tests/cluster/test_compare_advise.py
+
+ps-compare must write a complete report (tables, findings, plots, every run's
+numbers); ps-advise must recommend an async-style mode for a 3x straggler and
+sync for a balanced, compute-bound cluster, both from a launch probe and from a
+running cluster's own Status.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster.conftest import read_log, wait_exit
+from worker.client import PSClient
+
+pytestmark = pytest.mark.cluster
+
+
+def advise(*argv, timeout=600):
+    run = subprocess.run([sys.executable, "-m", "worker.advise", *argv], capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def test_ps_compare_writes_a_complete_report(tmp_path):
+    out = tmp_path / "report"
+    run = subprocess.run([sys.executable, "-m", "worker.compare", "--scenario", "straggler", "--modes", "sync,ssp1",
+                          "--seeds", "2", "--workers", "2", "--steps", "6", "--eval-every", "3",
+                          "--dataset", "synthetic", "--target-accuracy", "0.05", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [(r["scenario"], r["mode"], r["seeds"]) for r in report["rows"]] == [("straggler", "sync", 2),
+                                                                                  ("straggler", "ssp1", 2)]
+    for row in report["rows"]:
+        assert row["final_accuracy"]["n"] == 2 and row["final_accuracy"]["sd"] is not None
+        assert row["time_to_target_s"]["n"] == 2  # a target every run reaches
+        assert row["examples_per_s"]["mean"] > 0 and row["staleness"]["counts"]
+    assert len(report["runs"]) == 4
+    for r in report["runs"]:
+        assert r["accuracy_curve"] and r["loss_curve"] and r["time_to_target_s"] is not None
+    sync = next(r for r in report["rows"] if r["mode"] == "sync")
+    assert sync["staleness"]["max"] == 0  # sync never applies a stale gradient
+    md = (out / "report.md").read_text()
+    assert "| mode | final accuracy | time to 0.05 (s) |" in md and "| ssp1 |" in md
+    assert "Fastest to 0.05 test accuracy" in md and "(plot-straggler.png)" in md
+    for png in ("plot-straggler.png", "staleness-straggler.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    histories = list((out / "runs" / "straggler" / "ssp1" / "seed1").glob("history*.json"))
+    assert len(histories) == 2
+    knobs = {json.loads(h.read_text())["worker_index"]: json.loads(h.read_text())["knobs"] for h in histories}
+    assert knobs[1]["slowdown"] == 3.0 and knobs[0]["slowdown"] == 1.0  # the scenario's straggler: the last worker
+
+
+def test_ps_advise_recommends_ssp_for_a_3x_straggler_and_sync_for_a_balanced_compute_bound_launch():
+    straggler = advise("--probe-steps", "12", "--launch", "--workers", "3", "--dataset", "digits",
+                       "--global-batch-size", "384", "--worker-args", "2", "--slowdown 3")
+    assert "[rule: straggler]" in straggler and "recommendation: --mode ssp" in straggler, straggler
+    balanced = advise("--probe-steps", "12", "--launch", "--workers", "3", "--dataset", "digits",
+                      "--global-batch-size", "768")
+    assert "[rule: balanced]" in balanced and "recommendation: --mode sync" in balanced, balanced
+
+
+def test_ps_advise_reads_a_running_sync_cluster_and_finds_its_straggler(procs, tmp_path):
+    server, address = procs.server("sync", num_workers=2)
+    common = ["--dataset", "digits", "--global-batch-size", "256", "--steps", "400"]
+    workers = [procs.worker(address, 0, 2, *common), procs.worker(address, 1, 2, *common, "--slowdown", "3")]
+    with PSClient(address) as c:
+        for _ in range(600):
+            if c.status().version >= 5:
+                break
+            assert all(w.poll() is None for w in workers), read_log(workers[0])[-2000:]
+            import time
+
+            time.sleep(0.2)
+    out = advise("--ps", address, "--window", "2", "--json-out", str(tmp_path / "a.json"))
+    assert "running cluster at" in out and "(mode sync)" in out
+    assert "[rule: straggler]" in out and "worker(s) [1]" in out, out
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["advice"]["mode"] == "ssp" and doc["measurements"]["straggler_ratio"] >= 1.5
+    for w in workers:
+        w.kill()
+        wait_exit(w, 30)

@@ -1,0 +1,60 @@
+"""ps-advise's rules (worker.advise.decide) on hand-made measurements: each rule and its boundary.
+
+    python -m pytest -q tests/worker/test_advise.py
+"""
+
+import pytest
+
+from worker.advise import COMM_FRACTION, STRAGGLER_RATIO, Measurements, WorkerTimes, decide, report
+
+
+def measured(works, comm_share=0.1):
+    workers = [WorkerTimes(i, w, w * (1 - comm_share), w * comm_share) for i, w in enumerate(works)]
+    return Measurements("test", "sync", workers, model_bytes=4 << 20, bandwidth={"a:1": 100e6})
+
+
+def test_balanced_compute_bound_cluster_gets_sync():
+    advice = decide(measured([0.10, 0.11, 0.105]))
+    assert (advice.mode, advice.rule, advice.flags) == ("sync", "balanced", ["--mode", "sync"])
+
+
+def test_one_worker_three_times_slower_gets_ssp_with_backup_workers_as_the_alternative():
+    advice = decide(measured([0.10, 0.10, 0.30]))
+    assert (advice.mode, advice.rule) == ("ssp", "straggler")
+    assert advice.flags == ["--mode", "ssp", "--staleness", "6"]  # about twice the slowdown
+    assert "--replicas-to-aggregate 2" in advice.alternative and "[2]" in advice.reason
+
+
+def test_straggler_boundary_and_the_bound_is_capped():
+    just_below = decide(measured([0.1, 0.1, 0.1 * STRAGGLER_RATIO * 0.99]))
+    assert just_below.mode == "sync"
+    assert decide(measured([0.1, 0.1, 0.1 * STRAGGLER_RATIO])).mode == "ssp"
+    assert decide(measured([0.1, 0.1, 2.0])).flags[-1] == "8"
+    two = decide(measured([0.1, 0.3]))  # two workers: no backup-worker alternative
+    assert two.mode == "ssp" and two.alternative == ""
+
+
+def test_communication_bound_cluster_gets_async_with_half_the_bytes():
+    advice = decide(measured([0.1, 0.1, 0.1], comm_share=COMM_FRACTION))
+    assert (advice.mode, advice.rule) == ("async", "communication-bound")
+    assert advice.flags == ["--mode", "async", "--grad-wire-dtype", "bfloat16"]
+    assert decide(measured([0.1, 0.1, 0.1], comm_share=COMM_FRACTION * 0.99)).mode == "sync"
+
+
+def test_the_straggler_rule_comes_first():
+    assert decide(measured([0.1, 0.1, 0.4], comm_share=0.9)).rule == "straggler"
+
+
+def test_report_shows_the_numbers_and_the_rule():
+    m = measured([0.10, 0.10, 0.30])
+    text = report(m, decide(m))
+    assert "slowest / typical step work: 3.00" in text and "[rule: straggler]" in text
+    assert "model: 4.00 MiB" in text and "recommendation: --mode ssp --staleness 6" in text
+
+
+@pytest.mark.parametrize("argv", [[], ["--ps", "a:1", "--launch", "--workers", "2"]])
+def test_exactly_one_of_ps_and_launch(argv, capsys):
+    from worker.advise import main
+
+    assert main(argv) == 2
+    assert "give either --ps" in capsys.readouterr().err

@@ -1,0 +1,267 @@
+"""``ps-advise``: measure a cluster for a few steps, then recommend a mode and its settings.
+
+    ps-advise --ps 10.0.0.5:50051                     # a running cluster (any mode)
+    ps-advise --launch -- --workers 3 --dataset digits --worker-args 2 "--slowdown 3"   # a launch configuration
+
+What it measures, per worker: the time of a step's work (pull, compute, upload)
+and how it splits into compute and communication, the spread across workers,
+the model's size and the bandwidth to each server shard. A running cluster is
+read from the servers' Status (each worker's moving-average ``work_s``, the time
+between its pushes minus the time it spent inside them) and from pulls of the
+whole model timed from here; a launch configuration is run for a few steps in
+async mode (so that no worker's time includes waiting for another) with
+``ps-launch``, and read from the workers' per-step histories.
+
+The rules (``decide``), in order; the first that fires decides:
+
+1. **Straggler**: the slowest worker's step work is at least ``STRAGGLER_RATIO``
+   times the typical worker's (the median of the others). A sync barrier would run every step at the slowest
+   worker's pace. Recommend ``ssp`` with a bound of about twice the slowdown
+   (fast workers keep going, but not unboundedly ahead); with 3 or more workers
+   and a single straggler, sync with backup workers (``--replicas-to-aggregate
+   N-1``) is the alternative that keeps sync's averaging.
+2. **Communication-bound**: moving the model (a pull and a push) takes at least
+   ``COMM_FRACTION`` of a step's work. Every sync step pays it at the barrier
+   for the slowest link; recommend ``async`` and ``--grad-wire-dtype bfloat16``
+   (half the bytes).
+3. Otherwise **balanced**: ``sync``: every step is one averaged update on the
+   global batch, identical to one big batch on one machine, and no worker waits
+   long at the barrier.
+
+The thresholds were calibrated on this project's own ``ps-compare`` runs (see
+README, "Choosing a strategy"): with one worker 3x slower, sync took the
+longest to reach the target accuracy; balanced, sync was as fast as the others
+and the most stable across seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+STRAGGLER_RATIO = 1.5
+COMM_FRACTION = 0.5
+
+
+@dataclasses.dataclass
+class WorkerTimes:
+    index: int
+    work_s: float  # a step's work: pull + compute + upload (no waiting for others)
+    compute_s: float
+    comm_s: float
+
+
+@dataclasses.dataclass
+class Measurements:
+    source: str
+    mode: str
+    workers: list[WorkerTimes]
+    model_bytes: int
+    bandwidth: dict[str, float]  # shard address -> bytes/s of a whole-model pull from here
+
+    @property
+    def reference_work(self) -> float:
+        """The typical worker's step work: the median of all but the slowest (with two
+        workers, the faster one), so that a single straggler does not move it."""
+        works = sorted(w.work_s for w in self.workers)
+        return statistics.median(works[:-1] if len(works) > 1 else works)
+
+    @property
+    def straggler_ratio(self) -> float:
+        ref = self.reference_work
+        return max(w.work_s for w in self.workers) / ref if ref > 0 else 1.0
+
+    @property
+    def comm_fraction(self) -> float:
+        work = statistics.median(w.work_s for w in self.workers)
+        comm = statistics.median(w.comm_s for w in self.workers)
+        return comm / work if work > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Advice:
+    mode: str
+    flags: list[str]
+    rule: str
+    reason: str
+    alternative: str = ""
+
+
+def decide(m: Measurements) -> Advice:
+    n = len(m.workers)
+    ratio = m.straggler_ratio
+    if n >= 2 and ratio >= STRAGGLER_RATIO:
+        ref = m.reference_work
+        slow = [w.index for w in m.workers if w.work_s >= STRAGGLER_RATIO * ref]
+        bound = max(1, min(8, round(2 * ratio)))
+        alternative = ""
+        if n >= 3 and len(slow) == 1:
+            alternative = (f"sync with backup workers: --mode sync --replicas-to-aggregate {n - 1} (each round "
+                           f"finishes without the slowest push; keeps averaged updates)")
+        return Advice("ssp", ["--mode", "ssp", "--staleness", str(bound)], "straggler",
+                      f"worker(s) {slow} need {ratio:.2f}x the typical step work (>= {STRAGGLER_RATIO}): a sync "
+                      f"barrier would run every step at their pace; ssp lets the others go on, at most {bound} "
+                      f"steps ahead", alternative)
+    if m.comm_fraction >= COMM_FRACTION:
+        return Advice("async", ["--mode", "async", "--grad-wire-dtype", "bfloat16"], "communication-bound",
+                      f"moving the model takes {m.comm_fraction:.0%} of a step's work (>= {COMM_FRACTION:.0%}): "
+                      "async stops every step from waiting for the slowest transfer, bfloat16 halves the bytes",
+                      "sync --grad-wire-dtype bfloat16, if identical-to-one-machine updates matter more")
+    return Advice("sync", ["--mode", "sync"], "balanced",
+                  f"the slowest worker needs {ratio:.2f}x the typical step work (< {STRAGGLER_RATIO}) and moving "
+                  f"the model takes {m.comm_fraction:.0%} of it (< {COMM_FRACTION:.0%}): the barrier costs little, "
+                  "and each step is one averaged update on the global batch")
+
+
+# -- measuring a running cluster -------------------------------------------------------
+
+
+def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: str | None = None) -> Measurements:
+    from worker.client import MODE_NAMES, PSClient  # grpc: only when measuring
+
+    statuses, bandwidth, model_bytes = [], {}, 0
+    for address in addresses:
+        with PSClient(address, token=token) as c:
+            first = c.status()
+            if not first.initialized:
+                raise AdviseError(f"{address} holds no variables yet: start the training, then ps-advise")
+            _, values = c.pull(-1)
+            names = list(values)
+            nbytes = sum(a.nbytes for a in values.values())
+            t0 = time.perf_counter()
+            for _ in range(pulls):
+                c.pull(-1, names)  # by name: the whole model every time, no cache
+            bandwidth[address] = nbytes * pulls / (time.perf_counter() - t0)
+            model_bytes += nbytes
+    time.sleep(window)  # let the moving averages cover the window
+    for address in addresses:
+        with PSClient(address, token=token) as c:
+            statuses.append(c.status())
+    slowest_link = min(bandwidth.values())
+    comm = 2 * model_bytes / slowest_link if slowest_link > 0 else 0.0
+    workers = []
+    for w in statuses[0].workers:
+        if w.left or w.dead or w.pushes < 2:
+            continue
+        work = max((x.work_s for s in statuses for x in s.workers if x.worker_id == w.worker_id), default=0.0)
+        workers.append(WorkerTimes(w.worker_id, work, max(0.0, work - comm), min(comm, work)))
+    if not workers:
+        raise AdviseError("no worker has pushed twice yet: run ps-advise while training goes on")
+    return Measurements(f"running cluster at {','.join(addresses)}", MODE_NAMES.get(statuses[0].mode, "?"),
+                        workers, model_bytes, bandwidth)
+
+
+# -- measuring a launch configuration -----------------------------------------------------
+
+
+def measure_launch(launch_args: list[str], steps: int, timeout: float) -> Measurements:
+    from worker.launch import parser as launch_parser
+
+    parsed = launch_parser().parse_args(launch_args)
+    workers = parsed.workers
+    with tempfile.TemporaryDirectory(prefix="ps-advise-") as tmp:
+        argv = [sys.executable, "-m", "worker.launch", *launch_args, "--mode", "async", "--steps", str(steps),
+                "--log-every", "1000000", "--metrics-json", os.path.join(tmp, "metrics.json")]
+        for i in range(workers):
+            argv += ["--worker-args", str(i), "--history-json " + shlex.quote(os.path.join(tmp, f"h{i}.json"))]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise AdviseError(f"the probe run failed (ps-launch exited {done.returncode}):\n{done.stdout[-2000:]}")
+        with open(os.path.join(tmp, "metrics.json")) as f:
+            metrics = json.load(f)
+        histories = []
+        for i in range(workers):
+            with open(os.path.join(tmp, f"h{i}.json")) as f:
+                histories.append(json.load(f))
+    # float32 parameters, as the servers count them at the end of the probe
+    model_bytes = 4 * sum(s.get("parameters", 0) for s in metrics.get("shards", [])) or _model_bytes(parsed)
+    times = []
+    for h in histories:
+        steps_ = h["steps"][1:] or h["steps"]  # the first step carries TensorFlow's one-time setup
+        knobs = h.get("knobs", {})
+        slowdown = float(knobs.get("slowdown", 1.0) or 1.0)
+        compute = statistics.median(s["compute_s"] * slowdown for s in steps_)
+        comm = statistics.median(s["pull_s"] + s["push_s"] + max(0.0, s["knob_s"] - (slowdown - 1) * s["compute_s"])
+                                 for s in steps_)
+        times.append(WorkerTimes(h["worker_index"], compute + comm, compute, comm))
+    bandwidth = {"loopback": 2 * model_bytes / statistics.median(t.comm_s for t in times)
+                 if any(t.comm_s for t in times) else math.inf}
+    return Measurements(f"probe: ps-launch {shlex.join(launch_args)} (async, {steps} steps)", "async", times,
+                        model_bytes, bandwidth)
+
+
+def _model_bytes(parsed) -> int:
+    from worker.model import build_model
+
+    return sum(int(v.numpy().nbytes) for v in build_model(parsed.model or "cnn").trainable_variables)
+
+
+class AdviseError(RuntimeError):
+    pass
+
+
+def report(m: Measurements, advice: Advice) -> str:
+    lines = [f"measured: {m.source} (mode {m.mode})",
+             f"model: {m.model_bytes / 2**20:.2f} MiB; bandwidth of a whole-model pull: "
+             + ", ".join(f"{a} {b / 2**20:.0f} MiB/s" if math.isfinite(b) else f"{a} -" for a, b in m.bandwidth.items()),
+             "", "worker  step work (s)  compute (s)  communication (s)"]
+    for w in sorted(m.workers, key=lambda w: w.index):
+        lines.append(f"{w.index:>6}  {w.work_s:>13.4f}  {w.compute_s:>11.4f}  {w.comm_s:>17.4f}")
+    lines += ["", f"slowest / typical step work: {m.straggler_ratio:.2f} (rule: >= {STRAGGLER_RATIO} is a straggler)",
+              f"communication share of a step: {m.comm_fraction:.0%} (rule: >= {COMM_FRACTION:.0%} is "
+              "communication-bound)", "",
+              f"recommendation: {' '.join(advice.flags)}   [rule: {advice.rule}]", f"why: {advice.reason}"]
+    if advice.alternative:
+        lines.append(f"alternative: {advice.alternative}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ps-advise", description="Measure a cluster for a few steps and recommend "
+                                "sync, async, ssp or backup workers, showing the numbers and the rule.")
+    p.add_argument("--ps", help="a running cluster: its server(s), HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--window", type=float, default=5.0, help="running cluster: seconds to watch (default 5)")
+    p.add_argument("--launch", nargs=argparse.REMAINDER,
+                   help="a launch configuration: everything after it is ps-launch's arguments")
+    p.add_argument("--probe-steps", type=int, default=20, help="launch: steps of the probe run (default 20)")
+    p.add_argument("--timeout", type=float, default=600.0, help="launch: seconds the probe may take (default 600)")
+    p.add_argument("--json-out", help="also write the measurements and the advice here")
+    args = p.parse_args(argv)
+    launch = [a for a in (args.launch or []) if a != "--"] if args.launch is not None else None
+    if bool(args.ps) == (launch is not None):
+        print("ps-advise: error: give either --ps HOST:PORT (a running cluster) or --launch ARGS...", file=sys.stderr)
+        return 2
+    try:
+        if args.ps:
+            from ps_server import security
+
+            m = measure_cluster([a.strip() for a in args.ps.split(",")], args.window,
+                                token=security.load_token(None, os.environ))
+        else:
+            if args.probe_steps < 3:
+                raise AdviseError("--probe-steps must be >= 3")
+            m = measure_launch(launch, args.probe_steps, args.timeout)
+    except AdviseError as e:
+        print(f"ps-advise: error: {e}", file=sys.stderr)
+        return 1
+    advice = decide(m)
+    print(report(m, advice), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"measurements": {**dataclasses.asdict(m), "straggler_ratio": m.straggler_ratio,
+                                        "comm_fraction": m.comm_fraction},
+                       "advice": dataclasses.asdict(advice)}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

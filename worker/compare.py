@@ -1,0 +1,205 @@
+"""``ps-compare``: the same training under sync, async, SSP and backup workers, in named scenarios.
+
+    ps-compare --scenario straggler --quick --out report/
+    ps-compare --scenario balanced,straggler,bandwidth,pause --seeds 3 --out report/
+
+For every scenario, mode and seed it runs ``ps-launch`` (one server, N worker
+processes on this machine) with the scenario's experiment knobs (``--slowdown``,
+``--bandwidth-mbps``, ``--added-latency-ms``, ``--pause-at-step``), every worker
+writing its per-step history and the chief evaluating the test accuracy every
+few steps. ``worker.report`` turns the runs into report.json, report.md and PNG
+plots: loss and accuracy against wall time and against updates, time to the
+target accuracy, final accuracy, examples/s, staleness, and the spread of each
+across seeds (the stability of a mode, measured).
+
+Modes (``--modes``): ``sync``; ``async``; ``ssp1`` and ``ssp4`` (``--mode ssp
+--staleness 1`` and ``4``); ``backup`` (sync finishing each round with the first
+N-1 pushes: ``--replicas-to-aggregate N-1``). Scenarios: see ``SCENARIOS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+from worker.report import write_report
+
+LAST = -1  # the scenario knob goes to the last worker
+ALL = -2  # ... to every worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    knobs: dict  # {worker index, LAST or ALL: "ps-worker flags"}
+
+
+SCENARIOS = {
+    "balanced": Scenario("balanced", "every worker at full speed", {}),
+    "straggler": Scenario("straggler", "the last worker computes 3x slower (--slowdown 3)", {LAST: "--slowdown 3"}),
+    "bandwidth": Scenario("bandwidth", "every worker sends through a 20 Mbit/s link with 5 ms latency "
+                          "(--bandwidth-mbps 20 --added-latency-ms 5)",
+                          {ALL: "--bandwidth-mbps 20 --added-latency-ms 5"}),
+    "pause": Scenario("pause", "the last worker pauses 3 s at step 10 (--pause-at-step 10 --pause-for 3)",
+                      {LAST: "--pause-at-step 10 --pause-for 3"}),
+}
+
+MODES = ("sync", "async", "ssp1", "ssp4", "backup")
+
+
+def mode_flags(mode: str, workers: int) -> list[str]:
+    if mode == "sync":
+        return ["--mode", "sync"]
+    if mode == "async":
+        return ["--mode", "async"]
+    if mode.startswith("ssp") and mode[3:].isdigit():
+        return ["--mode", "ssp", "--staleness", mode[3:]]
+    if mode == "backup":
+        return ["--mode", "sync", "--replicas-to-aggregate", str(workers - 1)]
+    raise ValueError(f"unknown mode {mode!r}: use sync, async, sspS (S an integer) or backup")
+
+
+class CompareError(RuntimeError):
+    pass
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ps-compare",
+        description="Train the same model under sync, async, ssp and backup workers, in named scenarios, "
+        "with a few seeds each, and write a report (Markdown, JSON, PNG plots).",
+    )
+    p.add_argument("--scenario", default="straggler",
+                   help=f"comma-separated, from {', '.join(SCENARIOS)}, or all (default straggler)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated: sync, async, sspS (S: the bound), backup (default: %(default)s)")
+    p.add_argument("--seeds", type=int, help="runs per scenario and mode, seeds 0..N-1 (default 3; --quick 2)")
+    p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    p.add_argument("--dataset", default="digits", help="digits (default), mnist or synthetic")
+    p.add_argument("--model", default="cnn", help="cnn (default), mlp or mlp25m")
+    p.add_argument("--epochs", type=int, help="epochs per run (default 8; --quick 4)")
+    p.add_argument("--steps", type=int, help="steps per run instead of epochs")
+    p.add_argument("--global-batch-size", type=int, default=64, help="(default 64)")
+    p.add_argument("--eval-every", type=int, default=5, help="the chief evaluates every N of its steps (default 5)")
+    p.add_argument("--target-accuracy", type=float, default=0.85,
+                   help="time to reach this test accuracy is reported (default 0.85)")
+    p.add_argument("--quick", action="store_true", help="fewer epochs and seeds: a report in minutes")
+    p.add_argument("--out", required=True, help="directory for report.md, report.json, the plots and the runs")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    return p
+
+
+def scenario_worker_args(scenario: Scenario, workers: int) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for where, flags in scenario.knobs.items():
+        targets = range(workers) if where == ALL else [workers - 1 if where == LAST else where]
+        for i in targets:
+            out.setdefault(i, []).extend(shlex.split(flags))
+    return out
+
+
+def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str) -> dict:
+    """One ps-launch run; returns what the report needs (metrics, histories, timings)."""
+    os.makedirs(run_dir, exist_ok=True)
+    per_worker = scenario_worker_args(scenario, args.workers)
+    argv = [sys.executable, "-m", "worker.launch", *mode_flags(mode, args.workers), "--workers", str(args.workers),
+            "--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(args.global_batch_size),
+            "--seed", str(seed), "--metrics-json", os.path.join(run_dir, "metrics.json"),
+            "--log-every", "1000000"]
+    argv += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+    for i in range(args.workers):
+        extra = per_worker.get(i, []) + ["--history-json", os.path.join(run_dir, f"history{i}.json")]
+        if i == 0:
+            extra += ["--eval-every", str(args.eval_every)]
+        argv += ["--worker-args", str(i), shlex.join(extra)]
+    t0 = time.monotonic()
+    with open(os.path.join(run_dir, "launch.log"), "w") as log:
+        try:
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            raise CompareError(f"{scenario.name}/{mode}/seed {seed} did not finish within --run-timeout "
+                               f"{args.run_timeout:g} s; see {run_dir}/launch.log") from None
+    if done.returncode != 0:
+        with open(os.path.join(run_dir, "launch.log")) as f:
+            tail = f.read()[-2000:]
+        raise CompareError(f"{scenario.name}/{mode}/seed {seed} failed (ps-launch exited {done.returncode}); "
+                           f"the end of {run_dir}/launch.log:\n{tail}")
+    with open(os.path.join(run_dir, "metrics.json")) as f:
+        metrics = json.load(f)
+    histories = []
+    for i in range(args.workers):
+        with open(os.path.join(run_dir, f"history{i}.json")) as f:
+            histories.append(json.load(f))
+    return {"scenario": scenario.name, "mode": mode, "seed": seed, "metrics": metrics, "histories": histories,
+            "launch_s": time.monotonic() - t0, "command": shlex.join(argv[2:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        names = list(SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",") if s.strip()]
+        unknown = [s for s in names if s not in SCENARIOS]
+        if unknown or not names:
+            raise CompareError(f"--scenario: unknown {unknown or args.scenario!r}; use {', '.join(SCENARIOS)} or all")
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        for m in modes:
+            try:
+                mode_flags(m, args.workers)
+            except ValueError as e:
+                raise CompareError(f"--modes: {e}") from None
+        if "backup" in modes and args.workers < 2:
+            raise CompareError("--modes backup needs --workers >= 2")
+        if args.workers < 1:
+            raise CompareError("--workers must be >= 1")
+        args.seeds = args.seeds or (2 if args.quick else 3)
+        args.epochs = args.epochs or (4 if args.quick else 8)
+        if args.seeds < 1 or args.epochs < 1 or args.eval_every < 1:
+            raise CompareError("--seeds, --epochs and --eval-every must be >= 1")
+    except CompareError as e:
+        print(f"ps-compare: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    config = {"scenarios": names, "modes": modes, "seeds": args.seeds, "workers": args.workers,
+              "dataset": args.dataset, "model": args.model,
+              "epochs": None if args.steps else args.epochs, "steps": args.steps or None,
+              "global_batch_size": args.global_batch_size, "eval_every": args.eval_every,
+              "target_accuracy": args.target_accuracy,
+              "scenario_descriptions": {n: SCENARIOS[n].description for n in names},
+              "command": "ps-compare " + shlex.join(argv if argv is not None else sys.argv[1:]),
+              "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
+    runs = []
+    total = len(names) * len(modes) * args.seeds
+    started = time.monotonic()
+    try:
+        for name in names:
+            for mode in modes:
+                for seed in range(args.seeds):
+                    run_dir = os.path.join(args.out, "runs", name, mode, f"seed{seed}")
+                    print(f"ps-compare: [{len(runs) + 1}/{total}] {name} {mode} seed {seed}", flush=True)
+                    run = run_one(args, SCENARIOS[name], mode, seed, run_dir)
+                    print(f"ps-compare:   test accuracy {run['metrics']['test_accuracy']:.4f}, "
+                          f"{run['launch_s']:.0f} s", flush=True)
+                    runs.append(run)
+    except CompareError as e:
+        print(f"ps-compare: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ps-compare: interrupted", file=sys.stderr)
+        return 130
+    config["wall_s"] = time.monotonic() - started
+    paths = write_report(args.out, config, runs)
+    print(f"ps-compare: wrote {', '.join(paths)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
