@@ -38,6 +38,7 @@ class Knobs:
     pause_for: float = 0.0  # ... sleep this long, once; 0: never
     sleep: Callable[[float], None] = dataclasses.field(default=time.sleep, repr=False, compare=False)
     paused: bool = dataclasses.field(default=False, compare=False)
+    warmed_up: bool = dataclasses.field(default=False, compare=False)
 
     @classmethod
     def from_config(cls, config, sleep: Callable[[float], None] = time.sleep) -> "Knobs":
@@ -78,7 +79,13 @@ class Knobs:
         return self._sleep(self.added_latency_ms / 1000.0)
 
     def after_compute(self, compute_s: float) -> float:
-        """A machine ``slowdown`` times slower would have taken ``slowdown * compute_s``."""
+        """A machine ``slowdown`` times slower would have taken ``slowdown * compute_s``.
+        Not on the first computation of the process: it carries TensorFlow's one-time
+        tracing (0.4 s here against 0.01 s for a step), which is setup, not compute, and
+        multiplied would make a short run's straggler mostly a slow starter."""
+        if not self.warmed_up:
+            self.warmed_up = True
+            return 0.0
         return self._sleep((self.slowdown - 1.0) * compute_s)
 
     def before_push(self, nbytes: int) -> float:
