@@ -3,8 +3,9 @@
     ps-advise --ps 10.0.0.5:50051                     # a running cluster (any mode)
     ps-advise --launch -- --workers 3 --dataset digits --worker-args 2 "--slowdown 3"   # a launch configuration
 
-What it measures, per worker: the time of a step's work (pull, compute, upload)
-and how it splits into compute and communication, the spread across workers,
+What it measures, per worker: the time of a step's work (pull, compute, upload),
+how it splits into compute and communication, and (in a probe) its step-to-step
+spread (p90 / median); the spread across workers (slowest / typical),
 the model's size and the bandwidth to each server shard. A running cluster is
 read from the servers' Status (each worker's moving-average ``work_s``, the time
 between its pushes minus the time it spent inside them) and from pulls of the
@@ -64,6 +65,7 @@ class WorkerTimes:
     work_s: float  # a step's work: pull + compute + upload (no waiting for others)
     compute_s: float
     comm_s: float
+    spread: float = 0.0  # its own step-to-step spread: p90 / median of per-step work (probes; 0: not measured)
 
 
 @dataclasses.dataclass
@@ -199,7 +201,9 @@ def measure_launch(launch_args: list[str], steps: int, timeout: float) -> Measur
         compute = statistics.median(s["compute_s"] * slowdown for s in steps_)
         comm = statistics.median(s["pull_s"] + s["push_s"] + max(0.0, s["knob_s"] - (slowdown - 1) * s["compute_s"])
                                  for s in steps_)
-        times.append(WorkerTimes(h["worker_index"], compute + comm, compute, comm))
+        work = sorted(s["pull_s"] + s["compute_s"] + s["push_s"] + s["knob_s"] for s in steps_)
+        spread = work[int(0.9 * (len(work) - 1))] / statistics.median(work) if statistics.median(work) > 0 else 0.0
+        times.append(WorkerTimes(h["worker_index"], compute + comm, compute, comm, spread))
     bandwidth = {"loopback": 2 * model_bytes / statistics.median(t.comm_s for t in times)
                  if any(t.comm_s for t in times) else math.inf}
     return Measurements(f"probe: ps-launch {shlex.join(launch_args)} (async, {steps} steps)", "async", times,
@@ -220,9 +224,10 @@ def report(m: Measurements, advice: Advice) -> str:
     lines = [f"measured: {m.source} (mode {m.mode})",
              f"model: {m.model_bytes / 2**20:.2f} MiB; bandwidth of a whole-model pull: "
              + ", ".join(f"{a} {b / 2**20:.0f} MiB/s" if math.isfinite(b) else f"{a} -" for a, b in m.bandwidth.items()),
-             "", "worker  step work (s)  compute (s)  communication (s)"]
+             "", "worker  step work (s)  compute (s)  communication (s)  p90/median"]
     for w in sorted(m.workers, key=lambda w: w.index):
-        lines.append(f"{w.index:>6}  {w.work_s:>13.4f}  {w.compute_s:>11.4f}  {w.comm_s:>17.4f}")
+        spread = f"{w.spread:.2f}" if w.spread else "-"
+        lines.append(f"{w.index:>6}  {w.work_s:>13.4f}  {w.compute_s:>11.4f}  {w.comm_s:>17.4f}  {spread:>10}")
     lines += ["", f"slowest / typical step work: {m.straggler_ratio:.2f} (rule: >= {STRAGGLER_RATIO} is a straggler)",
               f"communication share of a step: {m.comm_fraction:.0%} (rule: >= {COMM_FRACTION:.0%} is "
               "communication-bound)", "",
