@@ -37,6 +37,7 @@ from worker.client import PSClient
 with PSClient("127.0.0.1:50051", timeout=5) as c:
     s = c.status()
 print(json.dumps({"version": s.version, "round": s.round, "initialized": s.initialized,
+                  "last_checkpoint_version": s.last_checkpoint_version,
                   "incarnation": s.incarnation, "active": list(s.active_workers),
                   "workers": [{"id": w.worker_id, "name": w.worker_name, "left": w.left, "dead": w.dead,
                                "last_step": w.last_step} for w in s.workers]}))
