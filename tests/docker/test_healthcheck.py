@@ -13,31 +13,10 @@ import sys
 
 import pytest
 
-from ps_server.config import ServerConfig
-from ps_server.server import build_server
-from tests.security.test_security import _make_pki
+from tests.security.test_security import pki, serve  # noqa: F401 - the README's certificates; a server on port 0
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "docker", "healthcheck.py")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return _make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def serve():
-    started = []
-
-    def start(**fields):
-        running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="async", **fields)).start()
-        started.append(running)
-        return running
-
-    yield start
-    for running in started:
-        running.stop(grace=0.5)
 
 
 def check(port: int, **env) -> subprocess.CompletedProcess:
