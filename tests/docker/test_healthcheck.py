@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from tests.security.test_security import pki, serve  # noqa: F401 - the README's certificates; a server on port 0
 
