@@ -36,16 +36,20 @@ INT64: DType
 BFLOAT16: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "sparse", "rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    sparse: bool
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon")
@@ -108,14 +112,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("worker_id", "optimizer", "variables")
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     optimizer: OptimizerConfig
     variables: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    non_trainable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
     __slots__ = ("created", "version")
@@ -150,14 +156,18 @@ class PullResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "sparse", "rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    sparse: bool
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets")

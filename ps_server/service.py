@@ -34,6 +34,7 @@ from ps_server.core import errors
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
+from ps_server.core.sparse import SparseRows
 from ps_server.buffers import BufferPool
 
 log = logging.getLogger("ps_server.service")
@@ -89,26 +90,54 @@ def _tolerant(message_class, parse=None):
     return tolerant
 
 
-def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
+def _counted_in(deserialize, count):
+    """``deserialize``, first adding each request message's size to ``count``."""
+    def counted(data: bytes):
+        count(len(data))
+        return deserialize(data)
+
+    return counted
+
+
+def _counted_out(serialize, count):
+    """``serialize``, then adding each response message's size to ``count``."""
+    def counted(msg) -> bytes:
+        data = serialize(msg)
+        count(len(data))
+        return data
+
+    return counted
+
+
+def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server, traffic=None) -> None:
     """Register the service like the generated ``add_ParameterServerServicer_to_server``,
     but with deserializers that let malformed bytes reach ``_handled`` (INVALID_ARGUMENT),
-    and the streams' hand-framed data chunks (``protos.stream``)."""
+    and the streams' hand-framed data chunks (``protos.stream``).
+
+    ``traffic`` (``ps_server.metrics.Metrics``; None: not counted) gives, per method name,
+    ``traffic.received(name)`` and ``traffic.sent(name)``: callables that take the size in
+    bytes of each request or response message (protobuf or data chunk; gRPC's own framing,
+    headers and TLS are not counted)."""
     service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
     handlers = {}
     for m in service.methods:
         method = getattr(servicer, m.name)
         if m.name == "PushStream":
-            handlers[m.name] = grpc.stream_unary_rpc_method_handler(
-                method, request_deserializer=_tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk)),
-                response_serializer=pb.PushResponse.SerializeToString)
+            deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
+            serialize = pb.PushResponse.SerializeToString
+            handler = grpc.stream_unary_rpc_method_handler
         elif m.name == "PullStream":
-            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
-                method, request_deserializer=_tolerant(pb.PullRequest),
-                response_serializer=stream.serializer(pb.PullChunk))
+            deserialize = _tolerant(pb.PullRequest)
+            serialize = stream.serializer(pb.PullChunk)
+            handler = grpc.unary_stream_rpc_method_handler
         else:
-            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                method, request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
-                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+            deserialize = _tolerant(getattr(pb, m.input_type.name))
+            serialize = getattr(pb, m.output_type.name).SerializeToString
+            handler = grpc.unary_unary_rpc_method_handler
+        if traffic is not None:
+            deserialize = _counted_in(deserialize, traffic.received(m.name))
+            serialize = _counted_out(serialize, traffic.sent(m.name))
+        handlers[m.name] = handler(method, request_deserializer=deserialize, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
@@ -149,6 +178,25 @@ def optimizer_from_wire(msg: pb.OptimizerConfig) -> OptimizerSpec:
         beta_2=msg.beta_2,
         epsilon=msg.epsilon,
     )
+
+
+def _sparse_names(metas) -> list[str]:
+    """The names of the sparse gradients among ``metas`` (Tensor or TensorMeta);
+    rows on a dense one are an error."""
+    for m in metas:
+        if m.rows and not m.sparse:
+            raise codec.CodecError(f"tensor {m.name!r}: rows given but sparse is not set")
+    return [m.name for m in metas if m.sparse]
+
+
+def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
+    """Sparse gradients (``Tensor.sparse``) as ``SparseRows`` of their rows, for the core to
+    check and make dense; the others as they are."""
+    names = _sparse_names(metas)
+    if not names:
+        return gradients
+    rows = {m.name: np.asarray(m.rows, dtype=np.int64) for m in metas if m.sparse}
+    return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
 
 
 def _push_result_to_wire(result) -> pb.PushResponse:
@@ -227,7 +275,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_handled
     def Initialize(self, request, context):
         variables = codec.decode_many(request.variables)
-        created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer))
+        created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer),
+                                                non_trainable=list(request.non_trainable))
         if created:
             log.info(
                 "initialized %d variables (%d parameters) by worker %d, optimizer %s",
@@ -266,7 +315,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Push(self, request, context):
-        gradients = self._widen_half(codec.decode_many(request.gradients))
+        gradients = _sparse(self._widen_half(codec.decode_many(request.gradients)), request.gradients)
         result = self.core.push(
             Push(
                 worker_id=request.worker_id,
@@ -302,7 +351,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         layout = stream.Layout.of(h.gradients)
         if h.shm_offsets and not h.shm_name:
             raise codec.CodecError("PushStream: shm_offsets without shm_name")
-        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout))
+        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
+                             sparse=_sparse_names(h.gradients))
         if h.shm_name:
             return self._push_from_segment(h, layout, request_iterator)
         buffer = self.buffers.acquire(layout.nbytes)
@@ -314,7 +364,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                         else "a second header"
                     raise codec.CodecError(f"PushStream: after the header, every message must be data; got {what}")
                 assembler.feed(chunk)
-            gradients = self._widen_half(assembler.arrays())
+            gradients = _sparse(self._widen_half(assembler.arrays()), h.gradients)
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         finally:  # the core keeps no reference to the gradients once push returns
@@ -329,7 +379,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise codec.CodecError("PushStream: a push through shared memory (shm_name) carries no data messages")
         segment = self._segment(h.worker_id, "push", h.shm_name, writable=False)
         raw = shm.views(segment, layout.entries, list(h.shm_offsets))
-        gradients = self._widen_half(stream.widened(layout.entries, raw))
+        gradients = _sparse(self._widen_half(stream.widened(layout.entries, raw)), h.gradients)
         result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                      batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         return _push_result_to_wire(result)

@@ -54,6 +54,7 @@ from protos import codec, shm as shmem, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server import security
+from ps_server.core.sparse import SparseRows
 
 MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async", pb.SSP: "ssp"}
 
@@ -368,13 +369,17 @@ class PSClient:
         else:
             self._shm_on = True
 
-    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
+    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
+                   non_trainable: Iterable[str] = ()) -> bool:
+        """Store ``variables`` on the server, unless an identical state is there (False).
+        ``non_trainable`` names the variables updated by pushed changes, not the optimizer."""
         reply = self._call(
             "Initialize",
             pb.InitializeRequest(
                 worker_id=worker_id,
                 optimizer=pb.OptimizerConfig(**optimizer),
                 variables=codec.encode_many(variables),
+                non_trainable=sorted(non_trainable),
             ),
         )
         return reply.created
@@ -480,18 +485,24 @@ class PSClient:
         loss: float = 0.0,
         timeout: float | None = None,
     ) -> PushReply:
-        """Streamed, or through shared memory; either way applied once or refused whole."""
+        """Streamed, or through shared memory; either way applied once or refused whole.
+
+        A gradient may be a ``SparseRows`` (an embedding's): only its rows travel."""
         try:
-            wire_arrays = {n: stream.to_wire(g, self.grad_wire_dtype) for n, g in gradients.items()}
+            wire_arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
+                           for n, g in gradients.items()}
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        rows = {n: np.asarray(g.rows, dtype=np.int64) for n, g in gradients.items() if isinstance(g, SparseRows)}
         timeout = self.timeout if timeout is None else timeout
         self._fresh = False
-        if sum(a.nbytes for _, a in wire_arrays.values()) <= self._unary_limit():  # one message beats a stream
+        nbytes = sum(a.nbytes for _, a in wire_arrays.values()) + sum(r.nbytes for r in rows.values())
+        if nbytes <= self._unary_limit():  # one message beats a stream
             reply = self._call("Push", pb.PushRequest(
                 worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size, loss=loss,
-                gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes())
-                           for n, (code, a) in wire_arrays.items()], return_values=self._sync), timeout=timeout)
+                gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes(), sparse=n in rows,
+                                     rows=rows[n].tolist() if n in rows else ()) for n, (code, a) in wire_arrays.items()],
+                return_values=self._sync), timeout=timeout)
             if reply.variables:
                 try:
                     values = codec.decode_many(reply.variables)
@@ -499,15 +510,20 @@ class PSClient:
                     raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
                 self._cache, self._fresh = (reply.incarnation, reply.version, values), True
         else:
-            reply = self._push_large(worker_id, step, base_version, batch_size, loss, wire_arrays, timeout)
+            reply = self._push_large(worker_id, step, base_version, batch_size, loss, wire_arrays, timeout, rows)
         return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
                          reply.replayed)
 
     def _push_large(self, worker_id: int, step: int, base_version: int, batch_size: int, loss: float,
-                    wire_arrays: dict[str, tuple[int, np.ndarray]], timeout: float) -> pb.PushResponse:
+                    wire_arrays: dict[str, tuple[int, np.ndarray]], timeout: float,
+                    rows: Mapping[str, np.ndarray] | None = None) -> pb.PushResponse:
         """Through the push segment when shared memory is on, else streamed."""
         header = pb.PushHeader(worker_id=worker_id, step=step, base_version=base_version, batch_size=batch_size,
                                loss=loss, gradients=stream.metas(wire_arrays))
+        for meta in header.gradients:
+            if rows and meta.name in rows:
+                meta.sparse = True
+                meta.rows.extend(rows[meta.name].tolist())
         reply = None
         slot = self._lend(self._push_slot, worker_id)
         if slot is not None:

@@ -225,7 +225,8 @@ class ShardedClient:
         return combine_statuses(self.statuses())
 
     # -- data --------------------------------------------------------------------
-    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping) -> bool:
+    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
+                   non_trainable: Iterable[str] = ()) -> bool:
         """Plan (once), then send every shard its pieces. True if any shard was created by this call."""
         placement = self.placement
         if placement is None:
@@ -243,7 +244,10 @@ class ShardedClient:
             per_shard = placement.split(variables)
         except sharding.ShardingError as e:
             raise self._error("Initialize", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        created = self._each(self._data, lambda i, c: c.initialize(worker_id, per_shard[i], optimizer))
+        non_trainable = set(non_trainable)  # each shard is told which of its pieces they are
+        of = {p.name: p.variable for p in placement.pieces}
+        pieces = [{piece for piece in per_shard[i] if of[piece] in non_trainable} for i in range(self.num_shards)]
+        created = self._each(self._data, lambda i, c: c.initialize(worker_id, per_shard[i], optimizer, pieces[i]))
         self._adopt(placement, "planned")
         return any(created.values())
 

@@ -49,6 +49,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ps_server.core.sparse import SparseRows
+
 DEFAULT_MIN_SLICE_BYTES = 256 * 1024
 DEFAULT_SMALL_BYTES = 16 * 1024
 
@@ -132,15 +134,28 @@ class Placement:
     # -- moving arrays ---------------------------------------------------------------
     def split(self, values: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """One ``{piece: array}`` per shard. Whole variables are passed as they are,
-        slices are row views (no copy for an array that is C-contiguous)."""
+        slices are row views (no copy for an array that is C-contiguous). A sparse
+        gradient (``SparseRows``) of a sliced variable goes to each slice's shard as the
+        rows that fall in the slice, renumbered from the slice's first row."""
         missing = [n for n in self.variables if n not in values]
         extra = [n for n in values if n not in self.variables]
         if missing or extra:
             raise ShardingError(f"values do not match the placement: missing {missing[:4]}, unknown {extra[:4]}")
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
         for p in self.pieces:
-            array = np.asarray(values[p.variable])
             shape = self.variables[p.variable][0]
+            value = values[p.variable]
+            if isinstance(value, SparseRows):
+                if value.values.shape[1:] != shape[1:]:
+                    raise ShardingError(f"sparse {p.variable!r} has rows of shape {list(value.values.shape[1:])}, "
+                                        f"the placement says {list(shape[1:])}")
+                if p.parts == 1:
+                    out[p.shard][p.name] = value
+                else:
+                    mine = (value.rows >= p.start) & (value.rows < p.stop)
+                    out[p.shard][p.name] = SparseRows(value.rows[mine] - p.start, value.values[mine])
+                continue
+            array = np.asarray(value)
             if array.shape != shape:
                 raise ShardingError(f"{p.variable!r} has shape {list(array.shape)}, the placement says {list(shape)}")
             out[p.shard][p.name] = array if p.parts == 1 else array[p.start : p.stop]

@@ -94,6 +94,7 @@ class ServerState:
     optimizer: OptimizerSpec
     values: dict[str, np.ndarray]
     states: dict[str, dict]
+    non_trainable: frozenset[str] = frozenset()  # updated by pushed changes, not the optimizer
     mode_status: ModeStatus = ModeStatus()
     members: tuple[WorkerRecord, ...] = ()
     stats: dict = dataclasses.field(default_factory=dict)
@@ -148,6 +149,7 @@ def encode(state: ServerState) -> bytes:
             "iterations": int(opt_state.get("iterations", 0)),
             "value": put(value),
             "slots": {slot: put(array) for slot, array in slots.items()},
+            "non_trainable": name in state.non_trainable,
         })
     header = {
         "format": FORMAT_VERSION,
@@ -215,6 +217,7 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
             optimizer=OptimizerSpec.from_dict(header["optimizer"]),
             values=values,
             states=states,
+            non_trainable=frozenset(v["name"] for v in header["variables"] if v.get("non_trainable", False)),
             mode_status=ModeStatus(round=int(status["round"]), rounds_timed_out=int(status["rounds_timed_out"]),
                                    rounds_aborted=int(status["rounds_aborted"])),
             members=tuple(WorkerRecord(**r) for r in header["members"]),

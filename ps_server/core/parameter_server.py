@@ -31,6 +31,7 @@ from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.sparse import SparseRows
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.sync_mode import SyncMode
@@ -167,10 +168,12 @@ class ParameterServer:
             self.mode.workers_died(dead)
         return dead
 
-    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> tuple[bool, int]:
-        """(created, version). Repeating an identical initialization is harmless."""
+    def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
+                   non_trainable: Iterable[str] = ()) -> tuple[bool, int]:
+        """(created, version). Repeating an identical initialization is harmless.
+        ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``)."""
         self.members.require(worker_id)
-        created = self.store.initialize(variables, spec)
+        created = self.store.initialize(variables, spec, frozenset(non_trainable))
         return created, self.store.version
 
     def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None,
@@ -181,17 +184,21 @@ class ParameterServer:
         return self.store.read(names, since)
 
     def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
-                   specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+                   specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = ()) -> None:
         """Refuse a push from its header alone, before its gradients arrive (streamed pushes):
-        the worker, the step bounds, and every gradient's name, shape and dtype.
-        ``push`` checks all of it again, with the values."""
+        the worker, the step bounds, and every gradient's name, shape and dtype (for the
+        names in ``sparse``, rows of the variable). ``push`` checks all of it again, with the values."""
         self.members.require(worker_id)
         Push(worker_id, step, base_version, batch_size, {}).validate()
-        self.store.check_gradient_specs(specs)
+        self.store.check_gradient_specs(specs, frozenset(sparse))
 
     def push(self, push: Push) -> PushResult:
+        """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
+        (``core.sparse``): they are checked and made dense here, before the mode sees them."""
         self.members.require(push.worker_id)
         arrived = self._clock()
+        if any(isinstance(g, SparseRows) for g in push.gradients.values()):
+            push = dataclasses.replace(push, gradients=self.store.densify(push.gradients))
         result = self.mode.push(push)
         self.members.record_push(push.worker_id, push.step, dropped=result.dropped, arrived=arrived,
                                  done=self._clock())
@@ -221,6 +228,7 @@ class ParameterServer:
             optimizer=store_state.optimizer,
             values=store_state.values,
             states=store_state.states,
+            non_trainable=store_state.non_trainable,
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
                                    rounds_aborted=mode_status.rounds_aborted),
             members=tuple(self.members.snapshot()),
@@ -248,7 +256,8 @@ class ParameterServer:
                 f"this server runs {self.mode_name} with {self.num_workers}: start it with --mode {state.mode} "
                 f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
             )
-        self.store.restore_state(StoreState(state.version, state.optimizer, state.values, state.states))
+        self.store.restore_state(StoreState(state.version, state.optimizer, state.values, state.states,
+                                            state.non_trainable))
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         self.members.restore(list(state.members))

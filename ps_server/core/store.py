@@ -12,6 +12,15 @@ reference, so an array handed to a reader is never modified afterwards (arrays
 are marked read-only to enforce it). That is what lets pulls serialize outside
 any lock.
 
+Non-trainable variables (``initialize(..., non_trainable=[...])``: a BatchNorm
+layer's moving mean and variance) are stored, pulled and checkpointed like the
+others, but the optimizer never touches them: a push carries the change the
+worker's forward pass made to each (its new value minus the one it pulled), and
+applying adds that change. In sync mode the round's change is the batch-weighted
+mean of the workers' changes, so the stored moving mean becomes the mean of the
+workers' updated ones: for the moving mean, exactly what one process would
+compute on the global batch. In async mode each push adds its own change.
+
 Arrays may arrive in either byte order (the codec decodes little-endian wire
 data, which is not native on a big-endian host); the store keeps native ones
 and converts gradients before the optimizer sees them, so a check that
@@ -36,22 +45,27 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
+from ps_server.core import sparse
 from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
+from ps_server.core.sparse import SparseRows
 
 
 class _Variable:
-    __slots__ = ("name", "value", "state", "lock", "changed")
+    __slots__ = ("name", "value", "state", "lock", "changed", "non_trainable")
 
-    def __init__(self, name: str, value: np.ndarray, state: dict, changed: int = 0):
+    def __init__(self, name: str, value: np.ndarray, state: dict, changed: int = 0, non_trainable: bool = False):
         self.name = name
         self.value = value
         self.state = state
         self.lock = threading.Lock()
+        # Not trained by the optimizer (BatchNorm moving statistics): its "gradient" is
+        # the change a worker's forward pass made, added as it is (module docstring).
+        self.non_trainable = non_trainable
         # A version by which this value was published: a reader that saw version
         # v < changed may hold an older value; one that saw v >= changed holds this one.
         self.changed = changed
@@ -81,6 +95,7 @@ class StoreState:
     optimizer: OptimizerSpec
     values: dict[str, np.ndarray]
     states: dict[str, dict]
+    non_trainable: frozenset[str] = frozenset()
 
 
 class VariableStore:
@@ -106,19 +121,30 @@ class VariableStore:
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}
 
+    def non_trainable(self) -> frozenset[str]:
+        return frozenset(n for n, v in self._vars.items() if v.non_trainable)
+
     def num_parameters(self) -> int:
         return sum(int(v.value.size) for v in self._vars.values())
 
     # -- initialization ----------------------------------------------------------
-    def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> bool:
+    def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
+                   non_trainable: Collection[str] = ()) -> bool:
         """Store the variables and optimizer; True if created, False if identical state exists.
 
-        A second call with the same names, shapes, dtypes and optimizer is harmless
+        ``non_trainable`` names variables the optimizer leaves alone: their pushed
+        "gradient" is a change to add (see the module docstring). A second call with
+        the same names, shapes, dtypes, non-trainable set and optimizer is harmless
         (it does not overwrite trained values); any difference raises SpecConflict.
         """
         spec.validate()
+        non_trainable = frozenset(non_trainable)
         if not variables:
             raise InvalidArgument("initialize needs at least one variable")
+        unknown = sorted(non_trainable - set(variables))
+        if unknown:
+            raise InvalidArgument(f"non-trainable variable(s) {', '.join(map(repr, unknown[:5]))} are not among "
+                                  f"the variables")
         for name, value in variables.items():
             if not name:
                 raise InvalidArgument("variable names must be non-empty")
@@ -126,17 +152,19 @@ class VariableStore:
                 raise InvalidArgument(f"variable {name!r} has dtype {value.dtype}; only floating variables train")
         with self._publish:
             if self._optimizer is not None:
-                self._check_same(variables, spec)
+                self._check_same(variables, spec, non_trainable)
                 return False
             optimizer = make_optimizer(spec)
             values = {name: _frozen(_native(value, copy=True)) for name, value in variables.items()}
             self._vars = {
-                name: _Variable(name, value, optimizer.init_state(value)) for name, value in values.items()
+                name: _Variable(name, value, optimizer.init_state(value), non_trainable=name in non_trainable)
+                for name, value in values.items()
             }
             self._optimizer = optimizer
             return True
 
-    def _check_same(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec) -> None:
+    def _check_same(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
+                    non_trainable: frozenset[str] = frozenset()) -> None:
         mine = self.specs()
         theirs = {n: (np.dtype(a.dtype).newbyteorder("="), tuple(a.shape)) for n, a in variables.items()}
         problems = []
@@ -150,6 +178,10 @@ class VariableStore:
                     f"{name!r} is stored as {mine[name][0]}{list(mine[name][1])}, "
                     f"new spec says {theirs[name][0]}{list(theirs[name][1])}"
                 )
+        mine_nt = self.non_trainable()
+        if non_trainable != mine_nt:
+            problems.append(f"non-trainable variables are stored as {sorted(mine_nt)}, new spec says "
+                            f"{sorted(non_trainable)}")
         if spec != self._optimizer.spec:
             problems.append(f"optimizer is stored as {self._optimizer.spec.as_dict()}, new spec says {spec.as_dict()}")
         if problems:
@@ -190,9 +222,12 @@ class VariableStore:
                 if not np.isfinite(g).all():
                     raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
 
-    def check_gradient_specs(self, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+    def check_gradient_specs(self, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+                             sparse: Collection[str] = ()) -> None:
         """Raise unless ``specs`` (name -> (dtype, shape)) names every variable once with
-        its shape and dtype: what a streamed push checks before any data arrives."""
+        its shape and dtype: what a streamed push checks before any data arrives. A name
+        in ``sparse`` is a sparse gradient (``core.sparse``): its shape is (rows, *the
+        variable's shape[1:]), its rows are checked with the values."""
         self._require_initialized()
         unknown = [n for n in specs if n not in self._vars]
         if unknown:
@@ -202,12 +237,34 @@ class VariableStore:
             raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
         for name, (dtype, shape) in specs.items():
             value = self._vars[name].value
-            if tuple(shape) != value.shape:
+            if name in sparse:
+                if value.ndim < 1 or tuple(shape)[1:] != value.shape[1:] or len(shape) != value.ndim:
+                    raise InvalidArgument(f"sparse gradient for {name!r} has shape {list(shape)}; the variable is "
+                                          f"{list(value.shape)}, so it must be [rows, {', '.join(map(str, value.shape[1:]))}]")
+            elif tuple(shape) != value.shape:
                 raise InvalidArgument(
                     f"gradient for {name!r} has shape {list(shape)}, variable has {list(value.shape)}"
                 )
             if np.dtype(dtype).newbyteorder("=") != value.dtype:
                 raise InvalidArgument(f"gradient for {name!r} has dtype {np.dtype(dtype)}, variable has {value.dtype}")
+
+    def densify(self, grads: Mapping[str, "np.ndarray | SparseRows"]) -> dict[str, np.ndarray]:
+        """``grads`` with every ``SparseRows`` checked against its variable and scattered
+        into a dense array (``core.sparse``); dense gradients pass as they are, for
+        ``check_gradients``. Raises before anything is applied."""
+        if not any(isinstance(g, SparseRows) for g in grads.values()):
+            return dict(grads)
+        self._require_initialized()
+        out = {}
+        for name, g in grads.items():
+            if isinstance(g, SparseRows):
+                var = self._vars.get(name)
+                if var is None:
+                    raise NotFound(f"gradient for unknown variable(s): {name!r}")
+                sparse.check(name, g, var.value.shape, var.value.dtype)
+                g = sparse.densify(g, var.value.shape, var.value.dtype)
+            out[name] = g
+        return out
 
     # -- updates -----------------------------------------------------------------
     def apply_all(self, grads: Mapping[str, np.ndarray]) -> int:
@@ -220,7 +277,7 @@ class VariableStore:
         new = {}
         for name, g in grads.items():
             var = self._vars[name]
-            new[name] = self._optimizer.apply(var.value, _native(g), var.state)
+            new[name] = self._step(var, _native(g))
         with self._publish:
             self._version += 1
             for name, (value, state) in new.items():
@@ -234,9 +291,16 @@ class VariableStore:
         var = self._vars[name]
         grad = _native(grad)
         with var.lock:
-            value, state = self._optimizer.apply(var.value, grad, var.state, lr_scale)
+            value, state = self._step(var, grad, lr_scale)
             with self._publish:  # a snapshot sees value and state of the same step
                 var.value, var.state, var.changed = _frozen(value), state, self._version + 1
+
+    def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0) -> tuple[np.ndarray, dict]:
+        """(new value, new optimizer state) of one variable: an optimizer step, or for a
+        non-trainable variable its pushed change added (no learning rate, no state)."""
+        if var.non_trainable:
+            return (var.value + grad).astype(var.value.dtype, copy=False), var.state
+        return self._optimizer.apply(var.value, grad, var.state, lr_scale)
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
@@ -248,6 +312,7 @@ class VariableStore:
                 optimizer=self._optimizer.spec,
                 values={n: v.value for n, v in self._vars.items()},
                 states={n: dict(v.state) for n, v in self._vars.items()},
+                non_trainable=self.non_trainable(),
             )
 
     def restore_state(self, state: StoreState) -> None:
@@ -264,6 +329,8 @@ class VariableStore:
             raise InvalidArgument("the state to restore has optimizer state for other variables than its values")
         if state.version < 0:
             raise InvalidArgument(f"the state to restore has version {state.version}")
+        if not set(state.non_trainable) <= set(state.values):
+            raise InvalidArgument("the state to restore names non-trainable variables it does not hold")
         variables = {}
         for name, value in state.values.items():
             if not name or value.dtype.kind != "f":
@@ -286,7 +353,8 @@ class VariableStore:
                     raise InvalidArgument(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
                                           f"the variable is {value.dtype}{list(value.shape)}")
                 slots[slot] = array
-            variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)}, state.version)
+            variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)}, state.version,
+                                        non_trainable=name in state.non_trainable)
         with self._publish:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")

@@ -45,7 +45,7 @@ class FakeShard:
                             initialized=self.values is not None, version=self.version, barrier_timeout=60.0,
                             round=self.round, lease_timeout=10.0, incarnation=self.incarnation)
 
-    def initialize(self, worker_id, variables, optimizer):
+    def initialize(self, worker_id, variables, optimizer, non_trainable=()):
         if self.values is not None:
             return False
         self.values = {n: np.array(a) for n, a in variables.items()}

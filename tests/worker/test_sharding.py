@@ -201,3 +201,18 @@ def test_values_that_do_not_fit_the_placement_are_refused():
                         {"w/part_0_of_2": np.zeros((2, 2), np.float32)}])
     with pytest.raises(ShardingError, match="incomplete"):
         placement.join([{"w/part_0_of_2": np.zeros((2, 2), np.float32)}, {}])
+
+
+def test_a_sparse_gradient_of_a_sliced_variable_reaches_each_shard_as_its_own_rows_renumbered():
+    from ps_server.core.sparse import SparseRows, densify
+
+    specs = {"emb": ((10, 4), np.dtype(np.float32)), "b": ((4,), np.dtype(np.float32))}
+    p = plan(specs, num_shards=2, min_slice_bytes=1)
+    rows = np.array([9, 0, 5, 4, 9], np.int64)
+    values = np.arange(20, dtype=np.float32).reshape(5, 4)
+    per_shard = p.split({"emb": SparseRows(rows, values), "b": np.zeros(4, np.float32)})
+    dense_parts = {name: densify(g, piece.shape, np.float32) if isinstance(g, SparseRows) else g
+                   for shard in per_shard for name, g in shard.items()
+                   for piece in p.pieces if piece.name == name}
+    whole = densify(SparseRows(rows, values), (10, 4), np.float32)
+    np.testing.assert_array_equal(p.join([{n: dense_parts[n] for n in shard} for shard in per_shard])["emb"], whole)
