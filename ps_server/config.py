@@ -57,6 +57,9 @@ class ServerConfig:
     tls_key_file: str = ""
     tls_client_ca_file: str = ""  # set: mutual TLS, clients must present a certificate signed by this CA
     auth_token_file: str = ""
+    # Prometheus metrics (ps_server/metrics.py): plain HTTP GET /metrics on this port; 0: off.
+    metrics_port: int = 0
+    metrics_host: str = ""  # "": the address the gRPC server binds (--host)
 
     @property
     def pool_threads(self) -> int:
@@ -107,7 +110,16 @@ class ServerConfig:
             raise ConfigError("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 1..65535 (or 0 for no metrics), got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is the gRPC --port; give it another")
         return self
+
+    @property
+    def metrics_address(self) -> str:
+        """The host the metrics endpoint binds: --metrics-host, else --host."""
+        return self.metrics_host or self.host
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -159,6 +171,10 @@ class ServerConfig:
         g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
         g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
                        "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
+        g = p.add_argument_group("metrics")
+        g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                       "(plain HTTP, no token; default 0: off)")
+        g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
         return p
 
     @classmethod

@@ -13,6 +13,12 @@ once every worker finished or died) after the last call ended
 the updates of one interval; workers find out from the new incarnation and say
 how many steps were lost.
 
+With ``metrics_port`` set (``ps-server --metrics-port P``), ``build_server`` also
+binds a Prometheus endpoint on ``metrics_host`` (default: ``host``); ``start``
+serves it and ``stop`` closes it once the final checkpoint is written
+(``ps_server.metrics``). Tests ask for a free port with
+``build_server(config, metrics_port=0)`` and read ``RunningServer.metrics_port``.
+
 ``build_server`` returns the started-or-not gRPC server, the port it bound and the
 core, apart from ``serve()``, so tests can run a real server in-process. The
 standard gRPC health service reports SERVING for "" and for the tfps service
@@ -38,6 +44,7 @@ from ps_server import security
 from ps_server.core import checkpoint
 from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer
+from ps_server.metrics import Metrics, MetricsEndpoint
 from ps_server.service import ParameterServerServicer, add_to_server
 
 log = logging.getLogger("ps_server")
@@ -56,9 +63,17 @@ class RunningServer:
     _checkpoint_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # one writer at a time
     last_checkpoint_version: int | None = None  # written or restored; None: none yet
     servicer: ParameterServerServicer | None = None
+    metrics: MetricsEndpoint | None = None  # bound, served from start(); None: no metrics
+
+    @property
+    def metrics_port(self) -> int:
+        """The port the metrics endpoint bound; 0 without one."""
+        return self.metrics.port if self.metrics is not None else 0
 
     def start(self) -> "RunningServer":
         self.server.start()
+        if self.metrics is not None:
+            self.metrics.start()
         self._ticker = threading.Thread(target=self._tick_leases, name="ps-leases", daemon=True)
         self._ticker.start()
         if self.config.checkpoint_dir:
@@ -115,9 +130,13 @@ class RunningServer:
             self._ticker.join(timeout=5.0)
         if self._checkpointer is not None:
             self._checkpointer.join(timeout=30.0)
-        if checkpoint and self.config.checkpoint_dir:
-            if self.write_checkpoint(force=True, why="final") is None:
-                log.info("final checkpoint: nothing to write (no variables initialized)")
+        try:
+            if checkpoint and self.config.checkpoint_dir:
+                if self.write_checkpoint(force=True, why="final") is None:
+                    log.info("final checkpoint: nothing to write (no variables initialized)")
+        finally:  # scrapes see the server until its very end
+            if self.metrics is not None:
+                self.metrics.stop()
 
     @property
     def address(self) -> str:
@@ -127,7 +146,10 @@ class RunningServer:
         return f"{host}:{self.port}"
 
 
-def build_server(config: ServerConfig) -> RunningServer:
+def build_server(config: ServerConfig, metrics_port: int | None = None) -> RunningServer:
+    """Everything bound, nothing served yet (``RunningServer.start``). ``metrics_port``
+    overrides ``config.metrics_port``, and there 0 binds a free port (tests); None keeps
+    the configuration's, where 0 means no metrics endpoint."""
     config.validate()
     core = ParameterServer(
         config.mode,
@@ -151,7 +173,9 @@ def build_server(config: ServerConfig) -> RunningServer:
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
     servicer = ParameterServerServicer(core, allow_shm=config.shm)
-    add_to_server(servicer, server)
+    serve_metrics = bool(config.metrics_port) if metrics_port is None else True
+    metrics = Metrics(core) if serve_metrics else None
+    add_to_server(servicer, server, traffic=metrics)
     health_servicer = health.HealthServicer()
     for service in ("", wire.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -166,6 +190,15 @@ def build_server(config: ServerConfig) -> RunningServer:
         raise ConfigError(f"cannot bind {config.host}:{config.port}: {e}") from None
     if port == 0:
         raise ConfigError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this host)")
+    endpoint = None
+    if metrics is not None:
+        try:
+            endpoint = metrics.bind(config.metrics_address, config.metrics_port if metrics_port is None
+                                    else metrics_port)
+        except ConfigError:
+            server.stop(None)  # release the gRPC port bound above
+            raise
+        log.info("metrics: %s (plain HTTP, no token)", endpoint.url)
     log.info("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
     log.info("security: TLS %s, client certificates %s, bearer token %s",
              "on" if credentials is not None else "off", "required" if config.tls_client_ca_file else "not required",
@@ -174,7 +207,7 @@ def build_server(config: ServerConfig) -> RunningServer:
         log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
     return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored,
-                         servicer=servicer)
+                         servicer=servicer, metrics=endpoint)
 
 
 def _round(state: checkpoint.ServerState) -> str:

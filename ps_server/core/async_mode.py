@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
@@ -69,6 +70,12 @@ class AsyncMode:
         self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
 
     def push(self, push: Push) -> PushResult:
+        started = time.perf_counter()
+        result = self._push(push)
+        self.stats.pushed(time.perf_counter() - started)
+        return result
+
+    def _push(self, push: Push) -> PushResult:
         push.validate()
         if push.batch_size == 0:
             raise InvalidArgument(f"async push from worker {push.worker_id} has no examples (batch_size 0)")
@@ -97,10 +104,12 @@ class AsyncMode:
             return PushResult(version=seen, staleness=staleness, contributors=0, dropped=True,
                               next_step=push.step + 1)
         lr_scale = 1.0 / (1 + staleness) if self.stale_policy == "scale" else 1.0
+        started = time.perf_counter()
         # Sorted order only makes runs reproducible; correctness does not depend on it.
         for name in sorted(push.gradients):
             self.store.apply_one(name, push.gradients[name], lr_scale)
         version = self.store.bump_version()
+        self.stats.applied(time.perf_counter() - started)
         if lr_scale != 1.0:
             self.stats.count("scaled")
         self.stats.record(pushes=1, examples=push.batch_size, staleness=[staleness], loss=push.loss)

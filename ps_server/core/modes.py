@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -92,7 +92,17 @@ class Mode(Protocol):
 
 
 class Stats:
-    """Counters every mode keeps: pushes, examples, staleness, last loss. Thread-safe."""
+    """Counters every mode keeps: pushes, examples, staleness, last loss. Thread-safe.
+
+    Two events are not counted here but handed to optional observers (``ps_server.metrics``
+    sets them for ``ps-server --metrics-port``): ``on_push(seconds)`` once a push is answered
+    (applied, joined, dropped or replayed), with the seconds it spent in the mode: the
+    apply, and in sync or ssp the wait for the others; ``on_apply(seconds)`` after each
+    update, with the seconds of the update alone: sync, averaging the round's gradients and
+    one optimizer step; async and ssp, one push's optimizer step over every variable.
+    Observers are plain callables; they may run under a mode's lock, so they must be quick,
+    take no lock of the core, and not raise.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # leaf lock
@@ -103,6 +113,8 @@ class Stats:
         self.dropped = 0
         self.replayed = 0
         self.scaled = 0  # async/SSP policy "scale": pushes applied with a reduced learning rate
+        self.on_push: Callable[[float], None] | None = None
+        self.on_apply: Callable[[float], None] | None = None
 
     def record(self, pushes: int, examples: int, staleness: list[int], loss: float) -> None:
         with self._lock:
@@ -116,6 +128,21 @@ class Stats:
         """Bump one of the event counters: "dropped", "replayed" or "scaled"."""
         with self._lock:
             setattr(self, what, getattr(self, what) + n)
+
+    def pushed(self, seconds: float) -> None:
+        """A push was answered after ``seconds`` in the mode: tell the observer, if any."""
+        if self.on_push is not None:
+            self.on_push(seconds)
+
+    def applied(self, seconds: float) -> None:
+        """An update took ``seconds``: tell the observer, if any."""
+        if self.on_apply is not None:
+            self.on_apply(seconds)
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """staleness -> how many applied pushes had it (a copy)."""
+        with self._lock:
+            return dict(self.staleness_counts)
 
     def export(self) -> dict:
         """The counters as plain JSON-able values (for a checkpoint)."""

@@ -104,8 +104,9 @@ class SSPMode(AsyncMode):
             self._cond.notify_all()
         return result
 
-    def push(self, push: Push) -> PushResult:
-        result = super().push(push)  # applied, or answered from the record
+    def _push(self, push: Push) -> PushResult:
+        # AsyncMode.push times this whole call, the wait for the bound included (Stats.on_push).
+        result = super()._push(push)  # applied, or answered from the record
         self._wait_to_start(push.worker_id, push.step + 1)
         return result
 

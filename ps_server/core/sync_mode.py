@@ -101,6 +101,12 @@ class SyncMode:
 
     # -- pushes ------------------------------------------------------------------
     def push(self, push: Push) -> PushResult:
+        started = time.perf_counter()  # real seconds for Stats.on_push, whatever the injected clock
+        result = self._push(push)
+        self.stats.pushed(time.perf_counter() - started)
+        return result
+
+    def _push(self, push: Push) -> PushResult:
         push.validate()
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._lock:
@@ -154,6 +160,7 @@ class SyncMode:
     def _complete(self, generation: int) -> PushResult:
         """Aggregate and apply the full round. Called with the lock held."""
         pushes: list[Push] = self._book.peek()
+        started = time.perf_counter()
         try:
             mean = weighted_mean([(p.batch_size, p.gradients) for p in pushes])
             version = self.store.apply_all(mean)
@@ -161,6 +168,7 @@ class SyncMode:
             self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
+        self.stats.applied(time.perf_counter() - started)
         completed = self._book.round
         self._book.take()
         sizes = [p.batch_size for p in pushes]
