@@ -79,6 +79,12 @@ class WorkerConfig:
     pause_at_step: int = 0  # before this step (from 0) sleep --pause-for seconds, once; 0: never
     pause_for: float = 0.0
     eval_every: int = 0  # chief: test accuracy of the pulled parameters every K steps, into the history; 0: off
+    dataset_sharding: str = "batch"  # your tf.data: "batch" splits every global batch, "none": already this worker's
+    # Seeing the training (worker.observe): progress bar or lines, TensorBoard, Prometheus.
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise), bar, lines, off
+    logdir: str = ""  # TensorBoard summaries under logdir/worker<i>; "": none
+    metrics_port: int = 0  # Prometheus exporter on this port; 0: off
+    metrics_host: str = "127.0.0.1"
 
     @property
     def is_chief(self) -> bool:
@@ -126,10 +132,19 @@ class WorkerConfig:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
             raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1} or auto, got {self.worker_index}")
-        if self.dataset not in DATASETS:
-            raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
-        if self.model not in MODELS:
-            raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.dataset not in DATASETS and not _is_function(self.dataset):
+            raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)} or module:function, got {self.dataset!r}")
+        if self.model not in MODELS and not _is_function(self.model):
+            raise ConfigError(f"--model must be one of {', '.join(MODELS)} or module:function, got {self.model!r}")
+        if _is_function(self.model) != _is_function(self.dataset):
+            raise ConfigError("--model module:function goes with --dataset module:function (the built-in models fit "
+                              "only the built-in datasets, and your model needs your data)")
+        if self.dataset_sharding not in ("batch", "none"):
+            raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
+        if self.progress not in ("auto", "bar", "lines", "off"):
+            raise ConfigError(f"--progress must be auto, bar, lines or off, got {self.progress!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be a port number (0: off), got {self.metrics_port}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.epochs < 1 and self.steps < 1:
@@ -238,6 +253,12 @@ def _index(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {raw!r}") from None
 
 
+def _is_function(spec: str) -> bool:
+    """``module:function``: a model or dataset function of the user's (``worker.task``)."""
+    module, sep, attr = spec.partition(":")
+    return bool(sep and module and attr)
+
+
 def _is_host_port(address: str) -> bool:
     host, sep, port = address.rpartition(":")
     return bool(sep and host and port.isdigit())
@@ -245,8 +266,13 @@ def _is_host_port(address: str) -> bool:
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
     """Flags that describe the training; ps-launch forwards them to every worker."""
-    p.add_argument("--dataset", choices=DATASETS, help="digits (default, offline), mnist, synthetic")
-    p.add_argument("--model", choices=MODELS, help=f"{', '.join(MODELS)} (default cnn)")
+    p.add_argument("--dataset", help="digits (default, offline), mnist, synthetic, or module:function returning "
+                   "a tf.data.Dataset of (features, labels) batches, or a (train, eval) pair (worker.task)")
+    p.add_argument("--model", help=f"{', '.join(MODELS)} (default cnn), or module:function returning a Keras model "
+                   "compiled with its loss and metrics (goes with --dataset module:function)")
+    p.add_argument("--dataset-sharding", choices=("batch", "none"),
+                   help="with --dataset module:function: batch (default) splits every global batch by worker "
+                        "index; none: the function made this worker's own batches (it takes a context argument)")
     p.add_argument("--epochs", type=int, help="passes over the training data (default 3)")
     p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
     p.add_argument("--global-batch-size", type=int, help="examples per step over all workers (default 64)")
@@ -272,6 +298,13 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="move tensors through shared memory when the server is on this host (or shares "
                         "/dev/shm); detected at registration, falls back to gRPC streams (default off)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--progress", choices=("auto", "bar", "lines", "off"),
+                   help="a progress bar on a terminal, plain log lines otherwise (auto, the default), or force one")
+    p.add_argument("--logdir", help="write TensorBoard summaries (loss, accuracy, staleness, step time) under "
+                   "DIR/worker<index>")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (step time, examples/s, pull/push "
+                   "time) on this port (default 0: off)")
+    p.add_argument("--metrics-host", help="address the metrics endpoint binds to (default 127.0.0.1)")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
     p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")
     p.add_argument("--tls-ca-file", help="CA (PEM) that signed the server certificate; enables TLS")

@@ -26,6 +26,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ps_server.core.sparse import SparseRows
+
 SETTINGS = ("slowdown", "bandwidth_mbps", "added_latency_ms", "pause_at_step", "pause_for")  # WorkerConfig fields
 
 
@@ -103,9 +105,13 @@ class Knobs:
 def payload_nbytes(gradients: Mapping[str, np.ndarray], wire_dtype: str = "float32") -> int:
     """Bytes of the gradients as a push sends them: float32 arrays take 2 bytes per
     element with ``--grad-wire-dtype`` float16 or bfloat16, everything else its own size
-    (``protos.stream.to_wire``)."""
+    (``protos.stream.to_wire``); a sparse gradient (``SparseRows``) its rows and their
+    8-byte row numbers."""
     total = 0
     for g in gradients.values():
+        if isinstance(g, SparseRows):
+            total += g.rows.size * 8
+            g = g.values
         g = np.asarray(g)
         total += g.size * 2 if wire_dtype != "float32" and g.dtype == np.float32 else g.nbytes
     return int(total)

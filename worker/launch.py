@@ -17,7 +17,9 @@ Children are also told by the kernel to stop if the launcher itself dies (no
 orphans). On success the chief's metrics are written to ``--metrics-json`` as
 ``{"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s",
 "examples_per_s"}`` (plus a few more keys, among them ``shards``: what each
-server holds at the end).
+server holds at the end). ``--save-model F.keras``: the chief saves the trained
+model. ``--metrics-port P``: Prometheus endpoints on loopback, server shard I on
+P+I and worker I on P+M+I (M servers).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
     p.add_argument("--barrier-timeout", type=float, default=60.0, help="sync barrier timeout in seconds (default 60)")
     p.add_argument("--metrics-json", help="write the run's metrics here")
+    p.add_argument("--save-model", help="the chief saves the trained model here as a Keras file (.keras)")
     p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
     p.add_argument("--num-ps", type=int, default=1,
                    help="server shards: the variables are spread over this many ps-server processes (default 1)")
@@ -157,8 +160,14 @@ def _worker_parser(index: int) -> argparse.ArgumentParser:
 
 def worker_argv(args: argparse.Namespace, index: int, addresses: list[str], extra: list[str] = ()) -> list[str]:
     """The command line of worker ``index``: the training flags, then its ``--worker-args``."""
+    flags = training_flags(args)
+    if args.metrics_port:  # one port each: server shards take P, P+1, ..., then the workers
+        at = flags.index("--metrics-port")
+        flags[at + 1] = str(args.metrics_port + args.num_ps + index)
+    if index == 0 and args.save_model:
+        flags += ["--save-model", args.save_model]
     return [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(index),
-            "--num-workers", str(args.workers), *training_flags(args), *extra]
+            "--num-workers", str(args.workers), *flags, *extra]
 
 
 def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[str]:
@@ -176,6 +185,8 @@ def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[st
             argv += [flag, str(value)]
     if args.auth_token_file:
         argv += ["--auth-token-file", args.auth_token_file]
+    if args.metrics_port:  # Prometheus: shard I on --metrics-port + I (workers after them)
+        argv += ["--metrics-port", str(args.metrics_port + shard)]
     return argv
 
 

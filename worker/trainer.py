@@ -35,7 +35,6 @@ With several servers in ``--ps`` (shards), the loop is the same: a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -48,10 +47,12 @@ import numpy as np
 
 from ps_server import security
 from worker.client import PSClient, PSClientError
+from worker import task as tasks
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
-from worker.data import global_batches, load_dataset, shard, steps_per_epoch
 from worker.knobs import Knobs, payload_nbytes
+from worker.observe import Observer
 from worker.sharded_client import ShardedClient
+from worker.task import Task
 
 log = logging.getLogger("worker")
 
@@ -76,127 +77,140 @@ class WorkerLogTag(logging.Filter):
 LOG_TAG = WorkerLogTag()
 
 
-def train(config: WorkerConfig) -> dict:
+def train(config: WorkerConfig, task: Task | None = None) -> dict:
+    """Train ``task`` (default: the one ``config`` names, ``worker.task.from_config``) against
+    the parameter server; returns the chief's final scores (the others: their step count)."""
     from worker import model as models
 
     tf = models.tf_setup(config.deterministic, config.intra_op_threads)
     device = models.device_name()
     log.info("computes on %s (TensorFlow %s)", device, tf.__version__)
 
-    data = load_dataset(config.dataset)
-    n_train = len(data.y_train)
-    total_steps = config.steps or config.epochs * steps_per_epoch(n_train, config.global_batch_size)
-    epochs_needed = -(-total_steps // steps_per_epoch(n_train, config.global_batch_size))
-
+    try:
+        task = task or tasks.from_config(config)
+    except tasks.TaskError as e:
+        raise ConfigError(str(e)) from None
+    total_steps = task.total_steps
     with tf.device(device):
-        model = models.build_model(config.model, config.seed)
+        try:
+            model = task.build_model()
+        except tasks.TaskError as e:
+            raise ConfigError(str(e)) from None
+    log.info("training %s: %d steps, %d trainable and %d non-trainable variables", task.name, total_steps,
+             len(tasks.trainable(model)), len(tasks.non_trainable(model)))
     if config.initial_weights:
         try:
             models.load_ordered_npz(model, config.initial_weights)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"--initial-weights: {e}") from None
-    grad_fn = models.make_grad_fn(model)
-    names = models.variable_names(model)
-
+    observer = Observer(worker_index=config.worker_index, total_steps=total_steps, log_every=config.log_every,
+                        progress=config.progress, logdir=config.logdir,
+                        metrics_port=config.metrics_port or None,
+                        metrics_host=config.metrics_host)
+    if observer.metrics_port:
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
     client = _client(config)
     try:
-        reg = _register_first(config, client)
-        auto = config.worker_index == AUTO_INDEX
-        if auto:  # from now on this worker is the index the server gave it, also when it rejoins
-            config = dataclasses.replace(config, worker_index=reg.worker_id)
-            LOG_TAG.index = reg.worker_id
-        log.info("registered as worker %d of %d%s; server mode %s, version %d, round %d",
-                 reg.worker_id, reg.num_workers, " (index assigned by the server)" if auto else "",
-                 reg.mode, reg.version, reg.round)
-        _join(config, client, reg.worker_id, model, models)
-        heartbeat = _Heartbeat(client, reg, config.heartbeat_interval)
-        sync = reg.mode == "sync"  # async and ssp both apply pushes on arrival
-        knobs = Knobs.from_config(config)
-        if knobs.active:
-            log.info("experiment knobs: %s", knobs.describe())
-
-        batches = list(itertools.islice(
-            global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), total_steps))
-        t0 = time.monotonic()
-        last_log, examples_since, loss = t0, 0, float("nan")
-        history: list[dict] = []
-        evals: list[dict] = []
-        eval_every = config.eval_every if config.is_chief else 0
-        snapshots = set(config.snapshot_step_list) if config.is_chief else set()
-        step = reg.round if sync else 0  # a (re)joining sync worker starts at the server's round
-        seen = reg.version  # the newest server version this worker saw: after a restart, what was lost
-        try:
-            while step < total_steps:
-                heartbeat.step = step
-                mine = shard(batches[step], config.worker_index, config.num_workers)
-                # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
-                knob_s = knobs.before_step(step)
-                try:
-                    knob_s += knobs.before_pull()
-                    pull_start = time.monotonic()
-                    version, values = client.pull(reg.worker_id)
-                    seen = max(seen, version)
-                    models.set_weights(model, values)
-                    compute_start = time.monotonic()
-                    if len(mine):
-                        with tf.device(device):
-                            loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine],
-                                                                   data.y_train[mine])
-                    else:  # a tiny last batch left this worker nothing: weight 0 in the round
-                        loss, grads = 0.0, {n: np.zeros_like(values[n]) for n in names}
-                    compute_s = time.monotonic() - compute_start
-                    knob_s += knobs.after_compute(compute_s)
-                    knob_s += knobs.before_push(payload_nbytes(grads, config.grad_wire_dtype))
-                    push_start = time.monotonic()
-                    push_timeout = reg.barrier_timeout + 30.0 if sync else 120.0
-                    reply = client.push(reg.worker_id, step, version, len(mine), grads, loss, timeout=push_timeout)
-                    step_end = time.monotonic()
-                except PSClientError as e:
-                    if not _recoverable(e):
-                        raise
-                    reg, step = _rejoin(config, client, reg, step, e, model, models, seen)
-                    seen = reg.version
-                    heartbeat.reg = reg
-                    continue
-                seen = max(seen, reply.version)
-                examples_since += len(mine)
-                history.append({"step": step, "loss": loss, "batch_size": len(mine), "base_version": version,
-                                "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped,
-                                "t": step_end - t0, "pull_s": compute_start - pull_start, "compute_s": compute_s,
-                                "push_s": step_end - push_start, "knob_s": knob_s})
-                if eval_every and (step + 1) % eval_every == 0:
-                    evals.append(_evaluate(model, models, data, step, version, t0))
-                if step + 1 in snapshots:
-                    _, now_values = client.pull(reg.worker_id)
-                    models.save_ordered_npz(model, now_values,
-                                            os.path.join(config.snapshot_dir, f"step{step + 1}.npz"))
-                if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
-                    now = time.monotonic()
-                    log.info("step %d/%d loss %.4f examples/s %.0f version %d staleness %d%s",
-                             step + 1, total_steps, loss, examples_since / max(now - last_log, 1e-9),
-                             reply.version, reply.staleness, " (gradient dropped: round finished without it)"
-                             if reply.dropped else "")
-                    last_log, examples_since = now, 0
-                # Sync: the server says which round is next (a dropped push skips ahead).
-                step = max(reply.next_step, step + 1) if sync else step + 1
-            train_s = time.monotonic() - t0
-            if config.history_json:
-                _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
-                                                  "train_s": train_s, "knobs": knobs.settings(),
-                                                  "eval_every": eval_every, "steps": history, "evals": evals})
-            log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
-            if config.is_chief:
-                result = _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s)
-            else:
-                result = {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
-            # The chief leaves last, after its final pull, with its lease renewed until then:
-            # a server started with --exit-when-done stops once everyone left.
-            client.leave(reg.worker_id)
-            return result
-        finally:
-            heartbeat.stop()
+        return _train(config, task, model, models, tf, device, client, observer, total_steps)
     finally:
+        observer.close()
         client.close()
+
+
+def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, observer, total_steps) -> dict:
+    reg = _register_first(config, client)
+    auto = config.worker_index == AUTO_INDEX
+    if auto:  # from now on this worker is the index the server gave it, also when it rejoins
+        config = dataclasses.replace(config, worker_index=reg.worker_id)
+        LOG_TAG.index = reg.worker_id
+        observer.set_index(reg.worker_id)
+        if isinstance(task, tasks.UserTask):
+            task.rebind(reg.worker_id, config.num_workers)
+    log.info("registered as worker %d of %d%s; server mode %s, version %d, round %d",
+             reg.worker_id, reg.num_workers, " (index assigned by the server)" if auto else "",
+             reg.mode, reg.version, reg.round)
+    _join(config, client, reg.worker_id, model)
+    heartbeat = _Heartbeat(client, reg, config.heartbeat_interval)
+    sync = reg.mode == "sync"  # async and ssp both apply pushes on arrival
+    knobs = Knobs.from_config(config)
+    if knobs.active:
+        log.info("experiment knobs: %s", knobs.describe())
+
+    batches = task.batches(config.worker_index, config.num_workers)
+    t0 = time.monotonic()
+    loss = float("nan")
+    history: list[dict] = []
+    evals: list[dict] = []
+    eval_every = config.eval_every if config.is_chief else 0
+    snapshots = set(config.snapshot_step_list) if config.is_chief else set()
+    step = reg.round if sync else 0  # a (re)joining sync worker starts at the server's round
+    seen = reg.version  # the newest server version this worker saw: after a restart, what was lost
+    try:
+        while step < total_steps:
+            heartbeat.step = step
+            x, y, n = batches.get(step)
+            # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
+            knob_s = knobs.before_step(step)
+            try:
+                knob_s += knobs.before_pull()
+                pull_start = time.monotonic()
+                version, values = client.pull(reg.worker_id)
+                seen = max(seen, version)
+                tasks.set_values(model, values)
+                compute_start = time.monotonic()
+                if n:
+                    with tf.device(device):
+                        loss, grads, changes = task.gradients(model, x, y)
+                    grads.update(changes)  # non-trainable variables: the change this step made
+                else:  # a tiny last batch left this worker nothing: weight 0 in the round
+                    loss, grads = 0.0, {name: np.zeros_like(v) for name, v in values.items()}
+                compute_s = time.monotonic() - compute_start
+                knob_s += knobs.after_compute(compute_s)
+                push_bytes = payload_nbytes(grads, config.grad_wire_dtype)
+                knob_s += knobs.before_push(push_bytes)
+                push_start = time.monotonic()
+                push_timeout = reg.barrier_timeout + 30.0 if sync else 120.0
+                reply = client.push(reg.worker_id, step, version, n, grads, loss, timeout=push_timeout)
+                step_end = time.monotonic()
+            except PSClientError as e:
+                if not _recoverable(e):
+                    raise
+                reg, step = _rejoin(config, client, reg, step, e, model, models, seen)
+                seen = reg.version
+                heartbeat.reg = reg
+                continue
+            seen = max(seen, reply.version)
+            record = {"step": step, "loss": loss, "batch_size": n, "base_version": version,
+                      "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped,
+                      "t": step_end - t0, "pull_s": compute_start - pull_start, "compute_s": compute_s,
+                      "push_s": step_end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
+            history.append(record)
+            observer.step(record)
+            if eval_every and (step + 1) % eval_every == 0:
+                evals.append(_evaluate(model, task, step, version, t0))
+                observer.evaluation(evals[-1])
+            if step + 1 in snapshots:
+                _, now_values = client.pull(reg.worker_id)
+                models.save_ordered_npz(model, now_values,
+                                        os.path.join(config.snapshot_dir, f"step{step + 1}.npz"))
+            # Sync: the server says which round is next (a dropped push skips ahead).
+            step = max(reply.next_step, step + 1) if sync else step + 1
+        train_s = time.monotonic() - t0
+        if config.history_json:
+            _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
+                                              "train_s": train_s, "knobs": knobs.settings(),
+                                              "eval_every": eval_every, "steps": history, "evals": evals})
+        log.info("worker %d finished %d steps in %.1f s", reg.worker_id, total_steps, train_s)
+        if config.is_chief:
+            result = _finish_as_chief(config, client, reg, model, task, models, total_steps, train_s, history)
+        else:
+            result = {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
+        # The chief leaves last, after its final pull, with its lease renewed until then:
+        # a server started with --exit-when-done stops once everyone left.
+        client.leave(reg.worker_id)
+        return result
+    finally:
+        heartbeat.stop()
 
 
 def _client(config: WorkerConfig) -> PSClient | ShardedClient:
@@ -265,7 +279,8 @@ def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSCli
             new = _register(config, client, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
             if not new.initialized and config.is_chief:
                 # A server restarted with no checkpoint: carry on from our last parameters.
-                created = client.initialize(new.worker_id, models.get_weights(model), config.optimizer_spec())
+                created = client.initialize(new.worker_id, tasks.get_values(model), config.optimizer_spec(),
+                                            non_trainable=[v.path for v in tasks.non_trainable(model)])
                 log.warning("server at %s had no state; re-initialized it from this worker's last parameters "
                             "(created=%s)", config.ps, created)
             elif not new.initialized:
@@ -316,15 +331,16 @@ class _Heartbeat:
         self._thread.join(timeout=5.0)
 
 
-def _join(config: WorkerConfig, client: PSClient, worker_id: int, model, models) -> None:
+def _join(config: WorkerConfig, client: PSClient, worker_id: int, model) -> None:
     """Chief: initialize the server. Others: wait for it and check the spec matches."""
     if config.is_chief:
-        created = client.initialize(worker_id, models.get_weights(model), config.optimizer_spec())
+        created = client.initialize(worker_id, tasks.get_values(model), config.optimizer_spec(),
+                                    non_trainable=[v.path for v in tasks.non_trainable(model)])
         log.info("%s the server's variables (%d tensors)",
-                 "initialized" if created else "found identical state on", len(model.trainable_variables))
+                 "initialized" if created else "found identical state on", len(tasks.get_values(model)))
         return
     _, values = client.wait_initialized(worker_id, config.init_timeout)
-    mine = {v.path: tuple(v.shape) for v in model.trainable_variables}
+    mine = {path: tuple(a.shape) for path, a in tasks.get_values(model).items()}
     theirs = {n: tuple(a.shape) for n, a in values.items()}
     if mine != theirs:
         diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
@@ -337,41 +353,45 @@ def _join(config: WorkerConfig, client: PSClient, worker_id: int, model, models)
         raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")
 
 
-def _evaluate(model, models, data, step: int, version: int, t0: float) -> dict:
-    """--eval-every: test accuracy of the parameters pulled for ``step`` (the model holds them)."""
+def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:
+    """--eval-every: test scores of the parameters pulled for ``step`` (the model holds them)."""
     start = time.monotonic()
-    test_loss, test_acc = models.evaluate(model, data.x_test, data.y_test)
-    log.info("eval at step %d: test accuracy %.4f, test loss %.4f (parameters at version %d)", step + 1,
-             test_acc, test_loss, version)
-    return {"step": step, "t": start - t0, "version": version, "test_accuracy": test_acc, "test_loss": test_loss,
-            "eval_s": time.monotonic() - start}
+    scores = task.evaluate(model)
+    log.info("eval at step %d: %s (parameters at version %d)", step + 1, _scores_text(scores), version)
+    return {"step": step, "t": start - t0, "version": version, **scores, "eval_s": time.monotonic() - start}
 
 
-def _finish_as_chief(config, client, reg, model, models, data, total_steps, train_s) -> dict:
+def _scores_text(scores: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in scores.items()) or "no eval dataset"
+
+
+def _finish_as_chief(config, client, reg, model, task: Task, models, total_steps, train_s, history) -> dict:
     if reg.mode != "sync":  # async, ssp: nobody waits at a barrier, so wait for the others here
         _wait_for_others(config, client)
     version, values = client.pull(reg.worker_id)
-    models.set_weights(model, values)
-    test_loss, test_acc = models.evaluate(model, data.x_test, data.y_test)
-    train_loss, train_acc = models.evaluate(model, data.x_train, data.y_train)
+    tasks.set_values(model, values)
+    scores = task.evaluate(model)
+    train = task.train_scores(model)
+    if "final_loss" not in train:  # your data: the mean loss of this worker's last steps
+        last = [r["loss"] for r in history[-10:] if r["batch_size"]]
+        train["final_loss"] = float(np.mean(last)) if last else float("nan")
     status = client.status()
+    test_acc = scores.get("test_accuracy", float("nan"))
     result = {
         "mode": reg.mode,
         "workers": reg.num_workers,
         "steps": total_steps,
         "version": version,
+        **scores,
         "test_accuracy": test_acc,
-        "test_loss": test_loss,
-        "final_loss": train_loss,
-        "train_accuracy": train_acc,
+        **train,
         "train_s": train_s,
         "examples": int(status.examples_applied),
         "examples_per_s": status.examples_applied / train_s if train_s > 0 else 0.0,
         "mean_staleness": status.mean_staleness,
         "max_staleness": int(status.max_staleness),
     }
-    log.info("final: test accuracy %.4f, test loss %.4f, training loss %.4f at version %d",
-             test_acc, test_loss, train_loss, version)
+    log.info("final: %s, training loss %.4f at version %d", _scores_text(scores), train["final_loss"], version)
     print(f"test_accuracy={test_acc:.4f}", flush=True)
     if config.result_json:
         _write_json(config.result_json, result)

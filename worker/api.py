@@ -1,0 +1,199 @@
+"""The Python API: train your own Keras model and tf.data pipeline on a tfps parameter server.
+
+    from worker import api
+
+    result = api.train(build_model, make_dataset, ps="10.0.0.5:50051", worker_index=0, num_workers=2,
+                       epochs=3, global_batch_size=128, optimizer="adam")
+
+runs the same loop as ``ps-worker`` (``worker.trainer``) with your functions
+instead of the built-in model and data; ``ps-worker --model mymod:build_model
+--dataset mymod:make_dataset`` does the same from the command line. What the
+functions return and how the data is sharded: ``worker.task`` (a model compiled
+with its loss and metrics, or ``loss=``/``metrics=`` here; a dataset of
+``(features, labels)`` global batches that each worker splits by its index, or,
+with ``dataset_sharding="none"``, batches the function made for the worker whose
+``InputContext`` it was given). Every other keyword is a ``ps-worker`` flag
+with ``_`` for ``-`` (``learning_rate=0.01``, ``save_model="m.keras"``); unset
+ones come from ``TFPS_*`` environment variables and ``TF_CONFIG``, as for the
+command line.
+
+A hand-written training step keeps its ``tf.GradientTape``; wrap the tape, as
+Horovod's ``DistributedGradientTape`` does, and its ``gradient`` call pushes::
+
+    with api.Session(model, ps="127.0.0.1:50051", worker_index=0, num_workers=2,
+                     optimizer="sgd", learning_rate=0.1) as session:
+        for x, y in batches:
+            session.pull()                                 # the server's parameters into the model
+            with tf.GradientTape() as tape:
+                loss = my_loss(y, model(x, training=True))
+            tape = session.wrap(tape, batch_size=len(y))
+            tape.gradient(loss, model.trainable_variables) # pushed; the server applies its optimizer
+
+Do not apply a local optimizer too: the server holds the optimizer (its state
+and its learning rate), and the next ``pull`` brings its result. In sync mode
+``gradient`` returns once the round is applied; in async and ssp modes once
+this push is. ``Session`` registers (the chief, worker 0, initializes the
+server from the model; the others wait for it and check their model matches),
+renews its lease from a thread, and leaves on ``close``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from worker import task as tasks
+from worker.config import ConfigError, WorkerConfig
+
+log = logging.getLogger("worker")
+
+
+def make_config(**flags) -> WorkerConfig:
+    """A validated ``WorkerConfig``: the given flags over ``TFPS_*`` and ``TF_CONFIG`` defaults."""
+    names = {f.name for f in dataclasses.fields(WorkerConfig)}
+    unknown = sorted(set(flags) - names)
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are ps-worker's flags: "
+                        f"{', '.join(sorted(names))}")
+    base = WorkerConfig.from_args([], os.environ)
+    return dataclasses.replace(base, **flags).validate()
+
+
+def _label(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', 'user')}:{getattr(fn, '__qualname__', 'function')}"
+
+
+def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Sequence | None = None, **flags) -> dict:
+    """Train ``model_fn()``'s model on ``dataset_fn``'s data against the parameter server.
+
+    Returns, on the chief, the final scores (``test_accuracy``, ``test_loss``, each
+    metric as ``test_<name>``, ``final_loss``, ``examples_per_s``, staleness) after
+    evaluating the server's final parameters on the eval dataset; on the others,
+    their step count. Raises ``ConfigError`` for a bad option, model or dataset,
+    and ``TrainingError`` / ``PSClientError`` when training cannot go on.
+    """
+    from worker.trainer import train as run
+
+    config = make_config(model=_label(model_fn), dataset=_label(dataset_fn), **flags)
+    try:
+        task = tasks.UserTask(model_fn, dataset_fn, global_batch_size=config.global_batch_size,
+                              epochs=config.epochs, steps=config.steps, seed=config.seed, loss=loss,
+                              metrics=metrics, sharding=config.dataset_sharding,
+                              worker_index=config.worker_index, num_workers=config.num_workers)
+    except tasks.TaskError as e:
+        raise ConfigError(str(e)) from None
+    return run(config, task)
+
+
+class Session:
+    """A worker's connection for a hand-written loop (module docstring)."""
+
+    def __init__(self, model, **flags):
+        from worker import trainer
+
+        self.model = model
+        self.config = make_config(**flags)
+        self._client = trainer._client(self.config)
+        try:
+            self.registration = trainer._register_first(self.config, self._client)
+            if self.config.worker_index == -1:
+                self.config = dataclasses.replace(self.config, worker_index=self.registration.worker_id)
+            trainer._join(self.config, self._client, self.registration.worker_id, model)
+        except BaseException:
+            self._client.close()
+            raise
+        self._heartbeat = trainer._Heartbeat(self._client, self.registration, self.config.heartbeat_interval)
+        self.sync = self.registration.mode == "sync"
+        self.step = self.registration.round if self.sync else 0
+        self.version = -1
+        self._stats_pulled: dict[str, np.ndarray] = {}
+        self.closed = False
+        log.info("session: worker %d of %d, %s mode, starting at step %d", self.worker_index,
+                 self.registration.num_workers, self.registration.mode, self.step)
+
+    @property
+    def worker_index(self) -> int:
+        return self.registration.worker_id
+
+    def pull(self) -> int:
+        """Load the server's parameters (and BatchNorm statistics) into the model; returns their version."""
+        version, values = self._client.pull(self.worker_index)
+        tasks.set_values(self.model, values)
+        self.version = version
+        self._stats_pulled = {v.path: values[v.path] for v in tasks.non_trainable(self.model)}
+        return version
+
+    def push(self, gradients: Mapping | Sequence, loss: float = 0.0, batch_size: int = 1):
+        """Push gradients of the model's trainable variables (a list in
+        ``model.trainable_variables`` order, or a dict by variable path; ``None`` or a
+        missing variable counts as zero; ``tf.IndexedSlices`` travel as rows), with the
+        change this step made to the non-trainable variables. Returns the server's reply."""
+        if self.version < 0:
+            raise RuntimeError("pull before the first push: the push says which version its gradients come from")
+        variables = tasks.trainable(self.model)
+        if not isinstance(gradients, Mapping):
+            gradients = list(gradients)
+            if len(gradients) > len(variables):
+                raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
+            gradients = {v.path: g for v, g in zip(variables, gradients)}
+        out = {}
+        for v in variables:
+            g = gradients.get(v.path)
+            out[v.path] = (np.zeros(v.shape, np.dtype(v.dtype)) if g is None
+                           else tasks.to_pushable(g, int(v.shape[0]) if len(v.shape) else None))
+        for v in tasks.non_trainable(self.model):
+            out[v.path] = np.array(v.numpy()) - self._stats_pulled[v.path]
+        self._heartbeat.step = self.step
+        timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
+        reply = self._client.push(self.worker_index, self.step, self.version, int(batch_size), out, float(loss),
+                                  timeout=timeout)
+        self.step = max(reply.next_step, self.step + 1) if self.sync else self.step + 1
+        return reply
+
+    def wrap(self, tape, batch_size: int) -> "PushingGradientTape":
+        """``tape`` whose ``gradient(loss, sources)`` also pushes (module docstring)."""
+        return PushingGradientTape(tape, self, batch_size)
+
+    def close(self) -> None:
+        """Leave the cluster (the server then knows this worker finished) and disconnect."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._heartbeat.stop()
+            self._client.leave(self.worker_index)
+        finally:
+            self._client.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PushingGradientTape:
+    """Wraps a ``tf.GradientTape``: ``gradient`` computes as the tape does, pushes the
+    result to the parameter server, and returns it. Everything else is the tape's."""
+
+    def __init__(self, tape, session: Session, batch_size: int):
+        self._tape, self._session, self._batch_size = tape, session, batch_size
+        self.reply = None
+
+    def gradient(self, target, sources, **kwargs):
+        grads = self._tape.gradient(target, sources, **kwargs)
+        flat_sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        flat_grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+        self.reply = self._session.push({v.path: g for v, g in zip(flat_sources, flat_grads)},
+                                        loss=float(np.asarray(target).mean()), batch_size=self._batch_size)
+        return grads
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
+
+
+__all__ = ["train", "Session", "PushingGradientTape", "make_config", "ConfigError"]

@@ -1,0 +1,457 @@
+"""What a worker trains: a model, its data, its loss and metrics (the built-in ones or yours).
+
+    task = builtin_task(config)                          # --model cnn --dataset digits
+    task = user_task(config, model_fn, dataset_fn, loss="sparse_categorical_crossentropy",
+                     metrics=["accuracy"])               # worker.api.train, --model/--dataset M:F
+    model = task.build_model()
+    batches = task.batches(worker_index, num_workers)
+    x, y, n = batches.get(step)                          # this worker's part of global batch `step`
+    loss, grads, changes = task.gradients(model, x, y)   # grads by variable path (SparseRows for embeddings)
+    scores = task.evaluate(model)                        # {"test_loss", "test_accuracy", other metrics}
+
+The training loop (``worker.trainer``) sees only this interface, so the CLI and
+the Python API (``worker.api``) run the same loop.
+
+**Your data** (``dataset_fn``): a function returning a ``tf.data.Dataset`` of
+``(features, labels)`` batches, or a pair ``(train, eval)`` of them. Features
+may be one tensor, a tuple or a dict (a model with several inputs). If the
+function takes an argument it gets an ``InputContext`` (worker index, worker
+count, global batch size, seed). Two ways to shard, ``--dataset-sharding``:
+
+- ``batch`` (default): the dataset yields *global* batches, the same in every
+  worker (seed any shuffle); each worker keeps its contiguous part of each
+  batch, so the union of the parts is the batch one process would see, exactly
+  as with the built-in data.
+- ``none``: the function already returned this worker's own batches (it used
+  ``ctx.worker_index``, e.g. ``ds.shard(ctx.num_workers, ctx.worker_index)``
+  before batching with ``ctx.per_worker_batch_size``); every worker must make
+  the same number of batches, or sync rounds wait for the missing ones.
+
+The number of steps is ``--steps``, else epochs times the train dataset's
+length (``cardinality``); a dataset of unknown length needs ``--steps``.
+
+**Your model** (``model_fn``): returns a Keras model; without an explicit loss
+it must be compiled with one (``model.compile(loss=..., metrics=[...])``: the
+loss and metrics are read from it; the compiled optimizer is ignored, the
+server's applies). The loss is the mean over this worker's examples plus the
+model's regularization losses; the server weights workers by batch share.
+
+**Variables.** Trainable variables go to the server's optimizer. An embedding
+lookup's gradient (``tf.IndexedSlices``) is pushed as the rows it touches
+(``SparseRows``, repeated rows summed), unless half of the table or more is
+touched, when dense is smaller. Floating non-trainable variables (BatchNorm's
+moving mean and variance) are kept on the server too: each step a worker
+pushes the change its forward pass made to them, and the server adds it
+(sync: the batch-weighted mean of the workers' changes), without the
+optimizer; see ``ps_server.core.store``. Integer state (a dropout layer's seed
+generator) stays in each worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from ps_server.core.sparse import SparseRows
+
+log = logging.getLogger("worker")
+
+SHARDINGS = ("batch", "none")
+
+
+class TaskError(ValueError):
+    """The model or data cannot be used as given; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What a ``dataset_fn(ctx)`` may use to make this worker's data."""
+
+    worker_index: int
+    num_workers: int
+    global_batch_size: int
+    seed: int = 0
+
+    @property
+    def per_worker_batch_size(self) -> int:
+        """This worker's share of the global batch (the first workers take one more when it does not divide)."""
+        return len(np.array_split(np.arange(self.global_batch_size), self.num_workers)[self.worker_index])
+
+
+def load_function(spec: str, what: str) -> Callable:
+    """``module:function`` (``module.sub:obj.attr``) -> the function; ``TaskError`` says what is wrong.
+    The current directory is searched too, as ``python -m`` does."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"{what} must be module:function, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: modules of the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"{what} {spec!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TaskError(f"{what} {spec!r}: {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TaskError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+def is_function_spec(name: str) -> bool:
+    return ":" in name
+
+
+def shard_bounds(n: int, worker_index: int, num_workers: int) -> tuple[int, int]:
+    """[lo, hi) of this worker's contiguous part of n examples (``np.array_split``'s cut)."""
+    base, extra = divmod(n, num_workers)
+    lo = worker_index * base + min(worker_index, extra)
+    return lo, lo + base + (1 if worker_index < extra else 0)
+
+
+# -- the variables a worker and the server share -------------------------------------
+def trainable(model) -> list:
+    return list(model.trainable_variables)
+
+
+def non_trainable(model) -> list:
+    """Floating non-trainable variables (BatchNorm statistics): kept on the server."""
+    return [v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
+
+
+def get_values(model) -> dict[str, np.ndarray]:
+    return {v.path: np.array(v.numpy()) for v in trainable(model) + non_trainable(model)}
+
+
+def set_values(model, values: dict[str, np.ndarray]) -> None:
+    for v in trainable(model) + non_trainable(model):
+        v.assign(values[v.path])
+
+
+def to_pushable(g, rows_total: int | None = None):
+    """One gradient as pushed: a NumPy array, or ``SparseRows`` for an ``IndexedSlices``
+    touching fewer than half the rows."""
+    import tensorflow as tf
+
+    if isinstance(g, tf.IndexedSlices):
+        indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
+        unique, inverse = np.unique(indices, return_inverse=True)
+        rows = int(g.dense_shape[0]) if g.dense_shape is not None else rows_total
+        summed = np.zeros((len(unique),) + values.shape[1:], values.dtype)
+        np.add.at(summed, inverse, values)
+        if rows is not None and 2 * len(unique) >= rows:
+            dense = np.zeros((rows,) + values.shape[1:], values.dtype)
+            dense[unique] = summed
+            return dense
+        return SparseRows(unique, summed)
+    return np.asarray(g)
+
+
+class Task:
+    """The interface the training loop uses (module docstring)."""
+
+    name: str = "task"
+    total_steps: int = 0
+
+    def build_model(self):
+        raise NotImplementedError
+
+    def batches(self, worker_index: int, num_workers: int):
+        raise NotImplementedError
+
+    def gradients(self, model, x, y) -> tuple[float, dict, dict]:
+        """(mean loss, {trainable path: gradient}, {non-trainable path: change}) on this worker's examples."""
+        raise NotImplementedError
+
+    def evaluate(self, model) -> dict[str, float]:
+        raise NotImplementedError
+
+    def train_scores(self, model) -> dict[str, float]:
+        """Scores on the training data, when the task can afford them (built-in data)."""
+        return {}
+
+
+# -- the built-in models and datasets -------------------------------------------------
+class BuiltinTask(Task):
+    """``--model cnn|mlp|mlp25m`` on ``--dataset digits|mnist|synthetic``: NumPy arrays in
+    memory, batches drawn by index (``worker.data``). Its gradient function is the one
+    the parity layer compares bit for bit (``worker.model.make_grad_fn``)."""
+
+    def __init__(self, config):
+        from worker.data import global_batches, load_dataset, steps_per_epoch
+
+        self.config = config
+        self.name = f"{config.model} on {config.dataset}"
+        self.data = load_dataset(config.dataset)
+        n_train = len(self.data.y_train)
+        per_epoch = steps_per_epoch(n_train, config.global_batch_size)
+        self.total_steps = config.steps or config.epochs * per_epoch
+        epochs_needed = -(-self.total_steps // per_epoch)
+        import itertools
+
+        self._batches = list(itertools.islice(
+            global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), self.total_steps))
+        self._grad_fn = None
+
+    def build_model(self):
+        from worker import model as models
+
+        return models.build_model(self.config.model, self.config.seed)
+
+    def batches(self, worker_index: int, num_workers: int):
+        from worker.data import shard
+
+        task = self
+
+        class _Indexed:
+            def get(self, step: int):
+                mine = shard(task._batches[step], worker_index, num_workers)
+                return task.data.x_train[mine], task.data.y_train[mine], len(mine)
+
+        return _Indexed()
+
+    def gradients(self, model, x, y):
+        from worker import model as models
+
+        if self._grad_fn is None:
+            self._grad_fn = models.make_grad_fn(model)
+        loss, grads = models.compute_gradients(self._grad_fn, model, x, y)
+        return loss, grads, {}
+
+    def evaluate(self, model) -> dict[str, float]:
+        from worker import model as models
+
+        loss, acc = models.evaluate(model, self.data.x_test, self.data.y_test)
+        return {"test_loss": loss, "test_accuracy": acc}
+
+    def train_scores(self, model) -> dict[str, float]:
+        from worker import model as models
+
+        loss, acc = models.evaluate(model, self.data.x_train, self.data.y_train)
+        return {"final_loss": loss, "train_accuracy": acc}
+
+
+# -- your model and data --------------------------------------------------------------
+class UserTask(Task):
+    """A model function and a ``tf.data`` function of the user's (module docstring)."""
+
+    def __init__(self, model_fn: Callable, dataset_fn: Callable, *, global_batch_size: int, epochs: int = 1,
+                 steps: int = 0, seed: int = 0, loss=None, metrics=None, sharding: str = "batch",
+                 worker_index: int = 0, num_workers: int = 1, name: str = ""):
+        if sharding not in SHARDINGS:
+            raise TaskError(f"dataset sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+        self.model_fn, self.dataset_fn = model_fn, dataset_fn
+        self.global_batch_size, self.epochs, self.steps, self.seed = global_batch_size, epochs, steps, seed
+        self.loss_spec, self.metric_specs, self.sharding = loss, metrics, sharding
+        self.name = name or f"{getattr(model_fn, '__name__', 'model')} on {getattr(dataset_fn, '__name__', 'data')}"
+        self._worker_index, self._num_workers = worker_index, num_workers
+        self._train, self._eval = self._make_datasets(worker_index, num_workers)
+        if steps:
+            self.total_steps = steps
+        else:
+            import tensorflow as tf
+
+            n = int(self._train.cardinality())
+            if n == tf.data.INFINITE_CARDINALITY or n < 0:
+                raise TaskError("the train dataset's length is unknown (or infinite): give --steps (steps=)")
+            if n == 0:
+                raise TaskError("the train dataset is empty")
+            self.total_steps = n * max(1, epochs)
+        self._grad_fn = None
+        self._loss_fn = None
+        self._metric_list: list | None = None
+
+    def _make_datasets(self, worker_index: int, num_workers: int):
+        import tensorflow as tf
+
+        fn = self.dataset_fn
+        try:
+            takes_context = len(inspect.signature(fn).parameters) > 0
+        except (TypeError, ValueError):
+            takes_context = False
+        ctx = InputContext(max(worker_index, 0), num_workers, self.global_batch_size, self.seed)
+        out = fn(ctx) if takes_context else fn()
+        train, evaluation = (out if isinstance(out, tuple) and len(out) == 2
+                             and all(isinstance(d, tf.data.Dataset) for d in out) else (out, None))
+        if not isinstance(train, tf.data.Dataset):
+            raise TaskError(f"the dataset function must return a tf.data.Dataset or a (train, eval) pair of them, "
+                            f"got {type(out).__name__}")
+        return train, evaluation
+
+    def rebind(self, worker_index: int, num_workers: int) -> None:
+        """The worker learned its index (``--worker-index auto``): a context-taking
+        dataset function is asked again with it."""
+        if (worker_index, num_workers) != (self._worker_index, self._num_workers):
+            self._worker_index, self._num_workers = worker_index, num_workers
+            self._train, self._eval = self._make_datasets(worker_index, num_workers)
+
+    # -- the model, the loss and the metrics
+    def build_model(self):
+        import keras
+
+        keras.utils.set_random_seed(self.seed)
+        model = self.model_fn()
+        if not isinstance(model, keras.Model):
+            raise TaskError(f"the model function must return a keras.Model, got {type(model).__name__}")
+        compiled = getattr(model, "_compile_config", None)
+        compiled = compiled.config if compiled is not None else {}
+        loss = self.loss_spec if self.loss_spec is not None else compiled.get("loss")
+        if loss is None:
+            raise TaskError("no loss: compile the model with one (model.compile(loss=...)) or pass loss=")
+        if isinstance(loss, (dict, list, tuple)):
+            raise TaskError("one loss for the model's output is supported, not a list or dict of losses")
+        self._loss_fn = _per_example(loss)
+        metrics = self.metric_specs if self.metric_specs is not None else (compiled.get("metrics") or [])
+        self._metric_list = [_metric(m, loss) for m in metrics]
+        return model
+
+    def gradients(self, model, x, y):
+        import tensorflow as tf
+
+        if self._grad_fn is None:
+            loss_fn, variables, stats = self._loss_fn, trainable(model), non_trainable(model)
+
+            @tf.function(reduce_retracing=True)
+            def grad_fn(x, y):
+                with tf.GradientTape() as tape:
+                    pred = model(x, training=True)
+                    loss = tf.reduce_mean(loss_fn(y, pred))
+                    if model.losses:
+                        loss += tf.add_n(model.losses)
+                return loss, tape.gradient(loss, variables)
+
+            self._grad_fn, self._vars, self._stats = grad_fn, variables, stats
+        before = {v.path: np.array(v.numpy()) for v in self._stats}
+        loss, grads = self._grad_fn(x, y)
+        out = {v.path: to_pushable(g, int(v.shape[0]) if len(v.shape) else None) if g is not None
+               else np.zeros(v.shape, np.dtype(v.dtype)) for v, g in zip(self._vars, grads)}
+        changes = {v.path: np.array(v.numpy()) - before[v.path] for v in self._stats}
+        return float(loss), out, changes
+
+    # -- data
+    def batches(self, worker_index: int, num_workers: int):
+        return _Sequential(self, worker_index, num_workers)
+
+    def evaluate(self, model) -> dict[str, float]:
+        if self._eval is None:
+            return {}
+        import tensorflow as tf
+
+        for m in self._metric_list:
+            m.reset_state()
+        total, count = 0.0, 0
+        for x, y in self._eval:
+            pred = model(x, training=False)
+            per = self._loss_fn(y, pred)
+            total += float(tf.reduce_sum(per))
+            count += int(tf.size(per))
+            for m in self._metric_list:
+                m.update_state(_same_rank(y, pred), pred)
+        scores = {"test_loss": total / max(count, 1)}
+        for m in self._metric_list:
+            value = m.result()
+            scores[f"test_{m.name}"] = float(value)
+        accuracy = [k for k in scores if k.endswith("accuracy")]
+        if accuracy and "test_accuracy" not in scores:
+            scores["test_accuracy"] = scores[accuracy[0]]
+        return scores
+
+
+class _Sequential:
+    """Batches of a ``tf.data`` dataset, step by step; a step out of order (a rejoining
+    sync worker resumes at the server's round) restarts the iterator there."""
+
+    def __init__(self, task: UserTask, worker_index: int, num_workers: int):
+        self.task, self.worker_index, self.num_workers = task, worker_index, num_workers
+        self._it, self._next = None, -1
+
+    def get(self, step: int):
+        import tensorflow as tf
+
+        if self._it is None or step != self._next:
+            self._it = iter(self.task._train.repeat().skip(step))
+        self._next = step + 1
+        x, y = next(self._it)
+        if self.task.sharding == "none":
+            return x, y, int(tf.shape(tf.nest.flatten(y)[0])[0])
+        n = int(tf.shape(tf.nest.flatten(y)[0])[0])
+        lo, hi = shard_bounds(n, self.worker_index, self.num_workers)
+        cut = lambda t: t[lo:hi]
+        return tf.nest.map_structure(cut, x), tf.nest.map_structure(cut, y), hi - lo
+
+
+def _per_example(loss) -> Callable:
+    """A loss name, function or ``keras.losses.Loss`` as fn(y_true, y_pred) -> per-example losses.
+    Labels of shape (n,) meet predictions of shape (n, 1) as ``model.fit`` lets them."""
+    import keras
+
+    fn = loss if isinstance(loss, keras.losses.Loss) else keras.losses.get(loss)
+    if isinstance(fn, keras.losses.Loss):
+        fn = fn.call
+    if not callable(fn):
+        raise TaskError(f"unknown loss {loss!r}")
+
+    def per_example(y_true, y_pred):
+        return fn(_same_rank(y_true, y_pred), y_pred)
+
+    return per_example
+
+
+def _same_rank(y_true, y_pred):
+    """``y_true`` with a trailing axis of 1 added (or removed) to match ``y_pred``'s rank."""
+    import tensorflow as tf
+
+    if len(y_true.shape) == len(y_pred.shape) - 1 and y_pred.shape[-1] == 1:
+        return tf.expand_dims(y_true, -1)
+    if len(y_true.shape) == len(y_pred.shape) + 1 and y_true.shape[-1] == 1:
+        return tf.squeeze(y_true, -1)
+    return y_true
+
+
+def _metric(spec, loss):
+    """A metric name or object; "accuracy" resolved by the loss, as ``model.compile`` does."""
+    import keras
+
+    if isinstance(spec, str) and spec in ("accuracy", "acc"):
+        name = loss if isinstance(loss, str) else getattr(loss, "name", "") or getattr(loss, "__name__", "")
+        if "sparse_categorical" in name:
+            return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+        if "categorical" in name:
+            return keras.metrics.CategoricalAccuracy(name="accuracy")
+        if "binary" in name:
+            return keras.metrics.BinaryAccuracy(name="accuracy")
+        return keras.metrics.Accuracy(name="accuracy")
+    metric = keras.metrics.get(spec)
+    if isinstance(metric, keras.metrics.Metric):
+        return metric
+    return keras.metrics.MeanMetricWrapper(metric, name=getattr(metric, "__name__", str(spec)))
+
+
+# -- from a configuration ---------------------------------------------------------------
+def from_config(config, model_fn: Callable | None = None, dataset_fn: Callable | None = None,
+                loss=None, metrics=None) -> Task:
+    """The task a ``WorkerConfig`` names: built-in names, ``module:function`` specs, or functions given."""
+    user_model = model_fn is not None or is_function_spec(config.model)
+    user_data = dataset_fn is not None or is_function_spec(config.dataset)
+    if not user_model and not user_data:
+        return BuiltinTask(config)
+    if not (user_model and user_data):
+        raise TaskError("a model function goes with a dataset function: give both --model module:function and "
+                        "--dataset module:function (the built-in models fit only the built-in datasets)")
+    model_fn = model_fn or load_function(config.model, "--model")
+    dataset_fn = dataset_fn or load_function(config.dataset, "--dataset")
+    return UserTask(model_fn, dataset_fn, global_batch_size=config.global_batch_size, epochs=config.epochs,
+                    steps=config.steps, seed=config.seed, loss=loss, metrics=metrics,
+                    sharding=config.dataset_sharding, worker_index=config.worker_index,
+                    num_workers=config.num_workers)
+
+
+__all__ = ["InputContext", "Task", "TaskError", "BuiltinTask", "UserTask", "from_config", "load_function"]
