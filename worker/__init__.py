@@ -1,7 +1,11 @@
 """tfps worker: ``ps-worker`` / ``python -m worker``, and ``ps-launch``.
 
 ``worker.client`` holds every gRPC call (NumPy only), ``worker.trainer`` the
-training loop, ``worker.model`` the Keras models and the shared gradient
-function, ``worker.data`` the datasets and sharding, ``worker.launch`` the local
-cluster launcher. Importing this package does not import TensorFlow.
+training loop, ``worker.task`` what it trains (the built-in model and data, or
+a user's Keras model and tf.data pipeline), ``worker.api`` the Python API
+(``train``, ``Session`` and its wrapped GradientTape), ``worker.observe`` the
+progress bar, TensorBoard and worker metrics, ``worker.model`` the built-in Keras
+models and the shared gradient function, ``worker.data`` the datasets and
+sharding, ``worker.launch`` the local cluster launcher. Importing this package
+does not import TensorFlow.
 """

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import sys
@@ -195,8 +196,6 @@ class BuiltinTask(Task):
         per_epoch = steps_per_epoch(n_train, config.global_batch_size)
         self.total_steps = config.steps or config.epochs * per_epoch
         epochs_needed = -(-self.total_steps // per_epoch)
-        import itertools
-
         self._batches = list(itertools.islice(
             global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), self.total_steps))
         self._grad_fn = None
@@ -206,17 +205,8 @@ class BuiltinTask(Task):
 
         return models.build_model(self.config.model, self.config.seed)
 
-    def batches(self, worker_index: int, num_workers: int):
-        from worker.data import shard
-
-        task = self
-
-        class _Indexed:
-            def get(self, step: int):
-                mine = shard(task._batches[step], worker_index, num_workers)
-                return task.data.x_train[mine], task.data.y_train[mine], len(mine)
-
-        return _Indexed()
+    def batches(self, worker_index: int, num_workers: int) -> "_Indexed":
+        return _Indexed(self, worker_index, num_workers)
 
     def gradients(self, model, x, y):
         from worker import model as models
@@ -363,6 +353,19 @@ class UserTask(Task):
         if accuracy and "test_accuracy" not in scores:
             scores["test_accuracy"] = scores[accuracy[0]]
         return scores
+
+
+class _Indexed:
+    """This worker's part of each global batch of the built-in data, by step (any order)."""
+
+    def __init__(self, task: BuiltinTask, worker_index: int, num_workers: int):
+        self.task, self.worker_index, self.num_workers = task, worker_index, num_workers
+
+    def get(self, step: int):
+        from worker.data import shard
+
+        mine = shard(self.task._batches[step], self.worker_index, self.num_workers)
+        return self.task.data.x_train[mine], self.task.data.y_train[mine], len(mine)
 
 
 class _Sequential:
