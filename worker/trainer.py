@@ -205,6 +205,7 @@ def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, 
             result = _finish_as_chief(config, client, reg, model, task, models, total_steps, train_s, history)
         else:
             result = {"worker_index": config.worker_index, "steps": total_steps, "train_s": train_s}
+        observer.finish(result)  # ends the progress bar; the chief's final scores go to TensorBoard
         # The chief leaves last, after its final pull, with its lease renewed until then:
         # a server started with --exit-when-done stops once everyone left.
         client.leave(reg.worker_id)

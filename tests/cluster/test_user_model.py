@@ -70,7 +70,8 @@ def recommender_run(tmp_path_factory):
             "--model", "examples.recommender:build_model", "--dataset", "examples.recommender:make_dataset",
             "--epochs", "6", "--global-batch-size", "256", "--learning-rate", "0.01",
             "--save-model", str(tmp / "model.keras"), "--metrics-json", str(tmp / "m.json"),
-            "--metrics-port", str(port), "--worker-args", "0", f"--history-json {tmp / 'h0.json'}"]
+            "--metrics-port", str(port), "--logdir", str(tmp / "tb"),
+            "--worker-args", "0", f"--history-json {tmp / 'h0.json'}"]
     scrapes: dict[str, dict] = {}
     stop = threading.Event()
 
@@ -140,6 +141,31 @@ def test_the_metrics_endpoints_answer_mid_run_with_the_listed_series(recommender
     assert _value(chief, "tfps_worker_step_seconds", "tfps_worker_step_seconds_count", worker="0") == steps
     assert _value(chief, "tfps_worker_examples_per_second", worker="0") > 0
     assert _value(chief, "tfps_worker_push_seconds", "tfps_worker_push_seconds_count", worker="0") == steps
+
+
+def test_each_worker_writes_tensorboard_summaries_under_logdir(recommender_run):
+    tmp, metrics, _, _ = recommender_run
+    script = f"""
+import glob, json, tensorflow as tf
+out = {{}}
+for worker in ("worker0", "worker1"):
+    tags = {{}}
+    for path in glob.glob({str(tmp / "tb")!r} + "/" + worker + "/events.out.tfevents.*"):
+        for raw in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(raw.numpy())
+            for v in event.summary.value:
+                tags[v.tag] = tags.get(v.tag, 0) + 1
+    out[worker] = tags
+print(json.dumps(out))
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    tags = json.loads(got.stdout.strip().splitlines()[-1])
+    for worker in ("worker0", "worker1"):
+        for tag in ("train/loss", "train/staleness", "time/step_s", "time/push_s", "throughput/examples_per_s"):
+            assert tags[worker].get(tag) == metrics["steps"], (worker, tag, tags[worker])
+    assert tags["worker0"].get("final/test_accuracy") == 1
 
 
 def test_the_saved_model_loads_and_reproduces_the_reported_accuracy_with_the_servers_batchnorm_statistics(
