@@ -5,6 +5,7 @@
     obs.set_index(reg.worker_id)    # once known (--worker-index auto)
     obs.step(record)                # after every step: one ``history`` record of worker.trainer
     obs.evaluation(record)          # the chief's --eval-every records
+    obs.end_progress()              # training is over: the bar's line ends (before the evaluation)
     obs.finish(result)              # the final result dict; ends the bar's line
     obs.close()                     # idempotent; also ends the bar's line if finish was not reached
 
@@ -153,11 +154,16 @@ class Observer:
             self._scalars(record["step"] + 1, {"eval/test_accuracy": record["test_accuracy"],
                                                "eval/test_loss": record["test_loss"]})
 
-    def finish(self, result: dict) -> None:
-        """The end of training: draws the bar's last state, ends its line; writes final/*."""
+    def end_progress(self) -> None:
+        """The last step is done: draws the bar's last state and ends its line, so what is
+        printed next (the chief's evaluation) starts on a line of its own. Idempotent."""
         if self.progress == "bar" and self._bar_stale:
             self._draw_bar()
         self._end_bar_line()
+
+    def finish(self, result: dict) -> None:
+        """The end of training: ends the bar's line (``end_progress``); writes final/*."""
+        self.end_progress()
         if self.logdir:
             finals = {f"final/{k}": result[k] for k in ("test_accuracy", "test_loss") if result.get(k) is not None}
             if finals:

@@ -196,6 +196,7 @@ def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, 
             # Sync: the server says which round is next (a dropped push skips ahead).
             step = max(reply.next_step, step + 1) if sync else step + 1
         train_s = time.monotonic() - t0
+        observer.end_progress()
         if config.history_json:
             _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
                                               "train_s": train_s, "knobs": knobs.settings(),
