@@ -69,3 +69,13 @@ def test_training_reports_examples_per_s_of_every_runner_and_the_ratios(tmp_path
         assert ("shared memory" in r["notes"]) == name.endswith("-shm"), r["notes"]
     assert set(cnn["ratios"]) == {"ours-sync/mwms", "ours-sync-shm/mwms", "ours-async/pss", "ours-async-shm/pss"}
     assert all(v > 0 for v in cnn["ratios"].values())
+
+
+def test_sparse_reports_bytes_and_latency_of_sparse_and_dense_pushes_and_their_ratios(tmp_path):
+    report = run_bench("sparse.py", "--rows", "2000", "--dim", "8", "--touched", "16,200", "--reps", "2",
+                       out=tmp_path / "sparse.json", timeout=180)
+    assert set(report["results"]) == {"16", "200"}
+    for r in report["results"].values():
+        for kind in ("sparse", "dense"):
+            assert r[kind]["bytes_per_push"] > 0 and r[kind]["push_ms"] > 0
+        assert r["bytes_ratio_dense_over_sparse"] > 1 and r["latency_ratio_dense_over_sparse"] > 0

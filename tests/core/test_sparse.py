@@ -151,3 +151,12 @@ def test_a_checkpoint_keeps_which_variables_are_non_trainable():
     fresh.register(0, 1)
     fresh.push(Push(0, 0, 0, 1, {"emb": np.zeros((6, 2), np.float32), "bias": np.array([2, 3], np.float32)}))
     np.testing.assert_array_equal(fresh.pull()[1]["bias"], [2, 3])
+
+
+def test_unique_increasing_rows_take_the_copy_path_and_give_what_adding_gives():
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    increasing = densify(SparseRows(np.array([1, 4, 5, 9]), values), (10, 3), np.float32)
+    shuffled = densify(SparseRows(np.array([9, 1, 5, 4]), values[[3, 0, 2, 1]]), (10, 3), np.float32)
+    np.testing.assert_array_equal(increasing, shuffled)
+    assert np.count_nonzero(increasing.any(axis=1)) == 4
