@@ -200,8 +200,9 @@ class ParameterServer:
         if any(isinstance(g, SparseRows) for g in push.gradients.values()):
             push = dataclasses.replace(push, gradients=self.store.densify(push.gradients))
         result = self.mode.push(push)
-        self.members.record_push(push.worker_id, push.step, dropped=result.dropped, arrived=arrived,
-                                 done=self._clock())
+        # A replay answers a push already counted: its drop, if it was one, is not counted again.
+        self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,
+                                 arrived=arrived, done=self._clock())
         return result
 
     def leave(self, worker_id: int) -> None:

@@ -19,8 +19,9 @@ Guarantees:
   answer (``replayed``), and neither is applied twice;
 - a push for a future round (``FutureRound``), for a completed round it was not
   part of (``StaleRound``; with backup workers it is answered ``dropped`` and
-  counted instead), or from a worker dropped from the cluster is refused and
-  changes nothing;
+  counted instead, and the same late push sent again is answered ``dropped``
+  and ``replayed``, counted once), or from a worker dropped from the cluster is
+  refused and changes nothing;
 - a round that does not fill within ``barrier_timeout`` seconds of its first
   push is discarded (parameters unchanged) and every waiting push fails with
   ``BarrierTimeout`` naming the workers that never pushed;
@@ -94,6 +95,7 @@ class SyncMode:
         self._book = RoundBook(num_workers, start_round=store.version, quorum=replicas_to_aggregate)
         self._outcomes: dict[int, PushResult | PSError] = {}
         self._results: dict[int, PushResult] = {}  # completed round -> its answer, for replays
+        self._dropped: set[tuple[int, int]] = set()  # (worker, round) answered dropped, recent rounds
         self._dead_since: dict[int, float] = {}  # dead workers still expected (abort/wait policies)
         self._round_started: float | None = None
         self._rounds_timed_out = 0
@@ -115,10 +117,15 @@ class SyncMode:
                 self.stats.count("replayed")
                 return dataclasses.replace(self._results[push.step], replayed=True, next_step=self._book.round)
             if kind == "late":
-                self.stats.count("dropped")
                 version = self.store.version
+                # A late push sent again (its reply was lost) is answered the same, counted once.
+                again = (push.worker_id, push.step) in self._dropped
+                self.stats.count("replayed" if again else "dropped")
+                if not again:
+                    self._dropped.add((push.worker_id, push.step))
+                    self._dropped = {(w, s) for w, s in self._dropped if s > push.step - ROUNDS_REMEMBERED}
                 return PushResult(version=version, staleness=version - push.base_version, contributors=0,
-                                  dropped=True, next_step=self._book.round)
+                                  dropped=True, next_step=self._book.round, replayed=again)
             if kind == "new":
                 if push.base_version != self.store.version:
                     raise InvalidArgument(
@@ -294,6 +301,7 @@ class SyncMode:
             self._book.generation = generation
             self._outcomes.clear()
             self._results.clear()
+            self._dropped.clear()
             self._dead_since.clear()
             self._round_started = None
             self._rounds_timed_out = status.rounds_timed_out

@@ -449,6 +449,20 @@ def test_late_push_of_a_backup_worker_is_answered_dropped_counted_and_changes_no
     assert_w(ps, 6.5, 6.5, 7, 7)
 
 
+def test_a_retried_dropped_push_is_counted_dropped_once_for_its_worker_as_for_the_server():
+    ps = server(num_workers=3, replicas=2)
+    t0 = in_thread(ps, 0, 1)
+    wait_until(lambda: ps.status().waiting_for == (1, 2))
+    push(ps, 1, 3)
+    finish(t0)
+    first = push(ps, 2, 2, step=0, base=0)
+    again = push(ps, 2, 2, step=0, base=0)  # the reply was lost: the worker sends it again
+    assert first.dropped and not first.replayed and again.dropped and again.replayed
+    status = ps.status()
+    assert (status.pushes_dropped, status.pushes_replayed) == (1, 1)
+    assert [(r.worker_id, r.dropped) for r in status.workers] == [(0, 0), (1, 0), (2, 1)]
+
+
 # -- exactly once ---------------------------------------------------------------------------
 
 
