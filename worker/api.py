@@ -110,7 +110,7 @@ class Session:
         self.sync = self.registration.mode == "sync"
         self.step = self.registration.round if self.sync else 0
         self.version = -1
-        self._stats_pulled: dict[str, np.ndarray] = {}
+        self._pulled: dict[str, np.ndarray] = {}
         self.closed = False
         log.info("session: worker %d of %d, %s mode, starting at step %d", self.worker_index,
                  self.registration.num_workers, self.registration.mode, self.step)
@@ -124,7 +124,7 @@ class Session:
         version, values = self._client.pull(self.worker_index)
         tasks.set_values(self.model, values)
         self.version = version
-        self._stats_pulled = {v.path: values[v.path] for v in tasks.non_trainable(self.model)}
+        self._pulled = values
         return version
 
     def push(self, gradients: Mapping | Sequence, loss: float = 0.0, batch_size: int = 1):
@@ -140,13 +140,8 @@ class Session:
             if len(gradients) > len(variables):
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
-        out = {}
-        for v in variables:
-            g = gradients.get(v.path)
-            out[v.path] = (np.zeros(v.shape, np.dtype(v.dtype)) if g is None
-                           else tasks.to_pushable(g, int(v.shape[0]) if len(v.shape) else None))
-        for v in tasks.non_trainable(self.model):
-            out[v.path] = np.array(v.numpy()) - self._stats_pulled[v.path]
+        out = tasks.pushable(variables, [gradients.get(v.path) for v in variables])
+        out.update(tasks.changes(self.model, self._pulled))
         self._heartbeat.step = self.step
         timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
         reply = self._client.push(self.worker_index, self.step, self.version, int(batch_size), out, float(loss),

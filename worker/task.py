@@ -137,23 +137,35 @@ def set_values(model, values: dict[str, np.ndarray]) -> None:
         v.assign(values[v.path])
 
 
-def to_pushable(g, rows_total: int | None = None):
-    """One gradient as pushed: a NumPy array, or ``SparseRows`` for an ``IndexedSlices``
-    touching fewer than half the rows."""
+def to_pushable(g, shape: tuple[int, ...]):
+    """One gradient of a variable of ``shape`` as pushed: a NumPy array, or for an
+    ``IndexedSlices`` touching fewer than half the rows, ``SparseRows`` of the rows it
+    touched in increasing order, each once (repeats summed in their original order)."""
     import tensorflow as tf
 
-    if isinstance(g, tf.IndexedSlices):
-        indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
-        unique, inverse = np.unique(indices, return_inverse=True)
-        rows = int(g.dense_shape[0]) if g.dense_shape is not None else rows_total
-        summed = np.zeros((len(unique),) + values.shape[1:], values.dtype)
-        np.add.at(summed, inverse, values)
-        if rows is not None and 2 * len(unique) >= rows:
-            dense = np.zeros((rows,) + values.shape[1:], values.dtype)
-            dense[unique] = summed
-            return dense
-        return SparseRows(unique, summed)
-    return np.asarray(g)
+    if not isinstance(g, tf.IndexedSlices):
+        return np.asarray(g)
+    indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
+    order = np.argsort(indices, kind="stable")
+    rows, starts = np.unique(indices[order], return_index=True)
+    summed = np.add.reduceat(values[order], starts, axis=0) if len(rows) else values[:0]
+    if 2 * len(rows) < shape[0]:
+        return SparseRows(rows, summed)
+    dense = np.zeros(tuple(shape), values.dtype)
+    dense[rows] = summed
+    return dense
+
+
+def pushable(variables, grads) -> dict:
+    """``{path: gradient as pushed}`` of ``variables`` and their gradients (None counts as zero)."""
+    return {v.path: np.zeros(v.shape, np.dtype(v.dtype)) if g is None else to_pushable(g, tuple(v.shape))
+            for v, g in zip(variables, grads)}
+
+
+def changes(model, pulled: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``{path: value now - value pulled}`` of the non-trainable variables: what a push
+    carries for them (the server adds it; ``ps_server.core.store``)."""
+    return {v.path: np.asarray(v.numpy()) - pulled[v.path] for v in non_trainable(model)}
 
 
 class Task:
@@ -168,8 +180,13 @@ class Task:
     def batches(self, worker_index: int, num_workers: int):
         raise NotImplementedError
 
-    def gradients(self, model, x, y) -> tuple[float, dict, dict]:
-        """(mean loss, {trainable path: gradient}, {non-trainable path: change}) on this worker's examples."""
+    def rebind(self, worker_index: int, num_workers: int) -> None:
+        """The worker learned its index (``--worker-index auto``); nothing to do unless the
+        data depends on it."""
+
+    def gradients(self, model, x, y) -> tuple[float, dict]:
+        """(mean loss, {trainable path: gradient as pushed}) on this worker's examples; the
+        model's non-trainable variables hold what the forward pass made of them (``changes``)."""
         raise NotImplementedError
 
     def evaluate(self, model) -> dict[str, float]:
@@ -213,8 +230,7 @@ class BuiltinTask(Task):
 
         if self._grad_fn is None:
             self._grad_fn = models.make_grad_fn(model)
-        loss, grads = models.compute_gradients(self._grad_fn, model, x, y)
-        return loss, grads, {}
+        return models.compute_gradients(self._grad_fn, model, x, y)
 
     def evaluate(self, model) -> dict[str, float]:
         from worker import model as models
@@ -256,6 +272,7 @@ class UserTask(Task):
                 raise TaskError("the train dataset is empty")
             self.total_steps = n * max(1, epochs)
         self._grad_fn = None
+        self._variables: list = []
         self._loss_fn = None
         self._metric_list: list | None = None
 
@@ -307,7 +324,7 @@ class UserTask(Task):
         import tensorflow as tf
 
         if self._grad_fn is None:
-            loss_fn, variables, stats = self._loss_fn, trainable(model), non_trainable(model)
+            loss_fn, variables = self._loss_fn, trainable(model)
 
             @tf.function(reduce_retracing=True)
             def grad_fn(x, y):
@@ -318,13 +335,9 @@ class UserTask(Task):
                         loss += tf.add_n(model.losses)
                 return loss, tape.gradient(loss, variables)
 
-            self._grad_fn, self._vars, self._stats = grad_fn, variables, stats
-        before = {v.path: np.array(v.numpy()) for v in self._stats}
+            self._grad_fn, self._variables = grad_fn, variables
         loss, grads = self._grad_fn(x, y)
-        out = {v.path: to_pushable(g, int(v.shape[0]) if len(v.shape) else None) if g is not None
-               else np.zeros(v.shape, np.dtype(v.dtype)) for v, g in zip(self._vars, grads)}
-        changes = {v.path: np.array(v.numpy()) - before[v.path] for v in self._stats}
-        return float(loss), out, changes
+        return float(loss), pushable(self._variables, grads)
 
     # -- data
     def batches(self, worker_index: int, num_workers: int):

@@ -111,21 +111,21 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
         log.info("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
     client = _client(config)
     try:
-        return _train(config, task, model, models, tf, device, client, observer, total_steps)
+        return _train(config, task, model, models, tf, device, client, observer)
     finally:
         observer.close()
         client.close()
 
 
-def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, observer, total_steps) -> dict:
+def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, observer) -> dict:
+    total_steps = task.total_steps
     reg = _register_first(config, client)
     auto = config.worker_index == AUTO_INDEX
     if auto:  # from now on this worker is the index the server gave it, also when it rejoins
         config = dataclasses.replace(config, worker_index=reg.worker_id)
         LOG_TAG.index = reg.worker_id
         observer.set_index(reg.worker_id)
-        if isinstance(task, tasks.UserTask):
-            task.rebind(reg.worker_id, config.num_workers)
+        task.rebind(reg.worker_id, config.num_workers)
     log.info("registered as worker %d of %d%s; server mode %s, version %d, round %d",
              reg.worker_id, reg.num_workers, " (index assigned by the server)" if auto else "",
              reg.mode, reg.version, reg.round)
@@ -138,7 +138,6 @@ def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, 
 
     batches = task.batches(config.worker_index, config.num_workers)
     t0 = time.monotonic()
-    loss = float("nan")
     history: list[dict] = []
     evals: list[dict] = []
     eval_every = config.eval_every if config.is_chief else 0
@@ -160,8 +159,8 @@ def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, 
                 compute_start = time.monotonic()
                 if n:
                     with tf.device(device):
-                        loss, grads, changes = task.gradients(model, x, y)
-                    grads.update(changes)  # non-trainable variables: the change this step made
+                        loss, grads = task.gradients(model, x, y)
+                    grads.update(tasks.changes(model, values))  # non-trainable variables: this step's change
                 else:  # a tiny last batch left this worker nothing: weight 0 in the round
                     loss, grads = 0.0, {name: np.zeros_like(v) for name, v in values.items()}
                 compute_s = time.monotonic() - compute_start
@@ -175,7 +174,7 @@ def _train(config: WorkerConfig, task: Task, model, models, tf, device, client, 
             except PSClientError as e:
                 if not _recoverable(e):
                     raise
-                reg, step = _rejoin(config, client, reg, step, e, model, models, seen)
+                reg, step = _rejoin(config, client, reg, step, e, model, seen)
                 seen = reg.version
                 heartbeat.reg = reg
                 continue
@@ -269,7 +268,7 @@ def _recoverable(e: PSClientError) -> bool:
     return False
 
 
-def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSClientError, model, models,
+def _rejoin(config: WorkerConfig, client: PSClient, reg, step: int, error: PSClientError, model,
             seen: int = 0):
     """Reconnect within --reconnect-timeout, register again, and say where to resume."""
     log.warning("worker %d lost its place at step %d (%s); reconnecting for up to %g s",

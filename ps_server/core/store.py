@@ -252,8 +252,6 @@ class VariableStore:
         """``grads`` with every ``SparseRows`` checked against its variable and scattered
         into a dense array (``core.sparse``); dense gradients pass as they are, for
         ``check_gradients``. Raises before anything is applied."""
-        if not any(isinstance(g, SparseRows) for g in grads.values()):
-            return dict(grads)
         self._require_initialized()
         out = {}
         for name, g in grads.items():

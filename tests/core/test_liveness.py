@@ -424,12 +424,18 @@ def test_backup_workers_round_completes_with_the_first_k_pushes():
     assert_w(ps, 7.5, 6.5, 8, 10)
 
 
-def test_late_push_of_a_backup_worker_is_answered_dropped_counted_and_changes_nothing():
+def round_0_completed_without_worker_2():
+    """Three workers, backup workers 2 of 3: round 0 completes with workers 0 and 1."""
     ps = server(num_workers=3, replicas=2)
     t0 = in_thread(ps, 0, 1)
     wait_until(lambda: ps.status().waiting_for == (1, 2))
     push(ps, 1, 3)
     finish(t0)
+    return ps
+
+
+def test_late_push_of_a_backup_worker_is_answered_dropped_counted_and_changes_nothing():
+    ps = round_0_completed_without_worker_2()
     before, applied = snapshot(ps), ps.status().pushes_applied
     late = push(ps, 2, 2, step=0, base=0, grad=f32(1000, 1000, 1000, 1000))
     assert late.dropped and not late.replayed
@@ -450,11 +456,7 @@ def test_late_push_of_a_backup_worker_is_answered_dropped_counted_and_changes_no
 
 
 def test_a_retried_dropped_push_is_counted_dropped_once_for_its_worker_as_for_the_server():
-    ps = server(num_workers=3, replicas=2)
-    t0 = in_thread(ps, 0, 1)
-    wait_until(lambda: ps.status().waiting_for == (1, 2))
-    push(ps, 1, 3)
-    finish(t0)
+    ps = round_0_completed_without_worker_2()
     first = push(ps, 2, 2, step=0, base=0)
     again = push(ps, 2, 2, step=0, base=0)  # the reply was lost: the worker sends it again
     assert first.dropped and not first.replayed and again.dropped and again.replayed
