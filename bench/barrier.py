@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
 from ps_server.config import ServerConfig  # noqa: E402
-from ps_server.procs import dying_with_parent, wait_for_port_file  # noqa: E402
+from ps_common.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 
 KINDS = ("ours", "bare")
 BARE_SERVICE = "tfps.bench.BareBarrier"

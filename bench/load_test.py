@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
-from ps_server.procs import ServerStartError, die_with_parent, dying_with_parent, wait_for_port_file  # noqa: E402
+from ps_common.procs import ServerStartError, die_with_parent, dying_with_parent, wait_for_port_file  # noqa: E402
 from worker.client import PSClient, PSClientError  # noqa: E402
 
 # The model: a few variables of different shapes, one of 1 MiB.

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from ps_server.procs import dying_with_parent, wait_for_port_file  # noqa: E402
+from ps_common.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 from tf_strategies.isolation import free_ports, isolated  # noqa: E402
 
 MIB = 2**20

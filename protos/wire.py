@@ -12,7 +12,24 @@ from __future__ import annotations
 
 import os
 
+from ps_common.names import MODES
+
 SERVICE_NAME = "tfps.v1.ParameterServer"
+
+
+def mode_to_wire(name: str) -> int:
+    """A mode name of ``ps_common.names.MODES`` as the proto's ``Mode`` value (SYNC, ...)."""
+    from protos import tfps_pb2 as pb
+
+    return pb.Mode.Value(name.upper())
+
+
+def mode_from_wire(value: int) -> str:
+    """The proto's ``Mode`` value as its name in ``MODES``; "unknown" for one outside it."""
+    from protos import tfps_pb2 as pb
+
+    name = pb.Mode.Name(value).lower() if value in pb.Mode.values() else ""
+    return name if name in MODES else "unknown"
 
 # gRPC lengths are signed 32-bit: 2 GiB - 1 is the ceiling.
 _GRPC_CEILING = 2**31 - 1

@@ -15,7 +15,7 @@ import sys
 from protos import wire
 
 from ps_server.config import ConfigError, ServerConfig
-from ps_server.tf_config import TFConfigError
+from ps_common.tf_config import TFConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,10 @@ import argparse
 import dataclasses
 import os
 
-from ps_server.core.parameter_server import MODES, STALE_POLICIES
+from ps_common.names import DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
 
-DEAD_WORKER_POLICIES = ("abort", "wait", "shrink")
-from ps_server.settings import ConfigError, cast, resolve
-from ps_server.tf_config import parse_tf_config
+from ps_common.settings import ConfigError, cast, resolve
+from ps_common.tf_config import parse_tf_config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import wire
 from ps_server.config import ConfigError, ServerConfig
-from ps_server import security
+from ps_common import security
 from ps_server.core import checkpoint
 from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer

@@ -27,14 +27,14 @@ import grpc
 
 import numpy as np
 
-from protos import codec, shm, stream
+from protos import codec, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import errors
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 from ps_server.buffers import BufferPool
 
 log = logging.getLogger("ps_server.service")
@@ -57,9 +57,6 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
 }
-
-MODE_TO_WIRE = {"sync": pb.SYNC, "async": pb.ASYNC, "ssp": pb.SSP}
-
 
 def status_code_for(exc: Exception) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
@@ -249,7 +246,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer())
         self.segments.drop(reg.worker_id)  # a new registration brings its own segments, if any
         reply = pb.RegisterResponse(
-            mode=MODE_TO_WIRE[reg.mode],
+            mode=wire.mode_to_wire(reg.mode),
             num_workers=reg.num_workers,
             worker_id=reg.worker_id,
             initialized=reg.initialized,
@@ -418,7 +415,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         s = self.core.status()
         now = time.monotonic()
         return pb.StatusResponse(
-            mode=MODE_TO_WIRE[s.mode],
+            mode=wire.mode_to_wire(s.mode),
             num_workers=s.num_workers,
             initialized=s.initialized,
             version=s.version,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ps_server.config import ServerConfig
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.config import WorkerConfig
 
 TF_CONFIG = json.dumps({

@@ -1,4 +1,4 @@
-"""ps_server.procs.dying_with_parent: children die with their parent, and starting
+"""ps_common.procs.dying_with_parent: children die with their parent, and starting
 them runs no fork handlers (a fork after gRPC was used can hang in gRPC's)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 
-from ps_server.procs import dying_with_parent
+from ps_common.procs import dying_with_parent
 
 
 def _alive(pid: int) -> bool:
@@ -22,7 +22,7 @@ def test_a_child_keeps_its_pid_runs_the_command_and_dies_when_its_parent_is_kill
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import subprocess, sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from ps_server.procs import dying_with_parent
+        from ps_common.procs import dying_with_parent
         child = subprocess.Popen(dying_with_parent(["sleep", "120"]))
         print(child.pid, flush=True)
         time.sleep(120)
@@ -48,7 +48,7 @@ def test_starting_a_child_runs_no_fork_handlers(tmp_path):
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, subprocess, sys
         sys.path.insert(0, {os.getcwd()!r})
-        from ps_server.procs import dying_with_parent
+        from ps_common.procs import dying_with_parent
         os.register_at_fork(before=lambda: open({str(marker)!r}, "a").write("x"))
         print(subprocess.run(dying_with_parent(["true"])).returncode)
     """)], capture_output=True, text=True, timeout=60)

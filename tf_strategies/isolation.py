@@ -20,7 +20,7 @@ import os
 import shutil
 import subprocess
 
-from ps_server.procs import die_with_parent, dying_with_parent  # noqa: F401  (runners import them from here)
+from ps_common.procs import die_with_parent, dying_with_parent  # noqa: F401  (runners import them from here)
 
 
 def _prefix() -> list[str]:

@@ -196,7 +196,7 @@ def _die_with_launcher() -> None:
     """Re-arm PR_SET_PDEATHSIG with SIGKILL: TensorFlow's coordination agent catches
     the SIGTERM that ``isolation.die_with_parent`` asks for, and the worker would
     outlive its launcher."""
-    from ps_server.procs import die_with_parent
+    from ps_common.procs import die_with_parent
 
     die_with_parent()
     launcher = os.environ.get(LAUNCHER_PID_ENV)

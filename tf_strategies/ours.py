@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from tf_strategies.common import RunResult, RunSpec, load_initial_weights, save_result
-from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
 
 MODES = ("sync", "async")
 

@@ -6,6 +6,6 @@ a user's Keras model and tf.data pipeline), ``worker.api`` the Python API
 (``train``, ``Session`` and its wrapped GradientTape), ``worker.observe`` the
 progress bar, TensorBoard and worker metrics, ``worker.model`` the built-in Keras
 models and the shared gradient function, ``worker.data`` the datasets and
-sharding, ``worker.launch`` the local cluster launcher. Importing this package
+sharding, ``ps_tools.launch`` the local cluster launcher. Importing this package
 does not import TensorFlow.
 """

@@ -16,7 +16,7 @@ import sys
 from protos import wire
 
 from worker.config import ConfigError, WorkerConfig
-from ps_server.tf_config import TFConfigError
+from ps_common.tf_config import TFConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,10 +53,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, shm as shmem, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
-from ps_server import security
-from ps_server.core.sparse import SparseRows
-
-MODE_NAMES = {pb.SYNC: "sync", pb.ASYNC: "async", pb.SSP: "ssp"}
+from ps_common import security
+from ps_common.sparse import SparseRows
 
 log = logging.getLogger("worker.client")
 
@@ -180,7 +178,7 @@ class PSClient:
         small_bytes: int = SMALL_BYTES,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
-        is sent as ``authorization: Bearer`` on every call (see ``ps_server.security``).
+        is sent as ``authorization: Bearer`` on every call (see ``ps_common.security``).
         ``shm``: try the same-host fast path (module docstring) from ``register`` on.
         ``small_bytes``: pushes and pulls up to this size go as one unary message."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
@@ -320,7 +318,7 @@ class PSClient:
         self._sync = reply.mode == pb.SYNC
         return Registration(
             worker_id=reply.worker_id,
-            mode=MODE_NAMES.get(reply.mode, "unknown"),
+            mode=wire.mode_from_wire(reply.mode),
             num_workers=reply.num_workers,
             initialized=reply.initialized,
             version=reply.version,

@@ -22,15 +22,14 @@ import dataclasses
 import math
 import os
 
-from ps_server.settings import ConfigError, resolve
-from ps_server.tf_config import parse_tf_config
+from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS, optimizer_fields
+from ps_common.settings import ConfigError, resolve
+from ps_common.tf_config import parse_tf_config
 from protos.stream import WIRE_DTYPES
 from worker.data import DATASETS
 from worker.model import MODELS
 
-OPTIMIZERS = ("sgd", "adam")
 AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
-DEFAULT_LEARNING_RATE = {"sgd": 0.01, "adam": 0.001}  # Keras' defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +95,12 @@ class WorkerConfig:
 
     @property
     def lr(self) -> float:
-        return self.learning_rate or DEFAULT_LEARNING_RATE[self.optimizer]
+        return self.learning_rate or OPTIMIZER_DEFAULTS[self.optimizer]["learning_rate"]
 
     def optimizer_spec(self) -> dict:
         """The optimizer as the server's ``OptimizerSpec`` fields."""
-        return {
-            "name": self.optimizer,
-            "learning_rate": self.lr,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "beta_1": 0.9,
-            "beta_2": 0.999,
-            "epsilon": 1e-7,
-        }
+        return optimizer_fields(self.optimizer, learning_rate=self.lr, momentum=self.momentum,
+                                nesterov=self.nesterov)
 
     @property
     def ps_addresses(self) -> list[str]:

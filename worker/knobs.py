@@ -26,7 +26,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 
 SETTINGS = ("slowdown", "bandwidth_mbps", "added_latency_ms", "pause_at_step", "pause_for")  # WorkerConfig fields
 

@@ -66,7 +66,7 @@ import sys
 import threading
 import time
 
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 
 log = logging.getLogger("worker")
 

@@ -66,7 +66,7 @@ import grpc
 import numpy as np
 
 from protos import tfps_pb2 as pb
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker import sharding
 from worker.client import PSClient, PSClientError, PushReply, Registration, pull_when_initialized
 

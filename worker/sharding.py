@@ -49,7 +49,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 
 DEFAULT_MIN_SLICE_BYTES = 256 * 1024
 DEFAULT_SMALL_BYTES = 16 * 1024

@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 
 log = logging.getLogger("worker")
 

@@ -45,7 +45,7 @@ import time
 import grpc
 import numpy as np
 
-from ps_server import security
+from ps_common import security
 from worker.client import PSClient, PSClientError
 from worker import task as tasks
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig

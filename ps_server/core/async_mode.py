@@ -43,12 +43,12 @@ import dataclasses
 import threading
 import time
 
+from ps_common.names import STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.store import StoreState, VariableStore
 
-STALE_POLICIES = ("none", "drop", "scale")
 
 
 class AsyncMode:

@@ -40,29 +40,29 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS
 from ps_server.core.errors import InvalidArgument
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-OPTIMIZER_NAMES = ("sgd", "adam")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Which optimizer, with Keras' argument names; callers set learning_rate."""
 
-    name: str  # "sgd" or "adam"
-    learning_rate: float = 0.01
-    momentum: float = 0.0  # sgd only
-    nesterov: bool = False  # sgd only
-    beta_1: float = 0.9  # adam only
-    beta_2: float = 0.999  # adam only
-    epsilon: float = 1e-7  # adam only
+    name: str  # one of ps_common.names.OPTIMIZERS
+    learning_rate: float = OPTIMIZER_DEFAULTS["sgd"]["learning_rate"]
+    momentum: float = OPTIMIZER_DEFAULTS["sgd"]["momentum"]  # sgd only
+    nesterov: bool = OPTIMIZER_DEFAULTS["sgd"]["nesterov"]  # sgd only
+    beta_1: float = OPTIMIZER_DEFAULTS["adam"]["beta_1"]  # adam only
+    beta_2: float = OPTIMIZER_DEFAULTS["adam"]["beta_2"]  # adam only
+    epsilon: float = OPTIMIZER_DEFAULTS["adam"]["epsilon"]  # adam only
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first field that is out of range."""
-        if self.name not in OPTIMIZER_NAMES:
+        if self.name not in OPTIMIZERS:
             raise InvalidArgument(
-                f"optimizer name must be one of {', '.join(OPTIMIZER_NAMES)}; got {self.name!r}"
+                f"optimizer name must be one of {', '.join(OPTIMIZERS)}; got {self.name!r}"
             )
         for field in ("learning_rate", "momentum", "beta_1", "beta_2", "epsilon"):
             x = getattr(self, field)

@@ -25,18 +25,17 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ps_server.core.async_mode import STALE_POLICIES, AsyncMode
+from ps_common.names import MODES
+from ps_server.core.async_mode import AsyncMode
 from ps_server.core.checkpoint import ServerState
 from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.optimizers import OptimizerSpec
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.sync_mode import SyncMode
-
-MODES = ("sync", "async", "ssp")
 
 log = logging.getLogger("ps_server.core")
 
@@ -308,4 +307,4 @@ class ParameterServer:
         )
 
 
-__all__ = ["MODES", "STALE_POLICIES", "ParameterServer", "Push", "PushResult", "Registration", "Status"]
+__all__ = ["ParameterServer", "Push", "PushResult", "Registration", "Status"]

@@ -1,6 +1,7 @@
-"""Sparse gradients: some rows of a variable, as an embedding layer produces them.
+"""Sparse gradients (``ps_common.sparse.SparseRows``) checked and made dense on arrival.
 
     g = SparseRows(rows=np.array([3, 7, 3]), values=np.ones((3, 16), np.float32))
+    check("emb", g, shape=(1000, 16), dtype=np.float32)
     dense = densify(g, shape=(1000, 16), dtype=np.float32)   # rows 3 (twice, summed) and 7
 
 An embedding lookup touches only the rows of the ids in the batch, and
@@ -18,28 +19,10 @@ Plain NumPy, like the rest of ``ps_server.core``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from ps_common.sparse import SparseRows
 from ps_server.core.errors import InvalidArgument
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseRows:
-    """Rows ``rows`` (int64, 1-D, may repeat: repeated rows add up) of a gradient;
-    ``values[i]`` is row ``rows[i]``. Every other row is zero."""
-
-    rows: np.ndarray
-    values: np.ndarray
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.values.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.rows.nbytes + self.values.nbytes)
 
 
 def check(name: str, g: SparseRows, shape: tuple[int, ...], dtype: np.dtype) -> None:

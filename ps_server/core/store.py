@@ -52,7 +52,7 @@ import numpy as np
 from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
 from ps_server.core import sparse
 from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 
 
 class _Variable:

@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.names import DEAD_WORKER_POLICIES
 from ps_server.core.aggregation import weighted_loss, weighted_mean
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
@@ -56,7 +57,6 @@ from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
-POLICIES = ("abort", "wait", "shrink")
 
 # How many ended generations keep their outcome for waiters that wake late.
 _OUTCOMES_KEPT = 8
@@ -80,8 +80,8 @@ class SyncMode:
     ):
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
-        if policy not in POLICIES:
-            raise InvalidArgument(f"dead-worker policy must be one of {POLICIES}, got {policy!r}")
+        if policy not in DEAD_WORKER_POLICIES:
+            raise InvalidArgument(f"dead-worker policy must be one of {DEAD_WORKER_POLICIES}, got {policy!r}")
         self.store = store
         self.members = members
         self.barrier_timeout = barrier_timeout

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from ps_server.procs import dying_with_parent
+from ps_common.procs import dying_with_parent
 from tests.cluster.conftest import ROOT
 
 pytestmark = [pytest.mark.chaos, pytest.mark.cluster]

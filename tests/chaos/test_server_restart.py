@@ -138,9 +138,9 @@ def _restart_scenario(procs: Procs, tmp) -> dict:
         run["ps3_status"] = (status.version, status.round, status.last_checkpoint_version)
     model, live = tmp / "model.keras", tmp / "live.weights.h5"
     exports = [
-        procs.start([sys.executable, "-m", "worker.export", "--checkpoint", str(ckpt), "--model", "cnn",
+        procs.start([sys.executable, "-m", "ps_tools.export", "--checkpoint", str(ckpt), "--model", "cnn",
                      "--out", str(model)], "export-checkpoint"),
-        procs.start([sys.executable, "-m", "worker.export", "--from-server", address, "--model", "cnn",
+        procs.start([sys.executable, "-m", "ps_tools.export", "--from-server", address, "--model", "cnn",
                      "--out", str(live)], "export-live"),
     ]
     run["export_codes"] = [wait_exit(p, 120) for p in exports]
@@ -278,7 +278,7 @@ def test_a_checkpoint_of_another_mode_stops_the_server_with_a_clear_error(procs,
 
 def test_export_refuses_a_model_whose_variables_differ_and_lists_the_differences():
     """ps-export: "Names or shapes that do not match are an error that lists the differences"."""
-    from worker.export import ExportError, assign
+    from ps_tools.export import ExportError, assign
 
     class Var:
         def __init__(self, path, shape):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.client import PSClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,14 +16,14 @@ import sys
 import pytest
 
 from tests.cluster.conftest import read_log, wait_exit
-from worker.advise import STRAGGLER_RATIO
+from ps_tools.advise import STRAGGLER_RATIO
 from worker.client import PSClient
 
 pytestmark = pytest.mark.cluster
 
 
 def advise(*argv, timeout=600):
-    run = subprocess.run([sys.executable, "-m", "worker.advise", *argv], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "ps_tools.advise", *argv], capture_output=True, text=True,
                          timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
@@ -31,7 +31,7 @@ def advise(*argv, timeout=600):
 
 def test_ps_compare_writes_a_complete_report(tmp_path):
     out = tmp_path / "report"
-    run = subprocess.run([sys.executable, "-m", "worker.compare", "--scenario", "straggler", "--modes", "sync,ssp1",
+    run = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--scenario", "straggler", "--modes", "sync,ssp1",
                           "--seeds", "2", "--workers", "2", "--steps", "6", "--eval-every", "3",
                           "--dataset", "synthetic", "--target-accuracy", "0.05", "--out", str(out)],
                          capture_output=True, text=True, timeout=900)

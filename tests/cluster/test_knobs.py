@@ -96,7 +96,7 @@ def test_the_chief_evaluates_the_pulled_parameters_every_k_steps(async_run):
 def test_launch_worker_args_reach_that_worker_only(tmp_path):
     h0, h1 = tmp_path / "h0.json", tmp_path / "h1.json"
     run = subprocess.run(
-        [sys.executable, "-m", "worker.launch", "--mode", "async", "--workers", "2", "--dataset", "synthetic",
+        [sys.executable, "-m", "ps_tools.launch", "--mode", "async", "--workers", "2", "--dataset", "synthetic",
          "--steps", "3", "--worker-args", "0", f"--history-json {h0}",
          "--worker-args", "1", f"--slowdown 2 --history-json {h1}"],
         capture_output=True, text=True, timeout=300,

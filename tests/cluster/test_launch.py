@@ -23,7 +23,7 @@ KEYS = {"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s", "ex
 def test_launch_two_workers_reaches_90_percent_on_digits_in_3_epochs(mode, tmp_path):
     metrics = tmp_path / "m.json"
     run = subprocess.run(
-        [sys.executable, "-m", "worker.launch", "--mode", mode, "--workers", "2", "--dataset", "digits",
+        [sys.executable, "-m", "ps_tools.launch", "--mode", mode, "--workers", "2", "--dataset", "digits",
          "--epochs", "3", "--metrics-json", str(metrics)],
         capture_output=True, text=True, timeout=600,
     )
@@ -56,7 +56,7 @@ def _children(pid: int) -> list[int]:
 
 def test_launch_stops_everything_and_fails_when_a_worker_dies(tmp_path):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "worker.launch", "--mode", "sync", "--workers", "2", "--dataset", "synthetic",
+        [sys.executable, "-m", "ps_tools.launch", "--mode", "sync", "--workers", "2", "--dataset", "synthetic",
          "--steps", "100000", "--log-every", "5", "--barrier-timeout", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -87,7 +87,7 @@ def test_launch_stops_everything_and_fails_when_a_worker_dies(tmp_path):
 
 
 def test_launch_bad_flag_is_a_one_line_error():
-    run = subprocess.run([sys.executable, "-m", "worker.launch", "--workers", "2", "--global-batch-size", "1"],
+    run = subprocess.run([sys.executable, "-m", "ps_tools.launch", "--workers", "2", "--global-batch-size", "1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr
@@ -100,7 +100,7 @@ def test_launch_with_the_same_host_fast_path_trains_through_shared_memory(extra,
     registration probe succeeds and the run trains as well as over gRPC alone."""
     metrics = tmp_path / "m.json"
     run = subprocess.run(
-        [sys.executable, "-m", "worker.launch", "--mode", "sync", "--workers", "2", "--dataset", "digits",
+        [sys.executable, "-m", "ps_tools.launch", "--mode", "sync", "--workers", "2", "--dataset", "digits",
          "--epochs", "2", "--metrics-json", str(metrics), *extra],
         capture_output=True, text=True, timeout=600,
     )

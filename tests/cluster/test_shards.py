@@ -59,7 +59,7 @@ def train_by_hand(procs, ps: str, flags, chief_flags=()) -> None:
 def test_launch_two_shards_sync_trains_digits_and_every_shard_completes_every_round(tmp_path):
     metrics = tmp_path / "m.json"
     run = subprocess.run(
-        [sys.executable, "-m", "worker.launch", "--num-ps", "2", "--mode", "sync", "--workers", "2",
+        [sys.executable, "-m", "ps_tools.launch", "--num-ps", "2", "--mode", "sync", "--workers", "2",
          "--dataset", "digits", "--epochs", "1", "--metrics-json", str(metrics)],
         capture_output=True, text=True, timeout=600,
     )
@@ -151,7 +151,7 @@ def test_sync_workers_ride_out_a_shard_restart_from_its_checkpoint(procs, tmp_pa
 
 
 def test_launch_refuses_backup_workers_with_several_shards():
-    run = subprocess.run([sys.executable, "-m", "worker.launch", "--num-ps", "2", "--replicas-to-aggregate", "1"],
+    run = subprocess.run([sys.executable, "-m", "ps_tools.launch", "--num-ps", "2", "--replicas-to-aggregate", "1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().count("\n") == 0, run.stderr

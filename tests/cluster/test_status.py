@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cluster
 
 
 def status(*argv):
-    return subprocess.run([sys.executable, "-m", "worker.status", *argv], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ps_tools.status", *argv], capture_output=True, text=True, timeout=60)
 
 
 def test_ps_status_names_the_stalled_worker_the_barrier_waits_for(procs):

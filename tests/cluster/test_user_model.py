@@ -19,7 +19,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from ps_server.procs import dying_with_parent
+from ps_common.procs import dying_with_parent
 from tests.cluster.conftest import ROOT as REPO
 from tests.cluster.conftest import read_log, wait_exit
 
@@ -66,7 +66,7 @@ def recommender_run(tmp_path_factory):
     """One sync run of the example with 2 workers, its server and chief scraped mid-run."""
     tmp = tmp_path_factory.mktemp("recommender")
     port = _free_ports(3)  # server P, worker 0 P+1, worker 1 P+2
-    argv = [sys.executable, "-m", "worker.launch", "--mode", "sync", "--workers", "2",
+    argv = [sys.executable, "-m", "ps_tools.launch", "--mode", "sync", "--workers", "2",
             "--model", "examples.recommender:build_model", "--dataset", "examples.recommender:make_dataset",
             "--epochs", "6", "--global-batch-size", "256", "--learning-rate", "0.01",
             "--save-model", str(tmp / "model.keras"), "--metrics-json", str(tmp / "m.json"),

@@ -2,7 +2,7 @@
 
     cd /work/main && python -m pytest tests/security -q
 
-Rules checked (issue: security; ps_server/security.py):
+Rules checked (issue: security; ps_common/security.py):
 - "TLS (server certificate; optional mutual TLS with client certificates)": a client
   trusting the CA works, a plaintext client or one trusting another CA is refused;
   with mutual TLS a client without a certificate signed by the CA is refused;
@@ -32,10 +32,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from protos import wire
-from ps_server import security
+from ps_common import security
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from tests.cluster.conftest import port_of, procs, read_log, wait_exit  # noqa: F401 (procs is a fixture)
 from worker.client import PSClient, PSClientError
 
@@ -354,7 +354,7 @@ def test_load_token_warns_about_a_file_others_can_read(tmp_path, caplog):
     path = tmp_path / "token"
     path.write_text(TOKEN)
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="ps_server.security"):
+    with caplog.at_level(logging.WARNING, logger="ps_common.security"):
         assert security.load_token(str(path), {}) == TOKEN
     assert "can be read by other users" in caplog.text and TOKEN not in caplog.text
 
@@ -398,7 +398,7 @@ def test_readme_secure_commands_train_and_a_worker_without_the_token_is_refused(
 
 
 def test_ps_launch_refuses_tls_flags_with_a_one_line_error(capsys):
-    from worker import launch
+    from ps_tools import launch
 
     assert launch.main(["--workers", "1", "--tls-ca-file", "ca.crt"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

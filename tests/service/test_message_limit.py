@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
-from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
 
 LIMIT = 2**20  # TFPS_MAX_MESSAGE_MB=1
 CALL_TIMEOUT = 30.0

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.client import PSClient
 
 W0 = {"w": np.zeros((4, 8), np.float32), "b": np.zeros(8, np.float32)}

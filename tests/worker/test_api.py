@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ps_server.config import ServerConfig
-from ps_server.core.sparse import SparseRows
+from ps_common.sparse import SparseRows
 from ps_server.server import build_server
 from worker import api, task as tasks
 from worker.config import ConfigError

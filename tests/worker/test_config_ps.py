@@ -5,7 +5,7 @@
 
 import pytest
 
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.config import WorkerConfig
 
 

@@ -11,8 +11,8 @@ each pull, sleep L/1000 only"; "before step K ... sleep S seconds once".
 import numpy as np
 import pytest
 
-from ps_server.settings import ConfigError
-from worker import launch
+from ps_common.settings import ConfigError
+from ps_tools import launch
 from worker.config import WorkerConfig
 from worker.knobs import Knobs, payload_nbytes
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from worker import launch
+from ps_tools import launch
 
 
 def argv_of(*flags, shard=0):

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.observe import Observer
 
 

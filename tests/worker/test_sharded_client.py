@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from protos import tfps_pb2 as pb
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.client import PSClientError, PushReply, Registration
 from worker.sharded_client import ShardedClient, combine_statuses
 

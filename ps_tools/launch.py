@@ -36,9 +36,9 @@ import threading
 import time
 
 from protos import wire
-from ps_server import security
-from ps_server.core.parameter_server import MODES, STALE_POLICIES
-from ps_server.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common import security
+from ps_common.names import MODES, STALE_POLICIES
+from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
 class LaunchError(RuntimeError):

@@ -39,9 +39,9 @@ from typing import Mapping, Sequence
 
 import grpc
 
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 
-log = logging.getLogger("ps_server.security")
+log = logging.getLogger("ps_common.security")
 
 TOKEN_ENV = "TFPS_AUTH_TOKEN"
 # Methods callable without the token: the unary health check, for probes.

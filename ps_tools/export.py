@@ -32,9 +32,9 @@ import sys
 
 import numpy as np
 
-from ps_server import security
+from ps_common import security
 from ps_server.core.checkpoint import CheckpointError, ServerState, latest_valid, read_checkpoint
-from ps_server.settings import ConfigError
+from ps_common.settings import ConfigError
 from worker.client import PSClient, PSClientError
 from worker.model import MODELS
 

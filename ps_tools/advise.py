@@ -135,7 +135,8 @@ def decide(m: Measurements) -> Advice:
 
 
 def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: str | None = None) -> Measurements:
-    from worker.client import MODE_NAMES, PSClient  # grpc: only when measuring
+    from protos.wire import mode_from_wire
+    from worker.client import PSClient  # grpc: only when measuring
 
     statuses, bandwidth, model_bytes = [], {}, 0
     for address in addresses:
@@ -165,7 +166,7 @@ def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: 
         workers.append(WorkerTimes(w.worker_id, work, max(0.0, work - comm), min(comm, work)))
     if not workers:
         raise AdviseError("no worker has pushed twice yet: run ps-advise while training goes on")
-    return Measurements(f"running cluster at {','.join(addresses)}", MODE_NAMES.get(statuses[0].mode, "?"),
+    return Measurements(f"running cluster at {','.join(addresses)}", mode_from_wire(statuses[0].mode),
                         workers, model_bytes, bandwidth)
 
 
@@ -173,12 +174,12 @@ def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: 
 
 
 def measure_launch(launch_args: list[str], steps: int, timeout: float) -> Measurements:
-    from worker.launch import parser as launch_parser
+    from ps_tools.launch import parser as launch_parser
 
     parsed = launch_parser().parse_args(launch_args)
     workers = parsed.workers
     with tempfile.TemporaryDirectory(prefix="ps-advise-") as tmp:
-        argv = [sys.executable, "-m", "worker.launch", *launch_args, "--mode", "async", "--steps", str(steps),
+        argv = [sys.executable, "-m", "ps_tools.launch", *launch_args, "--mode", "async", "--steps", str(steps),
                 "--log-every", "1000000", "--metrics-json", os.path.join(tmp, "metrics.json")]
         for i in range(workers):
             argv += ["--worker-args", str(i), "--history-json " + shlex.quote(os.path.join(tmp, f"h{i}.json"))]
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.ps:
-            from ps_server import security
+            from ps_common import security
 
             m = measure_cluster([a.strip() for a in args.ps.split(",")], args.window,
                                 token=security.load_token(None, os.environ))

@@ -20,11 +20,11 @@ import os
 import sys
 import time
 
-MODE_NAMES = {1: "sync", 2: "async", 3: "ssp"}
+from protos.wire import mode_from_wire
 
 
 def render(address: str, s) -> str:
-    mode = MODE_NAMES.get(s.mode, "?")
+    mode = mode_from_wire(s.mode)
     lines = [f"{address}  mode {mode}  version {s.version}  round {s.round}  workers {s.num_workers}"
              + ("" if s.initialized else "  (not initialized: waiting for the chief)")]
     alive = [w for w in s.workers if not w.left and not w.dead]
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", type=float, nargs="?", const=2.0, help="refresh every N seconds (default 2)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per Status call (default 5)")
     args = p.parse_args(argv)
-    from ps_server import security
+    from ps_common import security
 
     token = security.load_token(None, os.environ)
     addresses = [a.strip() for a in args.ps.split(",") if a.strip()]

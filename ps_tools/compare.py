@@ -7,7 +7,7 @@ For every scenario, mode and seed it runs ``ps-launch`` (one server, N worker
 processes on this machine) with the scenario's experiment knobs (``--slowdown``,
 ``--bandwidth-mbps``, ``--added-latency-ms``, ``--pause-at-step``), every worker
 writing its per-step history and the chief evaluating the test accuracy every
-few steps. ``worker.report`` turns the runs into report.json, report.md and PNG
+few steps. ``ps_tools.report`` turns the runs into report.json, report.md and PNG
 plots: loss and accuracy against wall time and against updates, time to the
 target accuracy, final accuracy, examples/s, staleness, and the spread of each
 across seeds (the stability of a mode, measured).
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from worker.report import write_report
+from ps_tools.report import write_report
 
 LAST = -1  # the scenario knob goes to the last worker
 ALL = -2  # ... to every worker
@@ -112,7 +112,7 @@ def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str) -> dic
     """One ps-launch run; returns what the report needs (metrics, histories, timings)."""
     os.makedirs(run_dir, exist_ok=True)
     per_worker = scenario_worker_args(scenario, args.workers)
-    argv = [sys.executable, "-m", "worker.launch", *mode_flags(mode, args.workers), "--workers", str(args.workers),
+    argv = [sys.executable, "-m", "ps_tools.launch", *mode_flags(mode, args.workers), "--workers", str(args.workers),
             "--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(args.global_batch_size),
             "--seed", str(seed), "--metrics-json", os.path.join(run_dir, "metrics.json"),
             "--log-every", "1000000"]
