@@ -27,13 +27,14 @@ import grpc
 
 import numpy as np
 
-from protos import codec, shm, stream, wire
+from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import errors
+from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
-from ps_server.core.parameter_server import ParameterServer
+from ps_server.core.parameter_server import ParameterServer, Status
 from ps_common.sparse import SparseRows
 from ps_server.buffers import BufferPool
 
@@ -54,7 +55,6 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,
     errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WorkerDead: grpc.StatusCode.ABORTED,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
 }
 
@@ -159,22 +159,35 @@ def _handled(method):
     return wrapper
 
 
+OPTIMIZER = convert.Conversion(OptimizerSpec, pb.OptimizerConfig)
+
+
 def optimizer_to_wire(spec: OptimizerSpec | None) -> pb.OptimizerConfig:
-    if spec is None:
-        return pb.OptimizerConfig()
-    return pb.OptimizerConfig(**spec.as_dict())
+    return pb.OptimizerConfig() if spec is None else OPTIMIZER.to_wire(spec)
 
 
 def optimizer_from_wire(msg: pb.OptimizerConfig) -> OptimizerSpec:
-    return OptimizerSpec(
-        name=msg.name,
-        learning_rate=msg.learning_rate,
-        momentum=msg.momentum,
-        nesterov=msg.nesterov,
-        beta_1=msg.beta_1,
-        beta_2=msg.beta_2,
-        epsilon=msg.epsilon,
-    )
+    return OPTIMIZER.from_wire(msg)
+
+
+# The server's status as it travels: the core's records field by field (protos.convert).
+WORKER_STATUS = convert.Conversion(
+    WorkerRecord, pb.WorkerStatus,
+    rename={"name": "worker_name", "last_seen": "last_seen_age_s"},  # the age is taken at the call (Status)
+    local={"registered_at", "dead_since", "last_push_done"},  # the server's own clock readings
+)
+STATUS = convert.Conversion(
+    Status, pb.StatusResponse,
+    rename={"lease_timeout": "lease_timeout_s"},
+    to_wire={"mode": wire.mode_to_wire, "optimizer": optimizer_to_wire},
+)
+CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, STATUS)
+
+
+def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
+    """``s`` as a StatusResponse; worker ages are seconds from their last call to ``now``."""
+    age = lambda last_seen: now - last_seen  # noqa: E731
+    return STATUS.to_wire(s, workers=lambda records: [WORKER_STATUS.to_wire(w, last_seen=age) for w in records])
 
 
 def _sparse_names(metas) -> list[str]:
@@ -194,17 +207,6 @@ def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
         return gradients
     rows = {m.name: np.asarray(m.rows, dtype=np.int64) for m in metas if m.sparse}
     return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
-
-
-def _push_result_to_wire(result) -> pb.PushResponse:
-    return pb.PushResponse(
-        version=result.version,
-        staleness=result.staleness,
-        contributors=result.contributors,
-        dropped=result.dropped,
-        next_step=result.next_step,
-        replayed=result.replayed,
-    )
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -245,17 +247,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Register(self, request, context):
         reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer())
         self.segments.drop(reg.worker_id)  # a new registration brings its own segments, if any
-        reply = pb.RegisterResponse(
-            mode=wire.mode_to_wire(reg.mode),
-            num_workers=reg.num_workers,
-            worker_id=reg.worker_id,
-            initialized=reg.initialized,
-            version=reg.version,
-            barrier_timeout_s=reg.barrier_timeout,
-            round=reg.round,
-            lease_timeout_s=reg.lease_timeout,
-            incarnation=reg.incarnation,
-        )
+        reply = convert.REGISTRATION.to_wire(reg)
         fast_path = ""
         if request.shm_push_name or request.shm_pull_name:
             try:
@@ -323,7 +315,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 loss=request.loss,
             )
         )
-        reply = _push_result_to_wire(result)
+        reply = convert.PUSH_REPLY.to_wire(result)
         if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
             if version == result.version:
@@ -366,7 +358,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss))
         finally:  # the core keeps no reference to the gradients once push returns
             self.buffers.release(buffer)
-        return _push_result_to_wire(result)
+        return convert.PUSH_REPLY.to_wire(result)
 
     def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, rest) -> pb.PushResponse:
         """A push whose gradients lie in the worker's segment: checked whole, then applied
@@ -379,7 +371,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         gradients = _sparse(self._widen_half(stream.widened(layout.entries, raw)), h.gradients)
         result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                      batch_size=h.batch_size, gradients=gradients, loss=h.loss))
-        return _push_result_to_wire(result)
+        return convert.PUSH_REPLY.to_wire(result)
 
     def _widen_half(self, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """float16 gradients of float32 variables widened (bfloat16 ones already are, by the
@@ -412,53 +404,4 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Status(self, request, context):
-        s = self.core.status()
-        now = time.monotonic()
-        return pb.StatusResponse(
-            mode=wire.mode_to_wire(s.mode),
-            num_workers=s.num_workers,
-            initialized=s.initialized,
-            version=s.version,
-            round=s.round,
-            waiting_for=list(s.waiting_for),
-            workers=[
-                pb.WorkerStatus(
-                    worker_id=w.worker_id,
-                    worker_name=w.name,
-                    last_step=w.last_step,
-                    last_seen_age_s=now - w.last_seen,
-                    left=w.left,
-                    pushes=w.pushes,
-                    dead=w.dead,
-                    dropped=w.dropped,
-                    work_s=w.work_s,
-                    wait_s=w.wait_s,
-                )
-                for w in s.workers
-            ],
-            pushes_applied=s.pushes_applied,
-            examples_applied=s.examples_applied,
-            mean_staleness=s.mean_staleness,
-            max_staleness=s.max_staleness,
-            optimizer=optimizer_to_wire(s.optimizer),
-            num_variables=s.num_variables,
-            num_parameters=s.num_parameters,
-            uptime_s=s.uptime_s,
-            rounds_timed_out=s.rounds_timed_out,
-            last_loss=s.last_loss,
-            incarnation=s.incarnation,
-            pushes_dropped=s.pushes_dropped,
-            pushes_replayed=s.pushes_replayed,
-            rounds_aborted=s.rounds_aborted,
-            dead_worker_policy=s.dead_worker_policy,
-            replicas_to_aggregate=s.replicas_to_aggregate,
-            lease_timeout_s=s.lease_timeout,
-            active_workers=list(s.active_workers),
-            last_checkpoint_version=s.last_checkpoint_version,
-            checkpoint_age_s=s.checkpoint_age_s,
-            staleness_bound=s.staleness_bound,
-            max_ahead=s.max_ahead,
-            stale_policy=s.stale_policy,
-            drop_staleness_above=s.drop_staleness_above,
-            pushes_scaled=s.pushes_scaled,
-        )
+        return status_to_wire(self.core.status(), time.monotonic())

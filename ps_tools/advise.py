@@ -137,6 +137,7 @@ def decide(m: Measurements) -> Advice:
 def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: str | None = None) -> Measurements:
     from protos.wire import mode_from_wire
     from worker.client import PSClient  # grpc: only when measuring
+    from worker.sharded_client import combine_statuses
 
     statuses, bandwidth, model_bytes = [], {}, 0
     for address in addresses:
@@ -158,15 +159,12 @@ def measure_cluster(addresses: list[str], window: float, pulls: int = 3, token: 
             statuses.append(c.status())
     slowest_link = min(bandwidth.values())
     comm = 2 * model_bytes / slowest_link if slowest_link > 0 else 0.0
-    workers = []
-    for w in statuses[0].workers:
-        if w.left or w.dead or w.pushes < 2:
-            continue
-        work = max((x.work_s for s in statuses for x in s.workers if x.worker_id == w.worker_id), default=0.0)
-        workers.append(WorkerTimes(w.worker_id, work, max(0.0, work - comm), min(comm, work)))
+    cluster = combine_statuses(statuses)  # each worker's work_s: the largest any shard saw
+    workers = [WorkerTimes(w.worker_id, w.work_s, max(0.0, w.work_s - comm), min(comm, w.work_s))
+               for w in cluster.workers if not (w.left or w.dead or w.pushes < 2)]
     if not workers:
         raise AdviseError("no worker has pushed twice yet: run ps-advise while training goes on")
-    return Measurements(f"running cluster at {','.join(addresses)}", mode_from_wire(statuses[0].mode),
+    return Measurements(f"running cluster at {','.join(addresses)}", mode_from_wire(cluster.mode),
                         workers, model_bytes, bandwidth)
 
 

@@ -2,7 +2,7 @@
 
     ps-status 127.0.0.1:50051                 # once
     ps-status 127.0.0.1:50051 --watch 2       # refresh every 2 s until Ctrl-C
-    ps-status a:50051,b:50051                 # server shards: one block each
+    ps-status a:50051,b:50051                 # server shards: the cluster, then one block each
 
 Per server: mode, version, round, who the barrier (sync) or the bound (ssp) is
 waiting for, updates applied and dropped, staleness, checkpoint age. Per
@@ -10,7 +10,9 @@ worker: its state (training; in sync, awaited by the barrier or waiting at it
 having pushed; left when finished; DEAD), last step, lease age (seconds
 since its last call or heartbeat), pushes, and where its time goes (``work``:
 between its pushes; ``wait``: inside them, at the barrier or the bound).
-Plain text; no TensorFlow.
+With several shards a first block shows the cluster as the workers see it:
+the shards' statuses combined by ``worker.sharded_client.combine_statuses``
+(one rule per field). Plain text; no TensorFlow.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def render(address: str, s) -> str:
         extra.append(f"rounds aborted {s.rounds_aborted}, timed out {s.rounds_timed_out}")
     if mode == "ssp":
         extra.append(f"max ahead {s.max_ahead} of bound {s.staleness_bound}")
+    if s.stale_policy and s.stale_policy != "none":
+        extra.append(f"stale policy {s.stale_policy}"
+                     + (f" (drops staleness above {s.drop_staleness_above})" if s.stale_policy == "drop" else ""))
     checkpoint = (f"checkpoint v{s.last_checkpoint_version} {s.checkpoint_age_s:.0f} s ago"
                   if s.last_checkpoint_version >= 0 else "no checkpoint")
     lines.append(f"  applied {s.pushes_applied} pushes, {s.examples_applied} examples; staleness mean "
@@ -77,14 +82,18 @@ def _who(s, worker_id: int) -> str:
 
 def snapshot(addresses: list[str], token: str | None, timeout: float) -> str:
     from worker.client import PSClient, PSClientError
+    from worker.sharded_client import combine_statuses
 
-    blocks = []
+    blocks, answers = [], []
     for address in addresses:
         try:
             with PSClient(address, timeout=timeout, token=token) as c:
-                blocks.append(render(address, c.status()))
+                answers.append(c.status())
+            blocks.append(render(address, answers[-1]))
         except PSClientError as e:
             blocks.append(f"{address}  not answering: {e.code.name if e.code else 'ERROR'}: {e.details}")
+    if len(addresses) > 1 and len(answers) == len(addresses):
+        blocks.insert(0, render(f"cluster of {len(addresses)} shards", combine_statuses(answers)))
     return "\n\n".join(blocks)
 
 

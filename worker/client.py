@@ -39,7 +39,6 @@ server's own explanation.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -50,10 +49,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import codec, shm as shmem, stream, wire
+from protos import codec, convert, shm as shmem, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_common import security
+from ps_common.records import PushReply, Registration
 from ps_common.sparse import SparseRows
 
 log = logging.getLogger("worker.client")
@@ -98,30 +98,6 @@ class PSClientError(RuntimeError):
         self.call, self.address, self.code, self.details = call, address, code, details
         code_name = code.name if code is not None else "ERROR"
         super().__init__(f"{call} to {address} failed: {code_name}: {details}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Registration:
-    worker_id: int
-    mode: str
-    num_workers: int
-    initialized: bool
-    version: int
-    barrier_timeout: float
-    round: int = 0
-    lease_timeout: float = 10.0
-    incarnation: str = ""
-    shm: bool = False  # the same-host fast path is on for this registration
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReply:
-    version: int
-    staleness: int
-    contributors: int
-    dropped: bool = False
-    next_step: int = 0
-    replayed: bool = False
 
 
 class _ShmRefused(Exception):
@@ -316,18 +292,7 @@ class PSClient:
         if self.shm and self.shm_fallback_reason is not None:
             self._release_segments()
         self._sync = reply.mode == pb.SYNC
-        return Registration(
-            worker_id=reply.worker_id,
-            mode=wire.mode_from_wire(reply.mode),
-            num_workers=reply.num_workers,
-            initialized=reply.initialized,
-            version=reply.version,
-            barrier_timeout=reply.barrier_timeout_s,
-            round=reply.round,
-            lease_timeout=reply.lease_timeout_s,
-            incarnation=reply.incarnation,
-            shm=self._shm_on,
-        )
+        return convert.REGISTRATION.from_wire(reply, shm=self._shm_on)
 
     def _hold_for_probe(self) -> list[_Slot]:
         """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
@@ -509,8 +474,7 @@ class PSClient:
                 self._cache, self._fresh = (reply.incarnation, reply.version, values), True
         else:
             reply = self._push_large(worker_id, step, base_version, batch_size, loss, wire_arrays, timeout, rows)
-        return PushReply(reply.version, reply.staleness, reply.contributors, reply.dropped, reply.next_step,
-                         reply.replayed)
+        return convert.PUSH_REPLY.from_wire(reply)
 
     def _push_large(self, worker_id: int, step: int, base_version: int, batch_size: int, loss: float,
                     wire_arrays: dict[str, tuple[int, np.ndarray]], timeout: float,

@@ -28,15 +28,16 @@ leaves a shard empty is refused (a ps-server cannot hold nothing).
 (the version every shard has reached) and remembers each shard's version from
 that pull; ``push(..., base_version=...)`` sends every shard its own version
 from the pull that returned ``base_version`` (a version no pull returned is
-sent to every shard as it is). Combined push replies: version min, staleness
-max, contributors min, dropped any, next_step max, replayed all.
+sent to every shard as it is). The push replies are combined by
+``PUSH_RULES`` (version min, staleness max, ...).
 
 **Registration.** A worker registers on every shard; they must agree on the
 mode, the worker count and the worker id (otherwise a clear error names the
-shards). Combined: initialized only if every shard is, version min, barrier
-timeout max, lease timeout min, the incarnations joined with commas (a restart
-of any shard shows as a new incarnation), and round the largest any shard is
-collecting. In sync mode each shard runs its own barrier, and the worker
+shards). The registrations are combined by ``REGISTRATION_RULES``: initialized
+only if every shard is, the incarnations joined with commas (a restart of any
+shard shows as a new incarnation), round the largest any shard is collecting,
+and so on; the statuses by ``STATUS_RULES`` and ``WORKER_RULES``. Each table has
+one rule per field (a test holds it to the record or proto). In sync mode each shard runs its own barrier, and the worker
 pushes each shard its own round: ``step`` as the trainer counts it plus a
 per-shard offset (0 when all shards agree, which is the normal case). A shard
 restored from an older checkpoint has lost the rounds since (as one server
@@ -57,6 +58,7 @@ async mode already allows.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -68,7 +70,8 @@ import numpy as np
 from protos import tfps_pb2 as pb
 from ps_common.settings import ConfigError
 from worker import sharding
-from worker.client import PSClient, PSClientError, PushReply, Registration, pull_when_initialized
+from ps_common.records import PushReply, Registration
+from worker.client import PSClient, PSClientError, pull_when_initialized
 
 log = logging.getLogger("worker")
 
@@ -183,17 +186,7 @@ class ShardedClient:
             self._sync = sync
             self._offsets = [r - combined_round for r in rounds] if sync else [0] * self.num_shards
             self._pulled.clear()
-        return Registration(
-            worker_id=first.worker_id,
-            mode=first.mode,
-            num_workers=first.num_workers,
-            initialized=all(r.initialized for r in regs),
-            version=min(r.version for r in regs),
-            barrier_timeout=max(r.barrier_timeout for r in regs),
-            round=combined_round,
-            lease_timeout=min(r.lease_timeout for r in regs),
-            incarnation=",".join(r.incarnation for r in regs),
-        )
+        return combine_records(regs, REGISTRATION_RULES)
 
     def _refuse_backup_workers(self, num_workers: int) -> None:
         statuses = self._each(self._control, lambda i, c: c.status())
@@ -332,84 +325,157 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
                               f"the shards disagree on step {step}'s gradient ({which}); backup workers "
                               "(--replicas-to-aggregate) cannot be used with several shards")
-        if sync:
-            # Each shard says which round it collects next; keep pushing each its own.
-            next_step = max(r.next_step - off for r, off in zip(replies, offsets))
+        # Each shard says the step it collects next; in the trainer's count that is its
+        # step minus its offset (0 in async mode).
+        reply = combine_records([dataclasses.replace(r, next_step=r.next_step - off)
+                                 for r, off in zip(replies, offsets)], PUSH_RULES)
+        if sync:  # keep pushing each shard its own round
             with self._lock:
                 if self._offsets == offsets:  # not re-registered meanwhile
-                    self._offsets = [r.next_step - next_step for r in replies]
-        else:
-            next_step = max(r.next_step for r in replies)
-        return PushReply(
-            version=min(r.version for r in replies),
-            staleness=max(r.staleness for r in replies),
-            contributors=min(r.contributors for r in replies),
-            dropped=any(r.dropped for r in replies),
-            next_step=next_step,
-            replayed=all(r.replayed for r in replies),
-        )
+                    self._offsets = [r.next_step - reply.next_step for r in replies]
+        return reply
 
     def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Pull once the chief has initialized every shard; raise after timeout."""
         return pull_when_initialized(self, worker_id, timeout)
 
 
-def combine_statuses(statuses: Sequence[pb.StatusResponse]) -> pb.StatusResponse:
-    """One Status for several shards, with the meaning the trainer reads from one server.
+# -- combining the shards' answers: one rule per field ----------------------------------
+#
+# Each rule takes the shards' values of one field, in shard order, and returns the
+# cluster's. The tables name every field of the record or message they combine (a test
+# holds them to it), and ``combine_records`` / ``combine_messages`` apply them field by
+# field, so a field added to a record or to the proto has no value until it has a rule.
 
-    Everything that must hold on every shard takes the weakest shard: initialized
-    (all), version, pushes and examples applied, checkpoint version (min). Staleness,
-    round and the event counters (timed-out, aborted, dropped, replayed) take the
-    largest, since each event happens on every shard. Variables and parameters are
-    summed (variables count pieces). A worker has left only when it left every
-    shard; it is dead when any shard says so. The optimizer, the policy and the
-    last loss are the first shard's; the incarnations are joined with commas.
-    """
-    first = statuses[0]
-    workers: dict[int, pb.WorkerStatus] = {}
-    left_on: collections.Counter = collections.Counter()
-    for s in statuses:
-        for w in s.workers:
-            left_on[w.worker_id] += int(w.left)
-            have = workers.get(w.worker_id)
-            if have is None:
-                workers[w.worker_id] = pb.WorkerStatus(
-                    worker_id=w.worker_id, worker_name=w.worker_name, last_step=w.last_step,
-                    last_seen_age_s=w.last_seen_age_s, pushes=w.pushes, dead=w.dead, dropped=w.dropped)
+
+def first(values):
+    """The first shard's: the same on every shard (checked where it matters), or a
+    choice every shard makes alike (the optimizer, the policies)."""
+    return values[0]
+
+
+def joined(values):
+    """The shards' strings joined with commas (a restart of any shard shows as a change)."""
+    return ",".join(values)
+
+
+def union_sorted(values):
+    """Every worker id any shard lists, once, sorted."""
+    return sorted({v for vs in values for v in vs})
+
+
+def first_named(values):
+    """The first non-empty name."""
+    return next((v for v in values if v), "")
+
+
+REGISTRATION_RULES: dict[str, Callable] = {
+    "worker_id": first,  # register refuses shards that disagree on it, the mode or the worker count
+    "mode": first,
+    "num_workers": first,
+    "initialized": all,  # only if every shard is
+    "version": min,  # the version every shard has reached
+    "barrier_timeout": max,  # a push deadline above every shard's barrier
+    "round": max,  # the newest round any shard collects (the others get an offset)
+    "lease_timeout": min,  # heartbeat within the shortest lease
+    "incarnation": joined,
+    "shm": all,  # the fast path is on only if every shard's probe succeeded
+}
+
+PUSH_RULES: dict[str, Callable] = {
+    "version": min,
+    "staleness": max,
+    "contributors": min,
+    "dropped": any,  # push refuses shards that disagree on it
+    "next_step": max,  # in the trainer's count (ShardedClient.push subtracts each shard's offset)
+    "replayed": all,  # replayed only if no shard applied it now
+}
+
+# A worker a shard never saw counts there as this record: not left, never pushed.
+ABSENT_WORKER = pb.WorkerStatus(last_step=-1)
+
+WORKER_RULES: dict[str, Callable] = {
+    "worker_id": first,  # the key the records are merged by
+    "worker_name": first_named,
+    "last_step": max,
+    "last_seen_age_s": max,  # the staleest lease
+    "left": all,  # left only when it left every shard
+    "pushes": min,  # the pushes every shard has counted
+    "dead": any,  # dead when any shard declared it so
+    "dropped": max,  # each drop happens on every shard
+    "work_s": max,  # the slowest view of its time between pushes
+    "wait_s": max,  # its longest wait inside a shard's push
+}
+
+
+def merge_workers(per_shard) -> list[pb.WorkerStatus]:
+    """Each worker's records on the shards combined by ``WORKER_RULES``, by worker id."""
+    ids = sorted({w.worker_id for ws in per_shard for w in ws})
+    merged = []
+    for worker_id in ids:
+        records = []
+        for ws in per_shard:
+            found = [w for w in ws if w.worker_id == worker_id]
+            if found:
+                records.append(found[0])
             else:
-                have.last_step = max(have.last_step, w.last_step)
-                have.last_seen_age_s = max(have.last_seen_age_s, w.last_seen_age_s)
-                have.pushes = min(have.pushes, w.pushes)
-                have.dead = have.dead or w.dead
-                have.dropped = max(have.dropped, w.dropped)
-    for worker_id, w in workers.items():
-        w.left = left_on[worker_id] == len(statuses)
-    return pb.StatusResponse(
-        mode=first.mode,
-        num_workers=first.num_workers,
-        initialized=all(s.initialized for s in statuses),
-        version=min(s.version for s in statuses),
-        round=max(s.round for s in statuses),
-        waiting_for=sorted({w for s in statuses for w in s.waiting_for}),
-        workers=[workers[k] for k in sorted(workers)],
-        pushes_applied=min(s.pushes_applied for s in statuses),
-        examples_applied=min(s.examples_applied for s in statuses),
-        mean_staleness=max(s.mean_staleness for s in statuses),
-        max_staleness=max(s.max_staleness for s in statuses),
-        optimizer=first.optimizer,
-        num_variables=sum(s.num_variables for s in statuses),
-        num_parameters=sum(s.num_parameters for s in statuses),
-        uptime_s=min(s.uptime_s for s in statuses),
-        rounds_timed_out=max(s.rounds_timed_out for s in statuses),
-        last_loss=first.last_loss,
-        incarnation=",".join(s.incarnation for s in statuses),
-        pushes_dropped=max(s.pushes_dropped for s in statuses),
-        pushes_replayed=max(s.pushes_replayed for s in statuses),
-        rounds_aborted=max(s.rounds_aborted for s in statuses),
-        dead_worker_policy=first.dead_worker_policy,
-        replicas_to_aggregate=max(s.replicas_to_aggregate for s in statuses),
-        lease_timeout_s=min(s.lease_timeout_s for s in statuses),
-        active_workers=sorted({w for s in statuses for w in s.active_workers}),
-        last_checkpoint_version=min(s.last_checkpoint_version for s in statuses),
-        checkpoint_age_s=max(s.checkpoint_age_s for s in statuses),
-    )
+                absent = pb.WorkerStatus()
+                absent.CopyFrom(ABSENT_WORKER)
+                absent.worker_id = worker_id
+                records.append(absent)
+        merged.append(combine_messages(records, WORKER_RULES))
+    return merged
+
+
+STATUS_RULES: dict[str, Callable] = {
+    "mode": first,
+    "num_workers": first,
+    "initialized": all,
+    "version": min,  # what must hold on every shard takes the weakest shard
+    "round": max,
+    "waiting_for": union_sorted,
+    "workers": merge_workers,
+    "pushes_applied": min,
+    "examples_applied": min,
+    "mean_staleness": max,
+    "max_staleness": max,
+    "optimizer": first,
+    "num_variables": sum,  # pieces: each shard holds its own
+    "num_parameters": sum,
+    "uptime_s": min,
+    "rounds_timed_out": max,  # the event counters take the largest: each event happens on every shard
+    "last_loss": first,
+    "incarnation": joined,
+    "pushes_dropped": max,
+    "pushes_replayed": max,
+    "rounds_aborted": max,
+    "dead_worker_policy": first,
+    "replicas_to_aggregate": max,
+    "lease_timeout_s": min,
+    "active_workers": union_sorted,
+    "last_checkpoint_version": min,
+    "checkpoint_age_s": max,
+    "staleness_bound": first,  # every shard runs with the same flags
+    "max_ahead": max,
+    "stale_policy": first,
+    "drop_staleness_above": first,
+    "pushes_scaled": max,
+}
+
+
+def combine_records(records: Sequence, rules: Mapping[str, Callable]):
+    """One dataclass record from the shards' (in shard order), field by field by ``rules``."""
+    return type(records[0])(**{f.name: rules[f.name]([getattr(r, f.name) for r in records])
+                               for f in dataclasses.fields(records[0])})
+
+
+def combine_messages(messages: Sequence, rules: Mapping[str, Callable]):
+    """One protobuf message from the shards' (in shard order), field by field by ``rules``."""
+    cls = type(messages[0])
+    return cls(**{f.name: rules[f.name]([getattr(m, f.name) for m in messages]) for f in cls.DESCRIPTOR.fields})
+
+
+def combine_statuses(statuses: Sequence[pb.StatusResponse]) -> pb.StatusResponse:
+    """One Status for several shards, with the meaning the trainer reads from one server
+    (``STATUS_RULES``, and ``WORKER_RULES`` for each worker)."""
+    return combine_messages(statuses, STATUS_RULES)

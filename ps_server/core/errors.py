@@ -64,10 +64,6 @@ class BarrierTimeout(PSError):
         self.missing = missing
 
 
-class Unavailable(PSError):
-    """The server is shutting down and takes no more work."""
-
-
 class WorkerDead(PSError):
     """A sync round cannot complete: a worker it needs is dead (policy abort, or
     policy wait with no replacement in time). ``dead`` lists them."""

@@ -179,11 +179,6 @@ class Membership:
             rec = self._workers.get(worker_id)
             return rec is not None and rec.dead
 
-    def silent_for(self, worker_id: int) -> float:
-        with self._lock:
-            rec = self._workers.get(worker_id)
-            return self._clock() - rec.last_seen if rec is not None else float("inf")
-
     def name_of(self, worker_id: int) -> str:
         with self._lock:
             rec = self._workers.get(worker_id)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import numpy as np
 
+from ps_common.records import PushReply
 from ps_server.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -51,14 +52,9 @@ class Push:
             raise InvalidArgument(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
 
 
-@dataclasses.dataclass(frozen=True)
-class PushResult:
-    version: int  # the version after this gradient was applied
-    staleness: int  # server version at apply time minus base_version
-    contributors: int = 1
-    dropped: bool = False  # sync with backup workers: the round completed without it
-    next_step: int = 0  # the step this worker should push next
-    replayed: bool = False  # already applied before: this is the recorded answer
+# What a push returns: the record the worker reads back (``ps_common.records``), by the
+# name the modes use for it.
+PushResult = PushReply
 
 
 @dataclasses.dataclass(frozen=True)

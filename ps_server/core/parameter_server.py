@@ -26,6 +26,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ps_common.names import MODES
+from ps_common.records import Registration
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.checkpoint import ServerState
 from ps_server.core.errors import ConfigMismatch, InvalidArgument
@@ -41,20 +42,11 @@ log = logging.getLogger("ps_server.core")
 
 
 @dataclasses.dataclass(frozen=True)
-class Registration:
-    worker_id: int
-    mode: str
-    num_workers: int
-    initialized: bool
-    version: int
-    barrier_timeout: float
-    round: int = 0
-    lease_timeout: float = 10.0
-    incarnation: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
 class Status:
+    """The server at a glance. ``ps_server.service`` sends it as ``StatusResponse`` by
+    these fields (``STATUS`` there: same names, a few renamed or converted), so a field
+    added here reaches the wire or fails ``tests/service/test_records.py``."""
+
     mode: str
     num_workers: int
     initialized: bool

@@ -7,6 +7,7 @@ dict (a push applies SGD with learning rate 1). ``tests/cluster/test_shards.py``
 runs the same with real ps-server processes.
 """
 
+import dataclasses
 import threading
 
 import grpc
@@ -16,7 +17,8 @@ import pytest
 from protos import tfps_pb2 as pb
 from ps_common.settings import ConfigError
 from worker.client import PSClientError, PushReply, Registration
-from worker.sharded_client import ShardedClient, combine_statuses
+from worker.sharded_client import (PUSH_RULES, REGISTRATION_RULES, STATUS_RULES, WORKER_RULES, ShardedClient,
+                                   combine_records, combine_statuses)
 
 VALUES = {
     "dense/kernel": np.arange(2 * 70000, dtype=np.float32).reshape(70000, 2),  # 547 KiB: cut in two
@@ -268,3 +270,43 @@ def test_combined_status_counts_a_worker_as_left_only_when_it_left_every_shard()
     s = combine_statuses([a, b])
     assert (s.version, s.round, s.examples_applied, s.num_parameters, s.incarnation) == (4, 5, 256, 17, "a,b")
     assert [(w.worker_id, w.left, w.pushes) for w in s.workers] == [(0, True, 4), (1, False, 4)]
+
+
+@pytest.mark.parametrize("message, rules", [(pb.StatusResponse, STATUS_RULES), (pb.WorkerStatus, WORKER_RULES)],
+                         ids=["StatusResponse", "WorkerStatus"])
+def test_every_status_field_has_exactly_one_combine_rule(message, rules):
+    fields = [f.name for f in message.DESCRIPTOR.fields]
+    assert [n for n in fields if n not in rules] == [], "fields without a rule"
+    assert [n for n in rules if n not in fields] == [], "rules for no field"
+
+
+@pytest.mark.parametrize("record, rules", [(Registration, REGISTRATION_RULES), (PushReply, PUSH_RULES)],
+                         ids=["Registration", "PushReply"])
+def test_every_registration_and_push_reply_field_has_exactly_one_combine_rule(record, rules):
+    assert sorted(f.name for f in dataclasses.fields(record)) == sorted(rules)
+
+
+def test_combined_status_keeps_the_staleness_settings_and_takes_the_largest_counters_and_times():
+    a = pb.StatusResponse(mode=pb.SSP, staleness_bound=3, max_ahead=2, stale_policy="drop", drop_staleness_above=5,
+                          pushes_scaled=4, workers=[pb.WorkerStatus(worker_id=0, work_s=0.5, wait_s=0.1, pushes=3)])
+    b = pb.StatusResponse(mode=pb.SSP, staleness_bound=3, max_ahead=1, stale_policy="drop", drop_staleness_above=5,
+                          pushes_scaled=6, workers=[pb.WorkerStatus(worker_id=0, work_s=0.2, wait_s=0.3, pushes=3)])
+    s = combine_statuses([a, b])
+    assert (s.staleness_bound, s.max_ahead, s.stale_policy, s.drop_staleness_above, s.pushes_scaled) \
+        == (3, 2, "drop", 5, 6)
+    assert [(w.work_s, w.wait_s) for w in s.workers] == [(0.5, 0.3)]
+
+
+def test_a_worker_one_shard_never_saw_has_not_left_and_has_no_pushes_there():
+    a = pb.StatusResponse(workers=[pb.WorkerStatus(worker_id=0, left=True, pushes=5, last_step=4, worker_name="w0")])
+    b = pb.StatusResponse()
+    (w,) = combine_statuses([a, b]).workers
+    assert (w.worker_id, w.left, w.pushes, w.last_step, w.worker_name) == (0, False, 0, 4, "w0")
+
+
+def test_combined_registration_takes_all_shards_shm_and_the_shortest_lease():
+    regs = [Registration(worker_id=0, mode="sync", num_workers=2, initialized=True, version=1, barrier_timeout=t,
+                         lease_timeout=lease, incarnation=f"i{k}", shm=shm)
+            for k, (t, lease, shm) in enumerate([(30.0, 10.0, True), (60.0, 4.0, False)])]
+    reg = combine_records(regs, REGISTRATION_RULES)
+    assert (reg.barrier_timeout, reg.lease_timeout, reg.shm, reg.incarnation) == (60.0, 4.0, False, "i0,i1")
