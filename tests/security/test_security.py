@@ -11,8 +11,8 @@ Rules checked (issue: security; ps_common/security.py):
   membership unchanged; the health check answers without the token;
 - "Secrets come from files or environment variables, never from flags": load_token,
   and the token never appears in the server's log;
-- "The README shows how to make a test certificate": the certificates used here are
-  made by running the README's own openssl lines.
+- "The docs show how to make a test certificate": the certificates used here are
+  made by running the openssl lines of docs/security.md.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ TIMEOUT = 10.0
 
 
 # -- fixtures ----------------------------------------------------------------------
-def _readme_pki_lines() -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
+def _docs_pki_lines() -> str:
+    text = open(os.path.join(ROOT, "docs", "security.md")).read()
     blocks = [b for b in re.findall(r"```sh\n(.*?)```", text, re.S) if "openssl req -x509" in b]
-    assert len(blocks) == 1, "README.md should have one sh block that makes the test certificates"
+    assert len(blocks) == 1, "docs/security.md should have one sh block that makes the test certificates"
     return blocks[0]
 
 
 def _make_pki(directory) -> dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is not installed")
-    run = subprocess.run(["sh", "-e", "-c", _readme_pki_lines()], cwd=directory, capture_output=True,
+    run = subprocess.run(["sh", "-e", "-c", _docs_pki_lines()], cwd=directory, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     names = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key", "token")
@@ -71,7 +71,7 @@ def _make_pki(directory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """The README's CA, server certificate (localhost, 127.0.0.1), client certificate, token."""
+    """The CA of docs/security.md, its server certificate (localhost, 127.0.0.1), client certificate, token."""
     return _make_pki(tmp_path_factory.mktemp("pki"))
 
 
