@@ -30,7 +30,7 @@ class ServerConfig:
     threads: int = 0  # 0: sized from num_workers, see pool_threads
     port_file: str = ""
     log_level: str = "INFO"
-    # Liveness (issue 4): a worker silent for lease_timeout seconds is dead.
+    # Liveness: a worker silent for lease_timeout seconds is dead.
     lease_timeout: float = 10.0
     dead_worker_policy: str = "abort"  # sync: abort | wait | shrink
     replacement_timeout: float = 60.0  # policy "wait": how long a dead worker's index may stay empty

@@ -30,8 +30,8 @@ The rules (``decide``), in order; the first that fires decides:
    global batch, identical to one big batch on one machine, and no worker waits
    long at the barrier.
 
-Calibrated on this project's ``ps-compare --scenario all --quick`` (README,
-"Choosing a strategy"; 3 workers on 2 cores, digits, global batch 256). With one
+Calibrated on this project's ``ps-compare --scenario all --quick`` (docs/compare.md;
+3 workers on 2 cores, digits, global batch 256). With one
 worker 3x slower, sync took 2.0x async's time to 0.85 test accuracy (backup
 workers 1.1x, ssp 1.5x to 1.7x), and the probe of that configuration measured
 the straggler at 1.38x the typical step work: hence 1.25, above the 1.07 to

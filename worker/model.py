@@ -10,7 +10,7 @@ Flatten, Dense(10, softmax), sparse categorical cross-entropy. ``mlp`` is a
 larger fully connected model (about 1M parameters) for throughput runs, and
 ``mlp25m`` a much larger one: Flatten, Dense(8192, relu), Dense(2304, relu),
 Dense(10, softmax), 25,330,442 parameters (~97 MiB of float32), the size of
-model issue 5's training benchmark (``bench/training.py``) compares on.
+model the training benchmark (``bench/training.py``) compares on.
 
 Loss scaling: each worker differentiates the *mean* loss over its own shard;
 the server takes the batch-weighted mean of those gradients. That equals

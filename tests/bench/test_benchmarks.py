@@ -1,4 +1,4 @@
-"""Each benchmark of issue 5 runs end to end in a tiny configuration and writes its JSON.
+"""Each benchmark (BENCHMARKS.md) runs end to end in a tiny configuration and writes its JSON.
 
     pytest tests/bench       # barrier and server: a few seconds each; training: 25-45 s on 2 cores
 

@@ -1,6 +1,6 @@
 """A push whose reply is lost on the wire is re-sent and never applied twice.
 
-Issue 4: "Pushes are idempotent per (worker id, step): a retried push after a
+The rule: "Pushes are idempotent per (worker id, step): a retried push after a
 lost reply is never applied twice." The server is a real ps-server process; the
 first push's caller gives up (its deadline passes while the push waits in the
 barrier), so it never sees the reply, although the server goes on to apply the

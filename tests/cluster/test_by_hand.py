@@ -1,6 +1,6 @@
 """The three processes started by hand, with the installed console scripts.
 
-Issue 2: "ps-server plus two ps-worker started by hand train as well", and bad
+The rule: "ps-server plus two ps-worker started by hand train as well", and bad
 flags, an unreachable server or a mismatched configuration give a one-line
 error and a non-zero exit, not a traceback.
 """

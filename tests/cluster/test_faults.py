@@ -1,6 +1,6 @@
 """Faults with real processes: a worker killed in the middle of sync training.
 
-Issue 2: "a killed worker in sync mode makes the others fail within the barrier
+The rule: "a killed worker in sync mode makes the others fail within the barrier
 timeout with a message naming it, while the server keeps serving."
 """
 

@@ -1,6 +1,6 @@
 """The experiment knobs and per-step timing, with real processes.
 
-Issue 7: a worker started with "--slowdown F" sleeps (F-1) times its compute
+The rules: a worker started with "--slowdown F" sleeps (F-1) times its compute
 time after each step's gradients, "--added-latency-ms L" sleeps L ms before
 each pull and push, "--pause-at-step K --pause-for S" sleeps S seconds once
 before step K; "--history-json" records each step's phases and the knobs'

@@ -1,6 +1,6 @@
 """ps-launch trains the tutorial CNN on digits with one server and two worker processes.
 
-Issue 2: "ps-launch sync and async, 2 workers, digits, reach test accuracy >= 0.90
+The rule: "ps-launch sync and async, 2 workers, digits, reach test accuracy >= 0.90
 within 3 epochs", and the metrics file has the documented keys.
 """
 
@@ -96,7 +96,7 @@ def test_launch_bad_flag_is_a_one_line_error():
 
 @pytest.mark.parametrize("extra", [("--shm",), ("--shm", "--num-ps", "2", "--grad-wire-dtype", "bfloat16")])
 def test_launch_with_the_same_host_fast_path_trains_through_shared_memory(extra, tmp_path):
-    """issue 5: "Same-host fast path ... opt-in, detected": on one host every worker's
+    """The rule: "Same-host fast path ... opt-in, detected": on one host every worker's
     registration probe succeeds and the run trains as well as over gRPC alone."""
     metrics = tmp_path / "m.json"
     run = subprocess.run(

@@ -1,6 +1,6 @@
 """Several ps-server shards with real processes: ps-launch --num-ps, and --ps HOST:PORT,HOST:PORT by hand.
 
-Issue 5, item 2: "ps-server instances each own part of the variables ...
+The rule: "ps-server instances each own part of the variables ...
 workers talk to all shards in parallel. ps-launch --num-ps M starts M shards.
 Sync and async both work across shards (a sync round completes on every
 shard)."

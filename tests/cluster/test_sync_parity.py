@@ -1,6 +1,6 @@
 """A sync run through the real server computes exactly what one process computes.
 
-Issue 2: "sync with SGD and 2 workers gives, after 5 steps, bit-identical
+The rule: "sync with SGD and 2 workers gives, after 5 steps, bit-identical
 parameters to one process that computes the two shard gradients with the same
 tape and combines them as the server does, and matches one full-batch process
 within 1e-5."

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.aggregation: the batch-weighted mean of a sync round.
 
-    cd /work/main && python -m pytest tests/core/test_aggregation.py -q
+    python -m pytest tests/core/test_aggregation.py -q
 
 Expected values are computed by hand; the numbers are chosen so that every
 weight and product is exact in binary floating point.

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.async_mode: the guarantees its docstring gives, stress-tested.
 
-    cd /work/main && python -m pytest tests/core/test_async_mode.py -q
+    python -m pytest tests/core/test_async_mode.py -q
 
 "Lock-free" in that docstring allows pushes to interleave and a pull to see
 some variables before a push and others after it. It still guarantees: no lost

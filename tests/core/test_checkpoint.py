@@ -1,6 +1,6 @@
 """Tests of ps_server.core.checkpoint and of restoring a ParameterServer from it.
 
-    cd /work/main && python -m pytest tests/core/test_checkpoint.py -q
+    python -m pytest tests/core/test_checkpoint.py -q
 
 Each test checks one sentence of the module docstrings (``checkpoint``,
 ``store``, ``ParameterServer.restore``). "Exactly the same" means bit for bit:

@@ -1,6 +1,6 @@
 """The core ring holds: importing ps_server or its core loads no TensorFlow, gRPC or protobuf.
 
-    cd /work/main && python -m pytest tests/core/test_core_imports.py -q
+    python -m pytest tests/core/test_core_imports.py -q
 
 Each check runs in a fresh interpreter (the test process may have loaded
 anything), the same way as the acceptance check

@@ -1,6 +1,6 @@
 """Liveness and exactly-once: leases, dead-worker policies, backup workers, replays.
 
-    cd /work/main && python -m pytest tests/core/test_liveness.py -q
+    python -m pytest tests/core/test_liveness.py -q
 
 Each test quotes (or paraphrases) the guarantee it checks from the module
 docstrings of ``membership``, ``parameter_server``, ``sync_mode`` and

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.membership: who is in the cluster.
 
-    cd /work/main && python -m pytest tests/core/test_membership.py -q
+    python -m pytest tests/core/test_membership.py -q
 
 A fake clock makes ``registered_at`` and ``last_seen`` exact.
 """

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.optimizers: the rules by hand, and parity with Keras.
 
-    cd /work/main && python -m pytest tests/core/test_optimizers.py -q
+    python -m pytest tests/core/test_optimizers.py -q
 
 The parity tests import TensorFlow lazily (fixture ``keras``), with oneDNN off
 as everywhere we compare bits; the other tests need only NumPy.

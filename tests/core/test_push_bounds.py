@@ -1,6 +1,6 @@
 """Upper bounds of a push's step and batch size: every answer and counter stays an int64.
 
-    cd /work/main && python -m pytest tests/core/test_push_bounds.py -q
+    python -m pytest tests/core/test_push_bounds.py -q
 
 Rule (modes.Push.validate): steps are below MAX_STEP = 2**63 - 1, so the answer's
 ``next_step = step + 1`` fits the wire's int64; a batch size is at most

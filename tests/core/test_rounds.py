@@ -1,6 +1,6 @@
 """Tests of ps_server.core.rounds: the deterministic sync bookkeeping, exhaustively.
 
-    cd /work/main && python -m pytest tests/core/test_rounds.py -q
+    python -m pytest tests/core/test_rounds.py -q
 
 ``RoundBook`` has no threads and no clock, so every rule of its docstring is
 checked directly, and one test replays every sequence of operations up to a

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.ssp_mode (bounded staleness) and the async stale-gradient policies.
 
-    cd /work/main && python -m pytest tests/core/test_ssp_mode.py -q
+    python -m pytest tests/core/test_ssp_mode.py -q
 
 The bound is checked from the server's own records (``SSPMode.records``: how far
 ahead of the slowest participating worker each applied push was), with worker

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.store: initialization, reads, gradient checks, updates.
 
-    cd /work/main && python -m pytest tests/core/test_store.py -q
+    python -m pytest tests/core/test_store.py -q
 
 Every refusal is checked twice: the exception and its message, then that the
 stored values (byte for byte), the version and the optimizer are unchanged.

@@ -1,6 +1,6 @@
 """Tests of ps_server.core.sync_mode: the barrier, with real threads.
 
-    cd /work/main && python -m pytest tests/core/test_sync_mode.py -q
+    python -m pytest tests/core/test_sync_mode.py -q
 
 Each test checks one guarantee of the module docstring. Expected parameters are
 computed by hand (numbers exact in binary) or, for many rounds, by a plain

@@ -93,7 +93,7 @@ class Images:
 @pytest.fixture(scope="session")
 def images(docker_engine) -> Images:
     """The base image (docker/build-base.sh, or TFPS_DOCKER_BASE_IMAGE) and both images
-    built from docker/Dockerfile, as the README says; the times go to the test report."""
+    built from docker/Dockerfile, as docs/docker.md says; the times go to the test report."""
     seconds = {}
     t0 = time.monotonic()
     base = os.environ.get("TFPS_DOCKER_BASE_IMAGE")

@@ -53,7 +53,7 @@ def test_images_run_as_a_non_root_user_and_only_the_worker_has_tensorflow(images
 
 def test_compose_up_trains_digits_to_90_percent_and_every_container_exits_cleanly(compose_project):
     project = compose_project()
-    # As the README says: attached `up`, which returns once every container exited.
+    # As docs/docker.md says: attached `up`, which returns once every container exited.
     project.compose("up", "--no-build", "--no-color", timeout=RUN_TIMEOUT)
     codes = _exit_codes(project, project.wait_exited(30))
     assert codes == {"server": 0, "worker0": 0, "worker1": 0}, project.all_logs()

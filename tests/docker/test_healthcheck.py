@@ -3,8 +3,8 @@
     python -m pytest tests/docker/test_healthcheck.py -q
 
 No container needed: the script is run as the image runs it, with the server's
-environment, against a plaintext, a TLS and a mutual-TLS server (the README's
-test certificates).
+environment, against a plaintext, a TLS and a mutual-TLS server (the test
+certificates of docs/security.md).
 """
 
 import os
@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 
-from tests.security.test_security import pki, serve  # noqa: F401 - the README's certificates; a server on port 0
+from tests.security.test_security import pki, serve  # noqa: F401 - docs/security.md's certificates; a server on port 0
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "docker", "healthcheck.py")

@@ -1,4 +1,4 @@
-"""ps-parity against TensorFlow's own strategies, with the bounds of issue 3.
+"""ps-parity against TensorFlow's own strategies, with the bounds it enforces.
 
 - ours sync vs MirroredStrategy and vs MWMS, 20 steps: SGD bit-identical (0.0);
   Adam <= 1e-6 after step 1 and <= 2e-4 after step 20;

@@ -1,6 +1,6 @@
 """TLS, mutual TLS and the bearer token, over a real server on 127.0.0.1 port 0.
 
-    cd /work/main && python -m pytest tests/security -q
+    python -m pytest tests/security -q
 
 Rules checked (issue: security; ps_common/security.py):
 - "TLS (server certificate; optional mutual TLS with client certificates)": a client

@@ -1,6 +1,6 @@
 """The codec both ends use: arrays to wire tensors and back.
 
-    cd /work/main && python -m pytest tests/service/test_codec.py -q
+    python -m pytest tests/service/test_codec.py -q
 
 Rules from protos/codec.py: "Bytes are little-endian whatever the host.
 ``decode`` is zero-copy: the array is a read-only view of the message's bytes.

@@ -1,6 +1,6 @@
 """The committed generated code matches protos/tfps.proto.
 
-    cd /work/main && python -m pytest tests/service/test_codegen.py -q
+    python -m pytest tests/service/test_codegen.py -q
 
 Rule (STYLE.md, "One wire contract"): "Generated code is never edited by hand;
 a check regenerates it and fails on any difference."

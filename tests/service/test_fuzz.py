@@ -1,6 +1,6 @@
 """Arbitrary messages at every RPC of the ParameterServer service.
 
-    cd /work/main && python -m pytest tests/service/test_fuzz.py -q
+    python -m pytest tests/service/test_fuzz.py -q
 
 Hypothesis builds PushRequest, PullRequest, InitializeRequest, RegisterRequest,
 HeartbeatRequest and LeaveRequest with arbitrary integers (negative, int32 and

@@ -1,6 +1,6 @@
 """Messages far above gRPC's 4 MiB default travel both ways.
 
-    cd /work/main && python -m pytest tests/service/test_large_payload.py -q
+    python -m pytest tests/service/test_large_payload.py -q
 
 Rule (protos/wire.py): "One setting, MAX_MESSAGE_BYTES, raises gRPC's 4 MiB
 default on the client and the server alike, so a payload one side can send the

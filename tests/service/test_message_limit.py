@@ -1,6 +1,6 @@
 """A message above the server's limit is refused as RESOURCE_EXHAUSTED and changes nothing.
 
-    cd /work/main && python -m pytest tests/service/test_message_limit.py -q
+    python -m pytest tests/service/test_message_limit.py -q
 
 Rule (protos/wire.py): "One setting, MAX_MESSAGE_BYTES, raises gRPC's 4 MiB default
 on the client and the server alike ... It can be lowered or raised with the

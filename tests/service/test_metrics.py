@@ -1,6 +1,6 @@
 """Prometheus metrics of a real server on port 0, scraped over HTTP like Prometheus does.
 
-    cd /work/main && python -m pytest tests/service/test_metrics.py -q
+    python -m pytest tests/service/test_metrics.py -q
 
 Rules checked (ps_server/metrics.py, ps_server/config.py):
 - "Most series are read from ParameterServer.status() at scrape time": after K sync

@@ -1,6 +1,6 @@
 """The gRPC service over a real server on port 0: answers, and the precise status of every refusal.
 
-    cd /work/main && python -m pytest tests/service/test_service.py -q
+    python -m pytest tests/service/test_service.py -q
 
 Rules checked (STYLE.md 7, ps_server/service.py, ps_server/core/*):
 - "One error table ... No exception leaves a servicer as UNKNOWN": every refusal

@@ -1,6 +1,6 @@
 """The same-host fast path (protos/shm.py, PSClient(shm=True), ps-server --no-shm).
 
-    cd /work/main && python -m pytest tests/service/test_shm.py -q
+    python -m pytest tests/service/test_shm.py -q
 
 Claims under test, each a sentence of the docstrings of protos/shm.py,
 worker/client.py or ps_server/service.py:

@@ -1,6 +1,6 @@
 """Workers blocked in a sync barrier do not starve other calls.
 
-    cd /work/main && python -m pytest tests/service/test_thread_pool.py -q
+    python -m pytest tests/service/test_thread_pool.py -q
 
 Rule (STYLE.md 6): "the server's thread pool is sized so that N workers blocked
 in a barrier cannot starve pulls, health checks and control calls"

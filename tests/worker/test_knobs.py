@@ -3,7 +3,7 @@
 
     python -m pytest -q tests/worker/test_knobs.py
 
-Issue 7: "--slowdown F: after computing a step's gradients (wall time c), sleep
+The rules: "--slowdown F: after computing a step's gradients (wall time c), sleep
 (F-1)*c"; "before each push, sleep L/1000 + bytes/(X*1e6/8) seconds ... before
 each pull, sleep L/1000 only"; "before step K ... sleep S seconds once".
 """

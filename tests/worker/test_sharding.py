@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/worker/test_sharding.py
 
-Issue 5, item 2: "placement balanced by bytes, large variables split into
+The rule: "placement balanced by bytes, large variables split into
 slices (like TensorFlow's MinSizePartitioner/FixedShardsPartitioner), small hot
 scalars not all on one shard". Plain NumPy, no sockets.
 """
