@@ -4,7 +4,8 @@
     python -m tf_strategies.reference --full-batch --steps 5 --optimizer sgd --out full.npz
 
 ``sharded``: for each step, one process computes each worker's shard gradient
-with the same ``GradientTape`` function the workers use (``worker.model``),
+with the workers' own gradient path (``worker.gradients.Gradients`` with the
+built-in models' loss, ``worker.model.loss``),
 combines them with the server's own aggregation (``ps_server.core.aggregation``)
 and applies the server's own optimizer through a ``VariableStore``. A sync
 parameter-server run with the same data, seed and TensorFlow settings must be
@@ -27,6 +28,7 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from worker.config import WorkerConfig, add_training_flags, training_flags
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
+from worker.gradients import Gradients, zeros
 
 
 def run_reference(config: WorkerConfig, full_batch: bool = False) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -40,7 +42,7 @@ def run_reference(config: WorkerConfig, full_batch: bool = False) -> tuple[dict[
     total = config.steps or config.epochs * per_epoch
     with tf.device(models.device_name()):
         model = models.build_model(config.model, config.seed)
-    grad_fn = models.make_grad_fn(model)
+    gradients = Gradients(model, models.loss)
     store = VariableStore()
     store.initialize(models.get_weights(model), OptimizerSpec(**config.optimizer_spec()))
     parts = 1 if full_batch else config.num_workers
@@ -53,9 +55,9 @@ def run_reference(config: WorkerConfig, full_batch: bool = False) -> tuple[dict[
         for i in range(parts):
             mine = shard(batch, i, parts)
             if len(mine):
-                loss, grads = models.compute_gradients(grad_fn, model, data.x_train[mine], data.y_train[mine])
+                loss, grads = gradients(data.x_train[mine], data.y_train[mine], values)
             else:
-                loss, grads = 0.0, {k: np.zeros_like(v) for k, v in values.items()}
+                loss, grads = 0.0, zeros(values)
             contributions.append((len(mine), grads))
             step_losses.append(loss * len(mine))
         store.apply_all(weighted_mean(contributions))

@@ -1,11 +1,14 @@
 """tfps worker: ``ps-worker`` / ``python -m worker``, and ``ps-launch``.
 
-``worker.client`` holds every gRPC call (NumPy only), ``worker.trainer`` the
-training loop, ``worker.task`` what it trains (the built-in model and data, or
-a user's Keras model and tf.data pipeline), ``worker.api`` the Python API
+``worker.client`` holds every gRPC call (NumPy only), ``worker.connection`` a
+worker's place in the cluster (register, join, pull, push, rejoin, leave),
+``worker.gradients`` the one gradient path (loss, gradients as pushed, sparse
+rows, non-trainable changes), ``worker.trainer`` the training loop
+(``TrainingLoop``), ``worker.task`` what it trains (the built-in model and data,
+or a user's Keras model and tf.data pipeline), ``worker.api`` the Python API
 (``train``, ``Session`` and its wrapped GradientTape), ``worker.observe`` the
 progress bar, TensorBoard and worker metrics, ``worker.model`` the built-in Keras
-models and the shared gradient function, ``worker.data`` the datasets and
-sharding, ``ps_tools.launch`` the local cluster launcher. Importing this package
-does not import TensorFlow.
+models and their loss, ``worker.data`` the datasets and sharding,
+``ps_tools.launch`` the local cluster launcher. Importing this package does not
+import TensorFlow.
 """

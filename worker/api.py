@@ -90,64 +90,70 @@ def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Seque
 
 
 class Session:
-    """A worker's connection for a hand-written loop (module docstring)."""
+    """A worker's connection for a hand-written loop (module docstring): the ``ps-worker``
+    loop's own pull and push (``worker.connection``), with the gradients a tape gave made
+    into a push by the loop's own function (``worker.gradients.as_pushed``)."""
 
     def __init__(self, model, **flags):
-        from worker import trainer
+        from worker.connection import Connection
 
         self.model = model
-        self.config = make_config(**flags)
-        self._client = trainer._client(self.config)
+        self.connection = Connection(make_config(**flags), model)
         try:
-            self.registration = trainer._register_first(self.config, self._client)
-            if self.config.worker_index == -1:
-                self.config = dataclasses.replace(self.config, worker_index=self.registration.worker_id)
-            trainer._join(self.config, self._client, self.registration.worker_id, model)
+            self.connection.register()
+            self.connection.join()
         except BaseException:
-            self._client.close()
+            self.connection.close()
             raise
-        self._heartbeat = trainer._Heartbeat(self._client, self.registration, self.config.heartbeat_interval)
-        self.sync = self.registration.mode == "sync"
-        self.step = self.registration.round if self.sync else 0
-        self.version = -1
-        self._pulled: dict[str, np.ndarray] = {}
         self.closed = False
-        log.info("session: worker %d of %d, %s mode, starting at step %d", self.worker_index,
-                 self.registration.num_workers, self.registration.mode, self.step)
+        log.info("session: %s; starting at step %d", self.connection.describe(), self.step)
+
+    @property
+    def config(self) -> WorkerConfig:
+        return self.connection.config
+
+    @property
+    def registration(self):
+        return self.connection.registration
 
     @property
     def worker_index(self) -> int:
-        return self.registration.worker_id
+        return self.connection.worker_id
+
+    @property
+    def sync(self) -> bool:
+        return self.connection.sync
+
+    @property
+    def step(self) -> int:
+        """The step the next push is for (sync: the server's round)."""
+        return self.connection.step
+
+    @property
+    def version(self) -> int:
+        """The version of the parameters the last ``pull`` loaded; -1 before the first."""
+        return self.connection.version
 
     def pull(self) -> int:
         """Load the server's parameters (and BatchNorm statistics) into the model; returns their version."""
-        version, values = self._client.pull(self.worker_index)
-        tasks.set_values(self.model, values)
-        self.version = version
-        self._pulled = values
-        return version
+        return self.connection.pull()
 
     def push(self, gradients: Mapping | Sequence, loss: float = 0.0, batch_size: int = 1):
         """Push gradients of the model's trainable variables (a list in
         ``model.trainable_variables`` order, or a dict by variable path; ``None`` or a
         missing variable counts as zero; ``tf.IndexedSlices`` travel as rows), with the
         change this step made to the non-trainable variables. Returns the server's reply."""
+        from worker.gradients import as_pushed, trainable
+
         if self.version < 0:
             raise RuntimeError("pull before the first push: the push says which version its gradients come from")
-        variables = tasks.trainable(self.model)
         if not isinstance(gradients, Mapping):
-            gradients = list(gradients)
+            variables, gradients = trainable(self.model), list(gradients)
             if len(gradients) > len(variables):
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
-        out = tasks.pushable(variables, [gradients.get(v.path) for v in variables])
-        out.update(tasks.changes(self.model, self._pulled))
-        self._heartbeat.step = self.step
-        timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
-        reply = self._client.push(self.worker_index, self.step, self.version, int(batch_size), out, float(loss),
-                                  timeout=timeout)
-        self.step = max(reply.next_step, self.step + 1) if self.sync else self.step + 1
-        return reply
+        payload = as_pushed(self.model, gradients, self.connection.pulled)
+        return self.connection.push(payload, float(loss), int(batch_size))
 
     def wrap(self, tape, batch_size: int) -> "PushingGradientTape":
         """``tape`` whose ``gradient(loss, sources)`` also pushes (module docstring)."""
@@ -159,10 +165,10 @@ class Session:
             return
         self.closed = True
         try:
-            self._heartbeat.stop()
-            self._client.leave(self.worker_index)
+            self.connection.heartbeat.stop()
+            self.connection.leave()
         finally:
-            self._client.close()
+            self.connection.close()
 
     def __enter__(self) -> "Session":
         return self

@@ -1,9 +1,8 @@
-"""The models, and the one gradient function every runner shares.
+"""The built-in models and their loss.
 
     tf_setup(deterministic=True, intra_op_threads=1)   # before anything else in TensorFlow
     model = build_model("cnn", seed=0)
-    grad_fn = make_grad_fn(model)
-    loss, grads = grad_fn(x, y)          # mean loss over x, gradients of that mean
+    loss, payload = Gradients(model, loss)(x, y, pulled)   # worker.gradients: every runner's path
 
 ``cnn`` is the model of TensorFlow's tutorials: Conv2D(32, 3, relu) on 28x28x1,
 Flatten, Dense(10, softmax), sparse categorical cross-entropy. ``mlp`` is a
@@ -135,33 +134,20 @@ def load_ordered_npz(model, path: str) -> None:
         v.assign(a)
 
 
-def make_grad_fn(model):
+def loss(y_true, probs):
+    """The built-in models' per-example loss: sparse categorical cross-entropy of the
+    softmax output; ``worker.gradients.Gradients`` differentiates its mean."""
     import keras
-    import tensorflow as tf
 
-    @tf.function(reduce_retracing=True)
-    def grad_fn(x, y):
-        with tf.GradientTape() as tape:
-            probs = model(x, training=True)
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, probs))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return grad_fn
-
-
-def compute_gradients(grad_fn, model, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-    loss, grads = grad_fn(x, y)
-    return float(loss), {v.path: np.asarray(g) for v, g in zip(model.trainable_variables, grads)}
+    return keras.losses.sparse_categorical_crossentropy(y_true, probs)
 
 
 def evaluate(model, x: np.ndarray, y: np.ndarray, batch_size: int = 512) -> tuple[float, float]:
     """(mean loss, accuracy) of the model as it is."""
-    import keras
-
     losses, correct = [], 0
     for start in range(0, len(y), batch_size):
         probs = model(x[start : start + batch_size], training=False)
         yb = y[start : start + batch_size]
-        losses.append(np.asarray(keras.losses.sparse_categorical_crossentropy(yb, probs)))
+        losses.append(np.asarray(loss(yb, probs)))
         correct += int(np.sum(np.argmax(np.asarray(probs), axis=1) == yb))
     return float(np.mean(np.concatenate(losses))), correct / len(y)

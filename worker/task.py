@@ -1,16 +1,17 @@
 """What a worker trains: a model, its data, its loss and metrics (the built-in ones or yours).
 
-    task = builtin_task(config)                          # --model cnn --dataset digits
-    task = user_task(config, model_fn, dataset_fn, loss="sparse_categorical_crossentropy",
-                     metrics=["accuracy"])               # worker.api.train, --model/--dataset M:F
+    task = from_config(config)                           # --model cnn --dataset digits: a BuiltinTask
+    task = UserTask(model_fn, dataset_fn, global_batch_size=128, loss="sparse_categorical_crossentropy",
+                    metrics=["accuracy"])                # worker.api.train, --model/--dataset M:F
     model = task.build_model()
     batches = task.batches(worker_index, num_workers)
     x, y, n = batches.get(step)                          # this worker's part of global batch `step`
-    loss, grads, changes = task.gradients(model, x, y)   # grads by variable path (SparseRows for embeddings)
+    per_example = task.loss(y, model(x))                 # what worker.gradients.Gradients differentiates
     scores = task.evaluate(model)                        # {"test_loss", "test_accuracy", other metrics}
 
 The training loop (``worker.trainer``) sees only this interface, so the CLI and
-the Python API (``worker.api``) run the same loop.
+the Python API (``worker.api``) run the same loop, and the gradient of every
+task goes through one function (``worker.gradients``).
 
 **Your data** (``dataset_fn``): a function returning a ``tf.data.Dataset`` of
 ``(features, labels)`` batches, or a pair ``(train, eval)`` of them. Features
@@ -36,15 +37,13 @@ loss and metrics are read from it; the compiled optimizer is ignored, the
 server's applies). The loss is the mean over this worker's examples plus the
 model's regularization losses; the server weights workers by batch share.
 
-**Variables.** Trainable variables go to the server's optimizer. An embedding
-lookup's gradient (``tf.IndexedSlices``) is pushed as the rows it touches
-(``SparseRows``, repeated rows summed), unless half of the table or more is
-touched, when dense is smaller. Floating non-trainable variables (BatchNorm's
-moving mean and variance) are kept on the server too: each step a worker
-pushes the change its forward pass made to them, and the server adds it
-(sync: the batch-weighted mean of the workers' changes), without the
-optimizer; see ``ps_server.core.store``. Integer state (a dropout layer's seed
-generator) stays in each worker.
+**Variables.** Trainable variables go to the server's optimizer; an embedding
+lookup's gradient travels as the rows it touched (``worker.gradients``).
+Floating non-trainable variables (BatchNorm's moving mean and variance) are
+kept on the server too: each step a worker pushes the change its forward pass
+made to them, and the server adds it (sync: the batch-weighted mean of the
+workers' changes), without the optimizer; see ``ps_server.core.store``.
+Integer state (a dropout layer's seed generator) stays in each worker.
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
-
-from ps_common.sparse import SparseRows
 
 log = logging.getLogger("worker")
 
@@ -118,56 +115,6 @@ def shard_bounds(n: int, worker_index: int, num_workers: int) -> tuple[int, int]
     return lo, lo + base + (1 if worker_index < extra else 0)
 
 
-# -- the variables a worker and the server share -------------------------------------
-def trainable(model) -> list:
-    return list(model.trainable_variables)
-
-
-def non_trainable(model) -> list:
-    """Floating non-trainable variables (BatchNorm statistics): kept on the server."""
-    return [v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
-
-
-def get_values(model) -> dict[str, np.ndarray]:
-    return {v.path: np.array(v.numpy()) for v in trainable(model) + non_trainable(model)}
-
-
-def set_values(model, values: dict[str, np.ndarray]) -> None:
-    for v in trainable(model) + non_trainable(model):
-        v.assign(values[v.path])
-
-
-def to_pushable(g, shape: tuple[int, ...]):
-    """One gradient of a variable of ``shape`` as pushed: a NumPy array, or for an
-    ``IndexedSlices`` touching fewer than half the rows, ``SparseRows`` of the rows it
-    touched in increasing order, each once (repeats summed in their original order)."""
-    import tensorflow as tf
-
-    if not isinstance(g, tf.IndexedSlices):
-        return np.asarray(g)
-    indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
-    order = np.argsort(indices, kind="stable")
-    rows, starts = np.unique(indices[order], return_index=True)
-    summed = np.add.reduceat(values[order], starts, axis=0) if len(rows) else values[:0]
-    if 2 * len(rows) < shape[0]:
-        return SparseRows(rows, summed)
-    dense = np.zeros(tuple(shape), values.dtype)
-    dense[rows] = summed
-    return dense
-
-
-def pushable(variables, grads) -> dict:
-    """``{path: gradient as pushed}`` of ``variables`` and their gradients (None counts as zero)."""
-    return {v.path: np.zeros(v.shape, np.dtype(v.dtype)) if g is None else to_pushable(g, tuple(v.shape))
-            for v, g in zip(variables, grads)}
-
-
-def changes(model, pulled: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``{path: value now - value pulled}`` of the non-trainable variables: what a push
-    carries for them (the server adds it; ``ps_server.core.store``)."""
-    return {v.path: np.asarray(v.numpy()) - pulled[v.path] for v in non_trainable(model)}
-
-
 class Task:
     """The interface the training loop uses (module docstring)."""
 
@@ -184,9 +131,8 @@ class Task:
         """The worker learned its index (``--worker-index auto``); nothing to do unless the
         data depends on it."""
 
-    def gradients(self, model, x, y) -> tuple[float, dict]:
-        """(mean loss, {trainable path: gradient as pushed}) on this worker's examples; the
-        model's non-trainable variables hold what the forward pass made of them (``changes``)."""
+    def loss(self, y_true, y_pred):
+        """Per-example losses; the loop differentiates their mean (``worker.gradients``)."""
         raise NotImplementedError
 
     def evaluate(self, model) -> dict[str, float]:
@@ -200,8 +146,7 @@ class Task:
 # -- the built-in models and datasets -------------------------------------------------
 class BuiltinTask(Task):
     """``--model cnn|mlp|mlp25m`` on ``--dataset digits|mnist|synthetic``: NumPy arrays in
-    memory, batches drawn by index (``worker.data``). Its gradient function is the one
-    the parity layer compares bit for bit (``worker.model.make_grad_fn``)."""
+    memory, batches drawn by index (``worker.data``); the loss of ``worker.model``."""
 
     def __init__(self, config):
         from worker.data import global_batches, load_dataset, steps_per_epoch
@@ -215,7 +160,6 @@ class BuiltinTask(Task):
         epochs_needed = -(-self.total_steps // per_epoch)
         self._batches = list(itertools.islice(
             global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), self.total_steps))
-        self._grad_fn = None
 
     def build_model(self):
         from worker import model as models
@@ -225,12 +169,10 @@ class BuiltinTask(Task):
     def batches(self, worker_index: int, num_workers: int) -> "_Indexed":
         return _Indexed(self, worker_index, num_workers)
 
-    def gradients(self, model, x, y):
+    def loss(self, y_true, y_pred):
         from worker import model as models
 
-        if self._grad_fn is None:
-            self._grad_fn = models.make_grad_fn(model)
-        return models.compute_gradients(self._grad_fn, model, x, y)
+        return models.loss(y_true, y_pred)
 
     def evaluate(self, model) -> dict[str, float]:
         from worker import model as models
@@ -271,8 +213,6 @@ class UserTask(Task):
             if n == 0:
                 raise TaskError("the train dataset is empty")
             self.total_steps = n * max(1, epochs)
-        self._grad_fn = None
-        self._variables: list = []
         self._loss_fn = None
         self._metric_list: list | None = None
 
@@ -320,24 +260,11 @@ class UserTask(Task):
         self._metric_list = [_metric(m, loss) for m in metrics]
         return model
 
-    def gradients(self, model, x, y):
-        import tensorflow as tf
-
-        if self._grad_fn is None:
-            loss_fn, variables = self._loss_fn, trainable(model)
-
-            @tf.function(reduce_retracing=True)
-            def grad_fn(x, y):
-                with tf.GradientTape() as tape:
-                    pred = model(x, training=True)
-                    loss = tf.reduce_mean(loss_fn(y, pred))
-                    if model.losses:
-                        loss += tf.add_n(model.losses)
-                return loss, tape.gradient(loss, variables)
-
-            self._grad_fn, self._variables = grad_fn, variables
-        loss, grads = self._grad_fn(x, y)
-        return float(loss), pushable(self._variables, grads)
+    def loss(self, y_true, y_pred):
+        """The model's compiled loss (or ``loss=``), per example."""
+        if self._loss_fn is None:
+            raise TaskError("build the model first: its loss is read from it")
+        return self._loss_fn(y_true, y_pred)
 
     # -- data
     def batches(self, worker_index: int, num_workers: int):

@@ -9,7 +9,7 @@ import pytest
 from ps_server.config import ServerConfig
 from ps_common.sparse import SparseRows
 from ps_server.server import build_server
-from worker import api, task as tasks
+from worker import api, gradients, task as tasks
 from worker.config import ConfigError
 
 
@@ -121,11 +121,11 @@ def test_indexed_slices_become_rows_summed_once_each_and_dense_when_half_the_tab
     import tensorflow as tf
 
     g = tf.IndexedSlices(tf.constant([[1.0], [2.0], [4.0]]), tf.constant([7, 2, 7]), tf.constant([10, 1]))
-    rows = tasks.to_pushable(g, (10, 1))
+    rows = gradients.to_pushable(g, (10, 1))
     assert isinstance(rows, SparseRows)
     assert list(rows.rows) == [2, 7] and rows.values[:, 0].tolist() == [2.0, 5.0]
     wide = tf.IndexedSlices(tf.ones((5, 1)), tf.constant([0, 1, 2, 3, 4]), tf.constant([10, 1]))
-    dense = tasks.to_pushable(wide, (10, 1))
+    dense = gradients.to_pushable(wide, (10, 1))
     assert isinstance(dense, np.ndarray) and dense.shape == (10, 1) and dense.sum() == 5
 
 

@@ -1,0 +1,287 @@
+"""One worker's place in the cluster, for one model: register, join, pull, push, rejoin, leave.
+
+    conn = Connection(config, model)        # a PSClient, or a ShardedClient for several --ps
+    conn.register()                         # an index, the server's mode, where to start
+    conn.join()                             # chief: initialize the server; others: wait and check
+    version = conn.pull()                   # the server's parameters into the model
+    reply = conn.push(payload, loss, n)     # worker.gradients' payload; conn.step moves on
+    conn.leave(); conn.close()
+
+Every way of training on tfps goes through one of these: the ``ps-worker`` loop
+(``worker.trainer.TrainingLoop``: a connection, a task and the one gradient
+path), and the ``Session`` of a hand-written step (``worker.api``). Its state is
+in plain fields: ``registration`` (the server's answer to the last register),
+``step`` (the step this worker computes next: in sync mode the round the
+server says, a dropped push skipping ahead), ``version`` and ``pulled`` (what
+the model was last loaded with) and ``seen`` (the newest server version this
+worker saw: after a server restart, how much was lost). A thread renews the
+lease (``Heartbeat``) from ``join`` until ``close``.
+
+Guarantees: ``pull`` loads every trainable and floating non-trainable variable
+or raises, leaving ``version`` as it was. ``push`` returns once the server
+applied the gradients (sync: once the whole round is applied; async and ssp:
+this push, after any staleness wait) or raises ``PSClientError``; each wait is
+bounded (the barrier timeout plus 30 s in sync mode, 120 s otherwise).
+``rejoin`` registers again within ``--reconnect-timeout`` or raises
+``TrainingError``; it never re-initializes a server that has state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Mapping
+
+import grpc
+import numpy as np
+
+from ps_common import security
+from worker.client import PSClient, PSClientError, PushReply, Registration
+from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
+from worker.gradients import get_values, non_trainable, set_values
+from worker.sharded_client import ShardedClient
+
+log = logging.getLogger("worker")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why."""
+
+
+def connect(config: WorkerConfig) -> PSClient | ShardedClient:
+    """One server: a PSClient. Several shards in --ps: a ShardedClient, with the same methods."""
+    kwargs = dict(
+        timeout=max(30.0, config.connect_timeout),
+        tls_ca_file=config.tls_ca_file or None, tls_cert_file=config.tls_cert_file or None,
+        tls_key_file=config.tls_key_file or None, tls_server_name=config.tls_server_name or None,
+        token=security.load_token(config.auth_token_file, os.environ),
+        grad_wire_dtype=config.grad_wire_dtype,
+        shm=config.shm,
+    )
+    addresses = config.ps_addresses
+    return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)
+
+
+# Failures a worker rides out by reconnecting and registering again: the server is
+# down or restarting, it restarted without knowing us, or it declared us dead (a
+# pause longer than the lease) or out of step.
+REJOIN_DETAILS = ("not registered", "declared dead", "not initialized", "is late", "is early",
+                  "not part of sync round", "pull first")
+
+
+def recoverable(e: PSClientError) -> bool:
+    """Whether ``rejoin`` can ride out ``e`` (``REJOIN_DETAILS``)."""
+    if e.code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if e.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.INVALID_ARGUMENT):
+        return any(d in e.details for d in REJOIN_DETAILS)
+    return False
+
+
+class Connection:
+    """A worker's registration, step and lease for one model (module docstring)."""
+
+    def __init__(self, config: WorkerConfig, model, client: PSClient | ShardedClient | None = None):
+        self.config, self.model = config, model
+        self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
+        self.client = client or connect(config)
+        self.registration: Registration | None = None
+        self.step = 0  # the step this worker computes next
+        self.version = -1  # the version the model holds: the last pull's
+        self.pulled: dict[str, np.ndarray] = {}  # the values of the last pull
+        self.seen = -1  # the newest server version this worker saw
+        self.heartbeat: Heartbeat | None = None
+
+    @property
+    def worker_id(self) -> int:
+        return self.registration.worker_id
+
+    @property
+    def sync(self) -> bool:
+        """Sync mode: the server names the next step. Async and ssp apply pushes on arrival."""
+        return self.registration.mode == "sync"
+
+    # -- starting
+    def register(self) -> Registration:
+        """Register within --connect-timeout. An auto-index worker that finds every index
+        taken retries meanwhile (a dead worker's index frees once its lease runs out), and
+        from then on is the index the server gave it (``config.worker_index``), also when it
+        rejoins. A sync worker starts at the server's round."""
+        deadline = time.monotonic() + self.config.connect_timeout
+        while True:
+            try:
+                reg = self._register(max(1.0, deadline - time.monotonic()))
+                break
+            except PSClientError as e:
+                if e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    hint = " (or does its certificate not match --tls-ca-file?)" if self.config.tls_ca_file else ""
+                    raise TrainingError(f"cannot reach the parameter server at {e.address} within "  # that shard
+                                        f"--connect-timeout {self.config.connect_timeout:g} s: is ps-server "
+                                        f"running there?{hint}") from None
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + 1.0 > deadline:
+                    raise
+                log.info("no free worker index yet (%s); retrying", e.details)
+                time.sleep(1.0)
+        if self.auto:
+            self.config = dataclasses.replace(self.config, worker_index=reg.worker_id)
+        self.registration, self.seen = reg, reg.version
+        self.step = reg.round if self.sync else 0
+        return reg
+
+    def join(self) -> None:
+        """Chief: initialize the server from the model (or find it holds the same). Others:
+        wait for that and check the model and optimizer match the server's. Then the lease
+        is renewed from a thread until ``close``."""
+        if self.config.is_chief:
+            created = self._initialize()
+            log.debug("%s the server's variables (%d tensors)", "initialized" if created else "found identical state on",
+                      len(get_values(self.model)))
+        else:
+            self._check_against_server()
+            log.debug("the server's variables and optimizer match this worker's")
+        self.heartbeat = Heartbeat(self)
+
+    def describe(self) -> str:
+        """The registration in words, for the worker's start-up line."""
+        reg, auto = self.registration, " (index assigned by the server)" if self.auto else ""
+        return (f"registered as worker {reg.worker_id} of {reg.num_workers}{auto}; server mode {reg.mode}, "
+                f"version {reg.version}, round {reg.round} at {self.config.ps}"
+                + ("; chief" if self.config.is_chief else ""))
+
+    # -- one step
+    def pull(self) -> int:
+        """Load the server's parameters (and BatchNorm statistics) into the model; their version."""
+        version, values = self.client.pull(self.worker_id)
+        set_values(self.model, values)
+        self.version, self.pulled = version, values
+        self.seen = max(self.seen, version)
+        return version
+
+    def push(self, payload: Mapping, loss: float, batch_size: int) -> PushReply:
+        """Push ``payload`` (``worker.gradients.as_pushed``) of ``batch_size`` examples, computed
+        from the last pull, for ``step``; then ``step`` is the next one (sync: the server says
+        which, a dropped push skipping ahead)."""
+        timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
+        reply = self.client.push(self.worker_id, self.step, self.version, batch_size, payload, loss,
+                                 timeout=timeout)
+        self.seen = max(self.seen, reply.version)
+        self.step = max(reply.next_step, self.step + 1) if self.sync else self.step + 1
+        return reply
+
+    def read(self) -> dict[str, np.ndarray]:
+        """The server's values now, leaving the model as it is (a snapshot)."""
+        version, values = self.client.pull(self.worker_id)
+        self.seen = max(self.seen, version)
+        return values
+
+    # -- faults
+    def rejoin(self, error: PSClientError) -> None:
+        """Reconnect within --reconnect-timeout, register again, and set where to resume:
+        sync at the server's round, async and ssp at the same step."""
+        config, old, step = self.config, self.registration, self.step
+        log.warning("worker %d lost its place at step %d (%s); reconnecting for up to %g s",
+                    config.worker_index, step, error, config.reconnect_timeout)
+        deadline = time.monotonic() + config.reconnect_timeout
+        delay = 0.2
+        while True:
+            try:
+                new = self._register(timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                if not new.initialized and config.is_chief:
+                    # A server restarted with no checkpoint: carry on from our last parameters.
+                    created = self._initialize(new.worker_id)
+                    log.warning("server at %s had no state; re-initialized it from this worker's last parameters "
+                                "(created=%s)", config.ps, created)
+                elif not new.initialized:
+                    self.client.wait_initialized(new.worker_id, max(1.0, deadline - time.monotonic()))
+                break
+            except PSClientError as e:
+                if not recoverable(e) and e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise TrainingError(f"lost the parameter server at {config.ps} and could not rejoin within "
+                                        f"--reconnect-timeout {config.reconnect_timeout:g} s ({e})") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        if new.incarnation != old.incarnation:
+            # Sync: rounds this worker had seen completed that the restored state lacks. Async: the
+            # versions it saw beyond the restored one (others' pushes it never saw may be lost too).
+            if new.mode == "sync":
+                lost = f": resuming at round {new.round}, {max(0, step - new.round)} step(s) of updates were lost"
+            else:
+                lost = (f": at least {max(0, self.seen - new.version)} update(s) were lost "
+                        f"(this worker had seen version {self.seen})")
+            log.warning("the server restarted (incarnation %s -> %s) at version %d%s", old.incarnation,
+                        new.incarnation, new.version, lost)
+        self.registration, self.seen = new, new.version
+        self.step = new.round if new.mode == "sync" else step
+        log.info("worker %d rejoined: resuming at step %d", new.worker_id, self.step)
+
+    # -- the end
+    def leave(self) -> None:
+        """Tell the server this worker finished (the lease stays renewed until ``close``)."""
+        self.client.leave(self.worker_id)
+
+    def close(self) -> None:
+        """Stop renewing the lease and disconnect."""
+        try:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+        finally:
+            self.client.close()
+
+    # -- helpers
+    def _register(self, timeout: float) -> Registration:
+        return self.client.register(self.config.worker_index, self.config.num_workers,
+                                    f"{socket.gethostname()}:{os.getpid()}", timeout=timeout)
+
+    def _initialize(self, worker_id: int | None = None) -> bool:
+        return self.client.initialize(self.worker_id if worker_id is None else worker_id, get_values(self.model),
+                                      self.config.optimizer_spec(),
+                                      non_trainable=[v.path for v in non_trainable(self.model)])
+
+    def _check_against_server(self) -> None:
+        _, values = self.client.wait_initialized(self.worker_id, self.config.init_timeout)
+        mine = {path: tuple(a.shape) for path, a in get_values(self.model).items()}
+        theirs = {n: tuple(a.shape) for n, a in values.items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+            raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
+                              "start every worker with the same --model")
+        server_opt = self.client.status().optimizer
+        wanted = self.config.optimizer_spec()
+        got = {k: getattr(server_opt, k) for k in wanted}
+        if got != wanted:
+            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")
+
+
+class Heartbeat:
+    """Renews the connection's lease from a thread, so a long barrier wait or a slow step
+    never looks like a death; it reports the connection's registration and step as they are
+    (after a rejoin, the new ones). Errors are left to the training loop."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.interval = conn.config.heartbeat_interval or max(0.1, conn.registration.lease_timeout / 3)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.conn.client.heartbeat(self.conn.registration.worker_id, self.conn.step,
+                                           timeout=max(1.0, self.interval))
+            except PSClientError as e:
+                log.debug("heartbeat failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+__all__ = ["Connection", "Heartbeat", "TrainingError", "connect", "recoverable"]

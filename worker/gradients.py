@@ -1,0 +1,133 @@
+"""The one gradient path: what a worker pushes for a model and a batch, and what it pulls.
+
+    grads = Gradients(model, loss)                 # loss(y_true, y_pred) -> per-example losses
+    loss, payload = grads(x, y, pulled)            # a float, and {variable path: as pushed}
+    payload = as_pushed(model, tape_grads, pulled) # the same, for gradients a tape gave by hand
+    set_values(model, pulled); get_values(model)   # what the server holds of the model, by path
+
+Every runner goes through here: the built-in models (``worker.task.BuiltinTask``,
+loss ``worker.model.loss``), your Keras model (``worker.task.UserTask``, its
+compiled loss), the ``Session``'s wrapped ``GradientTape`` (``worker.api``), and
+the one-process reference the sync mode is compared with bit for bit
+(``tf_strategies.reference``).
+
+**The loss** is the mean of ``loss`` over this worker's examples plus the model's
+regularization losses (``model.losses``); the server takes the batch-weighted
+mean of the workers' gradients, which equals MirroredStrategy's
+``compute_average_loss`` over the global batch with summed replica gradients.
+
+**What a push carries** (``as_pushed``), by variable path:
+
+- each trainable variable's gradient as a NumPy array; ``None`` (a variable the
+  loss does not reach) as zeros;
+- an embedding lookup's gradient (``tf.IndexedSlices``) as ``SparseRows``: the
+  rows it touched in increasing order, each once, repeats summed in their
+  original order; dense instead when half of the table or more is touched;
+- each floating non-trainable variable (BatchNorm's moving statistics): the
+  change the forward pass made to it since ``pulled`` (the server adds it,
+  ``ps_server.core.store``). Integer state (a dropout seed) stays in the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ps_common.sparse import SparseRows
+
+
+def trainable(model) -> list:
+    return list(model.trainable_variables)
+
+
+def non_trainable(model) -> list:
+    """Floating non-trainable variables (BatchNorm statistics): kept on the server."""
+    return [v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
+
+
+def get_values(model) -> dict[str, np.ndarray]:
+    """What the server holds of ``model``: its trainable and floating non-trainable values by path."""
+    return {v.path: np.array(v.numpy()) for v in trainable(model) + non_trainable(model)}
+
+
+def set_values(model, values: Mapping[str, np.ndarray]) -> None:
+    for v in trainable(model) + non_trainable(model):
+        v.assign(values[v.path])
+
+
+class Gradients:
+    """The mean loss and its gradients of ``model`` on a batch, as pushed (module docstring).
+
+    The tape runs in one ``tf.function``, traced on the first call; the same inputs
+    give the same bits in every process with the same TensorFlow settings."""
+
+    def __init__(self, model, loss: Callable):
+        import tensorflow as tf
+
+        self.model, self.loss = model, loss
+        self.variables = trainable(model)
+
+        @tf.function(reduce_retracing=True)
+        def tape(x, y):
+            with tf.GradientTape() as t:
+                mean = tf.reduce_mean(loss(y, model(x, training=True)))
+                if model.losses:  # regularization; known when tracing
+                    mean += tf.add_n(model.losses)
+            return mean, t.gradient(mean, self.variables)
+
+        self.tape = tape
+
+    def __call__(self, x, y, pulled: Mapping[str, np.ndarray]) -> tuple[float, dict]:
+        """(mean loss, ``{path: as pushed}``) on ``x, y``; ``pulled`` are the values the model
+        held before this forward pass (what the non-trainable changes are measured from)."""
+        loss, grads = self.tape(x, y)
+        return float(loss), as_pushed(self.model, dict(zip((v.path for v in self.variables), grads)), pulled)
+
+
+def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray]) -> dict:
+    """``{path: as pushed}`` of every trainable variable of ``model`` (``grads`` by path; a
+    missing one or ``None`` counts as zero) and every floating non-trainable one (its change
+    since ``pulled``)."""
+    out = {v.path: _one(grads.get(v.path), v) for v in trainable(model)}
+    out.update(changes(model, pulled))
+    return out
+
+
+def zeros(pulled: Mapping[str, np.ndarray]) -> dict:
+    """A push of nothing (a worker whose share of a tiny last batch is empty: weight 0)."""
+    return {name: np.zeros_like(v) for name, v in pulled.items()}
+
+
+def changes(model, pulled: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``{path: value now - value pulled}`` of the floating non-trainable variables."""
+    return {v.path: np.asarray(v.numpy()) - pulled[v.path] for v in non_trainable(model)}
+
+
+def _one(g, variable):
+    if g is None:
+        return np.zeros(variable.shape, np.dtype(variable.dtype))
+    return to_pushable(g, tuple(variable.shape))
+
+
+def to_pushable(g, shape: tuple[int, ...]):
+    """One gradient of a variable of ``shape`` as pushed: a NumPy array, or for an
+    ``IndexedSlices`` touching fewer than half the rows, ``SparseRows`` of the rows it
+    touched in increasing order, each once (repeats summed in their original order)."""
+    import tensorflow as tf
+
+    if not isinstance(g, tf.IndexedSlices):
+        return np.asarray(g)
+    indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
+    order = np.argsort(indices, kind="stable")
+    rows, starts = np.unique(indices[order], return_index=True)
+    summed = np.add.reduceat(values[order], starts, axis=0) if len(rows) else values[:0]
+    if 2 * len(rows) < shape[0]:
+        return SparseRows(rows, summed)
+    dense = np.zeros(tuple(shape), values.dtype)
+    dense[rows] = summed
+    return dense
+
+
+__all__ = ["Gradients", "as_pushed", "zeros", "changes", "to_pushable", "trainable", "non_trainable", "get_values",
+           "set_values"]
