@@ -81,6 +81,10 @@ class Status:
     max_ahead: int = 0  # ssp: the most steps an applied push was ahead of the slowest worker
 
 
+_REGISTRATION_FROM_STATUS = tuple(f for f in dataclasses.fields(Registration)
+                                  if f.name in {g.name for g in dataclasses.fields(Status)})
+
+
 class ParameterServer:
     def __init__(
         self,
@@ -130,18 +134,11 @@ class ParameterServer:
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
         rec = self.members.register(worker_index, claimed_num_workers, name)
         self.mode.worker_joined(rec.worker_id)
-        status = self.mode.status()
-        return Registration(
-            worker_id=rec.worker_id,
-            mode=self.mode_name,
-            num_workers=self.num_workers,
-            initialized=self.store.initialized,
-            version=self.store.version,
-            barrier_timeout=self.barrier_timeout,
-            round=status.round,
-            lease_timeout=self.members.lease_timeout,
-            incarnation=self.incarnation,
-        )
+        # What a worker learns when it joins is the status's (mode, version, round, lease,
+        # incarnation, ...), read once from there, plus its id and the barrier timeout.
+        status = self.status()
+        shared = {f.name: getattr(status, f.name) for f in _REGISTRATION_FROM_STATUS}
+        return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout, **shared)
 
     def finished(self) -> tuple[bool, list[int], list[int]]:
         """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done."""

@@ -94,3 +94,12 @@ def test_the_server_s_own_clock_readings_stay_local():
     assert service.WORKER_STATUS.local == {"registered_at", "dead_since", "last_push_done"}
     assert {f.name for f in dataclasses.fields(WorkerRecord)} - service.WORKER_STATUS.local \
         == {"worker_id", "name", "last_step", "pushes", "dropped", "left", "dead", "last_seen", "work_s", "wait_s"}
+
+
+def test_a_registration_states_the_same_facts_as_the_status_it_is_read_from():
+    core = ParameterServer("ssp", 2, barrier_timeout=7.0, lease_timeout=4.0, staleness_bound=1)
+    reg = core.register(1, 2, "w1")
+    s = core.status()
+    assert (reg.worker_id, reg.barrier_timeout, reg.shm) == (1, 7.0, False)
+    assert (reg.mode, reg.num_workers, reg.initialized, reg.version, reg.round, reg.lease_timeout,
+            reg.incarnation) == ("ssp", 2, False, 0, s.round, 4.0, s.incarnation)

@@ -102,7 +102,7 @@ class Recorder:
     def __init__(self, client: PSClient):
         self.push_headers: list[pb.PushHeader] = []
         self.pull_headers: list[pb.PullHeader] = []
-        push, pull = client._push_stream, client._pull_stream
+        push, pull = client.streams.push_stream, client.streams.pull_stream
 
         def push_stream(messages, **kw):
             messages = list(messages)
@@ -114,7 +114,7 @@ class Recorder:
             self.pull_headers.append(replies[0].header)
             return iter(replies)
 
-        client._push_stream, client._pull_stream = push_stream, pull_stream
+        client.streams.push_stream, client.streams.pull_stream = push_stream, pull_stream
 
     @property
     def shm_pushes(self) -> int:
@@ -130,7 +130,8 @@ def _bytes(values: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple, bytes]]
 
 
 def _segments(client: PSClient) -> list[str]:
-    return [s.segment.name for s in (client._push_slot, client._pull_slot) if s.segment is not None]
+    shared = client.shared_memory
+    return [s.segment.name for s in (shared.push_slot, shared.pull_slot) if s.segment is not None]
 
 
 def _exists(name: str) -> bool:
@@ -255,7 +256,7 @@ def test_pulled_values_are_the_clients_own_and_stay_valid_after_the_next_pull(cl
     client.push(0, 1, 1, 1, ones)
     _, second = client.pull(0)
     assert recorder.shm_pulls == 2 and _bytes(first) == kept and _bytes(second) != kept
-    segment = client._pull_slot.segment.array
+    segment = client.shared_memory.pull_slot.segment.array
     assert not any(np.shares_memory(a, segment) for a in (*first.values(), *second.values()))
     assert all(not a.flags.writeable for a in second.values())
 
@@ -323,7 +324,7 @@ def test_a_pull_whose_segment_vanished_is_repeated_over_the_stream(cluster):
     client.pull(0)
     version, before = client.pull(0)
     client.push(0, 0, version, 1, {n: np.ones_like(a) for n, a in before.items()})
-    os.unlink(client._pull_slot.segment.path)  # someone cleaned /dev/shm
+    os.unlink(client.shared_memory.pull_slot.segment.path)  # someone cleaned /dev/shm
     version, values = client.pull(0)
     assert version == 1 and client.shm_fallback_reason.startswith("shared memory: no segment")
     assert _bytes(values) == _bytes(running.core.pull()[1])
@@ -462,7 +463,7 @@ def test_a_pull_naming_a_bad_segment_is_refused_and_writes_nothing(refusing, wor
     segment.array[:] = 7
     request = pb.PullRequest(worker_id=worker_id, shm_name=name or segment.name)
     with pytest.raises(grpc.RpcError) as e:
-        list(client._pull_stream(request, timeout=CLIENT_TIMEOUT))
+        list(client.streams.pull_stream(request, timeout=CLIENT_TIMEOUT))
     assert e.value.code() == Code.FAILED_PRECONDITION and e.value.details().startswith("shared memory: ")
     assert match in e.value.details()
     assert (segment.array == 7).all()
@@ -472,7 +473,7 @@ def test_a_pull_into_a_segment_too_small_streams_and_says_how_big_it_should_be(r
     running, client, values, segment, _ = refusing
     small = shm.Segment.create(1)
     try:
-        replies = list(client._pull_stream(pb.PullRequest(worker_id=0, shm_name=small.name), timeout=30))
+        replies = list(client.streams.pull_stream(pb.PullRequest(worker_id=0, shm_name=small.name), timeout=30))
     finally:
         small.close()
     header = replies[0].header
@@ -533,7 +534,7 @@ def test_a_push_that_timed_out_leaves_its_segment_to_the_round_and_the_next_one_
     with pytest.raises(PSClientError) as e:  # waits at the barrier for worker 1, gives up
         client.push(0, 0, 0, 1, {"w": np.full(4, 2.0, np.float32)}, timeout=0.5)
     assert e.value.code == Code.DEADLINE_EXCEEDED
-    assert client._push_slot.segment is None and not _exists(first)  # unlinked; the server still maps it
+    assert client.shared_memory.push_slot.segment is None and not _exists(first)  # unlinked; the server maps it
     assert other.push(1, 0, 0, 1, {"w": np.full(4, 4.0, np.float32)}).version == 1
     assert running.core.pull()[1]["w"].tolist() == [-1.5] * 4  # 0 - 0.5 * mean(2, 4): what worker 0 pushed
     assert client.shm_active  # a timeout is no reason to stop using shared memory

@@ -81,14 +81,14 @@ def test_a_sparse_push_applies_bit_for_bit_what_the_same_push_made_dense_applies
 def test_only_the_rows_travel(servers, monkeypatch):
     client = servers()
     sizes: list[int] = []
-    original = client._call
+    original = client.unary.call
 
     def measuring(name, request, *a, **kw):
         if name == "Push":
             sizes.append(request.ByteSize())
         return original(name, request, *a, **kw)
 
-    monkeypatch.setattr(client, "_call", measuring)
+    monkeypatch.setattr(client.unary, "call", measuring)
     g = grads(0)
     client.push(0, 0, 0, 16, g)
     client.push(0, 1, 1, 16, dense(g))
@@ -121,5 +121,5 @@ def test_rows_on_a_tensor_not_marked_sparse_are_refused(servers):
         pb.Tensor(name="dense/kernel", dtype=pb.FLOAT32, shape=[DIM, 4], data=np.zeros(DIM * 4, np.float32).tobytes()),
     ])
     with pytest.raises(PSClientError) as e:
-        client._call("Push", request)
+        client.unary.call("Push", request)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sparse is not set" in e.value.details

@@ -189,7 +189,7 @@ def test_a_bad_stream_is_refused_with_a_precise_status_and_changes_nothing(ps, c
 
 
 def _pulled_names(client: PSClient, **known) -> list[str]:
-    replies = list(client._pull_stream(pb.PullRequest(worker_id=0, **known), timeout=30))
+    replies = list(client.streams.pull_stream(pb.PullRequest(worker_id=0, **known), timeout=30))
     return [m.name for m in replies[0].header.variables]
 
 
@@ -261,8 +261,8 @@ def test_a_small_model_goes_unary_with_the_same_skipping_and_the_same_values(ps,
     running, client, values = _start(ps, mode="async", value={"w": np.arange(10, dtype=np.float32),
                                                               "b": np.array(0.5, np.float32)})
     calls = []
-    real_call = client._call
-    client._call = lambda name, *a, **k: (calls.append(name), real_call(name, *a, **k))[1]
+    real_call = client.unary.call
+    client.unary.call = lambda name, *a, **k: (calls.append(name), real_call(name, *a, **k))[1]
     v0, first = client.pull(0)  # no cache yet: streamed, learns the size
     v1, again = client.pull(0)
     assert calls == ["Pull"] and (v0, v1) == (0, 0) and all(again[n] is first[n] for n in first)

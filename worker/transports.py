@@ -1,0 +1,461 @@
+"""The three ways a PSClient moves a pull or a push, behind one interface.
+
+    unary = Unary(channel, address, timeout)              # one message each way
+    streams = Streams(channel, address, timeout)          # ~2 MiB chunks (protos.stream)
+    shared = SharedMemory(streams, address, enabled=True) # same-host segments (protos.shm)
+    header, values = transport.pull(request)              # each: (PullHeader, {name: array})
+    reply = transport.push(outgoing, timeout)             # each: PushResponse
+
+``worker.client.PSClient`` picks one per call (small payloads go unary, large
+ones through shared memory when it is on, else streamed) and keeps the pull
+cache and the sync shortcut (``PullCache``, ``SyncShortcut``) above them. Every
+gRPC call of the worker is in this module or in ``worker.client``; failures
+leave as ``PSClientError`` naming the call, the status code and the server's
+explanation.
+
+``SharedMemory`` returns None instead of an answer when it does not serve a call
+(off, a segment busy with another call of this client, or refused): the caller
+then streams. A refusal ("shared memory: ..." FAILED_PRECONDITION, a segment that
+cannot be made, a reply that does not fit) changes nothing on the server, so
+repeating the call over the stream is safe; the first one turns the fast path
+off for good and logs one line (``fallback_reason`` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Mapping, Protocol
+
+import grpc
+import numpy as np
+
+from protos import codec, shm as shmem, stream, wire
+from protos import tfps_pb2 as pb
+from protos import tfps_pb2_grpc as pb_grpc
+
+log = logging.getLogger("worker.client")
+
+# Codes a server answers only once its handler has finished with a call: after
+# any other failure (a deadline, a dropped connection) the server may still be
+# reading or writing the call's segment, so the client takes a new one.
+HANDLER_DONE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
+
+
+class PSClientError(RuntimeError):
+    def __init__(self, call: str, address: str, code: grpc.StatusCode | None, details: str):
+        self.call, self.address, self.code, self.details = call, address, code, details
+        code_name = code.name if code is not None else "ERROR"
+        super().__init__(f"{call} to {address} failed: {code_name}: {details}")
+
+
+@dataclasses.dataclass
+class OutgoingPush:
+    """One push, its gradients already in wire form; each transport makes its messages from it."""
+
+    worker_id: int
+    step: int
+    base_version: int
+    batch_size: int
+    loss: float
+    arrays: dict[str, tuple[int, np.ndarray]]  # name -> (wire dtype code, C-contiguous little-endian array)
+    rows: Mapping[str, np.ndarray]  # sparse gradients: name -> the rows its array holds
+    return_values: bool = False  # unary only: the sync shortcut (SyncShortcut)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.arrays.values()) + sum(r.nbytes for r in self.rows.values())
+
+    def request(self) -> pb.PushRequest:
+        return pb.PushRequest(
+            worker_id=self.worker_id, step=self.step, base_version=self.base_version, batch_size=self.batch_size,
+            loss=self.loss, return_values=self.return_values,
+            gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes(), sparse=n in self.rows,
+                                 rows=self.rows[n].tolist() if n in self.rows else ())
+                       for n, (code, a) in self.arrays.items()])
+
+    def header(self) -> pb.PushHeader:
+        header = pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
+                               batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays))
+        for meta in header.gradients:
+            if meta.name in self.rows:
+                meta.sparse = True
+                meta.rows.extend(self.rows[meta.name].tolist())
+        return header
+
+    def buffers(self) -> list[np.ndarray]:
+        return [a for _, a in self.arrays.values()]
+
+
+class Transport(Protocol):
+    """What PSClient asks of each transport (SharedMemory may answer None: stream it)."""
+
+    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]] | None: ...
+
+    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None: ...
+
+
+class Unary:
+    """One message each way: every control call, and pushes and pulls up to ``small_bytes``
+    (a streamed call costs a thread on each side and ~0.3 ms more, bench/barrier.py)."""
+
+    def __init__(self, channel: grpc.Channel, address: str, timeout: float):
+        self.address, self.timeout = address, timeout
+        self._stub = pb_grpc.ParameterServerStub(channel)
+
+    def call(self, name: str, request, timeout: float | None = None, wait_for_ready: bool = False):
+        try:
+            return getattr(self._stub, name)(
+                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready
+            )
+        except grpc.RpcError as e:
+            raise PSClientError(name, self.address, e.code(), e.details() or "") from None
+
+    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        reply = self.call("Pull", request)
+        try:
+            values = codec.decode_many(reply.variables)
+        except codec.CodecError as e:
+            raise PSClientError("Pull", self.address, None, f"malformed reply: {e}") from None
+        return pb.PullHeader(version=reply.version, incarnation=reply.incarnation), values
+
+    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
+        return self.call("Push", outgoing.request(), timeout=timeout)
+
+
+class Streams:
+    """PullStream and PushStream: a header, then the tensors' bytes in ~2 MiB data messages
+    framed by hand (``protos.stream``), so no message ever holds a whole model."""
+
+    def __init__(self, channel: grpc.Channel, address: str, timeout: float):
+        self.address, self.timeout = address, timeout
+        method = f"/{wire.SERVICE_NAME}/"
+        self.pull_stream = channel.unary_stream(
+            method + "PullStream", request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=stream.deserializer(pb.PullChunk))
+        self.push_stream = channel.stream_unary(
+            method + "PushStream", request_serializer=stream.serializer(pb.PushChunk),
+            response_deserializer=pb.PushResponse.FromString)
+
+    def pull(self, request: pb.PullRequest,
+             read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        """One PullStream. ``read_segment(header, rest)`` (SharedMemory's) takes a reply
+        whose header says the values lie in the caller's segment; without it such a reply
+        is an error."""
+        try:
+            replies = self.pull_stream(request, timeout=self.timeout, wait_for_ready=False)
+            first = next(replies)
+            if not isinstance(first, pb.PullChunk) or not first.HasField("header"):
+                raise PSClientError("PullStream", self.address, None, "the reply did not start with a header")
+            header = first.header
+            layout = stream.Layout.of(header.variables)
+            if header.shm:
+                if read_segment is None:
+                    raise PSClientError("PullStream", self.address, None, "a shared-memory reply to a streamed pull")
+                return header, read_segment(header, layout, replies)
+            assembler = stream.Assembler(layout)
+            for chunk in replies:
+                if not isinstance(chunk, memoryview):
+                    raise PSClientError("PullStream", self.address, None, "a second header in the reply")
+                assembler.feed(chunk)
+            return header, assembler.arrays()
+        except grpc.RpcError as e:
+            raise PSClientError("Pull", self.address, e.code(), e.details() or "") from None
+        except (codec.CodecError, StopIteration) as e:
+            raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
+
+    def push(self, outgoing: OutgoingPush, timeout: float, header: pb.PushHeader | None = None) -> pb.PushResponse:
+        """One PushStream: ``header`` (default: the push's own), then the gradients' bytes
+        unless the header names a segment that holds them."""
+        header = outgoing.header() if header is None else header
+
+        def messages():
+            yield pb.PushChunk(header=header)
+            if not header.shm_name:
+                yield from stream.chunk_buffers(outgoing.buffers())
+
+        try:
+            return self.push_stream(messages(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+
+
+class _ShmRefused(Exception):
+    """The fast path cannot serve this call; nothing was applied: repeat it over the stream."""
+
+
+def _refused(e: PSClientError) -> bool:
+    return e.code == grpc.StatusCode.FAILED_PRECONDITION and e.details.startswith("shared memory:")
+
+
+class _Slot:
+    """One of the client's segments (push or pull), lent to one call at a time (``lock``)."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.lock = threading.Lock()
+        self.segment: shmem.Segment | None = None
+        self.want = 0  # bytes the next call will likely need (the server said, or the model's size)
+
+    def ensure(self, nbytes: int) -> shmem.Segment:
+        """A segment of at least ``nbytes`` (and ``want``): this one, or a new one. Sizes are
+        fixed for a segment's life, so growing means a new name. OSError if it cannot be made."""
+        if self.segment is None or self.segment.size < max(nbytes, self.want):
+            new = shmem.Segment.create(max(nbytes, self.want))
+            self.close()
+            self.segment = new
+        return self.segment
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[int]) -> dict[str, np.ndarray]:
+    """Copies of the values the server wrote into ``segment``; _ShmRefused if an offset
+    does not fit (``shm.views`` checks every one first)."""
+    try:
+        views = shmem.views(segment, layout.entries, offsets)
+    except shmem.ShmError as e:
+        raise _ShmRefused(f"the reply's {e}") from None
+    return {name: v.copy() for name, v in views.items()}
+
+
+class SharedMemory:
+    """The same-host fast path: two segments of this client's in ``/dev/shm``
+    (``protos.shm``: ``tfps-<pid>-<random>``, mode 0600), one for pushes, one for pulls.
+
+    ``register`` probes it (``hold_for_probe``, ``probe_request``, ``probe_answer``):
+    the client writes a random token into the push segment and names both; the server
+    must read the token back and write a nonce into the pull one. Only then is it
+    ``active``: pushes put the gradients into the push segment and pulls have the
+    server write the values into the pull segment, with gRPC carrying the headers
+    alone. The values a pull returns are copies, valid after the next pull. A segment
+    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails
+    in a way that leaves the server possibly still using it (a deadline, a dropped
+    connection): then it is dropped and the next call makes a new one. A SIGKILLed
+    worker leaves its segments behind (``ls /dev/shm/tfps-*``; the pid says whose).
+    """
+
+    def __init__(self, streams: Streams, address: str, enabled: bool):
+        self.streams, self.address, self.enabled = streams, address, enabled
+        self.active = False
+        self.fallback_reason: str | None = None  # why it went off for good; None: it did not
+        self._lock = threading.Lock()  # guards fallback_reason; leaf lock
+        self.push_slot, self.pull_slot = _Slot("push"), _Slot("pull")
+
+    def fall_back(self, reason: str) -> None:
+        """Stream from now on; say why once."""
+        self.active = False
+        with self._lock:
+            first, self.fallback_reason = self.fallback_reason is None, self.fallback_reason or reason
+        if first:
+            log.warning("same-host shared memory off for %s, streaming over gRPC from now on: %s",
+                        self.address, reason)
+
+    def release_segments(self) -> None:
+        """Close the segments no call is using (the others: at close() or exit)."""
+        for slot in (self.push_slot, self.pull_slot):
+            if slot.lock.acquire(blocking=False):
+                try:
+                    slot.close()
+                finally:
+                    slot.lock.release()
+
+    def close(self) -> None:
+        for slot in (self.push_slot, self.pull_slot):
+            slot.close()
+
+    def _lend(self, slot: _Slot, worker_id: int) -> _Slot | None:
+        """The slot, locked, if this call may use shared memory; None: stream it. A slot
+        busy with another call of this client (a push waiting at a barrier) is not waited for."""
+        if not self.active or worker_id < 0 or not slot.lock.acquire(blocking=False):
+            return None
+        return slot
+
+    # -- the probe, at register ----------------------------------------------------
+    def hold_for_probe(self) -> list[_Slot]:
+        """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
+        if not self.enabled or self.fallback_reason is not None:
+            return []
+        held = []
+        for slot in (self.push_slot, self.pull_slot):
+            if not slot.lock.acquire(blocking=False):
+                for h in held:
+                    h.lock.release()
+                return []
+            held.append(slot)
+        return held
+
+    def probe_request(self, request: pb.RegisterRequest) -> bytes | None:
+        """Name both segments in ``request`` with a fresh token in the push one; the token,
+        or None when the segments cannot be made (then the client streams for good)."""
+        try:
+            push = self.push_slot.ensure(shmem.TOKEN_BYTES)
+            pull = self.pull_slot.ensure(shmem.TOKEN_BYTES)
+        except OSError as e:
+            self.fall_back(f"cannot create a segment in {shmem.DIRECTORY}: {e}")
+            return None
+        token = shmem.new_token()
+        push.array[:shmem.TOKEN_BYTES] = np.frombuffer(token, np.uint8)
+        pull.array[:shmem.TOKEN_BYTES] = 0
+        request.shm_push_name, request.shm_pull_name = push.name, pull.name
+        return token
+
+    def probe_answer(self, reply: pb.RegisterResponse, token: bytes) -> None:
+        nonce = self.pull_slot.segment.array[:shmem.TOKEN_BYTES].tobytes()
+        if reply.shm_error:
+            self.fall_back(f"the server refused the probe: {reply.shm_error}")
+        elif reply.shm_token != token or reply.shm_nonce != nonce or len(nonce) != shmem.TOKEN_BYTES:
+            self.fall_back("the server does not see this client's segments (another host, another /dev/shm, "
+                           "or a server without the fast path)")
+        else:
+            self.active = True
+
+    # -- pulls and pushes -------------------------------------------------------------
+    def expect_pull(self, values: Mapping[str, np.ndarray]) -> None:
+        """The next pull will likely need room for ``values``."""
+        self.pull_slot.want = max(self.pull_slot.want, shmem.needed_bytes(a.nbytes for a in values.values()))
+
+    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]] | None:
+        """A PullStream that has the server write the values into the pull segment; None
+        when shared memory does not serve it (then the caller streams)."""
+        slot = self._lend(self.pull_slot, request.worker_id)
+        if slot is None:
+            return None
+        try:
+            return self._pull_once(request, slot)
+        except _ShmRefused as e:
+            self.fall_back(str(e))
+            request.ClearField("shm_name")
+            return None
+        finally:
+            slot.lock.release()
+            if not self.active:
+                self.release_segments()
+
+    def _pull_once(self, request: pb.PullRequest, slot: _Slot) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        try:
+            segment = slot.ensure(shmem.MIN_BYTES)
+        except OSError as e:
+            raise _ShmRefused(f"cannot create a segment in {shmem.DIRECTORY}: {e}") from None
+        request.shm_name = segment.name
+
+        def read(header: pb.PullHeader, layout: stream.Layout, rest) -> dict[str, np.ndarray]:
+            values = _read_segment(segment, layout, list(header.shm_offsets))
+            if next(rest, None) is not None:
+                raise _ShmRefused("a shared-memory reply went on with data messages")
+            return values
+
+        try:
+            header, values = self.streams.pull(request, read_segment=read)
+        except PSClientError as e:
+            if _refused(e):
+                raise _ShmRefused(e.details) from None
+            if e.code is not None and e.code not in HANDLER_DONE:
+                slot.close()  # the server may still write into it
+            raise
+        if not header.shm and header.shm_bytes_needed > segment.size:
+            slot.want = max(slot.want, header.shm_bytes_needed)  # the next pull gets a big enough one
+        return header, values
+
+    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None:
+        """The gradients into the push segment, then the header alone; None when shared
+        memory does not serve it (then the caller streams). The segment stays untouched
+        until the reply (this call holds the slot): the server reads it in place."""
+        slot = self._lend(self.push_slot, outgoing.worker_id)
+        if slot is None:
+            return None
+        try:
+            return self._push_once(outgoing, slot, timeout)
+        except _ShmRefused as e:  # nothing was applied: stream it instead
+            self.fall_back(str(e))
+            return None
+        finally:
+            slot.lock.release()
+            if not self.active:
+                self.release_segments()
+
+    def _push_once(self, outgoing: OutgoingPush, slot: _Slot, timeout: float) -> pb.PushResponse:
+        arrays = outgoing.buffers()
+        offsets, needed = shmem.aligned_offsets(a.nbytes for a in arrays)
+        try:
+            segment = slot.ensure(needed)
+        except OSError as e:
+            raise _ShmRefused(f"cannot create a segment of {needed} bytes in {shmem.DIRECTORY}: {e}") from None
+        for a, off in zip(arrays, offsets):
+            segment.array[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        header = outgoing.header()
+        header.shm_name = segment.name
+        header.shm_offsets.extend(offsets)
+        try:
+            return self.streams.push(outgoing, timeout, header=header)
+        except PSClientError as e:
+            if _refused(e):
+                raise _ShmRefused(e.details) from None
+            if e.code not in HANDLER_DONE:
+                slot.close()  # the server may still read it (a push waiting at the barrier)
+            raise
+
+
+class PullCache:
+    """The last full pull: (incarnation, version, values). The next full pull sends the
+    server that version and incarnation and gets back only the variables changed since;
+    the others are these arrays again (read-only, so sharing them is safe)."""
+
+    def __init__(self) -> None:
+        self.held: tuple[str, int, dict[str, np.ndarray]] | None = None
+        self.fresh = False  # held came with a push reply (SyncShortcut): no pull needed
+
+    def take_fresh(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """(version, values) when the last push's reply brought them, once; else None."""
+        if not (self.fresh and self.held is not None):
+            return None
+        self.fresh = False  # nothing can have changed since
+        return self.held[1], self.held[2]
+
+    def ask(self, request: pb.PullRequest) -> None:
+        """Name what this client holds, so the server can skip it."""
+        if self.held is not None:
+            request.known_incarnation, request.known_version = self.held[0], self.held[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.held[2].values()) if self.held is not None else 0
+
+    def complete(self, header: pb.PullHeader, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A full pull's values: the changed ones from ``values``, the others from the
+        cache (same server process only); then held for the next pull."""
+        held = self.held
+        if held is not None and header.incarnation == held[0] and set(values) <= set(held[2]):
+            values = {n: values.get(n, held[2][n]) for n in held[2]}
+        self.keep(header.incarnation, header.version, values)
+        return values
+
+    def keep(self, incarnation: str, version: int, values: dict[str, np.ndarray], fresh: bool = False) -> None:
+        self.held, self.fresh = (incarnation, version, values), fresh
+
+
+class SyncShortcut:
+    """Sync: a push asks for the new parameters with its reply (PushRequest.return_values);
+    the server grants it when they stay current until this worker pushes again (sync
+    without backup workers), and the next full pull is answered from them without a call.
+    Only unary pushes ask (a streamed reply would have to carry the whole model)."""
+
+    def __init__(self, cache: PullCache, address: str):
+        self.cache, self.address = cache, address
+        self.on = False  # set by register: the server runs sync
+
+    def receive(self, reply: pb.PushResponse) -> None:
+        """Keep the values a push's reply carries, if any."""
+        if not reply.variables:
+            return
+        try:
+            values = codec.decode_many(reply.variables)
+        except codec.CodecError as e:
+            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
+        self.cache.keep(reply.incarnation, reply.version, values, fresh=True)
