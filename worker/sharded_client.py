@@ -9,7 +9,7 @@
 Each shard is an ordinary ``ps-server`` that owns the pieces it was initialized
 with; it knows nothing of the others. Everything sharded happens here, on top
 of one ``PSClient`` per shard (so every gRPC call still lives in
-``worker.client``). Calls go to all shards at once, from a thread pool with one
+``worker.client`` and its ``worker.transports``). Calls go to all shards at once, from a thread pool with one
 thread per shard (gRPC releases the GIL while it waits). Heartbeats and other
 control calls have their own pool: a push that waits in the shards' barriers
 occupies every data thread, and the lease must still be renewed meanwhile.
@@ -172,21 +172,20 @@ class ShardedClient:
                              for a, r in zip(self.addresses, regs))
             raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
                               f"the shards disagree: {runs}; start every shard with the same --mode and --num-workers")
-        first = regs[0]
-        sync = first.mode == "sync"
+        combined = combine_records(regs, REGISTRATION_RULES)
+        sync = combined.mode == "sync"
         if sync and self.num_shards > 1:
-            self._refuse_backup_workers(first.num_workers)
+            self._refuse_backup_workers(combined.num_workers)
         rounds = [r.round for r in regs]
-        combined_round = max(rounds)
         if sync and len(set(rounds)) > 1:
             log.warning("the shards collect different rounds (%s): resuming at round %d and pushing each shard "
                         "its own round (a shard that restarted lost the rounds since its last checkpoint)",
-                        ", ".join(f"{a}: {r}" for a, r in zip(self.addresses, rounds)), combined_round)
+                        ", ".join(f"{a}: {r}" for a, r in zip(self.addresses, rounds)), combined.round)
         with self._lock:
             self._sync = sync
-            self._offsets = [r - combined_round for r in rounds] if sync else [0] * self.num_shards
+            self._offsets = [r - combined.round for r in rounds] if sync else [0] * self.num_shards
             self._pulled.clear()
-        return combine_records(regs, REGISTRATION_RULES)
+        return combined
 
     def _refuse_backup_workers(self, num_workers: int) -> None:
         statuses = self._each(self._control, lambda i, c: c.status())
