@@ -23,12 +23,17 @@ def _recording(client) -> list[str]:
     return calls
 
 
-def test_after_a_sync_push_the_next_full_pull_is_answered_from_the_reply_without_a_call(ps):
-    running, client = ps(mode="sync", num_workers=1)
+def _pulled_once(ps, mode: str):
+    """A one-worker server holding w = [0, 0, 0]; (server, client, version, its Unary calls from now on)."""
+    running, client = ps(mode=mode, num_workers=1)
     client.register(0, 1)
     client.initialize(0, {"w": np.zeros(3, np.float32)}, SGD)
     version, _ = client.pull(0)
-    calls = _recording(client)
+    return running, client, version, _recording(client)
+
+
+def test_after_a_sync_push_the_next_full_pull_is_answered_from_the_reply_without_a_call(ps):
+    running, client, version, calls = _pulled_once(ps, "sync")
     reply = client.push(0, 0, version, 1, {"w": np.ones(3, np.float32)})
     assert calls == ["Push"] and reply.version == 1
     version, values = client.pull(0)
@@ -40,11 +45,7 @@ def test_after_a_sync_push_the_next_full_pull_is_answered_from_the_reply_without
 
 
 def test_an_async_push_reply_brings_no_values_and_the_next_pull_asks(ps):
-    running, client = ps(mode="async", num_workers=1)
-    client.register(0, 1)
-    client.initialize(0, {"w": np.zeros(3, np.float32)}, SGD)
-    version, _ = client.pull(0)
-    calls = _recording(client)
+    running, client, version, calls = _pulled_once(ps, "async")
     client.push(0, 0, version, 1, {"w": np.ones(3, np.float32)})
     version, values = client.pull(0)
     assert calls == ["Push", "Pull"] and version == 1 and values["w"].tolist() == [-0.5] * 3
