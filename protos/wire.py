@@ -3,13 +3,24 @@
     channel = grpc.insecure_channel(addr, options=wire.client_options())
     server = grpc.server(pool, options=wire.server_options())
 
-One setting, ``MAX_MESSAGE_BYTES``, raises gRPC's 4 MiB default on the client and
-the server alike, so a payload one side can send the other can receive. It can be
-lowered or raised with the environment variable ``TFPS_MAX_MESSAGE_MB``.
+One setting, the largest message, raises gRPC's 4 MiB default on the client and
+the server alike, so a payload one side can send the other can receive. It is the
+``max_message_mb`` field of both processes' configurations (``--max-message-mb``,
+``TFPS_MAX_MESSAGE_MB``, default 1024), and each passes it in:
+
+    wire.server_options(config.max_message_bytes)      # ps_server.server
+    wire.client_options(config.max_message_bytes)
+
+Called without it, the option functions (and ``MAX_MESSAGE_BYTES``) use this
+process's setting: the value its command handed to ``use_max_message_mb`` (ps-server
+and ps-worker do, with their configuration's), else the same setting read through
+the configuration resolver (``ps_common.settings``) from the environment when they
+are called, never when this module is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ps_common.names import MODES
@@ -35,24 +46,68 @@ def mode_from_wire(value: int) -> str:
 _GRPC_CEILING = 2**31 - 1
 
 
-def max_message_bytes() -> int:
-    raw = os.environ.get("TFPS_MAX_MESSAGE_MB", "1024")
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"TFPS_MAX_MESSAGE_MB must be a number of MiB, got {raw!r}") from None
-    if mb <= 0:
-        raise ValueError(f"TFPS_MAX_MESSAGE_MB must be positive, got {raw!r}")
+DEFAULT_MAX_MESSAGE_MB = 1024.0
+
+
+_process_max_message_mb: float | None = None  # use_max_message_mb; None: from the environment
+
+
+def use_max_message_mb(mb: float | None) -> None:
+    """Make ``mb`` this process's message limit for the option functions called
+    without one (a command calls it once with its configuration's ``max_message_mb``);
+    None: back to reading the environment."""
+    global _process_max_message_mb
+    if mb is not None:
+        check_max_message_mb(mb)
+    _process_max_message_mb = mb
+
+
+def max_message_bytes(mb: float | None = None) -> int:
+    """``mb`` MiB as bytes, capped at gRPC's ceiling; None: this process's setting
+    (``use_max_message_mb``, else TFPS_MAX_MESSAGE_MB read now through the resolver)."""
+    if mb is None:
+        mb = _process_max_message_mb
+    if mb is None:
+        mb = _TransportSetting.from_environment().max_message_mb
     return min(int(mb * 2**20), _GRPC_CEILING)
 
 
-MAX_MESSAGE_BYTES = max_message_bytes()
+def check_max_message_mb(mb: float) -> None:
+    """Raise ConfigError unless ``mb`` is a usable message limit (a positive number of MiB)."""
+    from ps_common.settings import ConfigError
+
+    if not (mb > 0 and mb != float("inf")):
+        raise ConfigError(f"--max-message-mb (TFPS_MAX_MESSAGE_MB) must be a positive number of MiB, got {mb:g}")
 
 
-def channel_options() -> list[tuple[str, int]]:
+@dataclasses.dataclass(frozen=True)
+class _TransportSetting:
+    """The one transport setting both processes share, for callers without a configuration."""
+
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB
+
+    @classmethod
+    def from_environment(cls) -> "_TransportSetting":
+        from ps_common.settings import resolve
+
+        setting = resolve(cls, None, os.environ)
+        check_max_message_mb(setting.max_message_mb)
+        return setting
+
+
+def __getattr__(name: str):
+    # wire.MAX_MESSAGE_BYTES, as before, but read when asked for, not at import.
+    if name == "MAX_MESSAGE_BYTES":
+        return max_message_bytes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def channel_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
+    """gRPC's message limits at ``max_bytes`` (None: ``max_message_bytes()``)."""
+    limit = max_message_bytes() if max_bytes is None else max_bytes
     return [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
     ]
 
 
@@ -65,8 +120,8 @@ def channel_options() -> list[tuple[str, int]]:
 KEEPALIVE_MS = 10_000
 
 
-def client_options() -> list[tuple[str, int]]:
-    return channel_options() + [
+def client_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
+    return channel_options(max_bytes) + [
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -74,9 +129,9 @@ def client_options() -> list[tuple[str, int]]:
     ]
 
 
-def server_options() -> list[tuple[str, int]]:
+def server_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
     # so_reuseport off: two servers must never silently share a port.
-    return channel_options() + [
+    return channel_options(max_bytes) + [
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),

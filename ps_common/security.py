@@ -8,7 +8,9 @@
 Guarantees:
 
 * With a token configured, every RPC except the standard health check
-  (``/grpc.health.v1.Health/Check``) must carry ``authorization: Bearer <token>``.
+  (``/grpc.health.v1.Health/Check``) must carry ``authorization: Bearer <token>``;
+  gRPC server reflection (``grpc.reflection.v1alpha.ServerReflection``) is no
+  exception: it describes every service and message, which is not for strangers.
   A call without it, or with another token, ends with ``UNAUTHENTICATED`` before
   any servicer code runs, so it changes nothing on the server. The health check is
   exempt because container and orchestrator probes usually carry no token; it tells
@@ -44,7 +46,8 @@ from ps_common.settings import ConfigError
 log = logging.getLogger("ps_common.security")
 
 TOKEN_ENV = "TFPS_AUTH_TOKEN"
-# Methods callable without the token: the unary health check, for probes.
+# Methods callable without the token: the unary health check, for probes. Nothing else,
+# server reflection included.
 EXEMPT_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 

@@ -1,21 +1,55 @@
-"""How every tfps process fills its configuration: flags, then environment.
+"""How every tfps process fills its configuration: flags, then environment, then ``TF_CONFIG``.
 
-    config = resolve(ServerConfig, args, os.environ, values_from_tf_config)
+    config = resolve(ServerConfig, args, os.environ, role="ps")       # ps_server.config
+    config = resolve(WorkerConfig, args, os.environ, role="worker")   # worker.config
 
-For each field of the frozen configuration dataclass, a flag given on the
-command line wins, then ``TFPS_<FIELD>`` from the environment, then what
-``TF_CONFIG`` said (passed in as ``values``), then the dataclass default.
-Shared by ``ps_server.config`` and ``worker.config``; plain Python.
+This module is the one place that maps a flag, an environment variable or a
+``TF_CONFIG`` entry to a field. For each field of the frozen configuration
+dataclass a flag given on the command line wins, then the field's environment
+variable, then what ``TF_CONFIG`` says for the process's role, then the
+dataclass default.
+
+Environment names. A field's variable is ``TFPS_<FIELD>`` (``--num-workers``:
+``TFPS_NUM_WORKERS``) unless the field is declared with ``setting(env=...)``.
+Where the server and the worker have a field of the same name that means
+different things (the server's certificate and the worker's client certificate,
+the port each one's metrics endpoint binds, the server allowing shared memory
+and the worker asking for it), each side has a variable of its own,
+``TFPS_SERVER_<FIELD>`` and ``TFPS_WORKER_<FIELD>``, so that one environment
+(``ps-launch`` hands the same one to every child) cannot configure both by
+accident. The flags keep their names. The old shared name (``old_env``) is still
+read by a process started alone, where it is unambiguous, with a one-line
+deprecation warning; ``ps-launch`` refuses it (``deprecated_env``). Fields of
+the same meaning on both sides (``TFPS_NUM_WORKERS``, ``TFPS_LOG_LEVEL``,
+``TFPS_AUTH_TOKEN_FILE``, ``TFPS_MAX_MESSAGE_MB``, ``TFPS_METRICS_HOST``) share
+one name on purpose.
+
+``TF_CONFIG`` (``ps_common.tf_config``), by role:
+
+* ``ps`` (task type ``ps``, index i): ``port`` is the port of ``cluster.ps[i]``,
+  ``host`` 0.0.0.0 (the address the other tasks use names this host),
+  ``num_workers`` the number of chief and worker tasks;
+* ``worker`` (task type ``chief`` or ``worker``): ``ps`` is every ``cluster.ps``
+  entry, in order, each one server shard; ``worker_index`` the task's position
+  (the chief is worker 0); ``num_workers`` as above.
+
+A ``TF_CONFIG`` that cannot be read raises ``ConfigError`` like any other bad
+setting. Plain Python: no gRPC, no TensorFlow.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Mapping, TypeVar
+import logging
+from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger("ps_common.settings")
+
+PREFIX = "TFPS_"
+ROLES = ("ps", "worker")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -24,27 +58,118 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is shown to the user as is."""
 
 
-def cast(name: str, raw: str, kind: type):
-    """Turn the text of TFPS_<NAME> into the field's type, or say why not."""
+def setting(default: Any, *, env: str | None = None, old_env: str | None = None,
+            parse: Callable[[str], Any] | None = None) -> Any:
+    """A configuration field whose environment variable is ``env`` instead of
+    ``TFPS_<FIELD>``; ``old_env``, its former name, is still read with a
+    deprecation warning; ``parse`` turns the variable's text into the value
+    (default: by the type of ``default``)."""
+    metadata = {}
+    if env:
+        metadata["env"] = env
+    if old_env:
+        metadata["old_env"] = old_env
+    if parse:
+        metadata["parse"] = parse
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def env_name(f: dataclasses.Field) -> str:
+    """The environment variable of field ``f``."""
+    return f.metadata.get("env") or PREFIX + f.name.upper()
+
+
+def env_names(cls: type) -> dict[str, str]:
+    """{field: its environment variable} for a configuration class."""
+    return {f.name: env_name(f) for f in dataclasses.fields(cls)}
+
+
+def deprecated_env(cls: type) -> dict[str, str]:
+    """{old variable: the one that replaced it} for a configuration class."""
+    return {f.metadata["old_env"]: env_name(f) for f in dataclasses.fields(cls) if "old_env" in f.metadata}
+
+
+def cast(source: str, raw: str, kind: type, parse: Callable[[str], Any] | None = None):
+    """Turn the text ``raw`` of ``source`` (a variable's name) into a value of ``kind``, or say why not."""
+    if parse is not None:
+        try:
+            return parse(raw)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise ConfigError(f"{source}={raw!r}: {e}") from None
     if kind is bool:
         if raw.lower() in _TRUE:
             return True
         if raw.lower() in _FALSE:
             return False
-        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a boolean")
+        raise ConfigError(f"{source}={raw!r} is not a boolean")
     try:
         return kind(raw)
     except ValueError:
-        raise ConfigError(f"TFPS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        raise ConfigError(f"{source}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def resolve(cls: type[T], args: argparse.Namespace, environ: Mapping[str, str], values: dict | None = None) -> T:
-    values = dict(values or {})
+def _from_environment(f: dataclasses.Field, environ: Mapping[str, str]):
+    """The field's value from the environment, or None if its variable (and its old name) is unset or empty."""
+    name = env_name(f)
+    raw = environ.get(name)
+    if raw in (None, "") and "old_env" in f.metadata:
+        old = f.metadata["old_env"]
+        raw = environ.get(old)
+        if raw not in (None, ""):
+            log.warning("%s is deprecated: it meant different things to ps-server and ps-worker; "
+                        "this process reads it as %s", old, name)
+            name = old
+    if raw in (None, ""):
+        return None
+    return cast(name, raw, type(f.default), f.metadata.get("parse"))
+
+
+def tf_config_values(role: str, environ: Mapping[str, str]) -> dict:
+    """The fields that ``TF_CONFIG`` in ``environ`` sets for a process of ``role`` (module docstring)."""
+    from ps_common.tf_config import parse_tf_config, port_of
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    spec = parse_tf_config(environ.get("TF_CONFIG"))
+    values: dict = {}
+    if spec is None:
+        return values
+    if role == "ps" and spec.task_type == "ps" and spec.ps_addresses:
+        if spec.task_index >= len(spec.ps_addresses):
+            raise ConfigError(f"TF_CONFIG task.index {spec.task_index} has no entry in cluster.ps "
+                              f"({len(spec.ps_addresses)} entries)")
+        values["port"] = port_of(spec.ps_addresses[spec.task_index], f"cluster.ps[{spec.task_index}]")
+        values["host"] = "0.0.0.0"  # the address other tasks use names this host
+        if spec.num_workers:
+            values["num_workers"] = spec.num_workers
+    elif role == "worker" and spec.task_type in ("worker", "chief"):
+        if spec.ps_addresses:
+            values["ps"] = ",".join(spec.ps_addresses)  # every ps task is a shard, in order
+        if spec.num_workers:
+            values["num_workers"] = spec.num_workers
+        values["worker_index"] = spec.task_index
+    return values
+
+
+def resolve(cls: type[T], args: argparse.Namespace | None, environ: Mapping[str, str],
+            role: str | None = None) -> T:
+    """An instance of ``cls``: each field from its flag in ``args``, else its environment
+    variable, else ``TF_CONFIG`` for ``role`` ("ps" or "worker"; None: not read), else the default."""
+    values = tf_config_values(role, environ) if role else {}
     for f in dataclasses.fields(cls):
         flag_value = getattr(args, f.name, None)
-        env_value = environ.get("TFPS_" + f.name.upper())
         if flag_value is not None:
             values[f.name] = flag_value
-        elif env_value not in (None, ""):
-            values[f.name] = cast(f.name, env_value, type(f.default))
+            continue
+        env_value = _from_environment(f, environ)
+        if env_value is not None:
+            values[f.name] = env_value
     return cls(**values)
+
+
+def to_json(config, indent: int | None = 2) -> str:
+    """The resolved configuration as JSON, field by field: what ``--print-config``
+    prints, and (``indent=None``: one line) what the DEBUG log shows at start."""
+    import json
+
+    return json.dumps(dataclasses.asdict(config), indent=indent)

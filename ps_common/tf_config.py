@@ -3,9 +3,13 @@
     spec = parse_tf_config(os.environ.get("TF_CONFIG"))
     spec.ps_addresses, spec.num_workers, spec.task_type, spec.task_index
 
-Example: ``{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222", "w1:2222"]},
-"task": {"type": "worker", "index": 1}}``. A ``chief`` task counts as a worker
-(it trains, as in MultiWorkerMirroredStrategy). Plain Python: no TensorFlow.
+Example, a Kubeflow TFJob with two PS replicas: ``{"cluster": {"ps": ["ps0:2222",
+"ps1:2222"], "chief": ["c0:2222"], "worker": ["w0:2222"]}, "task": {"type":
+"worker", "index": 0}}``. A ``chief`` task counts as a worker (it trains, as in
+MultiWorkerMirroredStrategy) and is worker 0. Every ``cluster.ps`` entry is a
+server shard, in that order (``ps_common.settings`` turns this into fields).
+A description that cannot be read raises ``TFConfigError``, a ``ConfigError``
+like any other bad setting. Plain Python: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ps_common.settings import ConfigError
 
-class TFConfigError(ValueError):
-    pass
+
+class TFConfigError(ConfigError):
+    """``TF_CONFIG`` is not a cluster description tfps can use; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +34,14 @@ class ClusterSpec:
     @property
     def num_workers(self) -> int:
         return len(self.worker_addresses)
+
+
+def port_of(address: str, where: str) -> int:
+    """The port of ``HOST:PORT`` found at ``where`` (e.g. "cluster.ps[1]") in TF_CONFIG."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 <= int(port) <= 65535):
+        raise TFConfigError(f"TF_CONFIG {where} must be HOST:PORT, got {address!r}")
+    return int(port)
 
 
 def parse_tf_config(raw: str | None) -> ClusterSpec | None:
@@ -44,14 +58,19 @@ def parse_tf_config(raw: str | None) -> ClusterSpec | None:
     if not isinstance(cluster, dict) or not isinstance(task, dict):
         raise TFConfigError("TF_CONFIG 'cluster' and 'task' must be JSON objects")
     for key in ("ps", "worker", "chief"):
-        if not isinstance(cluster.get(key, []), list):
+        entries = cluster.get(key, [])
+        if not isinstance(entries, list):
             raise TFConfigError(f"TF_CONFIG cluster.{key} must be a list of host:port")
+        for i, entry in enumerate(entries):
+            port_of(entry if isinstance(entry, str) else repr(entry), f"cluster.{key}[{i}]")
     workers = tuple(cluster.get("chief", [])) + tuple(cluster.get("worker", []))
     task_type = str(task.get("type", ""))
     try:
         index = int(task.get("index", 0))
     except (TypeError, ValueError):
         raise TFConfigError(f"TF_CONFIG task.index must be an integer, got {task.get('index')!r}") from None
+    if index < 0:
+        raise TFConfigError(f"TF_CONFIG task.index must be >= 0, got {index}")
     if task_type == "worker" and cluster.get("chief"):
         index += len(cluster["chief"])  # chief is worker 0
     return ClusterSpec(tuple(cluster.get("ps", [])), workers, task_type, index)

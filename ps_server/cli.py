@@ -1,37 +1,39 @@
 """``ps-server``: run one parameter server.
 
     ps-server --mode sync --num-workers 2 --port 50051
+    ps-server --print-config          # the resolved configuration as JSON, then exit 0
 
-Bad flags or a configuration that cannot run give a one-line error and exit
-status 2, not a traceback.
+Bad flags or a configuration that cannot run (a bad ``TF_CONFIG`` included) give
+a one-line error and exit status 2, not a traceback. The first INFO line says
+what this server is (``sync, 2 workers, listening on 127.0.0.1:50051 (TLS off,
+token off, reflection on)``); the resolved configuration is logged at DEBUG.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
 from protos import wire
-
+from ps_common.logs import configure_logging
+from ps_common.settings import to_json
 from ps_server.config import ConfigError, ServerConfig
-from ps_common.tf_config import TFConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = ServerConfig.parser().parse_args(argv)
     try:
-        config = ServerConfig.from_args(argv)
-    except (ConfigError, TFConfigError) as e:
+        config = ServerConfig.from_namespace(args)
+    except ConfigError as e:
         print(f"ps-server: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("ps_server").info("configuration: %s", dataclasses.asdict(config))
-    logging.getLogger("ps_server").info(wire.tune_allocator())
-    from ps_server.server import serve  # imports grpc; keep --help fast
+    if args.print_config:
+        print(to_json(config), flush=True)
+        return 0
+    configure_logging(config.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ps_server").debug("configuration: %s", to_json(config, indent=None))
+    wire.use_max_message_mb(config.max_message_mb)
+    from ps_server.server import serve  # imports grpc; keep --help and --print-config fast
 
     try:
         return serve(config)

@@ -1,11 +1,16 @@
 """Configuration of one ``ps-server`` process.
 
-    config = ServerConfig.from_args(sys.argv[1:])   # flags, then TFPS_* env, then TF_CONFIG
-    config.validate()
+    config = ServerConfig.from_args(sys.argv[1:])   # flags, then TFPS_* env, then TF_CONFIG; validated
 
 Every flag ``--num-workers`` has the environment fallback ``TFPS_NUM_WORKERS``;
-a flag given on the command line wins. With ``TF_CONFIG`` of task type ``ps``,
-the port and worker count come from the cluster description unless set.
+a flag given on the command line wins. Four fields mean something else to a
+worker and so have variables of their own: ``TFPS_SERVER_SHM``,
+``TFPS_SERVER_TLS_CERT_FILE``, ``TFPS_SERVER_TLS_KEY_FILE`` and
+``TFPS_SERVER_METRICS_PORT`` (the old ``TFPS_SHM``, ``TFPS_TLS_CERT_FILE``,
+``TFPS_TLS_KEY_FILE`` and ``TFPS_METRICS_PORT`` still work, with a deprecation
+warning). With ``TF_CONFIG`` of task type ``ps`` (index i), the port is that of
+``cluster.ps[i]`` and the worker count that of the chief and worker tasks,
+unless set. ``ps_common.settings`` does all of this mapping.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import os
 
 from ps_common.names import DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
 
-from ps_common.settings import ConfigError, cast, resolve
-from ps_common.tf_config import parse_tf_config
+from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
+from ps_common.settings import ConfigError, resolve, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +47,7 @@ class ServerConfig:
     max_staleness: int = 8  # policy drop: drop pushes staler than this many versions
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
-    shm: bool = True
+    shm: bool = setting(True, env="TFPS_SERVER_SHM", old_env="TFPS_SHM")
     # Stop by itself (final checkpoint, exit 0) once every worker finished or died:
     # a compose run then ends when its training does.
     exit_when_done: bool = False
@@ -52,19 +57,28 @@ class ServerConfig:
     checkpoint_keep: int = 3
     # Security: paths to PEM files. The bearer token never comes from a flag (it would
     # show in `ps`): TFPS_AUTH_TOKEN in the environment, or --auth-token-file.
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
+    tls_cert_file: str = setting("", env="TFPS_SERVER_TLS_CERT_FILE", old_env="TFPS_TLS_CERT_FILE")
+    tls_key_file: str = setting("", env="TFPS_SERVER_TLS_KEY_FILE", old_env="TFPS_TLS_KEY_FILE")
     tls_client_ca_file: str = ""  # set: mutual TLS, clients must present a certificate signed by this CA
     auth_token_file: str = ""
     # Prometheus metrics (ps_server/metrics.py): plain HTTP GET /metrics on this port; 0: off.
-    metrics_port: int = 0
+    metrics_port: int = setting(0, env="TFPS_SERVER_METRICS_PORT", old_env="TFPS_METRICS_PORT")
     metrics_host: str = ""  # "": the address the gRPC server binds (--host)
+    # gRPC server reflection (grpcurl, grpc_cli, Postman list the services and messages),
+    # behind the bearer token like every call but the health check.
+    reflection: bool = True
+    # The largest message either way, in MiB (protos.wire); workers must use the same.
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB
 
     @property
     def pool_threads(self) -> int:
         # Up to num_workers handlers can sit in a barrier; keep room for pulls,
         # health checks and status calls beside them.
         return self.threads or max(16, 2 * self.num_workers + 8)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return max_message_bytes(self.max_message_mb)
 
     def validate(self) -> "ServerConfig":
         if self.mode not in MODES:
@@ -113,6 +127,7 @@ class ServerConfig:
             raise ConfigError(f"--metrics-port must be in 1..65535 (or 0 for no metrics), got {self.metrics_port}")
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"--metrics-port {self.metrics_port} is the gRPC --port; give it another")
+        check_max_message_mb(self.max_message_mb)
         return self
 
     @property
@@ -139,6 +154,8 @@ class ServerConfig:
         p.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction,
                        help="once all --num-workers workers registered and each since finished or was declared "
                        "dead, write a final checkpoint and exit 0 (default: serve until SIGTERM)")
+        p.add_argument("--print-config", action="store_true", default=None,
+                       help="print the resolved configuration (flags, environment, TF_CONFIG) as JSON and exit")
         g = p.add_argument_group("faults")
         g.add_argument("--lease-timeout", type=float, help="seconds without a heartbeat before a worker is dead (default 10)")
         g.add_argument("--dead-worker-policy", choices=DEAD_WORKER_POLICIES,
@@ -159,36 +176,36 @@ class ServerConfig:
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
-                       "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC)")
+                       "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC; "
+                       "environment TFPS_SERVER_SHM)")
+        g.add_argument("--max-message-mb", type=float, help="largest message either way, in MiB; workers need "
+                       "the same (default 1024)")
+        g.add_argument("--reflection", action=argparse.BooleanOptionalAction,
+                       help="gRPC server reflection, for grpcurl and grpc_cli; behind the bearer token like every "
+                       "call but the health check (default: on; --no-reflection turns it off)")
         g = p.add_argument_group("checkpoints")
         g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
         g.add_argument("--checkpoint-interval", type=float, help="seconds between checkpoints (default 30)")
         g.add_argument("--checkpoint-keep", type=int, help="how many checkpoints to keep (default 3)")
         g = p.add_argument_group("security")
-        g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS")
-        g.add_argument("--tls-key-file", help="server private key (PEM)")
+        g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS "
+                       "(environment TFPS_SERVER_TLS_CERT_FILE)")
+        g.add_argument("--tls-key-file", help="server private key (PEM) (environment TFPS_SERVER_TLS_KEY_FILE)")
         g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
         g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
                        "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
         g = p.add_argument_group("metrics")
         g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
-                       "(plain HTTP, no token; default 0: off)")
+                       "(plain HTTP, no token; default 0: off; environment TFPS_SERVER_METRICS_PORT)")
         g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
         return p
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "ServerConfig":
-        environ = os.environ if environ is None else environ
-        args = cls.parser().parse_args(argv)
-        values: dict = {}
-        spec = parse_tf_config(environ.get("TF_CONFIG"))
-        if spec is not None and spec.task_type == "ps" and spec.ps_addresses:
-            if spec.task_index >= len(spec.ps_addresses):
-                raise ConfigError(f"TF_CONFIG task.index {spec.task_index} has no entry in cluster.ps")
-            _, _, port = spec.ps_addresses[spec.task_index].rpartition(":")
-            values["port"] = cast("port", port, int)
-            values["host"] = "0.0.0.0"  # the address other tasks use names this host
-            if spec.num_workers:
-                values["num_workers"] = spec.num_workers
-        return resolve(cls, args, environ, values).validate()
+        """Parse ``argv`` and resolve; ``ConfigError`` for a configuration that cannot run."""
+        return cls.from_namespace(cls.parser().parse_args(argv), environ)
 
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "ServerConfig":
+        environ = os.environ if environ is None else environ
+        return resolve(cls, args, environ, role="ps").validate()

@@ -149,7 +149,10 @@ class RunningServer:
 def build_server(config: ServerConfig, metrics_port: int | None = None) -> RunningServer:
     """Everything bound, nothing served yet (``RunningServer.start``). ``metrics_port``
     overrides ``config.metrics_port``, and there 0 binds a free port (tests); None keeps
-    the configuration's, where 0 means no metrics endpoint."""
+    the configuration's, where 0 means no metrics endpoint.
+
+    Its first INFO line says what this server is (``describe``); the checkpoint it
+    restored, its metrics endpoint and shared memory follow."""
     config.validate()
     core = ParameterServer(
         config.mode,
@@ -164,12 +167,12 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         stale_policy=config.stale_gradient_policy,
         max_staleness=config.max_staleness,
     )
-    restored = _restore(core, config.checkpoint_dir) if config.checkpoint_dir else None
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.pool_threads, thread_name_prefix="ps-rpc"),
-        options=wire.server_options(),
+        options=wire.server_options(config.max_message_bytes),
+        # The token guards every call but the health check, reflection included.
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )
     servicer = ParameterServerServicer(core, allow_shm=config.shm)
@@ -180,6 +183,8 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
     for service in ("", wire.SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if config.reflection:
+        enable_reflection(server)
     host = config.host if ":" not in config.host or config.host.startswith("[") else f"[{config.host}]"
     try:
         if credentials is None:
@@ -190,24 +195,45 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         raise ConfigError(f"cannot bind {config.host}:{config.port}: {e}") from None
     if port == 0:
         raise ConfigError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this host)")
-    endpoint = None
-    if metrics is not None:
-        try:
+    log.info("%s", describe(config, port, tls=credentials is not None, token=token is not None))
+    try:
+        restored = _restore(core, config.checkpoint_dir) if config.checkpoint_dir else None
+        endpoint = None
+        if metrics is not None:
             endpoint = metrics.bind(config.metrics_address, config.metrics_port if metrics_port is None
                                     else metrics_port)
-        except ConfigError:
-            server.stop(None)  # release the gRPC port bound above
-            raise
-        log.info("metrics: %s (plain HTTP, no token)", endpoint.url)
+            log.info("metrics: %s (plain HTTP, no token)", endpoint.url)
+    except ConfigError:
+        server.stop(None)  # release the gRPC port bound above
+        raise
     log.info("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
-    log.info("security: TLS %s, client certificates %s, bearer token %s",
-             "on" if credentials is not None else "off", "required" if config.tls_client_ca_file else "not required",
-             "required" if token else "off")  # never the token itself
     if token and credentials is None:
         log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
     return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored,
                          servicer=servicer, metrics=endpoint)
+
+
+def describe(config: ServerConfig, port: int, tls: bool, token: bool) -> str:
+    """The server in one line: mode, workers, address, and what guards it (never the token itself).
+
+    sync, 2 workers, listening on 127.0.0.1:50051 (TLS off, token off, reflection on)
+    """
+    tls_text = ("mutual TLS" if config.tls_client_ca_file else "TLS on") if tls else "TLS off"
+    workers = f"{config.num_workers} worker{'s' if config.num_workers != 1 else ''}"
+    return (f"{config.mode}, {workers}, listening on {config.host}:{port} ({tls_text}, "
+            f"token {'on' if token else 'off'}, reflection {'on' if config.reflection else 'off'})")
+
+
+def enable_reflection(server: grpc.Server) -> None:
+    """Serve gRPC reflection (``grpc.reflection.v1alpha.ServerReflection``) for the tfps
+    service, the health service and reflection itself, so grpcurl and grpc_cli can list
+    them and describe every message without the .proto files."""
+    from grpc_reflection.v1alpha import reflection
+
+    names = (wire.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
 
 
 def _round(state: checkpoint.ServerState) -> str:
@@ -243,12 +269,11 @@ def _restore(core: ParameterServer, directory: str) -> int | None:
 
 
 def serve(config: ServerConfig) -> int:
+    allocator = wire.tune_allocator()  # before the first large buffer (a restored checkpoint's)
     running = build_server(config).start()
-    log.info(
-        "serving tfps on %s:%d mode=%s workers=%d barrier_timeout=%gs threads=%d max_message=%d MiB pid=%d",
-        config.host, running.port, config.mode, config.num_workers, config.barrier_timeout,
-        config.pool_threads, wire.MAX_MESSAGE_BYTES // 2**20, os.getpid(),
-    )
+    log.info("serving: threads=%d max_message=%d MiB barrier_timeout=%gs pid=%d", config.pool_threads,
+             config.max_message_bytes // 2**20, config.barrier_timeout, os.getpid())
+    log.debug(allocator)
     if config.port_file:
         tmp = config.port_file + ".tmp"
         with open(tmp, "w") as f:

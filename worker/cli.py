@@ -1,43 +1,44 @@
 """``ps-worker``: one training worker.
 
     ps-worker --ps 127.0.0.1:50051 --worker-index 0 --num-workers 2 --dataset digits --epochs 3
+    ps-worker --print-config          # the resolved configuration as JSON, then exit 0
 
-Bad flags, an unreachable server or a mismatched configuration give a one-line
-error and a non-zero exit (2 for configuration, 1 for a failed run), not a
-traceback.
+Bad flags, an unreachable server or a mismatched configuration (a bad
+``TF_CONFIG`` included) give a one-line error and a non-zero exit (2 for
+configuration, 1 for a failed run), not a traceback. The resolved configuration
+is logged at DEBUG; other libraries log only their warnings (``ps_common.logs``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
 from protos import wire
-
+from ps_common.logs import configure_logging
+from ps_common.settings import to_json
 from worker.config import ConfigError, WorkerConfig
-from ps_common.tf_config import TFConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = WorkerConfig.parser().parse_args(argv)
     try:
-        config = WorkerConfig.from_args(argv)
-    except (ConfigError, TFConfigError) as e:
+        config = WorkerConfig.from_namespace(args)
+    except ConfigError as e:
         print(f"ps-worker: error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(to_json(config), flush=True)
+        return 0
+    allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
+    wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens
     from worker.client import PSClientError
     from worker.trainer import LOG_TAG, TrainingError, train
 
     LOG_TAG.index = config.worker_index  # "worker?" until the server assigns it (--worker-index auto)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(worker)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(LOG_TAG)
-    logging.getLogger("worker").info("configuration: %s", dataclasses.asdict(config))
-    logging.getLogger("worker").info(wire.tune_allocator())
+    configure_logging(config.log_level, "%(asctime)s %(levelname)s %(worker)s: %(message)s", filters=[LOG_TAG])
+    logging.getLogger("worker").debug("configuration: %s", to_json(config, indent=None))
+    logging.getLogger("worker").debug(allocator)
 
     try:
         train(config)

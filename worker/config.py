@@ -3,10 +3,15 @@
     config = WorkerConfig.from_args(sys.argv[1:])   # flags, then TFPS_* env, then TF_CONFIG
 
 Every flag ``--global-batch-size`` has the environment fallback
-``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. With ``TF_CONFIG``
-(task type ``worker`` or ``chief``), the server address is ``cluster.ps[0]``,
-the worker index the task's position (a chief is worker 0) and the worker count
-the number of chief and worker tasks, unless flags say otherwise.
+``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. Four fields mean
+something else to the server and so have variables of their own:
+``TFPS_WORKER_SHM``, ``TFPS_WORKER_TLS_CERT_FILE``, ``TFPS_WORKER_TLS_KEY_FILE``
+(the client certificate) and ``TFPS_WORKER_METRICS_PORT`` (the old shared names
+still work, with a deprecation warning). With ``TF_CONFIG`` (task type
+``worker`` or ``chief``), the servers are every ``cluster.ps`` entry, in order,
+each one shard (a TFJob with two PS replicas trains on both), the worker index
+the task's position (a chief is worker 0) and the worker count the number of
+chief and worker tasks, unless flags say otherwise (``ps_common.settings``).
 ``--worker-index auto`` (``TFPS_WORKER_INDEX=auto``) lets the server assign the
 index (identical containers under ``docker compose --scale``). ``--ps``
 with a comma-separated list names several ps-server shards
@@ -23,19 +28,28 @@ import math
 import os
 
 from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS, optimizer_fields
-from ps_common.settings import ConfigError, resolve
-from ps_common.tf_config import parse_tf_config
+from ps_common.settings import ConfigError, resolve, setting
 from protos.stream import WIRE_DTYPES
+from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
 from worker.model import MODELS
 
 AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
 
 
+def _index(raw: str) -> int:
+    if raw.strip().lower() == "auto":
+        return AUTO_INDEX
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {raw!r}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     ps: str = "127.0.0.1:50051"
-    worker_index: int = 0
+    worker_index: int = setting(0, parse=_index)  # TFPS_WORKER_INDEX=auto too
     num_workers: int = 1
     dataset: str = "digits"
     model: str = "cnn"
@@ -59,8 +73,8 @@ class WorkerConfig:
     reconnect_timeout: float = 120.0  # how long to keep retrying a lost server before giving up
     # Security (see ps-server): server CA, optional client certificate, token from file or TFPS_AUTH_TOKEN.
     tls_ca_file: str = ""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
+    tls_cert_file: str = setting("", env="TFPS_WORKER_TLS_CERT_FILE", old_env="TFPS_TLS_CERT_FILE")
+    tls_key_file: str = setting("", env="TFPS_WORKER_TLS_KEY_FILE", old_env="TFPS_TLS_KEY_FILE")
     tls_server_name: str = ""  # override the name checked against the server certificate
     auth_token_file: str = ""
     connect_timeout: float = 60.0
@@ -70,7 +84,9 @@ class WorkerConfig:
     intra_op_threads: int = 0
     log_level: str = "INFO"
     grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
-    shm: bool = False  # same-host fast path through shared memory (protos.shm), falls back by itself
+    # Same-host fast path through shared memory (protos.shm), falls back by itself.
+    shm: bool = setting(False, env="TFPS_WORKER_SHM", old_env="TFPS_SHM")
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
     slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
     bandwidth_mbps: float = 0.0  # each push sleeps its bytes / (X * 1e6 / 8) first; 0: unlimited
@@ -82,12 +98,16 @@ class WorkerConfig:
     # Seeing the training (worker.observe): progress bar or lines, TensorBoard, Prometheus.
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise), bar, lines, off
     logdir: str = ""  # TensorBoard summaries under logdir/worker<i>; "": none
-    metrics_port: int = 0  # Prometheus exporter on this port; 0: off
+    metrics_port: int = setting(0, env="TFPS_WORKER_METRICS_PORT", old_env="TFPS_METRICS_PORT")  # 0: off
     metrics_host: str = "127.0.0.1"
 
     @property
     def is_chief(self) -> bool:
         return self.worker_index == 0
+
+    @property
+    def max_message_bytes(self) -> int:
+        return max_message_bytes(self.max_message_mb)
 
     @property
     def snapshot_step_list(self) -> list[int]:
@@ -176,6 +196,7 @@ class WorkerConfig:
         self._validate_knobs()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        check_max_message_mb(self.max_message_mb)
         return self
 
     def _validate_knobs(self) -> None:
@@ -217,32 +238,19 @@ class WorkerConfig:
         p.add_argument("--snapshot-steps", help="chief: after these steps (from 1, comma-separated) save the "
                        "pulled parameters to --snapshot-dir/step<N>.npz")
         p.add_argument("--snapshot-dir", help="where --snapshot-steps writes")
+        p.add_argument("--print-config", action="store_true", default=None,
+                       help="print the resolved configuration (flags, environment, TF_CONFIG) as JSON and exit")
         return p
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "WorkerConfig":
+        """Parse ``argv`` and resolve; ``ConfigError`` for a configuration that cannot run."""
+        return cls.from_namespace(cls.parser().parse_args(argv), environ)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "WorkerConfig":
         environ = os.environ if environ is None else environ
-        if environ.get("TFPS_WORKER_INDEX", "").strip().lower() == "auto":
-            environ = {**environ, "TFPS_WORKER_INDEX": str(AUTO_INDEX)}
-        args = cls.parser().parse_args(argv)
-        values: dict = {}
-        spec = parse_tf_config(environ.get("TF_CONFIG"))
-        if spec is not None and spec.task_type in ("worker", "chief"):
-            if spec.ps_addresses:
-                values["ps"] = spec.ps_addresses[0]
-            if spec.num_workers:
-                values["num_workers"] = spec.num_workers
-            values["worker_index"] = spec.task_index
-        return resolve(cls, args, environ, values).validate()
-
-
-def _index(raw: str) -> int:
-    if raw.strip().lower() == "auto":
-        return AUTO_INDEX
-    try:
-        return int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {raw!r}") from None
+        return resolve(cls, args, environ, role="worker").validate()
 
 
 def _is_function(spec: str) -> bool:
@@ -288,20 +296,25 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                         "default float32: exact)")
     p.add_argument("--shm", action=argparse.BooleanOptionalAction,
                    help="move tensors through shared memory when the server is on this host (or shares "
-                        "/dev/shm); detected at registration, falls back to gRPC streams (default off)")
+                        "/dev/shm); detected at registration, falls back to gRPC streams (default off; "
+                        "environment TFPS_WORKER_SHM)")
+    p.add_argument("--max-message-mb", type=float, help="largest message either way, in MiB; as the server's "
+                   "(default 1024)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "off"),
                    help="a progress bar on a terminal, plain log lines otherwise (auto, the default), or force one")
     p.add_argument("--logdir", help="write TensorBoard summaries (loss, accuracy, staleness, step time) under "
                    "DIR/worker<index>")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (step time, examples/s, pull/push "
-                   "time) on this port (default 0: off)")
+                   "time) on this port (default 0: off; environment TFPS_WORKER_METRICS_PORT)")
     p.add_argument("--metrics-host", help="address the metrics endpoint binds to (default 127.0.0.1)")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
     p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")
     p.add_argument("--tls-ca-file", help="CA (PEM) that signed the server certificate; enables TLS")
-    p.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS")
-    p.add_argument("--tls-key-file", help="client private key (PEM) for mutual TLS")
+    p.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS "
+                   "(environment TFPS_WORKER_TLS_CERT_FILE)")
+    p.add_argument("--tls-key-file", help="client private key (PEM) for mutual TLS "
+                   "(environment TFPS_WORKER_TLS_KEY_FILE)")
     p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
     p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
     k = p.add_argument_group("experiment knobs", "conditions to compare the modes under (each sleeps; "

@@ -292,20 +292,23 @@ def test_the_token_never_appears_in_the_log(serve, client, token_file, caplog):
     refused(Code.UNAUTHENTICATED, client(running, token="wrong-token-zzz").status)
     refused(Code.UNAUTHENTICATED, client(running).status)
     text = caplog.text
-    assert "bearer token required" in text  # the start line says auth is on ...
+    assert "(TLS off, token on, reflection on)" in text  # the start line says auth is on ...
     assert "rejected /tfps.v1.ParameterServer/Status" in text  # ... and rejections are logged
     assert "clear text" in text  # token without TLS: the client warns
     assert TOKEN not in text and "wrong-token-zzz" not in text
 
 
 def test_server_start_line_names_tls_mutual_tls_and_auth(pki, serve, token_file, caplog):
+    """The first INFO line of a server says what guards it (ps_server.server.describe)."""
     caplog.set_level(logging.INFO, logger="ps_server")
-    serve()
-    serve(tls_cert_file=pki["server_crt"], tls_key_file=pki["server_key"], tls_client_ca_file=pki["ca_crt"],
-          auth_token_file=token_file)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("security:")]
-    assert lines == ["security: TLS off, client certificates not required, bearer token off",
-                     "security: TLS on, client certificates required, bearer token required"]
+    ports = [serve().port,
+             serve(tls_cert_file=pki["server_crt"], tls_key_file=pki["server_key"]).port,
+             serve(tls_cert_file=pki["server_crt"], tls_key_file=pki["server_key"], tls_client_ca_file=pki["ca_crt"],
+                   auth_token_file=token_file).port]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ps_server" and "listening on" in r.getMessage()]
+    assert lines == [f"async, 1 worker, listening on 127.0.0.1:{ports[0]} (TLS off, token off, reflection on)",
+                     f"async, 1 worker, listening on 127.0.0.1:{ports[1]} (TLS on, token off, reflection on)",
+                     f"async, 1 worker, listening on 127.0.0.1:{ports[2]} (mutual TLS, token on, reflection on)"]
 
 
 # -- load_token ----------------------------------------------------------------------
@@ -393,7 +396,7 @@ def test_readme_secure_commands_train_and_a_worker_without_the_token_is_refused(
     server.send_signal(15)
     assert wait_exit(server, 30) == 0, read_log(server)
     server_log = read_log(server)
-    assert "TLS on, client certificates required, bearer token required" in server_log
+    assert f"listening on 127.0.0.1:{address.rsplit(':', 1)[1]} (mutual TLS, token on, reflection on)" in server_log
     assert token not in server_log and token not in read_log(worker)
 
 
