@@ -85,6 +85,12 @@ _REGISTRATION_FROM_STATUS = tuple(f for f in dataclasses.fields(Registration)
                                   if f.name in {g.name for g in dataclasses.fields(Status)})
 
 
+def _store_part(state) -> dict:
+    """The fields of a checkpoint (``ServerState``) that are the store's (``StoreState``),
+    read from either: the checkpoint holds the store's snapshot under the same names."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(StoreState)}
+
+
 class ParameterServer:
     def __init__(
         self,
@@ -213,11 +219,7 @@ class ParameterServer:
         return ServerState(
             mode=self.mode_name,
             num_workers=self.num_workers,
-            version=store_state.version,
-            optimizer=store_state.optimizer,
-            values=store_state.values,
-            states=store_state.states,
-            non_trainable=store_state.non_trainable,
+            **_store_part(store_state),
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
                                    rounds_aborted=mode_status.rounds_aborted),
             members=tuple(self.members.snapshot()),
@@ -245,8 +247,7 @@ class ParameterServer:
                 f"this server runs {self.mode_name} with {self.num_workers}: start it with --mode {state.mode} "
                 f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
             )
-        self.store.restore_state(StoreState(state.version, state.optimizer, state.values, state.states,
-                                            state.non_trainable))
+        self.store.restore_state(StoreState(**_store_part(state)))
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         self.members.restore(list(state.members))
