@@ -17,9 +17,23 @@ Children are also told by the kernel to stop if the launcher itself dies (no
 orphans). On success the chief's metrics are written to ``--metrics-json`` as
 ``{"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s",
 "examples_per_s"}`` (plus a few more keys, among them ``shards``: what each
-server holds at the end). ``--save-model F.keras``: the chief saves the trained
-model. ``--metrics-port P``: Prometheus endpoints on loopback, server shard I on
-P+I and worker I on P+M+I (M servers).
+server holds at the end). ``--save-model F.keras`` and ``--save-weights F.npz``:
+the chief saves the trained model and its parameters. ``--metrics-port P``:
+Prometheus endpoints on loopback, server shard I on P+I and worker I on P+M+I
+(M servers).
+
+The server flags are ps-server's own (``ServerConfig.parser``), with its
+defaults, passed to every shard when given; ps-launch sets ``--host``,
+``--port``, ``--port-file``, ``--num-workers`` (``--workers``) and
+``--no-exit-when-done`` itself. A flag both commands have with the same meaning
+(``--log-level``, ``--auth-token-file``, ``--metrics-host``,
+``--max-message-mb``; ``--metrics-port`` with the offsets above) reaches the
+servers and the workers; ``--shm`` is the workers' (servers accept shared
+memory by default). Every child gets this process's environment, so the old
+variables that server and worker read differently (``TFPS_SHM``,
+``TFPS_TLS_CERT_FILE``, ``TFPS_TLS_KEY_FILE``, ``TFPS_METRICS_PORT``) are
+refused: ``TFPS_SERVER_*`` and ``TFPS_WORKER_*`` say which side is meant.
+``--print-config`` prints every child's resolved configuration as JSON and exits.
 """
 
 from __future__ import annotations
@@ -37,12 +51,18 @@ import time
 
 from protos import wire
 from ps_common import security
-from ps_common.names import MODES, STALE_POLICIES
 from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.settings import deprecated_env, to_json
+from ps_server.config import ServerConfig
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
 class LaunchError(RuntimeError):
     pass
+
+
+_NO_TLS = ("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
+           "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
+           "or --auth-token-file reaches the server and every worker")
 
 
 class Child:
@@ -84,6 +104,15 @@ class Child:
 
 
 _SET_BY_LAUNCH = ("ps", "worker_index", "num_workers", "result_json")  # --worker-args may not override these
+# ps-server flags ps-launch sets itself, that are no setting of the server, or (TLS) that
+# ps-launch, all on loopback, does without.
+_SERVER_SET_BY_LAUNCH = ("help", "print_config", "host", "port", "port_file", "num_workers", "exit_when_done",
+                         "tls_client_ca_file")
+# Flags ps-worker and ps-server both have with the same meaning: given once, they reach both
+# (--metrics-port too, with an offset per process). The others both have are the workers' alone:
+# --shm (servers accept shared memory by default), and the TLS files, which ps-launch refuses.
+_FOR_BOTH = ("log_level", "auth_token_file", "metrics_host", "max_message_mb", "metrics_port")
+_WORKERS_ONLY = ("shm", "tls_cert_file", "tls_key_file")
 
 
 def _non_negative_int(raw: str) -> int:
@@ -96,32 +125,62 @@ def _non_negative_int(raw: str) -> int:
     return value
 
 
+# Stricter at the launcher than at the server, which says the same once it has started.
+_LAUNCH_TYPES = {"staleness": _non_negative_int, "max_staleness": _non_negative_int}
+_TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "tls_client_ca_file")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-launch",
-        description="Train with one ps-server and N ps-worker processes on this machine.",
+        description="Train with one ps-server (or --num-ps shards) and N ps-worker processes on this machine.",
     )
-    p.add_argument("--mode", choices=MODES, default="sync", help=f"{', '.join(MODES)} (default sync)")
     p.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
-    p.add_argument("--barrier-timeout", type=float, default=60.0, help="sync barrier timeout in seconds (default 60)")
-    p.add_argument("--metrics-json", help="write the run's metrics here")
-    p.add_argument("--save-model", help="the chief saves the trained model here as a Keras file (.keras)")
-    p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
     p.add_argument("--num-ps", type=int, default=1,
                    help="server shards: the variables are spread over this many ps-server processes (default 1)")
-    p.add_argument("--replicas-to-aggregate", type=int,
-                   help="sync backup workers: finish each round with the first K pushes (one server only)")
-    p.add_argument("--checkpoint-dir", help="servers checkpoint here (shard I of several in DIR/shard-I)")
-    # Passed to the server(s) only when given; ps-server checks them and says what is wrong.
-    p.add_argument("--staleness", type=_non_negative_int, help="ps-server --staleness (ssp: the bound S)")
-    p.add_argument("--stale-gradient-policy", choices=STALE_POLICIES, help="ps-server --stale-gradient-policy")
-    p.add_argument("--max-staleness", type=_non_negative_int, help="ps-server --max-staleness (policy drop)")
+    p.add_argument("--metrics-json", help="write the run's metrics here")
+    p.add_argument("--save-model", help="the chief saves the trained model here as a Keras file (.keras)")
+    p.add_argument("--save-weights", help="the chief saves the final parameters here (.npz)")
+    p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration of every server and worker as JSON and exit")
     p.add_argument("--worker-args", nargs=2, action="append", metavar=("I", "ARGS"), default=[],
                    help="more ps-worker arguments for worker I only, as one shell-quoted string, e.g. "
                    "--worker-args 1 \"--slowdown 3 --history-json h1.json\" (repeatable; a lone flag "
                    "needs a space to stay one string: \" --no-shm\")")
     add_training_flags(p)
+    add_server_flags(p)
     return p
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """ps-server's flags (``ServerConfig.parser``) that ps-launch passes on, as the server
+    declares them: same names, choices and help, no defaults of their own (the server's apply)."""
+    g = p.add_argument_group("ps-server", "passed to every server shard when given (ps-server --help)")
+    taken = {option for action in p._actions for option in action.option_strings}
+    for action in ServerConfig.parser()._actions:
+        if action.dest in _SERVER_SET_BY_LAUNCH:
+            continue
+        if set(action.option_strings) & taken:  # a flag the workers have too
+            if action.dest not in _FOR_BOTH + _WORKERS_ONLY:
+                raise TypeError(f"ps-server's {action.option_strings[0]} is also a ps-worker flag: say in "
+                                "_FOR_BOTH or _WORKERS_ONLY whom ps-launch passes it to")
+            continue
+        kwargs = dict(dest=action.dest, help=action.help, default=None)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            g.add_argument(action.option_strings[0], action=argparse.BooleanOptionalAction, **kwargs)
+        elif type(action) is argparse._StoreAction:
+            kind = _LAUNCH_TYPES.get(action.dest, action.type)
+            g.add_argument(*action.option_strings, type=kind, choices=action.choices, metavar=action.metavar,
+                           **kwargs)
+        else:
+            raise TypeError(f"ps-launch cannot pass on ps-server's {action.option_strings} ({type(action).__name__})")
+
+
+def server_flag_dests() -> list[str]:
+    """The ps-server settings ps-launch passes on, in ps-server's order (``_FOR_BOTH`` among them)."""
+    return [a.dest for a in ServerConfig.parser()._actions
+            if a.dest not in _SERVER_SET_BY_LAUNCH + _WORKERS_ONLY]
 
 
 def worker_extra_args(args: argparse.Namespace) -> dict[int, list[str]]:
@@ -166,28 +225,100 @@ def worker_argv(args: argparse.Namespace, index: int, addresses: list[str], extr
         flags[at + 1] = str(args.metrics_port + args.num_ps + index)
     if index == 0 and args.save_model:
         flags += ["--save-model", args.save_model]
+    if index == 0 and args.save_weights:
+        flags += ["--save-weights", args.save_weights]
     return [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(index),
             "--num-workers", str(args.workers), *flags, *extra]
 
 
 def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[str]:
-    """The command line of server ``shard`` (0 .. --num-ps - 1)."""
+    """The command line of server ``shard`` (0 .. --num-ps - 1): the ps-server flags given, in
+    ps-server's order, a checkpoint directory of its own and its metrics port (``--metrics-port + shard``)."""
     argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-            "--mode", args.mode, "--num-workers", str(args.workers), "--barrier-timeout", str(args.barrier_timeout)]
-    if args.replicas_to_aggregate is not None:
-        argv += ["--replicas-to-aggregate", str(args.replicas_to_aggregate)]
-    if args.checkpoint_dir:
-        directory = args.checkpoint_dir if args.num_ps == 1 else os.path.join(args.checkpoint_dir, f"shard-{shard}")
-        argv += ["--checkpoint-dir", directory]
-    for flag in ("--staleness", "--stale-gradient-policy", "--max-staleness"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
+            "--num-workers", str(args.workers), "--no-exit-when-done"]  # the launcher stops its servers
+    for dest in server_flag_dests():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest == "checkpoint_dir" and args.num_ps > 1:
+            value = os.path.join(value, f"shard-{shard}")
+        elif dest == "metrics_port" and value:  # Prometheus: shard I on --metrics-port + I (workers after them)
+            value += shard
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
             argv += [flag, str(value)]
-    if args.auth_token_file:
-        argv += ["--auth-token-file", args.auth_token_file]
-    if args.metrics_port:  # Prometheus: shard I on --metrics-port + I (workers after them)
-        argv += ["--metrics-port", str(args.metrics_port + shard)]
     return argv
+
+
+def child_environment() -> dict:
+    """The environment every child gets: this one without TF_CONFIG (the launcher describes
+    the cluster itself), unbuffered, with the allocator settings for large messages."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    for key, value in wire.ALLOCATOR_ENV.items():  # large messages without page faults (BENCHMARKS.md)
+        env.setdefault(key, value)
+    return env
+
+
+def _refuse_ambiguous(env: dict) -> None:
+    """The old variables server and worker read differently would reach both sides here."""
+    renamed: dict[str, list[str]] = {}
+    for cls in (ServerConfig, WorkerConfig):
+        for old, new in deprecated_env(cls).items():
+            renamed.setdefault(old, []).append(new)
+    given = [old for old in renamed if env.get(old)]
+    if given:
+        old = given[0]
+        raise LaunchError(f"{old} means different things to ps-server and ps-worker, and ps-launch starts both: "
+                          f"set {' or '.join(renamed[old])} instead")
+
+
+def resolved(args: argparse.Namespace, extra: dict[int, list[str]], env: dict) -> tuple[ServerConfig, list]:
+    """The configuration each server and each worker will resolve from its command line and
+    ``env`` (servers: that of shard 0; the others differ in checkpoint directory and metrics
+    port), so that a bad combination fails now, with the child's own message, not in N processes."""
+    try:
+        server = ServerConfig.from_args(server_argv(args, 0, "(temporary)")[3:], environ=env)
+    except ConfigError as e:
+        raise LaunchError(f"ps-server: {e}") from None
+    placeholders = [f"127.0.0.1:{i + 1}" for i in range(args.num_ps)]  # the ports are picked at start
+    workers = []
+    for i in range(args.workers):
+        try:
+            workers.append(WorkerConfig.from_args(worker_argv(args, i, placeholders, extra.get(i, []))[3:],
+                                                  environ=env))
+        except ConfigError as e:
+            raise LaunchError(f"worker {i}: {e}" if i in extra else str(e)) from None
+    return server, workers
+
+
+def print_config(args: argparse.Namespace, server: ServerConfig, workers: list) -> None:
+    import dataclasses
+    import json
+
+    servers = []
+    for i in range(args.num_ps):
+        shard = json.loads(to_json(dataclasses.replace(server, **_shard_fields(args, i))))
+        shard["port_file"] = "(temporary)"
+        servers.append(shard)
+    ps = ",".join(f"127.0.0.1:<port of server {i}>" for i in range(args.num_ps))
+    doc = {"launch": {k: getattr(args, k) for k in ("workers", "num_ps", "metrics_json", "save_model",
+                                                    "save_weights", "server_start_timeout")},
+           "servers": servers,
+           "workers": [{**json.loads(to_json(w)), "ps": ps} for w in workers]}
+    print(json.dumps(doc, indent=2), flush=True)
+
+
+def _shard_fields(args: argparse.Namespace, shard: int) -> dict:
+    """What server ``shard`` has of its own (``server_argv``): its checkpoint directory and metrics port."""
+    fields = {}
+    if args.checkpoint_dir and args.num_ps > 1:
+        fields["checkpoint_dir"] = os.path.join(args.checkpoint_dir, f"shard-{shard}")
+    if args.metrics_port:
+        fields["metrics_port"] = args.metrics_port + shard
+    return fields
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,24 +329,23 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas_to_aggregate is not None and args.num_ps > 1:
         raise LaunchError(f"--replicas-to-aggregate (backup workers) cannot be used with --num-ps {args.num_ps}: "
                           "each server shard would drop different workers' gradients")
-    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file or args.tls_server_name:
-        raise LaunchError("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
-                          "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
-                          "or --auth-token-file reaches the server and every worker")
+    if any(getattr(args, name, None) for name in _TLS_FIELDS):
+        raise LaunchError(_NO_TLS)
     extra = worker_extra_args(args)
-    # Fail on a bad combination now, with the worker's own message, not in N processes.
-    for i in sorted({0, *extra}):
-        try:
-            WorkerConfig.from_args(training_flags(args) + extra.get(i, []) + ["--num-workers", str(args.workers),
-                                                                              "--worker-index", str(i)], environ={})
-        except ConfigError as e:
-            raise LaunchError(f"worker {i}: {e}" if i in extra else str(e)) from None
+    env = child_environment()
+    _refuse_ambiguous(env)
+    server_config, worker_configs = resolved(args, extra, env)
+    if server_config.tls_cert_file or any(w.tls_ca_file for w in worker_configs):
+        raise LaunchError(_NO_TLS + " (TLS is set in the environment)")
+    if args.print_config:
+        print_config(args, server_config, worker_configs)
+        return 0
+    chief = worker_configs[0]
+    servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
+    print(f"ps-launch: {server_config.mode}, {args.workers} workers and {servers_text} on loopback, "
+          f"training {chief.model} on {chief.dataset}", flush=True)
 
     out_lock = threading.Lock()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("TF_CONFIG", None)  # the launcher describes the cluster itself
-    for key, value in wire.ALLOCATOR_ENV.items():  # large messages without page faults (BENCHMARKS.md)
-        env.setdefault(key, value)
     children: list[Child] = []
     shards: list[dict] = []
     started = time.monotonic()
@@ -258,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise LaunchError(f"the chief finished but wrote no metrics ({e})") from None
     metrics = {
-        "mode": args.mode,
+        "mode": server_config.mode,
         "workers": args.workers,
         "steps": result["steps"],
         "test_accuracy": result["test_accuracy"],
@@ -279,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
     servers_text = f" and {args.num_ps} server shards" if args.num_ps > 1 else ""
     print(
-        f"ps-launch: {args.mode} with {args.workers} workers{servers_text}: {metrics['steps']} steps, "
+        f"ps-launch: {server_config.mode} with {args.workers} workers{servers_text}: {metrics['steps']} steps, "
         f"test accuracy {metrics['test_accuracy']:.4f}, final loss {metrics['final_loss']:.4f}, "
         f"{metrics['examples_per_s']:.0f} examples/s, wall {wall_s:.1f} s",
         flush=True,

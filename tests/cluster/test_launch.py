@@ -22,10 +22,11 @@ KEYS = {"mode", "workers", "steps", "test_accuracy", "final_loss", "wall_s", "ex
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_launch_two_workers_reaches_90_percent_on_digits_in_3_epochs(mode, tmp_path):
     metrics = tmp_path / "m.json"
+    (tmp_path / "mpl").mkdir()  # a fresh matplotlib cache: Keras imports matplotlib, which builds its font cache
     run = subprocess.run(
         [sys.executable, "-m", "ps_tools.launch", "--mode", mode, "--workers", "2", "--dataset", "digits",
          "--epochs", "3", "--metrics-json", str(metrics)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     m = json.loads(metrics.read_text())
@@ -38,6 +39,16 @@ def test_launch_two_workers_reaches_90_percent_on_digits_in_3_epochs(mode, tmp_p
     assert "[ps]" in run.stdout and "[worker 0]" in run.stdout and "[worker 1]" in run.stdout
     if mode == "sync":
         assert m["max_staleness"] == 0
+    # The first minutes: one line from the launcher, then the server's own line; no configuration
+    # dictionaries, no third-party notices.
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"ps-launch: {mode}, 2 workers and 1 ps-server on loopback, training cnn on digits", lines[:5]
+    first_ps = next(line for line in lines if line.startswith("[ps] "))
+    assert re.search(rf"INFO ps_server: {mode}, 2 workers, listening on 127\.0\.0\.1:\d+ "
+                     r"\(TLS off, token off, reflection on\)$", first_ps), first_ps
+    output = run.stdout + run.stderr
+    assert "configuration:" not in output and "fontManager" not in output and "font cache" not in output, \
+        [line for line in lines if "configuration:" in line or "font" in line][:3]
 
 
 def _children(pid: int) -> list[int]:
