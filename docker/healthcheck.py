@@ -3,27 +3,46 @@
 
 The HEALTHCHECK of the server image and of docker/compose.yaml. It asks the
 standard service (grpc.health.v1.Health/Check, service ""), which the server
-answers without the bearer token. The default address is 127.0.0.1 and
-TFPS_PORT (50051). It reads the server's own environment:
+answers without the bearer token. It reads the server's own environment the
+way the server does, through the configuration resolver (``ServerConfig``,
+``ps_common.settings``): the port (TFPS_PORT, or TF_CONFIG's ps task), the
+address when the server binds one address only (TFPS_HOST; 127.0.0.1 when it
+binds all), and:
 
-- plaintext, unless TFPS_TLS_CERT_FILE is set (the server speaks TLS);
+- plaintext, unless the server speaks TLS (TFPS_SERVER_TLS_CERT_FILE);
 - with TLS it trusts TFPS_HEALTHCHECK_CA_FILE, else the server's certificate
   itself (enough for a self-signed one), and checks the certificate against
-  TFPS_HEALTHCHECK_SERVER_NAME, else the host it calls (127.0.0.1);
+  TFPS_HEALTHCHECK_SERVER_NAME, else the host it calls;
 - with mutual TLS (TFPS_TLS_CLIENT_CA_FILE) it presents
   TFPS_HEALTHCHECK_CERT_FILE and TFPS_HEALTHCHECK_KEY_FILE.
 
-Anything else than SERVING exits 1 with one line saying what it got.
+Anything else than SERVING, or a server environment the server itself would
+refuse, exits 1 with one line saying what it got.
 """
+import dataclasses
 import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ps_common.settings import ConfigError, resolve, setting
+from ps_server.config import ServerConfig
 
-def _read(variable: str) -> bytes:
-    path = os.environ[variable]
+_ANY_ADDRESS = ("0.0.0.0", "::", "[::]", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthcheckConfig:
+    """The check's own settings, from the environment only."""
+
+    ca_file: str = setting("", env="TFPS_HEALTHCHECK_CA_FILE")
+    cert_file: str = setting("", env="TFPS_HEALTHCHECK_CERT_FILE")
+    key_file: str = setting("", env="TFPS_HEALTHCHECK_KEY_FILE")
+    server_name: str = setting("", env="TFPS_HEALTHCHECK_SERVER_NAME")
+
+
+def _read(path: str, variable: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -31,25 +50,36 @@ def _read(variable: str) -> bytes:
         sys.exit(f"tfps-healthcheck: {variable}={path}: {e.strerror}")
 
 
-def channel(target: str) -> grpc.Channel:
-    env = os.environ
-    if not env.get("TFPS_TLS_CERT_FILE"):
+def channel(target: str, server: ServerConfig, check: HealthcheckConfig) -> grpc.Channel:
+    if not server.tls_cert_file:
         return grpc.insecure_channel(target)
-    root = _read("TFPS_HEALTHCHECK_CA_FILE" if env.get("TFPS_HEALTHCHECK_CA_FILE") else "TFPS_TLS_CERT_FILE")
+    if check.ca_file:
+        root = _read(check.ca_file, "TFPS_HEALTHCHECK_CA_FILE")
+    else:
+        root = _read(server.tls_cert_file, "TFPS_SERVER_TLS_CERT_FILE")
     key = chain = None
-    if env.get("TFPS_TLS_CLIENT_CA_FILE"):
-        if not (env.get("TFPS_HEALTHCHECK_CERT_FILE") and env.get("TFPS_HEALTHCHECK_KEY_FILE")):
+    if server.tls_client_ca_file:
+        if not (check.cert_file and check.key_file):
             sys.exit("tfps-healthcheck: the server requires client certificates (TFPS_TLS_CLIENT_CA_FILE): "
                      "set TFPS_HEALTHCHECK_CERT_FILE and TFPS_HEALTHCHECK_KEY_FILE")
-        chain, key = _read("TFPS_HEALTHCHECK_CERT_FILE"), _read("TFPS_HEALTHCHECK_KEY_FILE")
+        chain = _read(check.cert_file, "TFPS_HEALTHCHECK_CERT_FILE")
+        key = _read(check.key_file, "TFPS_HEALTHCHECK_KEY_FILE")
     credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
-    name = env.get("TFPS_HEALTHCHECK_SERVER_NAME")
-    return grpc.secure_channel(target, credentials, options=[("grpc.ssl_target_name_override", name)] if name else [])
+    options = [("grpc.ssl_target_name_override", check.server_name)] if check.server_name else []
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def main() -> None:
-    target = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:" + os.environ.get("TFPS_PORT", "50051")
-    with channel(target) as ch:
+    try:
+        server = resolve(ServerConfig, None, os.environ, role="ps")  # read as the server reads it, not judged
+        check = resolve(HealthcheckConfig, None, os.environ)
+    except ConfigError as e:
+        sys.exit(f"tfps-healthcheck: the server's environment: {e}")
+    host = "127.0.0.1" if server.host in _ANY_ADDRESS else server.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6
+    target = sys.argv[1] if len(sys.argv) > 1 else f"{host}:{server.port}"
+    with channel(target, server, check) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.RpcError as e:
