@@ -142,9 +142,9 @@ class Streams:
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        """One PullStream. ``read_segment(header, rest)`` (SharedMemory's) takes a reply
-        whose header says the values lie in the caller's segment; without it such a reply
-        is an error."""
+        """One PullStream. ``read_segment(header, layout, rest)`` (SharedMemory's) reads
+        the values of a reply whose header says they lie in the caller's segment; without
+        it such a reply is an error."""
         try:
             replies = self.pull_stream(request, timeout=self.timeout, wait_for_ready=False)
             first = next(replies)
