@@ -31,11 +31,12 @@ def _error_lines(text: str) -> list[str]:
 
 def test_server_and_two_workers_started_by_hand_train_digits_to_90_percent(procs, tmp_path):
     port_file = tmp_path / "port"
+    # DEBUG: the resolved configuration and the allocator's note are logged at that level.
     server = procs.start([script("ps-server"), "--mode", "async", "--num-workers", "2", "--port", "0",
-                          "--port-file", str(port_file)], "ps")
+                          "--port-file", str(port_file), "--log-level", "DEBUG"], "ps")
     address = f"127.0.0.1:{port_of(server, port_file)}"
     result = tmp_path / "result.json"
-    common = ["--ps", address, "--num-workers", "2", "--dataset", "digits", "--epochs", "3"]
+    common = ["--ps", address, "--num-workers", "2", "--dataset", "digits", "--epochs", "3", "--log-level", "DEBUG"]
     w0 = procs.start([script("ps-worker"), *common, "--worker-index", "0", "--result-json", str(result)], "worker0")
     w1 = procs.start([script("ps-worker"), *common, "--worker-index", "1"], "worker1")
     assert wait_exit(w0, 600) == 0, read_log(w0)[-3000:]
@@ -46,6 +47,14 @@ def test_server_and_two_workers_started_by_hand_train_digits_to_90_percent(procs
     # Started by hand, without ps-launch's environment, both tune the allocator themselves.
     for p in (server, w0, w1):
         assert "allocator: glibc tuned for large buffers" in read_log(p), read_log(p)[:2000]
+    # The server's first INFO line says what it is; its resolved configuration is at DEBUG.
+    lines = read_log(server).splitlines()
+    info = [line for line in lines if " INFO " in line]
+    assert info[0].endswith(f"INFO ps_server: async, 2 workers, listening on {address} "
+                            "(TLS off, token off, reflection on)"), info[:3]
+    (config,) = [line.split("configuration: ", 1)[1] for line in lines if " DEBUG ps_server: configuration: " in line]
+    assert {k: v for k, v in json.loads(config).items() if k in ("mode", "num_workers", "port")} == \
+        {"mode": "async", "num_workers": 2, "port": 0}
     server.send_signal(15)
     assert wait_exit(server, 30) == 0, read_log(server)
 
@@ -142,3 +151,22 @@ def test_auto_index_workers_and_a_server_that_exits_when_they_are_done(procs, tm
     log = read_log(server)
     assert "every worker is done (finished: [0, 1], declared dead: none): exiting (--exit-when-done)" in log, log
     assert "final checkpoint: version 6" in log, log
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["ps-server", "--mode", "ssp"], {"mode": "ssp", "num_workers": 3, "shm": False}),
+    (["ps-worker", "--dataset", "synthetic"], {"dataset": "synthetic", "num_workers": 3, "shm": True}),
+    (["ps-launch", "--workers", "3"], {"servers": 1, "workers": 3}),
+])
+def test_print_config_prints_the_resolved_configuration_as_json_and_exits_0(argv, expected):
+    env = {**os.environ, "TFPS_NUM_WORKERS": "3", "TFPS_SERVER_SHM": "0", "TFPS_WORKER_SHM": "1"}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([script(argv[0]), *argv[1:], "--print-config"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    doc = json.loads(run.stdout)
+    if argv[0] == "ps-launch":
+        assert {"servers": len(doc["servers"]), "workers": len(doc["workers"])} == expected
+        assert [w["worker_index"] for w in doc["workers"]] == [0, 1, 2] and doc["servers"][0]["num_workers"] == 3
+    else:
+        assert {k: doc[k] for k in expected} == expected
