@@ -155,7 +155,7 @@ class TrainingLoop:
             LOG_TAG.index = reg.worker_id
             self.observer.set_index(reg.worker_id)
             self.task.rebind(reg.worker_id, self.config.num_workers)
-        extras = [f"knobs: {self.knobs.describe()}"] if self.knobs.active else []
+        extras = [f"experiment knobs: {self.knobs.describe()}"] if self.knobs.active else []
         if self.observer.metrics_port:
             extras.append(f"metrics on http://{self.config.metrics_host}:{self.observer.metrics_port}/metrics")
         log.info("%s; computes on %s (TensorFlow %s); %s, %d steps%s", self.conn.describe(), self.device,
@@ -294,46 +294,6 @@ def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:
 
 def _scores_text(scores: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in scores.items()) or "no eval dataset"
-
-
-def _finish_as_chief(config, client, reg, model, task: Task, models, total_steps, train_s, history) -> dict:
-    if reg.mode != "sync":  # async, ssp: nobody waits at a barrier, so wait for the others here
-        _wait_for_others(config, client)
-    version, values = client.pull(reg.worker_id)
-    tasks.set_values(model, values)
-    scores = task.evaluate(model)
-    train = task.train_scores(model)
-    if "final_loss" not in train:  # your data: the mean loss of this worker's last steps
-        last = [r["loss"] for r in history[-10:] if r["batch_size"]]
-        train["final_loss"] = float(np.mean(last)) if last else float("nan")
-    status = client.status()
-    test_acc = scores.get("test_accuracy", float("nan"))
-    result = {
-        "mode": reg.mode,
-        "workers": reg.num_workers,
-        "steps": total_steps,
-        "version": version,
-        **scores,
-        "test_accuracy": test_acc,
-        **train,
-        "train_s": train_s,
-        "examples": int(status.examples_applied),
-        "examples_per_s": status.examples_applied / train_s if train_s > 0 else 0.0,
-        "mean_staleness": status.mean_staleness,
-        "max_staleness": int(status.max_staleness),
-    }
-    log.info("final: %s, training loss %.4f at version %d", _scores_text(scores), train["final_loss"], version)
-    print(f"test_accuracy={test_acc:.4f}", flush=True)
-    if config.result_json:
-        _write_json(config.result_json, result)
-    if config.save_weights:
-        models.save_npz(config.save_weights, values)
-    if config.save_model:  # the weights are the server's final ones (set above)
-        model.save(config.save_model)
-        log.info("saved the trained model to %s", config.save_model)
-    if config.snapshot_dir:
-        models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
-    return result
 
 
 def _wait_for_others(config: WorkerConfig, client) -> None:
