@@ -2,11 +2,12 @@
 
     python -m pytest tests/service/test_message_limit.py -q
 
-Rule (protos/wire.py): "One setting, MAX_MESSAGE_BYTES, raises gRPC's 4 MiB default
-on the client and the server alike ... It can be lowered or raised with the
-environment variable TFPS_MAX_MESSAGE_MB." ``wire`` reads the variable when it is
-imported, so the server runs in its own process (``python -m ps_server``, as users
-start it) with TFPS_MAX_MESSAGE_MB=1; the test's channel sends up to 64 MiB.
+Rule (protos/wire.py): "One setting, the largest message, raises gRPC's 4 MiB
+default on the client and the server alike ... It is the ``max_message_mb`` field
+of both processes' configurations (``--max-message-mb``, ``TFPS_MAX_MESSAGE_MB``)."
+The server runs in its own process (``python -m ps_server``, as users start it)
+with TFPS_MAX_MESSAGE_MB=1 in its environment, which its configuration resolves
+and hands to ``wire.server_options``; the test's channel sends up to 64 MiB.
 
 The oversized push is a valid push plus an unknown field (protobuf skips unknown
 fields, as for a message from a newer client) that makes it just over 1 MiB: the
