@@ -9,7 +9,10 @@ The model and data are ``examples.recommender``'s. Each worker takes its half of
 every global batch itself (``worker.task.shard_bounds``), pulls the server's
 parameters, computes its loss under a ``tf.GradientTape`` it writes by hand,
 and lets ``Session.wrap(tape).gradient`` push the gradients: there is no local
-optimizer, the server's applies. The chief then evaluates the final parameters.
+optimizer, the server's applies. The pull and the push are ps-worker's own
+(``worker.connection``), and the tape's gradients become a push through the
+same function as ps-worker's (``worker.gradients.as_pushed``: the embeddings'
+rows, BatchNorm's change). The chief then evaluates the final parameters.
 """
 
 from __future__ import annotations

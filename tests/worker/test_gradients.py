@@ -163,3 +163,24 @@ def test_the_loop_keeps_its_state_in_fields_and_runs_pull_compute_push_per_step(
     assert [e["step"] for e in loop.evals] == [1]
     assert result["steps"] == 3 and result["version"] == 3
     assert running.core.status().workers[0].left
+
+
+def test_a_worker_says_one_info_line_at_start_and_the_rest_of_the_start_at_debug(server, caplog):
+    import logging
+
+    from worker.trainer import train
+
+    running = server("sync", 1)
+    config = WorkerConfig(ps=running.address, worker_index=0, num_workers=1, dataset="synthetic", steps=2,
+                          global_batch_size=16, progress="off", log_every=1).validate()
+    caplog.set_level(logging.DEBUG, logger="worker")
+    train(config)
+    info = [r.getMessage() for r in caplog.records if r.name == "worker" and r.levelno == logging.INFO]
+    assert info[0].startswith(f"registered as worker 0 of 1; server mode sync, version 0, round 0 at "
+                              f"{running.address}; chief; computes on /CPU:0 (TensorFlow 2.")
+    assert info[0].endswith("; cnn on synthetic, 2 steps")
+    assert len(info) == 3, info  # then only the events: finished, the final scores
+    assert info[1].startswith("worker 0 finished 2 steps in ") and info[2].startswith("final: test loss ")
+    debug = [r.getMessage() for r in caplog.records if r.name == "worker" and r.levelno == logging.DEBUG]
+    assert any(m.startswith("computes on /CPU:0") for m in debug)
+    assert any(m.startswith("initialized the server's variables") for m in debug)
