@@ -22,7 +22,12 @@ serves it and ``stop`` closes it once the final checkpoint is written
 ``build_server`` returns the started-or-not gRPC server, the port it bound and the
 core, apart from ``serve()``, so tests can run a real server in-process. The
 standard gRPC health service reports SERVING for "" and for the tfps service
-once the server has started, and NOT_SERVING while it shuts down.
+once the server has started, and NOT_SERVING while it shuts down. gRPC server
+reflection (``grpc.reflection.v1alpha.ServerReflection``: grpcurl, grpc_cli) is
+served unless ``reflection`` is off (``--no-reflection``); with a bearer token
+it needs the token like every call but the health check (``ps_common.security``).
+The first INFO line ``build_server`` logs says what the server is:
+``sync, 2 workers, listening on 127.0.0.1:50051 (TLS off, token off, reflection on)``.
 """
 
 from __future__ import annotations
