@@ -17,8 +17,8 @@ the model was last loaded with) and ``seen`` (the newest server version this
 worker saw: after a server restart, how much was lost). A thread renews the
 lease (``Heartbeat``) from ``join`` until ``close``.
 
-Guarantees: ``pull`` loads every trainable and floating non-trainable variable
-or raises, leaving ``version`` as it was. ``push`` returns once the server
+Guarantees: ``pull`` loads every trainable and floating non-trainable variable,
+or raises with ``version`` and ``pulled`` as they were. ``push`` returns once the server
 applied the gradients (sync: once the whole round is applied; async and ssp:
 this push, after any staleness wait) or raises ``PSClientError``; each wait is
 bounded (the barrier timeout plus 30 s in sync mode, 120 s otherwise).
