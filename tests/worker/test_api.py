@@ -6,25 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_server.config import ServerConfig
 from ps_common.sparse import SparseRows
-from ps_server.server import build_server
 from worker import api, gradients, task as tasks
 from worker.config import ConfigError
-
-
-@pytest.fixture
-def server():
-    running = []
-
-    def start(mode="async", num_workers=1):
-        r = build_server(ServerConfig(host="127.0.0.1", port=0, mode=mode, num_workers=num_workers)).start()
-        running.append(r)
-        return r
-
-    yield start
-    for r in running:
-        r.stop(grace=0.5)
 
 
 def two_inputs_model():
