@@ -61,7 +61,7 @@ class LaunchError(RuntimeError):
 
 
 _NO_TLS = ("ps-launch runs every process on loopback without TLS; for TLS start ps-server "
-           "and ps-worker by hand (README, Security). A bearer token works: TFPS_AUTH_TOKEN "
+           "and ps-worker by hand (docs/security.md). A bearer token works: TFPS_AUTH_TOKEN "
            "or --auth-token-file reaches the server and every worker")
 
 

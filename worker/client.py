@@ -101,11 +101,14 @@ class PSClient:
         grad_wire_dtype: str = "float32",
         shm: bool = False,
         small_bytes: int = SMALL_BYTES,
+        max_message_bytes: int | None = None,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
         is sent as ``authorization: Bearer`` on every call (see ``ps_common.security``).
         ``shm``: try the same-host fast path (module docstring) from ``register`` on.
-        ``small_bytes``: pushes and pulls up to this size go as one unary message."""
+        ``small_bytes``: pushes and pulls up to this size go as one unary message.
+        ``max_message_bytes``: the channel's message limit (``WorkerConfig.max_message_bytes``;
+        None: ``protos.wire``'s process-wide setting)."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -114,7 +117,7 @@ class PSClient:
         self.small_bytes = small_bytes
         self._channel = security.client_channel(
             address,
-            options=wire.client_options() + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+            options=wire.client_options(max_message_bytes) + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
             ca_file=tls_ca_file,
             cert_file=tls_cert_file,
             key_file=tls_key_file,

@@ -61,6 +61,7 @@ def connect(config: WorkerConfig) -> PSClient | ShardedClient:
         token=security.load_token(config.auth_token_file, os.environ),
         grad_wire_dtype=config.grad_wire_dtype,
         shm=config.shm,
+        max_message_bytes=config.max_message_bytes,
     )
     addresses = config.ps_addresses
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)
