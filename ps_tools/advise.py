@@ -11,7 +11,10 @@ read from the servers' Status (each worker's moving-average ``work_s``, the time
 between its pushes minus the time it spent inside them) and from pulls of the
 whole model timed from here; a launch configuration is run for a few steps in
 async mode (so that no worker's time includes waiting for another) with
-``ps-launch``, and read from the workers' per-step histories.
+``ps-launch``, and read from the workers' per-step histories; there a step's
+compute is the CPU time of the gradients (``compute_cpu_s``) times the worker's
+``--slowdown``, since the probe's workers share this machine's cores and the
+time one waits for a core says nothing of the configuration.
 
 The rules (``decide``), in order; the first that fires decides:
 
@@ -197,7 +200,9 @@ def measure_launch(launch_args: list[str], steps: int, timeout: float) -> Measur
         steps_ = h["steps"][1:] or h["steps"]  # the first step carries TensorFlow's one-time setup
         knobs = h.get("knobs", {})
         slowdown = float(knobs.get("slowdown", 1.0) or 1.0)
-        compute = statistics.median(s["compute_s"] * slowdown for s in steps_)
+        # CPU seconds, not wall: the probe's workers share this machine's cores, as their
+        # own machines would not, and the time one waits for a core is not the configuration's.
+        compute = statistics.median(s.get("compute_cpu_s", s["compute_s"]) * slowdown for s in steps_)
         comm = statistics.median(s["pull_s"] + s["push_s"] + max(0.0, s["knob_s"] - (slowdown - 1) * s["compute_s"])
                                  for s in steps_)
         work = sorted(s["pull_s"] + s["compute_s"] + s["push_s"] + s["knob_s"] for s in steps_)

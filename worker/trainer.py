@@ -27,6 +27,9 @@ timing: ``t`` (seconds since training started, at the end of the step) and the
 wall time of each phase: ``pull_s`` (the pull and loading the parameters into
 the model), ``compute_s`` (the gradients) and ``push_s`` (with any barrier or
 staleness wait). None of them counts the knobs' sleeps: those are ``knob_s``.
+``compute_cpu_s`` is the CPU time this process spent computing the gradients: on
+a machine whose cores the worker shares, it leaves out the time spent waiting
+for one.
 With ``--eval-every K`` the chief also records, every K steps, the test accuracy
 and loss of the parameters it pulled for that step, timed on their own
 (``eval_s``) and outside every step's phases.
@@ -175,9 +178,9 @@ class TrainingLoop:
             knob_s += self.knobs.before_pull()
             pull_start = time.monotonic()
             version = self.conn.pull()
-            compute_start = time.monotonic()
+            compute_start, cpu_start = time.monotonic(), time.process_time()
             loss, grads = self.compute(x, y, n)
-            compute_s = time.monotonic() - compute_start
+            compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
             knob_s += self.knobs.after_compute(compute_s)
             push_bytes = payload_nbytes(grads, self.config.grad_wire_dtype)
             knob_s += self.knobs.before_push(push_bytes)
@@ -192,7 +195,7 @@ class TrainingLoop:
         record = {"step": step, "loss": loss, "batch_size": n, "base_version": version,
                   "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped,
                   "t": step_end - self.t0, "pull_s": compute_start - pull_start, "compute_s": compute_s,
-                  "push_s": step_end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
+                  "compute_cpu_s": compute_cpu_s, "push_s": step_end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
         self.history.append(record)
         self.observer.step(record)
         if self.config.is_chief:

@@ -11,6 +11,7 @@ machine is shared), only lower bounds that a sleep guarantees are checked.
 """
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -74,6 +75,12 @@ def test_an_unshaped_worker_sleeps_nothing_and_every_step_is_timed(async_run):
         for before, s in zip([{"t": 0.0}] + steps, steps):
             assert s["t"] - before["t"] >= s["pull_s"] + s["compute_s"] + s["push_s"] + s["knob_s"] - 1e-6, s
         assert ts[-1] <= h["train_s"]
+        # The gradients' CPU time is measured too (ps-advise's probe reads it), and the
+        # slowdown's sleep is not in it: worker 1 sleeps 2x its compute, yet its CPU
+        # seconds stay near the unshaped worker's, not 3x them.
+        assert all(s["compute_cpu_s"] > 0 for s in steps), steps
+    cpu = [statistics.median(s["compute_cpu_s"] for s in h["steps"][1:]) for h in async_run]
+    assert cpu[1] < 2 * cpu[0], cpu
 
 
 def test_the_chief_evaluates_the_pulled_parameters_every_k_steps(async_run):
