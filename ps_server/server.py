@@ -211,7 +211,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
     except ConfigError:
         server.stop(None)  # release the gRPC port bound above
         raise
-    log.info("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
+    log.debug("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
     if token and credentials is None:
         log.warning("the bearer token is checked without TLS, in clear text: anyone who can see "
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
@@ -276,7 +276,7 @@ def _restore(core: ParameterServer, directory: str) -> int | None:
 def serve(config: ServerConfig) -> int:
     allocator = wire.tune_allocator()  # before the first large buffer (a restored checkpoint's)
     running = build_server(config).start()
-    log.info("serving: threads=%d max_message=%d MiB barrier_timeout=%gs pid=%d", config.pool_threads,
+    log.debug("serving: threads=%d max_message=%d MiB barrier_timeout=%gs pid=%d", config.pool_threads,
              config.max_message_bytes // 2**20, config.barrier_timeout, os.getpid())
     log.debug(allocator)
     if config.port_file:
