@@ -167,6 +167,25 @@ def resolve(cls: type[T], args: argparse.Namespace | None, environ: Mapping[str,
     return cls(**values)
 
 
+def command_config(cls: type[T], argv: list[str] | None, prog: str) -> T:
+    """The resolved configuration of command ``prog`` (``ps-server``, ``ps-worker``) from
+    ``argv``: ``cls.parser()`` parses it, ``cls.from_namespace`` resolves it. A bad setting
+    prints ``prog: error: ...`` and exits 2; ``--print-config`` prints the configuration
+    as JSON and exits 0."""
+    import sys
+
+    args = cls.parser().parse_args(argv)
+    try:
+        config = cls.from_namespace(args)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.print_config:
+        print(to_json(config), flush=True)
+        raise SystemExit(0)
+    return config
+
+
 def to_json(config, indent: int | None = 2) -> str:
     """The resolved configuration as JSON, field by field: what ``--print-config``
     prints, and (``indent=None``: one line) what the DEBUG log shows at start."""

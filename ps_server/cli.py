@@ -16,20 +16,12 @@ import sys
 
 from protos import wire
 from ps_common.logs import configure_logging
-from ps_common.settings import to_json
+from ps_common.settings import command_config, to_json
 from ps_server.config import ConfigError, ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = ServerConfig.parser().parse_args(argv)
-    try:
-        config = ServerConfig.from_namespace(args)
-    except ConfigError as e:
-        print(f"ps-server: error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(to_json(config), flush=True)
-        return 0
+    config = command_config(ServerConfig, argv, "ps-server")
     configure_logging(config.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ps_server").debug("configuration: %s", to_json(config, indent=None))
     wire.use_max_message_mb(config.max_message_mb)

@@ -223,7 +223,9 @@ def test_print_config_prints_the_resolved_configuration_as_json_and_exits_0(main
                         "TFPS_WORKER_SHM": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert importlib.import_module(main).main([*argv, "--print-config"]) == 0
+    with pytest.raises(SystemExit) as exited:  # as argparse's --help exits
+        importlib.import_module(main).main([*argv, "--print-config"])
+    assert exited.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert {k: out[k] for k in expected} == expected
     config = ServerConfig if main == "ps_server.cli" else WorkerConfig

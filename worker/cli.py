@@ -16,20 +16,12 @@ import sys
 
 from protos import wire
 from ps_common.logs import configure_logging
-from ps_common.settings import to_json
+from ps_common.settings import command_config, to_json
 from worker.config import ConfigError, WorkerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = WorkerConfig.parser().parse_args(argv)
-    try:
-        config = WorkerConfig.from_namespace(args)
-    except ConfigError as e:
-        print(f"ps-worker: error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(to_json(config), flush=True)
-        return 0
+    config = command_config(WorkerConfig, argv, "ps-worker")
     allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
     wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens
     from worker.client import PSClientError
