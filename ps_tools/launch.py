@@ -56,6 +56,7 @@ from ps_common.settings import deprecated_env, to_json
 from ps_server.config import ServerConfig
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
+
 class LaunchError(RuntimeError):
     pass
 

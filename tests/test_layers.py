@@ -81,6 +81,22 @@ def test_every_import_points_from_a_side_to_the_shared_layer_never_across():
     assert wrong_arrows() == []
 
 
+# The server's core is plain Python and NumPy: of the shared layer it reads only the pure
+# modules (no gRPC, protobuf or environment behind them).
+CORE_MAY_USE = {"ps_common.names", "ps_common.records", "ps_common.sparse"}
+
+
+def test_the_core_uses_only_the_pure_shared_modules():
+    wrong = []
+    for path in sorted((ROOT / "ps_server" / "core").rglob("*.py")):
+        for line, module in imported_modules(path):
+            top = module.split(".")[0]
+            if top in PROJECT and not module.startswith("ps_server.core") \
+                    and not any(module == m or module.startswith(m + ".") for m in CORE_MAY_USE):
+                wrong.append(f"{path.relative_to(ROOT).as_posix()}:{line} imports {module}")
+    assert wrong == []
+
+
 def test_the_check_sees_a_wrong_arrow(tmp_path, monkeypatch):
     """The rule can fail: a worker module that imports the server is reported."""
     fake = tmp_path / "worker"

@@ -27,13 +27,13 @@ import numpy as np
 
 from ps_common.names import MODES
 from ps_common.records import Registration
+from ps_common.sparse import SparseRows
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.checkpoint import ServerState
 from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
 from ps_server.core.optimizers import OptimizerSpec
-from ps_common.sparse import SparseRows
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.sync_mode import SyncMode
