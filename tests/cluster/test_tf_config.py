@@ -1,6 +1,6 @@
 """A Kubeflow TFJob's layout, with real processes: two ``ps`` tasks, a chief and a worker.
 
-    cd /work/main && python -m pytest tests/cluster/test_tf_config.py -q
+    python -m pytest tests/cluster/test_tf_config.py -q
 
 Issue (configuration): "Every ``cluster.ps`` entry must be a shard, in that
 order" - a TFJob with two PS replicas trained on one and left the other idle.

@@ -1,6 +1,6 @@
 """gRPC server reflection, asked with grpcio-reflection's own client, against a real server on port 0.
 
-    cd /work/main && python -m pytest tests/service/test_reflection.py -q
+    python -m pytest tests/service/test_reflection.py -q
 
 Rules (ps_server/server.py, ps_common/security.py): reflection is on by default
 and lists the tfps service, whose messages it describes; ``--no-reflection``
