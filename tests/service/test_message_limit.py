@@ -48,7 +48,8 @@ class Server:
             self.proc = subprocess.Popen(
                 dying_with_parent(  # never outlive pytest
                     [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file",
-                     str(port_file), "--mode", "sync", "--num-workers", "1", "--lease-timeout", "3600"]),
+                     str(port_file), "--mode", "sync", "--num-workers", "1", "--lease-timeout", "3600",
+                     "--log-level", "DEBUG"]),  # the serving line, with its limit, is a start-up detail
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
             )
         try:
