@@ -84,7 +84,8 @@ REGISTRATION = Conversion(
 
 PUSH_REPLY = Conversion(
     PushReply, pb.PushResponse,
-    wire_only={"variables", "incarnation"},  # the sync shortcut's values (PushRequest.return_values)
+    wire_only={"variables", "incarnation",  # the sync shortcut's values (PushRequest.return_values)
+               "metrics", "learning_rate"},  # TODO(keras): filled by the round's metric sums and the optimizer
 )
 
 CONVERSIONS = (REGISTRATION, PUSH_REPLY)

@@ -52,7 +52,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
-    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon")
+    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon", "learning_rate_schedule", "amsgrad", "rho", "centered", "initial_accumulator_value", "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,23 @@ class OptimizerConfig(_message.Message):
     BETA_1_FIELD_NUMBER: _ClassVar[int]
     BETA_2_FIELD_NUMBER: _ClassVar[int]
     EPSILON_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    AMSGRAD_FIELD_NUMBER: _ClassVar[int]
+    RHO_FIELD_NUMBER: _ClassVar[int]
+    CENTERED_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_POWER_FIELD_NUMBER: _ClassVar[int]
+    L1_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    L2_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    L2_SHRINKAGE_REGULARIZATION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    CLIPNORM_FIELD_NUMBER: _ClassVar[int]
+    CLIPVALUE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_CLIPNORM_FIELD_NUMBER: _ClassVar[int]
+    USE_EMA_FIELD_NUMBER: _ClassVar[int]
+    EMA_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    EMA_OVERWRITE_FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     name: str
     learning_rate: float
     momentum: float
@@ -67,7 +84,24 @@ class OptimizerConfig(_message.Message):
     beta_1: float
     beta_2: float
     epsilon: float
-    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+    learning_rate_schedule: str
+    amsgrad: bool
+    rho: float
+    centered: bool
+    initial_accumulator_value: float
+    learning_rate_power: float
+    l1_regularization_strength: float
+    l2_regularization_strength: float
+    l2_shrinkage_regularization_strength: float
+    beta: float
+    weight_decay: float
+    clipnorm: float
+    clipvalue: float
+    global_clipnorm: float
+    use_ema: bool
+    ema_momentum: float
+    ema_overwrite_frequency: int
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_index", "num_workers", "worker_name", "shm_push_name", "shm_pull_name")
@@ -170,7 +204,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +213,8 @@ class PushHeader(_message.Message):
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -187,7 +223,9 @@ class PushHeader(_message.Message):
     gradients: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     shm_name: str
     shm_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
+    set_learning_rate: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -222,7 +260,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +268,8 @@ class PushRequest(_message.Message):
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     RETURN_VALUES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -237,10 +277,12 @@ class PushRequest(_message.Message):
     gradients: _containers.RepeatedCompositeFieldContainer[Tensor]
     loss: float
     return_values: bool
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ...) -> None: ...
+    metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
+    set_learning_rate: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed", "variables", "incarnation")
+    __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed", "variables", "incarnation", "metrics", "learning_rate")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +291,8 @@ class PushResponse(_message.Message):
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     contributors: int
@@ -257,7 +301,9 @@ class PushResponse(_message.Message):
     replayed: bool
     variables: _containers.RepeatedCompositeFieldContainer[Tensor]
     incarnation: str
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ..., dropped: _Optional[bool] = ..., next_step: _Optional[int] = ..., replayed: _Optional[bool] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
+    learning_rate: float
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ..., dropped: _Optional[bool] = ..., next_step: _Optional[int] = ..., replayed: _Optional[bool] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "step")
@@ -314,7 +360,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ..., work_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled")
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled", "optimizer_iterations", "learning_rate_now")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +393,8 @@ class StatusResponse(_message.Message):
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     DROP_STALENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
     PUSHES_SCALED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_NOW_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     initialized: bool
@@ -379,4 +427,6 @@ class StatusResponse(_message.Message):
     stale_policy: str
     drop_staleness_above: int
     pushes_scaled: int
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ...) -> None: ...
+    optimizer_iterations: int
+    learning_rate_now: float
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ...) -> None: ...

@@ -23,6 +23,8 @@ import functools
 import logging
 import time
 
+from dataclasses import fields
+
 import grpc
 
 import numpy as np
@@ -159,7 +161,10 @@ def _handled(method):
     return wrapper
 
 
-OPTIMIZER = convert.Conversion(OptimizerSpec, pb.OptimizerConfig)
+OPTIMIZER = convert.Conversion(
+    OptimizerSpec, pb.OptimizerConfig,
+    # TODO(keras): the Keras optimizers' fields, being added to OptimizerSpec.
+    wire_only={f.name for f in pb.OptimizerConfig.DESCRIPTOR.fields} - {f.name for f in fields(OptimizerSpec)})
 
 
 def optimizer_to_wire(spec: OptimizerSpec | None) -> pb.OptimizerConfig:
@@ -180,6 +185,7 @@ STATUS = convert.Conversion(
     Status, pb.StatusResponse,
     rename={"lease_timeout": "lease_timeout_s"},
     to_wire={"mode": wire.mode_to_wire, "optimizer": optimizer_to_wire},
+    wire_only={"optimizer_iterations", "learning_rate_now"},  # TODO(keras): from the optimizer
 )
 CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, STATUS)
 

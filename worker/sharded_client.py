@@ -459,6 +459,8 @@ STATUS_RULES: dict[str, Callable] = {
     "stale_policy": first,
     "drop_staleness_above": first,
     "pushes_scaled": max,
+    "optimizer_iterations": min,  # the updates every shard has made
+    "learning_rate_now": first,  # every shard steps the same schedule at the same count
 }
 
 
