@@ -43,6 +43,8 @@ variables updated, not yet counted). Its version is a lower bound.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping
@@ -104,6 +106,9 @@ class VariableStore:
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
         self._version = 0
+        # The learning rate ``initialize`` was given, once ``set_learning_rate`` changed it:
+        # a worker that initializes again (a restarted chief) still names the first one.
+        self._initial_learning_rate: float | None = None
 
     # -- state ---------------------------------------------------------------
     @property
@@ -182,8 +187,11 @@ class VariableStore:
         if non_trainable != mine_nt:
             problems.append(f"non-trainable variables are stored as {sorted(mine_nt)}, new spec says "
                             f"{sorted(non_trainable)}")
-        if spec != self._optimizer.spec:
-            problems.append(f"optimizer is stored as {self._optimizer.spec.as_dict()}, new spec says {spec.as_dict()}")
+        stored = self._optimizer.spec
+        if self._initial_learning_rate is not None:  # set_learning_rate changed it since
+            stored = dataclasses.replace(stored, learning_rate=self._initial_learning_rate)
+        if spec != stored:
+            problems.append(f"optimizer is stored as {stored.as_dict()}, new spec says {spec.as_dict()}")
         if problems:
             raise SpecConflict("initialization conflicts with the stored state: " + "; ".join(problems[:5])
                                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -273,9 +281,10 @@ class VariableStore:
         values or all of the new ones.
         """
         new = {}
+        optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rate)
         for name, g in grads.items():
             var = self._vars[name]
-            new[name] = self._step(var, _native(g))
+            new[name] = self._step(var, _native(g), optimizer=optimizer)
         with self._publish:
             self._version += 1
             for name, (value, state) in new.items():
@@ -293,12 +302,13 @@ class VariableStore:
             with self._publish:  # a snapshot sees value and state of the same step
                 var.value, var.state, var.changed = _frozen(value), state, self._version + 1
 
-    def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0) -> tuple[np.ndarray, dict]:
+    def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0,
+              optimizer: Optimizer | None = None) -> tuple[np.ndarray, dict]:
         """(new value, new optimizer state) of one variable: an optimizer step, or for a
         non-trainable variable its pushed change added (no learning rate, no state)."""
         if var.non_trainable:
             return (var.value + grad).astype(var.value.dtype, copy=False), var.state
-        return self._optimizer.apply(var.value, grad, var.state, lr_scale)
+        return (optimizer or self._optimizer).apply(var.value, grad, var.state, lr_scale)
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
@@ -357,6 +367,30 @@ class VariableStore:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")
             self._vars, self._optimizer, self._version = variables, optimizer, state.version
+
+    # -- the learning rate ------------------------------------------------------
+    def set_learning_rate(self, value: float) -> None:
+        """From the next update on, the constant learning rate is ``value``.
+
+        What a Keras ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief
+        asks for (it sets ``optimizer.learning_rate``). The optimizer is rebuilt with
+        ``dataclasses.replace(spec, learning_rate=value)`` under ``_publish``; an update
+        already computing keeps the rate it started with. Refused (InvalidArgument)
+        for a non-finite or non-positive value, and when the learning rate is a schedule.
+        """
+        self._require_initialized()
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                or not math.isfinite(value) or value <= 0:
+            raise InvalidArgument(f"the learning rate must be a finite number > 0; got {value!r}")
+        with self._publish:
+            spec = self._optimizer.spec
+            if getattr(spec, "learning_rate_schedule", None):
+                raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
+                                      "its update count and cannot also set a constant one")
+            optimizer = make_optimizer(dataclasses.replace(spec, learning_rate=float(value)))
+            if self._initial_learning_rate is None:
+                self._initial_learning_rate = spec.learning_rate
+            self._optimizer = optimizer
 
     def bump_version(self) -> int:
         with self._publish:

@@ -305,3 +305,37 @@ def test_a_restored_store_resends_everything_to_a_reader_older_than_the_checkpoi
     restored.restore_state(state)
     assert restored.read(since=state.version - 1)[1].keys() == {"w", "b"}
     assert restored.read(since=state.version) == (state.version, {})
+
+
+# -- the learning rate ----------------------------------------------------------------
+
+
+def test_set_learning_rate_applies_from_the_next_update_on(store):
+    store.apply_all(grads())
+    store.set_learning_rate(0.25)
+    assert store.optimizer_spec == OptimizerSpec("sgd", learning_rate=0.25)
+    store.apply_all(grads())
+    np.testing.assert_array_equal(store.read()[1]["w"], initial()["w"] - 0.5 - 0.25)
+    store.apply_one("b", np.array([4.0, 4.0]))
+    np.testing.assert_array_equal(store.read()[1]["b"], [0.5 - 1.0 - 0.5 - 1.0, -0.5 - 2.0 - 1.0 - 1.0])
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, float("nan"), float("inf"), True, "0.1"])
+def test_set_learning_rate_refuses_a_value_that_is_not_a_finite_positive_number(store, value):
+    before = snapshot(store)
+    with pytest.raises(InvalidArgument, match="learning rate must be a finite number > 0"):
+        store.set_learning_rate(value)
+    assert snapshot(store) == before
+
+
+def test_set_learning_rate_before_initialize_raises_not_initialized():
+    with pytest.raises(NotInitialized):
+        VariableStore().set_learning_rate(0.1)
+
+
+def test_initialize_again_with_the_first_learning_rate_after_set_learning_rate_is_harmless(store):
+    store.set_learning_rate(0.25)
+    assert store.initialize(initial(), SGD) is False
+    assert store.optimizer_spec.learning_rate == 0.25
+    with pytest.raises(SpecConflict, match="optimizer is stored as"):
+        store.initialize(initial(), OptimizerSpec("sgd", learning_rate=0.3))
