@@ -34,6 +34,44 @@ variables that server and worker read differently (``TFPS_SHM``,
 ``TFPS_TLS_CERT_FILE``, ``TFPS_TLS_KEY_FILE``, ``TFPS_METRICS_PORT``) are
 refused: ``TFPS_SERVER_*`` and ``TFPS_WORKER_*`` say which side is meant.
 ``--print-config`` prints every child's resolved configuration as JSON and exits.
+
+Your own script as every worker, as torchrun and horovodrun do it::
+
+    ps-launch --mode sync --workers 2 -- python train.py --lr 0.1
+
+Everything after the first ``--`` is a command that ps-launch runs once per worker,
+after starting the servers exactly as above (every server flag applies). Worker I
+gets this process's environment with, added or replaced:
+
+* ``TF_CONFIG``: ``{"cluster": {"ps": [every server's HOST:PORT], "worker": [one
+  127.0.0.1:PORT per worker]}, "task": {"type": "worker", "index": I}}``, as
+  TensorFlow would set it; worker 0 is the chief (no ``chief`` entry). tfps
+  workers do not listen, so the worker entries are placeholders: distinct ports
+  that were unused when picked. ``WorkerConfig.from_args([], os.environ)`` (and
+  ``worker.api``) resolve ``worker_index`` I, ``num_workers`` N and ``ps`` the
+  server addresses, comma-joined.
+* for each of these flags given to ps-launch, the variable WorkerConfig reads it
+  from (``ps_common.settings.env_name``): ``--auth-token-file``
+  (``TFPS_AUTH_TOKEN_FILE``), ``--shm`` (``TFPS_WORKER_SHM``), ``--max-message-mb``
+  (``TFPS_MAX_MESSAGE_MB``), ``--grad-wire-dtype`` (``TFPS_GRAD_WIRE_DTYPE``),
+  ``--connect-timeout``, ``--init-timeout``, ``--reconnect-timeout``,
+  ``--heartbeat-interval`` (``TFPS_<FLAG>``), ``--log-level`` (``TFPS_LOG_LEVEL``),
+  ``--metrics-host`` (``TFPS_METRICS_HOST``), ``--metrics-port P``
+  (``TFPS_WORKER_METRICS_PORT`` = P + M + I). Nothing is set for a flag not given.
+
+and without ``TFPS_PS``, ``TFPS_WORKER_INDEX`` and ``TFPS_NUM_WORKERS``, which would
+win over ``TF_CONFIG``. ``TFPS_AUTH_TOKEN`` and any other variable reach it as they
+are. The flags only the built-in ps-worker uses (what to train and how: ``--dataset``,
+``--model``, ``--epochs``, ``--steps``, ``--global-batch-size``, ``--optimizer`` ...,
+the experiment knobs, ``--progress``, ``--logdir``) and ``--metrics-json``,
+``--save-model``, ``--save-weights``, ``--worker-args`` are refused with a command, in
+one line naming them. Each worker's stdout and stderr go to ps-launch's stdout and
+stderr, each line prefixed ``[worker I]``. ps-launch exits with the chief's status
+(128 + S if a signal S killed it) once the chief exited; the other workers get 5 s
+to finish, then are stopped. If another worker exits non-zero, or a server exits,
+before the chief finished, ps-launch says which and with what status in one line,
+stops the workers, then the servers (SIGTERM, SIGKILL 5 s later), and exits 1. A
+worker is sent SIGKILL if ps-launch itself dies.
 """
 
 from __future__ import annotations
@@ -52,7 +90,7 @@ import time
 from protos import wire
 from ps_common import security
 from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
-from ps_common.settings import deprecated_env, to_json
+from ps_common.settings import deprecated_env, env_names, to_json
 from ps_server.config import ServerConfig
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
 
@@ -67,12 +105,16 @@ _NO_TLS = ("ps-launch runs every process on loopback without TLS; for TLS start 
 
 
 class Child:
-    def __init__(self, label: str, argv: list[str], out_lock: threading.Lock, env: dict):
+    """A child process whose output is relayed line by line, each line prefixed with ``[label]``:
+    its stdout and stderr together to this stdout, or (``split_stderr``) each to its own."""
+
+    def __init__(self, label: str, argv: list[str], out_lock: threading.Lock, env: dict,
+                 split_stderr: bool = False, death_signal: int = signal.SIGTERM):
         self.label = label
         self.proc = subprocess.Popen(
-            dying_with_parent(argv, signal.SIGTERM),  # SIGTERM: a server still writes its checkpoint
+            dying_with_parent(argv, death_signal),  # SIGTERM: a server still writes its checkpoint
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             text=True,
@@ -80,15 +122,20 @@ class Child:
         )
         self._lock = out_lock
         self.tail: list[str] = []
-        self._pump = threading.Thread(target=self._relay, name=f"relay-{label}", daemon=True)
-        self._pump.start()
+        self._pumps = [threading.Thread(target=self._relay, args=(self.proc.stdout, False),
+                                        name=f"relay-{label}", daemon=True)]
+        if split_stderr:
+            self._pumps.append(threading.Thread(target=self._relay, args=(self.proc.stderr, True),
+                                                name=f"relay-{label}-stderr", daemon=True))
+        for pump in self._pumps:
+            pump.start()
 
-    def _relay(self) -> None:
-        for line in self.proc.stdout:
+    def _relay(self, stream, to_stderr: bool) -> None:
+        for line in stream:
             line = line.rstrip("\n")
             self.tail = (self.tail + [line])[-20:]
             with self._lock:
-                print(f"[{self.label}] {line}", flush=True)
+                print(f"[{self.label}] {line}", file=sys.stderr if to_stderr else sys.stdout, flush=True)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -101,7 +148,27 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._pump.join(timeout=2.0)
+        self.join_relay()
+
+    def join_relay(self) -> None:
+        for pump in self._pumps:
+            pump.join(timeout=2.0)
+
+
+def stop_all(children: list[Child], grace: float = 5.0) -> None:
+    """SIGTERM to every child still running, at once; SIGKILL to those still running ``grace`` s later."""
+    alive = [c for c in children if c.poll() is None]
+    for c in alive:
+        c.proc.terminate()
+    deadline = time.monotonic() + grace
+    for c in alive:
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+    for c in children:
+        c.join_relay()
 
 
 _SET_BY_LAUNCH = ("ps", "worker_index", "num_workers", "result_json")  # --worker-args may not override these
@@ -130,6 +197,20 @@ def _non_negative_int(raw: str) -> int:
 _LAUNCH_TYPES = {"staleness": _non_negative_int, "max_staleness": _non_negative_int}
 _TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "tls_client_ca_file")
 
+# With a `--` command: the workers' settings ps-launch passes on, as the variables WorkerConfig reads
+# (ps_common.settings.env_name): how a tfps client reaches and talks to the servers, and the process's
+# log level and metrics endpoint. The other training flags (what to train, for how long, with which
+# optimizer, the knobs, the outputs) are the built-in worker's: a script sets them itself, so they
+# and ps-launch's own chief outputs and --worker-args are refused with a command (``built_in_only_flags``).
+_SCRIPT_SETTINGS = ("auth_token_file", "shm", "max_message_mb", "grad_wire_dtype", "connect_timeout",
+                    "init_timeout", "reconnect_timeout", "heartbeat_interval", "log_level", "metrics_host",
+                    "metrics_port")
+_BUILT_IN_LAUNCH_FLAGS = ("metrics_json", "save_model", "save_weights", "worker_args")
+# What TF_CONFIG tells a `--` command; the same variables in this environment would win over it.
+_CLUSTER_FIELDS = ("ps", "worker_index", "num_workers")
+_AFTER_CHIEF_S = 5.0  # with a command: how long the other workers may run on once the chief exited
+_STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -151,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
                    "needs a space to stay one string: \" --no-shm\")")
     add_training_flags(p)
     add_server_flags(p)
+    p.add_argument("command", nargs="*", metavar="-- COMMAND ARGS",
+                   help="run this command as every worker instead of ps-worker (after --, e.g. "
+                   "-- python train.py --lr 0.1), each with TF_CONFIG and TFPS_WORKER_* set (module docstring)")
     return p
 
 
@@ -276,7 +360,8 @@ def _refuse_ambiguous(env: dict) -> None:
                           f"set {' or '.join(renamed[old])} instead")
 
 
-def resolved(args: argparse.Namespace, extra: dict[int, list[str]], env: dict) -> tuple[ServerConfig, list]:
+def resolved(args: argparse.Namespace, extra: dict[int, list[str]], env: dict,
+             workers: bool = True) -> tuple[ServerConfig, list]:
     """The configuration each server and each worker will resolve from its command line and
     ``env`` (servers: that of shard 0; the others differ in checkpoint directory and metrics
     port), so that a bad combination fails now, with the child's own message, not in N processes."""
@@ -285,14 +370,14 @@ def resolved(args: argparse.Namespace, extra: dict[int, list[str]], env: dict) -
     except ConfigError as e:
         raise LaunchError(f"ps-server: {e}") from None
     placeholders = [f"127.0.0.1:{i + 1}" for i in range(args.num_ps)]  # the ports are picked at start
-    workers = []
-    for i in range(args.workers):
+    configs = []
+    for i in range(args.workers if workers else 0):
         try:
-            workers.append(WorkerConfig.from_args(worker_argv(args, i, placeholders, extra.get(i, []))[3:],
+            configs.append(WorkerConfig.from_args(worker_argv(args, i, placeholders, extra.get(i, []))[3:],
                                                   environ=env))
         except ConfigError as e:
             raise LaunchError(f"worker {i}: {e}" if i in extra else str(e)) from None
-    return server, workers
+    return server, configs
 
 
 def print_config(args: argparse.Namespace, server: ServerConfig, workers: list) -> None:
@@ -309,6 +394,15 @@ def print_config(args: argparse.Namespace, server: ServerConfig, workers: list) 
                                                     "save_weights", "server_start_timeout")},
            "servers": servers,
            "workers": [{**json.loads(to_json(w)), "ps": ps} for w in workers]}
+    command = getattr(args, "command", None)
+    if command:  # what a script using tfps' API resolves, and the variables ps-launch sets for it
+        doc["launch"] = {k: getattr(args, k) for k in ("workers", "num_ps", "server_start_timeout", "command")}
+        ps_list = ps.split(",")
+        others = [f"127.0.0.1:<unused port {i}>" for i in range(args.workers)]
+        doc["worker_environment"] = [
+            {"TF_CONFIG": json.dumps({"cluster": {"ps": ps_list, "worker": others},
+                                      "task": {"type": "worker", "index": i}}), **script_settings(args, i)}
+            for i in range(args.workers)]
     print(json.dumps(doc, indent=2), flush=True)
 
 
@@ -322,6 +416,176 @@ def _shard_fields(args: argparse.Namespace, shard: int) -> dict:
     return fields
 
 
+# -- a `--` command as every worker ----------------------------------------------------------
+
+
+def built_in_only_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that only the built-in ps-worker uses (``_SCRIPT_SETTINGS``), as typed."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_training_flags(probe)
+    built_in = {a.dest for a in probe._actions if a.dest not in _SCRIPT_SETTINGS + _TLS_FIELDS}
+    built_in.update(_BUILT_IN_LAUNCH_FLAGS)
+    given = []
+    for action in parser()._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in built_in and value not in (None, []):
+            flag = action.option_strings[0]
+            given.append("--no-" + flag[2:] if value is False else flag)
+    return given
+
+
+def placeholder_worker_addresses(count: int) -> list[str]:
+    """One 127.0.0.1:PORT per worker for TF_CONFIG's ``cluster.worker``. tfps workers do not
+    listen: the entries only give TF_CONFIG the shape TensorFlow gives it. The ports are
+    distinct and were unused when picked (held open together, then closed), so a script that
+    does bind its own entry is unlikely to collide with anything."""
+    import socket
+
+    held = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{s.getsockname()[1]}" for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def script_settings(args: argparse.Namespace, index: int) -> dict[str, str]:
+    """The ``_SCRIPT_SETTINGS`` flags given, for worker ``index``, as {WorkerConfig's variable: text}
+    (``--metrics-port P``: P + --num-ps + index, as for ps-worker)."""
+    names = env_names(WorkerConfig)
+    out = {}
+    for field in _SCRIPT_SETTINGS:
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        if field == "metrics_port" and value:
+            value += args.num_ps + index
+        out[names[field]] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return out
+
+
+def script_environment(args: argparse.Namespace, index: int, ps_addresses: list[str],
+                       worker_addresses: list[str], base: dict) -> dict:
+    """The environment of worker ``index`` of a `--` command: ``base`` (``child_environment``)
+    without TFPS_PS, TFPS_WORKER_INDEX and TFPS_NUM_WORKERS (they would win over TF_CONFIG),
+    plus TF_CONFIG and ``script_settings``."""
+    env = dict(base)
+    names = env_names(WorkerConfig)
+    for field in _CLUSTER_FIELDS:
+        env.pop(names[field], None)
+    env["TF_CONFIG"] = json.dumps({"cluster": {"ps": list(ps_addresses), "worker": list(worker_addresses)},
+                                   "task": {"type": "worker", "index": index}})
+    env.update(script_settings(args, index))
+    return env
+
+
+def resolved_for_script(args: argparse.Namespace, env: dict) -> tuple[ServerConfig, list]:
+    """As ``resolved``, for a `--` command: each worker's configuration as
+    ``WorkerConfig.from_args([], its environment)`` (tfps' API in the script) will resolve it."""
+    server, _ = resolved(args, {}, env, workers=False)
+    ps = [f"127.0.0.1:{i + 1}" for i in range(args.num_ps)]  # the ports are picked at start
+    others = [f"127.0.0.1:{args.num_ps + i + 1}" for i in range(args.workers)]
+    workers = []
+    for i in range(args.workers):
+        try:
+            workers.append(WorkerConfig.from_args([], environ=script_environment(args, i, ps, others, env)))
+        except ConfigError as e:
+            raise LaunchError(str(e)) from None
+    return server, workers
+
+
+def _check_command(command: list[str]) -> None:
+    import shutil
+
+    if shutil.which(command[0]) is None:
+        raise LaunchError(f"{command[0]}: no such command (the command after -- runs as every worker)")
+
+
+def run_command(args: argparse.Namespace, server_config: ServerConfig, env: dict) -> int:
+    """Start the servers, then ``args.command`` once per worker (``script_environment``); the
+    chief's exit status, or 1 when another worker or a server failed first."""
+    servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
+    print(f"ps-launch: {server_config.mode}, {args.workers} workers and {servers_text} on loopback, "
+          f"running {shlex.join(args.command)}", flush=True)
+    out_lock = threading.Lock()
+    servers: list[Child] = []
+    workers: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
+        try:
+            addresses = _start_servers(args, tmp, out_lock, env, servers)
+            others = placeholder_worker_addresses(args.workers)
+            for i in range(args.workers):
+                # SIGKILL when ps-launch dies: a TensorFlow task in a cluster may outlive a SIGTERM
+                workers.append(Child(f"worker {i}", args.command, out_lock,
+                                     script_environment(args, i, addresses, others, env),
+                                     split_stderr=True, death_signal=signal.SIGKILL))
+            return _wait_for_command(workers, servers)
+        except KeyboardInterrupt:
+            print("ps-launch: interrupted, stopping all processes", file=sys.stderr)
+            return 130
+        finally:
+            stop_all(workers, _STOP_GRACE_S)
+            stop_all(servers, _STOP_GRACE_S)
+
+
+def _wait_for_command(workers: list[Child], servers: list[Child]) -> int:
+    """The chief's exit status once it exited (the others get ``_AFTER_CHIEF_S`` to finish);
+    1 as soon as another worker exits non-zero or a server exits before it."""
+    chief = workers[0]
+    while True:
+        code = chief.poll()
+        if code is not None:
+            return _after_chief(workers, code)
+        for w in workers[1:]:
+            if w.poll() not in (None, 0):
+                print(f"ps-launch: {w.label} exited with status {w.proc.returncode} before the chief finished; "
+                      "stopping the other workers and the servers", file=sys.stderr, flush=True)
+                return 1
+        for i, server in enumerate(servers):
+            if server.poll() is not None:
+                name = "ps-server" if len(servers) == 1 else f"ps-server shard {i}"
+                print(f"ps-launch: {name} exited with status {server.proc.returncode} before the chief finished; "
+                      "stopping the workers", file=sys.stderr, flush=True)
+                return 1
+        time.sleep(0.1)
+
+
+def _after_chief(workers: list[Child], code: int) -> int:
+    deadline = time.monotonic() + _AFTER_CHIEF_S
+    while any(w.poll() is None for w in workers[1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for w in workers[1:]:
+        if w.poll() is None:
+            print(f"ps-launch: {w.label} still running {_AFTER_CHIEF_S:g} s after the chief exited; stopping it",
+                  file=sys.stderr, flush=True)
+        elif w.proc.returncode != 0:
+            print(f"ps-launch: {w.label} exited with status {w.proc.returncode} (after the chief)",
+                  file=sys.stderr, flush=True)
+    if code != 0:
+        print(f"ps-launch: worker 0 (the chief) exited with status {code}", file=sys.stderr, flush=True)
+    return code if code >= 0 else 128 - code  # killed by signal S: 128 + S, as a shell says
+
+
+def _start_servers(args: argparse.Namespace, tmp: str, out_lock: threading.Lock, env: dict,
+                   children: list[Child]) -> list[str]:
+    """Start every server shard (appended to ``children`` as it starts), all at once, then wait
+    until each one serves; their addresses, in shard order."""
+    servers, port_files = [], []
+    for i in range(args.num_ps):
+        port_files.append(os.path.join(tmp, f"port-{i}"))
+        servers.append(Child("ps" if args.num_ps == 1 else f"ps {i}", server_argv(args, i, port_files[-1]),
+                             out_lock, env))
+        children.append(servers[-1])
+    deadline = time.monotonic() + args.server_start_timeout
+    return [_wait_for_server(server, port_file, max(1.0, deadline - time.monotonic()))
+            for server, port_file in zip(servers, port_files)]
+
+
+
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
@@ -332,15 +596,24 @@ def run(args: argparse.Namespace) -> int:
                           "each server shard would drop different workers' gradients")
     if any(getattr(args, name, None) for name in _TLS_FIELDS):
         raise LaunchError(_NO_TLS)
+    command = getattr(args, "command", None) or []
+    if command:
+        refused = built_in_only_flags(args)
+        if refused:
+            raise LaunchError(f"{', '.join(refused)}: the built-in ps-worker's, not for a command after -- "
+                              "(the command sets what it trains itself)")
+        _check_command(command)
     extra = worker_extra_args(args)
     env = child_environment()
     _refuse_ambiguous(env)
-    server_config, worker_configs = resolved(args, extra, env)
+    server_config, worker_configs = resolved_for_script(args, env) if command else resolved(args, extra, env)
     if server_config.tls_cert_file or any(w.tls_ca_file for w in worker_configs):
         raise LaunchError(_NO_TLS + " (TLS is set in the environment)")
     if args.print_config:
         print_config(args, server_config, worker_configs)
         return 0
+    if command:
+        return run_command(args, server_config, env)
     chief = worker_configs[0]
     servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
     print(f"ps-launch: {server_config.mode}, {args.workers} workers and {servers_text} on loopback, "
@@ -353,15 +626,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
         result_file = os.path.join(tmp, "result.json")
         try:
-            servers, port_files = [], []
-            for i in range(args.num_ps):  # all start at once, then each is waited for
-                port_files.append(os.path.join(tmp, f"port-{i}"))
-                servers.append(Child("ps" if args.num_ps == 1 else f"ps {i}", server_argv(args, i, port_files[-1]),
-                                     out_lock, env))
-                children.append(servers[-1])
-            deadline = time.monotonic() + args.server_start_timeout
-            addresses = [_wait_for_server(server, port_file, max(1.0, deadline - time.monotonic()))
-                         for server, port_file in zip(servers, port_files)]
+            addresses = _start_servers(args, tmp, out_lock, env, children)
+            servers = list(children)
             for i in range(args.workers):
                 argv = worker_argv(args, i, addresses, extra.get(i, []))
                 if i == 0:
@@ -475,8 +741,16 @@ def _wait_for_workers(workers: list[Child], servers: list[Child]) -> list[Child]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    dashes = "--" in argv  # everything after the first -- is the command, as given
+    before, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if dashes else (argv, [])
+    args = parser().parse_args(before)
     try:
+        if args.command:
+            raise LaunchError(f"unrecognized arguments: {' '.join(args.command)} (a command to run goes after --)")
+        if dashes and not command:
+            raise LaunchError("-- needs a command after it")
+        args.command = command
         return run(args)
     except LaunchError as e:
         print(f"ps-launch: error: {e}", file=sys.stderr)
