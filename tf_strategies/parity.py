@@ -233,8 +233,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=tuple(SYNC_BOUNDS), default="adam", help="default adam")
     p.add_argument("--learning-rate", type=float, default=0.0, help="default: Keras' (0.01 sgd, 0.001 adam)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: cnn, mlp (default both)")
-    p.add_argument("--runners", default=",".join(RUNNER_NAMES), help=f"comma-separated subset of {', '.join(RUNNER_NAMES)}")
-    p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "synthetic"))
+    p.add_argument("--runners", default=None, help=f"comma-separated subset of {', '.join(RUNNER_NAMES)} "
+                   "(default all; with --model: of tf_strategies.user_parity.RUNNER_NAMES)")
+    p.add_argument("--dataset", default=None,
+                   help="digits (default), mnist or synthetic; with --model, module:function of your datasets")
+    p.add_argument("--model", help="module:function returning your compiled Keras model: parity of your own "
+                   "model.fit (tf_strategies.user_parity; --dataset, --workers, --epochs, --runners apply)")
+    p.add_argument("--workers", type=int, default=2, help="with --model: workers/replicas, 2 to 4 (default 2)")
+    p.add_argument("--epochs", type=int, default=3, help="with --model: epochs of model.fit (default 3)")
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--async-epochs", type=int, default=3, help="epochs of the async runners (default 3)")
     p.add_argument("--seed", type=int, default=0)
@@ -250,6 +256,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.model:
+        from tf_strategies.user_parity import main_user
+
+        return main_user(args)
+    args.dataset = args.dataset or "digits"
+    args.runners = args.runners or ",".join(RUNNER_NAMES)
+    if args.dataset not in ("digits", "mnist", "synthetic"):
+        print(f"ps-parity: error: --dataset must be digits, mnist or synthetic without --model, got {args.dataset!r}",
+              file=sys.stderr)
+        return 2
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     names = [r.strip() for r in args.runners.split(",") if r.strip()]
     bad = [m for m in models if m not in MODELS] + [n for n in names if n not in RUNNER_NAMES]

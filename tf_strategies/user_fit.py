@@ -29,7 +29,8 @@ What this process does, by ``--strategy``:
   ``--replicas`` shards (as tfps' workers split it: the first shards take one more
   example) and reshuffles them with an unseeded shuffle, so each worker draws its own
   order, and ``steps_per_epoch`` = the number of shards per epoch: each scheduled step is
-  one shard applied on its own, as each tfps async push is. tf_keras documents
+  one shard applied on its own, as each tfps async push is (Keras 3, which has no
+  ``DatasetCreator``, gets that dataset itself). tf_keras documents
   ``validation_data`` as unsupported under this strategy, so it is not given.
 - ``tfps``: ``tfps.keras.Strategy()``, under ``ps-launch`` (worker 0 is the chief).
 
@@ -197,7 +198,11 @@ def _pss_dataset_creator(keras, tf, dataset_fn, num_shards: int, shards_per_epoc
         shards = train.flat_map(lambda *b: split(b if len(b) > 1 else b[0]))
         return shards.repeat().shuffle(max(shards_per_epoch, 1), seed=None)
 
-    return keras.utils.experimental.DatasetCreator(make)
+    experimental = getattr(keras.utils, "experimental", None)
+    if experimental is None or not hasattr(experimental, "DatasetCreator"):
+        # Keras 3 has no DatasetCreator: give its fit the dataset itself, as a Keras 3 user would.
+        return make(None)
+    return experimental.DatasetCreator(make)
 
 
 def _batch_sizes(tf, ds) -> list[int]:
@@ -325,9 +330,15 @@ def load(out: str) -> tuple[dict, list | None, list]:
     return result, step1, final
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".strip()[:400]
+def first_line(e: BaseException, width: int = 240) -> str:
+    """``Type: message``, the message's first line; when that line is cut short (a repr that
+    spans lines), the following lines are joined on up to ``width`` characters."""
+    lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+    text = lines[0] if lines else ""
+    if len(text) < 80 and len(lines) > 1:
+        text = " ".join(" ".join(lines).split())
+        text = text if len(text) <= width else text[: width - 3] + "..."
+    return f"{type(e).__name__}: {text}".strip()
 
 
 def _error_name(strategy: str) -> str:
