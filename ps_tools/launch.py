@@ -67,8 +67,8 @@ the experiment knobs, ``--progress``, ``--logdir``) and ``--metrics-json``,
 ``--save-model``, ``--save-weights``, ``--worker-args`` are refused with a command, in
 one line naming them. Each worker's stdout and stderr go to ps-launch's stdout and
 stderr, each line prefixed ``[worker I]``. ps-launch exits with the chief's status
-(128 + S if a signal S killed it) once the chief exited; the other workers get 5 s
-to finish, then are stopped. If another worker exits non-zero, or a server exits,
+(128 + S if a signal S killed it) once the chief exited; after a chief that
+succeeded, the other workers get 5 s to finish, then are stopped. If another worker exits non-zero, or a server exits,
 before the chief finished, ps-launch says which and with what status in one line,
 stops the workers, then the servers (SIGTERM, SIGKILL 5 s later), and exits 1. A
 worker is sent SIGKILL if ps-launch itself dies.
@@ -112,7 +112,7 @@ class Child:
                  split_stderr: bool = False, death_signal: int = signal.SIGTERM):
         self.label = label
         self.proc = subprocess.Popen(
-            dying_with_parent(argv, death_signal),  # SIGTERM: a server still writes its checkpoint
+            dying_with_parent(argv, death_signal),  # if ps-launch dies; SIGTERM: a server still checkpoints
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if split_stderr else subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
     add_server_flags(p)
     p.add_argument("command", nargs="*", metavar="-- COMMAND ARGS",
                    help="run this command as every worker instead of ps-worker (after --, e.g. "
-                   "-- python train.py --lr 0.1), each with TF_CONFIG and TFPS_WORKER_* set (module docstring)")
+                   "-- python train.py --lr 0.1), each with TF_CONFIG and its TFPS_* settings (module docstring)")
     return p
 
 
@@ -555,11 +555,13 @@ def _wait_for_command(workers: list[Child], servers: list[Child]) -> int:
 
 
 def _after_chief(workers: list[Child], code: int) -> int:
-    deadline = time.monotonic() + _AFTER_CHIEF_S
+    """The launcher's status for a chief that exited with ``code``: the others get
+    ``_AFTER_CHIEF_S`` to finish after a chief that succeeded, none after one that failed."""
+    deadline = time.monotonic() + (_AFTER_CHIEF_S if code == 0 else 0.0)
     while any(w.poll() is None for w in workers[1:]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for w in workers[1:]:
-        if w.poll() is None:
+        if w.poll() is None and code == 0:
             print(f"ps-launch: {w.label} still running {_AFTER_CHIEF_S:g} s after the chief exited; stopping it",
                   file=sys.stderr, flush=True)
         elif w.proc.returncode != 0:
@@ -583,7 +585,6 @@ def _start_servers(args: argparse.Namespace, tmp: str, out_lock: threading.Lock,
     deadline = time.monotonic() + args.server_start_timeout
     return [_wait_for_server(server, port_file, max(1.0, deadline - time.monotonic()))
             for server, port_file in zip(servers, port_files)]
-
 
 
 def run(args: argparse.Namespace) -> int:

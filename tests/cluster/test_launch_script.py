@@ -133,6 +133,16 @@ def test_the_launcher_exits_with_the_chiefs_status(tmp_path):
     assert "ps-launch: worker 0 (the chief) exited with status 3" in run.stderr.splitlines(), _output(run)
 
 
+def test_workers_still_running_after_the_chief_succeeded_are_stopped(tmp_path):
+    script = ("import os, sys, time\nfrom worker.config import WorkerConfig\n"
+              "if WorkerConfig.from_args([], os.environ).worker_index == 1:\n    time.sleep(60)\n")
+    started = time.monotonic()
+    run = _launch(tmp_path, script, "--workers", "2", timeout=45)
+    assert run.returncode == 0, _output(run)
+    assert time.monotonic() - started < 30, _output(run)
+    assert "ps-launch: worker 1 still running 5 s after the chief exited; stopping it" in run.stderr.splitlines()
+
+
 def test_a_worker_failing_before_the_chief_stops_everything(tmp_path):
     started = time.monotonic()
     run = _launch(tmp_path, ONE_FAILS, "--workers", "3", timeout=45)
