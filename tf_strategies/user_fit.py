@@ -330,13 +330,31 @@ def load(out: str) -> tuple[dict, list | None, list]:
     return result, step1, final
 
 
+def _collapse_braces(text: str) -> str:
+    """``PerReplica:{ 0: <tf.Tensor ... }`` -> ``PerReplica:{...}``: values, not the error."""
+    out, depth = [], 0
+    for ch in text:
+        if ch == "{":
+            if depth == 0:
+                out.append("{...")
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                out.append("}")
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)
+
+
 def first_line(e: BaseException, width: int = 240) -> str:
     """``Type: message``, the message's first line; when that line is cut short (a repr that
-    spans lines), the following lines are joined on up to ``width`` characters."""
+    spans lines), the following lines are joined on, ``{...}`` contents left out, up to ``width``
+    characters."""
     lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
     text = lines[0] if lines else ""
     if len(text) < 80 and len(lines) > 1:
-        text = " ".join(" ".join(lines).split())
+        text = _collapse_braces(" ".join(" ".join(lines).split()))
         text = text if len(text) <= width else text[: width - 3] + "..."
     return f"{type(e).__name__}: {text}".strip()
 
