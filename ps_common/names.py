@@ -9,6 +9,8 @@ commands all read these tuples; nothing else spells them out. Plain Python.
 
 from __future__ import annotations
 
+import json
+
 # How the server applies pushes: a barrier per step, on arrival, or on arrival
 # within a staleness bound. The proto's Mode enum has one value per name, upper-cased.
 MODES = ("sync", "async", "ssp")
@@ -20,18 +22,138 @@ STALE_POLICIES = ("none", "drop", "scale")
 # Sync: what a round does when a worker it waits for is declared dead.
 DEAD_WORKER_POLICIES = ("abort", "wait", "shrink")
 
-# The server's optimizers and their Keras 3 defaults (keras.optimizers.SGD / Adam).
-OPTIMIZER_DEFAULTS: dict[str, dict[str, float | bool]] = {
-    "sgd": {"learning_rate": 0.01, "momentum": 0.0, "nesterov": False},
-    "adam": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7},
+# The options every Keras 3 optimizer takes, with Keras' defaults (base_optimizer.py).
+_OPTIONS: dict = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
+                  "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None}
+_ADAM = {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}
+
+# The server's optimizers by the name on the wire, each with every argument it takes
+# and Keras 3's default for it (keras.optimizers.<Class>.__init__), options included.
+OPTIMIZER_DEFAULTS: dict[str, dict] = {
+    "sgd": {"learning_rate": 0.01, "momentum": 0.0, "nesterov": False, **_OPTIONS},
+    "adam": {**_ADAM, "amsgrad": False, **_OPTIONS},
+    "adamw": {**_ADAM, "amsgrad": False, **_OPTIONS, "weight_decay": 0.004},
+    "adagrad": {"learning_rate": 0.001, "initial_accumulator_value": 0.1, "epsilon": 1e-7, **_OPTIONS},
+    "rmsprop": {"learning_rate": 0.001, "rho": 0.9, "momentum": 0.0, "epsilon": 1e-7, "centered": False,
+                **_OPTIONS},
+    "adamax": {**_ADAM, **_OPTIONS},
+    "nadam": {**_ADAM, **_OPTIONS},
+    "ftrl": {"learning_rate": 0.001, "learning_rate_power": -0.5, "initial_accumulator_value": 0.1,
+             "l1_regularization_strength": 0.0, "l2_regularization_strength": 0.0,
+             "l2_shrinkage_regularization_strength": 0.0, "beta": 0.0, **_OPTIONS},
+    "lion": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.99, **_OPTIONS},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
+
+# The Keras class of each (``type(model.optimizer).__name__``).
+KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
+                           "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
+                           "Lion": "lion"}
+
+# A field an optimizer does not take holds this (the first optimizer's default that has it),
+# so that two specs of one optimizer are equal exactly when the maths is.
+UNUSED_FIELD_VALUES: dict = {}
+for _defaults in OPTIMIZER_DEFAULTS.values():
+    for _field, _value in _defaults.items():
+        UNUSED_FIELD_VALUES.setdefault(_field, _value)
+UNUSED_FIELD_VALUES["learning_rate_schedule"] = None
+
+# Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
+NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency")
+
+# Keras' learning-rate schedules the server evaluates (ps_server/core/schedules.py), by
+# class name; a serialized one of them names this module.
+LEARNING_RATE_SCHEDULES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
+                           "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")
+SCHEDULES_MODULE = "keras.optimizers.schedules"
+
+# get_config() keys that carry no maths.
+_IGNORED_KERAS_KEYS = ("name", "is_legacy_optimizer")
 
 
 def optimizer_fields(name: str, **given) -> dict:
     """Every field of the wire's OptimizerConfig for optimizer ``name``: the values
-    ``given``, else that optimizer's Keras default, else the other's (unused) default."""
-    fields = {k: v for defaults in OPTIMIZER_DEFAULTS.values() for k, v in defaults.items()}
-    fields.update(OPTIMIZER_DEFAULTS.get(name, {}))
-    fields.update(given)
+    ``given``, else that optimizer's Keras default, else the neutral value of a field it
+    does not take (``UNUSED_FIELD_VALUES``). As the wire carries them: None is 0, a
+    schedule (a dict) is its JSON (``schedule_to_wire``)."""
+    fields = {**UNUSED_FIELD_VALUES, **OPTIMIZER_DEFAULTS.get(name, {}), **given}
+    for field in NONE_AS_ZERO:
+        if fields[field] is None:
+            fields[field] = 0
+    fields["learning_rate_schedule"] = schedule_to_wire(fields["learning_rate_schedule"])
     return {"name": name, **fields}
+
+
+def schedule_to_wire(schedule) -> str:
+    """A serialized schedule (dict) as OptimizerConfig.learning_rate_schedule carries it;
+    None (a constant learning rate) is ""; a string is taken as JSON already."""
+    if schedule is None or isinstance(schedule, str):
+        return schedule or ""
+    return json.dumps(schedule, sort_keys=True, allow_nan=False)
+
+
+def schedule_from_wire(text: str):
+    """The dict of OptimizerConfig.learning_rate_schedule; "" is None. ValueError if not JSON."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"learning_rate_schedule is not JSON ({e})") from None
+
+
+def keras_optimizer_fields(class_name: str, config: dict) -> dict:
+    """The server's optimizer fields of a Keras 3 optimizer, from ``type(opt).__name__`` and
+    ``opt.get_config()``: ``name`` and every argument it gave (None kept as None; a
+    schedule as its serialized dict in ``learning_rate_schedule``).
+
+    The one definition of what the server cannot run, for both sides: raises ValueError,
+    one line naming it, for an optimizer class it does not know, a config key it does not
+    know, ``loss_scale_factor`` or ``gradient_accumulation_steps`` set, ``use_ema`` without
+    ``ema_overwrite_frequency``, and a learning rate that is not a number or one of Keras'
+    own schedules (``LEARNING_RATE_SCHEDULES``; the server checks its config in full).
+    """
+    name = KERAS_OPTIMIZER_CLASSES.get(class_name)
+    if name is None:
+        raise ValueError(f"optimizer {class_name} cannot run on the server; it runs "
+                         f"{', '.join(KERAS_OPTIMIZER_CLASSES)} of keras.optimizers")
+    config = dict(config)
+    for key in _IGNORED_KERAS_KEYS:
+        config.pop(key, None)
+    for key in ("loss_scale_factor", "gradient_accumulation_steps"):
+        value = config.pop(key, None)
+        if value is not None:
+            raise ValueError(f"{class_name} with {key}={value!r} cannot run on the server ({key} must be None)")
+    unknown = sorted(set(config) - set(OPTIMIZER_DEFAULTS[name]))
+    if unknown:
+        raise ValueError(f"{class_name} has config keys the server does not know: {', '.join(unknown)}")
+    if config.get("use_ema") and not config.get("ema_overwrite_frequency"):
+        raise ValueError(f"{class_name} with use_ema=True and ema_overwrite_frequency=None cannot run on the "
+                         "server: Keras swaps the variables for their moving averages at the end of fit "
+                         "(finalize_variable_values), which the server does not do; set ema_overwrite_frequency")
+    fields = {"name": name, **config}
+    lr = config.get("learning_rate", OPTIMIZER_DEFAULTS[name]["learning_rate"])
+    if isinstance(lr, dict):
+        check_schedule_class(lr)
+        fields["learning_rate"] = OPTIMIZER_DEFAULTS[name]["learning_rate"]  # unused with a schedule
+        fields["learning_rate_schedule"] = lr
+    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ValueError(f"{class_name}'s learning_rate must be a number or a serialized "
+                         f"{SCHEDULES_MODULE} schedule; got {type(lr).__name__}")
+    if name == "adamw" and config.get("weight_decay", 0.004) == 0:
+        fields["name"] = "adam"  # AdamW without weight decay is Adam, and 0 is None on the wire
+        fields["weight_decay"] = None
+    return fields
+
+
+def check_schedule_class(schedule: dict) -> None:
+    """ValueError, naming it, unless ``schedule`` is a serialized schedule of Keras' own
+    that the server evaluates (by class name and module; not its config)."""
+    class_name = schedule.get("class_name") if isinstance(schedule, dict) else None
+    if class_name not in LEARNING_RATE_SCHEDULES or schedule.get("module", SCHEDULES_MODULE) != SCHEDULES_MODULE \
+            or schedule.get("registered_name") is not None:
+        where = "" if not isinstance(schedule, dict) else \
+            f" (module={schedule.get('module')!r}, registered_name={schedule.get('registered_name')!r})"
+        what = class_name if isinstance(class_name, str) else repr(schedule)
+        raise ValueError(f"learning-rate schedule {what}{where} cannot run on the server; it "
+                         f"runs {', '.join(LEARNING_RATE_SCHEDULES)} of {SCHEDULES_MODULE}")

@@ -18,9 +18,15 @@ integers little-endian)::
        end-32  sha256         32 bytes over everything before it
 
 The header describes everything else: ``mode``, ``num_workers``, ``version``,
-``round``, ``optimizer`` (the ``OptimizerSpec`` fields), ``variables`` (for
-each: ``name``, ``dtype`` such as ``"<f4"``, ``shape``, ``iterations``, the
-offset of its ``value`` and of each optimizer slot in ``slots``), ``members``
+``round``, ``optimizer`` (the ``OptimizerSpec`` fields, the learning rate as
+``set_learning_rate`` last set it; a file written before the Keras fields holds
+only sgd's and adam's, and reads with Keras' defaults for the rest),
+``initial_learning_rate`` (the one the variables were initialized with, when it
+was changed since; absent or null otherwise), ``variables`` (for each: ``name``,
+``dtype`` such as ``"<f4"``, ``shape``, ``iterations`` (the optimizer steps it
+had: with a schedule, where it carries on), the offset of its ``value`` and of
+each optimizer slot in ``slots``, and in ``slot_shapes`` the shape of a slot
+that is not the variable's, such as a 0-d one), ``members``
 (the membership records), ``mode_status`` and ``stats`` (counters),
 ``incarnation`` of the server that wrote it and ``wall_time`` (Unix seconds).
 Not saved, on purpose: pushes waiting in an unfinished sync round (workers
@@ -95,6 +101,7 @@ class ServerState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()  # updated by pushed changes, not the optimizer
+    initial_learning_rate: float | None = None  # the store's (StoreState), when set_learning_rate changed it
     mode_status: ModeStatus = ModeStatus()
     members: tuple[WorkerRecord, ...] = ()
     stats: dict = dataclasses.field(default_factory=dict)
@@ -138,10 +145,15 @@ def encode(state: ServerState) -> bytes:
         slots = {}
         for slot in sorted(k for k in opt_state if k != "iterations"):
             array = np.asarray(opt_state[slot])
-            if array.shape != value.shape or array.dtype.newbyteorder("=") != value.dtype.newbyteorder("="):
+            if array.shape not in (value.shape, ()) \
+                    or array.dtype.newbyteorder("=") != value.dtype.newbyteorder("="):
                 raise CheckpointError(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
                                       f"the variable is {value.dtype}{list(value.shape)}")
             slots[slot] = array
+        record = {}
+        shapes = {slot: list(array.shape) for slot, array in slots.items() if array.shape != value.shape}
+        if shapes:
+            record["slot_shapes"] = shapes
         variables.append({
             "name": name,
             "dtype": value.dtype.newbyteorder("<").str,
@@ -150,6 +162,7 @@ def encode(state: ServerState) -> bytes:
             "value": put(value),
             "slots": {slot: put(array) for slot, array in slots.items()},
             "non_trainable": name in state.non_trainable,
+            **record,
         })
     header = {
         "format": FORMAT_VERSION,
@@ -161,6 +174,7 @@ def encode(state: ServerState) -> bytes:
                         "rounds_timed_out": state.mode_status.rounds_timed_out,
                         "rounds_aborted": state.mode_status.rounds_aborted},
         "optimizer": state.optimizer.as_dict(),
+        "initial_learning_rate": state.initial_learning_rate,
         "variables": variables,
         "members": [dataclasses.asdict(r) for r in state.members],
         "stats": state.stats,
@@ -199,15 +213,17 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
             if dtype.kind != "f":
                 raise ValueError(f"variable {v['name']!r} has dtype {dtype}")
 
-            def array(at: int) -> np.ndarray:
+            def array(at: int, shape=shape) -> np.ndarray:
                 count = int(np.prod(shape, dtype=np.int64))
                 if not 0 <= at <= len(data) - count * dtype.itemsize:
                     raise ValueError(f"array of {v['name']!r} lies outside the data")
                 a = np.frombuffer(data, dtype=dtype, count=count, offset=at).reshape(shape)
                 return a.astype(dtype.newbyteorder("="))  # a native, writable copy
 
+            slot_shapes = v.get("slot_shapes", {})
             values[v["name"]] = array(v["value"])
-            states[v["name"]] = {**{slot: array(at) for slot, at in v["slots"].items()},
+            states[v["name"]] = {**{slot: array(at, tuple(int(d) for d in slot_shapes.get(slot, shape)))
+                                    for slot, at in v["slots"].items()},
                                  "iterations": int(v["iterations"])}
         status = header["mode_status"]
         return ServerState(
@@ -218,6 +234,7 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
             values=values,
             states=states,
             non_trainable=frozenset(v["name"] for v in header["variables"] if v.get("non_trainable", False)),
+            initial_learning_rate=_optional_float(header.get("initial_learning_rate")),
             mode_status=ModeStatus(round=int(status["round"]), rounds_timed_out=int(status["rounds_timed_out"]),
                                    rounds_aborted=int(status["rounds_aborted"])),
             members=tuple(WorkerRecord(**r) for r in header["members"]),
@@ -227,6 +244,10 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
         )
     except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
         raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None
+
+
+def _optional_float(x) -> float | None:
+    return None if x is None else float(x)
 
 
 # -- files -------------------------------------------------------------------------

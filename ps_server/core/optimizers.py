@@ -1,24 +1,57 @@
 """Server-side optimizers that compute exactly what Keras 3 computes.
 
-    opt = make_optimizer(OptimizerSpec("adam", learning_rate=1e-3))
+    spec = OptimizerSpec.from_keras(type(opt).__name__, opt.get_config())  # or OptimizerSpec("adam", 1e-3)
+    opt = make_optimizer(spec)
     state = opt.init_state(value)
     value, state = opt.apply(value, grad, state)
 
-Guarantee: ``SGD`` (plain, momentum, Nesterov) and ``Adam`` give values
-bit-identical to ``keras.optimizers.SGD`` / ``Adam`` of Keras 3.15 on
-TensorFlow 2.21 CPU, called eagerly or inside ``tf.function``, for float16,
-float32 and float64 variables (``tests/core/test_optimizers.py`` checks
-float32 after 20 updates). To get there each step repeats Keras' operations
-in Keras' order, every intermediate in the variable's dtype, with Keras' own
-rounding of each hyperparameter (``_constants``) and of ``beta ** step``
-(``_scalar_pow``). Two known limits, both on TensorFlow's side:
-- under XLA (``jit_compile=True``, which ``model.fit`` picks by default)
-  TensorFlow fuses ``a*b - c`` into one FMA, so it drifts from eager Keras
-  (and from us) by about 1 unit in the last place per step;
+The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
+``AdamW`` (Adam with Keras' weight decay, default 0.004), ``Adagrad``,
+``RMSprop`` (momentum, centered), and from ``ps_server.core.more_optimizers``
+``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion``. Options of every one, as Keras'
+``BaseOptimizer.apply`` runs them on one update: the gradient clipped
+(``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
+variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
+optimizer's step, then ``use_ema`` (an ``ema`` slot: the moving average, and every
+``ema_overwrite_frequency`` updates the variable overwritten with it). The learning
+rate is a constant or one of Keras' schedules (``ps_server.core.schedules``),
+evaluated at the variable's update count before the update, as Keras evaluates it
+at ``optimizer.iterations``.
+
+Guarantee, against eager Keras 3.15 on TensorFlow 2.21 CPU (``opt.apply(grads,
+vars)`` called eagerly): the values are bit-identical for every optimizer and
+option above, with a constant learning rate or a schedule, except the two clipping
+options that take a norm: ``clipnorm`` and ``global_clipnorm``. Each step repeats
+Keras' operations in Keras' order, every intermediate in the variable's dtype,
+with Keras' own rounding of each hyperparameter (``_constants``) and of
+``beta ** step`` (``_scalar_pow``). ``tests/core/test_optimizers.py`` checks
+float32 after 20 updates against Keras itself. The norms: TensorFlow's
+``reduce_sum`` adds in an order of Eigen's (vector lanes, unrolled) that this
+module does not reproduce; it sums the float32 squares in float64 and rounds
+once, so the norm is within a few float32 ulps of TensorFlow's, and the variables
+after 20 updates within 1e-6 relative of Keras' (tested). A clipnorm that does not
+clip (the norm at most clipnorm) still divides by clipnorm, bit-identically.
+
+Known limits, on TensorFlow's side:
+- inside a compiled step (``tf.function``, as ``model.fit`` runs it) a schedule's
+  value differs from eager Keras' by at most 6.2e-7 of its largest value
+  (Grappler and XLA rewrite it; ``ps_server.core.schedules``), and under XLA
+  (``jit_compile=True``, ``model.fit``'s default) TensorFlow fuses ``a*b - c`` into
+  one FMA, so it drifts from eager Keras (and from us) by about 1 unit in the last
+  place per step;
 - TensorFlow flushes float32/float64 subnormals to zero and NumPy does not,
   so a slot decaying below ~1e-38 (Adam's ``m`` after hundreds of zero
   gradients) keeps a subnormal here and a zero or tiny normal there. The
-  variable's value is not affected in practice.
+  variable's value is not affected in practice;
+- ``weight_decay=0`` is taken as None: Keras' ``w - w * 0 * lr`` is ``w`` except that
+  it turns a ``-0.0`` into ``+0.0``.
+
+Refused (``OptimizerSpec.validate``/``from_keras``, InvalidArgument naming it):
+another optimizer class, ``loss_scale_factor`` or ``gradient_accumulation_steps``,
+``use_ema`` without ``ema_overwrite_frequency`` (Keras then swaps the variables for
+their averages at the end of ``fit``, which the server does not do), a schedule
+that is not one of Keras' six, and a config key this module does not know
+(``ps_common.names.keras_optimizer_fields``, which the worker applies too).
 
 ``apply`` is pure: it returns a new value and a new state and never writes
 into its arguments. The server hands stored arrays to readers (a pull being
@@ -35,12 +68,16 @@ Plain Python and NumPy only: the server process never imports TensorFlow.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Iterable
 
 import numpy as np
 
-from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS
+from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
+                             keras_optimizer_fields)
+from ps_server.core import schedules
 from ps_server.core.errors import InvalidArgument
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -48,43 +85,118 @@ FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Which optimizer, with Keras' argument names; callers set learning_rate."""
+    """Which optimizer, with Keras' argument names (those of the wire's OptimizerConfig).
+
+    A field left None takes the named optimizer's Keras default
+    (``ps_common.names.OPTIMIZER_DEFAULTS``); a field the optimizer does not take holds a
+    neutral value whatever was given (``UNUSED_FIELD_VALUES``), so two specs are equal
+    exactly when they compute the same. The wire's forms are accepted too:
+    ``learning_rate_schedule`` as JSON ("" for none), 0 for a None option.
+    """
 
     name: str  # one of ps_common.names.OPTIMIZERS
-    learning_rate: float = OPTIMIZER_DEFAULTS["sgd"]["learning_rate"]
-    momentum: float = OPTIMIZER_DEFAULTS["sgd"]["momentum"]  # sgd only
-    nesterov: bool = OPTIMIZER_DEFAULTS["sgd"]["nesterov"]  # sgd only
-    beta_1: float = OPTIMIZER_DEFAULTS["adam"]["beta_1"]  # adam only
-    beta_2: float = OPTIMIZER_DEFAULTS["adam"]["beta_2"]  # adam only
-    epsilon: float = OPTIMIZER_DEFAULTS["adam"]["epsilon"]  # adam only
+    learning_rate: float | None = None  # constant; unused with a schedule
+    momentum: float | None = None  # sgd, rmsprop
+    nesterov: bool | None = None  # sgd
+    beta_1: float | None = None  # adam, adamw, adamax, nadam, lion
+    beta_2: float | None = None
+    epsilon: float | None = None  # adam, adamw, adagrad, rmsprop, adamax, nadam
+    learning_rate_schedule: dict | None = None  # keras.optimizers.schedules.serialize(...)
+    amsgrad: bool | None = None  # adam, adamw
+    rho: float | None = None  # rmsprop
+    centered: bool | None = None  # rmsprop
+    initial_accumulator_value: float | None = None  # adagrad, ftrl
+    learning_rate_power: float | None = None  # ftrl
+    l1_regularization_strength: float | None = None
+    l2_regularization_strength: float | None = None
+    l2_shrinkage_regularization_strength: float | None = None
+    beta: float | None = None
+    weight_decay: float | None = None  # every optimizer, from here on (None: none)
+    clipnorm: float | None = None
+    clipvalue: float | None = None
+    global_clipnorm: float | None = None
+    use_ema: bool | None = None
+    ema_momentum: float | None = None
+    ema_overwrite_frequency: int | None = None
+
+    def __post_init__(self):
+        takes = OPTIMIZER_DEFAULTS.get(self.name)
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            value = getattr(self, f.name)
+            if takes is not None and f.name not in takes and f.name != "learning_rate_schedule":
+                value = UNUSED_FIELD_VALUES[f.name]
+            elif value is None:
+                value = (takes or UNUSED_FIELD_VALUES).get(f.name, UNUSED_FIELD_VALUES[f.name])
+            elif f.name in NONE_AS_ZERO and value == 0 and not isinstance(value, bool) \
+                    and not (f.name == "weight_decay" and self.name == "adamw"):
+                value = None  # Keras: 0 clips nothing, overwrites never; w - w*0*lr is w
+            object.__setattr__(self, f.name, value)
+        schedule = self.learning_rate_schedule
+        try:  # one form: the dict of the JSON the wire carries
+            if isinstance(schedule, str):
+                schedule = json.loads(schedule) if schedule else None
+            elif isinstance(schedule, dict):
+                schedule = json.loads(json.dumps(schedule, sort_keys=True, allow_nan=False))
+        except (TypeError, ValueError):
+            pass  # validate() says what is wrong with it
+        object.__setattr__(self, "learning_rate_schedule", schedule)
 
     def validate(self) -> None:
-        """Raise InvalidArgument naming the first field that is out of range."""
+        """Raise InvalidArgument, one line naming the field, for anything out of range."""
         if self.name not in OPTIMIZERS:
             raise InvalidArgument(
                 f"optimizer name must be one of {', '.join(OPTIMIZERS)}; got {self.name!r}"
             )
-        for field in ("learning_rate", "momentum", "beta_1", "beta_2", "epsilon"):
+        takes = OPTIMIZER_DEFAULTS[self.name]
+        for field, default in takes.items():
             x = getattr(self, field)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            if isinstance(default, bool):
+                if not isinstance(x, bool):
+                    raise InvalidArgument(f"{field} must be True or False; got {x!r}")
+            elif x is None and field in NONE_AS_ZERO:
+                continue
+            elif isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                 raise InvalidArgument(f"{field} must be a finite number; got {x!r}")
         if self.learning_rate <= 0:
             raise InvalidArgument(f"learning_rate must be > 0; got {self.learning_rate!r}")
-        for field in ("momentum", "beta_1", "beta_2"):
-            x = getattr(self, field)
-            if not 0 <= x < 1:
-                raise InvalidArgument(f"{field} must be in [0, 1); got {x!r}")
-        if self.epsilon < 0:
-            raise InvalidArgument(f"epsilon must be >= 0; got {self.epsilon!r}")
-        # nesterov=True with momentum=0 is plain SGD; Keras accepts it, so do we.
-        if not isinstance(self.nesterov, bool):
-            raise InvalidArgument(f"nesterov must be True or False; got {self.nesterov!r}")
+        ranges = {"momentum": (0, 1), "rho": (0, 1)}
+        if self.name in ("adam", "adamw"):  # the other optimizers check their own (more_optimizers)
+            ranges.update(beta_1=(0, 1), beta_2=(0, 1))
+        for field, (low, high) in ranges.items():
+            if field in takes and not low <= getattr(self, field) < high:
+                raise InvalidArgument(f"{field} must be in [{low}, {high}); got {getattr(self, field)!r}")
+        for field in ("epsilon", "initial_accumulator_value", "weight_decay"):
+            if field in takes and getattr(self, field) is not None and getattr(self, field) < 0:
+                raise InvalidArgument(f"{field} must be >= 0; got {getattr(self, field)!r}")
+        if self.name == "adamw" and not self.weight_decay:
+            raise InvalidArgument(f"adamw needs weight_decay > 0 (without it, it is adam); got {self.weight_decay!r}")
+        clipping = [f for f in ("clipnorm", "clipvalue", "global_clipnorm") if getattr(self, f) is not None]
+        for field in clipping:
+            if getattr(self, field) < 0:
+                raise InvalidArgument(f"{field} must be > 0 (or None); got {getattr(self, field)!r}")
+        if len(clipping) > 1:
+            raise InvalidArgument(f"only one of clipnorm, clipvalue and global_clipnorm may be set; got "
+                                  f"{', '.join(f'{f}={getattr(self, f)!r}' for f in clipping)}")
+        if not 0 <= self.ema_momentum <= 1:
+            raise InvalidArgument(f"ema_momentum must be in [0, 1]; got {self.ema_momentum!r}")
+        frequency = self.ema_overwrite_frequency
+        if frequency is not None and (isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1):
+            raise InvalidArgument(f"ema_overwrite_frequency must be an integer >= 1 (or None); got {frequency!r}")
+        if self.use_ema and frequency is None:
+            raise InvalidArgument("use_ema=True with ema_overwrite_frequency=None is not supported: Keras swaps the "
+                                  "variables for their moving averages at the end of fit, which the server does not "
+                                  "do; set ema_overwrite_frequency")
+        if self.learning_rate_schedule is not None:
+            schedules.validate(self.learning_rate_schedule)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "OptimizerSpec":
+        """From ``as_dict`` (a checkpoint's header); fields it lacks (an older one) take their defaults."""
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise InvalidArgument(f"unknown optimizer spec fields: {', '.join(unknown)}")
@@ -92,23 +204,39 @@ class OptimizerSpec:
             raise InvalidArgument("optimizer spec has no 'name'")
         return cls(**d)
 
+    @classmethod
+    def from_keras(cls, class_name: str, config: dict) -> "OptimizerSpec":
+        """The spec of a Keras 3 optimizer: ``type(opt).__name__`` and ``opt.get_config()``.
+
+        InvalidArgument, one line naming it, for what the server cannot run
+        (``ps_common.names.keras_optimizer_fields``) or a value out of range (``validate``).
+        """
+        try:
+            given = keras_optimizer_fields(class_name, config)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        spec = cls(**given)
+        spec.validate()
+        return spec
+
 
 def _constants(spec: OptimizerSpec, dtype: np.dtype) -> dict:
     """The hyperparameters rounded into ``dtype`` the way Keras rounds each.
 
     Keras does not round them all alike; for float16 and float64 it shows
     (each of these choices is needed for float64 bit-identity):
-    - learning_rate lives in a float32 variable that is then cast to dtype;
+    - learning_rate lives in a float32 variable that is then cast to dtype
+      (a schedule's value is a float32 too);
     - ``ops.cast(python_float, dtype)`` (momentum, beta_1, beta_2 before the
-      power) goes through float32, as ``tf.cast`` first makes a Python float
-      a float32 tensor;
+      power, weight_decay, Adagrad's initial accumulator) goes through float32,
+      as ``tf.cast`` first makes a Python float a float32 tensor;
     - a Python float that is an operand of an op (``1 - beta_1`` and
-      ``1 - beta_2``, computed by Python in float64, and epsilon) is
-      converted to dtype directly.
+      ``1 - beta_2``, computed by Python in float64, epsilon, RMSprop's rho and
+      momentum, clipnorm, clipvalue, ema_momentum) is converted to dtype directly.
     """
     via_float32 = lambda x: np.float32(x).astype(dtype)  # noqa: E731
     direct = lambda x: np.array(x, dtype=dtype)[()]  # noqa: E731
-    return {
+    c = {
         "lr": via_float32(spec.learning_rate),
         "momentum": via_float32(spec.momentum),
         "beta_1": via_float32(spec.beta_1),
@@ -117,7 +245,30 @@ def _constants(spec: OptimizerSpec, dtype: np.dtype) -> dict:
         "one_minus_beta_2": direct(1 - spec.beta_2),
         "epsilon": direct(spec.epsilon),
         "one": direct(1),
+        "zero": direct(0),
+        "rho": direct(spec.rho),
+        "one_minus_rho": direct(1 - spec.rho),
+        "rms_momentum": direct(spec.momentum),
+        "initial_accumulator": via_float32(spec.initial_accumulator_value),
+        "ema_momentum": direct(spec.ema_momentum),
     }
+    if spec.weight_decay is not None:
+        c["weight_decay"] = via_float32(spec.weight_decay)
+    if spec.clipnorm is not None:
+        c["clipnorm"] = direct(spec.clipnorm)
+    if spec.clipvalue is not None:
+        c["clipvalue"], c["minus_clipvalue"] = direct(spec.clipvalue), direct(-spec.clipvalue)
+    if spec.global_clipnorm is not None:
+        c["global_clipnorm"] = direct(spec.global_clipnorm)
+        c["inverse_global_clipnorm"] = direct(1.0 / spec.global_clipnorm)  # Python's 1.0 / clip_norm
+    return c
+
+
+def _sum_of_squares(g: np.ndarray) -> np.floating:
+    """``ops.sum(ops.square(g))`` in g's dtype: the squares rounded as TensorFlow's, their
+    sum in float64 rounded once (TensorFlow adds in Eigen's lane order; see the module
+    docstring for the bound)."""
+    return np.sum(np.square(g), dtype=np.float64).astype(g.dtype)
 
 
 def _scalar_pow(base: np.floating, exponent: np.floating) -> np.floating:
@@ -135,7 +286,8 @@ def _scalar_pow(base: np.floating, exponent: np.floating) -> np.floating:
 
 
 class Optimizer:
-    """One update rule. Subclasses name their slots and define ``_step``."""
+    """One update rule. Subclasses name their slots and define ``_step``; ``apply`` adds
+    what Keras' ``BaseOptimizer.apply`` adds around every step (see the module docstring)."""
 
     slot_names: tuple[str, ...] = ()
 
@@ -144,40 +296,108 @@ class Optimizer:
         self.spec = spec
         self._constants = {dtype: _constants(spec, dtype) for dtype in FLOAT_DTYPES}
 
+    def _initial_slots(self, value: np.ndarray) -> dict:
+        """The slots' values before the first step (zeros, as Keras' ``add_variable_from_reference``)."""
+        return {name: np.zeros_like(value) for name in self.slot_names}
+
     def init_state(self, value: np.ndarray) -> dict:
-        """Zeroed slots shaped like ``value``, plus ``iterations = 0``."""
+        """The slots shaped like ``value`` (with ``use_ema`` an ``ema`` slot), plus ``iterations = 0``."""
         _check_float_array("variable", value)
-        state: dict = {name: np.zeros_like(value) for name in self.slot_names}
+        state: dict = self._initial_slots(value)
+        if self.spec.use_ema:
+            state["ema"] = np.zeros_like(value)  # Keras' "average" variables start at zero
         state["iterations"] = 0
         return state
 
+    def global_clip_scale(self, grads: Iterable[np.ndarray]) -> np.floating | None:
+        """With ``global_clipnorm``: the factor Keras' ``clip_by_global_norm`` multiplies every
+        gradient of one update by, from all of them (the trainable ones); else None.
+
+        ``clip_norm * min(1 / norm, 1 / clip_norm) + (norm - norm)``, in the gradients'
+        dtype, as Keras writes it (NaN for a non-finite norm, as Keras)."""
+        if self.spec.global_clipnorm is None:
+            return None
+        grads = [np.asarray(g) for g in grads]
+        if not grads:
+            return None
+        dtype = np.result_type(*grads)
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"gradients must be float16/float32/float64; got {dtype}")
+        c = self._constants[dtype]
+        squared = np.array([_sum_of_squares(g) for g in grads]).astype(dtype)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            norm = np.sqrt(np.sum(squared, dtype=np.float64).astype(dtype))
+            scale = c["global_clipnorm"] * np.minimum(c["one"] / norm, c["inverse_global_clipnorm"])
+            return (scale + (norm - norm)).astype(dtype)
+
     def apply(self, value: np.ndarray, grad: np.ndarray, state: dict,
-              lr_scale: float = 1.0) -> tuple[np.ndarray, dict]:
+              lr_scale: float = 1.0, clip_scale: np.floating | None = None) -> tuple[np.ndarray, dict]:
         """Pure: returns (new_value, new_state); never mutates `value`, `grad` or arrays in `state`.
 
         ``lr_scale`` multiplies the learning rate of this one step (async/SSP stale-gradient
-        policy "scale"); 1.0 computes exactly what Keras computes."""
+        policy "scale"); 1.0 computes exactly what Keras computes. ``clip_scale`` is this
+        update's ``global_clip_scale`` (required with ``global_clipnorm``)."""
         _check_float_array("variable", value)
         _check_float_array("gradient", grad)
         _check_like("gradient", grad, value)
-        missing = [k for k in (*self.slot_names, "iterations") if k not in state]
+        spec = self.spec
+        slot_names = (*self.slot_names, "ema") if spec.use_ema else self.slot_names
+        missing = [k for k in (*slot_names, "iterations") if k not in state]
         if missing:
             raise InvalidArgument(f"optimizer state lacks {', '.join(missing)}")
-        for name in self.slot_names:
+        for name in slot_names:
             _check_like(f"slot {name!r}", state[name], value)
+        if spec.global_clipnorm is not None and clip_scale is None:
+            raise InvalidArgument("global_clipnorm clips by the norm of the whole update: pass its "
+                                  "global_clip_scale (VariableStore.apply_all/apply_push do)")
         iterations = int(state["iterations"])
         shape = value.shape
         if not shape:  # NumPy turns 0-d results into scalars, which take no ``out=``: step on shape [1]
             value, grad = value.reshape(1), grad.reshape(1)
-            state = {name: state[name].reshape(1) for name in self.slot_names}
-        constants = self._constants[value.dtype]
+            state = {name: state[name].reshape(1) for name in slot_names}
+        dtype = value.dtype
+        c = self._constants[dtype]
+        lr = c["lr"]
+        if spec.learning_rate_schedule is not None:  # Keras: the schedule at iterations, before the step
+            lr = schedules.learning_rate(spec.learning_rate_schedule, iterations).astype(dtype)
         if lr_scale != 1.0:
             if not 0.0 < lr_scale <= 1.0:
                 raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
-            constants = {**constants, "lr": (constants["lr"] * np.float64(lr_scale)).astype(value.dtype)}
-        new_value, slots = self._step(value, grad, state, iterations, constants)
+            lr = (lr * np.float64(lr_scale)).astype(dtype)
+        if lr is not c["lr"]:
+            c = {**c, "lr": lr}
+        with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
+            grad = self._clip(grad, c, clip_scale)
+        if spec.weight_decay is not None:  # TensorFlow's _apply_weight_decay: w.assign_sub(w * wd * lr)
+            decay = np.multiply(value, c["weight_decay"])
+            np.multiply(decay, lr, out=decay)
+            value = np.subtract(value, decay, out=decay)
+        new_value, slots = self._step(value, grad, state, iterations, c)
+        if spec.use_ema:
+            # average = momentum * average + (1 - momentum) * w, momentum 0 at the first step;
+            # then every ema_overwrite_frequency steps w = average (Keras, iterations before +1).
+            momentum = c["ema_momentum"] if iterations != 0 else c["zero"]
+            ema = np.multiply(state["ema"], momentum)
+            ema += np.multiply(new_value, c["one"] - momentum)
+            slots["ema"] = ema
+            if (iterations + 1) % spec.ema_overwrite_frequency == 0:
+                new_value = ema.copy()
         slots = {name: x.reshape(shape) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
+
+    def _clip(self, g: np.ndarray, c: dict, clip_scale) -> np.ndarray:
+        """Keras' ``_clip_gradients`` for one variable (``clip_scale``: the global one)."""
+        spec = self.spec
+        if spec.clipnorm is not None:  # _clip_by_norm: g * clipnorm / max(norm, clipnorm), norm 0 if l2sum <= 0
+            l2sum = _sum_of_squares(g)
+            l2norm = np.sqrt(l2sum) if l2sum > 0 else l2sum
+            clipped = np.multiply(g, c["clipnorm"])
+            return np.divide(clipped, np.maximum(l2norm, c["clipnorm"]), out=clipped)
+        if spec.global_clipnorm is not None:
+            return np.multiply(g, np.asarray(clip_scale).astype(g.dtype))
+        if spec.clipvalue is not None:
+            return np.clip(g, c["minus_clipvalue"], c["clipvalue"])
+        return g
 
     def _step(self, w, g, state, iterations, c) -> tuple[np.ndarray, dict]:
         raise NotImplementedError
@@ -207,9 +427,12 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """``keras.optimizers.Adam`` (amsgrad=False), bias correction folded into alpha."""
+    """``keras.optimizers.Adam`` and ``AdamW`` (Adam with weight_decay, which ``apply``
+    adds), bias correction folded into alpha; with amsgrad a ``v_hat`` slot."""
 
-    slot_names = ("m", "v")
+    def __init__(self, spec: OptimizerSpec):
+        super().__init__(spec)
+        self.slot_names = ("m", "v", "v_hat") if spec.amsgrad else ("m", "v")
 
     def _step(self, w, g, state, iterations, c):
         with np.errstate(over="ignore"):  # float16 step > 65504 is inf, as in Keras
@@ -226,17 +449,81 @@ class Adam(Optimizer):
         np.subtract(v, state["v"], out=v)
         np.multiply(v, c["one_minus_beta_2"], out=v)
         np.add(state["v"], v, out=v)
+        slots = {"m": m, "v": v}
+        if self.spec.amsgrad:  # v_hat = max(v_hat, v); the step divides by sqrt(v_hat)
+            v = slots["v_hat"] = np.maximum(state["v_hat"], v)
         denominator = np.sqrt(v)
         np.add(denominator, c["epsilon"], out=denominator)
         update = np.multiply(m, alpha)
         np.divide(update, denominator, out=update)
-        return np.subtract(w, update, out=update), {"m": m, "v": v}
+        return np.subtract(w, update, out=update), slots
+
+
+class Adagrad(Optimizer):
+    """``keras.optimizers.Adagrad``: acc + g^2; w - (lr * g) / sqrt(acc + eps)."""
+
+    slot_names = ("accumulator",)
+
+    def _initial_slots(self, value):
+        # Keras: initializers.Constant(initial_accumulator_value), through float32.
+        return {"accumulator": np.full_like(value, self._constants[value.dtype]["initial_accumulator"])}
+
+    def _step(self, w, g, state, iterations, c):
+        accumulator = np.square(g)
+        np.add(state["accumulator"], accumulator, out=accumulator)
+        denominator = np.add(accumulator, c["epsilon"])
+        np.sqrt(denominator, out=denominator)
+        update = np.multiply(g, c["lr"])
+        np.divide(update, denominator, out=update)
+        return np.subtract(w, update, out=update), {"accumulator": accumulator}
+
+
+class RMSprop(Optimizer):
+    """``keras.optimizers.RMSprop``: v = rho*v + (1-rho)*g^2 (centered: a = rho*a + (1-rho)*g,
+    v - a^2); increment (lr*g) / sqrt(v + eps); with momentum m = momentum*m + increment, w - m."""
+
+    def __init__(self, spec: OptimizerSpec):
+        super().__init__(spec)
+        self.slot_names = (("velocity",) + (("momentum",) if spec.momentum > 0 else ())
+                           + (("average_gradient",) if spec.centered else ()))
+
+    def _step(self, w, g, state, iterations, c):
+        velocity = np.multiply(state["velocity"], c["rho"])
+        velocity += np.multiply(np.square(g), c["one_minus_rho"])
+        slots = {"velocity": velocity}
+        if self.spec.centered:
+            average = np.multiply(state["average_gradient"], c["rho"])
+            average += np.multiply(g, c["one_minus_rho"])
+            slots["average_gradient"] = average
+            denominator = np.subtract(velocity, np.square(average))
+            denominator += c["epsilon"]
+        else:
+            denominator = np.add(velocity, c["epsilon"])
+        np.sqrt(denominator, out=denominator)
+        increment = np.multiply(g, c["lr"])
+        np.divide(increment, denominator, out=increment)
+        if "momentum" in self.slot_names:
+            m = np.multiply(state["momentum"], c["rms_momentum"])
+            m += increment
+            slots["momentum"] = m
+            return np.subtract(w, m, out=increment), slots
+        return np.subtract(w, increment, out=increment), slots
 
 
 def make_optimizer(spec: OptimizerSpec) -> Optimizer:
     """The optimizer ``spec`` names; raises InvalidArgument for a bad spec."""
     spec.validate()
-    return {"sgd": SGD, "adam": Adam}[spec.name](spec)
+    mine = {"sgd": SGD, "adam": Adam, "adamw": Adam, "adagrad": Adagrad, "rmsprop": RMSprop}
+    if spec.name in mine:
+        return mine[spec.name](spec)
+    try:  # here, not at the top: more_optimizers imports this module
+        from ps_server.core import more_optimizers
+    except ImportError:
+        more_optimizers = None
+    cls = getattr(more_optimizers, spec.name.capitalize(), None) if more_optimizers else None
+    if cls is None:
+        raise InvalidArgument(f"optimizer {spec.name} is not available on this server")
+    return cls(spec)
 
 
 def _check_float_array(what: str, x) -> None:

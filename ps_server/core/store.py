@@ -52,7 +52,7 @@ from typing import Collection, Iterable, Mapping
 import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
-from ps_server.core import sparse
+from ps_server.core import schedules, sparse
 from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
 from ps_common.sparse import SparseRows
 
@@ -98,6 +98,9 @@ class StoreState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()
+    # The learning rate initialize was given, when set_learning_rate has changed it since
+    # (``optimizer`` holds the changed one); None otherwise.
+    initial_learning_rate: float | None = None
 
 
 class VariableStore:
@@ -282,9 +285,11 @@ class VariableStore:
         """
         new = {}
         optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rate)
+        grads = {name: _native(g) for name, g in grads.items()}
+        clip_scale = self._global_clip_scale(optimizer, grads)
         for name, g in grads.items():
             var = self._vars[name]
-            new[name] = self._step(var, _native(g), optimizer=optimizer)
+            new[name] = self._step(var, g, optimizer=optimizer, clip_scale=clip_scale)
         with self._publish:
             self._version += 1
             for name, (value, state) in new.items():
@@ -292,23 +297,46 @@ class VariableStore:
                 var.value, var.state, var.changed = _frozen(value), state, self._version
             return self._version
 
-    def apply_one(self, name: str, grad: np.ndarray, lr_scale: float = 1.0) -> None:
+    def apply_push(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
+        """One push of async/SSP mode: ``apply_one`` on each variable in name order, with
+        ``global_clipnorm``'s factor taken once over the whole push (as Keras takes it over
+        one update). The caller counts it in the version (``bump_version``) afterwards."""
+        optimizer = self._optimizer
+        grads = {name: _native(g) for name, g in grads.items()}
+        clip_scale = self._global_clip_scale(optimizer, grads)
+        for name in sorted(grads):
+            self.apply_one(name, grads[name], lr_scale, clip_scale=clip_scale, optimizer=optimizer)
+
+    def global_clip_scale(self, grads: Mapping[str, np.ndarray]) -> float | None:
+        """With ``global_clipnorm``: the factor every gradient of the update ``grads`` (a
+        whole push or round) is clipped by, to hand to ``apply_one``; else None."""
+        self._require_initialized()
+        return self._global_clip_scale(self._optimizer, {n: _native(g) for n, g in grads.items()})
+
+    def _global_clip_scale(self, optimizer: Optimizer, grads: Mapping[str, np.ndarray]):
+        # Keras takes the norm over the gradients of the trainable variables only.
+        return optimizer.global_clip_scale(g for name, g in grads.items() if not self._vars[name].non_trainable)
+
+    def apply_one(self, name: str, grad: np.ndarray, lr_scale: float = 1.0, clip_scale=None,
+                  optimizer: Optimizer | None = None) -> None:
         """One optimizer step on one variable under its own lock (async and SSP modes);
-        ``lr_scale`` scales this step's learning rate (stale-gradient policy "scale")."""
+        ``lr_scale`` scales this step's learning rate (stale-gradient policy "scale").
+        With ``global_clipnorm`` the push's ``clip_scale`` is needed (``apply_push``
+        passes it; InvalidArgument without it)."""
         var = self._vars[name]
         grad = _native(grad)
         with var.lock:
-            value, state = self._step(var, grad, lr_scale)
+            value, state = self._step(var, grad, lr_scale, optimizer=optimizer, clip_scale=clip_scale)
             with self._publish:  # a snapshot sees value and state of the same step
                 var.value, var.state, var.changed = _frozen(value), state, self._version + 1
 
     def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0,
-              optimizer: Optimizer | None = None) -> tuple[np.ndarray, dict]:
+              optimizer: Optimizer | None = None, clip_scale=None) -> tuple[np.ndarray, dict]:
         """(new value, new optimizer state) of one variable: an optimizer step, or for a
         non-trainable variable its pushed change added (no learning rate, no state)."""
         if var.non_trainable:
             return (var.value + grad).astype(var.value.dtype, copy=False), var.state
-        return (optimizer or self._optimizer).apply(var.value, grad, var.state, lr_scale)
+        return (optimizer or self._optimizer).apply(var.value, grad, var.state, lr_scale, clip_scale)
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
@@ -321,6 +349,7 @@ class VariableStore:
                 values={n: v.value for n, v in self._vars.items()},
                 states={n: dict(v.state) for n, v in self._vars.items()},
                 non_trainable=self.non_trainable(),
+                initial_learning_rate=self._initial_learning_rate,
             )
 
     def restore_state(self, state: StoreState) -> None:
@@ -357,9 +386,11 @@ class VariableStore:
                 if slot == "iterations":
                     continue
                 array = _native(np.asarray(array), copy=True)
-                if array.shape != value.shape or array.dtype != value.dtype:
+                like = wanted[slot]  # shaped like the variable, or 0-d (Nadam's u_product)
+                if array.shape != like.shape or array.dtype != like.dtype:
                     raise InvalidArgument(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
-                                          f"the variable is {value.dtype}{list(value.shape)}")
+                                          f"the optimizer keeps it as {like.dtype}{list(like.shape)} "
+                                          f"(the variable is {value.dtype}{list(value.shape)})")
                 slots[slot] = array
             variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)}, state.version,
                                         non_trainable=name in state.non_trainable)
@@ -367,6 +398,7 @@ class VariableStore:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")
             self._vars, self._optimizer, self._version = variables, optimizer, state.version
+            self._initial_learning_rate = state.initial_learning_rate
 
     # -- the learning rate ------------------------------------------------------
     def set_learning_rate(self, value: float) -> None:
@@ -391,6 +423,23 @@ class VariableStore:
             if self._initial_learning_rate is None:
                 self._initial_learning_rate = spec.learning_rate
             self._optimizer = optimizer
+
+    def optimizer_iterations(self) -> int:
+        """The optimizer steps every trainable variable has had: Keras' ``optimizer.iterations``
+        (each variable counts its own; they differ only while an async push is half applied)."""
+        self._require_initialized()
+        with self._publish:
+            counts = [int(v.state["iterations"]) for v in self._vars.values() if not v.non_trainable]
+        return min(counts, default=0)
+
+    def current_learning_rate(self) -> float:
+        """The learning rate of the next update: the schedule's at ``optimizer_iterations()``
+        (as Keras reads ``optimizer.learning_rate``), else the constant one."""
+        self._require_initialized()
+        spec = self._optimizer.spec
+        if spec.learning_rate_schedule is not None:
+            return float(schedules.learning_rate(spec.learning_rate_schedule, self.optimizer_iterations()))
+        return float(spec.learning_rate)
 
     def bump_version(self) -> int:
         with self._publish:

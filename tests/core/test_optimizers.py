@@ -3,9 +3,14 @@
     python -m pytest tests/core/test_optimizers.py -q
 
 The parity tests import TensorFlow lazily (fixture ``keras``), with oneDNN off
-as everywhere we compare bits; the other tests need only NumPy.
+as everywhere we compare bits; the other tests need only NumPy. Two kinds: SGD and
+Adam through the user's path (GradientTape, ``apply_gradients``, also inside
+``tf.function``, every dtype); and every optimizer, option and schedule through
+``opt.apply(grads, vars)`` called eagerly, the spec read from the Keras optimizer
+itself (``OptimizerSpec.from_keras``).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -13,8 +18,11 @@ import sys
 import numpy as np
 import pytest
 
+from ps_common.names import KERAS_OPTIMIZER_CLASSES, OPTIMIZER_DEFAULTS
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optimizers import OptimizerSpec, make_optimizer
+
+KERAS_CLASS = {name: cls for cls, name in KERAS_OPTIMIZER_CLASSES.items()}
 
 SHAPES = [(3, 3, 1, 32), (32,), (5408, 10)]
 STEPS = 20
@@ -64,15 +72,8 @@ def run_keras(keras, spec, init, grads, use_tf_function):
     """
     import tensorflow as tf
 
-    kwargs = {k: v for k, v in spec.as_dict().items() if k != "name"}
-    if spec.name == "sgd":
-        for k in ("beta_1", "beta_2", "epsilon"):
-            del kwargs[k]
-        opt = keras.optimizers.SGD(**kwargs)
-    else:
-        for k in ("momentum", "nesterov"):
-            del kwargs[k]
-        opt = keras.optimizers.Adam(**kwargs)
+    kwargs = {k: getattr(spec, k) for k in OPTIMIZER_DEFAULTS[spec.name]}
+    opt = getattr(keras.optimizers, KERAS_CLASS[spec.name])(**kwargs)
     variables = [keras.Variable(x) for x in init]
 
     def train_step(step_grads):
@@ -245,7 +246,7 @@ def test_state_missing_a_slot_is_rejected():
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(name="rmsprop"), "optimizer name must be one of sgd, adam; got 'rmsprop'"),
+        (dict(name="lamb"), "optimizer name must be one of sgd, adam, adamw, .*; got 'lamb'"),
         (dict(name="sgd", learning_rate=0.0), "learning_rate must be > 0; got 0.0"),
         (dict(name="sgd", learning_rate=-0.1), "learning_rate must be > 0; got -0.1"),
         (dict(name="sgd", learning_rate=float("nan")), "learning_rate must be a finite number; got nan"),
@@ -257,6 +258,22 @@ def test_state_missing_a_slot_is_rejected():
         (dict(name="adam", beta_2=-0.5), r"beta_2 must be in \[0, 1\); got -0.5"),
         (dict(name="adam", epsilon=-1e-8), "epsilon must be >= 0; got -1e-08"),
         (dict(name="sgd", nesterov="yes"), "nesterov must be True or False; got 'yes'"),
+        (dict(name="adam", amsgrad=1), "amsgrad must be True or False; got 1"),
+        (dict(name="rmsprop", rho=1.0), r"rho must be in \[0, 1\); got 1.0"),
+        (dict(name="rmsprop", momentum=-0.5), r"momentum must be in \[0, 1\); got -0.5"),
+        (dict(name="adagrad", initial_accumulator_value=-1.0), "initial_accumulator_value must be >= 0; got -1.0"),
+        (dict(name="adamw", weight_decay=0.0), "adamw needs weight_decay > 0"),
+        (dict(name="sgd", weight_decay=-0.1), "weight_decay must be >= 0; got -0.1"),
+        (dict(name="sgd", clipnorm=-1.0), r"clipnorm must be > 0 \(or None\); got -1.0"),
+        (dict(name="sgd", clipnorm=1.0, clipvalue=0.5), "only one of clipnorm, clipvalue and global_clipnorm"),
+        (dict(name="adam", global_clipnorm=float("inf")), "global_clipnorm must be a finite number; got inf"),
+        (dict(name="adam", use_ema=True, ema_momentum=1.5, ema_overwrite_frequency=1),
+         r"ema_momentum must be in \[0, 1\]; got 1.5"),
+        (dict(name="adam", use_ema=True, ema_overwrite_frequency=2.5),
+         "ema_overwrite_frequency must be an integer >= 1"),
+        (dict(name="adam", use_ema=True), "use_ema=True with ema_overwrite_frequency=None is not supported"),
+        (dict(name="sgd", learning_rate_schedule={"class_name": "MySchedule", "config": {}}),
+         "learning-rate schedule MySchedule is not one the server can run"),
     ],
 )
 def test_validate_rejects_bad_spec_with_a_precise_message(fields, message):
@@ -270,7 +287,8 @@ def test_validate_rejects_bad_spec_with_a_precise_message(fields, message):
 def test_spec_round_trips_through_a_plain_dict():
     spec = OptimizerSpec("adam", learning_rate=3e-4, beta_2=0.98)
     d = spec.as_dict()
-    assert d == {
+    assert {k: d[k] for k in ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon",
+                              "amsgrad", "weight_decay", "use_ema")} == {
         "name": "adam",
         "learning_rate": 3e-4,
         "momentum": 0.0,
@@ -278,8 +296,30 @@ def test_spec_round_trips_through_a_plain_dict():
         "beta_1": 0.9,
         "beta_2": 0.98,
         "epsilon": 1e-7,
+        "amsgrad": False,
+        "weight_decay": None,
+        "use_ema": False,
     }
     assert OptimizerSpec.from_dict(d) == spec
+
+
+def test_a_spec_written_before_the_keras_fields_reads_with_keras_defaults():
+    old = {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9, "nesterov": True,
+           "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}  # a checkpoint header of the first format
+    assert OptimizerSpec.from_dict(old) == OptimizerSpec("sgd", 0.1, momentum=0.9, nesterov=True)
+
+
+def test_defaults_are_keras_defaults_of_the_named_optimizer_and_unused_fields_are_neutral():
+    assert OptimizerSpec("adamw").weight_decay == 0.004 and OptimizerSpec("adamw").learning_rate == 0.001
+    assert OptimizerSpec("sgd").learning_rate == 0.01 and OptimizerSpec("sgd").weight_decay is None
+    assert OptimizerSpec("rmsprop").rho == 0.9 and OptimizerSpec("adagrad").initial_accumulator_value == 0.1
+    # A field the optimizer does not take does not make two specs differ.
+    assert OptimizerSpec("sgd", 0.1, beta_1=0.0, rho=0.5) == OptimizerSpec("sgd", 0.1)
+    # The wire's forms: 0 for a None option, the schedule as JSON.
+    assert OptimizerSpec("adam", clipnorm=0.0, ema_overwrite_frequency=0) == OptimizerSpec("adam")
+    schedule = {"class_name": "ExponentialDecay", "config": {"initial_learning_rate": 0.1, "decay_steps": 10,
+                                                             "decay_rate": 0.5}}
+    assert OptimizerSpec("sgd", learning_rate_schedule=json.dumps(schedule)).learning_rate_schedule == schedule
 
 
 def test_spec_from_dict_rejects_unknown_fields():
@@ -295,3 +335,177 @@ def test_importing_optimizers_loads_neither_tensorflow_nor_grpc():
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], cwd=repo, check=True)
+
+
+# -- every optimizer, option and schedule against eager Keras ---------------------------------
+
+# Small variables, a 0-d one among them, and one long enough for several of TensorFlow's vector lanes.
+APPLY_SHAPES = [(4, 5), (7,), (), (40,)]
+
+# Keras optimizers by a name for the test: (class, arguments); the options below are added to them.
+KERAS_OPTIMIZERS = {
+    "sgd": ("SGD", dict(learning_rate=0.1)),
+    "sgd_nesterov": ("SGD", dict(learning_rate=0.1, momentum=0.9, nesterov=True)),
+    "adam": ("Adam", dict(learning_rate=0.01)),
+    "adam_amsgrad": ("Adam", dict(learning_rate=0.01, amsgrad=True)),
+    "adamw": ("AdamW", dict(learning_rate=0.01)),
+    "adamw_amsgrad": ("AdamW", dict(learning_rate=0.01, weight_decay=0.1, amsgrad=True, beta_1=0.8)),
+    "adagrad": ("Adagrad", dict()),
+    "adagrad_unusual": ("Adagrad", dict(learning_rate=0.05, initial_accumulator_value=0.5, epsilon=1e-5)),
+    "rmsprop": ("RMSprop", dict()),
+    "rmsprop_momentum": ("RMSprop", dict(momentum=0.9, rho=0.8)),
+    "rmsprop_centered": ("RMSprop", dict(centered=True)),
+    "rmsprop_centered_momentum": ("RMSprop", dict(learning_rate=0.01, centered=True, momentum=0.5)),
+}
+OPTIONS = {
+    "weight_decay": dict(weight_decay=0.05),
+    "clipvalue": dict(clipvalue=0.05),
+    "clipnorm": dict(clipnorm=0.1),  # clips every variable here
+    "clipnorm_not_clipping": dict(clipnorm=100.0),
+    "global_clipnorm": dict(global_clipnorm=0.5),
+    "ema": dict(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3),
+}
+# The options that take a norm: TensorFlow's reduce_sum adds in its own order (module docstring).
+BY_A_NORM = {"clipnorm", "global_clipnorm"}
+SCHEDULES = {
+    "exponential": ("ExponentialDecay", dict(initial_learning_rate=0.01, decay_steps=5, decay_rate=0.5)),
+    "cosine_warmup": ("CosineDecay", dict(initial_learning_rate=0.0, decay_steps=20, warmup_target=0.01,
+                                          warmup_steps=5)),
+    "piecewise": ("PiecewiseConstantDecay", dict(boundaries=[5, 10], values=[0.1, 0.01, 0.001])),
+}
+APPLY_CASES = (
+    [(case, None) for case in KERAS_OPTIMIZERS]
+    + [(case, option) for case in ("sgd_nesterov", "adam_amsgrad", "adagrad", "rmsprop_centered_momentum")
+       for option in OPTIONS]
+    + [("adamw", "global_clipnorm"), ("rmsprop", "ema")]
+)
+
+
+def apply_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    init = [np.asarray(rng.standard_normal(s), np.float32) for s in APPLY_SHAPES]
+    grads = [[np.asarray(0.1 * rng.standard_normal(s), np.float32) for s in APPLY_SHAPES] for _ in range(STEPS)]
+    return init, grads
+
+
+def keras_apply(keras, optimizer, init, grads):
+    """``optimizer.apply`` eagerly, once per step, on Keras variables of ``init``."""
+    variables = [keras.Variable(x) for x in init]
+    for step_grads in grads:
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in step_grads], variables)
+    return [v.numpy() for v in variables]
+
+
+def ours_apply(spec, init, grads):
+    """What the store does with one update: the global clip scale over all of it, then each variable."""
+    opt = make_optimizer(spec)
+    values = list(init)
+    states = [opt.init_state(v) for v in values]
+    for step_grads in grads:
+        scale = opt.global_clip_scale(step_grads)
+        for i, g in enumerate(step_grads):
+            values[i], states[i] = opt.apply(values[i], g, states[i], clip_scale=scale)
+    return values
+
+
+def assert_like_keras(ours, theirs, exact):
+    for shape, a, b in zip(APPLY_SHAPES, ours, theirs):
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=f"variable of shape {shape}")
+        else:
+            # The bound of the module docstring: within 1e-6 of the variable's largest magnitude
+            # (measured: 1e-7); element by element a small element can be 2e-6 relative off.
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.max(np.abs(b)), err_msg=f"shape {shape}")
+            assert not np.isnan(a).any()
+
+
+def make_keras(keras, case, option=None, schedule=None):
+    class_name, kwargs = KERAS_OPTIMIZERS[case]
+    kwargs = {**kwargs, **OPTIONS.get(option, {})}
+    if schedule is not None:
+        name, config = SCHEDULES[schedule]
+        kwargs["learning_rate"] = getattr(keras.optimizers.schedules, name)(**config)
+    return getattr(keras.optimizers, class_name)(**kwargs)
+
+
+@pytest.mark.parametrize("case,option", APPLY_CASES, ids=[f"{c}-{o}" for c, o in APPLY_CASES])
+def test_every_optimizer_and_option_matches_eager_keras_after_20_updates(keras, case, option):
+    init, grads = apply_problem()
+    optimizer = make_keras(keras, case, option)
+    spec = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
+    ours = ours_apply(spec, init, grads)
+    assert_like_keras(ours, keras_apply(keras, optimizer, init, grads), exact=option not in BY_A_NORM)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("case,option", [("adam", None), ("sgd_nesterov", "weight_decay")])
+def test_a_learning_rate_schedule_matches_eager_keras_bit_for_bit(keras, schedule, case, option):
+    """The schedule at the update count before the step, for the step and for weight decay."""
+    init, grads = apply_problem(seed=1)
+    optimizer = make_keras(keras, case, option, schedule)
+    spec = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
+    assert spec.learning_rate_schedule["class_name"] == SCHEDULES[schedule][0]
+    assert_like_keras(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads), exact=True)
+
+
+@pytest.mark.parametrize("class_name,option", [("Nadam", "ema"), ("Lion", "weight_decay"), ("Adamax", "clipvalue")])
+def test_the_options_apply_around_the_more_optimizers_too(keras, class_name, option):
+    pytest.importorskip("ps_server.core.more_optimizers")
+    init, grads = apply_problem(seed=2)
+    optimizer = getattr(keras.optimizers, class_name)(**OPTIONS[option])
+    spec = OptimizerSpec.from_keras(class_name, optimizer.get_config())
+    assert type(make_optimizer(spec)).__name__ == class_name
+    assert_like_keras(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads), exact=True)
+
+
+def test_from_keras_reads_every_argument_of_the_keras_config(keras):
+    optimizer = keras.optimizers.RMSprop(learning_rate=0.02, rho=0.8, momentum=0.5, epsilon=1e-6, centered=True,
+                                         clipvalue=0.5, use_ema=True, ema_momentum=0.95, ema_overwrite_frequency=7)
+    spec = OptimizerSpec.from_keras("RMSprop", optimizer.get_config())
+    assert spec == OptimizerSpec("rmsprop", learning_rate=np.float32(0.02).item(), rho=0.8, momentum=0.5,
+                                 epsilon=1e-6, centered=True, clipvalue=0.5, use_ema=True, ema_momentum=0.95,
+                                 ema_overwrite_frequency=7)
+    assert OptimizerSpec.from_keras("AdamW", keras.optimizers.AdamW(weight_decay=0.0).get_config()).name == "adam"
+
+
+@pytest.mark.parametrize("class_name,config,message", [
+    ("Adadelta", {}, "optimizer Adadelta cannot run on the server"),
+    ("LossScaleOptimizer", {}, "optimizer LossScaleOptimizer cannot run on the server"),
+    ("SGD", {"loss_scale_factor": 128.0}, "SGD with loss_scale_factor=128.0 cannot run on the server"),
+    ("Adam", {"gradient_accumulation_steps": 4}, "Adam with gradient_accumulation_steps=4 cannot run"),
+    ("Adam", {"use_ema": True, "ema_overwrite_frequency": None},
+     "use_ema=True and ema_overwrite_frequency=None cannot run on the server: Keras swaps"),
+    ("SGD", {"lr": 0.1}, "SGD has config keys the server does not know: lr"),
+    ("SGD", {"learning_rate": {"class_name": "MySchedule", "config": {}, "module": None,
+                               "registered_name": "MySchedule"}}, "learning-rate schedule MySchedule"),
+    ("Adam", {"learning_rate": 0.0}, "learning_rate must be > 0"),
+    ("RMSprop", {"rho": 1.5}, r"rho must be in \[0, 1\)"),
+])
+def test_from_keras_refuses_what_the_server_cannot_run_in_one_line_naming_it(class_name, config, message):
+    with pytest.raises(InvalidArgument, match=message) as e:
+        OptimizerSpec.from_keras(class_name, {"name": "x", "is_legacy_optimizer": False, **config})
+    assert "\n" not in str(e.value)
+
+
+def test_global_clip_scale_is_clipnorm_over_the_norm_of_all_gradients_and_one_below_it():
+    opt = make_optimizer(OptimizerSpec("sgd", learning_rate=1.0, global_clipnorm=1.0))
+    grads = [np.array([3.0, 0.0], np.float32), np.array([4.0], np.float32)]  # norm 5
+    assert opt.global_clip_scale(grads) == np.float32(0.2)
+    assert opt.global_clip_scale([g / 10 for g in grads]) == np.float32(1.0)
+    w = np.zeros(2, np.float32)
+    np.testing.assert_array_equal(opt.apply(w, grads[0], opt.init_state(w), clip_scale=np.float32(0.2))[0],
+                                  np.array([-3 * np.float32(0.2), 0.0], np.float32))
+    with pytest.raises(InvalidArgument, match="global_clipnorm clips by the norm of the whole update"):
+        opt.apply(w, grads[0], opt.init_state(w))
+    assert make_optimizer(OptimizerSpec("sgd")).global_clip_scale(grads) is None
+
+
+def test_ema_slot_is_the_moving_average_and_overwrites_the_variable_every_frequency_steps():
+    opt = make_optimizer(OptimizerSpec("sgd", learning_rate=1.0, use_ema=True, ema_momentum=0.5,
+                                       ema_overwrite_frequency=2))
+    w = np.zeros(1, np.float32)
+    state = opt.init_state(w)
+    w, state = opt.apply(w, np.ones(1, np.float32), state)  # w = -1; first step: ema = w
+    assert w[0] == -1.0 and state["ema"][0] == -1.0
+    w, state = opt.apply(w, np.ones(1, np.float32), state)  # w = -2; ema = 0.5*-1 + 0.5*-2; w = ema
+    assert state["ema"][0] == -1.5 and w[0] == -1.5
