@@ -43,7 +43,16 @@ OPTIMIZERS = {
     "sgd": OptimizerSpec("sgd", learning_rate=0.1),
     "sgd-nesterov": OptimizerSpec("sgd", learning_rate=0.05, momentum=0.9, nesterov=True),
     "adam": OptimizerSpec("adam", learning_rate=0.01),
+    # The Keras options around a step, and a schedule that carries on at the restored update count.
+    "rmsprop-centered-ema-schedule": OptimizerSpec(
+        "rmsprop", momentum=0.5, centered=True, use_ema=True, ema_overwrite_frequency=3, weight_decay=0.01,
+        learning_rate_schedule={"class_name": "ExponentialDecay",
+                                "config": {"initial_learning_rate": 0.01, "decay_steps": 2, "decay_rate": 0.5}}),
+    "adamw-amsgrad-global-clipnorm": OptimizerSpec("adamw", learning_rate=0.01, amsgrad=True, global_clipnorm=1.0),
 }
+SLOTS = {"sgd": set(), "sgd-nesterov": {"momentum"}, "adam": {"m", "v"},
+         "rmsprop-centered-ema-schedule": {"velocity", "momentum", "average_gradient", "ema"},
+         "adamw-amsgrad-global-clipnorm": {"m", "v", "v_hat"}}
 
 
 def initial_values() -> dict[str, np.ndarray]:
@@ -115,7 +124,7 @@ def test_round_trip_is_bit_exact_with_optimizer_slots_and_iterations(tmp_path, o
     back = read_checkpoint(write_checkpoint(str(tmp_path), state))
     assert_same_state(state, back)
     assert all(s["iterations"] == 3 for s in back.states.values())
-    slots = {"sgd": set(), "sgd-nesterov": {"momentum"}, "adam": {"m", "v"}}[opt]
+    slots = SLOTS[opt]
     assert all(set(s) == slots | {"iterations"} for s in back.states.values())
     assert (back.mode, back.num_workers, back.incarnation) == ("sync", 2, ps.incarnation)
     assert [r.worker_id for r in back.members] == [0, 1]
@@ -440,3 +449,71 @@ def test_the_checkpoint_module_loads_neither_grpc_nor_tensorflow():
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- the learning rate and the update count ----------------------------------------------------
+def test_a_learning_rate_set_by_the_chief_and_the_update_count_survive_a_restore(tmp_path):
+    first = started(OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9))
+    train_sync(first, 0, 2)
+    first.store.set_learning_rate(0.025)
+    train_sync(first, 2, 3)
+    path = write_checkpoint(str(tmp_path), first.checkpoint_state())
+    restarted = ParameterServer("sync", 2, barrier_timeout=30.0)
+    restarted.restore(read_checkpoint(path))
+    assert restarted.store.optimizer_spec == OptimizerSpec("sgd", learning_rate=0.025, momentum=0.9)
+    assert restarted.store.optimizer_iterations() == 3 and restarted.store.current_learning_rate() == 0.025
+    status = restarted.status()
+    assert (status.optimizer_iterations, status.learning_rate_now) == (3, 0.025)
+    restarted.register(0, 2)  # the restarted chief initializes with its compiled rate: harmless
+    assert restarted.initialize(0, initial_values(), OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9)) \
+        == (False, 3)
+
+
+def test_a_schedule_carries_on_at_the_restored_update_count(tmp_path):
+    spec = OPTIMIZERS["rmsprop-centered-ema-schedule"]
+    first = started(spec)
+    train_sync(first, 0, 5)
+    restarted = ParameterServer("sync", 2, barrier_timeout=30.0)
+    restarted.restore(read_checkpoint(write_checkpoint(str(tmp_path), first.checkpoint_state())))
+    assert restarted.store.optimizer_iterations() == 5
+    # ExponentialDecay(0.01, 2, 0.5) at step 5: 0.01 * 0.5 ** 2.5, in float32
+    assert restarted.store.current_learning_rate() == first.store.current_learning_rate()
+    assert restarted.store.current_learning_rate() == pytest.approx(0.01 * 0.5 ** 2.5, rel=1e-6)
+
+
+def _rewrite_header(blob: bytes, change) -> bytes:
+    """The file ``blob`` with its JSON header passed through ``change``, lengths and checksum redone."""
+    import hashlib
+
+    prefix = struct.Struct("<8sIIQQ")
+    magic, fmt, flags, header_len, data_len = prefix.unpack_from(blob)
+    header = json.loads(blob[prefix.size:prefix.size + header_len])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-(prefix.size + len(text)) % 64)
+    body = prefix.pack(magic, fmt, flags, len(text), data_len) + text + \
+        blob[prefix.size + header_len:len(blob) - 32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_checkpoint_written_before_the_keras_fields_reads_with_keras_defaults(tmp_path):
+    ps = started(OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9))
+    train_sync(ps, 0, 2)
+    state = ps.checkpoint_state()
+
+    def as_before(header):
+        header.pop("initial_learning_rate")
+        header["optimizer"] = {k: header["optimizer"][k] for k in ("name", "learning_rate", "momentum", "nesterov",
+                                                                  "beta_1", "beta_2", "epsilon")}
+
+    back = checkpoint.decode(_rewrite_header(checkpoint.encode(state), as_before))
+    assert back.optimizer == state.optimizer and back.initial_learning_rate is None
+    assert_same_state(state, back)
+
+
+def test_a_zero_dimensional_slot_round_trips():
+    state = ServerState(mode="async", num_workers=1, version=4, optimizer=OptimizerSpec("sgd"),
+                        values={"w": np.arange(3, dtype=np.float32)},
+                        states={"w": {"u_product": np.array(0.25, np.float32), "iterations": 4}})
+    back = checkpoint.decode(checkpoint.encode(state))
+    assert back.states["w"]["u_product"].shape == () and back.states["w"]["u_product"] == np.float32(0.25)

@@ -339,3 +339,63 @@ def test_initialize_again_with_the_first_learning_rate_after_set_learning_rate_i
     assert store.optimizer_spec.learning_rate == 0.25
     with pytest.raises(SpecConflict, match="optimizer is stored as"):
         store.initialize(initial(), OptimizerSpec("sgd", learning_rate=0.3))
+
+
+def test_set_learning_rate_is_refused_while_the_learning_rate_is_a_schedule():
+    s = VariableStore()
+    schedule = {"class_name": "InverseTimeDecay", "config": {"initial_learning_rate": 0.5, "decay_steps": 1,
+                                                             "decay_rate": 1.0}}
+    s.initialize(initial(), OptimizerSpec("sgd", learning_rate_schedule=schedule))
+    with pytest.raises(InvalidArgument, match="the optimizer's learning rate is a schedule"):
+        s.set_learning_rate(0.1)
+    assert s.current_learning_rate() == 0.5  # 0.5 / (1 + 0)
+    s.apply_all(grads())
+    assert s.optimizer_iterations() == 1 and s.current_learning_rate() == 0.25  # 0.5 / (1 + 1)
+    np.testing.assert_array_equal(s.read()[1]["w"], initial()["w"] - 0.5)  # the first step used 0.5
+
+
+def test_optimizer_iterations_count_the_updates_every_trainable_variable_had(store):
+    assert store.optimizer_iterations() == 0 and store.current_learning_rate() == 0.5
+    store.apply_all(grads())
+    store.apply_one("w", np.ones((2, 3), np.float32))  # half of an async push
+    assert store.optimizer_iterations() == 1
+    store.apply_one("b", np.ones(2))
+    assert store.optimizer_iterations() == 2
+
+
+def global_clip_store(non_trainable=()):
+    s = VariableStore()
+    s.initialize({"a": np.zeros(2, np.float32), "b": np.zeros(1, np.float32), "n": np.zeros(1, np.float32)},
+                 OptimizerSpec("sgd", learning_rate=1.0, global_clipnorm=1.0), non_trainable=non_trainable)
+    return s
+
+
+GLOBAL = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([0.0], np.float32), "n": np.array([4.0], np.float32)}
+
+
+def test_global_clipnorm_takes_one_norm_over_every_gradient_of_the_round():
+    s = global_clip_store()
+    s.apply_all(GLOBAL)  # norm 5: every gradient times 0.2
+    scale = np.float32(1.0) * np.minimum(np.float32(1.0) / np.float32(5.0), np.float32(1.0))
+    np.testing.assert_array_equal(s.read()[1]["a"], -(GLOBAL["a"] * scale))
+    np.testing.assert_array_equal(s.read()[1]["n"], -(GLOBAL["n"] * scale))
+
+
+def test_global_clipnorm_leaves_the_non_trainable_changes_out_of_the_norm():
+    s = global_clip_store(non_trainable=["n"])
+    s.apply_all(GLOBAL)  # norm 3 over a and b: a times 1/3; n's change added as it is
+    np.testing.assert_array_equal(s.read()[1]["a"], -(GLOBAL["a"] * (np.float32(1.0) / np.float32(3.0))))
+    np.testing.assert_array_equal(s.read()[1]["n"], GLOBAL["n"])
+
+
+def test_an_async_push_with_global_clipnorm_takes_its_norm_once_through_apply_push():
+    s, t = global_clip_store(), global_clip_store()
+    s.apply_push(GLOBAL)
+    t.apply_all(GLOBAL)
+    for name in GLOBAL:
+        np.testing.assert_array_equal(s.read()[1][name], t.read()[1][name])
+    assert s.version == 0  # the caller counts the push
+    with pytest.raises(InvalidArgument, match="global_clipnorm clips by the norm of the whole update"):
+        s.apply_one("a", GLOBAL["a"])
+    s.apply_one("a", GLOBAL["a"], clip_scale=s.global_clip_scale(GLOBAL))
+    np.testing.assert_array_equal(s.read()[1]["a"], 2 * t.read()[1]["a"])
