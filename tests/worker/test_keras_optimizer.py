@@ -1,0 +1,97 @@
+"""Tests of worker.keras_optimizer: a compiled Keras optimizer as the server's fields.
+
+    python -m pytest tests/worker/test_keras_optimizer.py -q
+
+With real Keras 3 optimizers: what the worker sends is what the server reads from the
+same optimizer (``OptimizerSpec.from_keras``), across the wire's OptimizerConfig; what
+the server cannot run is refused in one line naming it.
+"""
+
+import json
+import os
+
+import pytest
+
+from protos import tfps_pb2 as pb
+from ps_server.core.optimizers import OptimizerSpec
+from ps_server.service import optimizer_from_wire
+from worker.keras_optimizer import spec_fields
+
+
+@pytest.fixture(scope="module")
+def keras():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras as keras_module
+
+    return keras_module
+
+
+def optimizers(keras):
+    O, S = keras.optimizers, keras.optimizers.schedules
+    return [
+        O.SGD(learning_rate=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        O.Adam(amsgrad=True, clipnorm=1.0),
+        O.AdamW(learning_rate=S.CosineDecay(0.0, 100, warmup_target=0.01, warmup_steps=10)),
+        O.Adagrad(initial_accumulator_value=0.5, global_clipnorm=2.0),
+        O.RMSprop(rho=0.8, momentum=0.5, centered=True, use_ema=True, ema_overwrite_frequency=5),
+        O.Adamax(clipvalue=0.5),
+        O.Nadam(learning_rate=S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])),
+        O.Ftrl(l1_regularization_strength=0.01, beta=0.1),
+        O.Lion(learning_rate=S.ExponentialDecay(1e-4, 100, 0.9, staircase=True)),
+    ]
+
+
+def test_the_server_reads_from_the_wire_what_it_reads_from_the_optimizer_itself(keras):
+    for optimizer in optimizers(keras):
+        fields = spec_fields(optimizer)
+        assert set(fields) == {f.name for f in pb.OptimizerConfig.DESCRIPTOR.fields}
+        sent = optimizer_from_wire(pb.OptimizerConfig(**fields))
+        expected = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
+        assert sent == expected, type(optimizer).__name__
+        sent.validate()
+
+
+def test_a_schedule_travels_as_the_json_of_its_serialization(keras):
+    schedule = keras.optimizers.schedules.InverseTimeDecay(0.1, 10, 0.5)
+    fields = spec_fields(keras.optimizers.SGD(learning_rate=schedule))
+    assert json.loads(fields["learning_rate_schedule"]) == keras.optimizers.schedules.serialize(schedule)
+    assert spec_fields(keras.optimizers.SGD())["learning_rate_schedule"] == ""
+
+
+def test_adamw_without_weight_decay_is_sent_as_adam(keras):
+    assert spec_fields(keras.optimizers.AdamW(weight_decay=0.0))["name"] == "adam"
+
+
+def refusals(keras):
+    O = keras.optimizers
+
+    class MySchedule(O.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.1
+
+        def get_config(self):
+            return {}
+
+    class MyAdam(O.Adam):
+        pass
+
+    wd = O.AdamW()
+    wd.exclude_from_weight_decay(var_names=["bias"])
+    return [
+        (O.Adadelta(), "optimizer Adadelta cannot run on the server"),
+        (MyAdam(), r"optimizer tests\.worker\.test_keras_optimizer\.MyAdam cannot run on the server"),
+        (type("Adam", (O.Adam,), {"__module__": "my_program"})(), "optimizer my_program.Adam cannot run"),
+        (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server"),
+        (O.SGD(loss_scale_factor=128.0), "SGD with loss_scale_factor=128.0 cannot run on the server"),
+        (O.Adam(gradient_accumulation_steps=4), "Adam with gradient_accumulation_steps=4 cannot run"),
+        (O.Adam(use_ema=True), "use_ema=True and ema_overwrite_frequency=None cannot run on the server"),
+        (O.SGD(learning_rate=MySchedule()), "learning-rate schedule MySchedule .* cannot run on the server"),
+        (wd, "AdamW with exclude_from_weight_decay cannot run on the server"),
+    ]
+
+
+def test_what_the_server_cannot_run_is_refused_in_one_line_naming_it(keras):
+    for optimizer, message in refusals(keras):
+        with pytest.raises(ValueError, match=message) as e:
+            spec_fields(optimizer)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,47 @@
+"""The compiled Keras optimizer as the server's optimizer fields.
+
+    fields = spec_fields(model.optimizer)   # every OptimizerConfig field; ValueError if it cannot run
+    Connection(config, model, optimizer_spec=fields)
+
+The server runs the optimizer (``ps_server.core.optimizers``: SGD, Adam, AdamW,
+Adagrad, RMSprop, Adamax, Nadam, Ftrl, Lion, their options and Keras' six
+learning-rate schedules); the worker's Keras optimizer never steps. ``spec_fields``
+reads ``type(optimizer).__name__`` and ``optimizer.get_config()`` and returns the
+fields as ``ps_common.names.optimizer_fields`` gives them (None as 0, the schedule
+as its JSON), so a program's optimizer reaches the server exactly as compiled.
+
+What the server cannot run is refused here, before any training, with one line
+naming it (ValueError), by the rules the server applies too
+(``ps_common.names.keras_optimizer_fields``): another optimizer class (a subclass
+of a Keras optimizer, ``LossScaleOptimizer`` from mixed precision), ``loss_scale_factor``,
+``gradient_accumulation_steps``, ``use_ema`` without ``ema_overwrite_frequency``,
+a learning rate that is neither a number nor one of Keras' schedules, a config key
+the server does not know. Added here, because ``get_config`` does not show it:
+``exclude_from_weight_decay``. The server checks a schedule's config in full at
+initialization.
+"""
+
+from __future__ import annotations
+
+from ps_common.names import keras_optimizer_fields, optimizer_fields
+
+
+def spec_fields(optimizer) -> dict:
+    """Every OptimizerConfig field of the compiled Keras 3 ``optimizer`` (``model.optimizer``).
+
+    Raises ValueError, one line naming the optimizer, option or schedule, for what the
+    server cannot run (module docstring).
+    """
+    cls = type(optimizer)
+    if not cls.__module__.startswith("keras."):  # a user's class, whatever its name
+        raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on the server: it runs "
+                         "keras.optimizers' own classes only")
+    config = optimizer.get_config()
+    fields = keras_optimizer_fields(cls.__name__, config)
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None) or \
+        getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    if excluded and fields.get("weight_decay"):
+        raise ValueError(f"{cls.__name__} with exclude_from_weight_decay cannot run on the server: it decays "
+                         "every variable")
+    name = fields.pop("name")
+    return optimizer_fields(name, **fields)
