@@ -118,9 +118,12 @@ class WorkerConfig:
         return self.learning_rate or OPTIMIZER_DEFAULTS[self.optimizer]["learning_rate"]
 
     def optimizer_spec(self) -> dict:
-        """The optimizer as the server's ``OptimizerSpec`` fields."""
-        return optimizer_fields(self.optimizer, learning_rate=self.lr, momentum=self.momentum,
-                                nesterov=self.nesterov)
+        """The optimizer as every field of the wire's OptimizerConfig (``optimizer_fields``):
+        Keras' defaults of ``--optimizer`` but the learning rate, momentum and nesterov given
+        (the last two count only for the optimizers that take them: sgd, rmsprop)."""
+        takes = OPTIMIZER_DEFAULTS.get(self.optimizer, {})
+        given = {k: getattr(self, k) for k in ("momentum", "nesterov") if k in takes}
+        return optimizer_fields(self.optimizer, learning_rate=self.lr, **given)
 
     @property
     def ps_addresses(self) -> list[str]:
