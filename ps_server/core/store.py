@@ -5,7 +5,18 @@
     version, values = store.read()               # consistent snapshot
     version, changed = store.read(since=version) # only what changed after it
     store.apply_all({"w": g})                    # sync: one step on every variable
+    store.apply_push({"w": g})                   # async: variable by variable, each under its own lock
     store.apply_one("w", g)                      # async: one variable, its own lock
+    store.set_learning_rate(0.05)                # the chief's LearningRateScheduler / ReduceLROnPlateau
+    store.current_learning_rate(), store.optimizer_iterations()
+
+One update is one Keras ``optimizer.apply``: ``global_clipnorm`` takes its norm over
+the gradients of all trainable variables of the update, once (``apply_all``: the
+round's mean gradients; ``apply_push``: one push) and hands the factor to each
+variable's step. ``optimizer_iterations`` is Keras' ``optimizer.iterations``, the
+count a learning-rate schedule is evaluated at; it is kept per variable (each
+variable's optimizer state) and so survives a checkpoint, as does a learning rate
+changed by ``set_learning_rate`` (it is in the optimizer spec).
 
 Values are copy-on-write: an optimizer step builds a new array and swaps the
 reference, so an array handed to a reader is never modified afterwards (arrays

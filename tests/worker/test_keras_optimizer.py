@@ -95,3 +95,17 @@ def test_what_the_server_cannot_run_is_refused_in_one_line_naming_it(keras):
         with pytest.raises(ValueError, match=message) as e:
             spec_fields(optimizer)
         assert "\n" not in str(e.value)
+
+
+def test_a_spec_crosses_the_wire_and_back_unchanged():
+    from ps_server.service import optimizer_to_wire
+
+    specs = [
+        OptimizerSpec("adamw", learning_rate=0.002, amsgrad=True, global_clipnorm=1.5),
+        OptimizerSpec("rmsprop", centered=True, use_ema=True, ema_overwrite_frequency=4, weight_decay=0.01,
+                      learning_rate_schedule={"class_name": "PolynomialDecay",
+                                              "config": {"initial_learning_rate": 0.1, "decay_steps": 50}}),
+        OptimizerSpec("sgd", 0.1),
+    ]
+    for spec in specs:
+        assert optimizer_from_wire(optimizer_to_wire(spec)) == spec
