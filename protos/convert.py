@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Mapping
 
+from protos import codec, wire
 from protos import tfps_pb2 as pb
-from protos import wire
 from ps_common.records import PushReply, Registration
 
 
@@ -82,10 +82,20 @@ REGISTRATION = Conversion(
     wire_only={"shm_token", "shm_nonce", "shm_error"},  # the probe's answer (ps_server.service)
 )
 
+def metrics_to_wire(metrics: Mapping[str, "np.ndarray"]) -> list:
+    """A push reply's metric sums as Tensors (``protos.codec``), in name order."""
+    return [codec.encode(name, metrics[name]) for name in sorted(metrics)]
+
+
+def metrics_from_wire(tensors) -> dict:
+    """Tensors back to {name: read-only array}; ``codec.CodecError`` for a malformed one."""
+    return codec.decode_many(tensors)
+
+
 PUSH_REPLY = Conversion(
     PushReply, pb.PushResponse,
-    wire_only={"variables", "incarnation",  # the sync shortcut's values (PushRequest.return_values)
-               "metrics", "learning_rate"},  # TODO(keras): filled by the round's metric sums and the optimizer
+    to_wire={"metrics": metrics_to_wire}, from_wire={"metrics": metrics_from_wire},
+    wire_only={"variables", "incarnation"},  # the sync shortcut's values (PushRequest.return_values)
 )
 
 CONVERSIONS = (REGISTRATION, PUSH_REPLY)

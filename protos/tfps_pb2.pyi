@@ -430,3 +430,21 @@ class StatusResponse(_message.Message):
     optimizer_iterations: int
     learning_rate_now: float
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ...) -> None: ...
+
+class BroadcastRequest(_message.Message):
+    __slots__ = ("worker_id", "key", "value", "timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    key: str
+    value: bytes
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class BroadcastResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...

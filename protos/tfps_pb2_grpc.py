@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Broadcast = channel.unary_unary(
+                '/tfps.v1.ParameterServer/Broadcast',
+                request_serializer=protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.BroadcastResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -142,6 +147,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Broadcast(self, request, context):
+        """The chief posts a value under a key; the others wait for it (BroadcastRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_tfps__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.StatusResponse.SerializeToString,
+            ),
+            'Broadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.Broadcast,
+                    request_deserializer=protos_dot_tfps__pb2.BroadcastRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.BroadcastResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +451,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/Status',
             protos_dot_tfps__pb2.StatusRequest.SerializeToString,
             protos_dot_tfps__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Broadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/Broadcast',
+            protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
+            protos_dot_tfps__pb2.BroadcastResponse.FromString,
             options,
             channel_credentials,
             insecure,

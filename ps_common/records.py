@@ -47,6 +47,14 @@ class PushReply:
     dropped: bool = False  # sync with backup workers: the round completed without it
     next_step: int = 0  # the step this worker should push next
     replayed: bool = False  # already applied before: this is the recorded answer
+    # The learning rate the optimizer used for this update (a schedule's value at the
+    # update count, or the constant or last set one; with stale policy "scale", before
+    # scaling); 0.0 when nothing was applied (dropped). A replay carries the recorded one.
+    learning_rate: float = 0.0
+    # Sync: the round's sum of the pushed metrics, name -> read-only array, the same bits
+    # for every participant; {} in async and ssp, for a dropped push, and when none were
+    # pushed. Left out of ==: arrays compare element by element, not as one truth value.
+    metrics: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 __all__ = ["PushReply", "Registration"]

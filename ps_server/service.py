@@ -32,7 +32,7 @@ import numpy as np
 from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
-from ps_server.core import errors
+from ps_server.core import broadcast, errors
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
@@ -58,6 +58,8 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WorkerDead: grpc.StatusCode.ABORTED,
     shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
+    broadcast.BroadcastConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    broadcast.BroadcastTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 def status_code_for(exc: Exception) -> grpc.StatusCode:
@@ -319,6 +321,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 batch_size=request.batch_size,
                 gradients=gradients,
                 loss=request.loss,
+                metrics=codec.decode_many(request.metrics),
+                set_learning_rate=request.set_learning_rate,
             )
         )
         reply = convert.PUSH_REPLY.to_wire(result)
@@ -346,10 +350,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         layout = stream.Layout.of(h.gradients)
         if h.shm_offsets and not h.shm_name:
             raise codec.CodecError("PushStream: shm_offsets without shm_name")
+        metrics = codec.decode_many(h.metrics)  # small: whole in the header
         self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
-                             sparse=_sparse_names(h.gradients))
+                             sparse=_sparse_names(h.gradients), metrics=metrics,
+                             set_learning_rate=h.set_learning_rate)
         if h.shm_name:
-            return self._push_from_segment(h, layout, request_iterator)
+            return self._push_from_segment(h, layout, metrics, request_iterator)
         buffer = self.buffers.acquire(layout.nbytes)
         try:
             assembler = stream.Assembler(layout, buffer)
@@ -361,12 +367,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 assembler.feed(chunk)
             gradients = _sparse(self._widen_half(assembler.arrays()), h.gradients)
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
-                                         batch_size=h.batch_size, gradients=gradients, loss=h.loss))
+                                         batch_size=h.batch_size, gradients=gradients, loss=h.loss,
+                                         metrics=metrics, set_learning_rate=h.set_learning_rate))
         finally:  # the core keeps no reference to the gradients once push returns
             self.buffers.release(buffer)
         return convert.PUSH_REPLY.to_wire(result)
 
-    def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, rest) -> pb.PushResponse:
+    def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict,
+                           rest) -> pb.PushResponse:
         """A push whose gradients lie in the worker's segment: checked whole, then applied
         from read-only views of it. The core keeps no reference once push returns, and the
         worker leaves the segment alone until then."""
@@ -376,7 +384,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         raw = shm.views(segment, layout.entries, list(h.shm_offsets))
         gradients = _sparse(self._widen_half(stream.widened(layout.entries, raw)), h.gradients)
         result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
-                                     batch_size=h.batch_size, gradients=gradients, loss=h.loss))
+                                     batch_size=h.batch_size, gradients=gradients, loss=h.loss,
+                                     metrics=metrics, set_learning_rate=h.set_learning_rate))
         return convert.PUSH_REPLY.to_wire(result)
 
     def _widen_half(self, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -407,6 +416,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Heartbeat(self, request, context):
         self.core.heartbeat(request.worker_id, request.step)
         return pb.HeartbeatResponse(lease_timeout_s=self.core.members.lease_timeout, incarnation=self.core.incarnation)
+
+    @_handled
+    def Broadcast(self, request, context):
+        # Blocks a non-chief for at most the barrier timeout; the thread pool is sized
+        # for every worker to wait at once (as at the barrier).
+        value = self.core.broadcast(request.worker_id, request.key, request.value, request.timeout_s)
+        return pb.BroadcastResponse(value=value)
 
     @_handled
     def Status(self, request, context):

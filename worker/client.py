@@ -4,6 +4,7 @@
     reg = client.register(worker_index=0, num_workers=2)
     version, values = client.pull(reg.worker_id)
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
+    value = client.broadcast(reg.worker_id, "epoch-1", b"stop" if chief else None, timeout=30.0)
 
 NumPy in, NumPy out: no TensorFlow here. Three transports behind one interface
 (``worker.transports``): pulls and pushes of at most ``SMALL_BYTES`` go as one
@@ -30,7 +31,7 @@ returns are copies, valid after the next pull. ``close()`` unlinks the
 segments, and so does interpreter exit.
 
 Each call carries a deadline. Calls
-that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat)
+that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat, Broadcast)
 are retried on UNAVAILABLE by the channel's service-config retry policy. Push
 is retried only by the trainer, deliberately: the server answers a repeated
 (worker, step) from its record instead of applying it twice. Failures surface as
@@ -70,7 +71,7 @@ SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status", "Heartbeat")],
+                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status", "Heartbeat", "Broadcast")],
                 "retryPolicy": _RETRY_POLICY,
             }
         ]
@@ -255,17 +256,26 @@ class PSClient:
         gradients: Mapping[str, np.ndarray],
         loss: float = 0.0,
         timeout: float | None = None,
+        metrics: Mapping[str, np.ndarray] | None = None,
+        set_learning_rate: float = 0.0,
     ) -> PushReply:
         """Unary, streamed, or through shared memory; either way applied once or refused whole.
 
-        A gradient may be a ``SparseRows`` (an embedding's): only its rows travel."""
+        A gradient may be a ``SparseRows`` (an embedding's): only its rows travel.
+        ``metrics`` (sync): small named tensors the server sums over the round, in worker
+        order; the reply's ``metrics`` is that sum ({name: array}), the same for every
+        worker of the round. ``set_learning_rate`` > 0: the optimizer's constant learning
+        rate from this push's update on (sync: its round's). The reply's ``learning_rate``
+        is the rate the optimizer used for this update."""
         try:
             arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
                       for n, g in gradients.items()}
+            metric_tensors = [codec.encode(n, np.asarray(m)) for n, m in (metrics or {}).items()]
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rows = {n: np.asarray(g.rows, dtype=np.int64) for n, g in gradients.items() if isinstance(g, SparseRows)}
-        outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, arrays, rows)
+        outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, arrays, rows,
+                                metrics=metric_tensors, set_learning_rate=float(set_learning_rate))
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
         if outgoing.nbytes <= self._unary_limit():  # one message beats a stream
@@ -276,7 +286,21 @@ class PSClient:
             reply = self.shared_memory.push(outgoing, timeout)
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
-        return convert.PUSH_REPLY.from_wire(reply)
+        try:
+            return convert.PUSH_REPLY.from_wire(reply)
+        except codec.CodecError as e:
+            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
+
+    def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
+        """The chief's (worker 0's) value under ``key``. The chief passes ``value`` and is
+        answered at once; any other worker passes None and waits until the chief posted
+        ``key``, at most ``timeout`` seconds (and the server's barrier timeout):
+        DEADLINE_EXCEEDED after that. A repeated post of the same value is harmless, so
+        the call is retried like the other idempotent ones."""
+        request = pb.BroadcastRequest(worker_id=worker_id, key=key, value=value or b"", timeout_s=timeout)
+        # The server answers by timeout_s; the deadline leaves it room to say so itself.
+        reply = self.unary.call("Broadcast", request, timeout=timeout + max(5.0, 0.1 * timeout))
+        return reply.value
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew this worker's lease; returns the server's incarnation."""

@@ -87,8 +87,13 @@ def recoverable(e: PSClientError) -> bool:
 class Connection:
     """A worker's registration, step and lease for one model (module docstring)."""
 
-    def __init__(self, config: WorkerConfig, model, client: PSClient | ShardedClient | None = None):
+    def __init__(self, config: WorkerConfig, model, client: PSClient | ShardedClient | None = None,
+                 optimizer_spec: dict | None = None):
+        """``optimizer_spec`` (OptimizerConfig fields: a Keras model's compiled optimizer)
+        replaces ``config.optimizer_spec()``: the chief initializes the server with it, and
+        the others check the server's optimizer against it."""
         self.config, self.model = config, model
+        self.optimizer_spec = dict(optimizer_spec) if optimizer_spec is not None else None
         self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
         self.client = client or connect(config)
         self.registration: Registration | None = None
@@ -163,16 +168,30 @@ class Connection:
         self.seen = max(self.seen, version)
         return version
 
-    def push(self, payload: Mapping, loss: float, batch_size: int) -> PushReply:
+    def push(self, payload: Mapping, loss: float, batch_size: int, metrics: Mapping[str, np.ndarray] | None = None,
+             set_learning_rate: float = 0.0) -> PushReply:
         """Push ``payload`` (``worker.gradients.as_pushed``) of ``batch_size`` examples, computed
         from the last pull, for ``step``; then ``step`` is the next one (sync: the server says
-        which, a dropped push skipping ahead)."""
+        which, a dropped push skipping ahead). ``metrics`` (sync: summed over the round, the
+        sum in ``reply.metrics``) and ``set_learning_rate`` (> 0: the optimizer's constant
+        learning rate from this update on) as in ``PSClient.push``."""
         timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
         reply = self.client.push(self.worker_id, self.step, self.version, batch_size, payload, loss,
-                                 timeout=timeout)
+                                 timeout=timeout, metrics=metrics, set_learning_rate=set_learning_rate)
         self.seen = max(self.seen, reply.version)
         self.step = max(reply.next_step, self.step + 1) if self.sync else self.step + 1
         return reply
+
+    def broadcast(self, key: str, value: bytes | None, timeout: float) -> bytes:
+        """The chief's decision under ``key``: the chief posts ``value`` (bytes; it must give
+        one) and gets it back at once; every other worker waits for the chief's, at most
+        ``timeout`` seconds (and the server's barrier timeout), else ``PSClientError``
+        DEADLINE_EXCEEDED. What a Keras fit agrees on at each epoch's end."""
+        if self.config.is_chief:
+            if value is None:
+                raise ValueError(f"the chief must post a value for broadcast key {key!r}")
+            return self.client.broadcast(self.worker_id, key, bytes(value), timeout)
+        return self.client.broadcast(self.worker_id, key, None, timeout)
 
     def read(self) -> dict[str, np.ndarray]:
         """The server's values now, leaving the model as it is (a snapshot)."""
@@ -242,8 +261,12 @@ class Connection:
 
     def _initialize(self, worker_id: int | None = None) -> bool:
         return self.client.initialize(self.worker_id if worker_id is None else worker_id, get_values(self.model),
-                                      self.config.optimizer_spec(),
+                                      self._optimizer_spec(),
                                       non_trainable=[v.path for v in non_trainable(self.model)])
+
+    def _optimizer_spec(self) -> dict:
+        """The optimizer this worker trains with: the one given to ``__init__``, else the flags'."""
+        return dict(self.optimizer_spec) if self.optimizer_spec is not None else self.config.optimizer_spec()
 
     def _check_against_server(self) -> None:
         _, values = self.client.wait_initialized(self.worker_id, self.config.init_timeout)
@@ -254,7 +277,7 @@ class Connection:
             raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
                               "start every worker with the same --model")
         server_opt = self.client.status().optimizer
-        wanted = self.config.optimizer_spec()
+        wanted = self._optimizer_spec()
         got = {k: getattr(server_opt, k) for k in wanted}
         if got != wanted:
             raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")

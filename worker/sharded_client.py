@@ -302,9 +302,13 @@ class ShardedClient:
         gradients: Mapping[str, np.ndarray],
         loss: float = 0.0,
         timeout: float | None = None,
+        metrics: Mapping[str, np.ndarray] | None = None,
+        set_learning_rate: float = 0.0,
     ) -> PushReply:
         """Each shard gets its pieces of the gradients, its own base version and
-        (sync) its own round; the replies are combined as the module says."""
+        (sync) its own round; the replies are combined as the module says.
+        ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
+        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``)."""
         placement = self.placement
         if placement is None:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
@@ -317,7 +321,8 @@ class ShardedClient:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
             offsets, sync = list(self._offsets), self._sync
         replies = self._each(self._data, lambda i, c: c.push(
-            worker_id, step + offsets[i], bases[i], batch_size, per_shard[i], loss, timeout=timeout))
+            worker_id, step + offsets[i], bases[i], batch_size, per_shard[i], loss, timeout=timeout,
+            metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate))
         replies = [replies[i] for i in range(self.num_shards)]
         if len({r.dropped for r in replies}) > 1:
             which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))
@@ -333,6 +338,10 @@ class ShardedClient:
                 if self._offsets == offsets:  # not re-registered meanwhile
                     self._offsets = [r.next_step - reply.next_step for r in replies]
         return reply
+
+    def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
+        """``PSClient.broadcast`` on shard 0 alone: one board for the cluster."""
+        return self._clients[0].broadcast(worker_id, key, value, timeout)
 
     def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
         """Pull once the chief has initialized every shard; raise after timeout."""
@@ -388,6 +397,8 @@ PUSH_RULES: dict[str, Callable] = {
     "dropped": any,  # push refuses shards that disagree on it
     "next_step": max,  # in the trainer's count (ShardedClient.push subtracts each shard's offset)
     "replayed": all,  # replayed only if no shard applied it now
+    "learning_rate": first,  # every shard runs the same optimizer at the same count (and set rate)
+    "metrics": first,  # only shard 0 is sent the metrics, so only its round sums them
 }
 
 # A worker a shard never saw counts there as this record: not left, never pushed.

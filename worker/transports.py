@@ -64,6 +64,10 @@ class OutgoingPush:
     arrays: dict[str, tuple[int, np.ndarray]]  # name -> (wire dtype code, C-contiguous little-endian array)
     rows: Mapping[str, np.ndarray]  # sparse gradients: name -> the rows its array holds
     return_values: bool = False  # unary only: the sync shortcut (SyncShortcut)
+    # Small tensors the sync server sums over the round (PushRequest.metrics), already
+    # encoded: every transport sends them whole, in the request or the stream's header.
+    metrics: list[pb.Tensor] = dataclasses.field(default_factory=list)
+    set_learning_rate: float = 0.0  # > 0: the optimizer's constant learning rate from this update on
 
     @property
     def nbytes(self) -> int:
@@ -72,14 +76,16 @@ class OutgoingPush:
     def request(self) -> pb.PushRequest:
         return pb.PushRequest(
             worker_id=self.worker_id, step=self.step, base_version=self.base_version, batch_size=self.batch_size,
-            loss=self.loss, return_values=self.return_values,
+            loss=self.loss, return_values=self.return_values, metrics=self.metrics,
+            set_learning_rate=self.set_learning_rate,
             gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes(), sparse=n in self.rows,
                                  rows=self.rows[n].tolist() if n in self.rows else ())
                        for n, (code, a) in self.arrays.items()])
 
     def header(self) -> pb.PushHeader:
         header = pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
-                               batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays))
+                               batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays),
+                               metrics=self.metrics, set_learning_rate=self.set_learning_rate)
         for meta in header.gradients:
             if meta.name in self.rows:
                 meta.sparse = True

@@ -77,3 +77,52 @@ def _weighted_sum(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
 
 def weighted_loss(losses: Sequence[float], batch_sizes: Sequence[int]) -> float:
     return float(sum(w * l for w, l in zip(batch_weights(batch_sizes), losses)))
+
+
+# -- a round's metrics ---------------------------------------------------------------
+#
+# A push may carry small tensors besides its gradients: the change a Keras model's
+# metric variables made during the worker's step. A sync round sums them, so that
+# every participant can add the same round total to its own metric state.
+
+MetricSpec = dict[str, tuple[np.dtype, tuple[int, ...]]]
+
+
+def metric_spec(metrics: Mapping[str, np.ndarray]) -> MetricSpec:
+    """name -> (native dtype, shape): what every push of a round must agree on."""
+    return {name: (a.dtype.newbyteorder("="), tuple(a.shape)) for name, a in metrics.items()}
+
+
+def metric_difference(mine: MetricSpec, theirs: MetricSpec) -> str | None:
+    """One line naming how ``theirs`` differs from ``mine``; None when they are alike."""
+    if mine == theirs:
+        return None
+    if not mine or not theirs:
+        return "carries no metrics" if not theirs else f"carries metrics ({', '.join(sorted(theirs)[:4])})"
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    if missing:
+        return f"lacks metric(s) {', '.join(map(repr, missing[:4]))}"
+    if extra:
+        return f"has extra metric(s) {', '.join(map(repr, extra[:4]))}"
+    name = next(n for n in sorted(mine) if mine[n] != theirs[n])
+    return (f"has metric {name!r} as {theirs[name][0]}{list(theirs[name][1])}, "
+            f"not {mine[name][0]}{list(mine[name][1])}")
+
+
+def sum_metrics(metrics: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Element-wise sums, in the order given (worker-id order) and in each tensor's own
+    dtype: the first push's tensor, plus the second's, plus the third's..., each sum
+    rounded to the dtype. No float64 accumulation, so anyone can reproduce the bits.
+    The results are fresh read-only arrays in native byte order. Every mapping must
+    have the same names, shapes and dtypes (``metric_difference``)."""
+    if not metrics or not metrics[0]:
+        return {}
+    out = {}
+    for name in sorted(metrics[0]):
+        first = metrics[0][name]
+        acc = np.array(first, dtype=first.dtype.newbyteorder("="), copy=True)  # 0-d stays an array
+        for m in metrics[1:]:
+            np.add(acc, m[name], out=acc)
+        acc.flags.writeable = False
+        out[name] = acc
+    return out

@@ -29,6 +29,15 @@ Stale gradients (``stale_policy``): "none" applies every push as it is;
 (counted, nothing applied); "scale" applies it with the learning rate times
 1/(1 + staleness) (counted as ``scaled`` when staleness > 0).
 
+Learning rate: a push with ``set_learning_rate`` sets the optimizer's constant
+learning rate (``VariableStore.set_learning_rate``) just before its own update,
+so this update and every later one use it; refused (a schedule) before anything
+is applied. A dropped push sets nothing. The reply's ``learning_rate`` is the
+store's rate read just before the update, before the "scale" factor; a push of
+another worker that sets a new rate meanwhile may change it under a concurrent
+update, as any async interleaving may. Metrics (``Push.metrics``) are a sync
+round's: they are checked against the limits and otherwise ignored here.
+
 Exactly once: a worker's steps must increase. A push repeating the worker's
 last applied step (a retry after a lost reply) is answered from the record
 (``replayed``) and not applied again; an older step is refused
@@ -103,6 +112,9 @@ class AsyncMode:
             self.stats.count("dropped")
             return PushResult(version=seen, staleness=staleness, contributors=0, dropped=True,
                               next_step=push.step + 1)
+        if push.set_learning_rate:  # refused (a schedule) before anything is applied
+            self.store.set_learning_rate(push.set_learning_rate)
+        learning_rate = self.store.current_learning_rate()  # before the "scale" policy's factor
         lr_scale = 1.0 / (1 + staleness) if self.stale_policy == "scale" else 1.0
         started = time.perf_counter()
         # Sorted order only makes runs reproducible; correctness does not depend on it.
@@ -113,7 +125,8 @@ class AsyncMode:
         if lr_scale != 1.0:
             self.stats.count("scaled")
         self.stats.record(pushes=1, examples=push.batch_size, staleness=[staleness], loss=push.loss)
-        return PushResult(version=version, staleness=staleness, contributors=1, next_step=push.step + 1)
+        return PushResult(version=version, staleness=staleness, contributors=1, next_step=push.step + 1,
+                          learning_rate=learning_rate)
 
     def status(self) -> ModeStatus:
         return ModeStatus(active_workers=tuple(range(self.members.num_workers)))

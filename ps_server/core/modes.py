@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 MAX_STEP = 2**63 - 1  # steps are below it, so step + 1 still fits in an int64
 MAX_BATCH_SIZE = 2**32  # per push; 2**31 - 1 pushes of it still sum to an int64
+MAX_METRICS = 64  # metric tensors per push: a Keras model's metric states are a few each
+MAX_METRIC_BYTES = 2**20  # all of a push's metrics together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,13 @@ class Push:
     batch_size: int
     gradients: Mapping[str, np.ndarray]
     loss: float = 0.0
+    # Sync: small tensors (a Keras model's metric states: their change during this step)
+    # summed over the round in worker order (``aggregation.sum_metrics``); async and ssp
+    # ignore them. At most MAX_METRICS of them, MAX_METRIC_BYTES in all.
+    metrics: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # > 0: the optimizer's constant learning rate from this push's update on (sync: its
+    # round's); 0: unchanged.
+    set_learning_rate: float = 0.0
 
     def validate(self) -> None:
         # The upper bounds keep every answer and counter a signed 64-bit integer:
@@ -50,6 +59,28 @@ class Push:
             raise InvalidArgument(f"batch_size must be >= 0, got {self.batch_size}")
         if self.batch_size > MAX_BATCH_SIZE:
             raise InvalidArgument(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
+        rate = self.set_learning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)) \
+                or not math.isfinite(rate) or rate < 0:
+            raise InvalidArgument(f"set_learning_rate must be a finite number > 0 (or 0: unchanged), got {rate!r}")
+        check_metrics(self.metrics)
+
+
+def check_metrics(metrics: Mapping[str, np.ndarray]) -> None:
+    """Raise InvalidArgument unless ``metrics`` are at most MAX_METRICS named numeric
+    arrays of at most MAX_METRIC_BYTES in all."""
+    if len(metrics) > MAX_METRICS:
+        raise InvalidArgument(f"a push carries at most {MAX_METRICS} metric tensors, got {len(metrics)}")
+    total = 0
+    for name, a in metrics.items():
+        if not name:
+            raise InvalidArgument("metric names must be non-empty")
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "fi":
+            raise InvalidArgument(f"metric {name!r} must be a float or integer array, got "
+                                  f"{getattr(a, 'dtype', type(a).__name__)}")
+        total += a.nbytes
+    if total > MAX_METRIC_BYTES:
+        raise InvalidArgument(f"a push's metrics hold at most {MAX_METRIC_BYTES} bytes, got {total}")
 
 
 # What a push returns: the record the worker reads back (``ps_common.records``), by the

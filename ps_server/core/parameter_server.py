@@ -6,7 +6,9 @@
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
     version, changed = ps.pull(since=version)     # only variables updated after it
-    ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g))
+    ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
+                 metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+    ps.broadcast(0, "epoch-1", b"stop", timeout=30.0)   # chief posts; others: ps.broadcast(1, "epoch-1", None, 30.0)
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
     ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
 
@@ -29,6 +31,7 @@ from ps_common.names import MODES
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core.async_mode import AsyncMode
+from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import ServerState
 from ps_server.core.errors import ConfigMismatch, InvalidArgument
 from ps_server.core.membership import Membership, WorkerRecord
@@ -123,6 +126,7 @@ class ParameterServer:
         self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore()
         self.stats = Stats()
+        self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if mode == "sync":
@@ -178,12 +182,15 @@ class ParameterServer:
         return self.store.read(names, since)
 
     def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
-                   specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = ()) -> None:
+                   specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = (),
+                   metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> None:
         """Refuse a push from its header alone, before its gradients arrive (streamed pushes):
-        the worker, the step bounds, and every gradient's name, shape and dtype (for the
-        names in ``sparse``, rows of the variable). ``push`` checks all of it again, with the values."""
+        the worker, the step bounds, the metrics' limits and the learning rate's value, and
+        every gradient's name, shape and dtype (for the names in ``sparse``, rows of the
+        variable). ``push`` checks all of it again, with the values."""
         self.members.require(worker_id)
-        Push(worker_id, step, base_version, batch_size, {}).validate()
+        Push(worker_id, step, base_version, batch_size, {}, metrics=metrics or {},
+             set_learning_rate=set_learning_rate).validate()
         self.store.check_gradient_specs(specs, frozenset(sparse))
 
     def push(self, push: Push) -> PushResult:
@@ -201,6 +208,16 @@ class ParameterServer:
 
     def leave(self, worker_id: int) -> None:
         self.members.leave(worker_id)
+
+    def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
+        """The chief's (worker 0's) value under ``key``. The chief posts ``value`` and is
+        answered at once; any other registered worker waits until the chief posted
+        ``key`` (its own ``value`` is ignored), at most ``timeout`` seconds and never more
+        than the barrier timeout, then BroadcastTimeout (``core.broadcast``)."""
+        self.members.require(worker_id)
+        if worker_id == 0:
+            return self.broadcasts.post(key, value or b"")
+        return self.broadcasts.wait_for(key, timeout)
 
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_state(self) -> ServerState | None:

@@ -34,6 +34,22 @@ Guarantees:
   expecting the dead worker and finishes rounds with the live ones, weighted by
   their batch shares (a worker that registers again is expected again).
 
+Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
+- every push of a round carries metrics of the same names, shapes and dtypes, or
+  none; a push that differs from the round's first is refused (InvalidArgument
+  naming the difference) before it joins, and the round goes on without it;
+- the round's metrics are summed element by element in worker-id order, in the
+  tensors' own dtype (``aggregation.sum_metrics``), over the round's
+  contributors only (with backup workers, not the dropped ones); every
+  contributor's reply carries the same sum, a replay the recorded one, a dropped
+  push none;
+- a round in which any contributor set the learning rate is applied with it: it
+  is set (``VariableStore.set_learning_rate``) at completion, just before the
+  optimizer step, and stays for later rounds. Two different values in one round,
+  or any value while the optimizer runs a schedule, refuse the push that brings
+  it, before it joins. Every reply's ``learning_rate`` is the rate the round was
+  applied with.
+
 Threading: ``RoundBook`` is the deterministic core; this class owns the one
 lock around it and the condition ``_round_ended`` (a generation ended:
 completed or aborted, or the set of dead workers changed). The aggregation and
@@ -50,7 +66,7 @@ import time
 from typing import Callable
 
 from ps_common.names import DEAD_WORKER_POLICIES
-from ps_server.core.aggregation import weighted_loss, weighted_mean
+from ps_server.core.aggregation import metric_difference, metric_spec, sum_metrics, weighted_loss, weighted_mean
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
@@ -134,11 +150,36 @@ class SyncMode:
                         "pull first"
                     )
                 self._raise_if_blocked()
+                self._check_round_extras(push)
                 if not self._book.pushed():
                     self._round_started = self._clock()
                 if self._book.add(push.worker_id, push.step, push):
                     return self._complete(self._book.generation)
             return self._wait(self._book.generation, push.step)
+
+    def _check_round_extras(self, push: Push) -> None:
+        """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
+        round's pushes so far: other metric names, shapes or dtypes (every push of a round
+        carries the same or none), another learning rate than one already asked for, or a
+        learning rate while the optimizer runs a schedule. Lock held."""
+        pending = self._book.peek()
+        if pending:
+            first = pending[0]
+            difference = metric_difference(metric_spec(first.metrics), metric_spec(push.metrics))
+            if difference is not None:
+                raise InvalidArgument(
+                    f"worker {push.worker_id}'s push for round {push.step} {difference}, unlike worker "
+                    f"{first.worker_id}'s: every push of a round carries the same metrics (or none); nothing applied")
+        if push.set_learning_rate:
+            asked = {p.set_learning_rate for p in pending if p.set_learning_rate}
+            if asked and push.set_learning_rate not in asked:
+                raise InvalidArgument(
+                    f"worker {push.worker_id} sets the learning rate to {push.set_learning_rate!r} for round "
+                    f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
+            if getattr(self.store.optimizer_spec, "learning_rate_schedule", ""):
+                raise InvalidArgument(
+                    f"worker {push.worker_id} sets the learning rate, but the optimizer's learning rate is a "
+                    "schedule (the server evaluates it at its update count); nothing applied")
 
     def _wait(self, generation: int, step: int) -> PushResult:
         """Wait, lock held, until this generation ends; return or raise its outcome."""
@@ -168,10 +209,19 @@ class SyncMode:
         """Aggregate and apply the full round. Called with the lock held."""
         pushes: list[Push] = self._book.peek()
         started = time.perf_counter()
+        rates = [p.set_learning_rate for p in pushes if p.set_learning_rate]  # all alike (_check_round_extras)
+        previous = None
         try:
             mean = weighted_mean([(p.batch_size, p.gradients) for p in pushes])
+            metrics = sum_metrics([p.metrics for p in pushes])
+            if rates:
+                previous = self.store.current_learning_rate()
+                self.store.set_learning_rate(rates[0])  # this round is applied with it
+            learning_rate = self.store.current_learning_rate()
             version = self.store.apply_all(mean)
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
+            if previous is not None and self.store.current_learning_rate() != previous:
+                self.store.set_learning_rate(previous)  # the round left no trace: its rate neither
             self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
@@ -185,7 +235,8 @@ class SyncMode:
             staleness=[0] * len(pushes),
             loss=weighted_loss([p.loss for p in pushes], sizes),
         )
-        result = PushResult(version=version, staleness=0, contributors=len(pushes), next_step=self._book.round)
+        result = PushResult(version=version, staleness=0, contributors=len(pushes), next_step=self._book.round,
+                            learning_rate=learning_rate, metrics=metrics)
         self._results[completed] = result
         self._results.pop(completed - ROUNDS_REMEMBERED, None)
         self._settle(generation, result)

@@ -9,9 +9,10 @@ or the proto without a way across fails here.
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from protos import convert
+from protos import codec, convert
 from protos import tfps_pb2 as pb
 from ps_common.records import PushReply, Registration
 from ps_server import service
@@ -59,8 +60,25 @@ def test_a_registration_comes_back_from_the_wire_as_it_left_with_the_client_s_sh
 
 
 def test_a_push_reply_comes_back_from_the_wire_as_it_left():
-    reply = PushReply(version=9, staleness=2, contributors=3, dropped=True, next_step=5, replayed=True)
-    assert convert.PUSH_REPLY.from_wire(convert.PUSH_REPLY.to_wire(reply)) == reply
+    metrics = {"acc/total": np.array([1.5, -2.0], np.float32), "acc/count": np.array(7.0)}
+    reply = PushReply(version=9, staleness=2, contributors=3, dropped=True, next_step=5, replayed=True,
+                      learning_rate=0.0125, metrics=metrics)
+    msg = convert.PUSH_REPLY.to_wire(reply)
+    assert msg.learning_rate == 0.0125 and [t.name for t in msg.metrics] == ["acc/count", "acc/total"]
+    back = convert.PUSH_REPLY.from_wire(msg)
+    assert back == reply  # every field but metrics, which == leaves out (arrays)
+    assert {n: (a.dtype, a.shape, a.tobytes()) for n, a in back.metrics.items()} \
+        == {n: (a.dtype, a.shape, a.tobytes()) for n, a in metrics.items()}
+
+
+def test_the_sync_shortcut_s_values_are_the_only_wire_only_push_reply_fields():
+    assert convert.PUSH_REPLY.wire_only == {"variables", "incarnation"}
+
+
+def test_a_malformed_metric_in_a_push_reply_is_a_codec_error():
+    msg = pb.PushResponse(metrics=[pb.Tensor(name="m", dtype=pb.FLOAT32, shape=[2], data=b"\x00" * 4)])
+    with pytest.raises(codec.CodecError, match="'m'"):
+        convert.PUSH_REPLY.from_wire(msg)
 
 
 def test_the_status_on_the_wire_carries_every_core_field_with_ages_taken_at_the_call():

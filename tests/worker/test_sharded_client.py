@@ -60,20 +60,23 @@ class FakeShard:
             raise PSClientError("Pull", self.address, grpc.StatusCode.FAILED_PRECONDITION, "variables not initialized")
         return self.version, {n: self.values[n].copy() for n in (names or self.values)}
 
-    def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None):
+    def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None, metrics=None,
+             set_learning_rate=0.0):
         if self.block:
             self.block.wait(10)
         if self.fail:
             raise self.fail
-        self.pushes.append({"step": step, "base_version": base_version, "gradients": dict(gradients)})
+        self.pushes.append({"step": step, "base_version": base_version, "gradients": dict(gradients),
+                            "metrics": metrics, "set_learning_rate": set_learning_rate})
         if self.reply:
             return self.reply
         for n, g in gradients.items():
             self.values[n] = self.values[n] - g
         self.version += 1
         self.round = step + 1
+        # A one-worker round: the sum of the metrics is this push's own.
         return PushReply(version=self.version, staleness=self.version - 1 - base_version, contributors=2,
-                         next_step=step + 1)
+                         next_step=step + 1, learning_rate=set_learning_rate or 1.0, metrics=dict(metrics or {}))
 
     def heartbeat(self, worker_id, step=-1, timeout=5.0):
         self.heartbeats.append(step)
@@ -157,6 +160,42 @@ def test_push_replies_combine_as_documented():
     shards[1].reply = PushReply(version=8, staleness=2, contributors=1, next_step=1, replayed=False)
     reply = client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()})
     assert reply == PushReply(version=8, staleness=2, contributors=1, dropped=False, next_step=1, replayed=False)
+
+
+def test_set_learning_rate_goes_to_every_shard_and_metrics_to_shard_0_whose_sum_is_the_reply_s():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    version, _ = client.pull(0)
+    metrics = {"acc/total": np.array([3.0], np.float32)}
+    reply = client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()}, metrics=metrics,
+                        set_learning_rate=0.25)
+    assert [p["set_learning_rate"] for p in (shards[0].pushes[-1], shards[1].pushes[-1])] == [0.25, 0.25]
+    assert shards[0].pushes[-1]["metrics"] is metrics and shards[1].pushes[-1]["metrics"] is None
+    assert reply.learning_rate == 0.25 and list(reply.metrics) == ["acc/total"]
+    assert reply.metrics["acc/total"] is metrics["acc/total"]
+
+
+def test_the_reply_s_learning_rate_and_metrics_are_shard_0_s():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    version, _ = client.pull(0)
+    m = {"m": np.array(1.0)}
+    shards[0].reply = PushReply(version=1, staleness=0, next_step=1, learning_rate=0.5, metrics=m)
+    shards[1].reply = PushReply(version=1, staleness=0, next_step=1, learning_rate=0.75)
+    reply = client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()})
+    assert (reply.learning_rate, reply.metrics) == (0.5, m)
+
+
+def test_broadcast_asks_shard_0_alone():
+    shards, client = cluster()
+    asked = []
+    for i, s in enumerate(shards):
+        s.broadcast = lambda worker_id, key, value, timeout, i=i: asked.append((i, worker_id, key, value, timeout)) \
+            or b"chief's"
+    assert client.broadcast(1, "epoch-1", None, 5.0) == b"chief's"
+    assert asked == [(0, 1, "epoch-1", None, 5.0)]
 
 
 def test_registration_combines_the_shards_and_joins_their_incarnations():

@@ -1,0 +1,127 @@
+"""Tests of ps_server.core.broadcast: the chief posts, the others wait (bounded).
+
+    python -m pytest tests/core/test_broadcast.py -q
+
+Each test checks one sentence of the module docstring; the waiting ones use real
+threads, joined with a timeout.
+"""
+
+import threading
+import time
+
+import pytest
+
+from ps_server.core.broadcast import Board, BroadcastConflict, Broadcasts, BroadcastTimeout, KEYS_KEPT
+from ps_server.core.errors import InvalidArgument, UnknownWorker
+from ps_server.core.parameter_server import ParameterServer
+from tests.core.threads import finish, start, wait_until
+
+
+# -- the board: plain and deterministic ----------------------------------------------------
+
+
+def test_posting_a_key_again_with_the_same_value_is_harmless_with_another_refused():
+    board = Board()
+    assert board.post("epoch-1", b"stop") is True
+    assert board.post("epoch-1", b"stop") is False
+    with pytest.raises(BroadcastConflict, match="'epoch-1' was already posted with another value"):
+        board.post("epoch-1", b"go on")
+    assert board.get("epoch-1") == b"stop"
+
+
+def test_the_board_keeps_the_last_keys_and_drops_the_oldest_posted():
+    board = Board(keep=3)
+    for i in range(5):
+        board.post(f"k{i}", bytes([i]))
+    assert [board.get(f"k{i}") for i in range(5)] == [None, None, b"\x02", b"\x03", b"\x04"]
+    assert len(board) == 3
+    assert Board().keep == KEYS_KEPT == 1000
+
+
+def test_a_board_of_the_default_size_holds_exactly_a_thousand_keys():
+    board = Board()
+    for i in range(KEYS_KEPT + 1):
+        board.post(str(i), b"x")
+    assert len(board) == KEYS_KEPT and board.get("0") is None and board.get("1") == b"x"
+
+
+@pytest.mark.parametrize("key, says", [("", "non-empty"), ("k" * 257, "at most 256 characters")])
+def test_a_bad_key_is_refused(key, says):
+    with pytest.raises(InvalidArgument, match=says):
+        Board().post(key, b"")
+
+
+# -- waiting ---------------------------------------------------------------------------------
+
+
+def test_a_waiter_gets_the_chief_s_value_once_it_is_posted():
+    board = Broadcasts(timeout_limit=30.0)
+    waiter = start(lambda: board.wait_for("epoch-2", 30.0))
+    time.sleep(0.05)
+    assert waiter.is_alive()  # nothing posted yet
+    board.post("epoch-2", b"\x00lr=0.01")
+    finish(waiter, timeout=10.0)
+    assert waiter.error is None and waiter.result == b"\x00lr=0.01"
+
+
+def test_a_value_posted_before_the_wait_is_answered_at_once():
+    board = Broadcasts(timeout_limit=30.0)
+    board.post("k", b"v")
+    assert board.wait_for("k", 0.0) == b"v"
+
+
+def test_a_wait_ends_after_its_timeout_naming_the_key():
+    board = Broadcasts(timeout_limit=30.0)
+    started = time.monotonic()
+    with pytest.raises(BroadcastTimeout, match="'epoch-9' was not posted by the chief .* within 0.2 s"):
+        board.wait_for("epoch-9", 0.2)
+    assert 0.2 <= time.monotonic() - started < 5.0
+
+
+def test_a_wait_is_never_longer_than_the_limit():
+    board = Broadcasts(timeout_limit=0.2)
+    started = time.monotonic()
+    with pytest.raises(BroadcastTimeout, match="at most its barrier timeout, 0.2 s"):
+        board.wait_for("k", 3600.0)
+    assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_a_bad_timeout_is_refused(timeout):
+    with pytest.raises(InvalidArgument, match="timeout"):
+        Broadcasts(timeout_limit=1.0).wait_for("k", timeout)
+
+
+def test_many_waiters_are_all_released_by_one_post():
+    board = Broadcasts(timeout_limit=30.0)
+    waiters = [start(lambda: board.wait_for("k", 30.0)) for _ in range(8)]
+    time.sleep(0.05)
+    board.post("k", b"v")
+    finish(*waiters, timeout=10.0)
+    assert [w.result for w in waiters] == [b"v"] * 8
+
+
+# -- through the parameter server -------------------------------------------------------------
+
+
+def test_worker_zero_posts_and_the_others_wait_for_its_value_ignoring_their_own():
+    ps = ParameterServer("sync", 3, barrier_timeout=30.0)
+    for w in range(3):
+        ps.register(w, 3)
+    other = start(lambda: ps.broadcast(2, "stop", b"mine", 30.0))
+    time.sleep(0.05)
+    assert other.is_alive()
+    assert ps.broadcast(0, "stop", b"yes", 0.0) == b"yes"
+    finish(other, timeout=10.0)
+    assert other.result == b"yes"
+    assert ps.broadcast(1, "stop", None, 0.0) == b"yes"
+
+
+def test_an_unregistered_worker_cannot_broadcast():
+    ps = ParameterServer("async", 2)
+    ps.register(0, 2)
+    with pytest.raises(UnknownWorker):
+        ps.broadcast(1, "k", None, 1.0)
+    with pytest.raises(UnknownWorker):
+        ps.broadcast(5, "k", b"v", 1.0)
+    assert len(ps.broadcasts) == 0

@@ -1,0 +1,107 @@
+"""worker.connection.Connection against a real server on port 0, with a model of plain arrays.
+
+    python -m pytest -q tests/worker/test_connection.py
+
+Claims of Connection's docstrings: ``optimizer_spec`` "replaces config.optimizer_spec():
+the chief initializes the server with it, and the others check the server's
+optimizer against it"; ``push`` passes ``metrics`` and ``set_learning_rate`` on;
+``broadcast``: "the chief posts value ... and gets it back at once; every other
+worker waits for the chief's". No TensorFlow: the model is a stand-in with the
+attributes ``worker.gradients`` reads.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from ps_common.settings import ConfigError
+from worker.config import WorkerConfig
+from worker.connection import Connection
+from tests.core.threads import finish, start
+
+
+class Variable:
+    def __init__(self, path, value):
+        self.path, self.value = path, np.array(value, np.float32)
+        self.dtype = self.value.dtype
+
+    def numpy(self):
+        return self.value
+
+    def assign(self, value):
+        self.value = np.array(value, np.float32)
+
+
+class Model:
+    def __init__(self):
+        self.trainable_variables = [Variable("dense/kernel", [1.0, 2.0])]
+        self.non_trainable_variables = []
+
+
+KERAS_SGD = {"name": "sgd", "learning_rate": 0.125, "momentum": 0.0, "nesterov": False}
+
+
+@pytest.fixture
+def connections(server):
+    """``connections(mode, n, **kw) -> [Connection, ...]`` registered and joined; closed at the end."""
+    made = []
+
+    def make(mode="sync", n=2, specs=None):
+        running = server(mode, n)
+        conns = []
+        for w in range(n):
+            config = WorkerConfig(ps=running.address, worker_index=w, num_workers=n, connect_timeout=10.0,
+                                  init_timeout=10.0)
+            conn = Connection(config, Model(), optimizer_spec=(specs or [KERAS_SGD] * n)[w])
+            made.append(conn)
+            conn.register()
+            conns.append(conn)
+        return conns
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_the_chief_initializes_with_the_given_optimizer_and_the_others_check_against_it(connections):
+    chief, other = connections("async", 2)
+    chief.join()
+    optimizer = chief.client.status().optimizer
+    assert (optimizer.name, optimizer.learning_rate) == ("sgd", 0.125)
+    other.join()  # the same spec: no complaint
+
+
+def test_a_worker_whose_given_optimizer_differs_from_the_server_s_is_refused(connections):
+    chief, other = connections("async", 2, specs=[KERAS_SGD, {**KERAS_SGD, "learning_rate": 0.5}])
+    chief.join()
+    with pytest.raises(ConfigError, match="the server trains with optimizer"):
+        other.join()
+
+
+def test_push_carries_metrics_and_a_learning_rate_to_the_server(connections):
+    (conn,) = connections("sync", 1)
+    conn.join()
+    conn.pull()
+    reply = conn.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, 0.5, 8,
+                      metrics={"acc/total": np.array([3.0], np.float32)}, set_learning_rate=0.25)
+    assert reply.learning_rate == 0.25 and reply.metrics["acc/total"].tolist() == [3.0]
+    conn.pull()
+    assert conn.pulled["dense/kernel"].tolist() == [0.5, 1.0]  # [1, 2] - 0.25 * [2, 4]
+    assert conn.step == 1
+
+
+def test_the_chief_broadcasts_and_another_worker_waits_for_its_value(connections):
+    chief, other = connections("sync", 2)
+    chief.join()
+    other.join()
+    waiting = start(lambda: other.broadcast("epoch-0", b"ignored", 10.0))
+    time.sleep(0.1)
+    assert waiting.is_alive()
+    assert chief.broadcast("epoch-0", b"stop", 10.0) == b"stop"
+    finish(waiting, timeout=10.0)
+    assert waiting.error is None and waiting.result == b"stop"
+    with pytest.raises(ValueError, match="the chief must post a value"):
+        chief.broadcast("epoch-1", None, 1.0)
