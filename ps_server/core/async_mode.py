@@ -117,9 +117,9 @@ class AsyncMode:
         learning_rate = self.store.current_learning_rate()  # before the "scale" policy's factor
         lr_scale = 1.0 / (1 + staleness) if self.stale_policy == "scale" else 1.0
         started = time.perf_counter()
-        # Sorted order only makes runs reproducible; correctness does not depend on it.
-        for name in sorted(push.gradients):
-            self.store.apply_one(name, push.gradients[name], lr_scale)
+        # One optimizer for the whole push (its learning rate, global_clipnorm's factor over all
+        # of it), variable by variable in name order: reproducible; correctness does not depend on it.
+        self.store.apply_push(push.gradients, lr_scale)
         version = self.store.bump_version()
         self.stats.applied(time.perf_counter() - started)
         if lr_scale != 1.0:

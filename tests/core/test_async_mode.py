@@ -249,3 +249,16 @@ def test_push_returns_without_waiting_for_other_workers():
     t = start(lambda: mode.push(Push(0, 0, 0, 1, constant_gradients(0))))  # worker 1 never pushes
     finish(t, timeout=5.0)
     assert t.error is None and t.result.version == 1
+
+
+def test_global_clipnorm_clips_a_push_by_the_norm_of_all_its_gradients():
+    # Keras takes global_clipnorm over one update's gradients: [3] and [4] have norm 5,
+    # so with global_clipnorm 1 they become [0.6] and [0.8]; SGD with learning rate 1.
+    store = VariableStore()
+    store.initialize({"a": np.array([1.0], np.float32), "b": np.array([2.0], np.float32)},
+                     OptimizerSpec("sgd", learning_rate=1.0, global_clipnorm=1.0))
+    mode = AsyncMode(store, Membership(1))
+    mode.push(Push(0, 0, 0, 1, {"a": np.array([3.0], np.float32), "b": np.array([4.0], np.float32)}))
+    _, values = store.read()
+    np.testing.assert_allclose(values["a"], [1.0 - 0.6], rtol=1e-6)
+    np.testing.assert_allclose(values["b"], [2.0 - 0.8], rtol=1e-6)
