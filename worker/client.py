@@ -42,6 +42,7 @@ server's own explanation.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Iterable, Mapping
 
@@ -297,6 +298,8 @@ class PSClient:
         ``key``, at most ``timeout`` seconds (and the server's barrier timeout):
         DEADLINE_EXCEEDED after that. A repeated post of the same value is harmless, so
         the call is retried like the other idempotent ones."""
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"broadcast timeout must be a finite number of seconds >= 0, got {timeout!r}")
         request = pb.BroadcastRequest(worker_id=worker_id, key=key, value=value or b"", timeout_s=timeout)
         # The server answers by timeout_s; the deadline leaves it room to say so itself.
         reply = self.unary.call("Broadcast", request, timeout=timeout + max(5.0, 0.1 * timeout))

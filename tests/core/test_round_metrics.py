@@ -19,6 +19,7 @@ from ps_server.core.errors import InvalidArgument
 from ps_server.core.membership import Membership
 from ps_server.core.modes import MAX_METRIC_BYTES, MAX_METRICS, Push
 from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
 from ps_server.core.sync_mode import SyncMode
 from tests.core.threads import JOIN, finish, start, wait_until
@@ -257,3 +258,13 @@ def test_async_reply_names_the_rate_before_the_scale_policy_s_factor_and_zero_wh
     dropped = push(mode, 1, step=0, base=0, rate=0.125)
     assert dropped.dropped and dropped.learning_rate == 0.0
     assert store.current_learning_rate() == 0.5  # a dropped push sets nothing
+
+
+def test_ssp_applies_a_set_learning_rate_from_its_own_update_on_like_async():
+    store = VariableStore()
+    store.initialize(W0, OptimizerSpec("sgd", learning_rate=0.5))
+    mode = SSPMode(store, Membership(1), staleness_bound=2, barrier_timeout=JOIN)
+    first = push(mode, 0, step=0, metrics={"m": f32(1)}, rate=0.25, base=0)
+    assert (first.learning_rate, first.metrics) == (0.25, {})
+    np.testing.assert_array_equal(values(store)["w"], f32(0.5, 1))
+    assert push(mode, 0, step=1, base=1).learning_rate == 0.25
