@@ -5,6 +5,12 @@
 The server's flags, its core and the wire conversion (``protos.wire.mode_to_wire``,
 driven by ``MODES`` and the proto's ``Mode`` enum), the worker, and the operator
 commands all read these tuples; nothing else spells them out. Plain Python.
+
+The optimizers too: each one's Keras arguments and defaults (``OPTIMIZER_DEFAULTS``),
+every wire field of one (``optimizer_fields``), and what the server cannot run of a
+Keras optimizer (``keras_optimizer_fields``), which the worker checks before training
+(``worker.keras_optimizer``) and the server on initialization
+(``OptimizerSpec.from_keras``), so both refuse alike.
 """
 
 from __future__ import annotations

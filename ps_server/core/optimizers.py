@@ -345,6 +345,7 @@ class Optimizer:
         spec.validate()
         self.spec = spec
         self._constants = {dtype: _constants(spec, dtype) for dtype in FLOAT_DTYPES}
+        self._scheduled: tuple[int, np.float32] = (-1, np.float32(0))  # (update count, its scheduled rate)
 
     def _initial_slots(self, value: np.ndarray) -> dict:
         """The slots' values before the first step (zeros, as Keras' ``add_variable_from_reference``)."""
@@ -409,7 +410,11 @@ class Optimizer:
         c = self._constants[dtype]
         lr = c["lr"]
         if spec.learning_rate_schedule is not None:  # Keras: the schedule at iterations, before the step
-            lr = schedules.learning_rate(spec.learning_rate_schedule, iterations).astype(dtype)
+            at, scheduled = self._scheduled  # one tuple, read and replaced whole: safe across threads
+            if at != iterations:
+                scheduled = schedules.learning_rate(spec.learning_rate_schedule, iterations)
+                self._scheduled = (iterations, scheduled)
+            lr = scheduled.astype(dtype)
         if lr_scale != 1.0:
             if not 0.0 < lr_scale <= 1.0:
                 raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
