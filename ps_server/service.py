@@ -23,8 +23,6 @@ import functools
 import logging
 import time
 
-from dataclasses import fields
-
 import grpc
 
 import numpy as np
@@ -37,6 +35,7 @@ from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status
+from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.sparse import SparseRows
 from ps_server.buffers import BufferPool
 
@@ -163,10 +162,27 @@ def _handled(method):
     return wrapper
 
 
+def _none_as_zero(x):
+    return 0 if x is None else x
+
+
+def _zero_as_none(x):
+    return None if x == 0 else x
+
+
+def _schedule_from_wire(text: str):
+    try:
+        return schedule_from_wire(text)
+    except ValueError as e:
+        raise errors.InvalidArgument(str(e)) from None
+
+
+# By Keras' argument names on both sides; the wire spells None as 0 and a schedule as JSON.
 OPTIMIZER = convert.Conversion(
     OptimizerSpec, pb.OptimizerConfig,
-    # TODO(keras): the Keras optimizers' fields, being added to OptimizerSpec.
-    wire_only={f.name for f in pb.OptimizerConfig.DESCRIPTOR.fields} - {f.name for f in fields(OptimizerSpec)})
+    to_wire={"learning_rate_schedule": schedule_to_wire, **{f: _none_as_zero for f in NONE_AS_ZERO}},
+    from_wire={"learning_rate_schedule": _schedule_from_wire, **{f: _zero_as_none for f in NONE_AS_ZERO}},
+)
 
 
 def optimizer_to_wire(spec: OptimizerSpec | None) -> pb.OptimizerConfig:
@@ -187,7 +203,6 @@ STATUS = convert.Conversion(
     Status, pb.StatusResponse,
     rename={"lease_timeout": "lease_timeout_s"},
     to_wire={"mode": wire.mode_to_wire, "optimizer": optimizer_to_wire},
-    wire_only={"optimizer_iterations", "learning_rate_now"},  # TODO(keras): from the optimizer
 )
 CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, STATUS)
 

@@ -82,6 +82,8 @@ class Status:
     drop_staleness_above: int = 0  # policy drop: pushes staler than this are dropped
     pushes_scaled: int = 0
     max_ahead: int = 0  # ssp: the most steps an applied push was ahead of the slowest worker
+    optimizer_iterations: int = 0  # the optimizer steps every trainable variable has had (Keras' iterations)
+    learning_rate_now: float = 0.0  # the learning rate of the next update (a schedule's at that count); 0 before init
 
 
 _REGISTRATION_FROM_STATUS = tuple(f for f in dataclasses.fields(Registration)
@@ -311,6 +313,8 @@ class ParameterServer:
             drop_staleness_above=self.max_staleness,
             pushes_scaled=self.stats.scaled,
             max_ahead=mode_status.max_ahead,
+            optimizer_iterations=self.store.optimizer_iterations() if self.store.initialized else 0,
+            learning_rate_now=self.store.current_learning_rate() if self.store.initialized else 0.0,
         )
 
 
