@@ -1,8 +1,8 @@
 """``ps-parity --model M --dataset D``: the user's own ``model.fit`` under TensorFlow's strategies and tfps.
 
 A user's program is written to tmp_path: an MLP on scikit-learn's 8x8 digits, compiled
-with Adam, global batch 48 over 1437 training examples (29 full batches and a last one of
-45: uneven), 3 workers. The default test runs the pairs that carry a bound:
+with Adam (0.003), 4 epochs, global batch 48 over 1437 training examples (29 full batches
+and a last one of 45: uneven), 3 workers. The default test runs the pairs that carry a bound:
 
 - tfps sync vs Keras 3 MirroredStrategy: Adam <= 1e-6 after step 1 and <= 2e-4 after
   the last step (the last batch of 45 divides into 3 equal shards, so the bound applies
@@ -28,6 +28,11 @@ from tf_strategies.user_parity import Check, Outcome
 
 pytestmark = pytest.mark.parity
 
+# Async runs differ from run to run. Measured here, over 2 epochs at Adam 0.01 the validation
+# accuracy of tf_keras PSS ranged 0.88-0.95 (a stale Adam step now and then throws the loss up),
+# too wide for the 0.03 gate; at 0.003 over 4 epochs both runners ended within 0.011.
+EPOCHS = 4
+
 USER_PROGRAM = textwrap.dedent('''
     """A user's program: an MLP on the 8x8 digits, built with tf.keras (Keras 3 or tf_keras)."""
     import numpy as np
@@ -40,7 +45,7 @@ USER_PROGRAM = textwrap.dedent('''
     def build():
         model = keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(10, activation="softmax")])
-        model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+        model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.003),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         return model
 
@@ -71,7 +76,7 @@ def ps_parity(cwd, *args, timeout=1500):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")]))
     env.pop("TF_CONFIG", None)
     run = subprocess.run([sys.executable, "-m", "tf_strategies.parity", "--model", "digits_user:build",
-                          "--dataset", "digits_user:data", "--workers", "3", "--epochs", "2", *args,
+                          "--dataset", "digits_user:data", "--workers", "3", "--epochs", str(EPOCHS), *args,
                           "--json-out", str(out)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     return run, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -89,14 +94,14 @@ def test_tfps_matches_mirrored_and_tf_keras_pss_on_the_users_model_fit(user_prog
     runners = report["runners"]
     assert all(r["status"] == "ok" for r in runners.values()), runners
     checks = _checks(report)
-    steps = 2 * 30
+    steps = EPOCHS * 30
     c1, ck = checks["tfps-sync vs mirrored, step 1"], checks[f"tfps-sync vs mirrored, step {steps}"]
     assert c1["gated"] and c1["ok"] and c1["value"] <= 1e-6, c1
     assert ck["gated"] and ck["ok"] and ck["value"] <= 2e-4, ck
     gap = checks["tfps-async vs tfk-pss val accuracy gap"]
     assert gap["ok"] and gap["value"] <= 0.03, gap
     assert runners["tfps-sync"]["vs_mirrored"]["final"] == ck["value"]
-    assert len(runners["tfk-pss"]["history"]["loss"]) == 2 and runners["tfk-pss"]["keras"].startswith("tf_keras 2.21")
+    assert len(runners["tfk-pss"]["history"]["loss"]) == EPOCHS and runners["tfk-pss"]["keras"].startswith("tf_keras 2.21")
     for name in runners:  # one table row each
         assert f"\n{name} " in run.stdout
     assert (user_program / "p.png").stat().st_size > 10_000
