@@ -90,7 +90,7 @@ def closure(requirements: list[str]) -> set[str]:
 
 def third_party_imports(folders: list[str]) -> dict[str, str]:
     """{top-level module: where it is first imported} for every non-project, non-stdlib import."""
-    project = {"protos", "ps_common", "ps_server", "worker", "ps_tools", "tf_strategies", "examples"}
+    project = {"protos", "ps_common", "ps_server", "worker", "tfps", "ps_tools", "tf_strategies", "examples"}
     found: dict[str, str] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):

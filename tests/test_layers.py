@@ -3,6 +3,7 @@
     shared:    protos, ps_common          import only each other
     server:    ps_server                  imports the shared layer
     worker:    worker                     imports the shared layer
+    public:    tfps                       the user's names for the worker's API (tfps.keras)
     operators: ps_tools                   the top: may import all of the above
     parity:    tf_strategies              the worker, the operators and the shared layer;
                                           tf_strategies/reference.py alone reads ps_server.core
@@ -22,7 +23,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROJECT = ("protos", "ps_common", "ps_server", "worker", "ps_tools", "tf_strategies", "examples")
+PROJECT = ("protos", "ps_common", "ps_server", "worker", "tfps", "ps_tools", "tf_strategies", "examples")
 SHARED = {"protos", "ps_common"}
 
 ALLOWED = {
@@ -30,9 +31,10 @@ ALLOWED = {
     "ps_common": SHARED,
     "ps_server": SHARED | {"ps_server"},
     "worker": SHARED | {"worker"},
+    "tfps": SHARED | {"worker", "tfps"},
     "ps_tools": SHARED | {"worker", "ps_server", "ps_tools"},
-    "tf_strategies": SHARED | {"worker", "ps_tools", "tf_strategies"},
-    "examples": SHARED | {"worker", "examples"},
+    "tf_strategies": SHARED | {"worker", "tfps", "ps_tools", "tf_strategies"},
+    "examples": SHARED | {"worker", "tfps", "examples"},
 }
 # The one named exception, with its reason in the module docstring above.
 EXCEPTIONS = {("tf_strategies/reference.py", "ps_server.core")}

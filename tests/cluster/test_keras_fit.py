@@ -1,0 +1,199 @@
+"""A user's own ``model.compile`` + ``model.fit`` trains on tfps with the strategy line changed.
+
+Real processes: a ps-server and one process per worker running the user's program
+(``keras_program.py``, or the two examples through ``ps-launch -- python ...``),
+each with ``TF_CONFIG`` as ps-launch sets it. The rules, from the Keras issue:
+- the MultiWorkerMirroredStrategy and ParameterServerStrategy examples reach
+  ``val_accuracy`` >= 0.90 on digits, sync and async;
+- in sync mode the logged loss and metrics are the global batch's: every worker
+  logs the same bits;
+- each callback has its effect: the files the chief writes, the epoch
+  EarlyStopping stops every worker at, the learning rate the server used from the
+  stated round, TerminateOnNaN, the epoch BackupAndRestore resumes at.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ps_common.procs import dying_with_parent
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.cluster
+
+PROGRAM = os.path.join(ROOT, "tests", "cluster", "keras_program.py")
+STEPS = 23  # 1437 examples in global batches of 64
+
+
+def tf_config(address: str, index: int, workers: int) -> str:
+    # Worker addresses are placeholders: tfps workers do not listen.
+    return json.dumps({"cluster": {"ps": [address], "worker": [f"127.0.0.1:{20000 + i}" for i in range(workers)]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def fit(procs, tmp_path, mode: str, *flags: str, workers: int = 2, server_extra: tuple[str, ...] = (),
+        expect: dict[int, int] | None = None, address: str | None = None) -> list[dict]:
+    """Run the program once per worker against a (new) server; each worker's record."""
+    if address is None:
+        _, address = procs.server(mode, workers, extra=server_extra)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    running = []
+    for i in range(workers):
+        log = open(tmp_path / f"keras-worker{i}-{time.monotonic_ns()}.log", "w")
+        env = {**os.environ, "TF_CONFIG": tf_config(address, i, workers), "PYTHONUNBUFFERED": "1",
+               "MPLCONFIGDIR": str(tmp_path / "mpl")}
+        proc = subprocess.Popen(dying_with_parent([sys.executable, PROGRAM, "--out", str(out), *flags]), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+        running.append((proc, log))
+    wanted = expect or {i: 0 for i in range(workers)}
+    codes = {}
+    for i, (proc, log) in enumerate(running):
+        try:
+            # A worker expected to be stuck (its chief died) is stopped a moment after the chief.
+            codes[i] = proc.wait(timeout=300 if wanted[i] is not None else 5)
+        except subprocess.TimeoutExpired:
+            if wanted[i] is not None:
+                raise
+            codes[i] = None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    if any(codes[i] != wanted[i] for i in wanted if wanted[i] is not None):
+        logs = "\n".join(open(log.name).read()[-3000:] for _, log in running)
+        pytest.fail(f"exit codes {codes}, wanted {wanted}:\n{logs}")
+    return [json.loads((out / f"worker{i}.json").read_text()) for i in range(workers)
+            if (out / f"worker{i}.json").exists()]
+
+
+def launch(tmp_path, mode: str, example: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ps_tools.launch", "--mode", mode, "--workers", "2", "--",
+         sys.executable, os.path.join(ROOT, "examples", example)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
+
+
+@pytest.mark.parametrize("mode, example", [("sync", "keras_mwms.py"), ("async", "keras_pss.py")])
+def test_the_two_tensorflow_examples_reach_90_percent_on_digits_through_ps_launch(mode, example, tmp_path):
+    run = launch(tmp_path, mode, example)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    found = re.findall(r"val_accuracy=([0-9.]+)", run.stdout + run.stderr)
+    assert len(found) == 1, (run.stdout + run.stderr)[-3000:]  # the chief's line alone
+    assert float(found[0]) >= 0.90, found
+
+
+def test_sync_fit_logs_the_global_batch_metrics_the_same_on_every_worker_and_the_chief_writes(procs, tmp_path):
+    a, b = fit(procs, tmp_path, "sync", "--callbacks", "checkpoint,csv,tensorboard", "--weights", "class")
+    assert a["mode"] == "sync" and a["epochs"] == b["epochs"] == [0, 1, 2]
+    # Each worker computed only half of every batch, yet both logged the same loss and accuracy, bit
+    # for bit: the round's sum of every metric's change, which is the global batch's.
+    assert a["history"] == b["history"]
+    assert set(a["history"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert a["history"]["val_accuracy"][-1] >= 0.85
+    # evaluate and predict after fit run on the server's final parameters, the same on both.
+    assert a["evaluate"] == b["evaluate"] and a["predict"] == b["predict"]
+    assert a["version"] == b["version"] == 3 * STEPS
+    # The chief wrote every file; the other worker's writers were left out.
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("ckpt-*.keras")) == ["ckpt-1.keras", "ckpt-2.keras", "ckpt-3.keras"]
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert float(rows[-1]["val_accuracy"]) == pytest.approx(a["history"]["val_accuracy"][-1])
+    assert list((out / "tb").rglob("events.out.tfevents.*"))
+    # The saved model is the trained one: it predicts what the workers predicted.
+    import keras
+
+    saved = keras.saving.load_model(out / "model.keras")
+    np.testing.assert_allclose(saved.predict(_probe(), verbose=0), np.array(a["predict"]), atol=1e-6)
+    assert a["seen_epochs"] == [0, 1, 2] and a["seen_batches"] == 3 * STEPS
+
+
+def _probe():
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(labels))
+    return (images[order] / 16.0).astype(np.float32)[1437:1442]
+
+
+def test_learning_rate_scheduler_reaches_the_server_from_the_chiefs_next_round(procs, tmp_path):
+    a, b = fit(procs, tmp_path, "sync", "--callbacks", "scheduler")
+    # Epoch 0 at 0.1, from epoch 1 on 0.02: the chief's first push of epoch 1 carries it, so the
+    # server's round 23 (the first of epoch 1) is the first at the new rate, for every worker.
+    for record in (a, b):
+        used = record["server_learning_rates"]
+        assert len(used) == 3 * STEPS
+        assert used[:STEPS] == [pytest.approx(0.1)] * STEPS
+        assert used[STEPS:] == [pytest.approx(0.02)] * (2 * STEPS)
+    assert b["seen_lrs"] == a["seen_lrs"] == [pytest.approx(0.1), pytest.approx(0.02), pytest.approx(0.02)]
+
+
+def test_async_early_stopping_and_reduce_lr_on_plateau_follow_the_chief_on_every_worker(procs, tmp_path):
+    a, b = fit(procs, tmp_path, "async", "--callbacks", "early,plateau", "--epochs", "6")
+    # min_delta 10: no epoch beats the first by 10, so ReduceLROnPlateau (patience 0) halves the rate
+    # at the end of epochs 1 and 2, and EarlyStopping (patience 2) stops after epoch 2. Each async
+    # worker logs its own loss, yet both stop at the chief's epoch and take the chief's rate.
+    assert a["mode"] == "async"
+    assert a["epochs"] == b["epochs"] == [0, 1, 2]
+    assert a["seen_lrs"] == b["seen_lrs"] == [pytest.approx(0.1), pytest.approx(0.05), pytest.approx(0.025)]
+    # The rate set at the end of epoch 1 goes with the chief's first push of epoch 2: from that
+    # update on the server uses it. The other worker's pushes go on at the old rate until then, and
+    # at the new one after (where the chief is by then depends on the timing: async).
+    used = a["server_learning_rates"]
+    assert used == [pytest.approx(0.1)] * (2 * STEPS) + [pytest.approx(0.05)] * STEPS
+    other = [round(r, 6) for r in b["server_learning_rates"]]
+    assert len(other) == 3 * STEPS and set(other) <= {0.1, 0.05} and other == sorted(other, reverse=True)
+
+
+def test_terminate_on_nan_stops_every_sync_worker_at_the_same_batch_and_the_server_keeps_finite_state(
+        procs, tmp_path):
+    # A NaN in worker 0's half of global batch 5: its loss is NaN, logged into the round's sum (so
+    # both workers see a NaN global loss and stop), and its gradients are not pushed.
+    a, b = fit(procs, tmp_path, "sync", "--callbacks", "nan", "--nan-in-batch", "5")
+    assert a["seen_batches"] == b["seen_batches"] == 6
+    assert a["epochs"] == b["epochs"] == [0]
+    assert np.isfinite(a["evaluate"]["loss"]) and a["evaluate"] == b["evaluate"]
+
+
+def test_backup_and_restore_resumes_a_restarted_job_at_the_epoch_after_the_last_backup(procs, tmp_path):
+    checkpoints = tmp_path / "ckpts"
+    proc, address = procs.server("sync", 2, extra=("--checkpoint-dir", str(checkpoints),
+                                                   "--checkpoint-interval", "0.2"))
+    # The chief dies at the end of epoch 1, after BackupAndRestore saved it: the job is lost.
+    fit(procs, tmp_path, "sync", "--callbacks", "backup", "--epochs", "4", "--exit-after-epoch", "1",
+        address=address, expect={0: 3, 1: None})
+    version_before = _server_version(address)
+    assert version_before == 2 * STEPS
+    # Restarted: the same program resumes at epoch 2 on the server's state (version goes on).
+    a, b = fit(procs, tmp_path, "sync", "--callbacks", "backup", "--epochs", "4", address=address)
+    assert a["epochs"] == b["epochs"] == [2, 3]
+    assert a["version"] == b["version"] == version_before + 2 * STEPS
+    assert a["history"]["val_accuracy"][-1] >= 0.85
+
+
+def _server_version(address: str) -> int:
+    from worker.client import PSClient
+
+    with PSClient(address) as c:
+        return int(c.status().version)
+
+
+def test_ssp_fit_trains_with_steps_per_epoch_and_initial_epoch(procs, tmp_path):
+    a, b = fit(procs, tmp_path, "ssp", "--steps-per-epoch", "10", "--epochs", "4", "--initial-epoch", "1",
+               "--validation-freq", "2", "--weights", "sample", server_extra=("--staleness", "2"))
+    assert a["mode"] == "ssp" and a["epochs"] == b["epochs"] == [1, 2, 3]
+    assert len(a["history"]["val_accuracy"]) == 2  # Keras validates when (epoch + 1) % 2 == 0: epochs 1 and 3
+    assert a["seen_batches"] == b["seen_batches"] == 30

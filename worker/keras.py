@@ -1,0 +1,418 @@
+"""Your Keras program on tfps: ``model.compile`` + ``model.fit`` as written, with the strategy line changed.
+
+    import tfps.keras
+    strategy = tfps.keras.Strategy()        # was: tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(train_dataset, epochs=5, validation_data=test_dataset)
+
+started once per worker, by ``ps-launch --mode sync --workers 2 -- python train.py``
+(which sets ``TF_CONFIG``) or by hand with ``TF_CONFIG`` / ``TFPS_WORKER_*`` set. Any
+``ps-worker`` flag may be given to ``Strategy(...)`` with ``_`` for ``-``.
+
+**What happens.** A model compiled inside ``scope()`` is attached: its ``model.fit``
+keeps Keras' own loop (epochs, ``steps_per_epoch``, ``initial_epoch``, validation,
+``class_weight``, ``sample_weight``, callbacks, progress bar, ``History``) and replaces
+only the train step. Each step takes the next global batch of the dataset (every worker
+reads the same batches), keeps this worker's contiguous part of it (the first workers
+take one more example when the batch does not divide, as ``ps-worker`` does; with
+``Strategy(batches="per_worker")`` the dataset is already this worker's and is used
+whole), computes the compiled loss and its gradients with one ``tf.GradientTape``,
+pushes them, and loads the server's parameters. The optimizer, its options and its
+learning-rate schedule are the compiled ``model.optimizer``'s, run on the server
+(``worker.keras_optimizer``): the local optimizer never steps. On the first ``fit`` the
+chief (worker 0) initializes the server from its model; the others wait for it and
+check their model and optimizer match.
+
+**Logged loss and metrics.** Sync mode: those of the global batch, as
+MirroredStrategy logs them. Each worker pushes the change its step made to every
+metric's state (totals and counts), the server sums those changes over the round in
+worker order and returns the sum to all, and each worker adds it to the state the
+metrics had before the step: every worker then holds the same metric state, that of
+all the round's examples. Async and ssp: each worker's own examples (said at start).
+
+**Agreement at each epoch's end** (through the server's ``Broadcast``): after the
+callbacks' ``on_epoch_end``, every worker takes the chief's ``stop_training`` (so
+``EarlyStopping`` and ``TerminateOnNaN`` stop every worker at the same epoch) and the
+chief's learning rate; at ``on_train_begin`` the chief's ``initial_epoch`` (what
+``BackupAndRestore`` restored). A learning rate the chief's callbacks set
+(``LearningRateScheduler`` at an epoch's start, ``ReduceLROnPlateau`` at its end) goes
+with the chief's next push and is used from that push's update on (sync: its round).
+
+**Who writes.** ``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger`` and
+``BackupAndRestore`` run on the chief only; on the other workers they are left out,
+and so is the progress bar. ``model.evaluate``, ``model.predict`` and validation first
+load the server's current parameters; ``model.save`` writes the model as it holds them.
+
+**Not supported** (refused with one line before training): an optimizer or option the
+server cannot run (``worker.keras_optimizer``), ``steps_per_execution`` > 1 is run as
+single steps, mixed-precision loss scaling, and an attached model's own ``train_step``
+override (the server's step replaces it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from worker.task import shard_bounds
+
+log = logging.getLogger("worker.keras")
+
+# Callbacks that write files: the chief's alone.
+CHIEF_ONLY = ("ModelCheckpoint", "TensorBoard", "CSVLogger", "BackupAndRestore")
+BATCHES = ("global", "per_worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterResolver:
+    task_type: str
+    task_id: int
+    num_workers: int
+
+
+class Strategy:
+    """tfps as a Keras distribution strategy (module docstring).
+
+    ``batches``: "global" (each dataset element is a global batch; this worker computes its
+    part) or "per_worker" (each element is already this worker's batch). Other keywords are
+    ``ps-worker`` flags (``ps="10.0.0.5:50051"``, ``worker_index=0``, ``num_workers=2``);
+    unset ones come from ``TFPS_WORKER_*`` and ``TF_CONFIG``."""
+
+    def __init__(self, *, batches: str = "global", **flags):
+        from worker.api import make_config
+
+        if batches not in BATCHES:
+            raise ValueError(f"batches must be one of {', '.join(BATCHES)}; got {batches!r}")
+        self.batches = batches
+        self.config = make_config(**flags)
+        self.connection = None
+        self.models: list = []
+        self._lock = threading.Lock()
+        self._fits = 0
+
+    # -- what a strategy tells its user
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.config.worker_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self.config.is_chief
+
+    @property
+    def cluster_resolver(self) -> "ClusterResolver":
+        """``task_type`` and ``task_id`` as TensorFlow's strategies give them (worker 0 is the chief)."""
+        return ClusterResolver("worker", self.config.worker_index, self.config.num_workers)
+
+    @property
+    def server_learning_rates(self) -> list[float]:
+        """The learning rate the server's optimizer used for each of this worker's updates, in order."""
+        return [rate for attached in self.models for rate in attached.learning_rates]
+
+    @property
+    def mode(self) -> str | None:
+        """The server's mode once connected ("sync", "async", "ssp"); None before the first fit."""
+        return self.connection.registration.mode if self.connection else None
+
+    # -- attaching models
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Inside, every ``model.compile`` also attaches the model (``attach``)."""
+        import keras
+
+        had_own = "compile" in keras.Model.__dict__
+        original = keras.Model.compile
+        strategy = self
+
+        def compile(model, *args, **kwargs):
+            original(model, *args, **kwargs)
+            strategy.attach(model)
+
+        keras.Model.compile = compile
+        try:
+            yield self
+        finally:
+            if had_own:
+                keras.Model.compile = original
+            else:
+                del keras.Model.compile
+
+    def attach(self, model) -> None:
+        """Train ``model`` (compiled) on the parameter server from its next ``fit`` on."""
+        from worker.keras_optimizer import spec_fields
+
+        if model.optimizer is None:
+            raise ValueError("attach a compiled model: call model.compile(optimizer=..., loss=...) first")
+        if any(a.model is model for a in self.models):
+            return
+        if self.models:
+            raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
+        if getattr(type(model), "train_step") is not getattr(_keras_model_class(), "train_step"):
+            raise ValueError(f"{type(model).__name__} overrides train_step; tfps' step replaces it, so its "
+                             "changes would be lost (a custom loop: use worker.api.Session)")
+        spec_fields(model.optimizer)  # refuses what the server cannot run, before any training
+        self.models.append(_Attached(self, model))
+
+    # -- the cluster
+    def connect(self, model) -> None:
+        """Register, initialize (chief) or check (others) the server, and load its parameters."""
+        from worker.connection import Connection
+        from worker.keras_optimizer import spec_fields
+
+        with self._lock:
+            if self.connection is not None:
+                return
+            conn = Connection(self.config, model, optimizer_spec=spec_fields(model.optimizer))
+            try:
+                conn.register()
+                conn.join()
+                conn.pull()
+            except BaseException:
+                conn.close()
+                raise
+            self.connection = conn
+            atexit.register(self.close)
+        log.info("tfps.keras: %s", conn.describe())
+        if not conn.sync and self.is_chief:  # said where the progress bar shows, whatever the logging set-up
+            print(f"tfps.keras: {conn.registration.mode} mode: the loss and metrics each worker logs are its own "
+                  "examples', not the cluster's", file=sys.stderr, flush=True)
+
+    def agree(self, key: str, value: dict) -> dict:
+        """The chief's ``value`` under ``key``, on every worker (the server's ``Broadcast``)."""
+        conn = self.connection
+        timeout = max(60.0, conn.registration.barrier_timeout)
+        raw = conn.broadcast(key, json.dumps(value).encode() if self.is_chief else None, timeout)
+        return json.loads(raw.decode())
+
+    def close(self) -> None:
+        """Leave the cluster and disconnect (also at the process's exit)."""
+        conn, self.connection = self.connection, None
+        if conn is None:
+            return
+        try:
+            conn.leave()
+        except Exception as e:  # the server may be gone at exit; leaving is a courtesy
+            log.debug("leave failed: %s", e)
+        finally:
+            conn.close()
+
+
+def _keras_model_class():
+    import keras
+
+    return keras.Model
+
+
+class _Attached:
+    """The hooks on one attached model: its train function, fit, evaluate and predict."""
+
+    def __init__(self, strategy: Strategy, model):
+        self.strategy, self.model = strategy, model
+        self.compute = None
+        self.sent_learning_rate: float | None = None
+        self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
+        self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
+        # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
+        # its moving averages (use_ema) would load averages that never moved.
+        model.optimizer.finalize_variable_values = lambda var_list: None
+        model.make_train_function = self.make_train_function
+        model.fit = self.fit
+        model.evaluate = self.evaluate
+        model.predict = self.predict
+        model.train_function = None
+
+    # -- fit
+    def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
+        strategy = self.strategy
+        callbacks = list(callbacks or [])
+        if not strategy.is_chief:
+            left = [type(c).__name__ for c in callbacks if type(c).__name__ in CHIEF_ONLY]
+            callbacks = [c for c in callbacks if type(c).__name__ not in CHIEF_ONLY]
+            if left:
+                log.debug("worker %d leaves %s to the chief", strategy.worker_index, ", ".join(left))
+            verbose = 0
+        strategy._fits += 1
+        callbacks.append(_agreement(strategy, strategy._fits))
+        self.model.train_function = None  # ours is made again by make_train_function
+        return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+
+    def make_train_function(self, force: bool = False):
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+        self.strategy.connect(model)
+        self._trace()
+        model.train_function = self.train_function
+        return model.train_function
+
+    def _trace(self) -> None:
+        import tensorflow as tf
+
+        model = self.model
+        variables = list(model.trainable_variables)
+
+        @tf.function(reduce_retracing=True)
+        def compute(x, y, sample_weight):
+            from keras.src import tree
+
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+                loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            grads = tape.gradient(loss, variables)
+            values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in values] + [tf.math.is_finite(loss)])
+            # A step whose gradients are not finite is logged with a NaN loss, whatever the loss was.
+            model._loss_tracker.update_state(
+                tf.where(finite, loss, tf.constant(float("nan"), loss.dtype)),
+                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return loss, grads, finite
+
+        self.compute = compute
+
+    def train_function(self, iterator):
+        logs = None
+        for _ in range(max(1, int(self.model.steps_per_execution))):
+            logs = self.step(next(iterator))
+        return logs
+
+    def step(self, data) -> dict:
+        """One step on the next global batch (module docstring): compute, push, pull."""
+        import keras
+
+        from worker.gradients import as_pushed, zeros
+
+        strategy, model, conn = self.strategy, self.model, self.strategy.connection
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if strategy.batches == "global":
+            x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
+        n = _batch_size(x)
+        before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        loss, payload, pushed = 0.0, None, n
+        if n:
+            loss, grads, finite = self.compute(x, y, sample_weight)
+            loss = float(loss) if bool(finite) else float("nan")
+            if bool(finite):
+                variables = model.trainable_variables
+                payload = as_pushed(model, {v.path: g for v, g in zip(variables, grads)}, conn.pulled)
+            else:  # logged (TerminateOnNaN sees it, in sync mode on every worker), never pushed
+                log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
+                            strategy.worker_index, conn.step)
+        if payload is None:  # a tiny last batch left this worker nothing, or a non-finite loss: weight 0
+            loss, payload, pushed = (loss if n else 0.0), zeros(conn.pulled), 0
+        # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
+        metric_variables = _metric_variables(model)
+        before.update({v.path: np.zeros(v.shape, v.dtype) for v in metric_variables if v.path not in before})
+        changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in metric_variables}
+        reply = conn.push(payload, loss if np.isfinite(loss) else 0.0, pushed, metrics=changes if conn.sync else None,
+                          set_learning_rate=self._new_learning_rate())
+        if conn.sync and reply.metrics:
+            for v in metric_variables:
+                v.assign(before[v.path] + reply.metrics[v.path])
+        self.learning_rates.append(float(reply.learning_rate))
+        conn.pull()
+        model.optimizer.iterations.assign(max(0, int(conn.version)))
+        return model.get_metrics_result()
+
+    def _new_learning_rate(self) -> float:
+        """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
+        optimizer = self.model.optimizer
+        if not self.strategy.is_chief or _has_schedule(optimizer):
+            return 0.0
+        lr = float(np.asarray(optimizer.learning_rate))
+        if self.sent_learning_rate is None:
+            self.sent_learning_rate = lr  # the compiled rate: the server was initialized with it
+            return 0.0
+        if lr == self.sent_learning_rate:
+            return 0.0
+        self.sent_learning_rate = lr
+        log.info("tfps.keras: learning rate %g from the chief's next update (step %d)", lr,
+                 self.strategy.connection.step)
+        return lr
+
+    # -- the server's parameters for evaluate and predict
+    def _load(self) -> None:
+        if self.strategy.connection is not None:
+            self.strategy.connection.pull()
+
+    def evaluate(self, *args, **kwargs):
+        self._load()
+        return self.original_evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._load()
+        return self.original_predict(*args, **kwargs)
+
+
+def _metric_variables(model) -> list:
+    """The floating state of every metric (``loss`` included): totals and counts."""
+    return [v for v in model.metrics_variables if np.dtype(v.dtype).kind == "f"]
+
+
+def _has_schedule(optimizer) -> bool:
+    import keras
+
+    return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+
+
+def _agreement(strategy: Strategy, fit: int):
+    """The last callback: every worker takes the chief's decisions (module docstring)."""
+    import keras
+
+    class Agreement(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            # Keys name the fit and, in sync mode, the server's round it starts at (the same on every
+            # worker, as no round completes before all have pushed): a job restarted on a running
+            # server does not read the decisions of the one before.
+            conn = strategy.connection
+            self.tag = f"fit{fit}@{conn.step if conn.sync else 0}"
+            model = self.model
+            chief = {"initial_epoch": int(getattr(model, "_initial_epoch", None) or 0)}
+            got = strategy.agree(f"{self.tag}/begin", chief)
+            if not strategy.is_chief and got["initial_epoch"]:
+                model._initial_epoch = got["initial_epoch"]
+            strategy.connection.pull()  # the server's state, whatever a callback restored locally
+
+        def on_epoch_end(self, epoch, logs=None):
+            model = self.model
+            optimizer = model.optimizer
+            lr = None if _has_schedule(optimizer) else float(np.asarray(optimizer.learning_rate))
+            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "lr": lr})
+            model.stop_training = got["stop"]
+            if got["lr"] is not None and not strategy.is_chief:
+                optimizer.learning_rate = got["lr"]
+
+    return Agreement()
+
+
+def _batch_size(x) -> int:
+    from keras.src import tree
+
+    first = next(i for i in tree.flatten(x) if i is not None)
+    return int(first.shape[0])
+
+
+def _part(structure, index: int, count: int):
+    """This worker's contiguous rows of every tensor in ``structure`` (``shard_bounds``)."""
+    from keras.src import tree
+
+    n = _batch_size(structure[0])
+    lo, hi = shard_bounds(n, index, count)
+    return tree.map_structure(lambda t: None if t is None else t[lo:hi], structure)
+
+
+__all__ = ["Strategy"]
