@@ -61,11 +61,24 @@ def load_source(checkpoint: str = "", server: str = "", client_options: dict | N
     with PSClient(server, **(client_options or {})) as client:
         version, values = client.pull()
         wire = client.status().optimizer
-    from ps_server.core.optimizers import OptimizerSpec
+    from ps_server.service import optimizer_from_wire
 
-    spec = OptimizerSpec(wire.name, wire.learning_rate, wire.momentum, wire.nesterov, wire.beta_1, wire.beta_2,
-                         wire.epsilon) if wire.name else None
+    spec = optimizer_from_wire(wire) if wire.name else None
     return None, values, spec, f"server {server} (version {version})"
+
+
+def keras_optimizer(spec):
+    """The Keras 3 optimizer the server's ``spec`` reproduces: its class, every argument it
+    takes (``ps_common.names.OPTIMIZER_DEFAULTS`` names them) and its schedule."""
+    import keras
+
+    from ps_common.names import KERAS_OPTIMIZER_CLASSES, OPTIMIZER_DEFAULTS
+
+    class_name = next(c for c, name in KERAS_OPTIMIZER_CLASSES.items() if name == spec.name)
+    kwargs = {field: getattr(spec, field) for field in OPTIMIZER_DEFAULTS[spec.name]}
+    if spec.learning_rate_schedule:
+        kwargs["learning_rate"] = keras.optimizers.schedules.deserialize(spec.learning_rate_schedule)
+    return getattr(keras.optimizers, class_name)(**kwargs)
 
 
 def assign(model, values: dict[str, np.ndarray]) -> None:
@@ -95,14 +108,12 @@ def compile_like_the_server(model, spec, state: ServerState | None) -> str:
     if spec is None:
         model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         return "no optimizer (the server holds none yet)"
-    if spec.name == "adam":
-        optimizer = keras.optimizers.Adam(spec.learning_rate, beta_1=spec.beta_1, beta_2=spec.beta_2,
-                                          epsilon=spec.epsilon)
-    else:
-        optimizer = keras.optimizers.SGD(spec.learning_rate, momentum=spec.momentum, nesterov=spec.nesterov)
+    optimizer = keras_optimizer(spec)
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     if state is None:
         return f"{spec.name}, fresh state (a live server does not send its optimizer slots)"
+    if spec.name not in KERAS_SLOTS or spec.use_ema or (spec.name == "adam" and spec.amsgrad):
+        return f"{spec.name}, fresh state (this export carries the slots of plain SGD and Adam only)"
     variables = model.trainable_variables
     optimizer.build(variables)
     for slot, attribute in KERAS_SLOTS[spec.name].items():

@@ -279,7 +279,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, help="passes over the training data (default 3)")
     p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
     p.add_argument("--global-batch-size", type=int, help="examples per step over all workers (default 64)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, help="adam (default) or sgd, applied on the server")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="the Keras optimizer the server applies: "
+                   f"{', '.join(OPTIMIZERS)} (default adam); a Keras program's own: tfps.keras")
     p.add_argument("--learning-rate", type=float, help="default: 0.001 for adam, 0.01 for sgd")
     p.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
