@@ -39,8 +39,8 @@ with strategy.scope():
         tf.keras.layers.Dense(128, activation="relu"),
         tf.keras.layers.Dense(10, activation="softmax"),
     ])
-    model.compile(optimizer=tf.keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+    model.compile(optimizer=tf.keras.optimizers.Adam(learning_rate=0.003),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-history = model.fit(train_dataset, epochs=5, steps_per_epoch=23, validation_data=test_dataset)
+history = model.fit(train_dataset, epochs=10, steps_per_epoch=23, validation_data=test_dataset)
 if strategy.cluster_resolver.task_id == 0:
     print(f"val_accuracy={history.history['val_accuracy'][-1]:.4f}")

@@ -36,8 +36,10 @@ p.add_argument("--weights", choices=("", "class", "sample"), default="", help="c
 p.add_argument("--steps-per-epoch", type=int, default=0)
 p.add_argument("--initial-epoch", type=int, default=0)
 p.add_argument("--validation-freq", type=int, default=1)
+p.add_argument("--per-worker", action="store_true", help="each worker's own batches of 32 (its shard of the data)")
 args = p.parse_args()
 
+strategy = tfps.keras.Strategy(batches="per_worker" if args.per_worker else "global")
 images, labels = load_digits(return_X_y=True)
 images = (images / 16.0).astype(np.float32)
 order = np.random.default_rng(0).permutation(len(labels))
@@ -51,6 +53,8 @@ if args.weights == "sample":
     train = tf.data.Dataset.from_tensor_slices((train_x, train_y, sample_weight)).batch(64)
 else:
     train = tf.data.Dataset.from_tensor_slices((train_x, train_y)).batch(64)
+if args.per_worker:  # as a ParameterServerStrategy dataset_fn shards by its input context
+    train = train.unbatch().shard(strategy.num_replicas_in_sync, strategy.worker_index).batch(32)
 if args.steps_per_epoch:
     train = train.repeat()
 test = tf.data.Dataset.from_tensor_slices((test_x, test_y)).batch(64)
@@ -77,7 +81,6 @@ def schedule(epoch, lr):
     return 0.1 if epoch < 1 else 0.02
 
 
-strategy = tfps.keras.Strategy()
 with strategy.scope():
     keras.utils.set_random_seed(7)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),

@@ -191,9 +191,9 @@ def _server_version(address: str) -> int:
         return int(c.status().version)
 
 
-def test_ssp_fit_trains_with_steps_per_epoch_and_initial_epoch(procs, tmp_path):
+def test_ssp_fit_on_per_worker_batches_with_steps_per_epoch_initial_epoch_and_sample_weights(procs, tmp_path):
     a, b = fit(procs, tmp_path, "ssp", "--steps-per-epoch", "10", "--epochs", "4", "--initial-epoch", "1",
-               "--validation-freq", "2", "--weights", "sample", server_extra=("--staleness", "2"))
+               "--validation-freq", "2", "--weights", "sample", "--per-worker", server_extra=("--staleness", "2"))
     assert a["mode"] == "ssp" and a["epochs"] == b["epochs"] == [1, 2, 3]
     assert len(a["history"]["val_accuracy"]) == 2  # Keras validates when (epoch + 1) % 2 == 0: epochs 1 and 3
     assert a["seen_batches"] == b["seen_batches"] == 30
