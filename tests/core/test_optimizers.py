@@ -441,9 +441,11 @@ def test_a_learning_rate_schedule_matches_eager_keras_bit_for_bit(keras, schedul
     assert_like_keras(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads))
 
 
-@pytest.mark.parametrize("class_name,option", [("Nadam", "ema"), ("Lion", "weight_decay"), ("Adamax", "clipvalue")])
-def test_the_options_apply_around_the_more_optimizers_too(keras, class_name, option):
-    pytest.importorskip("ps_server.core.more_optimizers")
+MORE = ("Adamax", "Nadam", "Ftrl", "Lion")  # ps_server/core/more_optimizers.py
+
+
+@pytest.mark.parametrize("class_name,option", [(c, o) for c in MORE for o in OPTIONS])
+def test_every_option_applies_around_the_more_optimizers_too(keras, class_name, option):
     init, grads = apply_problem(seed=2)
     optimizer = getattr(keras.optimizers, class_name)(**OPTIONS[option])
     spec = OptimizerSpec.from_keras(class_name, optimizer.get_config())
@@ -539,3 +541,14 @@ def test_a_variable_whose_sum_tensorflow_shares_out_among_threads_is_clipped_wit
     spec = OptimizerSpec.from_keras("RMSprop", optimizer.get_config())
     for a, b in zip(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("class_name", ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", *MORE])
+@pytest.mark.parametrize("schedule", ["exponential", "piecewise"])
+def test_every_optimizer_steps_a_schedule_bit_for_bit(keras, class_name, schedule):
+    init, grads = apply_problem(seed=3)
+    name, config = SCHEDULES[schedule]
+    optimizer = getattr(keras.optimizers, class_name)(
+        learning_rate=getattr(keras.optimizers.schedules, name)(**config))
+    spec = OptimizerSpec.from_keras(class_name, optimizer.get_config())
+    assert_like_keras(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads))
