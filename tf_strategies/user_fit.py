@@ -133,14 +133,10 @@ def _load_initial(model, path: str) -> None:
     with np.load(path) as f:
         t = [f[k] for k in sorted((k for k in f.files if k.startswith("t")), key=lambda k: int(k[1:]))]
         n = [f[k] for k in sorted((k for k in f.files if k.startswith("n")), key=lambda k: int(k[1:]))]
-    for kind, variables, values in (("trainable", model.trainable_variables, t),
-                                    ("non-trainable", model.non_trainable_variables, n)):
-        if len(variables) != len(values):
-            raise ValueError(f"{len(values)} initial {kind} arrays for {len(variables)} variables")
-        for v, a in zip(variables, values):
-            if tuple(v.shape) != a.shape:
-                raise ValueError(f"{kind} variable {getattr(v, 'path', v.name)}: shape {tuple(v.shape)} != {a.shape}")
-            v.assign(a)
+    from tf_strategies.common import assign_weights
+
+    assign_weights(model.trainable_variables, t)
+    assign_weights(model.non_trainable_variables, n)
 
 
 def _weights(model) -> list:

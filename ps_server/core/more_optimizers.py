@@ -94,6 +94,14 @@ class _KerasOptimizer(Optimizer):
         raise NotImplementedError
 
 
+def _check_adam_like(spec) -> None:
+    """Adamax's and Nadam's rule (stricter than Keras, which checks none): betas in [0, 1), epsilon >= 0."""
+    _check_unit_interval(spec, "beta_1")
+    _check_unit_interval(spec, "beta_2")
+    if _hyper(spec, "epsilon") < 0:
+        raise InvalidArgument(f"epsilon must be >= 0; got {spec.epsilon!r}")
+
+
 def _check_unit_interval(spec, name: str, closed_at_one: bool = False) -> float:
     x = _hyper(spec, name)
     if closed_at_one:
@@ -111,10 +119,7 @@ class Adamax(_KerasOptimizer):
     slot_names = ("m", "u")
 
     def _validate(self, spec):
-        _check_unit_interval(spec, "beta_1")
-        _check_unit_interval(spec, "beta_2")
-        if _hyper(spec, "epsilon") < 0:
-            raise InvalidArgument(f"epsilon must be >= 0; got {spec.epsilon!r}")
+        _check_adam_like(spec)
 
     def _more_constants(self, spec, dtype):
         return {
@@ -182,10 +187,7 @@ class Nadam(_KerasOptimizer):
     slot_names = ("m", "v")
 
     def _validate(self, spec):
-        _check_unit_interval(spec, "beta_1")
-        _check_unit_interval(spec, "beta_2")
-        if _hyper(spec, "epsilon") < 0:
-            raise InvalidArgument(f"epsilon must be >= 0; got {spec.epsilon!r}")
+        _check_adam_like(spec)
 
     def _more_constants(self, spec, dtype):
         beta_1 = _via_float32(spec.beta_1, dtype)  # ops.cast(self.beta_1, var_dtype)
