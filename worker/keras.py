@@ -333,15 +333,14 @@ class _Attached:
         optimizer = self.model.optimizer
         if not self.strategy.is_chief or _has_schedule(optimizer):
             return 0.0
+        # The first push of this worker always sends it: a callback may have set it before the first
+        # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
         lr = float(np.asarray(optimizer.learning_rate))
-        if self.sent_learning_rate is None:
-            self.sent_learning_rate = lr  # the compiled rate: the server was initialized with it
-            return 0.0
         if lr == self.sent_learning_rate:
             return 0.0
         self.sent_learning_rate = lr
-        log.info("tfps.keras: learning rate %g from the chief's next update (step %d)", lr,
-                 self.strategy.connection.step)
+        log.debug("tfps.keras: learning rate %g from the chief's update at step %d", lr,
+                  self.strategy.connection.step)
         return lr
 
     # -- the server's parameters for evaluate and predict

@@ -130,7 +130,8 @@ def _probe():
 
 
 def test_learning_rate_scheduler_reaches_the_server_from_the_chiefs_next_round(procs, tmp_path):
-    a, b = fit(procs, tmp_path, "sync", "--callbacks", "scheduler")
+    # Compiled at 0.3, the schedule says 0.1 from epoch 0's start: the server never uses 0.3.
+    a, b = fit(procs, tmp_path, "sync", "--callbacks", "scheduler", "--learning-rate", "0.3")
     # Epoch 0 at 0.1, from epoch 1 on 0.02: the chief's first push of epoch 1 carries it, so the
     # server's round 23 (the first of epoch 1) is the first at the new rate, for every worker.
     for record in (a, b):
