@@ -34,7 +34,16 @@ one name on purpose.
   (the chief is worker 0); ``num_workers`` as above.
 
 A ``TF_CONFIG`` that cannot be read raises ``ConfigError`` like any other bad
-setting. Plain Python: no gRPC, no TensorFlow.
+setting.
+
+``TFPS_CLUSTER`` says where the cluster description comes from: unset, empty or
+``tf_config``, from ``TF_CONFIG`` as above; ``slurm``, from the Slurm environment
+of an ``srun`` task instead (``ps_common.slurm``: the first ``TFPS_SLURM_NUM_PS``
+tasks serve, the others train), giving the same fields by role, and ``TF_CONFIG``
+is not read. It is an explicit choice, not guessed from ``SLURM_PROCID``: a
+process started by hand inside a Slurm allocation keeps today's defaults.
+``ps-slurm`` (``ps_tools.slurm``) sets it for the processes it starts. Plain
+Python: no gRPC, no TensorFlow.
 """
 
 from __future__ import annotations
@@ -151,11 +160,31 @@ def tf_config_values(role: str, environ: Mapping[str, str]) -> dict:
     return values
 
 
+CLUSTER_ENV = "TFPS_CLUSTER"
+CLUSTER_SOURCES = ("tf_config", "slurm")
+
+
+def cluster_values(role: str, environ: Mapping[str, str]) -> dict:
+    """The fields the cluster description sets for ``role``: ``TF_CONFIG``, or with
+    ``TFPS_CLUSTER=slurm`` the Slurm environment (module docstring)."""
+    source = (environ.get(CLUSTER_ENV) or "tf_config").strip().lower()
+    if source not in CLUSTER_SOURCES:
+        raise ConfigError(f"{CLUSTER_ENV}={environ.get(CLUSTER_ENV)!r} must be one of {', '.join(CLUSTER_SOURCES)}")
+    if source == "slurm":
+        from ps_common import slurm
+
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return slurm.cluster_values(role, environ)
+    return tf_config_values(role, environ)
+
+
 def resolve(cls: type[T], args: argparse.Namespace | None, environ: Mapping[str, str],
             role: str | None = None) -> T:
     """An instance of ``cls``: each field from its flag in ``args``, else its environment
-    variable, else ``TF_CONFIG`` for ``role`` ("ps" or "worker"; None: not read), else the default."""
-    values = tf_config_values(role, environ) if role else {}
+    variable, else the cluster description for ``role`` ("ps" or "worker"; None: not read):
+    ``TF_CONFIG``, or the Slurm environment with ``TFPS_CLUSTER=slurm``; else the default."""
+    values = cluster_values(role, environ) if role else {}
     for f in dataclasses.fields(cls):
         flag_value = getattr(args, f.name, None)
         if flag_value is not None:
