@@ -32,6 +32,8 @@ class Registration:
     round: int = 0  # sync: the round the server is collecting; a (re)joining worker starts there
     lease_timeout: float = 10.0  # a worker silent this long is declared dead (s)
     incarnation: str = ""  # changes every time a server process starts
+    # Sync: restored from a checkpoint, no push taken since: the first push sets the round
+    round_restored: bool = False
     # The worker's own: the same-host fast path is on for this registration (its probe
     # succeeded). Never on the wire: the server's core leaves it False.
     shm: bool = False

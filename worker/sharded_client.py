@@ -37,12 +37,17 @@ shards). The registrations are combined by ``REGISTRATION_RULES``: initialized
 only if every shard is, the incarnations joined with commas (a restart of any
 shard shows as a new incarnation), round the largest any shard is collecting,
 and so on; the statuses by ``STATUS_RULES`` and ``WORKER_RULES``. Each table has
-one rule per field (a test holds it to the record or proto). In sync mode each shard runs its own barrier, and the worker
-pushes each shard its own round: ``step`` as the trainer counts it plus a
-per-shard offset (0 when all shards agree, which is the normal case). A shard
-restored from an older checkpoint has lost the rounds since (as one server
-would); the worker resumes at the newest round and does not apply the lost
-steps again on the shards that kept them. Shards with backup workers
+one rule per field (a test holds it to the record or proto). In sync mode each
+shard runs its own barrier, and every shard counts rounds alike: the worker
+pushes step ``s`` as round ``s`` to each. A shard restored from an older
+checkpoint has lost the rounds since (as one server would); it says so when a
+worker registers (``round_restored``), and its first push sets the round it
+collects. A worker registering while the shards collect different rounds resumes
+at the lowest round of the shards that kept theirs (one of them may be a round
+ahead: it completed the round this worker pushed last, and answers that push
+again from its record), so every worker resumes at the same round, whichever
+registers first, and the lost steps are not applied again on the shards that
+kept them. Shards with backup workers
 (``--replicas-to-aggregate`` below the worker count) are refused: each would
 drop different workers' gradients.
 
@@ -50,7 +55,7 @@ drop different workers' gradients.
 deadline), then raises the first ``PSClientError`` to arrive: its ``call`` and
 ``address`` name the shard. A push is not atomic across shards: when one
 shard fails, the others may have applied their pieces. Sync mode keeps the
-rounds aligned by the per-shard rounds above when the worker registers again;
+rounds aligned as above when the worker registers again;
 in async mode that gradient is partly applied, as the per-variable apply of
 async mode already allows.
 """
@@ -109,7 +114,6 @@ class ShardedClient:
         self._lock = threading.Lock()
         self.placement: sharding.Placement | None = None
         self._sync = False
-        self._offsets = [0] * n  # sync: the round shard i collects minus the step the trainer counts
         self._pulled: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     @property
@@ -178,12 +182,19 @@ class ShardedClient:
             self._refuse_backup_workers(combined.num_workers)
         rounds = [r.round for r in regs]
         if sync and len(set(rounds)) > 1:
-            log.warning("the shards collect different rounds (%s): resuming at round %d and pushing each shard "
-                        "its own round (a shard that restarted lost the rounds since its last checkpoint)",
-                        ", ".join(f"{a}: {r}" for a, r in zip(self.addresses, rounds)), combined.round)
+            # The shards that kept their rounds say where the cluster is: the lowest of them (a
+            # shard one round ahead completed the round this worker pushed last; pushing that
+            # step again is answered from its record). A restored shard's first push sets its
+            # round to that one, for every worker alike. Only restored shards: the newest.
+            kept = [r.round for r in regs if not r.round_restored]
+            resume = min(kept) if kept else max(rounds)
+            log.warning("the shards collect different rounds (%s): resuming at round %d (a shard that restarted "
+                        "lost the rounds since its last checkpoint; it collects round %d next)",
+                        ", ".join(f"{a}: {r}{' (restored)' if g.round_restored else ''}"
+                                  for a, r, g in zip(self.addresses, rounds, regs)), resume, resume)
+            combined = dataclasses.replace(combined, round=resume)
         with self._lock:
             self._sync = sync
-            self._offsets = [r - combined.round for r in rounds] if sync else [0] * self.num_shards
             self._pulled.clear()
         return combined
 
@@ -199,9 +210,8 @@ class ShardedClient:
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew the lease on every shard; returns the shards' incarnations joined."""
-        offsets = self._offsets
         incarnations = self._each(self._control, lambda i, c: c.heartbeat(
-            worker_id, step + offsets[i] if step >= 0 else step, timeout=timeout))
+            worker_id, step, timeout=timeout))
         return ",".join(incarnations[i] for i in range(self.num_shards))
 
     def leave(self, worker_id: int) -> None:
@@ -319,9 +329,8 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
-            offsets, sync = list(self._offsets), self._sync
         replies = self._each(self._data, lambda i, c: c.push(
-            worker_id, step + offsets[i], bases[i], batch_size, per_shard[i], loss, timeout=timeout,
+            worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
             metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate))
         replies = [replies[i] for i in range(self.num_shards)]
         if len({r.dropped for r in replies}) > 1:
@@ -329,15 +338,7 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
                               f"the shards disagree on step {step}'s gradient ({which}); backup workers "
                               "(--replicas-to-aggregate) cannot be used with several shards")
-        # Each shard says the step it collects next; in the trainer's count that is its
-        # step minus its offset (0 in async mode).
-        reply = combine_records([dataclasses.replace(r, next_step=r.next_step - off)
-                                 for r, off in zip(replies, offsets)], PUSH_RULES)
-        if sync:  # keep pushing each shard its own round
-            with self._lock:
-                if self._offsets == offsets:  # not re-registered meanwhile
-                    self._offsets = [r.next_step - reply.next_step for r in replies]
-        return reply
+        return combine_records(replies, PUSH_RULES)
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """``PSClient.broadcast`` on shard 0 alone: one board for the cluster."""
@@ -384,7 +385,8 @@ REGISTRATION_RULES: dict[str, Callable] = {
     "initialized": all,  # only if every shard is
     "version": min,  # the version every shard has reached
     "barrier_timeout": max,  # a push deadline above every shard's barrier
-    "round": max,  # the newest round any shard collects (the others get an offset)
+    "round": max,  # the newest round any shard collects (register resumes otherwise after a restore)
+    "round_restored": any,
     "lease_timeout": min,  # heartbeat within the shortest lease
     "incarnation": joined,
     "shm": all,  # the fast path is on only if every shard's probe succeeded
@@ -395,7 +397,7 @@ PUSH_RULES: dict[str, Callable] = {
     "staleness": max,
     "contributors": min,
     "dropped": any,  # push refuses shards that disagree on it
-    "next_step": max,  # in the trainer's count (ShardedClient.push subtracts each shard's offset)
+    "next_step": max,  # every shard counts rounds alike (a restored one takes the cluster's)
     "replayed": all,  # replayed only if no shard applied it now
     "learning_rate": first,  # every shard runs the same optimizer at the same count (and set rate)
     "metrics": first,  # only shard 0 is sent the metrics, so only its round sums them

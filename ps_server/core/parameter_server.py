@@ -150,7 +150,9 @@ class ParameterServer:
         # incarnation, ...), read once from there, plus its id and the barrier timeout.
         status = self.status()
         shared = {f.name: getattr(status, f.name) for f in _REGISTRATION_FROM_STATUS}
-        return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout, **shared)
+        restored = getattr(self.mode, "round_restored", None)
+        return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout,
+                            round_restored=bool(restored and restored()), **shared)
 
     def finished(self) -> tuple[bool, list[int], list[int]]:
         """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done."""

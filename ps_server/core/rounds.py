@@ -14,6 +14,12 @@ or the round completed without it (``"late"``). A second push of the same
 worker in the current round is ``"join"``: it waits for the same outcome as the
 first (idempotent retry).
 
+A book that starts from a checkpoint (``restored=True``) takes its first push
+for any later round too, and collects that round from then on: a shard restored
+from an older checkpoint than the others kept then counts rounds as they do
+(the rounds in between are lost, as with one server), and no worker needs its
+own idea of how far behind each shard is. The first push taken ends that.
+
 ``abort()`` throws the round's pushes away without advancing it: the same
 round starts over. Each completion or abort starts a new *generation*, so a
 waiter can tell that the round it joined has ended even when the next round
@@ -35,7 +41,7 @@ ROUNDS_REMEMBERED = 16
 
 
 class RoundBook:
-    def __init__(self, num_workers: int, start_round: int = 0, quorum: int = 0):
+    def __init__(self, num_workers: int, start_round: int = 0, quorum: int = 0, restored: bool = False):
         if num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
         if not 0 <= quorum <= num_workers:
@@ -43,6 +49,7 @@ class RoundBook:
         self.num_workers = num_workers
         self.quorum = quorum  # 0: every active worker
         self.round = start_round
+        self.restored = restored  # the first push may name a later round (module docstring)
         self.generation = 0
         self.active: set[int] = set(range(num_workers))
         self._pending: dict[int, Any] = {}
@@ -70,7 +77,7 @@ class RoundBook:
                 f"push from worker {worker_id} for step {step} is late: round {step} "
                 f"already completed (the server is collecting round {self.round})"
             )
-        if step > self.round:
+        if step > self.round and not (self.restored and not self._pending):
             raise FutureRound(
                 f"push from worker {worker_id} for step {step} is early: round {self.round} "
                 f"has not completed yet"
@@ -89,6 +96,9 @@ class RoundBook:
             raise DuplicatePush(f"worker {worker_id} already pushed for round {self.round}")
         if kind != "new":
             raise StaleRound(f"push from worker {worker_id} for step {step} is late: round {step} already completed")
+        if step > self.round:  # restored: the first push sets the round collected from now on
+            self.round = step
+        self.restored = False
         self._pending[worker_id] = item
         return self.full()
 

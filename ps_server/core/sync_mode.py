@@ -348,7 +348,8 @@ class SyncMode:
         of timed-out and aborted rounds carry on."""
         with self._lock:
             generation = self._book.generation + 1  # stays monotonic for anyone holding one
-            self._book = RoundBook(self._book.num_workers, start_round=status.round, quorum=self._book.quorum)
+            self._book = RoundBook(self._book.num_workers, start_round=status.round, quorum=self._book.quorum,
+                                   restored=True)
             self._book.generation = generation
             self._outcomes.clear()
             self._results.clear()
@@ -364,6 +365,11 @@ class SyncMode:
     def round(self) -> int:
         with self._lock:
             return self._book.round
+
+    def round_restored(self) -> bool:
+        """Restored from a checkpoint and no push taken since (``RoundBook``)."""
+        with self._lock:
+            return self._book.restored
 
     def status(self) -> ModeStatus:
         with self._lock:

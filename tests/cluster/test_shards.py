@@ -147,7 +147,8 @@ def test_sync_workers_ride_out_a_shard_restart_from_its_checkpoint(procs, tmp_pa
     # reached and no call hit the restart, they carry on without an error to rejoin on.
     first_status, second_status = statuses(ps.split(","))
     assert first_status.round == 30  # every step once on the shard that kept running
-    assert 0 < second_status.round <= 30 and second_status.incarnation != ""
+    # The restored shard took the cluster's round with its first push: both count alike.
+    assert second_status.round == 30 and second_status.incarnation != ""
 
 
 def test_launch_refuses_backup_workers_with_several_shards():

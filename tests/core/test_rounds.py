@@ -233,3 +233,21 @@ def test_every_sequence_of_pushes_takes_and_aborts_matches_the_docstring():
                 assert book.pushed() == tuple(sorted(model.pending)), (ops, op)
                 checked += 1
     assert checked > 10_000
+
+
+def test_a_restored_book_takes_its_first_push_for_a_later_round_and_collects_that_round():
+    book = RoundBook(num_workers=2, start_round=3, restored=True)
+    with pytest.raises(StaleRound):
+        book.check(0, 2)
+    assert book.check(1, 9) == "new" and book.restored  # check records nothing
+    assert book.add(1, 9, "g1") is False
+    assert book.round == 9 and not book.restored
+    with pytest.raises(FutureRound):  # only the first push sets the round
+        book.check(0, 10)
+    assert book.add(0, 9, "g0") is True and book.take() == ["g0", "g1"] and book.round == 10
+
+
+def test_a_book_not_restored_refuses_a_later_round_even_when_empty():
+    book = RoundBook(num_workers=2, start_round=3)
+    with pytest.raises(FutureRound):
+        book.check(0, 4)

@@ -38,6 +38,7 @@ class FakeShard:
         self.reply = None  # a PushReply to answer instead of the computed one
         self.fail = None  # a PSClientError to raise from every data call
         self.block = None  # an Event a push waits for
+        self.restored = False  # sync: restored from a checkpoint, no push taken since
 
     def register(self, worker_index, num_workers=0, name="", timeout=None):
         self.registered = getattr(self, "registered", []) + [worker_index]
@@ -45,7 +46,8 @@ class FakeShard:
             worker_index = self.num_workers - 1
         return Registration(worker_id=worker_index, mode=self.mode, num_workers=self.num_workers,
                             initialized=self.values is not None, version=self.version, barrier_timeout=60.0,
-                            round=self.round, lease_timeout=10.0, incarnation=self.incarnation)
+                            round=self.round, lease_timeout=10.0, incarnation=self.incarnation,
+                            round_restored=self.restored)
 
     def initialize(self, worker_id, variables, optimizer, non_trainable=()):
         if self.values is not None:
@@ -215,24 +217,47 @@ def test_auto_index_is_assigned_by_the_first_shard_and_registered_as_such_on_the
     assert [s.registered for s in shards] == [[-1], [3], [3]]
 
 
-def test_a_sync_worker_resumes_at_the_newest_round_and_pushes_each_shard_its_own_round():
+def test_a_sync_worker_resumes_at_the_round_of_the_shards_that_kept_theirs_and_pushes_every_shard_that_round():
     shards, client = cluster()
     client.register(0, 2)
     client.initialize(0, VALUES, SGD)
     # Shard 1 restarted from an older checkpoint: it collects round 7, shard 0 round 10.
     shards[0].round, shards[0].version = 10, 10
-    shards[1].round, shards[1].version = 7, 7
+    shards[1].round, shards[1].version, shards[1].restored = 7, 7, True
     reg = client.register(0, 2)
-    assert reg.round == 10
+    assert reg.round == 10 and reg.round_restored
     version, _ = client.pull(0)
     grads = {n: np.zeros_like(a) for n, a in VALUES.items()}
     reply = client.push(0, reg.round, version, 32, grads)
-    assert [s.pushes[-1]["step"] for s in shards] == [10, 7]
+    # The restored shard's first push sets its round: both shards count rounds alike.
+    assert [s.pushes[-1]["step"] for s in shards] == [10, 10]
     assert [s.pushes[-1]["base_version"] for s in shards] == [10, 7]
     assert reply.next_step == 11
-    version, _ = client.pull(0)
-    client.push(0, reply.next_step, version, 32, grads)
-    assert [s.pushes[-1]["step"] for s in shards] == [11, 8]
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_kept_shard_one_round_ahead_does_not_move_the_resume_round(ahead):
+    """Worker A's last push (round 10) was taken by one kept shard, whose round then
+    completed with worker B's (it is at 11), but not by the restored shard 2: A resumes at
+    10 as B did, so both push the restored shard the same rounds; the shard at 11 answers
+    A's push of 10 from its record."""
+    shards, client = cluster(3)
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    shards[ahead].round, shards[1 - ahead].round = 11, 10
+    shards[2].round, shards[2].restored = 3, True
+    assert client.register(0, 2).round == 10
+    shards[2].round, shards[2].restored = 10, False  # B's first push set its round
+    assert client.register(0, 2).round == 10
+
+
+def test_when_every_shard_was_restored_the_newest_round_is_the_cluster_s():
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)
+    shards[0].round, shards[0].restored = 5, True
+    shards[1].round, shards[1].restored = 7, True
+    assert client.register(0, 2).round == 7
 
 
 def test_shards_that_disagree_on_mode_or_worker_count_are_refused_naming_them():
