@@ -23,6 +23,7 @@ Each check is also run on an input it must refuse.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pathlib
 import re
@@ -420,7 +421,8 @@ def test_each_tfjob_replica_resolves_to_its_role_index_shards_and_worker_count(p
         assert config.num_workers == 3
         if r.role == "ps":
             assert (config.host, config.port) == ("0.0.0.0", r.port)
-            assert config.checkpoint_dir == "/data/checkpoints" and config.exit_when_done
+            assert config.checkpoint_dir == "/data/checkpoints"
+            assert not config.exit_when_done  # restartPolicy Always would start it again
             assert config.dead_worker_policy == "wait"
         else:
             assert config.ps_addresses == shards
@@ -451,6 +453,23 @@ def test_each_plain_replica_resolves_to_its_role_shards_and_worker_count(p):
             assert r.env["JOB_COMPLETION_INDEX"] == str(r.index)
 
 
+PER_WORKER = ("worker_index", "result_json", "save_model", "save_weights")
+
+
+def _training(config) -> dict:
+    """A worker's configuration without what differs from worker to worker by design."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in PER_WORKER}
+
+
+@pytest.mark.parametrize("p", ALL_SETS, ids=_id)
+def test_every_worker_trains_the_same_model_the_same_way_and_every_shard_serves_alike(p):
+    reps = kube.replicas(p)
+    workers = [_training(_resolve(r)) for r in reps if r.role != "ps"]
+    assert all(w == workers[0] for w in workers), p
+    servers = [_resolve(r) for r in reps if r.role == "ps"]
+    assert all(s == servers[0] for s in servers), p
+
+
 def test_the_resolution_check_sees_a_worker_count_that_disagrees():
     reps = kube.replicas(PLAIN)
     w = next(r for r in reps if r.role == "worker")
@@ -470,11 +489,15 @@ def test_no_pod_gets_service_links_which_would_set_tfps_port_to_a_url():
 
 
 # -- restart policies, volumes, names -----------------------------------------------------------------
-def test_tfjob_replicas_are_recreated_after_a_signal_and_fail_the_job_on_an_error():
-    doc = next(d for d in _objects(TFJOB) if d["kind"] == "TFJob")
+@pytest.mark.parametrize("p", TFJOBS, ids=_id)
+def test_tfjob_servers_always_restart_and_workers_are_recreated_after_a_signal_only(p):
+    # A server's SIGTERM (a failed liveness probe) ends in exit 0 after a final checkpoint:
+    # only Always starts it again. A worker's error exit (1, 2) must fail the job: ExitCode.
+    doc = next(d for d in _objects(p) if d["kind"] == "TFJob")
     assert {t: s["restartPolicy"] for t, s in doc["spec"]["tfReplicaSpecs"].items()} == {
-        "PS": "ExitCode", "Chief": "ExitCode", "Worker": "ExitCode"}
+        "PS": "Always", "Chief": "ExitCode", "Worker": "ExitCode"}
     assert "successPolicy" not in doc["spec"]  # the default: the job's outcome is the chief's
+    assert doc["spec"]["runPolicy"]["cleanPodPolicy"] in ("Running", "All")  # the servers go with the job
 
 
 def test_the_workers_job_fails_at_once_on_tfps_errors_and_retries_kills():
