@@ -6,8 +6,9 @@ Rules checked:
 - every object is a Kubernetes object: each one deserializes into the ``kubernetes``
   client's model of its kind, and a strict walk of the models' ``attribute_map`` and
   ``openapi_types`` refuses any field the API does not have and any value of the wrong
-  type (the client itself drops unknown fields without a word); a TFJob is checked
-  against the training-operator's v1 types, its replica templates as ``V1PodTemplateSpec``;
+  type (the client itself drops unknown fields without a word; quantities are strings,
+  as the models type them); a TFJob is checked against the training-operator's v1 types,
+  its replica templates as ``V1PodTemplateSpec``;
 - the images are those of docker/ under the names docker/compose*.yaml give them, and
   ``ps_tools.kube`` knows their ENTRYPOINT and ENV as docker/Dockerfile sets them;
 - every server has startup, readiness and liveness probes on the gRPC health service, at
@@ -15,7 +16,8 @@ Rules checked:
   variants differ from the CPU files only in the worker image, the GPU and a toleration;
 - each replica's TF_CONFIG is the training-operator's, byte for byte, and each replica's
   environment and command line resolve with tfps' own configuration code
-  (``ServerConfig``, ``WorkerConfig``) to the right role, index, shards and worker count;
+  (``ServerConfig``, ``WorkerConfig``, and ``ps-server``/``ps-worker --print-config``
+  themselves) to the right role, index, shards and worker count;
 - restart policies, checkpoint volumes, names and Services fit together.
 Each check is also run on an input it must refuse.
 """
@@ -602,3 +604,22 @@ def test_hosts_file_lists_every_name_of_every_replica():
     for r in reps:  # every host a TF_CONFIG entry names has an address
         for entry in [e for es in r.tf_config["cluster"].values() for e in es]:
             assert re.search(rf"\s{re.escape(entry.rpartition(':')[0])}(\s|$)", text, re.M), entry
+
+
+@pytest.mark.parametrize("p", [TFJOB, PLAIN], ids=_id)
+def test_the_commands_themselves_print_the_resolved_configuration_for_a_server_and_a_worker(p):
+    # The programs the entrypoint runs, through their own command line (``--print-config``),
+    # in an environment holding nothing of this one's TFPS_* or TF_CONFIG.
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TFPS_") and k != "TF_CONFIG"}
+    reps = kube.replicas(p)
+    for r in (reps[0], reps[-1]):
+        program, *args = r.process_argv
+        module = {"ps-server": "ps_server.cli", "ps-worker": "worker.cli"}[program]
+        done = subprocess.run([sys.executable, "-m", module, *args, "--print-config"], cwd=ROOT,
+                              env={**base, **r.env}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == dataclasses.asdict(_resolve(r)), r.pod_name
