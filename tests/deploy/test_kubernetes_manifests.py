@@ -7,8 +7,9 @@ Rules checked:
   client's model of its kind, and a strict walk of the models' ``attribute_map`` and
   ``openapi_types`` refuses any field the API does not have and any value of the wrong
   type (the client itself drops unknown fields without a word; quantities are strings,
-  as the models type them); a TFJob is checked against the training-operator's v1 types,
-  its replica templates as ``V1PodTemplateSpec``;
+  as the models type them); a TFJob is checked against the training-operator's v1 types
+  and its admission webhook's rules, its replica templates as ``V1PodTemplateSpec``; the
+  names follow the API server's rules;
 - the images are those of docker/ under the names docker/compose*.yaml give them, and
   ``ps_tools.kube`` knows their ENTRYPOINT and ENV as docker/Dockerfile sets them;
 - every server has startup, readiness and liveness probes on the gRPC health service, at
@@ -146,19 +147,69 @@ def schema_errors(data, schema, path: str = "") -> list[str]:
     return errors
 
 
+DNS1035 = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+PORT_NAME = re.compile(r"(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*")  # IANA_SVC_NAME
+
+
+def tfjob_webhook_errors(doc: dict) -> list[str]:
+    """The training-operator's admission webhook (v1.9, pkg/webhooks/tensorflow/tfjob_webhook.go):
+    a DNS-1035 name, at least one container per replica type, each with an image, one named
+    "tensorflow", at most one Chief or Master."""
+    errors = []
+    if not DNS1035.fullmatch(doc["metadata"].get("name", "")):
+        errors.append(f"TFJob name {doc['metadata'].get('name')!r} is not a DNS-1035 label")
+    specs = doc.get("spec", {}).get("tfReplicaSpecs") or {}
+    if not specs:
+        errors.append("TFJob.spec.tfReplicaSpecs: required")
+    for rtype, spec in specs.items():
+        containers = (spec or {}).get("template", {}).get("spec", {}).get("containers") or []
+        if not containers:
+            errors.append(f"TFJob {rtype}: containers must be specified")
+        if any(not c.get("image") for c in containers):
+            errors.append(f"TFJob {rtype}: every container needs an image")
+        if not any(c.get("name") == kube.TFJOB_CONTAINER for c in containers):
+            errors.append(f"TFJob {rtype}: no container named {kube.TFJOB_CONTAINER}")
+    if sum(t.lower() in ("chief", "master") for t in specs) > 1:
+        errors.append("TFJob: more than one Chief or Master")
+    return errors
+
+
+def name_errors(doc: dict) -> list[str]:
+    """A few of the API server's own rules that the models do not hold: object, container,
+    volume and port names."""
+    errors = []
+    name = doc["metadata"].get("name", "")
+    if not (DNS1035 if doc["kind"] == "Service" else DNS1123).fullmatch(name):
+        errors.append(f"{doc['kind']} name {name!r} is not a valid name")
+    specs = ([s["template"]["spec"] for s in doc["spec"]["tfReplicaSpecs"].values()] if doc["kind"] == "TFJob"
+             else [doc["spec"]["template"]["spec"]] if doc["kind"] in ("StatefulSet", "Job") else [])
+    ports = list(doc["spec"].get("ports", [])) if doc["kind"] == "Service" else []
+    for spec in specs:
+        for c in spec["containers"]:
+            if not DNS1123.fullmatch(c["name"]):
+                errors.append(f"container name {c['name']!r} is not a DNS-1123 label")
+            ports += c.get("ports", [])
+        for v in spec.get("volumes", []):
+            if not DNS1123.fullmatch(v["name"]):
+                errors.append(f"volume name {v['name']!r} is not a DNS-1123 label")
+    for port in ports:
+        if "name" in port and not PORT_NAME.fullmatch(port["name"]):
+            errors.append(f"port name {port['name']!r} is not an IANA service name (15 characters at most)")
+    return errors
+
+
 def object_errors(doc: dict) -> list[str]:
     """What is wrong with one manifest object: [] when the API would take it."""
     kind = doc.get("kind")
     if kind == "TFJob":
         errors = schema_errors(doc, TFJOB_SCHEMA, kind)
-        if not doc.get("spec", {}).get("tfReplicaSpecs"):
-            errors.append("TFJob.spec.tfReplicaSpecs: required")
-        return errors
+        return errors or tfjob_webhook_errors(doc) + name_errors(doc)
     if kind not in KINDS:
         return [f"{kind}: not a kind these manifests should hold"]
     if doc.get("apiVersion") != KINDS[kind]:
         return [f"{kind}: apiVersion {KINDS[kind]} expected, got {doc.get('apiVersion')!r}"]
-    return schema_errors(doc, f"V1{kind}", kind)
+    return schema_errors(doc, f"V1{kind}", kind) or name_errors(doc)
 
 
 def _objects(p) -> list[dict]:
@@ -218,6 +269,19 @@ def test_the_strict_check_refuses_an_unknown_field_a_wrong_type_and_a_missing_re
                   "containers[0].imagePullPolicy: str expected", "tfReplicaSpecs.Ps2: no such field"):
         assert any(wrong in e for e in errors), (wrong, errors)
     assert object_errors({"apiVersion": "v1", "kind": "Job"}) != []
+
+
+def test_the_webhook_and_name_rules_refuse_what_the_operator_and_the_api_server_would():
+    job = next(d for d in _objects(TFJOB) if d["kind"] == "TFJob")
+    bad = copy.deepcopy(job)
+    bad["metadata"]["name"] = "9tfps"
+    bad["spec"]["tfReplicaSpecs"]["Master"] = copy.deepcopy(bad["spec"]["tfReplicaSpecs"]["Chief"])
+    bad["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    bad["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]["ports"][0]["name"] = "tfjob-grpc-port-x"
+    errors = object_errors(bad)
+    for wrong in ("DNS-1035", "more than one Chief", "Worker: no container named tensorflow",
+                  "'tfjob-grpc-port-x' is not an IANA"):
+        assert any(wrong in e for e in errors), (wrong, errors)
 
 
 # -- images ----------------------------------------------------------------------------------
