@@ -123,9 +123,14 @@ def replicas(paths, job_name: str | None = None, namespace: str = "default",
              custom_cluster_domain: str = "", cluster_domain: str = "cluster.local") -> list[Replica]:
     """Every replica the manifests ``paths`` start (see ``load``): a TFJob's PS, Chief, Worker
     replicas, a StatefulSet's and an Indexed Job's pods, in the files' order (a TFJob's by
-    type: PS, Chief, Worker). ``job_name`` deploys a TFJob under another name;
+    type: PS, Chief, Worker). ``job_name`` deploys a TFJob under another name; ``namespace``
+    is where objects go whose metadata names none (``kubectl apply -n``);
     ``custom_cluster_domain`` is the operator's ``CUSTOM_CLUSTER_DOMAIN``; ``cluster_domain``
-    the cluster's DNS domain, for the fully qualified names in ``Replica.names``."""
+    the cluster's DNS domain, for the fully qualified names in ``Replica.names``.
+
+    To run a replica on an emulated host: give it an address, write ``hosts_file`` for
+    every host, and start ``process_argv`` (``ps-server``, ``ps-worker``: the project's
+    console scripts, on PATH in its venv) with ``{**os.environ, **env}``."""
     docs = load(paths)
     config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d.get("kind") == "ConfigMap"}
     out: list[Replica] = []

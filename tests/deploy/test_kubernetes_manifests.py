@@ -54,7 +54,8 @@ ALL_SETS = [*TFJOBS, *PLAINS]
 
 
 def _id(p) -> str:
-    return "+".join(q.relative_to(ROOT).as_posix() for q in p) if isinstance(p, list) else p.relative_to(ROOT).as_posix()
+    paths = p if isinstance(p, list) else [p]
+    return "+".join(q.relative_to(ROOT).as_posix() for q in paths)
 
 
 # -- the strict check against the API's types ------------------------------------------------
