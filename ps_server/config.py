@@ -10,7 +10,10 @@ worker and so have variables of their own: ``TFPS_SERVER_SHM``,
 ``TFPS_TLS_KEY_FILE`` and ``TFPS_METRICS_PORT`` still work, with a deprecation
 warning). With ``TF_CONFIG`` of task type ``ps`` (index i), the port is that of
 ``cluster.ps[i]`` and the worker count that of the chief and worker tasks,
-unless set. ``ps_common.settings`` does all of this mapping.
+unless set. With ``TFPS_CLUSTER=slurm`` the Slurm environment of an ``srun`` task
+stands in for ``TF_CONFIG`` (``ps_common.slurm``, docs/slurm.md): a task among the
+first ``TFPS_SLURM_NUM_PS`` gets its port (port base + its position on its node),
+all interfaces and the worker count. ``ps_common.settings`` does all of this mapping.
 """
 
 from __future__ import annotations

@@ -98,7 +98,9 @@ def role_argvs(server_args: str, worker_argv: list[str]) -> tuple[list[str], lis
                                  _parse_or_raise(WorkerConfig.parser(), list(worker_argv), "ps-worker flags"))):
         taken = [f"--{d.replace('_', '-')}" for d in decided if getattr(args, d, None) is not None]
         if taken:
-            raise SlurmLaunchError(f"{name}: {', '.join(taken)} come from the Slurm environment, give none")
+            one = len(taken) == 1
+            raise SlurmLaunchError(f"{name}: {', '.join(taken)} {'is' if one else 'are'} set from the Slurm "
+                                   f"environment; leave {'it' if one else 'them'} out")
     return server_argv, list(worker_argv)
 
 

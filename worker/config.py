@@ -12,6 +12,9 @@ still work, with a deprecation warning). With ``TF_CONFIG`` (task type
 each one shard (a TFJob with two PS replicas trains on both), the worker index
 the task's position (a chief is worker 0) and the worker count the number of
 chief and worker tasks, unless flags say otherwise (``ps_common.settings``).
+With ``TFPS_CLUSTER=slurm``, the Slurm environment of an ``srun`` task stands in
+for ``TF_CONFIG`` (``ps_common.slurm``): the servers are the first
+``TFPS_SLURM_NUM_PS`` tasks, this worker's index its rank after them.
 ``--worker-index auto`` (``TFPS_WORKER_INDEX=auto``) lets the server assign the
 index (identical containers under ``docker compose --scale``). ``--ps``
 with a comma-separated list names several ps-server shards

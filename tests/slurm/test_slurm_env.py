@@ -164,3 +164,47 @@ def test_the_hooks_errors_are_one_line():
         ServerConfig.from_args([], environ=step(1, TFPS_CLUSTER="slurm"))
     with pytest.raises(ConfigError, match="SLURM_PROCID is not set"):
         ServerConfig.from_args([], environ={"TFPS_CLUSTER": "slurm"})
+
+
+# -- ps-slurm's own arguments (ps_tools.slurm), without Slurm ----------------------------
+def test_ps_slurm_gives_the_servers_exit_when_done_and_the_workers_their_flags():
+    from ps_tools.slurm import role_argvs
+
+    assert role_argvs("--mode sync --lease-timeout 2", ["--dataset", "digits"]) == (
+        ["--exit-when-done", "--mode", "sync", "--lease-timeout", "2"], ["--dataset", "digits"])
+
+
+@pytest.mark.parametrize("server_args, worker_argv, message", [
+    ("--port 1", [], "--server-args: --port is set from the Slurm environment; leave it out"),
+    ("", ["--worker-index", "1", "--num-workers", "2"],
+     "ps-worker flags: --worker-index, --num-workers are set from the Slurm environment; leave them out"),
+    ("--mode bulk", [], "--server-args: argument --mode: invalid choice: 'bulk'"),
+    ("--mode 'sync", [], "--server-args \"--mode 'sync\": No closing quotation"),
+    ("", ["--no-such-flag"], "ps-worker flags: unrecognized arguments: --no-such-flag"),
+])
+def test_ps_slurm_refuses_what_slurm_decides_and_bad_flags_in_one_line(server_args, worker_argv, message):
+    from ps_tools.slurm import SlurmLaunchError, role_argvs
+
+    with pytest.raises(SlurmLaunchError) as e:
+        role_argvs(server_args, worker_argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ps_slurm_outside_slurm_is_a_one_line_error_and_status_2(capsys, monkeypatch):
+    from ps_tools import slurm as ps_slurm
+
+    for name in [k for k in __import__("os").environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    assert ps_slurm.main(["--dataset", "digits"]) == 2
+    assert capsys.readouterr().err == ("ps-slurm: error: SLURM_PROCID is not set: this is not a task of a Slurm "
+                                       "step (start it with srun)\n")
+
+
+def test_ps_slurm_passes_its_flags_as_the_variables_and_a_signal_as_128_plus_it():
+    from ps_tools.slurm import child_environment, exit_status, parser
+
+    args, rest = parser().parse_known_args(["--num-ps", "2", "--port-base", "9000", "--epochs", "1"])
+    env = child_environment(args, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "TFPS_CLUSTER": "slurm", "TFPS_SLURM_NUM_PS": "2", "TFPS_SLURM_PORT_BASE": "9000"}
+    assert rest == ["--epochs", "1"]
+    assert (exit_status(-9), exit_status(1), exit_status(0)) == (137, 1, 0)

@@ -106,5 +106,5 @@ def test_a_flag_slurm_decides_fails_every_task_in_one_line(local_slurm, tmp_path
                            "--ps", "h:1"], cwd=tmp_path, timeout=120)
     assert run.returncode == 2, run.stderr
     errors = sorted(line for line in run.stderr.splitlines() if "ps-slurm: error:" in line)
-    assert errors == [f"{rank}: ps-slurm: error: ps-worker flags: --ps come from the Slurm environment, give none"
+    assert errors == [f"{rank}: ps-slurm: error: ps-worker flags: --ps is set from the Slurm environment; leave it out"
                       for rank in (0, 1)], run.stderr
