@@ -72,6 +72,29 @@ class Slurm:
             time.sleep(0.5)
 
 
+def job_processes(job_id: str) -> list[int]:
+    """The pids of this machine's processes that belong to Slurm job ``job_id`` (by their environment)."""
+    mark = f"SLURM_JOB_ID={job_id}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_no_job_processes(job_id: str, timeout: float = 15.0) -> list[int]:
+    """``job_processes`` once it is empty, or what is left after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 @pytest.fixture(scope="module")
 def local_slurm():
     reason = local_cluster.why_not()

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ps_common import slurm as slurm_env
+from tests.slurm.conftest import wait_no_job_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -75,6 +76,7 @@ def test_job_script_trains_digits_with_one_server_and_two_workers(local_slurm, t
     assert (metrics["mode"], metrics["workers"]) == ("sync", 2) and metrics["test_accuracy"] >= 0.90, metrics
     assert "exiting (--exit-when-done)" in text  # the server ended by itself, so the job did
     assert f"tfps: job {proc.job_id} ends with status 0" in text
+    assert wait_no_job_processes(proc.job_id) == []  # every process of the job is gone
 
 
 def test_job_whose_worker_is_killed_under_abort_fails(local_slurm, tmp_path):
@@ -99,6 +101,7 @@ def test_job_whose_worker_is_killed_under_abort_fails(local_slurm, tmp_path):
     assert "declared dead" in text and "(dead-worker policy abort)" in text, text[-4000:]
     assert re.search(r"^1: ps-worker: error: worker 0: .*aborted", text, re.M), text[-4000:]
     assert f"tfps: job {proc.job_id} ends with status 1" in text
+    assert wait_no_job_processes(proc.job_id) == []
 
 
 def test_a_flag_slurm_decides_fails_every_task_in_one_line(local_slurm, tmp_path):
