@@ -23,14 +23,16 @@ in a host sees is what it would see on a machine of its own:
 * its **link**: ``tc`` on both ends of the veth pair (``tbf``: the host's upload on
   ``eth0``, its download on the bridge port), so a host's traffic in each direction
   shares one rate-limited, queueing link, with real TCP congestion control; loss
-  with ``iptables -m statistic --mode random`` in the host's namespace (both
-  directions, ``loss`` each). This kernel has no ``netem``, so **latency** is added
+  with ``iptables -m statistic --mode random`` where packets arrive (``loss`` of
+  what the host receives, and of what it sends, dropped at the receiving host, so
+  no sender sees an error). This kernel has no ``netem``, so **latency** is added
   by a user-space relay (``relay``): a TCP proxy in the server's host that holds each
   chunk it forwards for the delay, in each direction, so a connection through it
   has ``2 × delay`` more round-trip time on real sockets (and the relay's own
   copying, well under a millisecond here);
-* **cut** takes the host's bridge port down (no RST, no FIN: the host goes silent,
-  as when a cable is pulled), **restore** brings it back with the link's shaping.
+* **cut** takes the host's port off the bridge (no RST, no FIN, no "no route":
+  the host goes silent, as when the switch between machines fails), **restore**
+  brings it back with the link's shaping.
 
 Set-up and tear-down are idempotent. A set of hosts belongs to the process that
 made it (its pid is in the state directory); a later ``start`` removes every set
@@ -67,7 +69,7 @@ STATE_DIR = "/run/tfps-hosts"
 PREFIX = "tfps"
 SUBNET = "10.231.0"
 _NS_RE = re.compile(rf"^{PREFIX}([0-9a-f]+)-(.+)$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,58}[a-z0-9])?$")  # a DNS name: tfps-ps-0, job-ps-0.ns.svc
 
 
 class HostsError(RuntimeError):
@@ -205,7 +207,7 @@ class Hosts:
             raise HostsError("no hosts named")
         for name in names:
             if not _NAME_RE.match(name):
-                raise HostsError(f"host name {name!r}: lower-case letters, digits and '-', at most 41")
+                raise HostsError(f"host name {name!r}: lower-case letters, digits, '-' and '.', at most 60")
         if len(set(names)) != len(names):
             raise HostsError(f"host names repeat: {names}")
         if len(names) > 250:
@@ -286,6 +288,7 @@ class Hosts:
             shm = self.shm_dir(name)
             os.makedirs(shm, exist_ok=True)
             os.chmod(shm, 0o1777)
+        for name in self.names:
             self._apply(name)
 
     def stop(self) -> None:
@@ -323,26 +326,38 @@ class Hosts:
                 _run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", *_tbf(link.rate)])
             else:
                 _run(["ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
-        self._apply_loss(ns, link.loss)
+        self._apply_loss()
 
-    def _apply_loss(self, ns: str, loss: float) -> None:
-        if loss <= 0 and shutil.which("iptables") is None:
+    def _apply_loss(self) -> None:
+        """Loss is dropped where packets arrive (INPUT), so that no sender sees it as an
+        error (a drop in OUTPUT fails the sending call with EPERM): host H drops ``loss``
+        of H's packets from anywhere (its download) and, of each other host X's, X's
+        ``loss`` (X's upload)."""
+        lossy = {n: link.loss for n, link in self.links.items() if link.loss > 0}
+        if not lossy and not getattr(self, "_lossy", False):
             return
         if shutil.which("iptables") is None:
             raise HostsError("packet loss needs the 'iptables' command, not found")
-        for chain in ("INPUT", "OUTPUT"):
-            _run(["ip", "netns", "exec", ns, "iptables", "-F", chain], check=loss > 0)
-            if loss > 0:
-                _run(["ip", "netns", "exec", ns, "iptables", "-A", chain, "!", "-i" if chain == "INPUT" else "-o",
-                      "lo", "-m", "statistic", "--mode", "random", "--probability", f"{loss:.6f}", "-j", "DROP"])
+        for name in self.names:
+            ns = self.namespace(name)
+            _run(["ip", "netns", "exec", ns, "iptables", "-F", "INPUT"])
+            rules = [([], lossy[name])] if name in lossy else []
+            rules += [(["-s", self.address(x)], p) for x, p in lossy.items() if x != name]
+            for match, p in rules:
+                _run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-i", "eth0", *match, "-m", "statistic",
+                      "--mode", "random", "--probability", f"{p:.6f}", "-j", "DROP"])
+        self._lossy = bool(lossy)
 
     def cut(self, name: str) -> None:
-        """The host goes silent: its bridge port is down (packets to and from it are lost)."""
-        _run(["ip", "-n", self.bridge_namespace, "link", "set", self._port(name), "down"])
+        """The host goes silent: its port leaves the bridge, so every packet to and from it
+        is lost while both ends of its link stay up, as when a switch between machines
+        fails: no RST, no FIN, no "no route" (a carrier lost on the host's own interface
+        would tell its processes at once)."""
+        _run(["ip", "-n", self.bridge_namespace, "link", "set", self._port(name), "nomaster"])
 
     def restore(self, name: str) -> None:
         """Bring a cut link back, shaped as before."""
-        _run(["ip", "-n", self.bridge_namespace, "link", "set", self._port(name), "up"])
+        _run(["ip", "-n", self.bridge_namespace, "link", "set", self._port(name), "master", "br0"])
         self._apply(name)
 
     # -- processes --------------------------------------------------------------------
