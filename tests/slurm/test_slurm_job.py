@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -47,6 +48,13 @@ def finish(slurm, proc: subprocess.Popen, output: Path) -> int:
         pytest.fail(f"job {proc.job_id} still running after {JOB_TIMEOUT:g} s; cancelled\n{read(output)[-4000:]}")
 
 
+def free_port() -> int:
+    """A port nobody listens on now: the server's (--port-base), so the job needs no fixed one."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def task_lines(text: str) -> dict[int, str]:
     """{rank: what ps-slurm said it is} from the job's output (srun --label)."""
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^(\d+): ps-slurm: Slurm task \d+ of \d+: (.*)$",
@@ -62,14 +70,16 @@ def test_scontrol_and_our_expansion_agree_on_node_lists(local_slurm):
 
 def test_job_script_trains_digits_with_one_server_and_two_workers(local_slurm, tmp_path):
     output, result = tmp_path / "job.out", tmp_path / "result.json"
-    proc = local_slurm.submit(output, ["--server-args", "--mode sync", "--dataset", "digits", "--epochs", "3",
-                                       "--result-json", str(result), "--progress", "lines"], cwd=tmp_path)
+    port = free_port()
+    proc = local_slurm.submit(output, ["--port-base", str(port), "--server-args", "--mode sync", "--dataset", "digits",
+                                       "--epochs", "3", "--result-json", str(result), "--progress", "lines"],
+                              cwd=tmp_path)
     status = finish(local_slurm, proc, output)
     text = read(output)
     assert status == 0, f"sbatch --wait: {status} {proc.stderr.read()}\n{text[-4000:]}"
     node, tasks = local_slurm.cluster.node, task_lines(text)
     assert sorted(tasks) == [0, 1, 2], text[-3000:]
-    assert tasks[0].startswith(f"ps 0, serving on {node}:8888, pid ")
+    assert tasks[0].startswith(f"ps 0, serving on {node}:{port}, pid ")
     assert tasks[1].startswith(f"worker 0 (the chief) on {node}, pid ")
     assert tasks[2].startswith(f"worker 1 on {node}, pid ")
     metrics = json.loads(result.read_text())
@@ -82,7 +92,8 @@ def test_job_script_trains_digits_with_one_server_and_two_workers(local_slurm, t
 def test_job_whose_worker_is_killed_under_abort_fails(local_slurm, tmp_path):
     output = tmp_path / "job.out"
     # Long enough that worker 1 is still training when it is killed; the lease is short.
-    proc = local_slurm.submit(output, ["--server-args", "--mode sync --dead-worker-policy abort --lease-timeout 2",
+    proc = local_slurm.submit(output, ["--port-base", str(free_port()),
+                                       "--server-args", "--mode sync --dead-worker-policy abort --lease-timeout 2",
                                        "--dataset", "digits", "--epochs", "200", "--heartbeat-interval", "0.3",
                                        "--progress", "lines", "--log-every", "5"], cwd=tmp_path)
     deadline = time.monotonic() + JOB_TIMEOUT
