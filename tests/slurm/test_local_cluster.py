@@ -49,3 +49,16 @@ def test_a_start_removes_the_leftovers_of_a_killed_run_and_stop_ends_exactly_its
     assert stopped == ["slurmd", "slurmctld", "munged"]
     assert not any(alive(pid) for pid in new.values()), new
     assert cluster.stop() == []  # nothing of ours left to stop
+
+
+def test_where_the_cluster_cannot_run_the_reason_is_one_line(monkeypatch):
+    monkeypatch.setattr(local_cluster.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(local_cluster, "missing_commands", lambda: ["slurmctld", "munged"])
+    assert local_cluster.why_not() == "Slurm is not installed (slurmctld, munged missing) and installing it needs root"
+    monkeypatch.setattr(local_cluster, "missing_commands", lambda: [])
+    assert local_cluster.why_not() == "the local Slurm cluster must run as root (its daemons run as root)"
+    monkeypatch.setattr(local_cluster.os, "geteuid", lambda: 0)
+    assert local_cluster.why_not() is None
+    monkeypatch.setattr(local_cluster, "missing_commands", lambda: ["sbatch"])
+    monkeypatch.setattr(local_cluster.shutil, "which", lambda name, path=None: None)
+    assert local_cluster.why_not() == "Slurm is not installed (sbatch missing) and there is no apt-get"
