@@ -201,7 +201,9 @@ class Hosts:
     """``names`` emulated hosts joined by a bridge (module docstring); a context manager."""
 
     def __init__(self, names: Sequence[str], rate: str | None = None, loss: float = 0.0,
-                 links: Mapping[str, Link] | None = None):
+                 links: Mapping[str, Link] | None = None, aliases: Mapping[str, Iterable[str]] | None = None):
+        """``links``: a host's own shaping instead of ``rate`` and ``loss``; ``aliases``: more
+        names a host answers to in every hosts file (a pod's short and long DNS names)."""
         names = list(names)
         if not names:
             raise HostsError("no hosts named")
@@ -215,6 +217,10 @@ class Hosts:
         self.names = names
         self.tag = f"{os.getpid():x}{int(time.time() * 1000) % 0xfff:03x}"
         self.links = {n: dataclasses.replace((links or {}).get(n) or Link(rate, loss)) for n in names}
+        self.aliases = {n: [a for a in (aliases or {}).get(n, ()) if a != n] for n in names}
+        unknown = set(aliases or {}) - set(names)
+        if unknown:
+            raise HostsError(f"aliases for hosts that are not named: {sorted(unknown)}")
         self._started = False
 
     # -- names ----------------------------------------------------------------------
@@ -270,7 +276,7 @@ class Hosts:
         _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", br, "link", "set", "br0", "up"])
         hosts_file = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n" + "".join(
-            f"{self.address(n)}\t{n}\n" for n in self.names)
+            f"{self.address(n)}\t{' '.join([n, *self.aliases[n]])}\n" for n in self.names)
         for name in self.names:
             ns = self.namespace(name)
             _run(["ip", "netns", "add", ns])
