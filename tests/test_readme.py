@@ -157,7 +157,7 @@ def _parser_built_in(main) -> argparse.ArgumentParser:
 
 def _parsers() -> dict:
     from ps_server.config import ServerConfig
-    from ps_tools import advise, compare, export, launch, status
+    from ps_tools import advise, compare, export, launch, slurm, status
     from tf_strategies import parity
     from worker.config import WorkerConfig
 
@@ -170,6 +170,7 @@ def _parsers() -> dict:
         "ps-parity": parity.parser,
         "ps-advise": lambda: _parser_built_in(advise.main),
         "ps-status": lambda: _parser_built_in(status.main),
+        "ps-slurm": slurm.parser,
     }
 
 
