@@ -71,46 +71,57 @@ def _status_until(c, host, address, predicate, timeout, what, procs=()):
         time.sleep(0.3)
 
 
-def test_the_tfjob_manifest_s_replicas_train_on_hosts_of_their_own_with_the_operator_s_tf_config(host_cluster,
-                                                                                                tmp_path):
-    """deploy/kubernetes/tfjob.yaml: two PS replicas (shards), a chief and two workers, each
-    run with exactly the environment, TF_CONFIG and command the training-operator and the
-    image give it (ps_tools.kube), on a host named as its pod is reached."""
+MANIFESTS = {
+    # deploy/kubernetes/...: the replicas (role, index) each manifest makes
+    "tfjob.yaml": [("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0), ("worker", 1)],
+    "plain": [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1), ("worker", 2)],
+}
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_the_kubernetes_replicas_train_on_hosts_of_their_own_with_the_names_and_tf_config_they_get(
+        host_cluster, tmp_path, manifest):
+    """deploy/kubernetes/: the TFJob (two PS replicas as shards, a chief, two workers,
+    with the TF_CONFIG the training-operator writes) and the plain manifests (a StatefulSet
+    of two shards behind a headless Service, an indexed Job of three --worker-index auto
+    workers): each replica run with exactly the environment and command it gets
+    (ps_tools.kube), on a host named as its pod is reached, answering to its other names."""
     import os
     import sys
 
     from ps_tools import kube
 
-    replicas = kube.replicas(os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubernetes",
-                                          "tfjob.yaml"))
-    assert [(r.role, r.index) for r in replicas] == [("ps", 0), ("ps", 1), ("chief", 0), ("worker", 0),
-                                                     ("worker", 1)]
+    replicas = kube.replicas(os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubernetes", manifest))
+    assert [(r.role, r.index) for r in replicas] == MANIFESTS[manifest]
     c = host_cluster([r.hostname for r in replicas], rate="1gbit",
                      aliases={r.hostname: r.names for r in replicas})
     programs = {"ps-server": [sys.executable, "-m", "ps_server"], "ps-worker": [sys.executable, "-m", "worker"]}
-    # Paths of the pods' volumes, here; everything else as the manifest says.
-    local = {"TFPS_CHECKPOINT_DIR": str(tmp_path / "checkpoints"), "TFPS_RESULT_JSON": str(tmp_path / "metrics.json"),
-             "TFPS_SAVE_MODEL": str(tmp_path / "model.keras"), "TFPS_SAVE_WEIGHTS": str(tmp_path / "weights.npz")}
+    # The pods' volumes are directories here; everything else is as the manifest says.
+    local = {"TFPS_RESULT_JSON": str(tmp_path / "metrics.json"), "TFPS_SAVE_MODEL": str(tmp_path / "model.keras"),
+             "TFPS_SAVE_WEIGHTS": str(tmp_path / "weights.npz")}
     procs = {}
     for r in replicas:
         env = {**r.env, **{k: local[k] for k in r.env if k in local}}
-        if r.role == "ps":
+        if "TFPS_CHECKPOINT_DIR" in env:
             env["TFPS_CHECKPOINT_DIR"] = str(tmp_path / "checkpoints" / r.pod_name)
         argv = programs[r.process_argv[0]] + list(r.process_argv[1:])
         procs[r.role, r.index] = c.start(r.hostname, argv, f"{r.role}{r.index}", env=env)
         if r.role == "ps":
             c.wait_serving(r.hostname, f"{r.hostname}:{r.port}", procs[r.role, r.index])
-    for key in (("chief", 0), ("worker", 0), ("worker", 1)):
-        assert wait_exit(procs[key], RUN_TIMEOUT) == 0, read_log(procs[key])[-3000:]
+    trainers = [r for r in replicas if r.role != "ps"]
+    for r in trainers:
+        assert wait_exit(procs[r.role, r.index], RUN_TIMEOUT) == 0, read_log(procs[r.role, r.index])[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["test_accuracy"] >= 0.90, metrics
-    ps = [r for r in replicas if r.role == "ps"]
-    statuses = [c.status(r.hostname, f"{r.hostname}:{r.port}") for r in ps]
-    # Both shards completed every round; the chief is worker 0, the workers 1 and 2.
+    statuses = [c.status(r.hostname, f"{r.hostname}:{r.port}") for r in replicas if r.role == "ps"]
+    # Both shards completed every round, and know every trainer by its pod's name.
     assert statuses[0]["round"] == statuses[1]["round"] > 0, statuses
     names = sorted((w["id"], w["name"].split(":")[0]) for w in statuses[0]["workers"])
-    assert names == [(0, "tfps-chief-0.default.svc"), (1, "tfps-worker-0.default.svc"),
-                     (2, "tfps-worker-1.default.svc")], names
+    if manifest == "tfjob.yaml":  # the chief is worker 0, the workers 1 and 2
+        assert names == [(0, trainers[0].hostname), (1, trainers[1].hostname), (2, trainers[2].hostname)], names
+    else:  # --worker-index auto: the server hands out 0, 1, 2 in the order they register
+        assert [i for i, _ in names] == [0, 1, 2] and sorted(n for _, n in names) == \
+            sorted(r.hostname for r in trainers), names
 
 
 def test_a_worker_host_cut_off_longer_than_the_lease_is_declared_dead_and_rejoins(host_cluster, tmp_path):
