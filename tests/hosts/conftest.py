@@ -25,13 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PORT = 2222
 
 
-def pytest_collection_modifyitems(items):
-    here = os.path.dirname(__file__)
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.hosts)
-
-
 class HostCluster:
     """Hosts plus the tfps processes started in them, each logging to a file of its own."""
 

@@ -11,6 +11,8 @@ import pytest
 from ps_tools import hosts as hosts_module
 from ps_tools.hosts import Hosts, HostsError, unavailable
 
+pytestmark = pytest.mark.hosts
+
 SINK = r"""
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

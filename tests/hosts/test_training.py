@@ -14,6 +14,8 @@ import pytest
 
 from tests.hosts.conftest import PORT, read_log, tf_config, wait_exit
 
+pytestmark = pytest.mark.hosts
+
 PS = "tfps-ps-0"
 WORKERS = ["tfps-worker-0", "tfps-worker-1", "tfps-worker-2"]
 RUN_TIMEOUT = 300
