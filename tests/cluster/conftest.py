@@ -80,7 +80,8 @@ def wait_exit(proc, timeout: float) -> int:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"process {proc.args[:4]} still running after {timeout} s; log:\n{read_log(proc)[-3000:]}")
+        name = getattr(proc, "label", None) or f"process {proc.args[:4]}"
+        pytest.fail(f"{name} still running after {timeout} s; log:\n{read_log(proc)[-3000:]}")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from ps_tools.hosts import Hosts, unavailable
+from tests.cluster.conftest import read_log, wait_exit  # noqa: F401 (the tier's tests import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PORT = 2222
@@ -90,18 +91,6 @@ class HostCluster:
             except subprocess.TimeoutExpired:
                 pass
         self.hosts.stop()
-
-
-def read_log(proc) -> str:
-    return proc.log_path.read_text()
-
-
-def wait_exit(proc, timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"{proc.label} still running after {timeout} s; log:\n{read_log(proc)[-3000:]}")
 
 
 def tf_config(cluster: dict, task_type: str, index: int) -> str:
