@@ -1,0 +1,515 @@
+"""Scaling on emulated hosts: push+pull throughput and sync training examples/s against
+the number of worker hosts, with 1, 2 and 4 PS hosts, each next to the limit the links impose.
+
+    sudo python bench/hosts_scaling.py --rate 100mbit --workers 1,2,4,8 --ps 1,2,4 --json hosts_scaling.json
+    sudo python bench/hosts_scaling.py --quick        # the test's run: 1 and 2 PS hosts x 2 worker hosts, ~30 s
+
+Every process runs on an emulated host of its own (``ps_tools.hosts``: a network
+namespace, a name, a /dev/shm, one link shaped to ``--rate`` in each direction with
+``tc tbf``, real TCP). The PS hosts are ``tfps-ps-0..3``, the worker hosts
+``tfps-worker-0..7``; one set of hosts serves the whole run, and each configuration
+starts fresh ``ps-server`` processes (one per PS host, each an ordinary shard) and
+fresh clients, then stops them.
+
+**The model** is the built-in ``mlp`` (``worker.model``): 936,330 float32
+parameters, 3.75 MB, in six variables. With several PS hosts it is split exactly as
+tfps splits it: through ``ShardedClient`` (``worker.sharding.plan``: large variables
+cut into row slices, balanced by bytes). The split is not always even: with 4 shards
+the largest holds 28.4 % of the bytes, not 25 % (the 0.5 MB kernel makes two slices of
+256 KiB, the slicing minimum), so that shard's link fills first.
+
+**(a) Push+pull throughput** (no TensorFlow, so that the clients cost little CPU):
+on each worker host one synthetic worker (``--child synth``: a ``ShardedClient`` over
+every PS host) pulls the whole model and pushes a gradient of it, again and again,
+in async mode (``--load-mode``; each worker's pull and push may then overlap other
+workers' in the other direction). Throughput = tensor bytes pushed + bytes pulled
+per second, over a window of ``--seconds`` after every worker is registered and
+initialized (a call counts when it ends inside the window). The bytes on the PS
+hosts' links (``/proc/<server pid>/net/dev`` of each PS host, both directions, all
+headers included) over the same window are printed too.
+
+**The limit** each direction: every byte crosses one PS host's link and one worker
+host's link, each ``r = rate / 8`` bytes per second each way. The PS side carries at
+most ``r / s_max`` per direction (``s_max``: the largest shard's fraction of the
+model; ``P x r`` when the split is even: the PS hosts' total link rate), the worker
+side ``W x r``. Limit = ``min(r / s_max, W x r)`` per direction; push+pull limit =
+twice that (full duplex: pushes in while pulls go out). Fraction = throughput / limit.
+Headers (TCP/IP, Ethernet, gRPC framing) take about 4 % of the link, so about 0.96 is
+the ceiling of the tensor-byte fraction.
+
+**(b) Sync training**: ``ps-server --mode sync`` on each PS host and a real
+``ps-worker`` (TensorFlow) on each worker host, ``--model mlp --dataset digits``,
+``--batch-per-worker`` examples per worker per step (global batch = W x that), one
+intra-op thread per worker. Step time is the chief's, from its history
+(``--history-json``), over the steps after ``--warmup-steps``; examples/s = global
+batch / step time. "Links need" = the time the busiest link needs for one step's
+bytes, full duplex (the max of the two directions): ``max(W x s_max, 1) x M / r``
+(``M``: the model's bytes; W gradients in through the PS links and W models out; a
+worker's own link carries one of each). The ratio step time / links need is 1.0 when
+the step is link-bound with both directions busy at once, about 2 when pushes and
+pulls take turns.
+
+It prints (a) and (b) with each figure's limit, the fraction of it reached, the
+ratios 2 PS / 1 PS and 4 PS / 1 PS at each worker count (from this one run), and the
+machine's CPU use (busy % of all cores, from /proc/stat over the window): a figure
+measured with the cores near 100 % is limited by CPU, not by the links. Needs root
+(``ps_tools.hosts.unavailable()`` says why not). Exit status 0 when every
+configuration ran, 1 otherwise, 2 for bad arguments or no emulated hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, ROOT)
+
+from ps_common.procs import wait_for_port_file  # noqa: E402
+
+# worker.model's "mlp" (Flatten, Dense(1024), Dense(128), Dense(10)), by shape: the
+# synthetic clients import no TensorFlow. The names are the Keras variables' paths.
+MLP: dict[str, tuple[int, ...]] = {
+    "dense/kernel": (784, 1024), "dense/bias": (1024,),
+    "dense_1/kernel": (1024, 128), "dense_1/bias": (128,),
+    "dense_2/kernel": (128, 10), "dense_2/bias": (10,),
+}
+MODEL_BYTES = sum(4 * math.prod(s) for s in MLP.values())  # 3,745,320
+PS_HOSTS = [f"tfps-ps-{i}" for i in range(4)]
+WORKER_HOSTS = [f"tfps-worker-{i}" for i in range(8)]
+PORT = 2300  # each configuration its own port: PORT + its number
+SGD = {"name": "sgd", "learning_rate": 1e-3}
+CALL_TIMEOUT = 300.0
+
+
+def rate_bytes(rate: str) -> float:
+    """Bytes per second of a tc rate ("100mbit")."""
+    from ps_tools.hosts import _rate_bits
+
+    return _rate_bits(rate) / 8
+
+
+def shares(num_ps: int) -> list[float]:
+    """Each shard's fraction of the model's bytes, as ShardedClient places it."""
+    from worker import sharding
+
+    placement = sharding.plan({n: (s, "float32") for n, s in MLP.items()}, num_ps)
+    load = [0] * num_ps
+    for p in placement.pieces:
+        load[p.shard] += 4 * math.prod(p.shape)
+    return [x / MODEL_BYTES for x in load]
+
+
+def limit_per_direction(workers: int, num_ps: int, r: float) -> tuple[float, str]:
+    """(bytes/s each way the links allow, which side binds)."""
+    ps_side = r / max(shares(num_ps))
+    worker_side = workers * r
+    return (ps_side, "PS links") if ps_side <= worker_side else (worker_side, "worker links")
+
+
+def links_need_s(workers: int, num_ps: int, r: float) -> float:
+    """Seconds the busiest link needs for one sync step's bytes, full duplex."""
+    return max(workers * max(shares(num_ps)), 1.0) * MODEL_BYTES / r
+
+
+# -- measuring the machine ---------------------------------------------------------------
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of all cores, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_percent(before: tuple[float, float], after: tuple[float, float]) -> float:
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return round(100 * busy / total, 1) if total > 0 else float("nan")
+
+
+def net_bytes(pid: int) -> tuple[int, int]:
+    """(received, sent) bytes on eth0 of the host process ``pid`` runs in."""
+    with open(f"/proc/{pid}/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                fields = rest.split()
+                return int(fields[0]), int(fields[8])
+    return 0, 0
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a live process, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine() -> dict:
+    return {"nproc": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+            "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                         if line.startswith("model name")), platform.processor())}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+# -- (a) the synthetic worker, run in a worker host --------------------------------------
+def synth_child(args: argparse.Namespace) -> int:
+    """Register on every shard, (chief) initialize, say ``ready``; on ``go START END``
+    (CLOCK_MONOTONIC, shared by every namespace of this machine) pull and push until END;
+    print a JSON tally of the calls that ended in [START, END]."""
+    from worker.sharded_client import ShardedClient
+
+    addresses = args.addresses.split(",")
+    index, workers = args.index, args.num_workers
+    grads = {n: np.ones(s, np.float32) for n, s in MLP.items()}
+    with ShardedClient(addresses, timeout=CALL_TIMEOUT) as client:
+        client.wait_ready(120)
+        reg = client.register(index, workers, name=f"synth-{index}")
+        if index == 0:
+            client.initialize(reg.worker_id, {n: np.zeros(s, np.float32) for n, s in MLP.items()}, SGD)
+        version, _ = client.wait_initialized(reg.worker_id, 120)
+        print("ready", flush=True)
+        _, start, end = sys.stdin.readline().split()
+        start, end = float(start), float(end)
+        pushed = pulled = calls = 0
+        cpu0 = None
+        step = 0
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now < start:
+                time.sleep(min(0.01, start - now))
+                continue
+            if cpu0 is None:
+                cpu0 = sum(os.times()[:2])
+            version, values = client.pull(reg.worker_id)
+            if start <= time.monotonic() <= end:
+                pulled += sum(v.nbytes for v in values.values())
+                calls += 1
+            reply = client.push(reg.worker_id, step, version, 1, grads)
+            if start <= time.monotonic() <= end:
+                pushed += MODEL_BYTES
+                calls += 1
+            version = reply.version
+            step += 1
+        cpu = sum(os.times()[:2]) - (cpu0 or 0.0)
+    print(json.dumps({"index": index, "pushed": pushed, "pulled": pulled, "calls": calls, "steps": step,
+                      "cpu_s": cpu}), flush=True)
+    return 0
+
+
+# -- the runs ----------------------------------------------------------------------------
+class Run:
+    """The hosts of the whole run, and a fresh port per configuration."""
+
+    def __init__(self, hosts, workdir: str, rate: str):
+        self.hosts, self.workdir, self.rate = hosts, workdir, rate
+        self.r = rate_bytes(rate)
+        self.configs = 0
+
+    def env(self) -> dict:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+        env.pop("TF_CONFIG", None)
+        return env
+
+    def servers(self, num_ps: int, workers: int, mode: str, tag: str, *extra: str) -> tuple[list, list[str]]:
+        self.configs += 1
+        port = PORT + self.configs
+        procs, addresses = [], []
+        for i, host in enumerate(PS_HOSTS[:num_ps]):
+            port_file = os.path.join(self.workdir, f"{tag}-port-{i}")
+            log = open(os.path.join(self.workdir, f"{tag}-ps{i}.log"), "w")
+            procs.append(self.hosts.popen(host, [
+                sys.executable, "-m", "ps_server", "--host", "0.0.0.0", "--port", str(port), "--port-file", port_file,
+                "--mode", mode, "--num-workers", str(workers), "--threads", str(2 * workers + 16),
+                "--lease-timeout", "3600", "--barrier-timeout", str(CALL_TIMEOUT), "--log-level", "WARNING", *extra],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir, env=self.env()))
+            log.close()
+            addresses.append(f"{host}:{port}")
+        for i, p in enumerate(procs):
+            wait_for_port_file(os.path.join(self.workdir, f"{tag}-port-{i}"), p, 60)
+        return procs, addresses
+
+    def log_tail(self, name: str, n: int = 1500) -> str:
+        try:
+            with open(os.path.join(self.workdir, name)) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode: str) -> dict:
+    tag = f"load-{num_ps}ps-{workers}w"
+    servers, addresses = run.servers(num_ps, workers, mode, tag)
+    children = []
+    try:
+        for i, host in enumerate(WORKER_HOSTS[:workers]):
+            err = open(os.path.join(run.workdir, f"{tag}-w{i}.log"), "w")
+            children.append(run.hosts.popen(host, [
+                sys.executable, os.path.abspath(__file__), "--child", "synth", "--addresses", ",".join(addresses),
+                "--index", str(i), "--num-workers", str(workers)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=run.env()))
+            err.close()
+        for i, c in enumerate(children):
+            line = c.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"synthetic worker {i} did not start: {line!r} "
+                                   f"{run.log_tail(f'{tag}-w{i}.log')}")
+        start = time.monotonic() + 0.5
+        end = start + seconds
+        for c in children:
+            c.stdin.write(f"go {start} {end}\n")
+            c.stdin.flush()
+        time.sleep(max(0.0, start - time.monotonic()))
+        net0, cpu0 = [net_bytes(s.pid) for s in servers], cpu_times()
+        server_cpu0 = sum(proc_cpu_s(s.pid) for s in servers)
+        time.sleep(max(0.0, end - time.monotonic()))
+        net1, cpu1 = [net_bytes(s.pid) for s in servers], cpu_times()
+        server_cpu = sum(proc_cpu_s(s.pid) for s in servers) - server_cpu0
+        tallies = []
+        for i, c in enumerate(children):
+            out, _ = c.communicate(timeout=CALL_TIMEOUT)
+            if c.returncode != 0:
+                raise RuntimeError(f"synthetic worker {i} failed ({c.returncode}): {run.log_tail(f'{tag}-w{i}.log')}")
+            tallies.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        _stop([*children, *servers])
+    pushed, pulled = sum(t["pushed"] for t in tallies), sum(t["pulled"] for t in tallies)
+    per_dir, bound = limit_per_direction(workers, num_ps, run.r)
+    throughput = (pushed + pulled) / seconds
+    wire_in = sum(b[0] - a[0] for a, b in zip(net0, net1)) / seconds
+    wire_out = sum(b[1] - a[1] for a, b in zip(net0, net1)) / seconds
+    return {
+        "ps": num_ps, "workers": workers, "mode": mode, "seconds": seconds,
+        "pushes": sum(t["steps"] for t in tallies), "push_bytes_per_s": pushed / seconds,
+        "pull_bytes_per_s": pulled / seconds, "throughput_bytes_per_s": throughput,
+        "ps_links_bytes_per_s": 2 * num_ps * run.r,  # the PS hosts' total link rate, both directions
+        "limit_bytes_per_s": 2 * per_dir, "bound_by": bound, "fraction": throughput / (2 * per_dir),
+        # each worker pulls, then pushes: its own link busy one way at a time
+        "turns_limit_bytes_per_s": min(2 * per_dir, workers * run.r),
+        "turns_fraction": throughput / min(2 * per_dir, workers * run.r),
+        "wire_in_bytes_per_s": wire_in, "wire_out_bytes_per_s": wire_out,
+        "wire_fraction": (wire_in + wire_out) / (2 * per_dir),
+        "machine_cpu_busy_percent": busy_percent(cpu0, cpu1),
+        "client_cpu_percent": round(100 * sum(t["cpu_s"] for t in tallies) / seconds, 1),
+        "server_cpu_percent": round(100 * server_cpu / seconds, 1),
+        "largest_shard_share": max(shares(num_ps)),
+    }
+
+
+def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int) -> dict:
+    tag = f"train-{num_ps}ps-{workers}w"
+    servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done")
+    history = os.path.join(run.workdir, f"{tag}-history.json")
+    procs = []
+    try:
+        cpu0, t0 = cpu_times(), time.monotonic()
+        for i, host in enumerate(WORKER_HOSTS[:workers]):
+            log = open(os.path.join(run.workdir, f"{tag}-w{i}.log"), "w")
+            procs.append(run.hosts.popen(host, [
+                sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(i),
+                "--num-workers", str(workers), "--model", "mlp", "--dataset", "digits", "--steps", str(steps),
+                "--global-batch-size", str(batch * workers), "--intra-op-threads", "1", "--log-level", "WARNING",
+                "--progress", "off", *(("--history-json", history) if i == 0 else ())],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=run.workdir, env=run.env()))
+            log.close()
+        deadline = time.monotonic() + 600
+        for i, p in enumerate(procs):
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"ps-worker {i} exited {code}: {run.log_tail(f'{tag}-w{i}.log')}")
+        cpu1, wall = cpu_times(), time.monotonic() - t0
+    finally:
+        _stop([*procs, *servers])
+    with open(history) as f:
+        records = json.load(f)["steps"]
+    if len(records) < warmup + 2:
+        raise RuntimeError(f"the chief recorded {len(records)} steps, fewer than --warmup-steps + 2")
+    window = records[warmup:]
+    step_s = (window[-1]["t"] - records[warmup - 1]["t"]) / len(window) if warmup else \
+        window[-1]["t"] / len(window)
+    need = links_need_s(workers, num_ps, run.r)
+    return {
+        "ps": num_ps, "workers": workers, "steps": len(records), "measured_steps": len(window),
+        "global_batch": batch * workers, "step_s": step_s, "examples_per_s": batch * workers / step_s,
+        "push_bytes": window[-1]["push_bytes"], "links_need_s": need, "step_over_links_need": step_s / need,
+        "link_limit_examples_per_s": batch * workers / need,
+        "fraction": need / step_s,
+        "compute_s": float(np.mean([r["compute_s"] for r in window])),
+        "pull_s": float(np.mean([r["pull_s"] for r in window])),
+        "push_s": float(np.mean([r["push_s"] for r in window])),
+        # over the whole run of the configuration, start-up (TensorFlow's import) included
+        "machine_cpu_busy_percent": busy_percent(cpu0, cpu1), "wall_s": wall,
+        "largest_shard_share": max(shares(num_ps)),
+    }
+
+
+# -- printing ----------------------------------------------------------------------------
+MB = 1e6
+
+
+def ratios(rows: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """{"2/1": {workers: ratio}, "4/1": ...} of ``key`` at equal worker counts."""
+    by = {(r["ps"], r["workers"]): r[key] for r in rows}
+    out: dict[str, dict[str, float]] = {}
+    for p in sorted({r["ps"] for r in rows}):
+        if p == 1:
+            continue
+        out[f"{p}/1"] = {str(w): by[p, w] / by[1, w] for (q, w) in sorted(by) if q == p and (1, w) in by}
+    return out
+
+
+def print_report(report: dict) -> None:
+    rate = report["rate"]
+    load, train = report["throughput"], report["training"]
+    if load:
+        print(f"\n(a) push+pull throughput, {report['load_mode']} mode, every link {rate} each way "
+              f"(r = {report['r_bytes_per_s'] / MB:.2f} MB/s); MB/s of tensor bytes pushed + pulled")
+        print("limit = 2 x min(r / largest shard's share, W x r); PS links = 2 x P x r; "
+              "wire = bytes on the PS hosts' links, headers included")
+        print("turns = min(limit, W x r): a worker pulls, then pushes, so its own link is busy one way at a time; "
+              "CPU %: of one core, the servers + clients / the whole machine")
+        print(f"{'PS':>3} {'W':>3} {'push+pull':>10} {'limit':>8} {'bound by':>12} {'fraction':>8} "
+              f"{'turns':>7} {'fr.':>5} {'PS links':>8} {'wire':>7} {'ours/all CPU %':>14} {'x 1 PS':>7}")
+        base = {r["workers"]: r["throughput_bytes_per_s"] for r in load if r["ps"] == 1}
+        for r in load:
+            cpu = f"{r['server_cpu_percent'] + r['client_cpu_percent']:.0f} / {2 * r['machine_cpu_busy_percent']:.0f}"
+            x = f"{r['throughput_bytes_per_s'] / base[r['workers']]:.2f}" if r["ps"] != 1 and r["workers"] in base \
+                else "-"
+            print(f"{r['ps']:>3} {r['workers']:>3} {r['throughput_bytes_per_s'] / MB:>10.2f} "
+                  f"{r['limit_bytes_per_s'] / MB:>8.2f} {r['bound_by']:>12} {r['fraction']:>8.2f} "
+                  f"{r['turns_limit_bytes_per_s'] / MB:>7.2f} {r['turns_fraction']:>5.2f} "
+                  f"{r['ps_links_bytes_per_s'] / MB:>8.2f} "
+                  f"{(r['wire_in_bytes_per_s'] + r['wire_out_bytes_per_s']) / MB:>7.2f} "
+                  f"{cpu:>14} {x:>7}")
+    if train:
+        print(f"\n(b) sync training, ps-worker --model mlp on digits, {report['batch_per_worker']} examples per "
+              f"worker per step, every link {rate}")
+        print("links need = max(W x largest share, 1) x model bytes / r (the busiest link, full duplex); "
+              "limit = global batch / links need")
+        print(f"{'PS':>3} {'W':>3} {'ex/s':>8} {'limit':>8} {'fraction':>8} {'step s':>7} {'need s':>7} "
+              f"{'step/need':>9} {'pull s':>7} {'compute':>7} {'push s':>7} {'x 1 PS':>7}")
+        base = {r["workers"]: r["examples_per_s"] for r in train if r["ps"] == 1}
+        for r in train:
+            x = f"{r['examples_per_s'] / base[r['workers']]:.2f}" if r["ps"] != 1 and r["workers"] in base else "-"
+            print(f"{r['ps']:>3} {r['workers']:>3} {r['examples_per_s']:>8.1f} {r['link_limit_examples_per_s']:>8.1f} "
+                  f"{r['fraction']:>8.2f} {r['step_s']:>7.3f} {r['links_need_s']:>7.3f} "
+                  f"{r['step_over_links_need']:>9.2f} {r['pull_s']:>7.3f} {r['compute_s']:>7.3f} "
+                  f"{r['push_s']:>7.3f} {x:>7}")
+    for name, rows in (("throughput", report["ratios"]["throughput"]), ("training", report["ratios"]["training"])):
+        for k, v in rows.items():
+            print(f"{name} {k} PS, by worker count: " + ", ".join(f"W={w}: {x:.2f}" for w, x in v.items()))
+    for f in report["failures"]:
+        print(f"FAILED: {f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", default="100mbit", help="every host's link, each way, as tc writes it (default 100mbit)")
+    p.add_argument("--workers", default="1,2,4,8", help="worker host counts, at most 8 (default 1,2,4,8)")
+    p.add_argument("--ps", default="1,2,4", help="PS host counts, at most 4 (default 1,2,4)")
+    p.add_argument("--seconds", type=float, default=6.0, help="(a): the measured window (default 6)")
+    p.add_argument("--load-mode", choices=("async", "sync"), default="async", help="(a): the servers' mode")
+    p.add_argument("--train-steps", type=int, default=8, help="(b): global steps per configuration (default 8)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="(b): first steps left out of the timing (default 2)")
+    p.add_argument("--batch-per-worker", type=int, default=32, help="(b): examples per worker per step (default 32)")
+    p.add_argument("--parts", default="throughput,training", help="throughput and/or training (default both)")
+    p.add_argument("--quick", action="store_true",
+                   help="the test's run: --workers 2 --ps 1,2 --seconds 1.5 --train-steps 3 --warmup-steps 1")
+    p.add_argument("--json", help="write the report here as JSON")
+    p.add_argument("--child", choices=("synth",), help=argparse.SUPPRESS)
+    p.add_argument("--addresses", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--num-workers", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return synth_child(args)
+    if args.quick:
+        args.workers, args.ps, args.seconds, args.train_steps, args.warmup_steps = "2", "1,2", 1.5, 3, 1
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+        num_ps = [int(n) for n in args.ps.split(",")]
+        rate_bytes(args.rate)
+    except Exception as e:  # noqa: BLE001
+        p.error(str(e))
+    parts = args.parts.split(",")
+    if not all(1 <= w <= len(WORKER_HOSTS) for w in workers) or not all(1 <= n <= len(PS_HOSTS) for n in num_ps):
+        p.error(f"--workers from 1 to {len(WORKER_HOSTS)}, --ps from 1 to {len(PS_HOSTS)}")
+    if not set(parts) <= {"throughput", "training"} or args.seconds <= 0 or args.batch_per_worker < 1 \
+            or args.warmup_steps < 0 or args.train_steps < args.warmup_steps + 2:
+        p.error("--parts throughput,training; --seconds > 0; --train-steps >= --warmup-steps + 2")
+    from ps_tools.hosts import Hosts, unavailable
+
+    why = unavailable()
+    if why:
+        print(f"no emulated hosts: {why}", file=sys.stderr)
+        return 2
+    report = {"command": " ".join(["python", "bench/hosts_scaling.py", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": machine(), "uptime_before": uptime(), "rate": args.rate, "r_bytes_per_s": rate_bytes(args.rate),
+              "model_bytes": MODEL_BYTES, "shares": {str(n): shares(n) for n in num_ps},
+              "load_mode": args.load_mode, "batch_per_worker": args.batch_per_worker,
+              "throughput": [], "training": [], "failures": []}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tfps-hosts-scaling-") as workdir:
+        os.chmod(workdir, 0o755)
+        with Hosts(PS_HOSTS[:max(num_ps)] + WORKER_HOSTS[:max(workers)], rate=args.rate) as hosts:
+            run = Run(hosts, workdir, args.rate)
+            for part in ("throughput", "training"):
+                if part not in parts:
+                    continue
+                for n in num_ps:
+                    for w in workers:
+                        print(f"{part}: {n} PS host(s), {w} worker host(s) ...", file=sys.stderr, flush=True)
+                        try:
+                            if part == "throughput":
+                                row = measure_throughput(run, n, w, args.seconds, args.load_mode)
+                            else:
+                                row = measure_training(run, n, w, args.train_steps, args.warmup_steps,
+                                                       args.batch_per_worker)
+                        except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
+                            report["failures"].append(f"{part} {n} PS x {w} workers: {type(e).__name__}: {e}")
+                            continue
+                        report[part].append(row)
+    report["ratios"] = {"throughput": ratios(report["throughput"], "throughput_bytes_per_s"),
+                        "training": ratios(report["training"], "examples_per_s")}
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["uptime_after"] = uptime()
+    print_report(report)
+    print(f"\n{report['wall_s']:.0f} s; uptime before: {report['uptime_before']}; after: {report['uptime_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0 if not report["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
