@@ -157,6 +157,14 @@ def proc_cpu_s(pid: int) -> float:
         return float("nan")
 
 
+def tcp_segments(pid: int) -> tuple[int, int]:
+    """(segments sent, segments retransmitted) by TCP in the host process ``pid`` runs in."""
+    with open(f"/proc/{pid}/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    named = dict(zip(rows[0][1:], rows[1][1:]))
+    return int(named["OutSegs"]), int(named["RetransSegs"])
+
+
 def machine() -> dict:
     return {"nproc": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
             "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -169,9 +177,10 @@ def uptime() -> str:
 
 # -- (a) the synthetic worker, run in a worker host --------------------------------------
 def synth_child(args: argparse.Namespace) -> int:
-    """Register on every shard, (chief) initialize, say ``ready``; on ``go START END``
-    (CLOCK_MONOTONIC, shared by every namespace of this machine) pull and push until END;
-    print a JSON tally of the calls that ended in [START, END]."""
+    """A synthetic worker: register on every shard, (chief) initialize, say ``ready``; on
+    ``go WARM START END`` (CLOCK_MONOTONIC, shared by every namespace of this machine) pull
+    and push from WARM until END; print a JSON tally of the bytes moved in [START, END] (a
+    call that straddles an edge counts for the part of its time inside)."""
     from worker.sharded_client import ShardedClient
 
     addresses = args.addresses.split(",")
@@ -182,36 +191,127 @@ def synth_child(args: argparse.Namespace) -> int:
         reg = client.register(index, workers, name=f"synth-{index}")
         if index == 0:
             client.initialize(reg.worker_id, {n: np.zeros(s, np.float32) for n, s in MLP.items()}, SGD)
-        version, _ = client.wait_initialized(reg.worker_id, 120)
-        print("ready", flush=True)
-        _, start, end = sys.stdin.readline().split()
-        start, end = float(start), float(end)
-        pushed = pulled = calls = 0
-        cpu0 = None
-        step = 0
-        while True:
-            now = time.monotonic()
-            if now >= end:
-                break
-            if now < start:
-                time.sleep(min(0.01, start - now))
-                continue
-            if cpu0 is None:
-                cpu0 = sum(os.times()[:2])
-            version, values = client.pull(reg.worker_id)
-            if start <= time.monotonic() <= end:
-                pulled += sum(v.nbytes for v in values.values())
-                calls += 1
-            reply = client.push(reg.worker_id, step, version, 1, grads)
-            if start <= time.monotonic() <= end:
-                pushed += MODEL_BYTES
-                calls += 1
-            version = reply.version
-            step += 1
-        cpu = sum(os.times()[:2]) - (cpu0 or 0.0)
-    print(json.dumps({"index": index, "pushed": pushed, "pulled": pulled, "calls": calls, "steps": step,
-                      "cpu_s": cpu}), flush=True)
+        state = {"version": client.wait_initialized(reg.worker_id, 120)[0], "step": 0}
+
+        def pull() -> int:
+            state["version"], values = client.pull(reg.worker_id)
+            return sum(v.nbytes for v in values.values())
+
+        def push() -> int:
+            reply = client.push(reg.worker_id, state["step"], state["version"], 1, grads)
+            state["version"] = reply.version
+            state["step"] += 1
+            return MODEL_BYTES
+
+        return _window(pull, push)
+
+
+def _window(pull, push) -> int:
+    print("ready", flush=True)
+    _, warm, start, end = sys.stdin.readline().split()
+    warm, start, end = float(warm), float(start), float(end)
+
+    def inside(t0: float, t1: float) -> float:
+        """The fraction of the call [t0, t1] inside the window [start, end]."""
+        return max(0.0, min(t1, end) - max(t0, start)) / (t1 - t0) if t1 > t0 else float(start <= t1 <= end)
+
+    pushed = pulled = 0.0
+    steps = 0
+    time.sleep(max(0.0, warm - time.monotonic()))
+    cpu0 = sum(os.times()[:2])
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        n = pull()
+        t1 = time.monotonic()
+        pulled += n * inside(t0, t1)
+        n = push()
+        pushed += n * inside(t1, time.monotonic())
+        steps += 1
+    print(json.dumps({"pushed": pushed, "pulled": pulled, "steps": steps, "cpu_s": sum(os.times()[:2]) - cpu0}),
+          flush=True)
     return 0
+
+
+# -- (a) the same traffic on raw sockets: what TCP on these links gives ----------------
+def raw_server_child(args: argparse.Namespace) -> int:
+    """A bare PS on one TCP port: ``P`` + 8-byte length, then that many bytes: read them,
+    answer one byte; ``G`` + length: send that many bytes. A thread per connection."""
+    import socket
+    import struct
+    import threading
+
+    def serve(conn) -> None:
+        buf = bytearray(MODEL_BYTES)
+        view = memoryview(buf)
+        head = bytearray(9)
+        try:
+            while True:
+                if not _recv_exact(conn, memoryview(head)):
+                    return
+                kind, n = head[:1], struct.unpack("!Q", head[1:])[0]
+                if kind == b"P":
+                    _recv_exact(conn, view[:n])
+                    conn.sendall(b"k")
+                else:
+                    conn.sendall(view[:n])
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    srv = socket.create_server(("0.0.0.0", args.port), reuse_port=False)
+    srv.listen(64)
+    with open(args.port_file + ".tmp", "w") as f:
+        f.write(str(args.port))
+    os.replace(args.port_file + ".tmp", args.port_file)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _recv_exact(sock, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            return False
+        got += n
+    return True
+
+
+def raw_worker_child(args: argparse.Namespace) -> int:
+    """A synthetic worker on raw sockets: the shard of each PS host is its share of the
+    model (as ShardedClient places it); a pull fetches every share at once, one thread
+    per PS host, then a push sends them, as ``synth`` does through tfps."""
+    import socket
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    addresses = args.addresses.split(",")
+    sizes = [round(x * MODEL_BYTES) for x in shares(len(addresses))]
+    conns = []
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        c = socket.create_connection((host, int(port)), timeout=CALL_TIMEOUT)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns.append(c)
+    bufs = [bytearray(n) for n in sizes]
+    pool = ThreadPoolExecutor(len(conns))
+
+    def pull_one(i: int) -> int:
+        conns[i].sendall(b"G" + struct.pack("!Q", sizes[i]))
+        _recv_exact(conns[i], memoryview(bufs[i]))
+        return sizes[i]
+
+    def push_one(i: int) -> int:
+        conns[i].sendall(b"P" + struct.pack("!Q", sizes[i]))
+        conns[i].sendall(bufs[i])
+        _recv_exact(conns[i], memoryview(bytearray(1)))
+        return sizes[i]
+
+    return _window(lambda: sum(pool.map(pull_one, range(len(conns)))),
+                   lambda: sum(pool.map(push_one, range(len(conns)))))
 
 
 # -- the runs ----------------------------------------------------------------------------
@@ -229,16 +329,19 @@ class Run:
         return env
 
     def servers(self, num_ps: int, workers: int, mode: str, tag: str, *extra: str) -> tuple[list, list[str]]:
+        """``ps-server`` on each of the first ``num_ps`` PS hosts; ``mode`` raw: the bare one."""
         self.configs += 1
         port = PORT + self.configs
         procs, addresses = [], []
         for i, host in enumerate(PS_HOSTS[:num_ps]):
             port_file = os.path.join(self.workdir, f"{tag}-port-{i}")
             log = open(os.path.join(self.workdir, f"{tag}-ps{i}.log"), "w")
-            procs.append(self.hosts.popen(host, [
+            argv = [sys.executable, os.path.abspath(__file__), "--child", "raw-server", "--port", str(port),
+                    "--port-file", port_file] if mode == "raw" else [
                 sys.executable, "-m", "ps_server", "--host", "0.0.0.0", "--port", str(port), "--port-file", port_file,
                 "--mode", mode, "--num-workers", str(workers), "--threads", str(2 * workers + 16),
-                "--lease-timeout", "3600", "--barrier-timeout", str(CALL_TIMEOUT), "--log-level", "WARNING", *extra],
+                "--lease-timeout", "3600", "--barrier-timeout", str(CALL_TIMEOUT), "--log-level", "WARNING", *extra]
+            procs.append(self.hosts.popen(host, argv,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir, env=self.env()))
             log.close()
             addresses.append(f"{host}:{port}")
@@ -266,14 +369,16 @@ def _stop(procs) -> None:
 
 
 def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode: str) -> dict:
-    tag = f"load-{num_ps}ps-{workers}w"
+    """One configuration's push+pull throughput; ``mode`` raw: on bare sockets."""
+    tag = f"load-{mode}-{num_ps}ps-{workers}w"
     servers, addresses = run.servers(num_ps, workers, mode, tag)
     children = []
     try:
         for i, host in enumerate(WORKER_HOSTS[:workers]):
             err = open(os.path.join(run.workdir, f"{tag}-w{i}.log"), "w")
             children.append(run.hosts.popen(host, [
-                sys.executable, os.path.abspath(__file__), "--child", "synth", "--addresses", ",".join(addresses),
+                sys.executable, os.path.abspath(__file__), "--child", "raw-worker" if mode == "raw" else "synth",
+                "--addresses", ",".join(addresses),
                 "--index", str(i), "--num-workers", str(workers)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=run.env()))
             err.close()
@@ -282,16 +387,19 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
             if line != "ready":
                 raise RuntimeError(f"synthetic worker {i} did not start: {line!r} "
                                    f"{run.log_tail(f'{tag}-w{i}.log')}")
-        start = time.monotonic() + 0.5
+        warm = time.monotonic() + 0.5
+        start = warm + min(2.0, seconds / 2)  # every worker busy before the window opens
         end = start + seconds
         for c in children:
-            c.stdin.write(f"go {start} {end}\n")
+            c.stdin.write(f"go {warm} {start} {end}\n")
             c.stdin.flush()
         time.sleep(max(0.0, start - time.monotonic()))
         net0, cpu0 = [net_bytes(s.pid) for s in servers], cpu_times()
+        tcp0 = [tcp_segments(x.pid) for x in [*servers, *children]]
         server_cpu0 = sum(proc_cpu_s(s.pid) for s in servers)
         time.sleep(max(0.0, end - time.monotonic()))
         net1, cpu1 = [net_bytes(s.pid) for s in servers], cpu_times()
+        tcp1 = [tcp_segments(x.pid) for x in [*servers, *children]]
         server_cpu = sum(proc_cpu_s(s.pid) for s in servers) - server_cpu0
         tallies = []
         for i, c in enumerate(children):
@@ -318,7 +426,11 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
         "wire_in_bytes_per_s": wire_in, "wire_out_bytes_per_s": wire_out,
         "wire_fraction": (wire_in + wire_out) / (2 * per_dir),
         "machine_cpu_busy_percent": busy_percent(cpu0, cpu1),
-        "client_cpu_percent": round(100 * sum(t["cpu_s"] for t in tallies) / seconds, 1),
+        # of the TCP segments every host of the configuration sent in the window: the shaped
+        # links' queues (tbf, 20 ms) drop what overflows them
+        "retransmitted_percent": round(100 * sum(b[1] - a[1] for a, b in zip(tcp0, tcp1))
+                                       / max(1, sum(b[0] - a[0] for a, b in zip(tcp0, tcp1))), 2),
+        "client_cpu_percent": round(100 * sum(t["cpu_s"] for t in tallies) / (end - warm), 1),
         "server_cpu_percent": round(100 * server_cpu / seconds, 1),
         "largest_shard_share": max(shares(num_ps)),
     }
@@ -392,12 +504,13 @@ def print_report(report: dict) -> None:
     if load:
         print(f"\n(a) push+pull throughput, {report['load_mode']} mode, every link {rate} each way "
               f"(r = {report['r_bytes_per_s'] / MB:.2f} MB/s); MB/s of tensor bytes pushed + pulled")
-        print("limit = 2 x min(r / largest shard's share, W x r); PS links = 2 x P x r; "
-              "wire = bytes on the PS hosts' links, headers included")
+        print("limit = 2 x min(r / largest shard's share, W x r) (PS links: 2 x P x r when evenly split); "
+              "wire = bytes on the PS hosts' links; raw = the same pulls and pushes on bare TCP sockets")
         print("turns = min(limit, W x r): a worker pulls, then pushes, so its own link is busy one way at a time; "
-              "CPU %: of one core, the servers + clients / the whole machine")
+              "retr %: TCP segments retransmitted; CPU %: of one core, the servers + clients / the whole machine")
         print(f"{'PS':>3} {'W':>3} {'push+pull':>10} {'limit':>8} {'bound by':>12} {'fraction':>8} "
-              f"{'turns':>7} {'fr.':>5} {'PS links':>8} {'wire':>7} {'ours/all CPU %':>14} {'x 1 PS':>7}")
+              f"{'turns':>7} {'fr.':>5} {'wire':>7} {'retr %':>6} {'ours/all CPU %':>14} {'x 1 PS':>7} "
+              f"{'raw':>7} {'raw fr.':>7} {'/ raw':>6}")
         base = {r["workers"]: r["throughput_bytes_per_s"] for r in load if r["ps"] == 1}
         for r in load:
             cpu = f"{r['server_cpu_percent'] + r['client_cpu_percent']:.0f} / {2 * r['machine_cpu_busy_percent']:.0f}"
@@ -406,9 +519,10 @@ def print_report(report: dict) -> None:
             print(f"{r['ps']:>3} {r['workers']:>3} {r['throughput_bytes_per_s'] / MB:>10.2f} "
                   f"{r['limit_bytes_per_s'] / MB:>8.2f} {r['bound_by']:>12} {r['fraction']:>8.2f} "
                   f"{r['turns_limit_bytes_per_s'] / MB:>7.2f} {r['turns_fraction']:>5.2f} "
-                  f"{r['ps_links_bytes_per_s'] / MB:>8.2f} "
                   f"{(r['wire_in_bytes_per_s'] + r['wire_out_bytes_per_s']) / MB:>7.2f} "
-                  f"{cpu:>14} {x:>7}")
+                  f"{r['retransmitted_percent']:>6.1f} {cpu:>14} {x:>7} " + (
+                      f"{r['raw']['throughput_bytes_per_s'] / MB:>7.2f} {r['raw']['fraction']:>7.2f} "
+                      f"{r['over_raw']:>6.2f}" if "raw" in r else f"{'-':>7} {'-':>7} {'-':>6}"))
     if train:
         print(f"\n(b) sync training, ps-worker --model mlp on digits, {report['batch_per_worker']} examples per "
               f"worker per step, every link {rate}")
@@ -438,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ps", default="1,2,4", help="PS host counts, at most 4 (default 1,2,4)")
     p.add_argument("--seconds", type=float, default=6.0, help="(a): the measured window (default 6)")
     p.add_argument("--load-mode", choices=("async", "sync"), default="async", help="(a): the servers' mode")
+    p.add_argument("--no-raw", action="store_true",
+                   help="(a): leave out the same traffic on raw sockets (bare TCP servers and clients)")
     p.add_argument("--train-steps", type=int, default=8, help="(b): global steps per configuration (default 8)")
     p.add_argument("--warmup-steps", type=int, default=2, help="(b): first steps left out of the timing (default 2)")
     p.add_argument("--batch-per-worker", type=int, default=32, help="(b): examples per worker per step (default 32)")
@@ -445,13 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the test's run: --workers 2 --ps 1,2 --seconds 1.5 --train-steps 3 --warmup-steps 1")
     p.add_argument("--json", help="write the report here as JSON")
-    p.add_argument("--child", choices=("synth",), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("synth", "raw-server", "raw-worker"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port-file", help=argparse.SUPPRESS)
     p.add_argument("--addresses", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--num-workers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return synth_child(args)
+        return {"synth": synth_child, "raw-server": raw_server_child, "raw-worker": raw_worker_child}[args.child](args)
     if args.quick:
         args.workers, args.ps, args.seconds, args.train_steps, args.warmup_steps = "2", "1,2", 1.5, 3, 1
     try:
@@ -491,6 +609,13 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             if part == "throughput":
                                 row = measure_throughput(run, n, w, args.seconds, args.load_mode)
+                                if not args.no_raw:
+                                    raw = measure_throughput(run, n, w, args.seconds, "raw")
+                                    row["raw"] = {k: raw[k] for k in (
+                                        "throughput_bytes_per_s", "fraction", "turns_fraction", "pushes",
+                                        "retransmitted_percent", "server_cpu_percent", "client_cpu_percent",
+                                        "machine_cpu_busy_percent")}
+                                    row["over_raw"] = row["throughput_bytes_per_s"] / raw["throughput_bytes_per_s"]
                             else:
                                 row = measure_training(run, n, w, args.train_steps, args.warmup_steps,
                                                        args.batch_per_worker)

@@ -44,6 +44,10 @@ def test_quick_scaling_run_reports_every_row_with_its_limit_fraction_and_ratio(t
         for key in ("fraction", "turns_fraction", "wire_fraction"):
             assert 0 < row[key] <= 1.2, (key, row)
         assert row["wire_in_bytes_per_s"] > 0 and row["wire_out_bytes_per_s"] > 0
+        assert 0 <= row["retransmitted_percent"] < 100
+        # the same pulls and pushes on bare sockets, side by side
+        assert row["raw"]["pushes"] > 0 and 0 < row["raw"]["fraction"] <= 1.2, row["raw"]
+        assert row["over_raw"] == pytest.approx(row["throughput_bytes_per_s"] / row["raw"]["throughput_bytes_per_s"])
 
     train = {(row["ps"], row["workers"]): row for row in report["training"]}
     assert set(train) == {(1, 2), (2, 2)}
