@@ -5,12 +5,18 @@
 
 For every scenario, mode and seed it runs ``ps-launch`` (one server, N worker
 processes on this machine) with the scenario's experiment knobs (``--slowdown``,
-``--bandwidth-mbps``, ``--added-latency-ms``, ``--pause-at-step``), every worker
-writing its per-step history and the chief evaluating the test accuracy every
-few steps. ``ps_tools.report`` turns the runs into report.json, report.md and PNG
-plots: loss and accuracy against wall time and against updates, time to the
-target accuracy, final accuracy, examples/s, staleness, and the spread of each
-across seeds (the stability of a mode, measured).
+``--pause-at-step``), every worker writing its per-step history and the chief
+evaluating the test accuracy every few steps. A scenario with a network (bandwidth:
+a rate and a latency on every link) runs, per ``--links``, on emulated hosts (the
+same processes in network namespaces of their own, every link shaped with tc, the
+latency by a relay in the server's host: ``ps_tools.compare_hosts``) or on loopback
+with the sleep knobs ``--bandwidth-mbps`` and ``--added-latency-ms``; ``auto``
+(default) emulates where the machine can, ``both`` runs each such scenario both ways.
+``ps_tools.report`` turns the runs into report.json, report.md and PNG plots:
+loss and accuracy against wall time and against updates, time to the target
+accuracy, final accuracy, examples/s, staleness, and the spread of each across
+seeds (the stability of a mode, measured), and says per scenario how its links
+were made.
 
 Modes (``--modes``): ``sync``; ``async``; ``ssp1`` and ``ssp4`` (``--mode ssp
 --staleness 1`` and ``4``); ``backup`` (sync finishing each round with the first
@@ -29,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from ps_tools.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
+from ps_tools.compare_hosts import run_on_hosts
 from ps_tools.report import write_report
 
 LAST = -1  # the scenario knob goes to the last worker
@@ -40,14 +48,14 @@ class Scenario:
     name: str
     description: str
     knobs: dict  # {worker index, LAST or ALL: "ps-worker flags"}
+    network: Network | None = None  # every worker's link: emulated hosts or the sleep knobs (--links)
 
 
 SCENARIOS = {
     "balanced": Scenario("balanced", "every worker at full speed", {}),
     "straggler": Scenario("straggler", "the last worker computes 3x slower (--slowdown 3)", {LAST: "--slowdown 3"}),
-    "bandwidth": Scenario("bandwidth", "every worker sends through a 20 Mbit/s link with 5 ms latency "
-                          "(--bandwidth-mbps 20 --added-latency-ms 5)",
-                          {ALL: "--bandwidth-mbps 20 --added-latency-ms 5"}),
+    "bandwidth": Scenario("bandwidth", "every worker's link at 20 Mbit/s with 5 ms latency", {},
+                          Network(rate_mbps=20, latency_ms=5)),
     "pause": Scenario("pause", "the last worker pauses 3 s at step 10 (--pause-at-step 10 --pause-for 3)",
                       {LAST: "--pause-at-step 10 --pause-for 3"}),
 }
@@ -96,23 +104,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer epochs and seeds: a report in minutes")
     p.add_argument("--out", required=True, help="directory for report.md, report.json, the plots and the runs")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    p.add_argument("--links", default="auto", choices=LINK_CHOICES,
+                   help="how a scenario's network (bandwidth) is made: emulated (hosts in network namespaces, "
+                   "links shaped with tc, latency by a relay; needs root, ip and tc), sleep (the "
+                   "--bandwidth-mbps/--added-latency-ms knobs on loopback), both (each way, compared), "
+                   "auto (default: emulated where available, else sleep, saying why)")
     return p
 
 
-def scenario_worker_args(scenario: Scenario, workers: int) -> dict[int, list[str]]:
+def scenario_worker_args(scenario: Scenario, workers: int, links: str = "sleep") -> dict[int, list[str]]:
+    """Each worker's knobs; with ``links`` "sleep", the scenario's network as sleep knobs too."""
     out: dict[int, list[str]] = {}
-    for where, flags in scenario.knobs.items():
+    knobs = dict(scenario.knobs)
+    if scenario.network is not None and links == "sleep":
+        knobs[ALL] = (knobs.get(ALL, "") + " " + scenario.network.sleep_knobs()).strip()
+    for where, flags in knobs.items():
         targets = range(workers) if where == ALL else [workers - 1 if where == LAST else where]
         for i in targets:
             out.setdefault(i, []).extend(shlex.split(flags))
     return out
 
 
-def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str) -> dict:
-    """One ps-launch run; returns what the report needs (metrics, histories, timings)."""
-    os.makedirs(run_dir, exist_ok=True)
-    per_worker = scenario_worker_args(scenario, args.workers)
-    argv = [sys.executable, "-m", "ps_tools.launch", *mode_flags(mode, args.workers), "--workers", str(args.workers),
+def launch_argv(args, scenario: Scenario, mode: str, seed: int, run_dir: str, links: str) -> list[str]:
+    """The ps-launch arguments (without the program) of one run."""
+    per_worker = scenario_worker_args(scenario, args.workers, links)
+    argv = [*mode_flags(mode, args.workers), "--workers", str(args.workers),
             "--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(args.global_batch_size),
             "--seed", str(seed), "--metrics-json", os.path.join(run_dir, "metrics.json"),
             "--log-every", "1000000"]
@@ -122,27 +138,51 @@ def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str) -> dic
         if i == 0:
             extra += ["--eval-every", str(args.eval_every)]
         argv += ["--worker-args", str(i), shlex.join(extra)]
+    return argv
+
+
+def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str, links: str = "sleep") -> dict:
+    """One run (ps-launch on loopback, or its processes on emulated hosts: ``links``);
+    returns what the report needs (metrics, histories, timings, how the links were made)."""
+    run_dir = os.path.abspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    argv = launch_argv(args, scenario, mode, seed, run_dir, links)
+    where = f"{scenario.name}/{mode}/seed {seed}" + (f" ({links})" if scenario.network is not None else "")
     t0 = time.monotonic()
-    with open(os.path.join(run_dir, "launch.log"), "w") as log:
+    if links == "emulated":
         try:
-            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            raise CompareError(f"{scenario.name}/{mode}/seed {seed} did not finish within --run-timeout "
-                               f"{args.run_timeout:g} s; see {run_dir}/launch.log") from None
-    if done.returncode != 0:
-        with open(os.path.join(run_dir, "launch.log")) as f:
-            tail = f.read()[-2000:]
-        raise CompareError(f"{scenario.name}/{mode}/seed {seed} failed (ps-launch exited {done.returncode}); "
-                           f"the end of {run_dir}/launch.log:\n{tail}")
-    with open(os.path.join(run_dir, "metrics.json")) as f:
-        metrics = json.load(f)
+            metrics = run_on_hosts(argv, scenario.network, run_dir, args.run_timeout)
+        except LinksError as e:
+            raise CompareError(f"{where} failed on emulated hosts: {e}") from None
+        command = launch_command_text(argv, scenario.network)
+    else:
+        metrics = _run_launch(argv, where, run_dir, args.run_timeout)
+        command = "ps-launch " + shlex.join(argv)
     histories = []
     for i in range(args.workers):
         with open(os.path.join(run_dir, f"history{i}.json")) as f:
             histories.append(json.load(f))
     return {"scenario": scenario.name, "mode": mode, "seed": seed, "metrics": metrics, "histories": histories,
-            "launch_s": time.monotonic() - t0, "command": shlex.join(argv[2:])}
+            "launch_s": time.monotonic() - t0, "command": command, "links": links,
+            "links_description": describe(links, scenario.network)}
+
+
+def _run_launch(argv: list[str], where: str, run_dir: str, timeout: float) -> dict:
+    full = [sys.executable, "-m", "ps_tools.launch", *argv]
+    with open(os.path.join(run_dir, "launch.log"), "w") as log:
+        try:
+            done = subprocess.run(full, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise CompareError(f"{where} did not finish within --run-timeout {timeout:g} s; "
+                               f"see {run_dir}/launch.log") from None
+    if done.returncode != 0:
+        with open(os.path.join(run_dir, "launch.log")) as f:
+            tail = f.read()[-2000:]
+        raise CompareError(f"{where} failed (ps-launch exited {done.returncode}); "
+                           f"the end of {run_dir}/launch.log:\n{tail}")
+    with open(os.path.join(run_dir, "metrics.json")) as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         args.epochs = args.epochs or (6 if args.quick else 12)
         if args.seeds < 1 or args.epochs < 1 or args.eval_every < 1:
             raise CompareError("--seeds, --epochs and --eval-every must be >= 1")
+        try:
+            plan, notes = plan_links(args.links, names, SCENARIOS)
+        except LinksError as e:
+            raise CompareError(str(e)) from None
     except CompareError as e:
         print(f"ps-compare: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"ps-compare: {note}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     config = {"scenarios": names, "modes": modes, "seeds": args.seeds, "workers": args.workers,
               "dataset": args.dataset, "model": args.model,
@@ -176,21 +222,26 @@ def main(argv: list[str] | None = None) -> int:
               "global_batch_size": args.global_batch_size, "eval_every": args.eval_every,
               "target_accuracy": args.target_accuracy,
               "scenario_descriptions": {n: SCENARIOS[n].description for n in names},
+              "links_choice": args.links, "links_notes": notes,
+              "links": {n: {k: describe(k, SCENARIOS[n].network) for k in plan[n]} for n in names},
               "command": "ps-compare " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
     runs = []
-    total = len(names) * len(modes) * args.seeds
+    total = sum(len(plan[n]) for n in names) * len(modes) * args.seeds
     started = time.monotonic()
     try:
         for name in names:
-            for mode in modes:
-                for seed in range(args.seeds):
-                    run_dir = os.path.join(args.out, "runs", name, mode, f"seed{seed}")
-                    print(f"ps-compare: [{len(runs) + 1}/{total}] {name} {mode} seed {seed}", flush=True)
-                    run = run_one(args, SCENARIOS[name], mode, seed, run_dir)
-                    print(f"ps-compare:   test accuracy {run['metrics']['test_accuracy']:.4f}, "
-                          f"{run['launch_s']:.0f} s", flush=True)
-                    runs.append(run)
+            for links in plan[name]:
+                for mode in modes:
+                    for seed in range(args.seeds):
+                        parts = [name, links] if len(plan[name]) > 1 else [name]
+                        run_dir = os.path.join(args.out, "runs", *parts, mode, f"seed{seed}")
+                        shown = f" ({links})" if SCENARIOS[name].network is not None else ""
+                        print(f"ps-compare: [{len(runs) + 1}/{total}] {name}{shown} {mode} seed {seed}", flush=True)
+                        run = run_one(args, SCENARIOS[name], mode, seed, run_dir, links)
+                        print(f"ps-compare:   test accuracy {run['metrics']['test_accuracy']:.4f}, "
+                              f"{run['launch_s']:.0f} s", flush=True)
+                        runs.append(run)
     except CompareError as e:
         print(f"ps-compare: error: {e}", file=sys.stderr)
         return 1

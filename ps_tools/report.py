@@ -7,8 +7,16 @@ worker's history (per step: t, loss, version, staleness, dropped; the chief's
 "evals": test accuracy every few steps). From each run: the final test
 accuracy, the time and the number of updates (server versions) until the
 chief first measured the target accuracy, training time, examples/s, and the
-staleness of every push. Per scenario and mode: the mean and standard
-deviation of each over the seeds; the deviation is the mode's stability.
+staleness of every push. Per scenario, link kind and mode: the mean and
+standard deviation of each over the seeds; the deviation is the mode's stability.
+
+Each run says how its network was made (``links``: "loopback" for a scenario
+without one, "sleep" for the sleep knobs, "emulated" for emulated hosts; see
+``ps_tools.compare_hosts``). Where a scenario ran with more than one kind
+(``ps-compare --links both``), each kind has its own table, plots
+(``plot-<scenario>-<kind>.png``) and findings, and ``compare_links`` says how the
+conclusions differ: the fastest mode to the target under each, and each mode's
+time to the target and examples/s side by side.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ def summarize_run(run: dict, target: float) -> dict:
     dropped = sum(1 for h in histories for s in h.get("steps", []) if s.get("dropped"))
     return {
         "scenario": run["scenario"],
+        "links": run.get("links", "loopback"),
         "mode": run["mode"],
         "seed": run["seed"],
         "final_accuracy": metrics["test_accuracy"],
@@ -72,11 +81,11 @@ def _spread(values: list[float]) -> dict:
 
 
 def aggregate(summaries: list[dict]) -> list[dict]:
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for s in summaries:
-        groups.setdefault((s["scenario"], s["mode"]), []).append(s)
+        groups.setdefault((s["scenario"], s.get("links", "loopback"), s["mode"]), []).append(s)
     rows = []
-    for (scenario, mode), runs in groups.items():
+    for (scenario, links, mode), runs in groups.items():
         merged: dict[str, int] = {}
         for r in runs:
             for k, c in r["staleness"]["counts"].items():
@@ -84,6 +93,7 @@ def aggregate(summaries: list[dict]) -> list[dict]:
         all_staleness = [int(k) for k, c in merged.items() for _ in range(c)]
         rows.append({
             "scenario": scenario,
+            "links": links,
             "mode": mode,
             "seeds": len(runs),
             "final_accuracy": _spread([r["final_accuracy"] for r in runs]),
@@ -104,9 +114,9 @@ def _fmt(spread: dict, digits: int = 1, suffix: str = "") -> str:
     return text
 
 
-def findings(rows: list[dict], scenario: str, target: float) -> list[str]:
-    """Plain sentences on what the table of one scenario shows."""
-    mine = [r for r in rows if r["scenario"] == scenario]
+def findings(rows: list[dict], scenario: str, target: float, links: str | None = None) -> list[str]:
+    """Plain sentences on what the table of one scenario (and link kind, if given) shows."""
+    mine = [r for r in rows if r["scenario"] == scenario and links in (None, r.get("links", "loopback"))]
     if not mine:
         return []
     reached = [r for r in mine if r["time_to_target_s"]["n"] == r["seeds"]]
@@ -131,14 +141,16 @@ def findings(rows: list[dict], scenario: str, target: float) -> list[str]:
     return lines
 
 
-def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str]) -> list[str]:
+def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str], links: str | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
-    runs = [s for s in summaries if s["scenario"] == scenario]
+    runs = [s for s in summaries if s["scenario"] == scenario and links in (None, s.get("links", "loopback"))]
+    name = f"{scenario}-{links}" if links else scenario
+    shown = f"{scenario} ({links})" if links else scenario
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for s in runs:
         c = colors[s["mode"]]
@@ -159,9 +171,9 @@ def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str]) -> 
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"ps-compare: {scenario} (one line per seed)")
+    fig.suptitle(f"ps-compare: {shown} (one line per seed)")
     fig.tight_layout()
-    curves = os.path.join(out, f"plot-{scenario}.png")
+    curves = os.path.join(out, f"plot-{name}.png")
     fig.savefig(curves, dpi=80)
     plt.close(fig)
 
@@ -177,12 +189,12 @@ def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str]) -> 
         xs = sorted(counts)
         ax.bar([x + i * width for x in xs], [counts[x] / total for x in xs], width=width, color=colors[mode],
                label=mode)
-    ax.set_title(f"staleness of applied pushes: {scenario}")
+    ax.set_title(f"staleness of applied pushes: {shown}")
     ax.set_xlabel("staleness (versions between the pull and the apply)")
     ax.set_ylabel("share of pushes")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    hist = os.path.join(out, f"staleness-{scenario}.png")
+    hist = os.path.join(out, f"staleness-{name}.png")
     fig.savefig(hist, dpi=80)
     plt.close(fig)
     return [curves, hist]
@@ -207,7 +219,10 @@ def markdown(config: dict, rows: list[dict]) -> str:
         f"{config['global_batch_size']}, " + (f"{config['steps']} steps" if config.get("steps") else
                                                f"{config['epochs']} epochs") +
         f", {config['seeds']} seed(s) per mode; the chief evaluates every {config['eval_every']} of its steps.  ",
-        f"Wall time of the whole comparison: {config.get('wall_s', 0):.0f} s.",
+        f"Wall time of the whole comparison: {config.get('wall_s', 0):.0f} s.  ",
+        f"Links (`--links {config.get('links_choice', 'sleep')}`): each scenario says how its network was made "
+        "(emulated hosts: a network namespace per process, links shaped with tc, latency by a relay; sleep "
+        "knobs: each worker sleeps bytes/rate before its push, on loopback).",
         "",
         "Columns: final test accuracy and time to reach "
         f"{target:.2f} (seconds of training, from the chief's evaluations) as mean ± standard deviation over "
@@ -215,33 +230,130 @@ def markdown(config: dict, rows: list[dict]) -> str:
         "staleness: versions between a push's pull and its apply.",
     ]
     for scenario in config["scenarios"]:
-        lines += ["", f"## {scenario}", "", config["scenario_descriptions"][scenario], "",
-                  f"| mode | final accuracy | time to {target:.2f} (s) | reached | updates to {target:.2f} | "
-                  "training (s) | examples/s | staleness mean / p90 / max | dropped |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in [r for r in rows if r["scenario"] == scenario]:
-            st = r["staleness"]
-            lines.append(
-                f"| {r['mode']} | {_fmt(r['final_accuracy'], 4)} | {_fmt(r['time_to_target_s'])} | "
-                f"{r['time_to_target_s']['n']}/{r['seeds']} | {_fmt(r['updates_to_target'], 0)} | "
-                f"{_fmt(r['train_s'])} | {_fmt(r['examples_per_s'], 0)} | "
-                f"{st['mean']:.2f} / {st['p90']} / {st['max']} | {r['dropped']} |")
-        lines += [""] + [f"- {line}" for line in findings(rows, scenario, target)]
-        lines += ["", f"![{scenario}: accuracy and loss](plot-{scenario}.png)", "",
-                  f"![{scenario}: staleness](staleness-{scenario}.png)"]
+        kinds = _kinds(config, rows, scenario)
+        lines += ["", f"## {scenario}", "", config["scenario_descriptions"][scenario]]
+        for kind in kinds:
+            several = len(kinds) > 1
+            name = f"{scenario}-{kind}" if several else scenario
+            described = config.get("links", {}).get(scenario, {}).get(kind)
+            if several:
+                lines += ["", f"### {scenario}, {kind}"]
+            if described:
+                lines += ["", f"Links: {described}."]
+            lines += ["", f"| mode | final accuracy | time to {target:.2f} (s) | reached | updates to {target:.2f} | "
+                      "training (s) | examples/s | staleness mean / p90 / max | dropped |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for r in [r for r in rows if r["scenario"] == scenario and r.get("links", "loopback") == kind]:
+                st = r["staleness"]
+                lines.append(
+                    f"| {r['mode']} | {_fmt(r['final_accuracy'], 4)} | {_fmt(r['time_to_target_s'])} | "
+                    f"{r['time_to_target_s']['n']}/{r['seeds']} | {_fmt(r['updates_to_target'], 0)} | "
+                    f"{_fmt(r['train_s'])} | {_fmt(r['examples_per_s'], 0)} | "
+                    f"{st['mean']:.2f} / {st['p90']} / {st['max']} | {r['dropped']} |")
+            lines += [""] + [f"- {line}" for line in findings(rows, scenario, target, kind)]
+            lines += ["", f"![{name}: accuracy and loss](plot-{name}.png)", "",
+                      f"![{name}: staleness](staleness-{name}.png)"]
+        if len(kinds) > 1:
+            lines += ["", f"### {scenario}: {' vs '.join(kinds)}", ""] + _links_markdown(
+                compare_links(rows, scenario, target, kinds), target)
+    notes = config.get("links_notes") or []
+    if notes:
+        lines += ["", "## Links", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
+def _kinds(config: dict, rows: list[dict], scenario: str) -> list[str]:
+    """The link kinds a scenario ran with, in run order."""
+    kinds = []
+    for r in rows:
+        if r["scenario"] == scenario and r.get("links", "loopback") not in kinds:
+            kinds.append(r.get("links", "loopback"))
+    planned = list(config.get("links", {}).get(scenario, {}))
+    return [k for k in planned if k in kinds] + [k for k in kinds if k not in planned]
+
+
+def compare_links(rows: list[dict], scenario: str, target: float, kinds: list[str]) -> dict:
+    """How the conclusions of one scenario differ between link kinds: per kind, the fastest
+    mode to the target (of those that reached it in every seed), the highest throughput,
+    and each mode's mean time to the target and examples/s; plus sentences saying so."""
+    per_kind = {}
+    for kind in kinds:
+        mine = [r for r in rows if r["scenario"] == scenario and r.get("links", "loopback") == kind]
+        reached = [r for r in mine if r["time_to_target_s"]["n"] == r["seeds"]]
+        best = min(reached, key=lambda r: r["time_to_target_s"]["mean"]) if reached else None
+        fastest = max(mine, key=lambda r: r["examples_per_s"]["mean"] or 0.0) if mine else None
+        per_kind[kind] = {
+            "fastest_to_target": best["mode"] if best else None,
+            "highest_throughput": fastest["mode"] if fastest else None,
+            "time_to_target_s": {r["mode"]: r["time_to_target_s"]["mean"] for r in mine},
+            "examples_per_s": {r["mode"]: r["examples_per_s"]["mean"] for r in mine},
+            "ranking": [r["mode"] for r in sorted(reached, key=lambda r: r["time_to_target_s"]["mean"])],
+        }
+    winners = {k: v["fastest_to_target"] for k, v in per_kind.items()}
+    sentences = []
+    if len(set(winners.values())) == 1:
+        sentences.append(f"Both agree on the fastest mode to {target:.2f}: **{next(iter(winners.values()))}**.")
+    else:
+        sentences.append(f"They disagree on the fastest mode to {target:.2f}: " + "; ".join(
+            f"{k}: **{w or 'none reached it in every seed'}**" for k, w in winners.items()) + ".")
+    rankings = {k: v["ranking"] for k, v in per_kind.items()}
+    if len({tuple(r) for r in rankings.values()}) > 1:
+        sentences.append("Order by time to the target: " + "; ".join(
+            f"{k}: {' < '.join(r) or '(none)'}" for k, r in rankings.items()) + ".")
+    if len(kinds) == 2:
+        a, b = kinds
+        ratios = {m: per_kind[b]["examples_per_s"][m] / per_kind[a]["examples_per_s"][m]
+                  for m in per_kind[a]["examples_per_s"] if m in per_kind[b]["examples_per_s"]
+                  and per_kind[a]["examples_per_s"][m] and per_kind[b]["examples_per_s"][m]}
+        if ratios:
+            sentences.append(f"Throughput under {b} as a share of under {a}: " + ", ".join(
+                f"{m} {r:.2f}x" for m, r in ratios.items()) + ".")
+    return {"kinds": kinds, "per_kind": per_kind, "agree_on_fastest": len(set(winners.values())) == 1,
+            "sentences": sentences}
+
+
+def _links_markdown(comparison: dict, target: float) -> list[str]:
+    kinds = comparison["kinds"]
+    modes = []
+    for k in kinds:
+        modes += [m for m in comparison["per_kind"][k]["examples_per_s"] if m not in modes]
+
+    def cell(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| mode | " + " | ".join(f"time to {target:.2f} (s), {k}" for k in kinds) + " | " +
+             " | ".join(f"examples/s, {k}" for k in kinds) + " |",
+             "| --- |" + " --- |" * (2 * len(kinds))]
+    for m in modes:
+        lines.append(f"| {m} | " + " | ".join(cell(comparison["per_kind"][k]["time_to_target_s"].get(m), 1)
+                                            for k in kinds) + " | " +
+                     " | ".join(cell(comparison["per_kind"][k]["examples_per_s"].get(m), 0) for k in kinds) + " |")
+    return lines + [""] + [f"- {s}" for s in comparison["sentences"]]
+
+
 def write_report(out: str, config: dict, runs: list[dict]) -> list[str]:
-    summaries = [summarize_run(r, config["target_accuracy"]) for r in runs]
+    target = config["target_accuracy"]
+    summaries = [summarize_run(r, target) for r in runs]
     rows = aggregate(summaries)
-    report = {"config": config, "rows": rows, "runs": summaries,
-              "findings": {s: findings(rows, s, config["target_accuracy"]) for s in config["scenarios"]}}
+    kinds = {s: _kinds(config, rows, s) for s in config["scenarios"]}
+    found = {}
+    for s in config["scenarios"]:
+        if len(kinds[s]) > 1:
+            found[s] = [f"[{k}] {line}" for k in kinds[s] for line in findings(rows, s, target, k)]
+        else:
+            found[s] = findings(rows, s, target)
+    report = {"config": config, "rows": rows, "runs": summaries, "findings": found,
+              "compare_links": {s: compare_links(rows, s, target, kinds[s])
+                                for s in config["scenarios"] if len(kinds[s]) > 1}}
     paths = [os.path.join(out, "report.json"), os.path.join(out, "report.md")]
     with open(paths[0], "w") as f:
         json.dump(report, f, indent=1)
     with open(paths[1], "w") as f:
         f.write(markdown(config, rows))
     for scenario in config["scenarios"]:
-        paths += _plots(out, scenario, summaries, config["modes"])
+        if len(kinds[scenario]) > 1:
+            for kind in kinds[scenario]:
+                paths += _plots(out, scenario, summaries, config["modes"], kind)
+        else:
+            paths += _plots(out, scenario, summaries, config["modes"])
     return paths
