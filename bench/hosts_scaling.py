@@ -21,12 +21,19 @@ the largest holds 28.4 % of the bytes, not 25 % (the 0.5 MB kernel makes two sli
 **(a) Push+pull throughput** (no TensorFlow, so that the clients cost little CPU):
 on each worker host one synthetic worker (``--child synth``: a ``ShardedClient`` over
 every PS host) pulls the whole model and pushes a gradient of it, again and again,
-in async mode (``--load-mode``; each worker's pull and push may then overlap other
-workers' in the other direction). Throughput = tensor bytes pushed + bytes pulled
-per second, over a window of ``--seconds`` after every worker is registered and
-initialized (a call counts when it ends inside the window). The bytes on the PS
-hosts' links (``/proc/<server pid>/net/dev`` of each PS host, both directions, all
-headers included) over the same window are printed too.
+in async mode (no barrier: one worker's pull may overlap another's push, so both
+directions of a PS link can be busy at once; a sync round would line them up).
+Throughput = tensor bytes pushed + bytes pulled per second over a window of
+``--seconds``, opened once every worker has been busy for 2 s; a call that straddles
+an edge of the window counts for the share of its time inside. Beside it: the bytes on
+the PS hosts' links over the window (``/proc/<server pid>/net/dev``, both directions;
+the kernel counts a GSO super-packet's headers once, so this is close to the tensor
+bytes), the TCP segments retransmitted by every host of the configuration
+(``/proc/<pid>/net/snmp``: the links' tbf queues of 20 ms drop what overflows them),
+the CPU of our processes and of the whole machine, and **raw**: the same pulls and
+pushes, shard by shard, between bare TCP servers and clients on the same hosts
+(``--child raw-server`` / ``raw-worker``; ``--no-raw`` leaves them out), which says how
+much of the distance to the limit is TCP's on these links and how much is tfps'.
 
 **The limit** each direction: every byte crosses one PS host's link and one worker
 host's link, each ``r = rate / 8`` bytes per second each way. The PS side carries at
@@ -34,8 +41,10 @@ most ``r / s_max`` per direction (``s_max``: the largest shard's fraction of the
 model; ``P x r`` when the split is even: the PS hosts' total link rate), the worker
 side ``W x r``. Limit = ``min(r / s_max, W x r)`` per direction; push+pull limit =
 twice that (full duplex: pushes in while pulls go out). Fraction = throughput / limit.
-Headers (TCP/IP, Ethernet, gRPC framing) take about 4 % of the link, so about 0.96 is
-the ceiling of the tensor-byte fraction.
+"Turns" = ``min(limit, W x r)``: a worker pulls, then pushes, so its own link is busy
+one way at a time and W workers move at most ``W x r`` push+pull together. The tensor
+bytes leave out the headers (TCP/IP, Ethernet, HTTP/2 and gRPC framing: about 4 % of
+what tbf counts), so about 0.96 is the ceiling of a fraction.
 
 **(b) Sync training**: ``ps-server --mode sync`` on each PS host and a real
 ``ps-worker`` (TensorFlow) on each worker host, ``--model mlp --dataset digits``,
@@ -51,8 +60,9 @@ pulls take turns.
 
 It prints (a) and (b) with each figure's limit, the fraction of it reached, the
 ratios 2 PS / 1 PS and 4 PS / 1 PS at each worker count (from this one run), and the
-machine's CPU use (busy % of all cores, from /proc/stat over the window): a figure
-measured with the cores near 100 % is limited by CPU, not by the links. Needs root
+CPU use (of one core: our servers and clients; and the whole machine, busy % from
+/proc/stat, x 2 cores): a figure measured with the cores near 200 % is limited by CPU,
+not by the links. Needs root
 (``ps_tools.hosts.unavailable()`` says why not). Exit status 0 when every
 configuration ran, 1 otherwise, 2 for bad arguments or no emulated hosts.
 """
@@ -551,7 +561,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2,4,8", help="worker host counts, at most 8 (default 1,2,4,8)")
     p.add_argument("--ps", default="1,2,4", help="PS host counts, at most 4 (default 1,2,4)")
     p.add_argument("--seconds", type=float, default=6.0, help="(a): the measured window (default 6)")
-    p.add_argument("--load-mode", choices=("async", "sync"), default="async", help="(a): the servers' mode")
     p.add_argument("--no-raw", action="store_true",
                    help="(a): leave out the same traffic on raw sockets (bare TCP servers and clients)")
     p.add_argument("--train-steps", type=int, default=8, help="(b): global steps per configuration (default 8)")
@@ -593,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "bench/hosts_scaling.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "uptime_before": uptime(), "rate": args.rate, "r_bytes_per_s": rate_bytes(args.rate),
               "model_bytes": MODEL_BYTES, "shares": {str(n): shares(n) for n in num_ps},
-              "load_mode": args.load_mode, "batch_per_worker": args.batch_per_worker,
+              "load_mode": "async", "batch_per_worker": args.batch_per_worker,
               "throughput": [], "training": [], "failures": []}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tfps-hosts-scaling-") as workdir:
@@ -608,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{part}: {n} PS host(s), {w} worker host(s) ...", file=sys.stderr, flush=True)
                         try:
                             if part == "throughput":
-                                row = measure_throughput(run, n, w, args.seconds, args.load_mode)
+                                row = measure_throughput(run, n, w, args.seconds, "async")
                                 if not args.no_raw:
                                     raw = measure_throughput(run, n, w, args.seconds, "raw")
                                     row["raw"] = {k: raw[k] for k in (
