@@ -446,8 +446,9 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
     }
 
 
-def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int) -> dict:
-    tag = f"train-{num_ps}ps-{workers}w"
+def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int,
+                     overlap: bool = True) -> dict:
+    tag = f"train-{num_ps}ps-{workers}w-{'overlap' if overlap else 'no-overlap'}"
     servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done")
     history = os.path.join(run.workdir, f"{tag}-history.json")
     procs = []
@@ -459,7 +460,8 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
                 sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(i),
                 "--num-workers", str(workers), "--model", "mlp", "--dataset", "digits", "--steps", str(steps),
                 "--global-batch-size", str(batch * workers), "--intra-op-threads", "1", "--log-level", "WARNING",
-                "--progress", "off", *(("--history-json", history) if i == 0 else ())],
+                "--progress", "off", "--overlap" if overlap else "--no-overlap",
+                *(("--history-json", history) if i == 0 else ())],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=run.workdir, env=run.env()))
             log.close()
         deadline = time.monotonic() + 600
@@ -479,7 +481,8 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
         window[-1]["t"] / len(window)
     need = links_need_s(workers, num_ps, run.r)
     return {
-        "ps": num_ps, "workers": workers, "steps": len(records), "measured_steps": len(window),
+        "ps": num_ps, "workers": workers, "overlap": overlap, "steps": len(records),
+        "measured_steps": len(window),
         "global_batch": batch * workers, "step_s": step_s, "examples_per_s": batch * workers / step_s,
         "push_bytes": window[-1]["push_bytes"], "links_need_s": need, "step_over_links_need": step_s / need,
         "link_limit_examples_per_s": batch * workers / need,
@@ -505,6 +508,16 @@ def ratios(rows: list[dict], key: str) -> dict[str, dict[str, float]]:
         if p == 1:
             continue
         out[f"{p}/1"] = {str(w): by[p, w] / by[1, w] for (q, w) in sorted(by) if q == p and (1, w) in by}
+    return out
+
+
+def overlap_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{ps: {workers: examples/s with overlap / without}} where both were run."""
+    by = {(r["ps"], r["workers"], r["overlap"]): r["examples_per_s"] for r in rows}
+    out: dict[str, dict[str, float]] = {}
+    for (ps, w, o), x in sorted(by.items()):
+        if o and (ps, w, False) in by:
+            out.setdefault(str(ps), {})[str(w)] = x / by[ps, w, False]
     return out
 
 
@@ -538,18 +551,25 @@ def print_report(report: dict) -> None:
               f"worker per step, every link {rate}")
         print("links need = max(W x largest share, 1) x model bytes / r (the busiest link, full duplex); "
               "limit = global batch / links need")
-        print(f"{'PS':>3} {'W':>3} {'ex/s':>8} {'limit':>8} {'fraction':>8} {'step s':>7} {'need s':>7} "
+        print("overlap: on, a sync push is PushPull (the round's values come back while it still arrives); "
+              "off, push then pull (--no-overlap)")
+        print(f"{'PS':>3} {'W':>3} {'overlap':>7} {'ex/s':>8} {'limit':>8} {'fraction':>8} {'step s':>7} {'need s':>7} "
               f"{'step/need':>9} {'pull s':>7} {'compute':>7} {'push s':>7} {'x 1 PS':>7}")
-        base = {r["workers"]: r["examples_per_s"] for r in train if r["ps"] == 1}
+        base = {(r["workers"], r["overlap"]): r["examples_per_s"] for r in train if r["ps"] == 1}
         for r in train:
-            x = f"{r['examples_per_s'] / base[r['workers']]:.2f}" if r["ps"] != 1 and r["workers"] in base else "-"
-            print(f"{r['ps']:>3} {r['workers']:>3} {r['examples_per_s']:>8.1f} {r['link_limit_examples_per_s']:>8.1f} "
+            key = (r["workers"], r["overlap"])
+            x = f"{r['examples_per_s'] / base[key]:.2f}" if r["ps"] != 1 and key in base else "-"
+            print(f"{r['ps']:>3} {r['workers']:>3} {'on' if r['overlap'] else 'off':>7} "
+                  f"{r['examples_per_s']:>8.1f} {r['link_limit_examples_per_s']:>8.1f} "
                   f"{r['fraction']:>8.2f} {r['step_s']:>7.3f} {r['links_need_s']:>7.3f} "
                   f"{r['step_over_links_need']:>9.2f} {r['pull_s']:>7.3f} {r['compute_s']:>7.3f} "
                   f"{r['push_s']:>7.3f} {x:>7}")
     for name, rows in (("throughput", report["ratios"]["throughput"]), ("training", report["ratios"]["training"])):
         for k, v in rows.items():
             print(f"{name} {k} PS, by worker count: " + ", ".join(f"W={w}: {x:.2f}" for w, x in v.items()))
+    for ps, v in report["ratios"].get("overlap", {}).items():
+        print(f"training examples/s, overlap on / off, {ps} PS, by worker count: "
+              + ", ".join(f"W={w}: {x:.2f}" for w, x in v.items()))
     for f in report["failures"]:
         print(f"FAILED: {f}")
 
@@ -567,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=2, help="(b): first steps left out of the timing (default 2)")
     p.add_argument("--batch-per-worker", type=int, default=32, help="(b): examples per worker per step (default 32)")
     p.add_argument("--parts", default="throughput,training", help="throughput and/or training (default both)")
+    p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
+                   help="(b): the workers' --overlap (PushPull), --no-overlap, or both side by side (default both)")
     p.add_argument("--quick", action="store_true",
                    help="the test's run: --workers 2 --ps 1,2 --seconds 1.5 --train-steps 3 --warmup-steps 1")
     p.add_argument("--json", help="write the report here as JSON")
@@ -626,14 +648,17 @@ def main(argv: list[str] | None = None) -> int:
                                         "machine_cpu_busy_percent")}
                                     row["over_raw"] = row["throughput_bytes_per_s"] / raw["throughput_bytes_per_s"]
                             else:
-                                row = measure_training(run, n, w, args.train_steps, args.warmup_steps,
-                                                       args.batch_per_worker)
+                                rows = [measure_training(run, n, w, args.train_steps, args.warmup_steps,
+                                                         args.batch_per_worker, overlap=o)
+                                        for o in {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]]
                         except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
                             report["failures"].append(f"{part} {n} PS x {w} workers: {type(e).__name__}: {e}")
                             continue
-                        report[part].append(row)
+                        report[part].extend([row] if part == "throughput" else rows)
+    first = report["training"][0]["overlap"] if report["training"] else True
     report["ratios"] = {"throughput": ratios(report["throughput"], "throughput_bytes_per_s"),
-                        "training": ratios(report["training"], "examples_per_s")}
+                        "training": ratios([r for r in report["training"] if r["overlap"] == first], "examples_per_s"),
+                        "overlap": overlap_ratios(report["training"])}
     report["wall_s"] = round(time.monotonic() - started, 1)
     report["uptime_after"] = uptime()
     print_report(report)

@@ -261,6 +261,18 @@ class PullChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class PushPullChunk(_message.Message):
+    __slots__ = ("header", "data", "done", "confirmed")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    data: bytes
+    done: PushResponse
+    confirmed: bool
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., done: _Optional[_Union[PushResponse, _Mapping]] = ..., confirmed: _Optional[bool] = ...) -> None: ...
+
 class PushRequest(_message.Message):
     __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

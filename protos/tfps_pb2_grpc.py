@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.PushChunk.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/tfps.v1.ParameterServer/PushPull',
+                request_serializer=protos_dot_tfps__pb2.PushChunk.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.PushPullChunk.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Leave',
                 request_serializer=protos_dot_tfps__pb2.LeaveRequest.SerializeToString,
@@ -128,6 +133,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request_iterator, context):
+        """Sync: PushStream whose reply streams back each variable's new value as soon
+        as every participant's gradient for it has arrived (PushPullChunk), so the
+        server's link carries pulls out while pushes still come in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -186,6 +200,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushStream,
                     request_deserializer=protos_dot_tfps__pb2.PushChunk.FromString,
                     response_serializer=protos_dot_tfps__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=protos_dot_tfps__pb2.PushChunk.FromString,
+                    response_serializer=protos_dot_tfps__pb2.PushPullChunk.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -370,6 +389,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/PushStream',
             protos_dot_tfps__pb2.PushChunk.SerializeToString,
             protos_dot_tfps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tfps.v1.ParameterServer/PushPull',
+            protos_dot_tfps__pb2.PushChunk.SerializeToString,
+            protos_dot_tfps__pb2.PushPullChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import threading
 import time
 
 import grpc
@@ -126,6 +128,10 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server, traf
             deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
             serialize = pb.PushResponse.SerializeToString
             handler = grpc.stream_unary_rpc_method_handler
+        elif m.name == "PushPull":
+            deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
+            serialize = stream.serializer(pb.PushPullChunk)
+            handler = grpc.stream_stream_rpc_method_handler
         elif m.name == "PullStream":
             deserialize = _tolerant(pb.PullRequest)
             serialize = stream.serializer(pb.PullChunk)
@@ -387,6 +393,107 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         finally:  # the core keeps no reference to the gradients once push returns
             self.buffers.release(buffer)
         return convert.PUSH_REPLY.to_wire(result)
+
+    @_handled
+    def PushPull(self, request_iterator, context):
+        """PushStream whose reply streams each variable's new value back as soon as every
+        participant's gradient for it is in (``core.overlap``): the push is read on a
+        thread of its own, offering each variable as its bytes complete, while this
+        handler's replies send the speculated values in the push's order; the last reply
+        is the push's answer and whether those values are the round's (``confirmed``)."""
+        first = next(request_iterator, None)
+        if isinstance(first, Malformed):
+            raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
+        if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
+            raise codec.CodecError("PushPull: the first message must carry the header, and no data")
+        h = first.header
+        if h.shm_name or h.shm_offsets:
+            raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
+        layout = stream.Layout.of(h.gradients)
+        metrics = codec.decode_many(h.metrics)
+        sparse = _sparse_names(h.gradients)
+        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
+                             sparse=sparse, metrics=metrics, set_learning_rate=h.set_learning_rate)
+        names = [e.name for e in layout.entries]
+        spec = self.core.overlap(h.worker_id, h.step, h.batch_size, {e.name: (e.dtype, e.shape) for e in layout.entries},
+                                 h.set_learning_rate, bool(sparse))
+        specs = self.core.store.specs()
+        values_header = pb.PullHeader(variables=[
+            pb.TensorMeta(name=n, dtype=codec.dtype_code(specs[n][0]), shape=list(specs[n][1])) for n in names])
+        done, outcome = threading.Event(), {}
+        buffer = self.buffers.acquire(layout.nbytes)
+
+        def read() -> None:
+            try:
+                assembler = stream.Assembler(layout, buffer)
+                # Each block of each gradient, with the byte at which it is complete; offered to
+                # the round as soon as it is (the arrays are views of the buffer the bytes fill).
+                pending, fulls = [], {}
+                if spec is not None:
+                    for e in layout.entries:
+                        full = fulls[e.name] = np.frombuffer(buffer, e.dtype, count=math.prod(e.shape),
+                                                             offset=e.offset).reshape(e.shape)
+                        row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else e.nbytes
+                        for b, rows in enumerate(spec.layout[e.name]):
+                            end = e.offset + (e.nbytes if rows is None else rows[1] * row_bytes)
+                            pending.append((end, e.name, b, full))
+                    pending.reverse()
+                for chunk in request_iterator:
+                    if not isinstance(chunk, memoryview):
+                        what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) \
+                            else "a second header"
+                        raise codec.CodecError(f"PushPull: after the header, every message must be data; got {what}")
+                    assembler.feed(chunk)
+                    while pending and pending[-1][0] <= assembler.received:
+                        _, name, b, full = pending.pop()
+                        self.core.offer(spec, h.worker_id, name, b, full)
+                arrays = assembler.arrays()  # every byte the header announced arrived
+                if spec is not None:  # the very arrays offered: the round confirms by their identity
+                    arrays = fulls
+                gradients = _sparse(self._widen_half(arrays), h.gradients)
+                outcome["result"] = self.core.push(Push(
+                    worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
+                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate))
+            except BaseException as e:  # answered by the replies below
+                outcome["error"] = e
+            finally:  # the core keeps no reference to the gradients once push returns
+                self.buffers.release(buffer)
+                done.set()
+                if spec is not None:
+                    spec.wake()
+
+        threading.Thread(target=read, name=f"push-pull-{h.worker_id}", daemon=True).start()
+        return self._push_pull_replies(values_header, names, spec, done, outcome, context)
+
+    def _push_pull_replies(self, values_header, names, spec, done, outcome, context):
+        sent_all = spec is not None
+        try:
+            yield pb.PushPullChunk(header=values_header)
+            if spec is not None:
+                for name, b in ((n, b) for n in names for b in range(len(spec.layout[n]))):
+                    rows = spec.wait(name, b, done)
+                    if rows is None:
+                        sent_all = False
+                        break
+                    yield from stream.chunk_buffers([stream.to_wire(rows)[1]], self.chunk_bytes)
+            done.wait()
+            error = outcome.get("error")
+            if error is not None:
+                raise error
+            result = outcome["result"]
+            reply = convert.PUSH_REPLY.to_wire(result)
+            reply.incarnation = self.core.incarnation
+            confirmed = sent_all and spec.confirmed and not (result.dropped or result.replayed)
+            yield pb.PushPullChunk(done=reply, confirmed=confirmed)
+        except (errors.PSError, codec.CodecError) as e:
+            code = status_code_for(e)
+            log.info("PushPull refused: %s: %s", code.name, e)
+            context.abort(code, str(e))
+        except grpc.RpcError:
+            raise
+        except Exception as e:  # a bug: say so, but never as UNKNOWN
+            log.exception("PushPull failed unexpectedly")
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in PushPull: {type(e).__name__}: {e}")
 
     def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict,
                            rest) -> pb.PushResponse:

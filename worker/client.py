@@ -42,6 +42,7 @@ server's own explanation.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from typing import Iterable, Mapping
@@ -60,6 +61,8 @@ from worker.transports import (OutgoingPush, PSClientError, PullCache, SharedMem
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES", "pull_when_initialized"]
+
+log = logging.getLogger("worker.client")
 
 _RETRY_POLICY = {
     "maxAttempts": 5,
@@ -104,13 +107,16 @@ class PSClient:
         shm: bool = False,
         small_bytes: int = SMALL_BYTES,
         max_message_bytes: int | None = None,
+        overlap: bool = True,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
         is sent as ``authorization: Bearer`` on every call (see ``ps_common.security``).
         ``shm``: try the same-host fast path (module docstring) from ``register`` on.
         ``small_bytes``: pushes and pulls up to this size go as one unary message.
         ``max_message_bytes``: the channel's message limit (``WorkerConfig.max_message_bytes``;
-        None: ``protos.wire``'s process-wide setting)."""
+        None: ``protos.wire``'s process-wide setting). ``overlap`` (sync): a streamed push
+        gets the round's new values back while it is still sending (PushPull), so the
+        next pull needs no call when the server confirms them."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -133,6 +139,7 @@ class PSClient:
         self.shm = shm  # the fast path was asked for
         self.cache = PullCache()
         self.shortcut = SyncShortcut(self.cache, address)
+        self.overlap = overlap  # off for good once a server says it has no PushPull
 
     @property
     def shm_active(self) -> bool:
@@ -285,12 +292,36 @@ class PSClient:
             self.shortcut.receive(reply)
         else:
             reply = self.shared_memory.push(outgoing, timeout)
+            if reply is None and self.overlap and self.shortcut.on and not rows and not set_learning_rate:
+                reply = self._push_pull(outgoing, timeout)
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
         try:
             return convert.PUSH_REPLY.from_wire(reply)
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
+
+    def _push_pull(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None:
+        """A sync push as PushPull; None (nothing sent) from a server without it. Confirmed
+        values join the pull cache as the next pull's answer: the pushed variables' new
+        values, the others those held at the push's base version (a sync round changes
+        only what was pushed)."""
+        try:
+            reply, values = self.streams.push_pull(outgoing, timeout)
+        except PSClientError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                self.overlap = False
+                log.info("server at %s has no PushPull: pushing and pulling one after the other", self.address)
+                return None
+            raise
+        held = self.cache.held
+        if values is not None and held is not None and held[0] == reply.incarnation \
+                and held[1] == outgoing.base_version and set(values) <= set(held[2]):
+            for a in values.values():
+                a.flags.writeable = False
+            self.cache.keep(reply.incarnation, reply.version, {n: values.get(n, held[2][n]) for n in held[2]},
+                            fresh=True)
+        return reply
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """The chief's (worker 0's) value under ``key``. The chief passes ``value`` and is

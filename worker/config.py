@@ -89,6 +89,8 @@ class WorkerConfig:
     grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
     # Same-host fast path through shared memory (protos.shm), falls back by itself.
     shm: bool = setting(False, env="TFPS_WORKER_SHM", old_env="TFPS_SHM")
+    # Sync: a streamed push gets the round's new values back while it still sends (PushPull).
+    overlap: bool = True
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
     slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
@@ -305,6 +307,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="move tensors through shared memory when the server is on this host (or shares "
                         "/dev/shm); detected at registration, falls back to gRPC streams (default off; "
                         "environment TFPS_WORKER_SHM)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction,
+                   help="sync: a streamed push gets each variable's new value back as soon as the server has "
+                        "it, while the rest still goes out, so the link works both ways at once (PushPull; "
+                        "the same bits; default on)")
     p.add_argument("--max-message-mb", type=float, help="largest message either way, in MiB; as the server's "
                    "(default 1024)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

@@ -62,6 +62,7 @@ def connect(config: WorkerConfig) -> PSClient | ShardedClient:
         grad_wire_dtype=config.grad_wire_dtype,
         shm=config.shm,
         max_message_bytes=config.max_message_bytes,
+        overlap=config.overlap,
     )
     addresses = config.ps_addresses
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)

@@ -132,6 +132,11 @@ class Unary:
         return self.call("Push", outgoing.request(), timeout=timeout)
 
 
+# PushPull's data messages: about half a speculation block (ps_server.core.overlap), so
+# that each block is usable soon after its bytes arrive.
+PUSH_PULL_CHUNK_BYTES = 256 << 10
+
+
 class Streams:
     """PullStream and PushStream: a header, then the tensors' bytes in ~2 MiB data messages
     framed by hand (``protos.stream``), so no message ever holds a whole model."""
@@ -145,6 +150,9 @@ class Streams:
         self.push_stream = channel.stream_unary(
             method + "PushStream", request_serializer=stream.serializer(pb.PushChunk),
             response_deserializer=pb.PushResponse.FromString)
+        self.push_pull_stream = channel.stream_stream(
+            method + "PushPull", request_serializer=stream.serializer(pb.PushChunk),
+            response_deserializer=stream.deserializer(pb.PushPullChunk))
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
@@ -187,6 +195,40 @@ class Streams:
             return self.push_stream(messages(), timeout=timeout)
         except grpc.RpcError as e:
             raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+
+
+    def push_pull(self, outgoing: OutgoingPush, timeout: float) -> tuple[pb.PushResponse, dict | None]:
+        """One PushPull (sync): the gradients go out while the round's new values come back,
+        each variable's as soon as the server has it (``ps_server.core.overlap``). Returns
+        the push's answer and the new values of the pushed variables when the server
+        confirms they are the round's, else None (pull them)."""
+        header = outgoing.header()
+
+        def messages():
+            yield pb.PushChunk(header=header)
+            # Smaller chunks than a PushStream's: the server can use a block only once the
+            # message holding its last byte has arrived whole.
+            yield from stream.chunk_buffers(outgoing.buffers(), PUSH_PULL_CHUNK_BYTES)
+
+        try:
+            replies = self.push_pull_stream(messages(), timeout=timeout)
+            first = next(replies)
+            if not isinstance(first, pb.PushPullChunk) or not first.HasField("header"):
+                raise PSClientError("PushPull", self.address, None, "the reply did not start with a header")
+            assembler = stream.Assembler(stream.Layout.of(first.header.variables))
+            for message in replies:
+                if isinstance(message, memoryview):
+                    assembler.feed(message)
+                elif message.HasField("done"):
+                    complete = message.confirmed and assembler.received == assembler.layout.nbytes
+                    return message.done, (assembler.arrays() if complete else None)
+                else:
+                    raise PSClientError("PushPull", self.address, None, "a second header in the reply")
+            raise PSClientError("PushPull", self.address, None, "the reply ended without the push's answer")
+        except grpc.RpcError as e:
+            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+        except (codec.CodecError, StopIteration) as e:
+            raise PSClientError("Push", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
 
 class _ShmRefused(Exception):

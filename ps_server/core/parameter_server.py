@@ -197,6 +197,18 @@ class ParameterServer:
              set_learning_rate=set_learning_rate).validate()
         self.store.check_gradient_specs(specs, frozenset(sparse))
 
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+                sparse: bool = False):
+        """Sync: the speculation (``core.overlap``) a streamed push joins, to ``offer`` its
+        gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
+        its bytes come); None in other modes, or when its round is not speculated."""
+        if self.mode_name != "sync" or not self.store.initialized:
+            return None
+        return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse)
+
+    def offer(self, spec, worker_id: int, name: str, block: int, gradient: np.ndarray) -> None:
+        self.mode.offer(spec, worker_id, name, block, gradient)
+
     def push(self, push: Push) -> PushResult:
         """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
         (``core.sparse``): they are checked and made dense here, before the mode sees them."""

@@ -301,6 +301,31 @@ class VariableStore:
         for name, g in grads.items():
             var = self._vars[name]
             new[name] = self._step(var, g, optimizer=optimizer, clip_scale=clip_scale)
+        return self.publish(new)
+
+    def step_rows(self, name: str, rows: tuple[int, int] | None, grad: np.ndarray) -> tuple[np.ndarray, dict]:
+        """(new value, new optimizer state) of rows ``r0:r1`` of one variable (None: all of
+        it) for their ``grad``, changing nothing: those rows' bits of what ``apply_all``
+        computes in a step without ``global_clipnorm`` (every optimizer here is elementwise
+        but for ``clipnorm``, whose callers pass None). The sync overlap (``core.overlap``)
+        computes a round block by block this way, then ``publish`` makes it the step."""
+        self._require_initialized()
+        if self._optimizer.spec.global_clipnorm is not None:
+            raise InvalidArgument("global_clipnorm needs every gradient of the step: no step of one variable")
+        var, grad = self._vars[name], _native(grad)
+        if rows is None:
+            return self._step(var, grad)
+        r0, r1 = rows
+        value = var.value[r0:r1]
+        if var.non_trainable:  # its state is not the optimizer's to slice: one block, the whole
+            raise InvalidArgument(f"{name!r} is not trainable: step it whole")
+        state = {k: (v[r0:r1] if isinstance(v, np.ndarray) and v.shape == var.value.shape and v.ndim else v)
+                 for k, v in var.state.items()}
+        return self._optimizer.apply(value, grad, state)
+
+    def publish(self, new: Mapping[str, tuple[np.ndarray, dict]]) -> int:
+        """Make ``new`` ({name: (value, state)}, each from ``_step`` on the current values)
+        the variables' values at once; returns the new version."""
         with self._publish:
             self._version += 1
             for name, (value, state) in new.items():

@@ -65,11 +65,14 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from ps_common.names import DEAD_WORKER_POLICIES
 from ps_server.core.aggregation import metric_difference, metric_spec, sum_metrics, weighted_loss, weighted_mean
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.overlap import Speculation, blocks
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
@@ -116,6 +119,7 @@ class SyncMode:
         self._round_started: float | None = None
         self._rounds_timed_out = 0
         self._rounds_aborted = 0
+        self._speculation: Speculation | None = None  # the current round's (core.overlap)
 
     # -- pushes ------------------------------------------------------------------
     def push(self, push: Push) -> PushResult:
@@ -156,6 +160,54 @@ class SyncMode:
                 if self._book.add(push.worker_id, push.step, push):
                     return self._complete(self._book.generation)
             return self._wait(self._book.generation, push.step)
+
+    # -- overlap: new values while the round still arrives (core.overlap) --------------------
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+                sparse: bool = False) -> Speculation | None:
+        """The speculation a streamed push joins, or None when its round is not speculated
+        (``core.overlap``; the push itself then goes on as any other). ``gradients``: the
+        push's {name: (dtype, shape)} in the order its bytes come."""
+        spec_of_optimizer = self.store.optimizer_spec
+        if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
+                or spec_of_optimizer.global_clipnorm is not None):
+            return None
+        specs, non_trainable = self.store.specs(), self.store.non_trainable()
+        if any(name not in specs or specs[name] != (np.dtype(d), tuple(s)) for name, (d, s) in gradients.items()):
+            return None  # another dtype on the wire (half precision), or a push the round will refuse
+        whole = spec_of_optimizer.clipnorm is not None
+        with self._lock:
+            try:
+                kind = self._book.check(worker_id, step)
+            except PSError:
+                return None  # the push will be refused, saying why
+            if kind != "new":
+                return None
+            spec = self._speculation
+            if spec is None or spec.generation != self._book.generation:
+                layout = {name: blocks(shape, np.dtype(dtype).itemsize, whole or name in non_trainable)
+                          for name, (dtype, shape) in gradients.items()}
+                spec = self._speculation = Speculation(self._book.generation, layout)
+            if set(spec.names) != set(gradients):  # each worker may send them in its own order
+                return None
+            spec.sizes[worker_id] = batch_size
+            return spec
+
+    def offer(self, spec: Speculation, worker_id: int, name: str, block: int, gradient) -> None:
+        """Block ``block`` of a push's gradient for ``name`` has arrived (``gradient``: the
+        whole array the push will carry); the offer that completes the block (every active
+        worker's is in) computes its speculated values."""
+        with self._lock:
+            if spec.generation != self._book.generation or spec.abandoned or (name, block) in spec.computing:
+                return
+            spec.arrays[name][worker_id] = gradient
+            offered = spec.offered.setdefault((name, block), set())
+            offered.add(worker_id)
+            if not (self._book.active <= offered and all(w in spec.sizes for w in offered)):
+                return
+            spec.computing.add((name, block))
+            contributions = sorted((w, spec.arrays[name][w]) for w in offered)
+            sizes = [spec.sizes[w] for w, _ in contributions]
+        spec.compute(name, block, self.store, contributions, sizes)
 
     def _check_round_extras(self, push: Push) -> None:
         """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
@@ -211,14 +263,18 @@ class SyncMode:
         started = time.perf_counter()
         rates = [p.set_learning_rate for p in pushes if p.set_learning_rate]  # all alike (_check_round_extras)
         previous = None
+        speculation = self._speculation if self._speculation is not None \
+            and self._speculation.generation == generation and not rates else None
+        kept = speculation.confirm(pushes) if speculation is not None else None  # core.overlap
         try:
-            mean = weighted_mean([(p.batch_size, p.gradients) for p in pushes])
+            # Every variable speculated from exactly these pushes: those values are the round's.
+            mean = None if kept is not None else weighted_mean([(p.batch_size, p.gradients) for p in pushes])
             metrics = sum_metrics([p.metrics for p in pushes])
             if rates:
                 previous = self.store.current_learning_rate()
                 self.store.set_learning_rate(rates[0])  # this round is applied with it
             learning_rate = self.store.current_learning_rate()
-            version = self.store.apply_all(mean)
+            version = self.store.publish(kept) if kept is not None else self.store.apply_all(mean)
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
             if previous is not None and self.store.current_learning_rate() != previous:
                 self.store.set_learning_rate(previous)  # the round left no trace: its rate neither
@@ -239,6 +295,8 @@ class SyncMode:
                             learning_rate=learning_rate, metrics=metrics)
         self._results[completed] = result
         self._results.pop(completed - ROUNDS_REMEMBERED, None)
+        if speculation is not None:
+            speculation.settle(confirmed=kept is not None)
         self._settle(generation, result)
         return result
 
@@ -290,6 +348,11 @@ class SyncMode:
                 raise self._dead_error(dead, "the round was aborted")
 
     def _settle(self, generation: int, outcome: PushResult | PSError) -> None:
+        spec = self._speculation
+        if spec is not None and spec.generation == generation:
+            if not spec.confirmed:
+                spec.settle(confirmed=False)  # aborted, timed out, refused: nothing speculated is kept
+            self._speculation = None
         self._outcomes[generation] = outcome
         for old in [g for g in self._outcomes if g <= generation - _OUTCOMES_KEPT]:
             del self._outcomes[old]
@@ -351,6 +414,9 @@ class SyncMode:
             self._book = RoundBook(self._book.num_workers, start_round=status.round, quorum=self._book.quorum,
                                    restored=True)
             self._book.generation = generation
+            if self._speculation is not None:
+                self._speculation.settle(confirmed=False)
+                self._speculation = None
             self._outcomes.clear()
             self._results.clear()
             self._dropped.clear()

@@ -49,8 +49,9 @@ def test_quick_scaling_run_reports_every_row_with_its_limit_fraction_and_ratio(t
         assert row["raw"]["pushes"] > 0 and 0 < row["raw"]["fraction"] <= 1.2, row["raw"]
         assert row["over_raw"] == pytest.approx(row["throughput_bytes_per_s"] / row["raw"]["throughput_bytes_per_s"])
 
-    train = {(row["ps"], row["workers"]): row for row in report["training"]}
-    assert set(train) == {(1, 2), (2, 2)}
+    # Training with and without the overlap (PushPull), side by side in the one run.
+    train = {(row["ps"], row["workers"], row["overlap"]): row for row in report["training"]}
+    assert set(train) == {(1, 2, True), (1, 2, False), (2, 2, True), (2, 2, False)}
     for row in train.values():
         assert row["steps"] == 3 and row["measured_steps"] == 2 and row["global_batch"] == 64
         assert row["step_s"] > 0 and row["examples_per_s"] > 0 and row["links_need_s"] > 0
@@ -65,3 +66,6 @@ def test_quick_scaling_run_reports_every_row_with_its_limit_fraction_and_ratio(t
     assert "(a) push+pull throughput" in proc.stdout and "(b) sync training" in proc.stdout
     assert "throughput 2/1 PS, by worker count: W=2:" in proc.stdout
     assert "training 2/1 PS, by worker count: W=2:" in proc.stdout
+    assert set(report["ratios"]["overlap"]) == {"1", "2"} and all(
+        v["2"] > 0 for v in report["ratios"]["overlap"].values())
+    assert "training examples/s, overlap on / off, 1 PS, by worker count: W=2:" in proc.stdout

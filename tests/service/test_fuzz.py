@@ -88,7 +88,7 @@ REQUESTS = {
     "Status": pb.StatusRequest,
     "Broadcast": pb.BroadcastRequest,
 }
-STREAMS = {"PushStream", "PullStream"}  # fuzzed below, message by message
+STREAMS = {"PushStream", "PullStream", "PushPull"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
 
 
@@ -449,6 +449,25 @@ def test_fuzzed_push_stream_is_answered_with_a_table_code_and_a_refusal_changes_
     call = target.channel.stream_unary(f"/{wire.SERVICE_NAME}/PushStream", request_serializer=None,
                                        response_deserializer=pb.PushResponse.FromString)
     code, details, reply = outcome(call, iter(as_stream(request, data)))
+    check(target, "Push", request, code, details, reply)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_push_pull_is_answered_with_a_table_code_and_a_refusal_changes_nothing(target, data):
+    """PushPull is PushStream with the round's values streamed back: the same promises, and
+    a reply that ends with the push's answer (``done``) whenever the call succeeds."""
+    request = data.draw(st.one_of(STRATEGIES["Push"], pushes_near(target)), label="request")
+    call = target.channel.stream_stream(f"/{wire.SERVICE_NAME}/PushPull", request_serializer=None,
+                                        response_deserializer=None)
+
+    def push_pull(messages, timeout):
+        replies = [pb.PushPullChunk.FromString(r) for r in call(messages, timeout=timeout)
+                   if stream.unframe(r) is None]
+        assert replies and replies[0].HasField("header") and replies[-1].HasField("done"), replies
+        return replies[-1].done
+
+    code, details, reply = outcome(push_pull, iter(as_stream(request, data)))
     check(target, "Push", request, code, details, reply)
 
 

@@ -79,6 +79,15 @@ def used(client, transport):
         return reply
 
     target.push = push
+    if transport == "stream":  # a sync push streamed as PushPull is a streamed push too
+        inner_push_pull = target.push_pull
+
+        def push_pull(outgoing, timeout):
+            answer = inner_push_pull(outgoing, timeout)
+            calls.append(outgoing.step)
+            return answer
+
+        target.push_pull = push_pull
     return calls
 
 

@@ -138,7 +138,8 @@ def test_sync_staleness_wait_and_apply_histograms_observe_each_push_and_round(se
 def test_bytes_received_exceed_the_gradient_bytes_sent_by_method(served, bg):
     running, clients = served(mode="sync", num_workers=2)
     clients[1].close()
-    clients[1] = PSClient(running.address, timeout=30.0, small_bytes=0)  # every push and pull streamed
+    # Every push and pull streamed, as PushStream (not PushPull: overlap off) then PullStream.
+    clients[1] = PSClient(running.address, timeout=30.0, small_bytes=0, overlap=False)
     setup_workers(clients)
     sync_rounds(clients, 2, bg)
     _, values = clients[1].pull(1)

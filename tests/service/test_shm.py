@@ -97,17 +97,26 @@ def cluster(bg):
 
 
 class Recorder:
-    """Wraps a client's two stream calls and keeps the headers that went out and came back."""
+    """Wraps a client's stream calls and keeps the headers that went out and came back
+    (a sync push streamed as PushPull counts as a streamed push)."""
 
     def __init__(self, client: PSClient):
         self.push_headers: list[pb.PushHeader] = []
         self.pull_headers: list[pb.PullHeader] = []
         push, pull = client.streams.push_stream, client.streams.pull_stream
+        push_pull = client.streams.push_pull_stream
 
         def push_stream(messages, **kw):
             messages = list(messages)
             self.push_headers.append(messages[0].header)
             return push(iter(messages), **kw)
+
+        def push_pull_stream(messages, **kw):
+            messages = list(messages)
+            self.push_headers.append(messages[0].header)
+            return push_pull(iter(messages), **kw)
+
+        client.streams.push_pull_stream = push_pull_stream
 
         def pull_stream(request, **kw):
             replies = list(pull(request, **kw))
