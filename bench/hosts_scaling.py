@@ -85,6 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
+from bench.load_test import cpu_seconds  # noqa: E402
 from ps_common.procs import wait_for_port_file  # noqa: E402
 
 # worker.model's "mlp" (Flatten, Dense(1024), Dense(128), Dense(10)), by shape: the
@@ -155,16 +156,6 @@ def net_bytes(pid: int) -> tuple[int, int]:
                 fields = rest.split()
                 return int(fields[0]), int(fields[8])
     return 0, 0
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process, from /proc/<pid>/stat."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def tcp_segments(pid: int) -> tuple[int, int]:
@@ -406,11 +397,11 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
         time.sleep(max(0.0, start - time.monotonic()))
         net0, cpu0 = [net_bytes(s.pid) for s in servers], cpu_times()
         tcp0 = [tcp_segments(x.pid) for x in [*servers, *children]]
-        server_cpu0 = sum(proc_cpu_s(s.pid) for s in servers)
+        server_cpu0 = sum(cpu_seconds(s.pid) for s in servers)
         time.sleep(max(0.0, end - time.monotonic()))
         net1, cpu1 = [net_bytes(s.pid) for s in servers], cpu_times()
         tcp1 = [tcp_segments(x.pid) for x in [*servers, *children]]
-        server_cpu = sum(proc_cpu_s(s.pid) for s in servers) - server_cpu0
+        server_cpu = sum(cpu_seconds(s.pid) for s in servers) - server_cpu0
         tallies = []
         for i, c in enumerate(children):
             out, _ = c.communicate(timeout=CALL_TIMEOUT)

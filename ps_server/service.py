@@ -219,6 +219,24 @@ def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
     return STATUS.to_wire(s, workers=lambda records: [WORKER_STATUS.to_wire(w, last_seen=age) for w in records])
 
 
+def _push_header(request_iterator, method: str) -> pb.PushHeader:
+    """The header a push stream must start with (a PushChunk with a header and no data)."""
+    first = next(request_iterator, None)
+    if isinstance(first, Malformed):
+        raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
+    if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
+        raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
+    return first.header
+
+
+def _data(chunk, method: str) -> memoryview:
+    """A push stream's message after its header: data, or an error naming what came instead."""
+    if not isinstance(chunk, memoryview):
+        what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) else "a second header"
+        raise codec.CodecError(f"{method}: after the header, every message must be data; got {what}")
+    return chunk
+
+
 def _sparse_names(metas) -> list[str]:
     """The names of the sparse gradients among ``metas`` (Tensor or TensorMeta);
     rows on a dense one are an error."""
@@ -362,12 +380,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def PushStream(self, request_iterator, context):
-        first = next(request_iterator, None)
-        if isinstance(first, Malformed):
-            raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
-        if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
-            raise codec.CodecError("PushStream: the first message must carry the header, and no data")
-        h = first.header
+        h = _push_header(request_iterator, "PushStream")
         layout = stream.Layout.of(h.gradients)
         if h.shm_offsets and not h.shm_name:
             raise codec.CodecError("PushStream: shm_offsets without shm_name")
@@ -381,11 +394,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         try:
             assembler = stream.Assembler(layout, buffer)
             for chunk in request_iterator:
-                if not isinstance(chunk, memoryview):
-                    what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) \
-                        else "a second header"
-                    raise codec.CodecError(f"PushStream: after the header, every message must be data; got {what}")
-                assembler.feed(chunk)
+                assembler.feed(_data(chunk, "PushStream"))
             gradients = _sparse(self._widen_half(assembler.arrays()), h.gradients)
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss,
@@ -401,12 +410,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         thread of its own, offering each variable as its bytes complete, while this
         handler's replies send the speculated values in the push's order; the last reply
         is the push's answer and whether those values are the round's (``confirmed``)."""
-        first = next(request_iterator, None)
-        if isinstance(first, Malformed):
-            raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
-        if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
-            raise codec.CodecError("PushPull: the first message must carry the header, and no data")
-        h = first.header
+        h = _push_header(request_iterator, "PushPull")
         if h.shm_name or h.shm_offsets:
             raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
         layout = stream.Layout.of(h.gradients)
@@ -439,11 +443,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                             pending.append((end, e.name, b, full))
                     pending.reverse()
                 for chunk in request_iterator:
-                    if not isinstance(chunk, memoryview):
-                        what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) \
-                            else "a second header"
-                        raise codec.CodecError(f"PushPull: after the header, every message must be data; got {what}")
-                    assembler.feed(chunk)
+                    assembler.feed(_data(chunk, "PushPull"))
                     while pending and pending[-1][0] <= assembler.received:
                         _, name, b, full = pending.pop()
                         self.core.offer(spec, h.worker_id, name, b, full)
