@@ -6,13 +6,22 @@ that is already mapped instead of fresh pages every step.
     pool.release(buf)                # once nothing refers to it any more
 
 A buffer is lent to one push at a time: the core keeps no reference to a
-push's gradients after ``push`` returns (the sync barrier aggregates them into
-a new array before it answers; async applies them before it returns), so the
-service releases the buffer when its handler ends. A retried push that arrives
-while the first is still waiting in a round gets a buffer of its own.
+push's gradients once it says so (a sync round folds a push into its sum on
+arrival and calls ``consumed``; async applies them before it returns), so the
+service releases the buffer then, or when its handler ends. A retried push that
+arrives while the first is still waiting in a round gets a buffer of its own.
 
-At most ``keep`` free buffers of each size are kept; more (a burst of
-concurrent pushes) are dropped for the garbage collector.
+At most ``keep`` free buffers of each size are kept, and no more than
+``keep_bytes`` of them; more (a burst of concurrent pushes) are dropped for the
+garbage collector.
+
+    budget = ReceiveBudget(256 << 20)
+    if budget.acquire(nbytes, timeout): ...; budget.release(nbytes)
+
+``ReceiveBudget`` bounds the bytes of pushes being received at once: a push
+waits (holding no buffer yet) until the pushes in flight leave room, so a burst
+of a thousand workers' pushes costs the server that many bytes at most, not a
+thousand models. One push is always let in, however large.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ import numpy as np
 
 
 class BufferPool:
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, keep_bytes: int = 256 << 20):
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()  # leaf lock
         self.allocated = 0  # buffers made so far (the pool's misses)
@@ -40,5 +50,29 @@ class BufferPool:
     def release(self, buffer: np.ndarray) -> None:
         with self._lock:
             free = self._free.setdefault(buffer.nbytes, [])
-            if len(free) < self.keep:
+            if len(free) < min(self.keep, max(1, self.keep_bytes // max(1, buffer.nbytes))):
                 free.append(buffer)
+
+
+class ReceiveBudget:
+    """Bytes of pushes being received at once (module docstring). Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_use = 0
+        self.peak = 0
+        self._room = threading.Condition(threading.Lock())  # leaf lock
+
+    def acquire(self, nbytes: int, timeout: float) -> bool:
+        """Wait until ``nbytes`` fit (or nothing else is in flight); False after ``timeout`` s."""
+        with self._room:
+            if not self._room.wait_for(lambda: self.in_use == 0 or self.in_use + nbytes <= self.limit, timeout):
+                return False
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._room:
+            self.in_use -= nbytes
+            self._room.notify_all()

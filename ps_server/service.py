@@ -35,11 +35,12 @@ from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
+from ps_server.core.overlap import HELD_BYTES
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.sparse import SparseRows
-from ps_server.buffers import BufferPool
+from ps_server.buffers import BufferPool, ReceiveBudget
 
 log = logging.getLogger("ps_server.service")
 
@@ -58,6 +59,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,
     errors.BarrierTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WorkerDead: grpc.StatusCode.ABORTED,
+    errors.Busy: grpc.StatusCode.UNAVAILABLE,
     shm.ShmError: grpc.StatusCode.FAILED_PRECONDITION,  # the worker falls back to the streams
     broadcast.BroadcastConflict: grpc.StatusCode.FAILED_PRECONDITION,
     broadcast.BroadcastTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -256,11 +258,37 @@ def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
     return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
 
 
+# Bytes of streamed pushes the server receives at once (``ps_server.buffers.ReceiveBudget``):
+# a sync round speculated by PushPull holds every push whole, up to core.overlap.HELD_BYTES,
+# so the budget must take them all.
+RECEIVE_BYTES = max(256 << 20, HELD_BYTES)
+BUSY_WAIT_S = 120.0  # at most this long for room, within the call's deadline
+
+
+class _Loan:
+    """A receive buffer and its share of the budget, given back once (whichever comes first:
+    the core saying it is done with the gradients, or the handler ending)."""
+
+    def __init__(self, servicer: "ParameterServerServicer", nbytes: int, buffer: np.ndarray):
+        self._servicer, self.nbytes, self.buffer = servicer, nbytes, buffer
+        self._lock = threading.Lock()
+        self._out = True
+
+    def give_back(self) -> None:
+        with self._lock:
+            if not self._out:
+                return
+            self._out = False
+        self._servicer.buffers.release(self.buffer)
+        self._servicer.receiving.release(self.nbytes)
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, core: ParameterServer, chunk_bytes: int | None = None, allow_shm: bool = True):
         self.core = core
         self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
-        self.buffers = BufferPool(keep=max(4, 2 * core.num_workers))
+        self.buffers = BufferPool(keep=max(4, 2 * core.num_workers), keep_bytes=RECEIVE_BYTES // 2)
+        self.receiving = ReceiveBudget(RECEIVE_BYTES)
         self.allow_shm = allow_shm
         self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped
 
@@ -390,18 +418,30 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                              set_learning_rate=h.set_learning_rate)
         if h.shm_name:
             return self._push_from_segment(h, layout, metrics, request_iterator)
-        buffer = self.buffers.acquire(layout.nbytes)
+        loan = self._lend(layout.nbytes, context)
         try:
-            assembler = stream.Assembler(layout, buffer)
+            assembler = stream.Assembler(layout, loan.buffer)
             for chunk in request_iterator:
                 assembler.feed(_data(chunk, "PushStream"))
             gradients = _sparse(self._widen_half(assembler.arrays()), h.gradients)
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
                                          batch_size=h.batch_size, gradients=gradients, loss=h.loss,
-                                         metrics=metrics, set_learning_rate=h.set_learning_rate))
+                                         metrics=metrics, set_learning_rate=h.set_learning_rate),
+                                    consumed=loan.give_back)
         finally:  # the core keeps no reference to the gradients once push returns
-            self.buffers.release(buffer)
+            loan.give_back()
         return convert.PUSH_REPLY.to_wire(result)
+
+    def _lend(self, nbytes: int, context) -> "_Loan":
+        """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
+        Busy when the pushes in flight leave no room before the call's deadline."""
+        remaining = context.time_remaining() if context is not None else None
+        wait = min(remaining, BUSY_WAIT_S) if remaining is not None else BUSY_WAIT_S
+        if not self.receiving.acquire(nbytes, wait):
+            raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other pushes, its "
+                              f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "
+                              "nothing applied, push again")
+        return _Loan(self, nbytes, self.buffers.acquire(nbytes))
 
     @_handled
     def PushPull(self, request_iterator, context):
@@ -425,7 +465,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         values_header = pb.PullHeader(variables=[
             pb.TensorMeta(name=n, dtype=codec.dtype_code(specs[n][0]), shape=list(specs[n][1])) for n in names])
         done, outcome = threading.Event(), {}
-        buffer = self.buffers.acquire(layout.nbytes)
+        loan = self._lend(layout.nbytes, context)
+        buffer = loan.buffer
 
         def read() -> None:
             try:
@@ -453,11 +494,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 gradients = _sparse(self._widen_half(arrays), h.gradients)
                 outcome["result"] = self.core.push(Push(
                     worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
-                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate))
+                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate),
+                    consumed=loan.give_back)
             except BaseException as e:  # answered by the replies below
                 outcome["error"] = e
             finally:  # the core keeps no reference to the gradients once push returns
-                self.buffers.release(buffer)
+                loan.give_back()
                 done.set()
                 if spec is not None:
                     spec.wake()

@@ -1,32 +1,51 @@
 """How a sync round combines the workers' gradients.
 
-    mean = weighted_mean([(batch_size, grads), ...])   # in worker-id order
+    total = RoundSum()
+    total.add(worker_id, batch_size, grads)   # as each push arrives, in any order
+    mean = total.mean()                       # {name: array}: the round's gradient
+    mean = weighted_mean([(batch_size, grads), ...])   # the same, all at once
 
 Each worker pushes the mean gradient over its own examples; the round's
-gradient is the batch-weighted mean, sum_i (b_i / B) * g_i with B = sum_i b_i.
+gradient is the batch-weighted mean, sum_i b_i * g_i / B with B = sum_i b_i.
 That equals the mean over the whole global batch, so uneven shards (the last
 batch of an epoch) are weighted right. It is also what TensorFlow's
 MirroredStrategy computes with ``tf.nn.compute_average_loss(global_batch_size=B)``
 and summed replica gradients.
 
-The float operations are fixed so that anyone can reproduce them bit for bit:
-weights are computed in float64 and cast to the gradient's dtype, each gradient is
-multiplied by its weight in that dtype, and the products are added in
-worker-id order starting from the first product. The reference runner in
-``tf_strategies`` calls this same function.
+The rule, for float16 and float32 gradients: **the exact weighted mean, rounded
+once** to the gradients' dtype (round to nearest, ties to even). The bits are
+therefore a function of the pushes alone, not of the order they arrive in, so a
+round is folded push by push as they come (``RoundSum.add``) and holds one
+accumulator per variable instead of every push: memory does not grow with the
+number of workers. With two equal shards it is ``(g0 + g1) / 2`` rounded once,
+which is what MirroredStrategy's two replicas give (each halves its gradient
+exactly, their sum is rounded once): the parity gate's bit-identity holds.
+With more workers it is the correctly rounded mean, which no summation order
+beats; any fixed order (MirroredStrategy's all-reduce, ours before) differs from
+it by a few units in the last place.
 
-Speed: the sum runs block by block (``BLOCK_BYTES`` of the result at a time),
-every worker's term added into one block before the next, into one fresh
-output array and one block-sized scratch buffer. A block of the sum stays in
-cache while the workers' gradients stream through it once, so a round reads
-each gradient once and writes the result once, with no full-size temporaries.
-Each element still sees exactly the operations above, in the same order, so
-the result is bit-identical to the plain ``g0*w0 + g1*w1 + ...``
-(``bench/server.py`` measures it against NumPy's own ``acc += g``).
+How it stays exact: every ``b_i * g_i`` is exact in float64 (a 24-bit significand
+times a batch size below 2**29; a larger batch size is split into such pieces),
+the accumulator is float64, and each addition's rounding error is recovered
+exactly (Knuth's TwoSum) and kept, for the rare element where it is not zero,
+in a sparse list beside the accumulator: accumulator + errors is the exact sum.
+At the end the division by ``B`` and the rounding are done in float64 and
+checked: only where the float64 quotient falls exactly on a midpoint between two
+float32 values (or an element has recorded errors) can a double rounding go
+wrong, and those elements are recomputed with exact rationals.
+
+Float64 gradients cannot be made exact this way: for them the round keeps every
+push and applies the rule of before, ``g_0*w_0 + g_1*w_1 + ...`` in worker-id
+order with ``w_i = b_i / B`` rounded to the dtype (memory grows with the workers).
+
+Speed: the fold runs block by block (``BLOCK_BYTES`` of the accumulator at a
+time, in cache while the ~10 operations of a TwoSum run over it);
+``bench/server.py`` measures it against NumPy's own ``acc += g``.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -35,9 +54,13 @@ from ps_server.core.errors import InvalidArgument
 
 Contribution = tuple[int, Mapping[str, np.ndarray]]  # (batch_size, gradients by name)
 
-# A block of the sum plus a block of scratch fit in a core's L2 cache (1 MiB on
-# the machine of BENCHMARKS.md); 256 KiB was the fastest of 32 KiB .. 512 KiB there.
+# A block of the accumulator plus its scratch fit in a core's L2 cache (1 MiB on
+# the machine of BENCHMARKS.md).
 BLOCK_BYTES = 256 * 2**10
+_BLOCK = BLOCK_BYTES // 8  # float64 elements per block
+_EXACT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+# b * g is exact in float64 while b < 2**(53 - significand bits of g); float16 has 11, float32 24.
+_PIECE_BITS = {np.dtype(np.float16): 42, np.dtype(np.float32): 29}
 
 
 def batch_weights(batch_sizes: Sequence[int]) -> list[float]:
@@ -47,17 +70,184 @@ def batch_weights(batch_sizes: Sequence[int]) -> list[float]:
     return [b / total for b in batch_sizes]
 
 
+class _Exact:
+    """The exact sum of ``b * g`` over the pushes of one variable (float16/float32)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        self.shape, self.dtype = shape, dtype
+        size = int(np.prod(shape, dtype=np.int64))
+        self.hi = np.zeros(size, np.float64)
+        self.errors: list[tuple[np.ndarray, np.ndarray]] = []  # (flat indices, exact float64 remainders)
+
+    def add(self, g: np.ndarray, b: int) -> None:
+        flat = g.reshape(-1)
+        bits = _PIECE_BITS[self.dtype]
+        pieces, shift = [], 0
+        while b:  # b = sum piece * 2**shift, each piece small enough for an exact product
+            piece = b & ((1 << bits) - 1)
+            if piece:
+                pieces.append(float(piece) * 2.0 ** shift)
+            b >>= bits
+            shift += bits
+        n = min(_BLOCK, self.hi.size)
+        x, s, t = np.empty(n), np.empty(n), np.empty(n)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN stay what they are
+            self._fold(flat, pieces, x, s, t)
+
+    def _fold(self, flat, pieces, x, s, t) -> None:
+        for piece in pieces:
+            for start in range(0, self.hi.size, _BLOCK):
+                stop = min(start + _BLOCK, self.hi.size)
+                m = stop - start
+                h, xb, sb, tb = self.hi[start:stop], x[:m], s[:m], t[:m]
+                np.multiply(flat[start:stop], piece, out=xb, dtype=np.float64)  # exact
+                np.add(h, xb, out=sb)  # s = h + x, rounded
+                # TwoSum: e = (h - (s - (s - h))) + (x - (s - h)), exactly h + x - s
+                np.subtract(sb, h, out=tb)  # bp = s - h
+                np.subtract(xb, tb, out=xb)  # x - bp
+                np.subtract(sb, tb, out=tb)  # s - bp
+                np.subtract(h, tb, out=tb)  # h - (s - bp)
+                np.add(tb, xb, out=tb)  # e
+                h[...] = sb
+                nz = np.flatnonzero(tb)
+                if nz.size:
+                    e = tb[nz]
+                    keep = np.isfinite(e)  # an inf or NaN sum carries no remainder worth keeping
+                    if keep.any():
+                        self.errors.append((nz[keep] + start, e[keep].copy()))
+
+    def mean(self, total: int) -> np.ndarray:
+        """The exact sum / ``total``, rounded once to the dtype."""
+        dtype = self.dtype.newbyteorder("=")
+        out = np.empty(self.hi.size, dtype)
+        divisor = float(total)  # exact: total < 2**53
+        uint = np.uint64
+        # Where a float64 quotient q is exactly halfway between two neighbours of the dtype, the
+        # rounding of q (ties to even) may differ from the rounding of the exact quotient: the
+        # low bits of q's significand then read 1000..0 (normal results; subnormal ones are
+        # checked one by one).
+        low = 52 - (np.finfo(dtype).nmant)
+        mask, half = uint((1 << low) - 1), uint(1 << (low - 1))
+        tiny = np.finfo(dtype).tiny
+        power_of_two = total & (total - 1) == 0
+        suspect = []
+        for start in range(0, self.hi.size, _BLOCK):
+            stop = min(start + _BLOCK, self.hi.size)
+            with np.errstate(invalid="ignore", over="ignore"):
+                q = self.hi[start:stop] / divisor
+                out[start:stop] = q  # rounds to nearest, ties to even (float16: inf beyond 65504)
+            ties = (q.view(uint) & mask) == half
+            ties |= (np.abs(q) < tiny) & (q != 0)
+            ties &= np.isfinite(q)
+            where = np.flatnonzero(ties)
+            if where.size:  # where q is the exact quotient, its one rounding is the right one
+                where = where[:0] if power_of_two else \
+                    where[~_exact_quotients(q[where], divisor, self.hi[start:stop][where])]
+            if where.size:
+                suspect.append(where + start)
+        exact: dict[int, Fraction] = {}
+        for idx, err in self.errors:
+            for i, e in zip(idx.tolist(), err.tolist()):
+                exact[i] = exact.get(i, Fraction(0)) + Fraction(e)
+        for where in suspect:
+            for i in where.tolist():
+                exact.setdefault(i, Fraction(0))
+        for i, remainder in exact.items():
+            hi = float(self.hi[i])
+            if not np.isfinite(hi):
+                continue  # non-finite sums keep their float64 rounding
+            out[i] = _round_exact((Fraction(hi) + remainder) / total, dtype)
+        return out.reshape(self.shape)
+
+
+def _exact_quotients(q: np.ndarray, divisor: float, dividend: np.ndarray) -> np.ndarray:
+    """Where ``q * divisor == dividend`` exactly (Dekker's product, error-free): there ``q``
+    is the exact quotient and a tie is a true one."""
+    product = q * divisor
+    split = 134217729.0  # 2**27 + 1: Veltkamp's split into 26-bit halves
+    qq, dd = q * split, divisor * split
+    q_hi = qq - (qq - q)
+    q_lo = q - q_hi
+    d_hi = dd - (dd - divisor)
+    d_lo = divisor - d_hi
+    error = ((q_hi * d_hi - product) + q_hi * d_lo + q_lo * d_hi) + q_lo * d_lo
+    return (product == dividend) & (error == 0)
+
+
+def _round_exact(value: Fraction, dtype: np.dtype):
+    """``value`` rounded to the nearest ``dtype`` number, ties to even."""
+    q = float(value)  # correctly rounded to float64
+    r = np.array(q).astype(dtype)[()]
+    if float(r) == q or value == Fraction(q):
+        return r  # q exact, or representable in dtype (then nearest to value too)
+    # q lies between two neighbours a < q < b of the dtype, one of them r
+    a = r if float(r) < q else np.nextafter(r, np.array(-np.inf, dtype))
+    b = r if float(r) > q else np.nextafter(r, np.array(np.inf, dtype))
+    if Fraction(float(a)) + Fraction(float(b)) != 2 * Fraction(q):
+        return r  # q is no midpoint: rounding to float64 cannot have crossed one
+    return b if value > Fraction(q) else a  # q is the midpoint; value lies strictly beyond it
+
+
+class RoundSum:
+    """One sync round's gradient, folded as its pushes arrive (module docstring).
+
+    ``add`` takes each push once (the caller keeps duplicates out); ``mean`` gives the
+    batch-weighted mean by the rule above whatever order the pushes came in. Every push
+    must carry the same names, shapes and dtypes (the store checks them first).
+    Not thread-safe: the sync barrier's lock serializes it."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, _Exact] = {}
+        self._held: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # float64: (worker, b, g)
+        self.total = 0
+        self.count = 0
+
+    def add(self, worker_id: int, batch_size: int, gradients: Mapping[str, np.ndarray]) -> None:
+        if self.count and set(gradients) != set(self._exact) | set(self._held):
+            raise InvalidArgument("every push of a round carries the same variables")
+        for name, g in gradients.items():
+            dtype = g.dtype.newbyteorder("=")
+            if dtype in _EXACT_DTYPES:
+                acc = self._exact.get(name)
+                if acc is None:
+                    acc = self._exact[name] = _Exact(g.shape, dtype)
+                if batch_size:
+                    acc.add(g, batch_size)
+                elif not np.isfinite(g).all():  # 0 * inf is NaN, as in the weighted sum
+                    acc.add(np.where(np.isfinite(g), 0, np.nan).astype(dtype), 1)
+            else:
+                self._held.setdefault(name, []).append((worker_id, batch_size, g))
+        self.total += batch_size
+        self.count += 1
+
+    def mean(self) -> dict[str, np.ndarray]:
+        if not self.count:
+            raise InvalidArgument("a round needs at least one contribution")
+        if self.total <= 0:
+            raise InvalidArgument(f"a round needs at least one example, got a total batch size of {self.total}")
+        out = {name: acc.mean(self.total) for name, acc in self._exact.items()}
+        for name, held in self._held.items():
+            held = sorted(held, key=lambda x: x[0])
+            out[name] = _weighted_sum([g for _, _, g in held], batch_weights([b for _, b, _ in held]))
+        return out
+
+
 def weighted_mean(contributions: Sequence[Contribution]) -> dict[str, np.ndarray]:
-    """Batch-weighted mean of per-worker mean gradients, in the order given."""
+    """Batch-weighted mean of per-worker mean gradients (``RoundSum``; the order given is
+    worker-id order, which only float64 gradients depend on)."""
     if not contributions:
         raise InvalidArgument("a round needs at least one contribution")
-    weights = batch_weights([b for b, _ in contributions])
-    return {name: _weighted_sum([grads[name] for _, grads in contributions], weights)
-            for name in contributions[0][1]}
+    if sum(b for b, _ in contributions) <= 0:
+        raise InvalidArgument(f"a round needs at least one example, got batch sizes {[b for b, _ in contributions]}")
+    total = RoundSum()
+    for worker, (b, grads) in enumerate(contributions):
+        total.add(worker, b, grads)
+    return total.mean()
 
 
 def _weighted_sum(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:
-    """sum_i grads[i] * weights[i], each product and each sum rounded to the gradients' dtype."""
+    """sum_i grads[i] * weights[i], each product and each sum rounded to the gradients' dtype,
+    block by block (float64 gradients: module docstring)."""
     dtype = grads[0].dtype.newbyteorder("=")  # results in native byte order, whatever the wire's
     scales = [np.asarray(w, dtype=dtype) for w in weights]
     out = np.empty(grads[0].shape, dtype)  # an ndarray even for 0-d variables

@@ -71,3 +71,9 @@ class WorkerDead(PSError):
     def __init__(self, message: str, dead: tuple[int, ...] = ()):
         super().__init__(message)
         self.dead = dead
+
+
+class Busy(PSError):
+    """The server could not take a push's bytes in time: the pushes it was receiving
+    already filled its receive budget (``ps_server.buffers.ReceiveBudget``). Nothing
+    was applied; the push may be sent again."""

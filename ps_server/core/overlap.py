@@ -10,8 +10,8 @@ worker's push comes in, then every pull goes out. With it, each variable is cut
 into blocks of rows (``blocks``: about ``BLOCK_BYTES`` each; a 0-d or one-row
 variable is one block), and as soon as every active worker's bytes for a block
 have arrived (workers push the same variables in the same order), that block's
-new values are computed: the weighted mean of its gradients in worker-id order
-(``aggregation._weighted_sum``), then the optimizer's step on those rows alone
+new values are computed: the weighted mean of its gradients by the round's own
+rule (``aggregation.weighted_mean``: exact, rounded once), then the optimizer's step on those rows alone
 (``VariableStore.step_rows``). They go back to the workers while the later
 blocks still arrive: both directions of the link work at once.
 
@@ -32,6 +32,11 @@ pulls. One rule covers a participant whose push was refused or cut short, a roun
 that was aborted or timed out, a worker dropped meanwhile (shrink), and pushes
 that came some other way (unary, shared memory) and offered nothing.
 
+A speculated round keeps its pushes' gradients until it ends (the blocks and the
+confirmation need them), where a round without one folds each push on arrival
+(``aggregation.RoundSum``): so ``SyncMode`` speculates only while every worker's
+push together stays within ``HELD_BYTES``.
+
 Not speculated (``SyncMode.overlap`` says None): rounds with backup workers (which
 pushes count is known only at the end), a push that sets the learning rate,
 ``global_clipnorm``, sparse gradients, gradients sent in another dtype than their
@@ -46,10 +51,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_server.core.aggregation import _weighted_sum, batch_weights
+from ps_server.core.aggregation import RoundSum
 from ps_server.core.errors import PSError
 
 BLOCK_BYTES = 512 << 10
+# A speculated round holds every push: at most this many bytes of them (module docstring).
+HELD_BYTES = 256 << 20
 _NO_COUNT = object()  # the state of a non-trainable variable has no update count
 
 
@@ -92,7 +99,10 @@ class Speculation:
         try:
             # No checks here: only pushes the round took (checked whole: names, shapes, dtypes,
             # finite values) can confirm a speculation, by the identity of their arrays.
-            mean = _weighted_sum(picked, batch_weights(list(sizes)))
+            block_sum = RoundSum()
+            for (worker, _), rows_of_worker, size in zip(contributions, picked, sizes):
+                block_sum.add(worker, size, {name: rows_of_worker})
+            mean = block_sum.mean()[name]
             with np.errstate(all="ignore"):  # a gradient the round will refuse may be anything
                 value, state = store.step_rows(name, rows, mean)
         except (PSError, ValueError, TypeError, KeyError, ArithmeticError):

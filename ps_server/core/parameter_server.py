@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -209,14 +209,16 @@ class ParameterServer:
     def offer(self, spec, worker_id: int, name: str, block: int, gradient: np.ndarray) -> None:
         self.mode.offer(spec, worker_id, name, block, gradient)
 
-    def push(self, push: Push) -> PushResult:
+    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
         """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
-        (``core.sparse``): they are checked and made dense here, before the mode sees them."""
+        (``core.sparse``): they are checked and made dense here, before the mode sees them.
+        ``consumed`` (sync mode) is called once the push's gradient arrays are no longer
+        needed, possibly long before the round's outcome (``SyncMode.push``)."""
         self.members.require(push.worker_id)
         arrived = self._clock()
         if any(isinstance(g, SparseRows) for g in push.gradients.values()):
             push = dataclasses.replace(push, gradients=self.store.densify(push.gradients))
-        result = self.mode.push(push)
+        result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
         self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,
                                  arrived=arrived, done=self._clock())

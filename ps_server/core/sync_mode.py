@@ -4,9 +4,11 @@
     result = mode.push(push)     # blocks until the round completes
 
 Round ``r`` waits until each active worker has pushed step ``r`` (or, with
-backup workers, until the first ``replicas_to_aggregate`` pushes arrived). The
-thread whose push fills the round aggregates the gradients (batch-weighted
-mean, in worker-id order: ``aggregation.weighted_mean``), applies the optimizer
+backup workers, until the first ``replicas_to_aggregate`` pushes arrived). Each
+push is folded into the round's sum as it arrives (``aggregation.RoundSum``: the
+exact batch-weighted mean, rounded once, whatever the order of arrival) and its
+gradients are let go (``consumed``), so a round holds one accumulator, not every
+push. The thread whose push fills the round takes the mean, applies the optimizer
 once, bumps the version, and only then are all pushes of the round answered,
 each with the new version and ``next_step``. Every worker therefore pulls the
 same parameters for round ``r + 1``; the result equals one optimizer step on
@@ -68,11 +70,11 @@ from typing import Callable
 import numpy as np
 
 from ps_common.names import DEAD_WORKER_POLICIES
-from ps_server.core.aggregation import metric_difference, metric_spec, sum_metrics, weighted_loss, weighted_mean
+from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
-from ps_server.core.overlap import Speculation, blocks
+from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
@@ -120,15 +122,19 @@ class SyncMode:
         self._rounds_timed_out = 0
         self._rounds_aborted = 0
         self._speculation: Speculation | None = None  # the current round's (core.overlap)
+        self._sum = RoundSum()  # the current round's pushes, folded (a fresh one each generation)
 
     # -- pushes ------------------------------------------------------------------
-    def push(self, push: Push) -> PushResult:
+    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
+        """Contribute ``push`` and wait for its round's outcome. ``consumed`` is called once
+        the round no longer needs the push's gradient arrays (folded into the round's sum),
+        before the wait: a caller may reuse their memory from then on."""
         started = time.perf_counter()  # real seconds for Stats.on_push, whatever the injected clock
-        result = self._push(push)
+        result = self._push(push, consumed)
         self.stats.pushed(time.perf_counter() - started)
         return result
 
-    def _push(self, push: Push) -> PushResult:
+    def _push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
         push.validate()
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._lock:
@@ -157,9 +163,31 @@ class SyncMode:
                 self._check_round_extras(push)
                 if not self._book.pushed():
                     self._round_started = self._clock()
-                if self._book.add(push.worker_id, push.step, push):
+                record = self._fold(push)
+                if not record.gradients and consumed is not None:
+                    consumed()
+                if self._book.add(push.worker_id, push.step, record):
                     return self._complete(self._book.generation)
             return self._wait(self._book.generation, push.step)
+
+    def _fold(self, push: Push) -> Push:
+        """What the round keeps of a new push, lock held: the push without its gradients,
+        folded into the round's sum; or, when the push joined the round's speculation
+        (``core.overlap``, which confirms by the arrays' identity), the push whole. A fold
+        that fails half-way (no memory) aborts the round: its sum can no longer be trusted."""
+        spec = self._speculation
+        if spec is not None and spec.generation == self._book.generation and push.worker_id in spec.sizes:
+            return push
+        generation = self._book.generation
+        try:
+            self._sum.add(push.worker_id, push.batch_size, push.gradients)
+        except BaseException as e:
+            self._book.abort()
+            self._settle(generation, e if isinstance(e, PSError) else InvalidArgument(
+                f"sync round {self._book.round} could not take worker {push.worker_id}'s push "
+                f"({type(e).__name__}: {e}); round discarded, parameters unchanged"))
+            raise
+        return dataclasses.replace(push, gradients={})
 
     # -- overlap: new values while the round still arrives (core.overlap) --------------------
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
@@ -171,6 +199,9 @@ class SyncMode:
         if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
                 or spec_of_optimizer.global_clipnorm is not None):
             return None
+        held = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in gradients.values())
+        if held * self._book.num_workers > HELD_BYTES:
+            return None  # a speculated round holds every push whole: only while they fit
         specs, non_trainable = self.store.specs(), self.store.non_trainable()
         if any(name not in specs or specs[name] != (np.dtype(d), tuple(s)) for name, (d, s) in gradients.items()):
             return None  # another dtype on the wire (half precision), or a push the round will refuse
@@ -268,7 +299,12 @@ class SyncMode:
         kept = speculation.confirm(pushes) if speculation is not None else None  # core.overlap
         try:
             # Every variable speculated from exactly these pushes: those values are the round's.
-            mean = None if kept is not None else weighted_mean([(p.batch_size, p.gradients) for p in pushes])
+            mean = None
+            if kept is None:
+                for p in pushes:
+                    if p.gradients:  # kept whole for a speculation that did not hold
+                        self._sum.add(p.worker_id, p.batch_size, p.gradients)
+                mean = self._sum.mean()
             metrics = sum_metrics([p.metrics for p in pushes])
             if rates:
                 previous = self.store.current_learning_rate()
@@ -354,6 +390,7 @@ class SyncMode:
                 spec.settle(confirmed=False)  # aborted, timed out, refused: nothing speculated is kept
             self._speculation = None
         self._outcomes[generation] = outcome
+        self._sum = RoundSum()  # the next generation folds its own
         for old in [g for g in self._outcomes if g <= generation - _OUTCOMES_KEPT]:
             del self._outcomes[old]
         self._round_started = None
@@ -418,6 +455,7 @@ class SyncMode:
                 self._speculation.settle(confirmed=False)
                 self._speculation = None
             self._outcomes.clear()
+            self._sum = RoundSum()
             self._results.clear()
             self._dropped.clear()
             self._dead_since.clear()

@@ -2,14 +2,18 @@
 
     python -m pytest tests/core/test_aggregation.py -q
 
-Expected values are computed by hand; the numbers are chosen so that every
-weight and product is exact in binary floating point.
+Expected values are computed by hand (the numbers chosen so that every weight
+and product is exact in binary floating point) or, for the rule itself (the exact
+weighted mean rounded once), with rationals.
 """
+
+import itertools
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from ps_server.core.aggregation import batch_weights, weighted_loss, weighted_mean
+from ps_server.core.aggregation import RoundSum, _round_exact, batch_weights, weighted_loss, weighted_mean
 from ps_server.core.errors import InvalidArgument
 
 
@@ -71,23 +75,103 @@ def test_result_keeps_the_gradient_dtype(dtype):
     assert out["w"].dtype == dtype
 
 
-def test_weights_are_float64_fractions_cast_to_the_gradient_dtype():
-    # 1/3 and 2/3 are not exact: the rule fixes how they are rounded.
+def _exact_mean(contributions):
+    """The exact weighted mean, element by element in rationals, rounded once (the rule)."""
+    total = sum(b for b, _ in contributions)
+    first = contributions[0][1]["w"]
+    out = np.empty(first.size, first.dtype)
+    for i in range(first.size):
+        value = sum(Fraction(b) * Fraction(float(g["w"].reshape(-1)[i])) for b, g in contributions) / total
+        out[i] = _round_exact(value, first.dtype)
+    return out.reshape(first.shape)
+
+
+def _bits(a):
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def test_uneven_weights_give_the_exact_weighted_mean_rounded_once():
+    # 1/3 and 2/3 are not exact in binary: the rule rounds the exact mean once, not each product.
     rng = np.random.default_rng(1)
     g0, g1 = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
     out = weighted_mean([(1, {"w": g0}), (2, {"w": g1})])["w"]
-    expected = g0 * np.float32(1 / 3) + g1 * np.float32(2 / 3)
-    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
-    assert batch_weights([1, 2]) == [1 / 3, 2 / 3]
+    np.testing.assert_array_equal(_bits(out), _bits(_exact_mean([(1, {"w": g0}), (2, {"w": g1})])))
 
 
-def test_products_are_added_in_the_order_given_starting_from_the_first():
-    # Weights 1/4, 1/4, 1/2 turn these into products 2**22, 1/4, -2**22. In float32,
-    # 2**22 + 1/4 rounds back to 2**22 (spacing 0.5 there), so the order shows:
-    # ((2**22 + 1/4) - 2**22) = 0, while (-2**22 + 1/4) + 2**22 = 1/4.
+def test_cancelling_products_give_the_exact_result_in_any_order():
+    # Products 2**22, 1/4, -2**22 (weights 1/4, 1/4, 1/2): a float32 fold in order loses the 1/4
+    # one way round and keeps it the other; the exact sum keeps it both ways.
     c0, c1, c2 = (1, {"w": f32(2**24)}), (1, {"w": f32(1)}), (2, {"w": f32(-(2**23))})
-    assert weighted_mean([c0, c1, c2])["w"][0] == 0.0
-    assert weighted_mean([c2, c1, c0])["w"][0] == 0.25
+    for order in itertools.permutations([c0, c1, c2]):
+        assert weighted_mean(list(order))["w"][0] == np.float32(0.25)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_mean_does_not_depend_on_the_order_of_arrival_and_is_exactly_rounded(dtype):
+    # Magnitudes spread over 60 decades (float32) make float64 sums round: the kept
+    # remainders and the tie check must still give the exact mean, in every order.
+    rng = np.random.default_rng(7)
+    span = 30 if dtype == np.float32 else 4
+    for trial in range(40):
+        n = int(rng.integers(2, 5))
+        contributions = []
+        for k in range(n):
+            g = rng.standard_normal(9) * 10.0 ** rng.integers(-span, span, size=9)
+            if trial % 4 == 0:
+                g = np.round(g)  # integers: exact sums, many exact ties
+            contributions.append((int(rng.integers(1, 6)), {"w": g.astype(dtype)}))
+        expected = _bits(_exact_mean(contributions))
+        for order in itertools.permutations(contributions):
+            np.testing.assert_array_equal(_bits(weighted_mean(list(order))["w"]), expected)
+
+
+def test_a_float64_quotient_on_a_float32_midpoint_is_rounded_from_the_exact_value():
+    # (1 + 2**-23) + 2**-24 + 1e-30, over 3: the float64 quotient may land on a midpoint that
+    # the tiny third term decides; the exact mean is rounded once.
+    gs = [f32(1 + 2**-23), f32(2**-24), f32(1e-30)]
+    out = weighted_mean([(1, {"w": g}) for g in gs])["w"]
+    np.testing.assert_array_equal(_bits(out), _bits(_exact_mean([(1, {"w": g}) for g in gs])))
+    two = [(1, {"w": f32(1.0)}), (1, {"w": f32(2**-23)})]  # (1 + 2**-23) / 2: halving is exact
+    np.testing.assert_array_equal(_bits(weighted_mean(two)["w"]), _bits(f32(1) * f32(0.5) + f32(2**-23) * f32(0.5)))
+
+
+def test_batch_sizes_beyond_2_to_the_29_stay_exact():
+    g0, g1 = f32(1 + 2**-23, 3), f32(-1, 1e-20)
+    sizes = (2**31 + 12345, 3)
+    contributions = [(sizes[0], {"w": g0}), (sizes[1], {"w": g1})]
+    np.testing.assert_array_equal(_bits(weighted_mean(contributions)["w"]), _bits(_exact_mean(contributions)))
+
+
+def test_a_round_sum_folded_push_by_push_equals_the_weighted_mean_and_keeps_no_push():
+    rng = np.random.default_rng(3)
+    pushes = [(w, int(rng.integers(1, 9)), {"w": rng.standard_normal((30, 7)).astype(np.float32),
+                                            "b": rng.standard_normal(7).astype(np.float32)}) for w in range(6)]
+    total = RoundSum()
+    for w, b, g in reversed(pushes):
+        total.add(w, b, g)
+    mean = total.mean()
+    expected = weighted_mean([(b, g) for _, b, g in pushes])
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(_bits(mean[name]), _bits(expected[name]))
+    assert not total._held  # float32: one accumulator per variable, no push kept
+
+
+def test_float64_gradients_keep_the_worker_order_rule():
+    # Not exact in float64: products rounded to float64, added in worker-id order.
+    rng = np.random.default_rng(1)
+    g0, g1 = (rng.standard_normal(1000) for _ in range(2))
+    total = RoundSum()
+    total.add(1, 2, {"w": g1})
+    total.add(0, 1, {"w": g0})
+    expected = g0 * (1 / 3) + g1 * (2 / 3)
+    np.testing.assert_array_equal(total.mean()["w"], expected)
+
+
+def test_non_finite_gradients_give_non_finite_means():
+    out = weighted_mean([(1, {"w": f32(np.inf, 1, np.nan)}), (1, {"w": f32(1, 2, 3)})])["w"]
+    assert out[0] == np.inf and out[1] == np.float32(1.5) and np.isnan(out[2])
+    out = weighted_mean([(0, {"w": f32(np.inf)}), (1, {"w": f32(1)})])["w"]
+    assert np.isnan(out[0])  # 0 * inf, as in any weighted sum
 
 
 def test_inputs_are_not_modified():

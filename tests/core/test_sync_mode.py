@@ -8,6 +8,8 @@ sequential loop. Every wait is bounded: threads are joined with a timeout and
 then asserted dead; polls give up after a few seconds.
 """
 
+import itertools
+from fractions import Fraction
 import re
 import threading
 import time
@@ -15,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from ps_server.core.aggregation import _round_exact
 from ps_server.core.errors import (
     BarrierTimeout,
     FutureRound,
@@ -170,18 +173,35 @@ def test_no_push_of_a_round_is_answered_before_the_round_is_applied():
         assert seen == expected  # the new version and its values are visible on return
 
 
-def test_gradients_are_combined_in_worker_id_order_not_arrival_order():
-    # Products 2**22, 1/4 and -2**22 (weights 1/4, 1/4, 1/2): in float32,
-    # (2**22 + 1/4) - 2**22 = 0 while (-2**22 + 1/4) + 2**22 = 1/4.
+def test_a_round_gives_the_same_bits_whatever_the_order_of_arrival():
+    # Products 2**22, 1/4 and -2**22 (weights 1/4, 1/4, 1/2): a float32 fold in one order
+    # keeps the 1/4, in another loses it. The round's exact mean is 1/4 in every order.
     grads = [{"w": f32(2**24)}, {"w": f32(1)}, {"w": f32(-(2**23))}]
-    mode, store = make(variables={"w": f32(0)}, lr=1.0)
-    t2 = start(lambda: push(mode, 2, grads=grads[2]))
-    wait_until(lambda: mode.status().waiting_for == (0, 1))
-    t1 = start(lambda: push(mode, 1, grads=grads[1]))
+    for order in itertools.permutations(range(3)):
+        mode, store = make(variables={"w": f32(0)}, lr=1.0)
+        first, second, last = order
+        threads = [start(lambda w=first: push(mode, w, grads=grads[w]))]
+        wait_until(lambda: mode.status().waiting_for == tuple(w for w in range(3) if w != first))
+        threads.append(start(lambda w=second: push(mode, w, grads=grads[w])))
+        wait_until(lambda: mode.status().waiting_for == (last,))
+        push(mode, last, grads=grads[last])
+        finish(*threads)
+        assert_values(store, {"w": f32(-0.25)})
+
+
+def test_a_waiting_push_holds_no_gradient_once_folded():
+    # Memory that does not grow with the workers: the round keeps its sum, not the pushes.
+    mode, _ = make()
+    folded = []
+    t = start(lambda: mode.push(Push(worker_id=1, step=0, base_version=0, batch_size=1, gradients=GRADS[1]),
+                                consumed=lambda: folded.append(1)))
+    wait_until(lambda: mode.status().waiting_for == (0, 2))
+    assert folded == [1]
+    assert all(not p.gradients for p in mode._book.peek())
+    complete_round_rest = [start(lambda: push(mode, 2, grads=GRADS[2]))]
     wait_until(lambda: mode.status().waiting_for == (0,))
-    push(mode, 0, grads=grads[0])
-    finish(t1, t2)
-    assert_values(store, {"w": f32(0)})  # arrival order would give -0.25
+    push(mode, 0, grads=GRADS[0])
+    finish(t, *complete_round_rest)
 
 
 # -- refused pushes ------------------------------------------------------------------
@@ -484,12 +504,11 @@ def sequential(w0, lr):
         grads = [gradient(k, step, w) for k in range(N)]
         sizes = [batch_size(k, step) for k in range(N)]
         total = sum(sizes)
-        for name in w:
-            acc = None
-            for g, b in zip(grads, sizes):
-                term = g[name] * np.float32(b / total)
-                acc = term if acc is None else acc + term
-            w[name] = w[name] - acc * np.float32(lr)
+        for name in w:  # the exact weighted mean, in rationals, rounded once (core.aggregation)
+            mean = np.array([_round_exact(sum(Fraction(b) * Fraction(float(g[name].flat[i]))
+                                              for g, b in zip(grads, sizes)) / total, np.dtype(np.float32))
+                             for i in range(w[name].size)], np.float32).reshape(w[name].shape)
+            w[name] = w[name] - mean * np.float32(lr)
     return w
 
 
