@@ -129,13 +129,26 @@ def client_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
     ]
 
 
-def server_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
+# With many workers, a push waiting for the server's receive budget (ps_server.buffers)
+# leaves its bytes in gRPC's own buffers, up to the stream's flow-control window, which
+# gRPC grows by probing the bandwidth-delay product (on loopback to about the whole push):
+# 256 workers' waiting pushes of 1.15 MB held 280 MB there. From MANY_WORKERS on, the
+# server keeps each stream's window at STREAM_WINDOW_BYTES (enough for 1 GB/s at 200 us
+# round trips per stream), so what waits stays in the workers' memory.
+MANY_WORKERS = 64
+STREAM_WINDOW_BYTES = 256 << 10
+
+
+def server_options(max_bytes: int | None = None, workers: int = 1) -> list[tuple[str, int]]:
     # so_reuseport off: two servers must never silently share a port.
-    return channel_options(max_bytes) + [
+    options = channel_options(max_bytes) + [
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ]
+    if workers >= MANY_WORKERS:
+        options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
+    return options
 
 
 # glibc malloc settings for processes that move large messages: keep big buffers

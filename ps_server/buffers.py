@@ -63,10 +63,12 @@ class ReceiveBudget:
         self.peak = 0
         self._room = threading.Condition(threading.Lock())  # leaf lock
 
-    def acquire(self, nbytes: int, timeout: float) -> bool:
-        """Wait until ``nbytes`` fit (or nothing else is in flight); False after ``timeout`` s."""
+    def acquire(self, nbytes: int, timeout: float, limit: int | None = None) -> bool:
+        """Wait until ``nbytes`` fit within ``limit`` (default: the budget's), or nothing else
+        is in flight; False after ``timeout`` s."""
+        limit = self.limit if limit is None else limit
         with self._room:
-            if not self._room.wait_for(lambda: self.in_use == 0 or self.in_use + nbytes <= self.limit, timeout):
+            if not self._room.wait_for(lambda: self.in_use == 0 or self.in_use + nbytes <= limit, timeout):
                 return False
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)

@@ -176,7 +176,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
     credentials = security.server_credentials(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.pool_threads, thread_name_prefix="ps-rpc"),
-        options=wire.server_options(config.max_message_bytes),
+        options=wire.server_options(config.max_message_bytes, config.num_workers),
         # The token guards every call but the health check, reflection included.
         interceptors=[security.TokenAuthInterceptor(token)] if token else None,
     )

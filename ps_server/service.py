@@ -259,18 +259,22 @@ def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
 
 
 # Bytes of streamed pushes the server receives at once (``ps_server.buffers.ReceiveBudget``):
-# a sync round speculated by PushPull holds every push whole, up to core.overlap.HELD_BYTES,
-# so the budget must take them all.
-RECEIVE_BYTES = max(256 << 20, HELD_BYTES)
+# at least two pushes (two cores keep busy copying them in), at least RECEIVE_BYTES. A sync
+# round speculated by PushPull holds every push whole (at most core.overlap.HELD_BYTES of
+# them): for pushes of that size the budget takes them all.
+RECEIVE_BYTES = 16 << 20
 BUSY_WAIT_S = 120.0  # at most this long for room, within the call's deadline
 
 
 class _Loan:
     """A receive buffer and its share of the budget, given back once (whichever comes first:
-    the core saying it is done with the gradients, or the handler ending)."""
+    the core saying it is done with the gradients, or the handler ending). ``gradients``,
+    the views of the buffer handed to the core, is emptied then: a push waiting at the
+    barrier keeps no reference to its bytes (nor does any frame of its handler)."""
 
     def __init__(self, servicer: "ParameterServerServicer", nbytes: int, buffer: np.ndarray):
         self._servicer, self.nbytes, self.buffer = servicer, nbytes, buffer
+        self.gradients: dict = {}
         self._lock = threading.Lock()
         self._out = True
 
@@ -279,8 +283,19 @@ class _Loan:
             if not self._out:
                 return
             self._out = False
-        self._servicer.buffers.release(self.buffer)
+            buffer, self.buffer = self.buffer, None
+            self.gradients.clear()
+        self._servicer.buffers.release(buffer)
         self._servicer.receiving.release(self.nbytes)
+
+
+def _received(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str) -> dict[str, np.ndarray]:
+    """A push's data messages, copied into ``buffer``; its gradients as views of it. A
+    function of its own, so that no chunk outlives it in a frame that waits."""
+    assembler = stream.Assembler(layout, buffer)
+    for chunk in request_iterator:
+        assembler.feed(_data(chunk, method))
+    return assembler.arrays()
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -420,12 +435,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return self._push_from_segment(h, layout, metrics, request_iterator)
         loan = self._lend(layout.nbytes, context)
         try:
-            assembler = stream.Assembler(layout, loan.buffer)
-            for chunk in request_iterator:
-                assembler.feed(_data(chunk, "PushStream"))
-            gradients = _sparse(self._widen_half(assembler.arrays()), h.gradients)
+            loan.gradients = _sparse(self._widen_half(_received(layout, loan.buffer, request_iterator,
+                                                                "PushStream")), h.gradients)
             result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
-                                         batch_size=h.batch_size, gradients=gradients, loss=h.loss,
+                                         batch_size=h.batch_size, gradients=loan.gradients, loss=h.loss,
                                          metrics=metrics, set_learning_rate=h.set_learning_rate),
                                     consumed=loan.give_back)
         finally:  # the core keeps no reference to the gradients once push returns
@@ -437,7 +450,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         Busy when the pushes in flight leave no room before the call's deadline."""
         remaining = context.time_remaining() if context is not None else None
         wait = min(remaining, BUSY_WAIT_S) if remaining is not None else BUSY_WAIT_S
-        if not self.receiving.acquire(nbytes, wait):
+        limit = max(self.receiving.limit, 2 * nbytes)
+        if nbytes * self.core.num_workers <= HELD_BYTES:
+            limit = max(limit, nbytes * self.core.num_workers)  # a round PushPull may speculate
+        if not self.receiving.acquire(nbytes, wait, limit):
             raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other pushes, its "
                               f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "
                               "nothing applied, push again")
@@ -466,35 +482,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             pb.TensorMeta(name=n, dtype=codec.dtype_code(specs[n][0]), shape=list(specs[n][1])) for n in names])
         done, outcome = threading.Event(), {}
         loan = self._lend(layout.nbytes, context)
-        buffer = loan.buffer
 
         def read() -> None:
             try:
-                assembler = stream.Assembler(layout, buffer)
-                # Each block of each gradient, with the byte at which it is complete; offered to
-                # the round as soon as it is (the arrays are views of the buffer the bytes fill).
-                pending, fulls = [], {}
-                if spec is not None:
-                    for e in layout.entries:
-                        full = fulls[e.name] = np.frombuffer(buffer, e.dtype, count=math.prod(e.shape),
-                                                             offset=e.offset).reshape(e.shape)
-                        row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else e.nbytes
-                        for b, rows in enumerate(spec.layout[e.name]):
-                            end = e.offset + (e.nbytes if rows is None else rows[1] * row_bytes)
-                            pending.append((end, e.name, b, full))
-                    pending.reverse()
-                for chunk in request_iterator:
-                    assembler.feed(_data(chunk, "PushPull"))
-                    while pending and pending[-1][0] <= assembler.received:
-                        _, name, b, full = pending.pop()
-                        self.core.offer(spec, h.worker_id, name, b, full)
-                arrays = assembler.arrays()  # every byte the header announced arrived
-                if spec is not None:  # the very arrays offered: the round confirms by their identity
-                    arrays = fulls
-                gradients = _sparse(self._widen_half(arrays), h.gradients)
+                loan.gradients = _sparse(self._widen_half(self._received_offering(
+                    layout, loan.buffer, request_iterator, spec, h.worker_id)), h.gradients)
                 outcome["result"] = self.core.push(Push(
                     worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
-                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate),
+                    gradients=loan.gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate),
                     consumed=loan.give_back)
             except BaseException as e:  # answered by the replies below
                 outcome["error"] = e
@@ -506,6 +501,30 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
         threading.Thread(target=read, name=f"push-pull-{h.worker_id}", daemon=True).start()
         return self._push_pull_replies(values_header, names, spec, done, outcome, context)
+
+    def _received_offering(self, layout: stream.Layout, buffer: np.ndarray, request_iterator, spec,
+                           worker_id: int) -> dict[str, np.ndarray]:
+        """``_received``, offering each block of each gradient to the round's speculation as
+        soon as its bytes are in (the arrays are views of the buffer the bytes fill)."""
+        if spec is None:
+            return _received(layout, buffer, request_iterator, "PushPull")
+        assembler = stream.Assembler(layout, buffer)
+        pending, fulls = [], {}  # (the byte at which a block is complete, name, block, array)
+        for e in layout.entries:
+            full = fulls[e.name] = np.frombuffer(buffer, e.dtype, count=math.prod(e.shape),
+                                                 offset=e.offset).reshape(e.shape)
+            row_bytes = math.prod(e.shape[1:]) * e.dtype.itemsize if e.shape else e.nbytes
+            for b, rows in enumerate(spec.layout[e.name]):
+                end = e.offset + (e.nbytes if rows is None else rows[1] * row_bytes)
+                pending.append((end, e.name, b, full))
+        pending.reverse()
+        for chunk in request_iterator:
+            assembler.feed(_data(chunk, "PushPull"))
+            while pending and pending[-1][0] <= assembler.received:
+                _, name, b, full = pending.pop()
+                self.core.offer(spec, worker_id, name, b, full)
+        assembler.arrays()  # raises unless every byte the header announced arrived
+        return fulls  # the very arrays offered: the round confirms by their identity
 
     def _push_pull_replies(self, values_header, names, spec, done, outcome, context):
         sent_all = spec is not None

@@ -230,3 +230,11 @@ def test_print_config_prints_the_resolved_configuration_as_json_and_exits_0(main
     assert {k: out[k] for k in expected} == expected
     config = ServerConfig if main == "ps_server.cli" else WorkerConfig
     assert list(out) == list(env_names(config))  # every field, in order
+
+
+def test_a_server_for_many_workers_keeps_each_streams_window_small_so_waiting_pushes_stay_with_the_workers():
+    from protos import wire
+
+    few, many = dict(wire.server_options(workers=8)), dict(wire.server_options(workers=wire.MANY_WORKERS))
+    assert "grpc.http2.lookahead_bytes" not in few and "grpc.http2.bdp_probe" not in few
+    assert many["grpc.http2.lookahead_bytes"] == wire.STREAM_WINDOW_BYTES and many["grpc.http2.bdp_probe"] == 0

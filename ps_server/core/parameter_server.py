@@ -217,7 +217,14 @@ class ParameterServer:
         self.members.require(push.worker_id)
         arrived = self._clock()
         if any(isinstance(g, SparseRows) for g in push.gradients.values()):
-            push = dataclasses.replace(push, gradients=self.store.densify(push.gradients))
+            dense = self.store.densify(push.gradients)
+            push = dataclasses.replace(push, gradients=dense)
+            given = consumed
+
+            def consumed() -> None:  # the dense copies are ours: no frame keeps them while it waits
+                dense.clear()
+                if given is not None:
+                    given()
         result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
         self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,
