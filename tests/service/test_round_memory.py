@@ -77,8 +77,7 @@ def test_a_push_that_finds_no_room_in_time_is_refused_as_unavailable_and_changes
     client.register(0, 1)
     values = {"w": np.zeros(400_000, np.float32)}
     client.initialize(0, values, SGD)
-    running.servicer.receiving.acquire(1, timeout=0)  # something in flight, leaving no room
-    running.servicer.receiving.limit = 1
+    running.servicer.receiving.acquire(1 << 40, timeout=0)  # something huge in flight, leaving no room
     client_timeout = 2.0
     from worker.client import PSClient
     short = PSClient(running.address, timeout=client_timeout)
@@ -90,7 +89,6 @@ def test_a_push_that_finds_no_room_in_time_is_refused_as_unavailable_and_changes
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), info.value
     finally:
         short.close()
-    running.servicer.receiving.release(1)
-    running.servicer.receiving.limit = 1 << 30
+    running.servicer.receiving.release(1 << 40)
     version, got = client.pull(0)
     assert version == 0 and not got["w"].any()
