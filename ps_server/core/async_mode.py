@@ -55,7 +55,7 @@ import time
 from ps_common.names import STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 
@@ -83,6 +83,13 @@ class AsyncMode:
         result = self._push(push)
         self.stats.pushed(time.perf_counter() - started)
         return result
+
+    def submit(self, push: Push, consumed=None) -> Ticket:
+        """``push`` as a settled ticket: an async push never waits for another (``core.modes``)."""
+        return Ticket.of(lambda: self.push(push))
+
+    def expire_overdue(self) -> None:
+        """Nothing waits in async mode."""
 
     def _push(self, push: Push) -> PushResult:
         push.validate()

@@ -37,6 +37,7 @@ import time
 from typing import Callable
 
 from ps_server.core.errors import InvalidArgument, PSError
+from ps_server.core.modes import Ticket
 
 KEYS_KEPT = 1000
 MAX_KEY_CHARS = 256
@@ -106,20 +107,59 @@ class Broadcasts:
         self._board = Board(keep)
         self._lock = threading.Lock()  # guards _board; leaf lock, nothing is called under it
         self._posted = threading.Condition(self._lock)  # a key was posted
+        self._tickets: list[tuple[str, float, float, Ticket]] = []  # (key, deadline, timeout, ticket)
 
     def post(self, key: str, value: bytes) -> bytes:
         """Post (the chief); returns the value, at once."""
         with self._lock:
             if self._board.post(key, value):
                 self._posted.notify_all()
+            ready = [t for t in self._tickets if self._board.get(t[0]) is not None]
+            self._tickets = [t for t in self._tickets if t not in ready]
+            values = [self._board.get(t[0]) for t in ready]
+        for (_, _, _, ticket), got in zip(ready, values):
+            ticket.settle(got)
         return bytes(value)
+
+    def submit_wait(self, key: str, timeout: float) -> Ticket:
+        """``wait_for`` without blocking: a ticket settled when the key is posted, or with
+        ``BroadcastTimeout`` by ``expire_overdue`` once the timeout has passed."""
+        ticket = Ticket()
+        try:
+            timeout = self._checked(timeout)
+            with self._lock:
+                value = self._board.get(key)
+                if value is None and timeout > 0:
+                    self._tickets.append((key, self._clock() + timeout, timeout, ticket))
+                    return ticket
+            ticket.settle(value if value is not None else self._timeout(key, timeout))
+        except InvalidArgument as e:
+            ticket.settle(e)
+        return ticket
+
+    def expire_overdue(self) -> None:
+        now = self._clock()
+        with self._lock:
+            late = [t for t in self._tickets if t[1] <= now]
+            self._tickets = [t for t in self._tickets if t[1] > now]
+        for key, _, timeout, ticket in late:
+            ticket.settle(self._timeout(key, timeout))
+
+    def _checked(self, timeout) -> float:
+        if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+            raise InvalidArgument(f"a broadcast timeout must be a number of seconds >= 0, got {timeout!r}")
+        return min(float(timeout), self.timeout_limit)
+
+    def _timeout(self, key: str, timeout: float) -> "BroadcastTimeout":
+        return BroadcastTimeout(
+            f"broadcast key {key!r} was not posted by the chief (worker 0) within {timeout:g} s "
+            f"(the server waits at most its barrier timeout, {self.timeout_limit:g} s): is the "
+            "chief still running, and does it post this key?")
 
     def wait_for(self, key: str, timeout: float) -> bytes:
         """The value posted under ``key``, waiting for it up to ``timeout`` seconds (at most
         ``timeout_limit``; 0: do not wait). ``BroadcastTimeout`` when it is not posted by then."""
-        if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
-            raise InvalidArgument(f"a broadcast timeout must be a number of seconds >= 0, got {timeout!r}")
-        timeout = min(float(timeout), self.timeout_limit)
+        timeout = self._checked(timeout)
         deadline = self._clock() + timeout
         with self._lock:
             while True:
@@ -128,10 +168,7 @@ class Broadcasts:
                     return value
                 remaining = deadline - self._clock()
                 if remaining <= 0:
-                    raise BroadcastTimeout(
-                        f"broadcast key {key!r} was not posted by the chief (worker 0) within {timeout:g} s "
-                        f"(the server waits at most its barrier timeout, {self.timeout_limit:g} s): is the "
-                        "chief still running, and does it post this key?")
+                    raise self._timeout(key, timeout)
                 self._posted.wait(remaining)
 
     def __len__(self) -> int:

@@ -4,16 +4,28 @@
     result = mode.push(Push(worker_id=0, step=0, base_version=0, batch_size=32,
                             gradients={...}, loss=0.7))
 
+    ticket = mode.submit(push)   # the same, without blocking: a Ticket
+    ticket.add_done_callback(lambda t: print(t.result()))
+
 One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``) behind this interface;
 all of them share the store and its optimizer.
+
+``push`` blocks the calling thread while the push waits (a sync barrier, the SSP
+bound). ``submit`` never waits: it does the push's work (checks, fold, apply) in the
+calling thread and returns a ``Ticket`` that the mode settles later, from whichever
+thread ends the wait (the push that fills the round, a death, ``expire_overdue``). A
+server on an event loop (``ps_server.server``) therefore holds no thread for a waiting
+worker; it calls ``expire_overdue`` a few times a second so that waits still end in
+time.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -98,10 +110,72 @@ class ModeStatus:
     max_ahead: int = 0  # SSP: the most steps any applied push was ahead of the slowest worker
 
 
+class Ticket:
+    """The outcome of a call that may have to wait, settled once, from any thread.
+
+    ``settle`` takes a result or an exception (the first settle wins); callbacks run in
+    the settling thread (or at once, when added to a settled ticket) and must not block.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # leaf lock
+        self._settled = threading.Event()
+        self._outcome: Any = None
+        self._callbacks: list[Callable[["Ticket"], None]] = []
+
+    @classmethod
+    def of(cls, call: Callable[[], Any]) -> "Ticket":
+        """A ticket settled with what ``call()`` returns or raises (a call that never waits long)."""
+        ticket = cls()
+        try:
+            ticket.settle(call())
+        except Exception as e:
+            ticket.settle(e)
+        return ticket
+
+    def settle(self, outcome: Any) -> bool:
+        with self._lock:
+            if self._settled.is_set():
+                return False
+            self._outcome = outcome
+            self._settled.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+        return True
+
+    def done(self) -> bool:
+        return self._settled.is_set()
+
+    def add_done_callback(self, fn: Callable[["Ticket"], None]) -> None:
+        with self._lock:
+            if not self._settled.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._settled.wait(timeout)
+
+    def result(self) -> Any:
+        """The result, or the exception raised (a copy: each waiter its own traceback)."""
+        if not self._settled.is_set():
+            raise RuntimeError("the ticket is not settled yet")
+        if isinstance(self._outcome, BaseException):
+            raise copy.copy(self._outcome)
+        return self._outcome
+
+
 class Mode(Protocol):
     name: str
 
     def push(self, push: Push) -> PushResult: ...
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket: ...
+
+    def expire_overdue(self) -> None:
+        """End every wait whose time is up (``submit``'s tickets have no thread watching)."""
+        ...
 
     def status(self) -> ModeStatus: ...
 

@@ -33,9 +33,9 @@ from ps_common.sparse import SparseRows
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import ServerState
-from ps_server.core.errors import ConfigMismatch, InvalidArgument
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError
 from ps_server.core.membership import Membership, WorkerRecord
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
@@ -168,6 +168,8 @@ class ParameterServer:
             log.warning("worker(s) %s declared dead: no call or heartbeat for more than %g s",
                         self.members.describe(dead), self.members.lease_timeout)
             self.mode.workers_died(dead)
+        self.mode.expire_overdue()  # submit()'s waits have no thread watching their time
+        self.broadcasts.expire_overdue()
         return dead
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
@@ -216,20 +218,50 @@ class ParameterServer:
         needed, possibly long before the round's outcome (``SyncMode.push``)."""
         self.members.require(push.worker_id)
         arrived = self._clock()
-        if any(isinstance(g, SparseRows) for g in push.gradients.values()):
-            dense = self.store.densify(push.gradients)
-            push = dataclasses.replace(push, gradients=dense)
-            given = consumed
-
-            def consumed() -> None:  # the dense copies are ours: no frame keeps them while it waits
-                dense.clear()
-                if given is not None:
-                    given()
+        push, consumed = self._dense(push, consumed)
         result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
+        self._recorded(push, arrived, result)
+        return result
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
+        """``push`` without blocking (``core.modes``): the push's work is done here, its wait
+        (a sync round, the SSP bound) is a ticket that the mode settles later."""
+        try:
+            self.members.require(push.worker_id)
+            arrived = self._clock()
+            push, consumed = self._dense(push, consumed)
+        except PSError as e:
+            ticket = Ticket()
+            ticket.settle(e)
+            return ticket
+        ticket = self.mode.submit(push, consumed)
+
+        def record(t: Ticket) -> None:
+            try:
+                self._recorded(push, arrived, t.result())
+            except PSError:
+                pass
+        ticket.add_done_callback(record)
+        return ticket
+
+    def _dense(self, push: Push, consumed: Callable[[], None] | None) -> tuple[Push, Callable[[], None] | None]:
+        """Sparse gradients made dense (``core.sparse``); ``consumed`` then also drops the dense
+        copies, which are ours: no frame keeps them while the push waits."""
+        if not any(isinstance(g, SparseRows) for g in push.gradients.values()):
+            return push, consumed
+        dense = self.store.densify(push.gradients)
+        given = consumed
+
+        def dropped() -> None:
+            dense.clear()
+            if given is not None:
+                given()
+        return dataclasses.replace(push, gradients=dense), dropped
+
+    def _recorded(self, push: Push, arrived: float, result: PushResult) -> None:
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
         self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,
                                  arrived=arrived, done=self._clock())
-        return result
 
     def leave(self, worker_id: int) -> None:
         self.members.leave(worker_id)
@@ -243,6 +275,18 @@ class ParameterServer:
         if worker_id == 0:
             return self.broadcasts.post(key, value or b"")
         return self.broadcasts.wait_for(key, timeout)
+
+    def submit_broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> Ticket:
+        """``broadcast`` without blocking: a ticket (``core.broadcast.Broadcasts.submit_wait``)."""
+        if worker_id == 0:
+            return Ticket.of(lambda: self.broadcast(worker_id, key, value, timeout))
+        try:
+            self.members.require(worker_id)
+        except PSError as e:
+            ticket = Ticket()
+            ticket.settle(e)
+            return ticket
+        return self.broadcasts.submit_wait(key, timeout)
 
     # -- checkpoints ---------------------------------------------------------------
     def checkpoint_state(self) -> ServerState | None:

@@ -42,9 +42,9 @@ import time
 from typing import Callable
 
 from ps_server.core.async_mode import AsyncMode
-from ps_server.core.errors import BarrierTimeout, InvalidArgument
+from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 RECORDS_KEPT = 100_000
@@ -76,6 +76,9 @@ class SSPMode(AsyncMode):
         self._clocks = [0] * members.num_workers
         self.records: collections.deque[SSPRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self.max_ahead = 0
+        # submit()'s pushes waiting for the bound: (ticket, worker, step to start, clock needed,
+        # deadline, the push's result)
+        self._waiting: list[tuple[Ticket, int, int, int, float, PushResult]] = []
 
     def _participants(self) -> list[int]:
         """Indexes not left and not dead. Also raises each clock to what membership
@@ -102,7 +105,61 @@ class SSPMode(AsyncMode):
         with self._cond:
             self._clocks[push.worker_id] = max(self._clocks[push.worker_id], push.step + 1)
             self._cond.notify_all()
+        self._release_waiting()
         return result
+
+    def submit(self, push: Push, consumed=None) -> Ticket:
+        """``push`` without blocking (``core.modes``): applied (or answered from the record)
+        here; the ticket is settled once the worker may start its next step, or with
+        ``BarrierTimeout`` by ``expire_overdue``."""
+        started = time.perf_counter()
+        ticket = Ticket()
+        ticket.add_done_callback(lambda _: self.stats.pushed(time.perf_counter() - started))
+        try:
+            result = AsyncMode._push(self, push)
+        except PSError as e:
+            ticket.settle(e)
+            return ticket
+        need = push.step + 1 - self.staleness_bound
+        if need <= 0:
+            ticket.settle(result)
+            return ticket
+        with self._cond:
+            self._waiting.append((ticket, push.worker_id, push.step + 1, need, self._now() + self.barrier_timeout,
+                                  result))
+        self._release_waiting()
+        return ticket
+
+    def expire_overdue(self) -> None:
+        self._release_waiting()
+
+    def _release_waiting(self) -> None:
+        """Settle the waiting tickets whose workers may go on (or whose time is up)."""
+        if not self._waiting:
+            return
+        participants = self._participants()
+        now, settled = self._now(), []
+        with self._cond:
+            keep = []
+            for entry in self._waiting:
+                ticket, worker_id, step, need, deadline, result = entry
+                behind = [w for w in participants if self._clocks[w] < need and w != worker_id]
+                if not behind:
+                    settled.append((ticket, result))
+                elif now >= deadline:
+                    settled.append((ticket, self._timeout(worker_id, step, need, behind)))
+                else:
+                    keep.append(entry)
+            self._waiting = keep
+        for ticket, outcome in settled:
+            ticket.settle(outcome)
+
+    def _timeout(self, worker_id: int, step: int, need: int, behind: list[int]) -> BarrierTimeout:
+        return BarrierTimeout(
+            f"ssp: worker {worker_id} may not start step {step} before worker(s) "
+            f"{self.members.describe(behind)} finish step {need - 1} (staleness bound "
+            f"{self.staleness_bound}); waited {self.barrier_timeout:g} s. Its push of step "
+            f"{step - 1} was applied", missing=tuple(behind))
 
     def _push(self, push: Push) -> PushResult:
         # AsyncMode.push times this whole call, the wait for the bound included (Stats.on_push).
@@ -124,11 +181,7 @@ class SSPMode(AsyncMode):
                     return
                 left = deadline - self._now()
                 if left <= 0:
-                    raise BarrierTimeout(
-                        f"ssp: worker {worker_id} may not start step {step} before worker(s) "
-                        f"{self.members.describe(behind)} finish step {need - 1} (staleness bound "
-                        f"{self.staleness_bound}); waited {self.barrier_timeout:g} s. Its push of step "
-                        f"{step - 1} was applied", missing=tuple(behind))
+                    raise self._timeout(worker_id, step, need, behind)
                 self._cond.wait(timeout=min(0.25, left))
 
     def status(self) -> ModeStatus:
@@ -142,6 +195,7 @@ class SSPMode(AsyncMode):
     def workers_died(self, worker_ids: list[int]) -> None:
         with self._cond:
             self._cond.notify_all()
+        self._release_waiting()
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
         return self.store.export_state(), self.status()

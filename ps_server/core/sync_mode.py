@@ -73,7 +73,7 @@ from ps_common.names import DEAD_WORKER_POLICIES
 from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
@@ -123,6 +123,7 @@ class SyncMode:
         self._rounds_aborted = 0
         self._speculation: Speculation | None = None  # the current round's (core.overlap)
         self._sum = RoundSum()  # the current round's pushes, folded (a fresh one each generation)
+        self._tickets: dict[int, list[Ticket]] = {}  # generation -> submit()'s waiting pushes
 
     # -- pushes ------------------------------------------------------------------
     def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
@@ -138,37 +139,75 @@ class SyncMode:
         push.validate()
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._lock:
-            kind = self._book.check(push.worker_id, push.step)
-            if kind == "replay":
-                self.stats.count("replayed")
-                return dataclasses.replace(self._results[push.step], replayed=True, next_step=self._book.round)
-            if kind == "late":
-                version = self.store.version
-                # A late push sent again (its reply was lost) is answered the same, counted once.
-                again = (push.worker_id, push.step) in self._dropped
-                self.stats.count("replayed" if again else "dropped")
-                if not again:
-                    self._dropped.add((push.worker_id, push.step))
-                    self._dropped = {(w, s) for w, s in self._dropped if s > push.step - ROUNDS_REMEMBERED}
-                return PushResult(version=version, staleness=version - push.base_version, contributors=0,
-                                  dropped=True, next_step=self._book.round, replayed=again)
-            if kind == "new":
-                if push.base_version != self.store.version:
-                    raise InvalidArgument(
-                        f"worker {push.worker_id} computed its gradient for round {push.step} on version "
-                        f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; "
-                        "pull first"
-                    )
-                self._raise_if_blocked()
-                self._check_round_extras(push)
-                if not self._book.pushed():
-                    self._round_started = self._clock()
-                record = self._fold(push)
-                if not record.gradients and consumed is not None:
-                    consumed()
-                if self._book.add(push.worker_id, push.step, record):
-                    return self._complete(self._book.generation)
-            return self._wait(self._book.generation, push.step)
+            entered = self._enter(push, consumed)
+            if isinstance(entered, PushResult):
+                return entered
+            return self._wait(entered, push.step)
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
+        """``push`` without blocking (``core.modes``): the ticket is settled with the round's
+        outcome by whoever ends it; a round out of time ends at ``expire_overdue``."""
+        started = time.perf_counter()
+        ticket = Ticket()
+        ticket.add_done_callback(lambda _: self.stats.pushed(time.perf_counter() - started))
+        try:
+            push.validate()
+            self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
+            with self._lock:
+                entered = self._enter(push, consumed)
+                if not isinstance(entered, PushResult):
+                    outcome = self._outcomes.get(entered) if self._book.generation != entered else None
+                    if outcome is None:
+                        self._tickets.setdefault(entered, []).append(ticket)
+                        return ticket
+                    entered = outcome
+        except PSError as e:
+            ticket.settle(e)
+            return ticket
+        ticket.settle(entered)
+        return ticket
+
+    def expire_overdue(self) -> None:
+        """End the current round if it ran out of time (``_deadline``): what a blocked waiter
+        does for itself, for the tickets of ``submit``."""
+        with self._lock:
+            if self._book.pushed() and self._tickets.get(self._book.generation) \
+                    and self._clock() >= self._deadline():
+                self._expire_round(self._book.round)
+
+    def _enter(self, push: Push, consumed: Callable[[], None] | None) -> PushResult | int:
+        """Take a checked push, lock held: its answer, or the generation whose end it waits for."""
+        kind = self._book.check(push.worker_id, push.step)
+        if kind == "replay":
+            self.stats.count("replayed")
+            return dataclasses.replace(self._results[push.step], replayed=True, next_step=self._book.round)
+        if kind == "late":
+            version = self.store.version
+            # A late push sent again (its reply was lost) is answered the same, counted once.
+            again = (push.worker_id, push.step) in self._dropped
+            self.stats.count("replayed" if again else "dropped")
+            if not again:
+                self._dropped.add((push.worker_id, push.step))
+                self._dropped = {(w, s) for w, s in self._dropped if s > push.step - ROUNDS_REMEMBERED}
+            return PushResult(version=version, staleness=version - push.base_version, contributors=0,
+                              dropped=True, next_step=self._book.round, replayed=again)
+        if kind == "new":
+            if push.base_version != self.store.version:
+                raise InvalidArgument(
+                    f"worker {push.worker_id} computed its gradient for round {push.step} on version "
+                    f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; "
+                    "pull first"
+                )
+            self._raise_if_blocked()
+            self._check_round_extras(push)
+            if not self._book.pushed():
+                self._round_started = self._clock()
+            record = self._fold(push)
+            if not record.gradients and consumed is not None:
+                consumed()
+            if self._book.add(push.worker_id, push.step, record):
+                return self._complete(self._book.generation)
+        return self._book.generation
 
     def _fold(self, push: Push) -> Push:
         """What the round keeps of a new push, lock held: the push without its gradients,
@@ -390,6 +429,8 @@ class SyncMode:
                 spec.settle(confirmed=False)  # aborted, timed out, refused: nothing speculated is kept
             self._speculation = None
         self._outcomes[generation] = outcome
+        for ticket in self._tickets.pop(generation, ()):
+            ticket.settle(outcome)  # its callbacks only hand the outcome on; they do not block
         self._sum = RoundSum()  # the next generation folds its own
         for old in [g for g in self._outcomes if g <= generation - _OUTCOMES_KEPT]:
             del self._outcomes[old]
