@@ -137,6 +137,15 @@ def _bearer(metadata) -> list[str]:
     return out
 
 
+class _Denying(grpc.RpcMethodHandler):
+    """A denying handler (the fields of the one it wraps) that says why it denies."""
+
+    def __init__(self, handler: grpc.RpcMethodHandler, reason: str):
+        for field in handler._fields:
+            setattr(self, field, getattr(handler, field))
+        self.reason = reason
+
+
 def _denying(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that only aborts with UNAUTHENTICATED."""
 
@@ -146,12 +155,14 @@ def _denying(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.R
 
     # No request deserializer: an unauthenticated payload is never parsed.
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+        denying = grpc.stream_stream_rpc_method_handler(deny)
+    elif handler.request_streaming:
+        denying = grpc.stream_unary_rpc_method_handler(deny)
+    elif handler.response_streaming:
+        denying = grpc.unary_stream_rpc_method_handler(deny)
+    else:
+        denying = grpc.unary_unary_rpc_method_handler(deny)
+    return _Denying(denying, reason)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -181,6 +192,41 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         else:
             reason = "the bearer token does not match the server's"
         return _denying(handler, handler_call_details.method, reason)
+
+
+class AsyncTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """``TokenAuthInterceptor`` for a ``grpc.aio`` server (``ps_server.aio``): the same rule."""
+
+    def __init__(self, token: str, exempt: frozenset[str] = EXEMPT_METHODS):
+        self._sync = TokenAuthInterceptor(token, exempt)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        checked = self._sync.intercept_service(lambda _: handler, handler_call_details)
+        if checked is handler or checked is None:
+            return checked
+        return _denying_async(handler, handler_call_details.method, checked.reason)
+
+
+def _denying_async(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.RpcMethodHandler:
+    """``_denying`` for grpc.aio: handlers that await their abort (a plain function there would
+    run on the event loop and wait for it)."""
+
+    async def deny(_request, context):
+        log.warning("rejected %s from %s: %s", method, context.peer(), reason)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def deny_stream(_request, context):
+        await deny(_request, context)
+        yield  # never reached: an async generator, for the streamed replies
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
 # -- client side -------------------------------------------------------------------

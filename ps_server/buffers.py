@@ -15,13 +15,11 @@ At most ``keep`` free buffers of each size are kept, and no more than
 ``keep_bytes`` of them; more (a burst of concurrent pushes) are dropped for the
 garbage collector.
 
-    budget = ReceiveBudget(256 << 20)
-    if budget.acquire(nbytes, timeout): ...; budget.release(nbytes)
-
-``ReceiveBudget`` bounds the bytes of pushes being received at once: a push
-waits (holding no buffer yet) until the pushes in flight leave room, so a burst
-of a thousand workers' pushes costs the server that many bytes at most, not a
-thousand models. One push is always let in, however large.
+The bytes of pushes being received at once are bounded as well
+(``ps_server.aio.AsyncBudget``): a push waits, holding no buffer yet, until the
+pushes in flight leave room, so a burst of a thousand workers' pushes costs the
+server that many bytes at most, not a thousand models. One push is always let
+in, however large.
 """
 
 from __future__ import annotations
@@ -52,29 +50,3 @@ class BufferPool:
             free = self._free.setdefault(buffer.nbytes, [])
             if len(free) < min(self.keep, max(1, self.keep_bytes // max(1, buffer.nbytes))):
                 free.append(buffer)
-
-
-class ReceiveBudget:
-    """Bytes of pushes being received at once (module docstring). Thread-safe."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_use = 0
-        self.peak = 0
-        self._room = threading.Condition(threading.Lock())  # leaf lock
-
-    def acquire(self, nbytes: int, timeout: float, limit: int | None = None) -> bool:
-        """Wait until ``nbytes`` fit within ``limit`` (default: the budget's), or nothing else
-        is in flight; False after ``timeout`` s."""
-        limit = self.limit if limit is None else limit
-        with self._room:
-            if not self._room.wait_for(lambda: self.in_use == 0 or self.in_use + nbytes <= limit, timeout):
-                return False
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-            return True
-
-    def release(self, nbytes: int) -> None:
-        with self._room:
-            self.in_use -= nbytes
-            self._room.notify_all()

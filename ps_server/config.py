@@ -35,7 +35,7 @@ class ServerConfig:
     mode: str = "sync"
     num_workers: int = 1
     barrier_timeout: float = 60.0
-    threads: int = 0  # 0: sized from num_workers, see pool_threads
+    threads: int = 0  # 0: the default, see pool_threads
     port_file: str = ""
     log_level: str = "INFO"
     # Liveness: a worker silent for lease_timeout seconds is dead.
@@ -77,7 +77,9 @@ class ServerConfig:
     def pool_threads(self) -> int:
         # Up to num_workers handlers can sit in a barrier; keep room for pulls,
         # health checks and status calls beside them.
-        return self.threads or max(16, 2 * self.num_workers + 8)
+        # The threads that do the calls' work (ps_server.aio): a worker waiting at a barrier
+        # holds none, so the pool does not grow with the workers.
+        return self.threads or max(8, 4 * (os.cpu_count() or 1))
 
     @property
     def max_message_bytes(self) -> int:
@@ -92,11 +94,8 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         if not self.barrier_timeout > 0:
             raise ConfigError(f"--barrier-timeout must be > 0 seconds, got {self.barrier_timeout}")
-        if self.threads and self.threads <= self.num_workers:
-            raise ConfigError(
-                f"--threads {self.threads} would let {self.num_workers} workers blocked in a barrier "
-                f"starve every other call; use more than {self.num_workers}"
-            )
+        if self.threads and self.threads < 2:
+            raise ConfigError(f"--threads must be >= 2 (one call's work beside another's), got {self.threads}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not self.lease_timeout > 0:
@@ -151,7 +150,8 @@ class ServerConfig:
                        "(apply on arrival, nobody more than --staleness steps ahead of the slowest)")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
         p.add_argument("--barrier-timeout", type=float, help="seconds a sync round may wait for its last push (default 60)")
-        p.add_argument("--threads", type=int, help="gRPC handler threads (default max(16, 2N+8))")
+        p.add_argument("--threads", type=int, help="threads that do the calls' work; waiting calls hold none "
+                                                   "(default max(8, 4 x CPUs))")
         p.add_argument("--port-file", help="write the bound port to this file once serving")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
         p.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction,

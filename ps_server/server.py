@@ -38,12 +38,12 @@ import os
 import signal
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import wire
+from ps_server.aio import LoopServer
 from ps_server.config import ConfigError, ServerConfig
 from ps_common import security
 from ps_server.core import checkpoint
@@ -57,10 +57,10 @@ log = logging.getLogger("ps_server")
 
 @dataclasses.dataclass
 class RunningServer:
-    server: grpc.Server
+    server: LoopServer
     port: int
     core: ParameterServer
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     config: ServerConfig
     _stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     _ticker: threading.Thread | None = None
@@ -86,7 +86,7 @@ class RunningServer:
                                                   daemon=True)
             self._checkpointer.start()
         for service in ("", wire.SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self.server.call(self.health.set(service, health_pb2.HealthCheckResponse.SERVING))
         return self
 
     def _tick_leases(self) -> None:
@@ -129,8 +129,10 @@ class RunningServer:
         """Stop serving; with ``checkpoint`` (and a checkpoint_dir) write a final checkpoint
         once every call has ended, so it holds every update the server acknowledged."""
         self._stopping.set()
-        self.health.enter_graceful_shutdown()
+        if not self.server.loop.is_closed():
+            self.server.call(self.health.enter_graceful_shutdown())
         self.server.stop(grace).wait()
+        self.server.close()
         if self._ticker is not None:
             self._ticker.join(timeout=5.0)
         if self._checkpointer is not None:
@@ -174,22 +176,21 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
     )
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.pool_threads, thread_name_prefix="ps-rpc"),
+    server = LoopServer(
         options=wire.server_options(config.max_message_bytes, config.num_workers),
         # The token guards every call but the health check, reflection included.
-        interceptors=[security.TokenAuthInterceptor(token)] if token else None,
+        interceptors=[security.AsyncTokenAuthInterceptor(token)] if token else None,
+        pool_threads=config.pool_threads,
     )
     servicer = ParameterServerServicer(core, allow_shm=config.shm)
+    servicer.pool = server.pool
     serve_metrics = bool(config.metrics_port) if metrics_port is None else True
     metrics = Metrics(core) if serve_metrics else None
     add_to_server(servicer, server, traffic=metrics)
-    health_servicer = health.HealthServicer()
-    for service in ("", wire.SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = server.call(_health_servicer())
+    server.run(lambda: health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server.server))
     if config.reflection:
-        enable_reflection(server)
+        server.run(lambda: enable_reflection(server.server))
     host = config.host if ":" not in config.host or config.host.startswith("[") else f"[{config.host}]"
     try:
         if credentials is None:
@@ -197,8 +198,10 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         else:
             port = server.add_secure_port(f"{host}:{config.port}", credentials)
     except RuntimeError as e:
+        server.close()
         raise ConfigError(f"cannot bind {config.host}:{config.port}: {e}") from None
     if port == 0:
+        server.close()
         raise ConfigError(f"cannot bind {config.host}:{config.port} (in use, or not an address of this host)")
     log.info("%s", describe(config, port, tls=credentials is not None, token=token is not None))
     try:
@@ -209,7 +212,8 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
                                     else metrics_port)
             log.info("metrics: %s (plain HTTP, no token)", endpoint.url)
     except ConfigError:
-        server.stop(None)  # release the gRPC port bound above
+        server.stop(None).wait()  # release the gRPC port bound above
+        server.close()
         raise
     log.debug("same-host shared memory: %s", "accepted from workers that ask" if config.shm else "refused (--no-shm)")
     if token and credentials is None:
@@ -217,6 +221,14 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
                     "the traffic can read it (add --tls-cert-file/--tls-key-file except on loopback)")
     return RunningServer(server, port, core, health_servicer, config, last_checkpoint_version=restored,
                          servicer=servicer, metrics=endpoint)
+
+
+async def _health_servicer() -> health.aio.HealthServicer:
+    """grpc_health's servicer for grpc.aio, made on the loop (its conditions belong to it)."""
+    servicer = health.aio.HealthServicer()
+    for service in ("", wire.SERVICE_NAME):
+        await servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
 
 
 def describe(config: ServerConfig, port: int, tls: bool, token: bool) -> str:

@@ -19,6 +19,7 @@ or foreign segment, an offset or size that does not fit) is FAILED_PRECONDITION
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -35,12 +36,13 @@ from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
-from ps_server.core.overlap import HELD_BYTES
+from ps_server.core.overlap import HELD_BYTES, NOT_YET
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.sparse import SparseRows
-from ps_server.buffers import BufferPool, ReceiveBudget
+from ps_server.aio import AsyncBudget, settled
+from ps_server.buffers import BufferPool
 
 log = logging.getLogger("ps_server.service")
 
@@ -170,6 +172,91 @@ def _handled(method):
     return wrapper
 
 
+def _handled_async(method):
+    """``_handled`` for a handler that awaits (``ps_server.aio``)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{method.__name__}: the request is not a valid {request.message_type}: "
+                                f"{request.error}")
+        try:
+            return await method(self, request, context)
+        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
+            code = status_code_for(e)
+            log.info("%s refused: %s: %s", method.__name__, code.name, e)
+            await context.abort(code, str(e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # a bug: say so, but never as UNKNOWN
+            log.exception("%s failed unexpectedly", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def _handled_stream(method):
+    """``_handled`` for a handler that is an async generator (a streamed reply)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request_iterator, context):
+        try:
+            async for reply in method(self, request_iterator, context):
+                yield reply
+        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
+            code = status_code_for(e)
+            log.info("%s refused: %s: %s", method.__name__, code.name, e)
+            await context.abort(code, str(e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # a bug: say so, but never as UNKNOWN
+            log.exception("%s failed unexpectedly", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
+    """``Speculation.wait`` awaited: the block's values, or None when they will not come."""
+    loop = asyncio.get_running_loop()
+    while True:
+        changed = loop.create_future()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(lambda: changed.done() or changed.set_result(None))
+        spec.listen(wake)  # before looking, so that no change between the two is missed
+        got = spec.peek(name, block, reading.done())
+        if got is not NOT_YET:
+            return got
+        reading.add_done_callback(lambda _: changed.done() or changed.set_result(None))
+        try:
+            await asyncio.wait_for(changed, 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _header(request_iterator, method: str) -> pb.PushHeader:
+    """``_push_header`` of an async request stream."""
+    first = None
+    async for first in request_iterator:
+        break
+    return _push_header(iter(() if first is None else (first,)), method)
+
+
+async def _received_async(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str,
+                          on_bytes=None) -> dict[str, np.ndarray]:
+    """``_received`` of an async request stream; ``on_bytes(received)`` after each message."""
+    assembler = stream.Assembler(layout, buffer)
+    async for chunk in request_iterator:
+        assembler.feed(_data(chunk, method))
+        if on_bytes is not None:
+            await on_bytes(assembler.received)
+    return assembler.arrays()
+
+
 def _none_as_zero(x):
     return 0 if x is None else x
 
@@ -258,7 +345,7 @@ def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
     return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
 
 
-# Bytes of streamed pushes the server receives at once (``ps_server.buffers.ReceiveBudget``):
+# Bytes of streamed pushes the server receives at once (``ps_server.aio.AsyncBudget``):
 # at least two pushes (two cores keep busy copying them in), at least RECEIVE_BYTES. A sync
 # round speculated by PushPull holds every push whole (at most core.overlap.HELD_BYTES of
 # them): for pushes of that size the budget takes them all.
@@ -289,23 +376,19 @@ class _Loan:
         self._servicer.receiving.release(self.nbytes)
 
 
-def _received(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str) -> dict[str, np.ndarray]:
-    """A push's data messages, copied into ``buffer``; its gradients as views of it. A
-    function of its own, so that no chunk outlives it in a frame that waits."""
-    assembler = stream.Assembler(layout, buffer)
-    for chunk in request_iterator:
-        assembler.feed(_data(chunk, method))
-    return assembler.arrays()
-
-
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, core: ParameterServer, chunk_bytes: int | None = None, allow_shm: bool = True):
         self.core = core
         self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
         self.buffers = BufferPool(keep=max(4, 2 * core.num_workers), keep_bytes=RECEIVE_BYTES // 2)
-        self.receiving = ReceiveBudget(RECEIVE_BYTES)
+        self.receiving = AsyncBudget(RECEIVE_BYTES)
+        self.pool = None  # the server's thread pool (ps_server.aio.LoopServer.pool): the work of a call
         self.allow_shm = allow_shm
         self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped
+
+    async def _work(self, fn, *args):
+        """``fn(*args)`` on the pool: everything that computes or takes a core lock."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     def _segment(self, worker_id: int, role: str, name: str, writable: bool) -> shm.Mapping:
         """A worker's segment, mapped; ShmError when this server does not take it."""
@@ -370,9 +453,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.PullResponse(version=version, variables=codec.encode_many(values),
                                incarnation=self.core.incarnation)
 
-    @_handled
-    def PullStream(self, request, context):
-        # Everything that can fail happens here, before the first message.
+    @_handled_stream
+    async def PullStream(self, request, context):
+        # Everything that can fail happens before the first message (on the pool: it reads
+        # the store and may write a shared-memory segment).
+        header, arrays = await self._work(self._pull_prepared, request)
+        yield pb.PullChunk(header=header)
+        for chunk in stream.chunk_buffers(arrays, self.chunk_bytes):
+            yield chunk
+
+    def _pull_prepared(self, request) -> tuple[pb.PullHeader, list[np.ndarray]]:
+        """The header of a PullStream and the arrays its data messages carry (none when they
+        went through the worker's shared-memory segment)."""
         version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
         wire = {name: stream.to_wire(a) for name, a in values.items()}
         header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
@@ -384,18 +476,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 shm.write(segment, arrays, offsets)
                 header.shm = True
                 header.shm_offsets.extend(offsets)
-                return iter([pb.PullChunk(header=header)])
+                return header, []
             header.shm_bytes_needed = needed  # too small: streamed this time
-        return self._pull_chunks(header, list(arrays.values()))
+        return header, list(arrays.values())
 
-    def _pull_chunks(self, header: pb.PullHeader, arrays: list[np.ndarray]):
-        yield pb.PullChunk(header=header)
-        yield from stream.chunk_buffers(arrays, self.chunk_bytes)
+    @_handled_async
+    async def Push(self, request, context):
+        result = await settled(await self._work(self._submit_unary, request))
+        return await self._work(self._push_reply, request, result)
 
-    @_handled
-    def Push(self, request, context):
+    def _submit_unary(self, request):
         gradients = _sparse(self._widen_half(codec.decode_many(request.gradients)), request.gradients)
-        result = self.core.push(
+        return self.core.submit(
             Push(
                 worker_id=request.worker_id,
                 step=request.step,
@@ -407,6 +499,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 set_learning_rate=request.set_learning_rate,
             )
         )
+
+    def _push_reply(self, request, result) -> pb.PushResponse:
         reply = convert.PUSH_REPLY.to_wire(result)
         if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
@@ -421,31 +515,39 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         core = self.core
         return core.mode_name == "sync" and core.replicas_to_aggregate in (0, core.num_workers)
 
-    @_handled
-    def PushStream(self, request_iterator, context):
-        h = _push_header(request_iterator, "PushStream")
+    @_handled_async
+    async def PushStream(self, request_iterator, context):
+        h = await _header(request_iterator, "PushStream")
         layout = stream.Layout.of(h.gradients)
         if h.shm_offsets and not h.shm_name:
             raise codec.CodecError("PushStream: shm_offsets without shm_name")
         metrics = codec.decode_many(h.metrics)  # small: whole in the header
-        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
-                             sparse=_sparse_names(h.gradients), metrics=metrics,
-                             set_learning_rate=h.set_learning_rate)
+        await self._work(self._check, h, layout, metrics)
         if h.shm_name:
-            return self._push_from_segment(h, layout, metrics, request_iterator)
-        loan = self._lend(layout.nbytes, context)
+            rest = [chunk async for chunk in request_iterator]
+            ticket = await self._work(self._push_from_segment, h, layout, metrics, iter(rest))
+            return convert.PUSH_REPLY.to_wire(await settled(ticket))
+        loan = await self._lend(layout.nbytes, context)
         try:
-            loan.gradients = _sparse(self._widen_half(_received(layout, loan.buffer, request_iterator,
-                                                                "PushStream")), h.gradients)
-            result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
-                                         batch_size=h.batch_size, gradients=loan.gradients, loss=h.loss,
-                                         metrics=metrics, set_learning_rate=h.set_learning_rate),
-                                    consumed=loan.give_back)
-        finally:  # the core keeps no reference to the gradients once push returns
+            loan.gradients = _sparse(self._widen_half(
+                await _received_async(layout, loan.buffer, request_iterator, "PushStream")), h.gradients)
+            ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
+            result = await settled(ticket)
+        finally:  # the core keeps no reference to the gradients once its ticket is settled
             loan.give_back()
         return convert.PUSH_REPLY.to_wire(result)
 
-    def _lend(self, nbytes: int, context) -> "_Loan":
+    def _check(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict) -> None:
+        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
+                             sparse=_sparse_names(h.gradients), metrics=metrics,
+                             set_learning_rate=h.set_learning_rate)
+
+    @staticmethod
+    def _push_of(h: pb.PushHeader, gradients, metrics: dict) -> Push:
+        return Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
+                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate)
+
+    async def _lend(self, nbytes: int, context) -> "_Loan":
         """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
         Busy when the pushes in flight leave no room before the call's deadline."""
         remaining = context.time_remaining() if context is not None else None
@@ -453,62 +555,73 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         limit = max(self.receiving.limit, 2 * nbytes)
         if nbytes * self.core.num_workers <= HELD_BYTES:
             limit = max(limit, nbytes * self.core.num_workers)  # a round PushPull may speculate
-        if not self.receiving.acquire(nbytes, wait, limit):
+        if not await self.receiving.acquire(nbytes, wait, limit):
             raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other pushes, its "
                               f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "
                               "nothing applied, push again")
         return _Loan(self, nbytes, self.buffers.acquire(nbytes))
 
-    @_handled
-    def PushPull(self, request_iterator, context):
+    @_handled_stream
+    async def PushPull(self, request_iterator, context):
         """PushStream whose reply streams each variable's new value back as soon as every
-        participant's gradient for it is in (``core.overlap``): the push is read on a
-        thread of its own, offering each variable as its bytes complete, while this
-        handler's replies send the speculated values in the push's order; the last reply
-        is the push's answer and whether those values are the round's (``confirmed``)."""
-        h = _push_header(request_iterator, "PushPull")
+        participant's gradient for it is in (``core.overlap``): the push is read by a task of
+        its own, offering each variable as its bytes complete, while this handler's replies
+        send the speculated values in the push's order; the last reply is the push's answer
+        and whether those values are the round's (``confirmed``)."""
+        h = await _header(request_iterator, "PushPull")
         if h.shm_name or h.shm_offsets:
             raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
         layout = stream.Layout.of(h.gradients)
         metrics = codec.decode_many(h.metrics)
         sparse = _sparse_names(h.gradients)
-        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
-                             sparse=sparse, metrics=metrics, set_learning_rate=h.set_learning_rate)
+        await self._work(self._check, h, layout, metrics)
         names = [e.name for e in layout.entries]
-        spec = self.core.overlap(h.worker_id, h.step, h.batch_size, {e.name: (e.dtype, e.shape) for e in layout.entries},
-                                 h.set_learning_rate, bool(sparse))
+        spec = await self._work(self.core.overlap, h.worker_id, h.step, h.batch_size,
+                                {e.name: (e.dtype, e.shape) for e in layout.entries}, h.set_learning_rate,
+                                bool(sparse))
         specs = self.core.store.specs()
         values_header = pb.PullHeader(variables=[
             pb.TensorMeta(name=n, dtype=codec.dtype_code(specs[n][0]), shape=list(specs[n][1])) for n in names])
-        done, outcome = threading.Event(), {}
-        loan = self._lend(layout.nbytes, context)
+        loan = await self._lend(layout.nbytes, context)
+        reading = asyncio.ensure_future(self._push_pull_read(h, layout, metrics, loan, request_iterator, spec))
+        try:
+            yield pb.PushPullChunk(header=values_header)
+            sent_all = spec is not None
+            if spec is not None:
+                for name, b in ((n, b) for n in names for b in range(len(spec.layout[n]))):
+                    rows = await _speculated(spec, name, b, reading)
+                    if rows is None:
+                        sent_all = False
+                        break
+                    for chunk in stream.chunk_buffers([stream.to_wire(rows)[1]], self.chunk_bytes):
+                        yield chunk
+            result = await reading
+            reply = convert.PUSH_REPLY.to_wire(result)
+            reply.incarnation = self.core.incarnation
+            confirmed = sent_all and spec.confirmed and not (result.dropped or result.replayed)
+            yield pb.PushPullChunk(done=reply, confirmed=confirmed)
+        finally:
+            if not reading.done():
+                reading.cancel()
 
-        def read() -> None:
-            try:
-                loan.gradients = _sparse(self._widen_half(self._received_offering(
-                    layout, loan.buffer, request_iterator, spec, h.worker_id)), h.gradients)
-                outcome["result"] = self.core.push(Push(
-                    worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
-                    gradients=loan.gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate),
-                    consumed=loan.give_back)
-            except BaseException as e:  # answered by the replies below
-                outcome["error"] = e
-            finally:  # the core keeps no reference to the gradients once push returns
-                loan.give_back()
-                done.set()
-                if spec is not None:
-                    spec.wake()
+    async def _push_pull_read(self, h, layout, metrics, loan, request_iterator, spec):
+        try:
+            if spec is None:
+                arrays = await _received_async(layout, loan.buffer, request_iterator, "PushPull")
+            else:
+                arrays = await self._received_offering(layout, loan.buffer, request_iterator, spec, h.worker_id)
+            loan.gradients = _sparse(self._widen_half(arrays), h.gradients)
+            ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
+            return await settled(ticket)
+        finally:  # the core keeps no reference to the gradients once its ticket is settled
+            loan.give_back()
+            if spec is not None:
+                spec.wake()
 
-        threading.Thread(target=read, name=f"push-pull-{h.worker_id}", daemon=True).start()
-        return self._push_pull_replies(values_header, names, spec, done, outcome, context)
-
-    def _received_offering(self, layout: stream.Layout, buffer: np.ndarray, request_iterator, spec,
-                           worker_id: int) -> dict[str, np.ndarray]:
+    async def _received_offering(self, layout: stream.Layout, buffer: np.ndarray, request_iterator, spec,
+                                 worker_id: int) -> dict[str, np.ndarray]:
         """``_received``, offering each block of each gradient to the round's speculation as
         soon as its bytes are in (the arrays are views of the buffer the bytes fill)."""
-        if spec is None:
-            return _received(layout, buffer, request_iterator, "PushPull")
-        assembler = stream.Assembler(layout, buffer)
         pending, fulls = [], {}  # (the byte at which a block is complete, name, block, array)
         for e in layout.entries:
             full = fulls[e.name] = np.frombuffer(buffer, e.dtype, count=math.prod(e.shape),
@@ -518,58 +631,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 end = e.offset + (e.nbytes if rows is None else rows[1] * row_bytes)
                 pending.append((end, e.name, b, full))
         pending.reverse()
-        for chunk in request_iterator:
-            assembler.feed(_data(chunk, "PushPull"))
-            while pending and pending[-1][0] <= assembler.received:
+
+        async def offer(received: int) -> None:
+            while pending and pending[-1][0] <= received:
                 _, name, b, full = pending.pop()
-                self.core.offer(spec, worker_id, name, b, full)
-        assembler.arrays()  # raises unless every byte the header announced arrived
+                await self._work(self.core.offer, spec, worker_id, name, b, full)
+
+        await _received_async(layout, buffer, request_iterator, "PushPull", on_bytes=offer)
         return fulls  # the very arrays offered: the round confirms by their identity
 
-    def _push_pull_replies(self, values_header, names, spec, done, outcome, context):
-        sent_all = spec is not None
-        try:
-            yield pb.PushPullChunk(header=values_header)
-            if spec is not None:
-                for name, b in ((n, b) for n in names for b in range(len(spec.layout[n]))):
-                    rows = spec.wait(name, b, done)
-                    if rows is None:
-                        sent_all = False
-                        break
-                    yield from stream.chunk_buffers([stream.to_wire(rows)[1]], self.chunk_bytes)
-            done.wait()
-            error = outcome.get("error")
-            if error is not None:
-                raise error
-            result = outcome["result"]
-            reply = convert.PUSH_REPLY.to_wire(result)
-            reply.incarnation = self.core.incarnation
-            confirmed = sent_all and spec.confirmed and not (result.dropped or result.replayed)
-            yield pb.PushPullChunk(done=reply, confirmed=confirmed)
-        except (errors.PSError, codec.CodecError) as e:
-            code = status_code_for(e)
-            log.info("PushPull refused: %s: %s", code.name, e)
-            context.abort(code, str(e))
-        except grpc.RpcError:
-            raise
-        except Exception as e:  # a bug: say so, but never as UNKNOWN
-            log.exception("PushPull failed unexpectedly")
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in PushPull: {type(e).__name__}: {e}")
-
-    def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict,
-                           rest) -> pb.PushResponse:
+    def _push_from_segment(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict, rest):
         """A push whose gradients lie in the worker's segment: checked whole, then applied
-        from read-only views of it. The core keeps no reference once push returns, and the
-        worker leaves the segment alone until then."""
+        from read-only views of it; its ticket. The core keeps no reference once the ticket
+        is settled, and the worker leaves the segment alone until then."""
         if next(rest, None) is not None:
             raise codec.CodecError("PushStream: a push through shared memory (shm_name) carries no data messages")
         segment = self._segment(h.worker_id, "push", h.shm_name, writable=False)
         raw = shm.views(segment, layout.entries, list(h.shm_offsets))
         gradients = _sparse(self._widen_half(stream.widened(layout.entries, raw)), h.gradients)
-        result = self.core.push(Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version,
-                                     batch_size=h.batch_size, gradients=gradients, loss=h.loss,
-                                     metrics=metrics, set_learning_rate=h.set_learning_rate))
-        return convert.PUSH_REPLY.to_wire(result)
+        return self.core.submit(self._push_of(h, gradients, metrics))
 
     def _widen_half(self, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """float16 gradients of float32 variables widened (bfloat16 ones already are, by the
@@ -600,12 +680,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.core.heartbeat(request.worker_id, request.step)
         return pb.HeartbeatResponse(lease_timeout_s=self.core.members.lease_timeout, incarnation=self.core.incarnation)
 
-    @_handled
-    def Broadcast(self, request, context):
-        # Blocks a non-chief for at most the barrier timeout; the thread pool is sized
-        # for every worker to wait at once (as at the barrier).
-        value = self.core.broadcast(request.worker_id, request.key, request.value, request.timeout_s)
-        return pb.BroadcastResponse(value=value)
+    @_handled_async
+    async def Broadcast(self, request, context):
+        # A non-chief waits, holding no thread, for at most the barrier timeout.
+        ticket = await self._work(self.core.submit_broadcast, request.worker_id, request.key, request.value,
+                                  request.timeout_s)
+        return pb.BroadcastResponse(value=await settled(ticket))
 
     @_handled
     def Status(self, request, context):

@@ -75,5 +75,5 @@ class WorkerDead(PSError):
 
 class Busy(PSError):
     """The server could not take a push's bytes in time: the pushes it was receiving
-    already filled its receive budget (``ps_server.buffers.ReceiveBudget``). Nothing
+    already filled its receive budget (``ps_server.aio.AsyncBudget``). Nothing
     was applied; the push may be sent again."""

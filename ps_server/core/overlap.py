@@ -58,6 +58,7 @@ BLOCK_BYTES = 512 << 10
 # A speculated round holds every push: at most this many bytes of them (module docstring).
 HELD_BYTES = 256 << 20
 _NO_COUNT = object()  # the state of a non-trainable variable has no update count
+NOT_YET = object()  # Speculation.peek: the block is still to come
 
 
 def blocks(shape: Sequence[int], itemsize: int, whole: bool = False) -> list[tuple[int, int] | None]:
@@ -88,6 +89,7 @@ class Speculation:
         self.abandoned = False
         self.confirmed = False
         self._cond = threading.Condition()
+        self._listeners: list = []  # called once at the next change (``listen``)
 
     def compute(self, name: str, block: int, store, contributions: Sequence[tuple[int, np.ndarray]],
                 sizes: Sequence[int]) -> None:
@@ -108,7 +110,7 @@ class Speculation:
         except (PSError, ValueError, TypeError, KeyError, ArithmeticError):
             with self._cond:
                 self.failed.add(name)
-                self._cond.notify_all()
+                self._notify()
             return
         with self._cond:
             entry = self.partial.get(name)
@@ -129,7 +131,32 @@ class Speculation:
             if not same:
                 self.failed.add(name)  # the blocks of one variable came from different pushes
             self.done[name].add(block)
-            self._cond.notify_all()
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wake the waiters and call the listeners (condition held)."""
+        self._cond.notify_all()
+        listeners, self._listeners = self._listeners, []
+        for fn in listeners:
+            fn()
+
+    def listen(self, fn) -> None:
+        """Call ``fn()`` (it must not block) at the next change of this speculation."""
+        with self._cond:
+            self._listeners.append(fn)
+
+    def peek(self, name: str, block: int, push_done: bool):
+        """``wait`` without waiting: the block's values, None, or NOT_YET."""
+        rows = self.layout[name][block]
+        with self._cond:
+            if name in self.failed:
+                return None
+            if block in self.done[name]:
+                value = self.partial[name][0]
+                return value if rows is None else value[rows[0]:rows[1]]
+            if self.abandoned or (push_done and (name, block) not in self.computing):
+                return None
+            return NOT_YET
 
     def wait(self, name: str, block: int, push_done: threading.Event, poll: float = 0.25) -> np.ndarray | None:
         """The speculated new values of ``name``'s block once computed; None when they will
@@ -172,8 +199,8 @@ class Speculation:
         with self._cond:
             self.confirmed = confirmed
             self.abandoned = not confirmed
-            self._cond.notify_all()
+            self._notify()
 
     def wake(self) -> None:
         with self._cond:
-            self._cond.notify_all()
+            self._notify()

@@ -7,14 +7,15 @@ at once stay within the server's receive budget.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 
 import grpc
 import numpy as np
 import pytest
 
-from ps_server.buffers import BufferPool, ReceiveBudget
+from ps_server.aio import AsyncBudget
+from ps_server.buffers import BufferPool
 
 SGD = {"name": "sgd", "learning_rate": 1.0}
 
@@ -39,8 +40,9 @@ def test_waiting_streamed_pushes_hold_no_receive_buffer_until_their_round_ends(p
     calls = [bg(clients[w].push, w, 0, 0, 1, grads[w]) for w in range(1, n)]
     core = running.core
     _wait_until(lambda: core.mode.status().waiting_for == (0,))
-    # Three pushes wait at the barrier; none of them holds its bytes any more.
-    assert running.servicer.receiving.in_use == 0
+    # Three pushes wait at the barrier; none of them holds its bytes any more (the budget is
+    # given back on the event loop, a moment after the fold).
+    _wait_until(lambda: running.servicer.receiving.in_use == 0, timeout=5)
     clients[0].push(0, 0, 0, 1, grads[0])
     for call in calls:
         call.result(timeout=30)
@@ -49,19 +51,20 @@ def test_waiting_streamed_pushes_hold_no_receive_buffer_until_their_round_ends(p
 
 
 def test_the_receive_budget_lets_one_push_in_however_large_and_bounds_the_rest():
-    budget = ReceiveBudget(100)
-    assert budget.acquire(500, timeout=0)  # alone: let in
-    assert not budget.acquire(1, timeout=0.05)  # full
-    budget.release(500)
-    assert budget.acquire(60, timeout=0) and budget.acquire(40, timeout=0)
-    waiter_got = []
-    t = threading.Thread(target=lambda: waiter_got.append(budget.acquire(50, timeout=10)))
-    t.start()
-    time.sleep(0.05)
-    assert waiter_got == []  # 60 + 40 + 50 > 100: waits
-    budget.release(60)
-    t.join(5)
-    assert waiter_got == [True] and budget.in_use == 90 and budget.peak == 500
+    async def scenario():
+        budget = AsyncBudget(100)
+        assert await budget.acquire(500, timeout=0)  # alone: let in
+        assert not await budget.acquire(1, timeout=0.05)  # full
+        budget.release(500)
+        assert await budget.acquire(60, timeout=0) and await budget.acquire(40, timeout=0)
+        waiter = asyncio.ensure_future(budget.acquire(50, timeout=10))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # 60 + 40 + 50 > 100: waits, holding no thread
+        await asyncio.get_running_loop().run_in_executor(None, budget.release, 60)  # from another thread
+        assert await asyncio.wait_for(waiter, 5)
+        assert budget.in_use == 90 and budget.peak == 500
+
+    asyncio.run(scenario())
 
 
 def test_the_buffer_pool_keeps_at_most_keep_bytes_of_free_buffers_of_a_size():
@@ -77,7 +80,7 @@ def test_a_push_that_finds_no_room_in_time_is_refused_as_unavailable_and_changes
     client.register(0, 1)
     values = {"w": np.zeros(400_000, np.float32)}
     client.initialize(0, values, SGD)
-    running.servicer.receiving.acquire(1 << 40, timeout=0)  # something huge in flight, leaving no room
+    assert running.server.call(running.servicer.receiving.acquire(1 << 40, timeout=0))  # huge: no room left
     client_timeout = 2.0
     from worker.client import PSClient
     short = PSClient(running.address, timeout=client_timeout)
