@@ -34,17 +34,19 @@ Guarantees:
 numba is imported, and each kernel compiled for a dtype, on first use (about
 0.1 s to import; compiled code is cached beside this file, or in numba's user
 cache where that is read-only), so importing the server stays quick. The loops
-release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements a kernel runs on
-``THREADS`` threads, each on its own contiguous share of the elements:
-elementwise, so the bits do not depend on the split.
+release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements a call is cut into
+contiguous chunks that the calling thread and ``THREADS - 1`` helper threads take
+in turn: elementwise, so the bits do not depend on the cut. The caller takes
+chunks too, so where the helpers are busy or not scheduled (other work on a
+shared machine) it does them all itself instead of waiting.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -54,12 +56,13 @@ ENABLED = os.environ.get("TFPS_KERNELS", "").lower() not in ("numpy", "0", "off"
 # thread's hand-off (tens of microseconds) costs more than it saves.
 THREADS = max(1, min(2, os.cpu_count() or 1))
 THREAD_MIN_ELEMENTS = 1 << 20  # 4 MiB of float32
+CHUNK_MIN_ELEMENTS = 1 << 18  # a split call's chunks: at most 4 per thread, none smaller than this
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _lock = threading.Lock()
 _compiled: dict | None = None  # name -> numba dispatcher, once numba imported
 _unavailable = False
-_pool: ThreadPoolExecutor | None = None
+_queues: list = []  # the helper threads' (see _helpers)
 
 
 def available() -> bool:
@@ -112,26 +115,79 @@ def _disable(why: str) -> None:
 
 def _fill(loop, flat: list, scalars: tuple, outs: list) -> None:
     n = flat[0].size
-    if THREADS > 1 and n >= THREAD_MIN_ELEMENTS:
-        bounds = [n * k // THREADS for k in range(THREADS + 1)]
-        parts = [(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
-        futures = [_executor().submit(loop, *(x[lo:hi] for x in flat), *scalars, *(o[lo:hi] for o in outs))
-                   for lo, hi in parts[1:]]
-        lo, hi = parts[0]
-        loop(*(x[lo:hi] for x in flat), *scalars, *(o[lo:hi] for o in outs))
-        for f in futures:
-            f.result()
-    else:
+    if THREADS < 2 or n < THREAD_MIN_ELEMENTS:
         loop(*flat, *scalars, *outs)
+        return
+    chunks = max(THREADS, min(4 * THREADS, n // CHUNK_MIN_ELEMENTS))
+    bounds = [n * k // chunks for k in range(chunks + 1)]
+    split = _Split(lambda lo, hi: loop(*(x[lo:hi] for x in flat), *scalars, *(o[lo:hi] for o in outs)),
+                   list(zip(bounds, bounds[1:])))
+    for q in _helpers():
+        q.put(split)
+    split.work(helper=False)
+    split.wait()
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
+class _Split:
+    """One call's chunks, taken in turn by the caller and the helper threads.
+
+    The caller works too and takes whatever chunk is next, so where the helpers are
+    busy or not scheduled (a shared machine) it does every chunk itself and waits for
+    none; it waits only for chunks a helper has taken and not finished."""
+
+    def __init__(self, run, chunks: list[tuple[int, int]]):
+        self.run, self.chunks = run, chunks
+        self.lock = threading.Lock()  # guards next, running; held for no loop
+        self.next = 0
+        self.running = 0  # helpers inside work() that have taken a chunk
+        self.finished = threading.Condition(self.lock)
+        self.error: BaseException | None = None
+
+    def work(self, helper: bool) -> None:
+        took = False
+        try:
+            while True:
+                with self.lock:
+                    k = self.next
+                    if k >= len(self.chunks):
+                        return
+                    self.next += 1
+                    if helper and not took:
+                        took = True
+                        self.running += 1
+                try:
+                    self.run(*self.chunks[k])
+                except BaseException as e:  # raised in the caller by wait()
+                    self.error = e
+        finally:
+            if took:
+                with self.lock:
+                    self.running -= 1
+                    self.finished.notify_all()
+
+    def wait(self) -> None:
+        with self.lock:  # next is past the last chunk: no helper takes one from now on
+            while self.running:
+                self.finished.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def _helpers() -> list:
+    """The queues of THREADS - 1 daemon threads, each running ``split.work`` for what it is handed."""
+    global _queues
+    if len(_queues) != THREADS - 1:
         with _lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="tfps-kernel")
-    return _pool
+            while len(_queues) < THREADS - 1:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=_helper, args=(q,), name=f"tfps-kernel-{len(_queues)}", daemon=True).start()
+                _queues.append(q)
+    return _queues[:THREADS - 1]
+
+
+def _helper(q: queue.SimpleQueue) -> None:
+    while True:
+        q.get().work(helper=True)
 
 
 def _scalars(dtype, *values) -> tuple:
