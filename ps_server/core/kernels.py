@@ -31,10 +31,12 @@ Guarantees:
   float16 arithmetic on CPU), or an array that is not C-contiguous. The NumPy
   step then computes the same bits, more slowly.
 
-numba is imported, and each kernel compiled for a dtype, on first use (about
-0.1 s to import; compiled code is cached beside this file, or in numba's user
-cache where that is read-only), so importing the server stays quick. The loops
-release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements a call is cut into
+numba is imported, and each kernel compiled for a dtype, on first use, so
+importing the server stays quick; the process' first fused step pays for it once
+(0.3-0.6 s on a quiet machine: numba's import and its typing registries; a
+kernel's compiled code is cached beside this file, or in numba's user cache where
+that is read-only, so later processes skip the ~0.2 s compile of each). The loops
+release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements (16 MiB of float32) a call is cut into
 contiguous chunks that the calling thread and ``THREADS - 1`` helper threads take
 in turn: elementwise, so the bits do not depend on the cut. The caller takes
 chunks too, so where the helpers are busy or not scheduled (other work on a
@@ -52,10 +54,12 @@ import numpy as np
 
 # Read on every call, so a test (or an operator) can switch the fused path off.
 ENABLED = os.environ.get("TFPS_KERNELS", "").lower() not in ("numpy", "0", "off")
-# Threads per kernel call for large arrays; 1 disables. Below the threshold a second
-# thread's hand-off (tens of microseconds) costs more than it saves.
-THREADS = max(1, min(2, os.cpu_count() or 1))
-THREAD_MIN_ELEMENTS = 1 << 20  # 4 MiB of float32
+# Threads per kernel call for large arrays (TFPS_KERNEL_THREADS; 1: none). Measured on
+# 2 shared cores (BENCHMARKS.md): a second thread gains ~25 % at 64 MiB, where the step
+# is bound by memory traffic, and loses below 16 MiB, where its hand-off (tens of
+# microseconds, more when the other core is busy) costs more than it saves.
+THREADS = max(1, int(os.environ.get("TFPS_KERNEL_THREADS", min(2, os.cpu_count() or 1))))
+THREAD_MIN_ELEMENTS = 1 << 22  # 16 MiB of float32
 CHUNK_MIN_ELEMENTS = 1 << 18  # a split call's chunks: at most 4 per thread, none smaller than this
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -76,11 +80,18 @@ def _loops() -> dict | None:
         with _lock:
             if _compiled is None and not _unavailable:
                 try:
-                    _compiled = _define_loops()
+                    try:
+                        _compiled = _define_loops(cache=True)
+                    except ImportError:
+                        raise
+                    except Exception:  # numba finds no writable cache directory: compile in each process
+                        _compiled = _define_loops(cache=False)
                 except ImportError as e:  # not installed (silently), or not for this NumPy (said)
                     _unavailable = True
                     if getattr(e, "name", None) != "numba":
                         _disable(str(e))
+                except Exception as e:
+                    _disable(f"{type(e).__name__}: {e}")
     return None if _unavailable else _compiled
 
 
@@ -254,12 +265,12 @@ def lion(w, g, m, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, lr):
     return _run("lion", (w, g, m), scalars, 2)
 
 
-def _define_loops() -> dict:
+def _define_loops(cache: bool) -> dict:
     """The loops, one per variant (no branch on an option inside a loop, so LLVM
     vectorizes each). Arguments: the inputs, the scalars, then the outputs, all 1-D."""
     import numba
 
-    njit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
+    njit = numba.njit(nogil=True, cache=cache, error_model="numpy", fastmath=False)
 
     def maximum(a, b):  # np.maximum's scalar rule: a NaN on either side wins
         return a if (a >= b or a != a) else b

@@ -186,3 +186,19 @@ def test_without_numba_or_with_tfps_kernels_numpy_the_step_has_the_same_bits(how
     w = np.linspace(-1, 1, 11, dtype=np.float32)
     value, state = opt.apply(w, w[::-1].copy(), opt.init_state(w))  # here: fused where numba is installed
     assert run.stdout == value.tobytes().hex() + state["v_hat"].tobytes().hex()
+
+
+@needs_numba
+def test_where_numba_can_cache_nothing_the_kernels_compile_uncached(monkeypatch):
+    define = kernels._define_loops
+
+    def no_cache_directory(cache):
+        if cache:
+            raise RuntimeError("cannot cache function 'sgd': no locator available for file 'kernels.py'")
+        return define(cache)
+
+    monkeypatch.setattr(kernels, "_define_loops", no_cache_directory)
+    monkeypatch.setattr(kernels, "_compiled", None)
+    w = np.ones(3, np.float32)
+    (value,) = kernels.sgd(w, w, np.float32(0.5))
+    assert value.tolist() == [0.5, 0.5, 0.5]
