@@ -8,7 +8,8 @@
         new_w, new_m, new_v, new_v_hat = fused
 
 The ``_step`` methods of ``ps_server.core.optimizers`` (SGD, Adam/AdamW, Adagrad,
-RMSprop) and ``ps_server.core.more_optimizers`` (Adamax, Lion) call these first
+RMSprop) and ``ps_server.core.more_optimizers`` (Adamax, Nadam, Lion; not Ftrl,
+whose power has no exact twin here) call these first
 and run their NumPy ufuncs only when the answer is None. A NumPy step is one
 ufunc per operation, each a full pass over memory (an Adam step is ten); a
 kernel here reads each input once and writes each output once, in one loop
@@ -259,6 +260,16 @@ def adamax(w, g, m, u, one_minus_beta_1, beta_2, epsilon, one_minus_beta_1_power
     return _run("adamax", (w, g, m, u), scalars, 3)
 
 
+def nadam(w, g, m, v, one_minus_beta_1, one_minus_beta_2, u_t_1, one_minus_u_product_t_1, one_minus_u_t,
+          one_minus_u_product_t, one_minus_beta_2_power, epsilon, lr):
+    """``m + (g - m)*(1-b1)``, ``v + (g*g - v)*(1-b2)``;
+    ``m_hat = (m*u_t_1) / (1 - u_prod_t_1) + (g*(1 - u_t)) / (1 - u_prod_t)``;
+    ``w - (m_hat*lr) / (sqrt(v / (1 - b2^t)) + eps)`` -> (new_w, new_m, new_v)."""
+    scalars = _scalars(w.dtype, one_minus_beta_1, one_minus_beta_2, u_t_1, one_minus_u_product_t_1, one_minus_u_t,
+                       one_minus_u_product_t, one_minus_beta_2_power, epsilon, lr)
+    return _run("nadam", (w, g, m, v), scalars, 3)
+
+
 def lion(w, g, m, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, lr):
     """``w - sign(m*b1 + g*(1-b1))*lr``; ``m*b2 + g*(1-b2)`` -> (new_w, new_m)."""
     scalars = _scalars(w.dtype, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, lr, 1, 0)
@@ -276,6 +287,17 @@ def _define_loops(cache: bool) -> dict:
         return a if (a >= b or a != a) else b
 
     maximum = njit(maximum)
+
+    @njit
+    def nadam(w, g, m, v, b1, b2, u_t_1, a, b, c, d, eps, lr, wo, mo, vo):
+        for i in range(w.size):
+            gi, mi, vi = g[i], m[i], v[i]
+            mi = mi + (gi - mi) * b1
+            vi = vi + (gi * gi - vi) * b2
+            mo[i] = mi
+            vo[i] = vi
+            m_hat = (mi * u_t_1) / a + (gi * b) / c
+            wo[i] = w[i] - (m_hat * lr) / (np.sqrt(vi / d) + eps)
 
     @njit
     def sign(x, one, zero):  # np.sign's rule: 1, -1, 0 for either zero, NaN for NaN
@@ -396,4 +418,4 @@ def _define_loops(cache: bool) -> dict:
 
 
 _NAMES = ("sgd", "sgd_momentum", "sgd_nesterov", "adam", "amsgrad", "adagrad", "rmsprop", "rmsprop_momentum",
-          "rmsprop_centered", "rmsprop_momentum_centered", "adamax", "lion")
+          "rmsprop_centered", "rmsprop_momentum_centered", "adamax", "nadam", "lion")

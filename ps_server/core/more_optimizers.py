@@ -263,6 +263,11 @@ class Nadam(_KerasOptimizer):
             u_product_t = self._u_product_t
             u_product_t_1 = u_product_t * u_t_1
             beta_2_power = _scalar_pow(c["na_beta_2"], _local_step(iterations + 1, dtype))
+        fused = kernels.nadam(w, g, state["m"], state["v"], c["na_one_minus_beta_1"], c["na_one_minus_beta_2"],
+                              u_t_1, one - u_product_t_1, one - u_t, one - u_product_t, one - beta_2_power,
+                              c["na_epsilon"], c["lr"])
+        if fused is not None:  # the operations below, in one pass
+            return fused[0], {"m": fused[1], "v": fused[2]}
         m = np.subtract(g, state["m"])
         np.multiply(m, c["na_one_minus_beta_1"], out=m)
         np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))

@@ -42,6 +42,7 @@ SPECS = {
     "rmsprop_centered": OptimizerSpec("rmsprop", 0.01, centered=True),
     "rmsprop_momentum_centered": OptimizerSpec("rmsprop", 0.01, momentum=0.5, centered=True),
     "adamax": OptimizerSpec("adamax", 1e-2),
+    "nadam": OptimizerSpec("nadam", 1e-2),
     "lion": OptimizerSpec("lion", 1e-3),
 }
 SHAPES = [(), (1,), (7,), (3, 5, 2), (1031,)]
