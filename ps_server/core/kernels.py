@@ -34,9 +34,10 @@ Guarantees:
 
 numba is imported, and each kernel compiled for a dtype, on first use, so
 importing the server stays quick; the process' first fused step pays for it once
-(0.3-0.6 s on a quiet machine: numba's import and its typing registries; a
-kernel's compiled code is cached beside this file, or in numba's user cache where
-that is read-only, so later processes skip the ~0.2 s compile of each). The loops
+(0.8-1.3 s measured on 2 busy cores: numba's import, ~0.3 s, and its typing
+registries; a kernel's compiled code is cached beside this file, or in numba's
+user cache where that is read-only, so later processes skip the ~0.2 s compile
+of each). The loops
 release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements (16 MiB of float32) a call is cut into
 contiguous chunks that the calling thread and ``THREADS - 1`` helper threads take
 in turn: elementwise, so the bits do not depend on the cut. The caller takes
