@@ -38,7 +38,8 @@ importing the server stays quick; the process' first fused step pays for it once
 registries; a kernel's compiled code is cached beside this file, or in numba's
 user cache where that is read-only, so later processes skip the ~0.2 s compile
 of each). The loops
-release the GIL. Above ``THREAD_MIN_ELEMENTS`` elements (16 MiB of float32) a call is cut into
+release the GIL. With ``THREADS`` > 1 (``TFPS_KERNEL_THREADS``; off by default),
+a call above ``THREAD_MIN_ELEMENTS`` elements (16 MiB of float32) is cut into
 contiguous chunks that the calling thread and ``THREADS - 1`` helper threads take
 in turn: elementwise, so the bits do not depend on the cut. The caller takes
 chunks too, so where the helpers are busy or not scheduled (other work on a
@@ -56,11 +57,12 @@ import numpy as np
 
 # Read on every call, so a test (or an operator) can switch the fused path off.
 ENABLED = os.environ.get("TFPS_KERNELS", "").lower() not in ("numpy", "0", "off")
-# Threads per kernel call for large arrays (TFPS_KERNEL_THREADS; 1: none). Measured on
-# 2 shared cores (BENCHMARKS.md): a second thread gains ~25 % at 64 MiB, where the step
-# is bound by memory traffic, and loses below 16 MiB, where its hand-off (tens of
-# microseconds, more when the other core is busy) costs more than it saves.
-THREADS = max(1, int(os.environ.get("TFPS_KERNEL_THREADS", min(2, os.cpu_count() or 1))))
+# Threads per kernel call for large arrays (TFPS_KERNEL_THREADS; default 1: none). On 2
+# shared cores (BENCHMARKS.md) a second thread gained nothing consistent at 64 and 256 MiB,
+# where the step is bound by memory traffic (+15 % in one set of runs, -20 % in another),
+# and lost below 16 MiB, where its hand-off (tens of microseconds, more when the other
+# core is busy) costs more than it saves; so it is there for machines with idle cores.
+THREADS = max(1, int(os.environ.get("TFPS_KERNEL_THREADS", "1")))
 THREAD_MIN_ELEMENTS = 1 << 22  # 16 MiB of float32
 CHUNK_MIN_ELEMENTS = 1 << 18  # a split call's chunks: at most 4 per thread, none smaller than this
 

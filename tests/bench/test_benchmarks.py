@@ -62,7 +62,7 @@ def test_optimizer_step_reports_fused_and_numpy_bandwidths_of_every_optimizer(tm
     report = run_bench("optimizer_step.py", "--sizes", "1", "--reps", "1", "--optimizers", "sgd,adam",
                        out=tmp_path / "optimizer_step.json", timeout=180)
     row = report["gib_per_s"]["1"]
-    paths = ("fused", "fused_1t", "numpy") if kernels.available() else ("numpy",)
+    paths = ("fused", "fused_2t", "numpy") if kernels.available() else ("numpy",)
     assert set(row) == {"numpy_add", *(f"{name}/{path}" for name in ("sgd", "adam") for path in paths)}
     assert all(x > 0 for x in row.values()), row
 
