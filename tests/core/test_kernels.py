@@ -10,6 +10,8 @@ is not installed (the ``fast`` extra, part of ``test``); the fallback tests run
 everywhere.
 """
 
+import platform
+import re
 import subprocess
 import sys
 
@@ -203,3 +205,22 @@ def test_where_numba_can_cache_nothing_the_kernels_compile_uncached(monkeypatch)
     w = np.ones(3, np.float32)
     (value,) = kernels.sgd(w, w, np.float32(0.5))
     assert value.tolist() == [0.5, 0.5, 0.5]
+
+
+@needs_numba
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="reads x86 assembly")
+def test_no_loop_is_compiled_with_a_fused_multiply_add(monkeypatch):
+    # The guarantee's premise, read from the machine code rather than inferred from
+    # random data: an FMA rounds a*b + c once, NumPy rounds it twice. Compiled afresh
+    # (numba shows no assembly for cached code), for both dtypes.
+    monkeypatch.setattr(kernels, "_compiled", kernels._define_loops(cache=False))
+    for name in SPECS:
+        for dtype in (np.float32, np.float64):
+            _run(SPECS[name], (37,), dtype)
+    for name, loop in kernels._compiled.items():
+        listings = loop.inspect_asm().values()
+        assert listings, f"{name} was not compiled"
+        for asm in listings:
+            assert "vmov" in asm, name  # real code, not a placeholder
+            fmas = re.findall(r"\bvfn?m(?:add|sub)\w*", asm)
+            assert not fmas, f"{name}: {sorted(set(fmas))}"
