@@ -2,7 +2,8 @@
 
     python -m pytest tests/core/test_kernels.py -q
 
-Each fused-path test runs ``Optimizer.apply`` twice on the same random data, once
+Each fused-path test runs ``Optimizer.apply`` twice on the same data (random, or NaN,
+inf and overflowing values), once
 with ``ps_server.core.kernels`` and once with ``kernels.ENABLED = False`` (the NumPy
 ufuncs, which ``test_optimizers.py`` and ``test_more_optimizers.py`` check against
 Keras), and compares every value and slot bit for bit. They are skipped where numba
@@ -112,6 +113,32 @@ def test_fused_step_is_bit_identical_to_the_numpy_step(name, shape, dtype, monke
             _assert_same_bits(fused_state[k], v, f"slot {k}")
         else:
             assert fused_state[k] == v, k
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", SPECS)
+def test_nan_inf_and_overflow_give_the_numpy_steps_bits_nan_payloads_included(name, dtype, monkeypatch):
+    big = np.finfo(dtype).max / 4
+    value = np.array([1, -1, 0, 2, np.inf, -np.inf, np.nan, 3, big, -1e-30, 5, 6, 7, 8, 9, 10, 11], dtype)
+    grads = [np.array([np.nan, np.inf, -np.inf, 0, 1, -1, 2, np.nan, big, -0.0, 0, 1, 2, 3, -4, np.inf, np.nan],
+                      dtype), np.full(value.shape, 0.5, dtype)]
+
+    def steps():
+        opt = make_optimizer(SPECS[name])
+        w, state = value, opt.init_state(value)
+        with np.errstate(all="ignore"):
+            for g in grads:
+                w, state = opt.apply(w, g, state)
+        return w, state
+
+    fused_value, fused_state = steps()
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    numpy_value, numpy_state = steps()
+    _assert_same_bits(fused_value, numpy_value, "value")
+    for k, v in numpy_state.items():
+        if isinstance(v, np.ndarray):
+            _assert_same_bits(fused_state[k], v, f"slot {k}")
 
 
 @needs_numba
