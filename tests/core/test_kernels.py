@@ -3,12 +3,12 @@
     python -m pytest tests/core/test_kernels.py -q
 
 Each fused-path test runs ``Optimizer.apply`` twice on the same data (random, or NaN,
-inf and overflowing values), once
-with ``ps_server.core.kernels`` and once with ``kernels.ENABLED = False`` (the NumPy
-ufuncs, which ``test_optimizers.py`` and ``test_more_optimizers.py`` check against
-Keras), and compares every value and slot bit for bit. They are skipped where numba
-is not installed (the ``fast`` extra, part of ``test``); the fallback tests run
-everywhere.
+inf and overflowing values), once with ``ps_server.core.kernels`` and once with
+``kernels.ENABLED = False`` (the NumPy ufuncs, which ``test_optimizers.py`` and
+``test_more_optimizers.py`` check against Keras), and compares every value and slot
+bit for bit. They are skipped where numba is not installed (the ``fast`` extra, part
+of ``test``); the fallback tests run everywhere. Arrays must be C-contiguous for the
+fused path (a strided one takes the NumPy step, tested too).
 """
 
 import platform
