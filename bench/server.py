@@ -12,7 +12,9 @@ on float32 arrays of each ``--sizes`` MiB:
   pushes, the sync round's batch-weighted mean (a fresh result array each call,
   as in the server);
 - adam apply: ``VariableStore.apply_all`` of one gradient with Adam (Keras-exact,
-  copy-on-write: new value and slots each step).
+  copy-on-write: new value and slots each step), fused into one pass where numba
+  is installed (``ps_server.core.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
+  step; ``bench/optimizer_step.py`` times both side by side).
 
 Throughput is gradient bytes in per second (k x size for aggregate k), the
 median of ``--reps`` after one warm-up, the four taking turns in each

@@ -8,8 +8,10 @@ Rules checked:
   scikit-learn, SciPy or matplotlib;
 - every third-party module the server side imports (``ps_server``, ``protos``,
   ``ps_common``, any import statement, one inside a function too) comes from the
-  base dependencies or what they require; scikit-learn, TensorFlow and matplotlib
-  are not among them;
+  base dependencies or what they require, except in the modules of
+  ``OPTIONAL_EXTRAS``, which fall back to the base without their extra (numba for
+  ``ps_server/core/kernels.py``, tested by ``tests/core/test_kernels.py``);
+  scikit-learn, TensorFlow and matplotlib are not among them;
 - scikit-learn, which only the workers' built-in data uses, comes with the ``cpu``
   and the ``gpu`` extra alike, and every third-party module the worker imports comes
   from the base dependencies plus the ``cpu`` extra.
@@ -35,6 +37,8 @@ WORKER_ONLY = ("tensorflow", "keras", "sklearn", "scipy", "matplotlib")
 # protos/generate.py regenerates the wire code with grpc_tools, from the test extra:
 # a developer's tool, never imported by a server.
 NOT_RUN_BY_A_SERVER = {"protos/generate.py"}
+# Server modules that import an optional extra's packages and run without them.
+OPTIONAL_EXTRAS = {"ps_server/core/kernels.py": "fast"}
 
 CHECK = """
 import importlib, pkgutil, sys
@@ -118,7 +122,11 @@ def unprovided(modules: dict[str, str], requirements: list[str]) -> list[str]:
 def test_every_module_the_server_side_imports_comes_with_the_base_dependencies():
     modules = third_party_imports(["ps_server", "protos", "ps_common"])
     assert "grpc" in modules and "numpy" in modules, modules  # the walk sees imports at all
-    assert unprovided(modules, PROJECT["dependencies"]) == []
+    optional = {m: where for m, where in modules.items() if where.split(":")[0] in OPTIONAL_EXTRAS}
+    for module, where in optional.items():
+        extra = OPTIONAL_EXTRAS[where.split(":")[0]]
+        assert unprovided({module: where}, [*PROJECT["dependencies"], *PROJECT["optional-dependencies"][extra]]) == []
+    assert unprovided({m: w for m, w in modules.items() if m not in optional}, PROJECT["dependencies"]) == []
 
 
 def test_the_base_dependencies_bring_no_scikit_learn_tensorflow_or_matplotlib():

@@ -49,6 +49,7 @@ import math
 
 import numpy as np
 
+from ps_server.core import kernels
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
 
@@ -131,6 +132,10 @@ class Adamax(_KerasOptimizer):
 
     def _step(self, w, g, state, iterations, c):
         beta_1_power = _scalar_pow(c["ax_beta_1"], _local_step(iterations + 1, w.dtype))
+        fused = kernels.adamax(w, g, state["m"], state["u"], c["ax_one_minus_beta_1"], c["ax_beta_2"],
+                               c["ax_epsilon"], c["one"] - beta_1_power, c["lr"])
+        if fused is not None:  # the operations below, in one pass
+            return fused[0], {"m": fused[1], "u": fused[2]}
         m = np.subtract(g, state["m"])
         np.multiply(m, c["ax_one_minus_beta_1"], out=m)
         np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
@@ -165,6 +170,10 @@ class Lion(_KerasOptimizer):
         }
 
     def _step(self, w, g, state, iterations, c):
+        fused = kernels.lion(w, g, state["m"], c["lion_beta_1"], c["lion_one_minus_beta_1"], c["lion_beta_2"],
+                             c["lion_one_minus_beta_2"], c["lr"])
+        if fused is not None:  # the operations below, in one pass
+            return fused[0], {"m": fused[1]}
         direction = np.multiply(state["m"], c["lion_beta_1"])
         scaled_g = np.multiply(g, c["lion_one_minus_beta_1"])
         np.add(direction, scaled_g, out=direction)
@@ -254,6 +263,11 @@ class Nadam(_KerasOptimizer):
             u_product_t = self._u_product_t
             u_product_t_1 = u_product_t * u_t_1
             beta_2_power = _scalar_pow(c["na_beta_2"], _local_step(iterations + 1, dtype))
+        fused = kernels.nadam(w, g, state["m"], state["v"], c["na_one_minus_beta_1"], c["na_one_minus_beta_2"],
+                              u_t_1, one - u_product_t_1, one - u_t, one - u_product_t, one - beta_2_power,
+                              c["na_epsilon"], c["lr"])
+        if fused is not None:  # the operations below, in one pass
+            return fused[0], {"m": fused[1], "v": fused[2]}
         m = np.subtract(g, state["m"])
         np.multiply(m, c["na_one_minus_beta_1"], out=m)
         np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))

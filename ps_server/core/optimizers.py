@@ -78,7 +78,7 @@ import numpy as np
 
 from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
                              keras_optimizer_fields)
-from ps_server.core import schedules
+from ps_server.core import kernels, schedules
 from ps_server.core.errors import InvalidArgument
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -468,7 +468,16 @@ class SGD(Optimizer):
 
     def _step(self, w, g, state, iterations, c):
         # The same IEEE operations as the formulas above, in as few fresh arrays as
-        # possible (``out=`` into temporaries): a fresh array is fresh pages to fault in.
+        # possible (``out=`` into temporaries): a fresh array is fresh pages to fault in;
+        # first, the same operations fused into one pass (ps_server.core.kernels).
+        if not self.slot_names:
+            fused = kernels.sgd(w, g, c["lr"])
+            if fused is not None:
+                return fused[0], {}
+        else:
+            fused = kernels.sgd_momentum(w, g, state["momentum"], c["lr"], c["momentum"], self.spec.nesterov)
+            if fused is not None:
+                return fused[0], {"momentum": fused[1]}
         step = np.multiply(g, c["lr"])  # g*lr
         if not self.slot_names:
             return np.subtract(w, step, out=step), {}
@@ -495,6 +504,11 @@ class Adam(Optimizer):
         beta_1_power = _scalar_pow(c["beta_1"], local_step)
         beta_2_power = _scalar_pow(c["beta_2"], local_step)
         alpha = c["lr"] * np.sqrt(c["one"] - beta_2_power) / (c["one"] - beta_1_power)
+        fused = kernels.adam(w, g, state["m"], state["v"], state["v_hat"] if self.spec.amsgrad else None,
+                             c["one_minus_beta_1"], c["one_minus_beta_2"], alpha, c["epsilon"])
+        if fused is not None:  # the operations below, in one pass
+            new_w, m, v, v_hat = fused
+            return new_w, ({"m": m, "v": v, "v_hat": v_hat} if self.spec.amsgrad else {"m": m, "v": v})
         # m + (g - m) * (1 - beta_1); v + (g^2 - v) * (1 - beta_2); w - (m * alpha) / (sqrt(v) + eps),
         # operation by operation as written, into reused temporaries (see SGD).
         m = np.subtract(g, state["m"])
@@ -524,6 +538,9 @@ class Adagrad(Optimizer):
         return {"accumulator": np.full_like(value, self._constants[value.dtype]["initial_accumulator"])}
 
     def _step(self, w, g, state, iterations, c):
+        fused = kernels.adagrad(w, g, state["accumulator"], c["lr"], c["epsilon"])
+        if fused is not None:  # the operations below, in one pass
+            return fused[0], {"accumulator": fused[1]}
         accumulator = np.square(g)
         np.add(state["accumulator"], accumulator, out=accumulator)
         denominator = np.add(accumulator, c["epsilon"])
@@ -543,6 +560,18 @@ class RMSprop(Optimizer):
                            + (("average_gradient",) if spec.centered else ()))
 
     def _step(self, w, g, state, iterations, c):
+        momentum = "momentum" in self.slot_names
+        fused = kernels.rmsprop(w, g, state["velocity"], state["momentum"] if momentum else None,
+                                state["average_gradient"] if self.spec.centered else None,
+                                c["lr"], c["rho"], c["one_minus_rho"], c["rms_momentum"], c["epsilon"])
+        if fused is not None:  # the operations below, in one pass
+            new_w, velocity, m, average = fused
+            slots = {"velocity": velocity}
+            if momentum:
+                slots["momentum"] = m
+            if self.spec.centered:
+                slots["average_gradient"] = average
+            return new_w, slots
         velocity = np.multiply(state["velocity"], c["rho"])
         velocity += np.multiply(np.square(g), c["one_minus_rho"])
         slots = {"velocity": velocity}

@@ -56,6 +56,17 @@ def test_server_reports_inprocess_bandwidths_and_load_with_one_and_two_servers(t
         assert r["ratio_2_over_1"] > 0
 
 
+def test_optimizer_step_reports_fused_and_numpy_bandwidths_of_every_optimizer(tmp_path):
+    from ps_server.core import kernels
+
+    report = run_bench("optimizer_step.py", "--sizes", "1", "--reps", "1", "--optimizers", "sgd,adam",
+                       out=tmp_path / "optimizer_step.json", timeout=180)
+    row = report["gib_per_s"]["1"]
+    paths = ("fused", "fused_2t", "numpy") if kernels.available() else ("numpy",)
+    assert set(row) == {"numpy_add", *(f"{name}/{path}" for name in ("sgd", "adam") for path in paths)}
+    assert all(x > 0 for x in row.values()), row
+
+
 @pytest.mark.parity  # TensorFlow's own strategies run too
 def test_training_reports_examples_per_s_of_every_runner_and_the_ratios(tmp_path):
     report = run_bench("training.py", "--models", "cnn", "--steps", "3", out=tmp_path / "training.json",
