@@ -230,3 +230,13 @@ def test_print_config_prints_the_resolved_configuration_as_json_and_exits_0(main
     assert {k: out[k] for k in expected} == expected
     config = ServerConfig if main == "ps_server.cli" else WorkerConfig
     assert list(out) == list(env_names(config))  # every field, in order
+
+
+def test_async_apply_from_a_flag_or_the_environment_and_refused_in_sync_mode():
+    assert ServerConfig.from_args([], environ={}).async_apply == "locked"
+    assert ServerConfig.from_args(["--mode", "async", "--async-apply", "hogwild"], environ={}).async_apply == "hogwild"
+    assert ServerConfig.from_args(["--mode", "ssp"], environ={"TFPS_ASYNC_APPLY": "hogwild"}).async_apply == "hogwild"
+    with pytest.raises(ConfigError, match="--async-apply hogwild applies to --mode async and ssp"):
+        ServerConfig.from_args(["--async-apply", "hogwild"], environ={})
+    with pytest.raises(ConfigError, match="--async-apply must be one of locked, hogwild, got 'wild'"):
+        ServerConfig.from_args(["--mode", "async"], environ={"TFPS_ASYNC_APPLY": "wild"})
