@@ -88,6 +88,8 @@ class Server:
         label = mode if mode == "sync" else f"{mode}-{async_apply}"
         self.log_path = os.path.join(workdir, f"ps-{label}.log")
         port_file = os.path.join(workdir, f"port-{label}")
+        if os.path.exists(port_file):  # an earlier run's (--repeat): never read its port
+            os.remove(port_file)
         self.argv = [
             sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
             "--mode", mode, "--num-workers", str(num_workers), "--threads", str(threads),

@@ -15,11 +15,12 @@ where the results go:
   ufunc with ``out=w``, which releases the GIL), so steps of concurrent pushes
   race element by element and one may overwrite another's (a lost update);
 - an optimizer slot (SGD's ``momentum``, Adam's ``m``, ``v``, ``v_hat``) is
-  computed from one copy of it taken when the step starts and written back in one
-  pass. Every element of a slot therefore always holds the result of one whole
-  update of a value it really had, never an intermediate: Adam's ``v`` stays
-  >= 0 whatever interleaves, so its square root never turns a step into NaN. The
-  value's update is computed from this push's own new slots;
+  read once (Adam's ``m`` and ``v``, which the formula reads twice, from a copy
+  taken when the step starts) and written in one pass. Every element of a slot
+  therefore always holds the result of one whole update of a value it really
+  had, never an intermediate: Adam's ``v`` stays >= 0 whatever interleaves, so
+  its square root never turns a step into NaN. The value's update then reads the
+  slots as they are (this push's new ones, or a concurrent push's written since);
 - the step index (Adam's bias correction, a learning-rate schedule's argument) is
   the variable's count of completed steps when this step starts: concurrent steps
   may use the same one. The store counts each completed step exactly once.
@@ -135,39 +136,39 @@ def _sgd(optimizer: SGD, w, g, slots, c) -> None:
         np.subtract(w, step, out=w)
         return
     live = slots["momentum"]
-    m = np.multiply(live, c["momentum"])  # one read of the slot
-    np.subtract(m, step, out=m)
-    np.copyto(live, m)
+    m = np.multiply(live, c["momentum"])  # the slot's one read
+    np.subtract(m, step, out=live)  # its one write: m*mu - g*lr
     if optimizer.spec.nesterov:
-        ahead = np.multiply(m, c["momentum"])
-        np.subtract(ahead, step, out=ahead)
-        np.add(w, ahead, out=w)
-    else:
+        np.multiply(live, c["momentum"], out=m)
+        np.subtract(m, step, out=m)
         np.add(w, m, out=w)
+    else:
+        np.add(w, live, out=w)
 
 
 def _adam(optimizer: Adam, w, g, slots, iterations, c) -> None:
-    # Adam._step's operations, on copies of m, v (and v_hat) taken now, written back whole.
+    # Adam._step's operations. m and v each from one copy taken now, written back in one pass
+    # (m + (g - m) * (1 - beta_1) reads m twice: from the copy, both reads see the same m);
+    # the step then reads them as written. Two scratch arrays serve every temporary.
     with np.errstate(over="ignore"):
         local_step = np.array(iterations + 1).astype(w.dtype)[()]
     beta_1_power = _scalar_pow(c["beta_1"], local_step)
     beta_2_power = _scalar_pow(c["beta_2"], local_step)
     alpha = c["lr"] * np.sqrt(c["one"] - beta_2_power) / (c["one"] - beta_1_power)
-    m_old, v_old = slots["m"].copy(), slots["v"].copy()
-    m = np.subtract(g, m_old)
-    np.multiply(m, c["one_minus_beta_1"], out=m)
-    np.add(m_old, m, out=m)
-    v = np.square(g)
-    np.subtract(v, v_old, out=v)
-    np.multiply(v, c["one_minus_beta_2"], out=v)
-    np.add(v_old, v, out=v)
-    np.copyto(slots["m"], m)
-    np.copyto(slots["v"], v)
-    if optimizer.spec.amsgrad:
-        v = np.maximum(slots["v_hat"], v)  # one read of each element
-        np.copyto(slots["v_hat"], v)
-    denominator = np.sqrt(v)
+    old = slots["m"].copy()
+    new = np.subtract(g, old)
+    np.multiply(new, c["one_minus_beta_1"], out=new)
+    np.add(old, new, out=slots["m"])
+    np.copyto(old, slots["v"])
+    np.square(g, out=new)
+    np.subtract(new, old, out=new)
+    np.multiply(new, c["one_minus_beta_2"], out=new)
+    np.add(old, new, out=slots["v"])
+    v = slots["v"]
+    if optimizer.spec.amsgrad:  # v_hat = max(v_hat, v): one read, one write of each element
+        v = np.maximum(slots["v_hat"], v, out=slots["v_hat"])
+    denominator = np.sqrt(v, out=old)
     np.add(denominator, c["epsilon"], out=denominator)
-    update = np.multiply(m, alpha)
+    update = np.multiply(slots["m"], alpha, out=new)
     np.divide(update, denominator, out=update)
     np.subtract(w, update, out=w)
