@@ -12,8 +12,9 @@ bit-identical to the locked, copy-on-write one (``Optimizer.apply``;
 where the results go:
 
 - the value is updated by one in-place pass (``w -= update``, ``w += m``: a NumPy
-  ufunc with ``out=w``, which releases the GIL), so steps of concurrent pushes
-  race element by element and one may overwrite another's (a lost update);
+  ufunc with ``out=w``, which releases the GIL; with ``weight_decay`` two, the
+  decay and then the step), so steps of concurrent pushes race element by
+  element and one may overwrite another's (a lost update);
 - an optimizer slot (SGD's ``momentum``, Adam's ``m``, ``v``, ``v_hat``) is
   read once (Adam's ``m`` and ``v``, which the formula reads twice, from a copy
   taken when the step starts) and written in one pass. Every element of a slot

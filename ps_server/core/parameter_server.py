@@ -179,7 +179,9 @@ class ParameterServer:
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                    non_trainable: Iterable[str] = ()) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
-        ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``)."""
+        ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
+        With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
+        (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
         if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
             hogwild.check_supported(spec)
@@ -251,8 +253,10 @@ class ParameterServer:
         the barrier's lock) only to collect references. Consistency: in sync
         mode the values, optimizer state, version and round are those after one
         round exactly; in async mode each variable is whole and the version is
-        a lower bound (``store`` docstring). Stats and membership are read just
-        after, so their counters may be a push ahead.
+        a lower bound (``store`` docstring); with ``async_apply="hogwild"`` the
+        arrays are copied under no lock, each whole-shaped, torn at worst
+        (``async_mode``). Stats and membership are read just after, so their
+        counters may be a push ahead.
         """
         if not self.store.initialized:
             return None

@@ -3,8 +3,8 @@
     mode = SSPMode(store, members, staleness_bound=2, barrier_timeout=60.0)
     result = mode.push(push)   # applied on arrival; returns once the worker may start its next step
 
-Each push is applied the moment it arrives, exactly as in ``async_mode`` (same
-per-variable locks or ``apply="hogwild"``'s none, same exactly-once record, same
+Each push is applied the moment it arrives, exactly as in ``async_mode`` (the
+same apply, ``"locked"`` or ``"hogwild"``, same exactly-once record, same
 stale-gradient policies). What
 SSP adds is a bound on how far the workers drift apart. A worker's *clock* is the
 number of steps it completed (its last applied step + 1). A worker may start step
