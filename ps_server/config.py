@@ -187,7 +187,7 @@ class ServerConfig:
         g.add_argument("--async-apply", choices=ASYNC_APPLIES,
                        help="async/ssp: locked (default: a lock per variable, copy-on-write, no update lost) or "
                        "hogwild (in place under no lock: pushes race, an update may be lost, a pull may see a "
-                       "variable half-updated; sgd, adam and adamw only)")
+                       "variable half-updated; sgd, adam, adamw, adagrad and rmsprop)")
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "

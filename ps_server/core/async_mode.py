@@ -45,10 +45,11 @@ what "lock-free" means under each, exactly:
   is answered from the record; shapes, dtypes and finiteness are checked before
   anything is written, so a refused push writes nothing; every element of a
   value or slot always holds a value some whole update produced (never an
-  intermediate; Adam's v stays >= 0), so with finite gradients every stored
-  array stays finite unless a step itself overflows; the version never goes
-  back, and a push counted in version v had written all of its updates before
-  v was published (though a racing push may since have overwritten some).
+  intermediate; second moments such as Adam's v stay >= 0), so with finite
+  gradients every stored array stays finite unless a step itself overflows;
+  the version never goes back, and a push counted in version v had written
+  all of its updates before v was published (though a racing push may since
+  have overwritten some).
   With one push at a time the values are bit-identical to the locked apply's.
 - Pulls serialize the live arrays, torn values accepted: the store hands out a
   read-only view of each array the steps write; the transport copies its bytes
@@ -60,7 +61,8 @@ what "lock-free" means under each, exactly:
   (finite when the inputs are), ``iterations`` and the version read under the
   store's lock; the version is a lower bound as with the locked apply. The file
   written from it is never corrupted: its bytes are those of the copies.
-- Optimizers: sgd (plain, momentum, Nesterov), adam (amsgrad), adamw, with
+- Optimizers: sgd (plain, momentum, Nesterov), adam (amsgrad), adamw, adagrad,
+  rmsprop (momentum; not centered), with
   clipping, weight decay and schedules. Another one, or ``use_ema``, is refused
   at initialize with one line naming it (``core.hogwild.check_supported``).
 - The only locks a hogwild push takes: its worker's own (below), the store's

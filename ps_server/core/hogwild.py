@@ -15,7 +15,8 @@ where the results go:
   ufunc with ``out=w``, which releases the GIL; with ``weight_decay`` two, the
   decay and then the step), so steps of concurrent pushes race element by
   element and one may overwrite another's (a lost update);
-- an optimizer slot (SGD's ``momentum``, Adam's ``m``, ``v``, ``v_hat``) is
+- an optimizer slot (SGD's ``momentum``, Adam's ``m``, ``v``, ``v_hat``, Adagrad's
+  ``accumulator``, RMSprop's ``velocity`` and ``momentum``) is
   read once (Adam's ``m`` and ``v``, which the formula reads twice, from a copy
   taken when the step starts) and written in one pass. Every element of a slot
   therefore always holds the result of one whole update of a value it really
@@ -26,11 +27,12 @@ where the results go:
   the variable's count of completed steps when this step starts: concurrent steps
   may use the same one. The store counts each completed step exactly once.
 
-Supported: ``sgd`` (plain, ``momentum``, ``nesterov``), ``adam`` (and ``amsgrad``)
-and ``adamw``, with every clipping option, ``weight_decay``, a constant or
+Supported: ``sgd`` (plain, ``momentum``, ``nesterov``), ``adam`` (and ``amsgrad``),
+``adamw``, ``adagrad`` and ``rmsprop`` (with ``momentum``; not ``centered``, whose
+``v - a^2`` is >= 0 only while ``v`` and ``a`` share one history), with every clipping option, ``weight_decay``, a constant or
 scheduled learning rate and the stale-gradient policy's ``lr_scale``; and
 non-trainable variables (the pushed change added in place). Refused: the other
-optimizers and ``use_ema`` (``check_supported``: ``--async-apply locked`` runs them).
+optimizers (adamax, nadam, ftrl, lion), centered rmsprop and ``use_ema`` (``check_supported``: ``--async-apply locked`` runs them).
 
 Plain NumPy, like the rest of the core.
 """
@@ -42,9 +44,9 @@ import numpy as np
 from ps_common.names import ASYNC_APPLIES
 from ps_server.core import schedules
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import Adam, Optimizer, OptimizerSpec, SGD, _scalar_pow
+from ps_server.core.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
 
-IN_PLACE = ("sgd", "adam", "adamw")
+IN_PLACE = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 
 __all__ = ["ASYNC_APPLIES", "IN_PLACE", "adopt", "check_supported", "step_in_place"]
 
@@ -54,6 +56,10 @@ def check_supported(spec: OptimizerSpec) -> None:
     if spec.name not in IN_PLACE:
         raise InvalidArgument(f"--async-apply hogwild updates in place only {', '.join(IN_PLACE)}; the optimizer "
                               f"is {spec.name}: start the server with --async-apply locked to train it")
+    if spec.name == "rmsprop" and spec.centered:
+        # v - a^2 >= 0 only while v and a come from the same history; racing pushes may tear them.
+        raise InvalidArgument("--async-apply hogwild does not run rmsprop with centered=True (its v - a^2 could "
+                              "go negative when pushes race): start the server with --async-apply locked to train it")
     if spec.use_ema:
         raise InvalidArgument(f"--async-apply hogwild does not run use_ema ({spec.name} with use_ema=True): start "
                               "the server with --async-apply locked to train it")
@@ -107,6 +113,10 @@ def step_in_place(optimizer: Optimizer, w: np.ndarray, g: np.ndarray, state: dic
         _sgd(optimizer, w, g, slots, c)
     elif isinstance(optimizer, Adam):
         _adam(optimizer, w, g, slots, iterations, c)
+    elif isinstance(optimizer, Adagrad):
+        _adagrad(w, g, slots, c)
+    elif isinstance(optimizer, RMSprop):
+        _rmsprop(optimizer, w, g, slots, c)
     else:  # check_supported names the in-place ones; a new class there must come here too
         raise InvalidArgument(f"--async-apply hogwild has no in-place step for {type(optimizer).__name__}")
 
@@ -173,3 +183,31 @@ def _adam(optimizer: Adam, w, g, slots, iterations, c) -> None:
     update = np.multiply(slots["m"], alpha, out=new)
     np.divide(update, denominator, out=update)
     np.subtract(w, update, out=w)
+
+
+def _adagrad(w, g, slots, c) -> None:
+    # Adagrad._step's operations: acc + g^2 (the slot's one read and write); w - (g*lr) / sqrt(acc + eps).
+    scratch = np.square(g)
+    accumulator = np.add(slots["accumulator"], scratch, out=slots["accumulator"])
+    denominator = np.add(accumulator, c["epsilon"], out=scratch)
+    np.sqrt(denominator, out=denominator)
+    update = np.multiply(g, c["lr"])
+    np.divide(update, denominator, out=update)
+    np.subtract(w, update, out=w)
+
+
+def _rmsprop(optimizer: RMSprop, w, g, slots, c) -> None:
+    # RMSprop._step's operations (not centered): v*rho + g^2*(1-rho), each slot read once and
+    # written once; w - (g*lr) / sqrt(v + eps), with momentum w - (m*momentum + that).
+    scaled = np.multiply(slots["velocity"], c["rho"])
+    squared = np.multiply(np.square(g), c["one_minus_rho"])
+    velocity = np.add(scaled, squared, out=slots["velocity"])
+    denominator = np.add(velocity, c["epsilon"], out=scaled)
+    np.sqrt(denominator, out=denominator)
+    increment = np.multiply(g, c["lr"], out=squared)
+    np.divide(increment, denominator, out=increment)
+    if "momentum" in optimizer.slot_names:
+        m = np.multiply(slots["momentum"], c["rms_momentum"], out=denominator)
+        increment = np.add(m, increment, out=slots["momentum"])
+    np.subtract(w, increment, out=w)
+

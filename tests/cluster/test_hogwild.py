@@ -42,8 +42,8 @@ def test_two_workers_train_digits_under_hogwild_and_every_push_is_counted_once(p
 def test_an_optimizer_hogwild_cannot_run_stops_the_chief_with_one_line_naming_it(procs):
     server, address = procs.server("async", num_workers=1, extra=("--async-apply", "hogwild"))
     run = subprocess.run([sys.executable, "-m", "worker", "--ps", address, "--num-workers", "1", "--worker-index",
-                          "0", "--dataset", "synthetic", "--steps", "2", "--optimizer", "rmsprop"],
+                          "0", "--dataset", "synthetic", "--steps", "2", "--optimizer", "lion"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if "the optimizer is rmsprop" in line]
+    errors = [line for line in run.stderr.splitlines() if "the optimizer is lion" in line]
     assert errors and "--async-apply locked" in errors[0], run.stderr[-3000:]

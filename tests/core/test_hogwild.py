@@ -69,6 +69,9 @@ SPECS = {
     "adam-amsgrad-clipnorm": OptimizerSpec("adam", learning_rate=0.01, amsgrad=True, clipnorm=0.5),
     "adam-global-clipnorm": OptimizerSpec("adam", learning_rate=0.01, global_clipnorm=1.0),
     "adamw": OptimizerSpec("adamw", learning_rate=0.01, weight_decay=0.004),
+    "adagrad": OptimizerSpec("adagrad", learning_rate=0.05),
+    "rmsprop": OptimizerSpec("rmsprop", learning_rate=0.01),
+    "rmsprop-momentum-clipnorm": OptimizerSpec("rmsprop", learning_rate=0.01, momentum=0.5, clipnorm=0.8),
     "adam-schedule": OptimizerSpec("adam", learning_rate_schedule={
         "class_name": "ExponentialDecay",
         "config": {"initial_learning_rate": 0.1, "decay_steps": 7, "decay_rate": 0.93}}),
@@ -183,8 +186,18 @@ def test_one_worker_pushing_alone_loses_nothing_every_element_is_exactly_minus_t
     assert all(np.all(a == -50) for a in values.values())
 
 
-def test_concurrent_adam_pushes_keep_every_value_and_slot_finite_and_v_non_negative(tight_switching):
-    mode, store = make(spec=OptimizerSpec("adam", learning_rate=0.01, beta_2=0.5))  # a small beta_2: v swings fast
+RACING = {  # a small beta_2 / rho: the second moment swings fast, the worst case for a torn update
+    "adam": (OptimizerSpec("adam", learning_rate=0.01, beta_2=0.5), "v"),
+    "rmsprop-momentum": (OptimizerSpec("rmsprop", learning_rate=0.01, rho=0.5, momentum=0.9), "velocity"),
+    "adagrad": (OptimizerSpec("adagrad", learning_rate=0.01), "accumulator"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RACING))
+def test_concurrent_pushes_keep_every_value_and_slot_finite_and_the_second_moment_non_negative(name, tight_switching):
+    """Also RMSprop's velocity and Adagrad's accumulator: a second moment never negative, so no NaN."""
+    spec, second_moment = RACING[name]
+    mode, store = make(spec=spec)
 
     def push_many(worker):
         rng = np.random.default_rng(worker)
@@ -199,7 +212,8 @@ def test_concurrent_adam_pushes_keep_every_value_and_slot_finite_and_v_non_negat
     assert state.version == mode.stats.pushes_applied == THREADS * 40
     for n in SHAPES:
         assert np.all(np.isfinite(state.values[n])) and state.values[n].shape == SHAPES[n]
-        assert np.all(np.isfinite(state.states[n]["m"])) and np.all(state.states[n]["v"] >= 0)
+        assert all(np.all(np.isfinite(a)) for k, a in state.states[n].items() if k != "iterations")
+        assert np.all(state.states[n][second_moment] >= 0)
         assert state.states[n]["iterations"] == THREADS * 40
 
 
@@ -237,9 +251,10 @@ def test_a_replayed_push_is_answered_from_the_record_and_an_older_one_refused():
 
 
 @pytest.mark.parametrize("spec, named", [
-    (OptimizerSpec("rmsprop", learning_rate=0.01), "the optimizer is rmsprop"),
-    (OptimizerSpec("adagrad", learning_rate=0.01), "the optimizer is adagrad"),
+    (OptimizerSpec("nadam", learning_rate=0.01), "the optimizer is nadam"),
+    (OptimizerSpec("ftrl", learning_rate=0.01), "the optimizer is ftrl"),
     (OptimizerSpec("lion", learning_rate=0.01), "the optimizer is lion"),
+    (OptimizerSpec("rmsprop", learning_rate=0.01, centered=True), "rmsprop with centered=True"),
     (OptimizerSpec("sgd", learning_rate=0.01, use_ema=True, ema_overwrite_frequency=5), "use_ema"),
 ])
 def test_an_optimizer_hogwild_cannot_run_is_refused_at_initialize_in_one_line_naming_it(spec, named):
