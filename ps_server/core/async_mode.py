@@ -62,9 +62,9 @@ what "lock-free" means under each, exactly:
   store's lock; the version is a lower bound as with the locked apply. The file
   written from it is never corrupted: its bytes are those of the copies.
 - Optimizers: sgd (plain, momentum, Nesterov), adam (amsgrad), adamw, adagrad,
-  rmsprop (momentum; not centered), with
-  clipping, weight decay and schedules. Another one, or ``use_ema``, is refused
-  at initialize with one line naming it (``core.hogwild.check_supported``).
+  rmsprop (momentum; not centered), with clipping, weight decay and schedules.
+  Another one, centered rmsprop or ``use_ema`` is refused at initialize with
+  one line naming it (``core.hogwild.check_supported``).
 - The only locks a hogwild push takes: its worker's own (below), the store's
   ``_publish`` for a few integer assignments per variable (its step count and
   change stamp, as ``bump_version`` takes it for the version), and the stats'.
