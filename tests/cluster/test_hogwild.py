@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 def test_two_workers_train_digits_under_hogwild_and_every_push_is_counted_once(procs, tmp_path):
     server, address = procs.server("async", num_workers=2, extra=("--async-apply", "hogwild"))
     result = tmp_path / "r.json"
-    common = ["--dataset", "digits", "--epochs", "2", "--seed", "1"]
+    common = ["--dataset", "digits", "--epochs", "3", "--seed", "1"]
     workers = [procs.worker(address, 0, 2, *common, "--result-json", str(result)),
                procs.worker(address, 1, 2, *common)]
     for w in workers:
@@ -34,7 +34,7 @@ def test_two_workers_train_digits_under_hogwild_and_every_push_is_counted_once(p
     assert metrics["mode"] == "async" and metrics["test_accuracy"] >= 0.85, metrics
     with PSClient(address) as c:
         s = c.status()
-    steps = 2 * 23  # 1437 training images, global batch 64, two epochs: each worker pushes every step
+    steps = 3 * 23  # 1437 training images, global batch 64, three epochs: each worker pushes every step
     assert (s.pushes_applied, s.version, s.optimizer_iterations) == (2 * steps, 2 * steps, 2 * steps)
     assert "async (hogwild apply), 2 workers, listening on" in read_log(server)
 
