@@ -25,6 +25,10 @@ MODES = ("sync", "async", "ssp")
 # learning rate by 1 / (1 + staleness)).
 STALE_POLICIES = ("none", "drop", "scale")
 
+# Async and ssp: how a push is applied. "locked": each variable's step under its own lock,
+# copy-on-write (no lost update); "hogwild": in place under no lock (ps_server/core/hogwild.py).
+ASYNC_APPLIES = ("locked", "hogwild")
+
 # Sync: what a round does when a worker it waits for is declared dead.
 DEAD_WORKER_POLICIES = ("abort", "wait", "shrink")
 

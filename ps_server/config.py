@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import os
 
-from ps_common.names import DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
+from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
 
 from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
 from ps_common.settings import ConfigError, resolve, setting
@@ -48,6 +48,9 @@ class ServerConfig:
     staleness: int = 3  # ssp: S, how many steps a worker may run ahead of the slowest
     stale_gradient_policy: str = "none"  # none | drop | scale
     max_staleness: int = 8  # policy drop: drop pushes staler than this many versions
+    # Async and ssp: locked (a lock per variable, copy-on-write, no lost update) or hogwild
+    # (in place, no lock, lost updates possible; ps_server/core/async_mode.py).
+    async_apply: str = "locked"
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = setting(True, env="TFPS_SERVER_SHM", old_env="TFPS_SHM")
@@ -115,6 +118,11 @@ class ServerConfig:
                               f"got {self.stale_gradient_policy!r}")
         if self.stale_gradient_policy != "none" and self.mode == "sync":
             raise ConfigError("--stale-gradient-policy applies to --mode async and ssp; sync has no stale gradients")
+        if self.async_apply not in ASYNC_APPLIES:
+            raise ConfigError(f"--async-apply must be one of {', '.join(ASYNC_APPLIES)}, got {self.async_apply!r}")
+        if self.async_apply != "locked" and self.mode == "sync":
+            raise ConfigError(f"--async-apply {self.async_apply} applies to --mode async and ssp; sync applies "
+                              "each round at once")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if not self.checkpoint_interval > 0:
@@ -176,6 +184,10 @@ class ServerConfig:
                        "scale their learning rate by 1/(1+staleness)")
         g.add_argument("--max-staleness", type=int, help="policy drop: the staleness above which a push is dropped "
                        "(default 8)")
+        g.add_argument("--async-apply", choices=ASYNC_APPLIES,
+                       help="async/ssp: locked (default: a lock per variable, copy-on-write, no update lost) or "
+                       "hogwild (in place under no lock: pushes race, an update may be lost, a pull may see a "
+                       "variable half-updated; sgd, adam, adamw, adagrad and rmsprop)")
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "

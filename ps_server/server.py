@@ -173,6 +173,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         staleness_bound=config.staleness,
         stale_policy=config.stale_gradient_policy,
         max_staleness=config.max_staleness,
+        async_apply=config.async_apply,
     )
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)
@@ -238,7 +239,8 @@ def describe(config: ServerConfig, port: int, tls: bool, token: bool) -> str:
     """
     tls_text = ("mutual TLS" if config.tls_client_ca_file else "TLS on") if tls else "TLS off"
     workers = f"{config.num_workers} worker{'s' if config.num_workers != 1 else ''}"
-    return (f"{config.mode}, {workers}, listening on {config.host}:{port} ({tls_text}, "
+    apply = f" ({config.async_apply} apply)" if config.async_apply != "locked" else ""
+    return (f"{config.mode}{apply}, {workers}, listening on {config.host}:{port} ({tls_text}, "
             f"token {'on' if token else 'off'}, reflection {'on' if config.reflection else 'off'})")
 
 

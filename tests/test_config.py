@@ -241,3 +241,13 @@ def test_a_server_for_many_workers_keeps_each_streams_window_small_so_waiting_pu
     few, many = dict(wire.server_options(workers=8)), dict(wire.server_options(workers=wire.MANY_WORKERS))
     assert "grpc.http2.lookahead_bytes" not in few and "grpc.http2.bdp_probe" not in few
     assert many["grpc.http2.lookahead_bytes"] == wire.STREAM_WINDOW_BYTES and many["grpc.http2.bdp_probe"] == 0
+
+
+def test_async_apply_from_a_flag_or_the_environment_and_refused_in_sync_mode():
+    assert ServerConfig.from_args([], environ={}).async_apply == "locked"
+    assert ServerConfig.from_args(["--mode", "async", "--async-apply", "hogwild"], environ={}).async_apply == "hogwild"
+    assert ServerConfig.from_args(["--mode", "ssp"], environ={"TFPS_ASYNC_APPLY": "hogwild"}).async_apply == "hogwild"
+    with pytest.raises(ConfigError, match="--async-apply hogwild applies to --mode async and ssp"):
+        ServerConfig.from_args(["--async-apply", "hogwild"], environ={})
+    with pytest.raises(ConfigError, match="--async-apply must be one of locked, hogwild, got 'wild'"):
+        ServerConfig.from_args(["--mode", "async"], environ={"TFPS_ASYNC_APPLY": "wild"})

@@ -1,9 +1,13 @@
 """Asynchronous mode: every push is applied the moment it arrives.
 
-    mode = AsyncMode(store, members)
+    mode = AsyncMode(store, members)                    # apply="locked", the default
+    mode = AsyncMode(store, members, apply="hogwild")   # ps-server --async-apply hogwild
     result = mode.push(push)     # returns once this gradient is applied
 
-There is no barrier and no global lock. What "lock-free" means here, exactly:
+There is no barrier and no global lock. How a push is applied is ``apply``;
+what "lock-free" means under each, exactly:
+
+``apply="locked"`` (the default): a lock per variable, copy-on-write.
 
 - What may interleave: pushes from different workers run concurrently. Each
   variable has its own lock, held only for that variable's optimizer step
@@ -20,6 +24,51 @@ There is no barrier and no global lock. What "lock-free" means here, exactly:
   per push and never goes back; a pull returning version v includes every push
   counted in v; a rejected push (unknown worker, bad shape, NaN) changes nothing,
   because it is checked before any variable is touched.
+
+``apply="hogwild"``: no lock around any arithmetic, updates in place
+(Hogwild!, Niu et al. 2011; the arithmetic is ``core.hogwild``'s).
+
+- What may interleave: everything the locked apply allows, and also the element
+  updates of concurrent pushes to the same variable. Each push writes its step
+  into the stored arrays themselves (``w -= lr * g`` as one NumPy pass with
+  ``out=``, which releases the GIL), racing with the others and never waiting
+  for them, so one push may overwrite another's update of an element (a lost
+  update: ``bench/load_test.py`` counts them). A pull may see a variable
+  half-updated (torn: some elements before a push, some after), and two of
+  its elements may reflect different sets of pushes. Optimizer slots (momentum,
+  Adam's m and v) race the same way, and the step index of Adam's bias
+  correction or of a learning-rate schedule may be the same for two concurrent
+  pushes (``core.hogwild``).
+- What is still guaranteed: every accepted push is counted once in the version
+  and in ``pushes_applied``, and each variable's ``iterations`` counts every
+  step once; no push is applied twice (the exactly-once record below); a replay
+  is answered from the record; shapes, dtypes and finiteness are checked before
+  anything is written, so a refused push writes nothing; every element of a
+  value or slot always holds a value some whole update produced (never an
+  intermediate; second moments such as Adam's v stay >= 0), so with finite
+  gradients every stored array stays finite unless a step itself overflows;
+  the version never goes back, and a push counted in version v had written
+  all of its updates before v was published (though a racing push may since
+  have overwritten some).
+  With one push at a time the values are bit-identical to the locked apply's.
+- Pulls serialize the live arrays, torn values accepted: the store hands out a
+  read-only view of each array the steps write; the transport copies its bytes
+  once as it sends them (each element old or new), and no array a reader holds
+  is ever freed or resized. ``read(since=v)`` still returns every variable
+  written after a read at v.
+- Checkpoints (``export_state``): every value and slot is copied under no lock,
+  so the snapshot holds each array whole-shaped, each element torn at worst
+  (finite when the inputs are), ``iterations`` and the version read under the
+  store's lock; the version is a lower bound as with the locked apply. The file
+  written from it is never corrupted: its bytes are those of the copies.
+- Optimizers: sgd (plain, momentum, Nesterov), adam (amsgrad), adamw, adagrad,
+  rmsprop (momentum; not centered), with clipping, weight decay and schedules.
+  Another one, centered rmsprop or ``use_ema`` is refused at initialize with
+  one line naming it (``core.hogwild.check_supported``).
+- The only locks a hogwild push takes: its worker's own (below), the store's
+  ``_publish`` for a few integer assignments per variable (its step count and
+  change stamp, as ``bump_version`` takes it for the version), and the stats'.
+  None is held while an array is read or written.
 
 Staleness of a push = the server version when its apply starts minus the
 version its gradient was computed from (``base_version``).
@@ -52,7 +101,9 @@ import dataclasses
 import threading
 import time
 
-from ps_common.names import STALE_POLICIES
+import numpy as np
+
+from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
@@ -64,7 +115,10 @@ class AsyncMode:
     name = "async"
 
     def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
-                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = 0):
+                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = 0,
+                 apply: str = "locked"):
+        if apply not in ASYNC_APPLIES:
+            raise InvalidArgument(f"apply must be one of {ASYNC_APPLIES}, got {apply!r}")
         if stale_policy not in STALE_POLICIES:
             raise InvalidArgument(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
         if max_staleness < 0:
@@ -75,6 +129,7 @@ class AsyncMode:
         self.allow_nonfinite = allow_nonfinite
         self.stale_policy = stale_policy
         self.max_staleness = max_staleness
+        self.apply = apply
         self._worker_locks = [threading.Lock() for _ in range(members.num_workers)]
         self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
 
@@ -126,7 +181,10 @@ class AsyncMode:
         started = time.perf_counter()
         # One optimizer for the whole push (its learning rate, global_clipnorm's factor over all
         # of it), variable by variable in name order: reproducible; correctness does not depend on it.
-        self.store.apply_push(push.gradients, lr_scale)
+        if self.apply == "hogwild":
+            self.store.apply_in_place(push.gradients, lr_scale)
+        else:
+            self.store.apply_push(push.gradients, lr_scale)
         version = self.store.bump_version()
         self.stats.applied(time.perf_counter() - started)
         if lr_scale != 1.0:
@@ -145,8 +203,17 @@ class AsyncMode:
         """A restarted worker carries on with its own steps."""
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
-        """The store's snapshot: each variable whole, its version a lower bound (see ``store``)."""
-        return self.store.export_state(), self.status()
+        """The store's snapshot: each variable whole, its version a lower bound (see ``store``).
+        Hogwild: every array copied under no lock (torn at worst, whole-shaped; module docstring)."""
+        return self._snapshot(), self.status()
+
+    def _snapshot(self) -> StoreState:
+        state = self.store.export_state()
+        if self.apply != "hogwild":
+            return state
+        copy = lambda a: np.array(a, copy=True) if isinstance(a, np.ndarray) else a  # noqa: E731
+        return dataclasses.replace(state, values={n: copy(v) for n, v in state.values.items()},
+                                   states={n: {k: copy(a) for k, a in s.items()} for n, s in state.states.items()})
 
     def restore(self, status: ModeStatus) -> None:
         """Forget each worker's last step: after a restart a worker resumes from its own step,

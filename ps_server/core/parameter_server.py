@@ -30,6 +30,7 @@ import numpy as np
 from ps_common.names import MODES
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
+from ps_server.core import hogwild
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import ServerState
@@ -111,12 +112,17 @@ class ParameterServer:
         stale_policy: str = "none",
         max_staleness: int = 0,
         clock=time.monotonic,
+        async_apply: str = "locked",
     ):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         if stale_policy != "none" and mode == "sync":
             raise InvalidArgument("a stale-gradient policy applies to async and ssp modes; sync has no stale gradients")
+        if async_apply != "locked" and mode == "sync":
+            raise InvalidArgument(f"async_apply {async_apply!r} applies to async and ssp modes; sync applies each "
+                                  "round at once")
         self.mode_name = mode
+        self.async_apply = async_apply
         self.num_workers = num_workers
         self.barrier_timeout = barrier_timeout
         self.dead_worker_policy = dead_worker_policy
@@ -138,10 +144,10 @@ class ParameterServer:
         elif mode == "ssp":
             self.mode = SSPMode(self.store, self.members, staleness_bound, barrier_timeout, self.stats,
                                 allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
-                                max_staleness=max_staleness, clock=clock)
+                                max_staleness=max_staleness, clock=clock, apply=async_apply)
         else:
             self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite,
-                                  stale_policy=stale_policy, max_staleness=max_staleness)
+                                  stale_policy=stale_policy, max_staleness=max_staleness, apply=async_apply)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
         rec = self.members.register(worker_index, claimed_num_workers, name)
@@ -175,8 +181,12 @@ class ParameterServer:
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                    non_trainable: Iterable[str] = ()) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
-        ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``)."""
+        ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
+        With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
+        (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
+        if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
+            hogwild.check_supported(spec)
         created = self.store.initialize(variables, spec, frozenset(non_trainable))
         return created, self.store.version
 
@@ -296,8 +306,10 @@ class ParameterServer:
         the barrier's lock) only to collect references. Consistency: in sync
         mode the values, optimizer state, version and round are those after one
         round exactly; in async mode each variable is whole and the version is
-        a lower bound (``store`` docstring). Stats and membership are read just
-        after, so their counters may be a push ahead.
+        a lower bound (``store`` docstring); with ``async_apply="hogwild"`` the
+        arrays are copied under no lock, each whole-shaped, torn at worst
+        (``async_mode``). Stats and membership are read just after, so their
+        counters may be a push ahead.
         """
         if not self.store.initialized:
             return None
@@ -333,6 +345,8 @@ class ParameterServer:
                 f"this server runs {self.mode_name} with {self.num_workers}: start it with --mode {state.mode} "
                 f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
             )
+        if self.async_apply == "hogwild":
+            hogwild.check_supported(state.optimizer)
         self.store.restore_state(StoreState(**_store_part(state)))
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)

@@ -3,8 +3,9 @@
     mode = SSPMode(store, members, staleness_bound=2, barrier_timeout=60.0)
     result = mode.push(push)   # applied on arrival; returns once the worker may start its next step
 
-Each push is applied the moment it arrives, exactly as in ``async_mode`` (same
-per-variable locks, same exactly-once record, same stale-gradient policies). What
+Each push is applied the moment it arrives, exactly as in ``async_mode`` (the
+same apply, ``"locked"`` or ``"hogwild"``, same exactly-once record, same
+stale-gradient policies). What
 SSP adds is a bound on how far the workers drift apart. A worker's *clock* is the
 number of steps it completed (its last applied step + 1). A worker may start step
 t only when every participating worker's clock is at least t - S; the reply to
@@ -64,11 +65,12 @@ class SSPMode(AsyncMode):
 
     def __init__(self, store: VariableStore, members: Membership, staleness_bound: int,
                  barrier_timeout: float = 60.0, stats: Stats | None = None, allow_nonfinite: bool = False,
-                 stale_policy: str = "none", max_staleness: int = 0, clock: Callable[[], float] = time.monotonic):
+                 stale_policy: str = "none", max_staleness: int = 0, clock: Callable[[], float] = time.monotonic,
+                 apply: str = "locked"):
         if staleness_bound < 0:
             raise InvalidArgument(f"the staleness bound must be >= 0, got {staleness_bound}")
         super().__init__(store, members, stats, allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
-                         max_staleness=max_staleness)
+                         max_staleness=max_staleness, apply=apply)
         self.staleness_bound = staleness_bound
         self.barrier_timeout = barrier_timeout
         self._now = clock
@@ -198,7 +200,7 @@ class SSPMode(AsyncMode):
         self._release_waiting()
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
-        return self.store.export_state(), self.status()
+        return self._snapshot(), self.status()
 
     def restore(self, status: ModeStatus) -> None:
         """As async: forget each worker's last step. The clocks start again from the

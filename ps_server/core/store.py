@@ -485,3 +485,40 @@ class VariableStore:
     def _require_initialized(self) -> None:
         if self._optimizer is None:
             raise NotInitialized("variables are not initialized yet: the chief (worker 0) initializes them")
+
+    def apply_in_place(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
+        """One push of ``--async-apply hogwild`` (``core.hogwild``, ``core.async_mode``): as
+        ``apply_push``, variable by variable in name order, but each step is written into the
+        stored arrays themselves and no lock is held while any array is read or written.
+
+        Unlike the module docstring's copy-on-write: the array ``read`` hands out for such
+        a variable is a read-only view of the one the steps write, so it changes under its
+        reader (a pull may see a variable half-updated); it is never freed or resized. On
+        its first in-place step a variable's value and slots are copied once into private
+        writable arrays (under ``_publish``); arrays handed out before keep their values.
+        ``_publish`` is otherwise taken only to count the step (``iterations``) and mark the
+        variable changed, after its arrays are written, so ``read(since=...)`` never misses
+        it. The caller checked the gradients and counts the push (``bump_version``)."""
+        from ps_server.core import hogwild  # the in-place arithmetic lives there
+
+        self._require_initialized()
+        optimizer = self._optimizer
+        hogwild.check_supported(optimizer.spec)  # before any variable is touched
+        grads = {name: _native(g) for name, g in grads.items()}
+        clip_scale = self._global_clip_scale(optimizer, grads)
+        writable = self.__dict__.setdefault("_writable", {})  # name -> (published view, writable value, state)
+        for name in sorted(grads):
+            var = self._vars[name]
+            owned = writable.get(name)
+            if owned is None or owned[0] is not var.value:
+                with self._publish:
+                    owned = writable.get(name)
+                    if owned is None or owned[0] is not var.value:  # first step, or a restored store
+                        owned = writable[name] = hogwild.adopt(var.value, var.state)
+                        var.value, var.state = owned[0], owned[2]
+            hogwild.step_in_place(optimizer, owned[1], grads[name], owned[2], lr_scale, clip_scale,
+                                  non_trainable=var.non_trainable)
+            with self._publish:
+                if not var.non_trainable:
+                    owned[2]["iterations"] = int(owned[2]["iterations"]) + 1
+                var.changed = self._version + 1
