@@ -110,6 +110,7 @@ class ParameterServer:
         staleness_bound: int = 0,
         stale_policy: str = "none",
         max_staleness: int = 0,
+        sparse_updates: str = "exact",
         clock=time.monotonic,
     ):
         if mode not in MODES:
@@ -126,7 +127,7 @@ class ParameterServer:
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
         self.members = Membership(num_workers, lease_timeout, clock=clock)
-        self.store = VariableStore()
+        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
@@ -185,6 +186,14 @@ class ParameterServer:
             self.members.require(worker_id)
         return self.store.read(names, since)
 
+    def pull_rows(self, worker_id: int | None = None, names: Iterable[str] | None = None,
+                  since: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(version, values, rows): ``pull``, but with ``since`` a row-wise table (``store``)
+        comes as the rows changed after that version, ``rows[name]`` naming them."""
+        if worker_id is not None and worker_id >= 0:
+            self.members.require(worker_id)
+        return self.store.read_rows(names, since)
+
     def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
                    specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = (),
                    metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> None:
@@ -211,11 +220,12 @@ class ParameterServer:
 
     def push(self, push: Push) -> PushResult:
         """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
-        (``core.sparse``): they are checked and made dense here, before the mode sees them."""
+        (``core.sparse``): they are checked here, before the mode sees them, and made dense
+        unless their rows alone are stepped (``--sparse-updates``)."""
         self.members.require(push.worker_id)
         arrived = self._clock()
         if any(isinstance(g, SparseRows) for g in push.gradients.values()):
-            push = dataclasses.replace(push, gradients=self.store.densify(push.gradients))
+            push = dataclasses.replace(push, gradients=self.store.prepare(push.gradients))
         result = self.mode.push(push)
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
         self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,

@@ -68,6 +68,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.names import DEAD_WORKER_POLICIES
+from ps_server.core import sparse  # weighted_mean: aggregation's, sparse gradients kept sparse
 from ps_server.core.aggregation import metric_difference, metric_spec, sum_metrics, weighted_loss, weighted_mean
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
@@ -268,7 +269,7 @@ class SyncMode:
         kept = speculation.confirm(pushes) if speculation is not None else None  # core.overlap
         try:
             # Every variable speculated from exactly these pushes: those values are the round's.
-            mean = None if kept is not None else weighted_mean([(p.batch_size, p.gradients) for p in pushes])
+            mean = None if kept is not None else sparse.weighted_mean([(p.batch_size, p.gradients) for p in pushes])
             metrics = sum_metrics([p.metrics for p in pushes])
             if rates:
                 previous = self.store.current_learning_rate()
