@@ -23,6 +23,7 @@ import dataclasses
 import os
 
 from ps_common.names import DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
+from ps_server.core.sparse import SPARSE_UPDATES
 
 from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
 from ps_common.settings import ConfigError, resolve, setting
@@ -48,6 +49,9 @@ class ServerConfig:
     staleness: int = 3  # ssp: S, how many steps a worker may run ahead of the slowest
     stale_gradient_policy: str = "none"  # none | drop | scale
     max_staleness: int = 8  # policy drop: drop pushes staler than this many versions
+    # Sparse gradients (ps_server/core/sparse.py): step only the touched rows where that is exact
+    # (exact: SGD, Adagrad; the others densely), always (lazy: TF Addons' LazyAdam), or never (dense).
+    sparse_updates: str = "exact"
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = setting(True, env="TFPS_SERVER_SHM", old_env="TFPS_SHM")
@@ -118,6 +122,9 @@ class ServerConfig:
             raise ConfigError("--stale-gradient-policy applies to --mode async and ssp; sync has no stale gradients")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if self.sparse_updates not in SPARSE_UPDATES:
+            raise ConfigError(f"--sparse-updates must be one of {', '.join(SPARSE_UPDATES)}, "
+                              f"got {self.sparse_updates!r}")
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
@@ -176,6 +183,13 @@ class ServerConfig:
                        "scale their learning rate by 1/(1+staleness)")
         g.add_argument("--max-staleness", type=int, help="policy drop: the staleness above which a push is dropped "
                        "(default 8)")
+        g = p.add_argument_group("sparse gradients")
+        g.add_argument("--sparse-updates", choices=SPARSE_UPDATES,
+                       help="how an embedding's sparse gradient is applied: exact (default) steps only the touched "
+                       "rows where that gives the dense step's bits (SGD without momentum, Adagrad) and the whole "
+                       "table otherwise; lazy steps only the touched rows and their slots for every optimizer (TF "
+                       "Addons' LazyAdam; not Keras' result); dense always steps the whole table "
+                       "(environment TFPS_SPARSE_UPDATES)")
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "

@@ -171,6 +171,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         staleness_bound=config.staleness,
         stale_policy=config.stale_gradient_policy,
         max_staleness=config.max_staleness,
+        sparse_updates=config.sparse_updates,
     )
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)
