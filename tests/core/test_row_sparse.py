@@ -338,3 +338,80 @@ def test_async_delta_pulls_during_concurrent_pushes_keep_a_copy_equal_to_the_ser
             copy[name] = a.copy()
     assert new_version == 120
     _same(copy, ps.pull()[1])
+
+
+# -- against Keras itself --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keras():
+    import os
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras as keras_module
+
+    return keras_module
+
+
+KERAS_CASES = {"sgd": (SGD, "SGD"), "adagrad": (ADAGRAD, "Adagrad"),
+               "sgd_clipvalue": (OptimizerSpec("sgd", learning_rate=0.1, clipvalue=0.5), "SGD")}
+
+
+@pytest.mark.parametrize("case", list(KERAS_CASES))
+@pytest.mark.parametrize("as_slices", [False, True], ids=["dense_gradient", "indexed_slices"])
+def test_keras_leaves_a_zero_gradient_row_bit_for_bit_unchanged_and_the_row_wise_step_matches_it(
+        keras, case, as_slices):
+    """The premise of "exact": Keras' SGD (no momentum) and Adagrad, given a gradient whose
+    row is zero (dense zeros, or a tf.IndexedSlices without that row, as an Embedding's
+    gradient is), leave that row bit for bit as it was; and our row-wise steps give every
+    row Keras' bits after 20 updates."""
+    import tensorflow as tf
+    spec, cls = KERAS_CASES[case]
+    kwargs = {k: getattr(spec, k) for k in ("learning_rate", "clipvalue") if getattr(spec, k) is not None}
+    if spec.name == "adagrad":
+        kwargs.update(epsilon=spec.epsilon, initial_accumulator_value=spec.initial_accumulator_value)
+    opt = getattr(keras.optimizers, cls)(**kwargs)
+    init = table()["emb"]
+    variable = keras.Variable(init)
+    ps = _ps("async", spec)
+    rng = np.random.default_rng(11)
+    for step in range(20):
+        # Dense: rows may repeat (the dense gradient sums them). IndexedSlices: distinct rows,
+        # since Keras' own sparse path applies a repeated row's parts one by one (SGD:
+        # w - lr*g1 - lr*g2; Adagrad: g1^2 + g2^2 into the accumulator), which is not its
+        # dense step; tfps computes the dense step (the rows summed), as for a dense push.
+        g = sparse_grad(rng, 6, repeats=not as_slices)
+        before = variable.numpy()
+        if as_slices:
+            gradient = tf.IndexedSlices(tf.constant(g.values), tf.constant(g.rows), tf.constant([ROWS, DIM]))
+        else:
+            gradient = tf.constant(densify(g, (ROWS, DIM), np.float32))
+        opt.apply([gradient], [variable])
+        after = variable.numpy()
+        untouched = np.setdiff1d(np.arange(ROWS), g.rows)
+        assert after[untouched].tobytes() == before[untouched].tobytes(), f"step {step}: Keras moved a zero row"
+        ps.push(Push(0, step, ps.store.version, 1, {"emb": g, "kernel": np.zeros((DIM, 2), np.float32)}))
+    assert ps.store.row_wise() == {"emb"}
+    ours = ps.pull()[1]["emb"]
+    assert ours.tobytes() == variable.numpy().tobytes(), f"max diff {np.max(np.abs(ours - variable.numpy()))}"
+
+
+@pytest.mark.parametrize("cls, kwargs", [("Adam", {}), ("SGD", {"momentum": 0.9}), ("RMSprop", {}),
+                                         ("Adagrad", {})])
+def test_keras_changes_a_zero_gradient_row_or_its_slots_for_the_optimizers_exact_mode_steps_densely(
+        keras, cls, kwargs):
+    """Why exact mode steps all but SGD and Adagrad densely: after a row was touched once,
+    a later step whose gradient leaves it out still changes the row (momentum, Adam's
+    moments) or its slots (RMSprop's velocity decays), which a row-wise step would not."""
+    import tensorflow as tf
+    opt = getattr(keras.optimizers, cls)(learning_rate=0.01, **kwargs)
+    variable = keras.Variable(table()["emb"])
+    touched = np.zeros((ROWS, DIM), np.float32)
+    touched[3] = 1.0
+    opt.apply([tf.constant(touched)], [variable])
+
+    def row_3():
+        slots = [v.numpy()[3].tobytes() for v in opt.variables if tuple(v.shape) == (ROWS, DIM)]
+        return variable.numpy()[3].tobytes(), slots
+
+    before = row_3()
+    opt.apply([tf.constant(np.zeros((ROWS, DIM), np.float32))], [variable])
+    assert (row_3() == before) == (cls == "Adagrad")  # Adagrad: acc + 0, w - 0/sqrt(acc + eps)
