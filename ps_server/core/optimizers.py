@@ -455,9 +455,10 @@ class Optimizer:
         _check_float_array("variable", value)
         if not value.shape:
             raise InvalidArgument("apply_rows needs a variable with rows; this one is 0-d")
-        gathered = {k: (v[rows] if isinstance(v, np.ndarray) and v.shape == value.shape else v)
+        # np.take: the same rows as value[rows], several times faster for a 2-D table
+        gathered = {k: (np.take(v, rows, axis=0) if isinstance(v, np.ndarray) and v.shape == value.shape else v)
                     for k, v in state.items()}
-        return self.apply(value[rows], grad, gathered, lr_scale, clip_scale)
+        return self.apply(np.take(value, rows, axis=0), grad, gathered, lr_scale, clip_scale)
 
     def _clip(self, g: np.ndarray, c: dict, clip_scale) -> np.ndarray:
         """Keras' ``_clip_gradients`` for one variable (``clip_scale``: the global one)."""

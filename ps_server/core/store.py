@@ -396,7 +396,7 @@ class VariableStore:
                     var = self._vars[n]
                     if rows and since is not None:
                         indices[n] = var.rows_since(since).astype(np.int64, copy=False)
-                        values[n] = _frozen(var.value[indices[n]])
+                        values[n] = _frozen(np.take(var.value, indices[n], axis=0))
                     else:
                         values[n] = _frozen(var.value.copy())
                 return version, {n: values[n] for n in chosen}, indices
