@@ -15,7 +15,8 @@ incarnation of the values this client holds, and gets back only the variables
 that changed since, and of an embedding table the server steps row by row only
 the rows changed since, which it writes into its copy (the rest come from its
 cache, ``PullCache``, which says what such a copy guarantees); in sync mode
-a push's reply may bring the new values, saving the next pull (``SyncShortcut``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
+a dense push's reply may bring the new values of a small model, saving the next
+pull (``SyncShortcut``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
 gradient bytes (the server widens them back; off by default: it costs accuracy).
 
 Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register``
@@ -294,10 +295,10 @@ class PSClient:
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
         if outgoing.nbytes <= self._unary_limit():  # one message beats a stream
-            # The sync shortcut brings every variable whole: for a small model only (a small
-            # sparse push may update a large table), and never once the server sends row
-            # deltas, where the next pull brings only the rows this round changed.
-            outgoing.return_values = (self.shortcut.on and self.cache.nbytes <= self._unary_limit()
+            # The sync shortcut brings every variable whole: not after a sparse push, whose
+            # next pull brings an embedding table's changed rows only (when the server
+            # steps it row by row), nor for a large model.
+            outgoing.return_values = (self.shortcut.on and not rows and self.cache.nbytes <= self._unary_limit()
                                       and not self.cache.row_deltas_seen)
             reply = self.unary.push(outgoing, timeout)
             self.shortcut.receive(reply)

@@ -147,13 +147,19 @@ def test_two_sync_workers_pulling_deltas_hold_exactly_the_rounds_values(cluster,
     assert clients[0].cache.row_deltas_seen and clients[1].cache.row_deltas_seen
 
 
-def test_the_sync_shortcut_still_serves_a_small_model(cluster):
-    address, clients = cluster(mode="sync", workers=1)
-    version, _ = clients[0].pull(0)
-    clients[0].push(0, 0, version, 4, grads(0))
-    assert clients[0].cache.fresh  # the push's reply brought every value: no pull call
-    version, values = clients[0].pull(0)
+def test_a_sparse_push_pulls_its_changed_rows_and_a_dense_one_keeps_the_sync_shortcut(cluster):
+    address, (client,) = cluster(mode="sync", workers=1)
+    version, _ = client.pull(0)
+    client.push(0, 0, version, 4, grads(0))
+    assert not client.cache.fresh  # no values with the reply: the pull brings the changed rows
+    version, values = client.pull(0)
+    assert client.cache.row_deltas_seen
     assert_same_as_fresh(address, version, values)
+    other = cluster(mode="sync", workers=1)[1][0]  # a server that never saw a sparse push
+    version, values = other.pull(0)
+    dense = {n: (np.zeros_like(values[n])) for n in values}
+    other.push(0, 0, version, 4, dense)
+    assert other.cache.fresh  # a small model's dense push: every value came with the reply
 
 
 def test_two_async_workers_pushing_at_once_end_with_copies_equal_to_the_server(cluster):
