@@ -415,3 +415,16 @@ def test_keras_changes_a_zero_gradient_row_or_its_slots_for_the_optimizers_exact
     before = row_3()
     opt.apply([tf.constant(np.zeros((ROWS, DIM), np.float32))], [variable])
     assert (row_3() == before) == (cls == "Adagrad")  # Adagrad: acc + 0, w - 0/sqrt(acc + eps)
+
+
+def test_a_sync_round_of_dense_pushes_for_a_row_wise_table_steps_it_whole_and_publishes_one_version():
+    rows_ps, dense_ps = _ps("sync", ADAGRAD, 2), _ps("sync", ADAGRAD, 2, sparse_updates="dense")
+    rng = np.random.default_rng(12)
+    rounds = [[push_of(rng), push_of(rng)], [push_of(rng, dense=True), push_of(rng, dense=True)],
+              [push_of(rng), push_of(rng, dense=True)], [push_of(rng), push_of(rng)]]
+    for step, pushes in enumerate(rounds):
+        _sync_round(rows_ps, pushes, step)
+        _sync_round(dense_ps, pushes, step)
+    assert rows_ps.store.row_wise() == {"emb"}
+    _same(rows_ps.pull()[1], dense_ps.pull()[1])
+    assert rows_ps.pull_rows(since=1)[2]["emb"].tolist() == list(range(ROWS))  # round 2 wrote every row

@@ -215,3 +215,30 @@ def test_a_pull_without_row_deltas_gets_every_changed_variable_whole(cluster):
     request.known_incarnation = "another-server"  # a copy from elsewhere: whole again
     reply = client.unary.call("Pull", request)
     assert not any(t.sparse for t in reply.variables)
+
+
+def test_sparse_updates_is_a_validated_server_option_with_an_environment_fallback():
+    from ps_server.config import ConfigError
+    assert ServerConfig.from_args([], environ={}).sparse_updates == "exact"
+    assert ServerConfig.from_args([], environ={"TFPS_SPARSE_UPDATES": "lazy"}).sparse_updates == "lazy"
+    assert ServerConfig.from_args(["--sparse-updates", "dense"],
+                                  environ={"TFPS_SPARSE_UPDATES": "lazy"}).sparse_updates == "dense"
+    with pytest.raises(ConfigError, match="--sparse-updates must be one of exact, lazy, dense, got 'rows'"):
+        ServerConfig.from_args([], environ={"TFPS_SPARSE_UPDATES": "rows"})
+
+
+def test_a_lazy_server_refuses_an_optimizer_that_needs_the_whole_variable_in_one_line(cluster):
+    import grpc
+    from worker.client import PSClientError
+    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="async", num_workers=1,
+                                        sparse_updates="lazy")).start()
+    try:
+        with PSClient(running.address, timeout=CLIENT_TIMEOUT) as client:
+            client.register(0, 1)
+            with pytest.raises(PSClientError) as e:
+                client.initialize(0, values0(), OptimizerSpec("adam", learning_rate=0.01, clipnorm=1.0).as_dict())
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details.startswith("--sparse-updates lazy steps only the rows a push touches, but clipnorm")
+        assert "\n" not in e.value.details
+    finally:
+        running.stop(grace=0.5)
