@@ -168,18 +168,20 @@ class InitializeResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name")
+    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name", "row_deltas")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_DELTAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     known_version: int
     known_incarnation: str
     shm_name: str
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    row_deltas: bool
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ..., row_deltas: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "variables", "incarnation")

@@ -23,6 +23,7 @@ import dataclasses
 import os
 
 from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
+from ps_server.core.sparse import SPARSE_UPDATES
 
 from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
 from ps_common.settings import ConfigError, resolve, setting
@@ -51,6 +52,9 @@ class ServerConfig:
     # Async and ssp: locked (a lock per variable, copy-on-write, no lost update) or hogwild
     # (in place, no lock, lost updates possible; ps_server/core/async_mode.py).
     async_apply: str = "locked"
+    # Sparse gradients (ps_server/core/sparse.py): step only the touched rows where that is exact
+    # (exact: SGD, Adagrad; the others densely), always (lazy: TF Addons' LazyAdam), or never (dense).
+    sparse_updates: str = "exact"
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = setting(True, env="TFPS_SERVER_SHM", old_env="TFPS_SHM")
@@ -125,6 +129,9 @@ class ServerConfig:
                               "each round at once")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if self.sparse_updates not in SPARSE_UPDATES:
+            raise ConfigError(f"--sparse-updates must be one of {', '.join(SPARSE_UPDATES)}, "
+                              f"got {self.sparse_updates!r}")
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
@@ -188,6 +195,13 @@ class ServerConfig:
                        help="async/ssp: locked (default: a lock per variable, copy-on-write, no update lost) or "
                        "hogwild (in place under no lock: pushes race, an update may be lost, a pull may see a "
                        "variable half-updated; sgd, adam, adamw, adagrad and rmsprop)")
+        g = p.add_argument_group("sparse gradients")
+        g.add_argument("--sparse-updates", choices=SPARSE_UPDATES,
+                       help="how an embedding's sparse gradient is applied: exact (default) steps only the touched "
+                       "rows where that gives the dense step's bits (SGD without momentum, Adagrad) and the whole "
+                       "table otherwise; lazy steps only the touched rows and their slots for every optimizer (TF "
+                       "Addons' LazyAdam; not Keras' result); dense always steps the whole table "
+                       "(environment TFPS_SPARSE_UPDATES)")
         g = p.add_argument_group("transport")
         g.add_argument("--shm", action=argparse.BooleanOptionalAction,
                        help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "

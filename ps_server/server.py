@@ -174,6 +174,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         stale_policy=config.stale_gradient_policy,
         max_staleness=config.max_staleness,
         async_apply=config.async_apply,
+        sparse_updates=config.sparse_updates,
     )
     token = security.load_token(config.auth_token_file, os.environ)
     credentials = security.server_credentials(config)

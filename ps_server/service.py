@@ -447,11 +447,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             )
         return pb.InitializeResponse(created=created, version=version)
 
+    def _pull(self, request) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(version, values, rows) for a pull: with ``row_deltas`` and a version the caller
+        holds, a row-wise table as its changed rows (``rows[name]`` says which), else whole."""
+        since = self._since(request)
+        if request.row_deltas and since is not None:
+            return self.core.pull_rows(request.worker_id, list(request.names), since=since)
+        version, values = self.core.pull(request.worker_id, list(request.names), since=since)
+        return version, values, {}
+
     @_handled
     def Pull(self, request, context):
-        version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
-        return pb.PullResponse(version=version, variables=codec.encode_many(values),
-                               incarnation=self.core.incarnation)
+        version, values, rows = self._pull(request)
+        tensors = codec.encode_many(values)
+        for t in tensors:
+            if t.name in rows:
+                t.sparse = True
+                t.rows.extend(rows[t.name].tolist())
+        return pb.PullResponse(version=version, variables=tensors, incarnation=self.core.incarnation)
 
     @_handled_stream
     async def PullStream(self, request, context):
@@ -465,9 +478,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _pull_prepared(self, request) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """The header of a PullStream and the arrays its data messages carry (none when they
         went through the worker's shared-memory segment)."""
-        version, values = self.core.pull(request.worker_id, list(request.names), since=self._since(request))
+        version, values, rows = self._pull(request)
         wire = {name: stream.to_wire(a) for name, a in values.items()}
         header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
+        for meta in header.variables:
+            if meta.name in rows:
+                meta.sparse = True
+                meta.rows.extend(rows[meta.name].tolist())
         arrays = {name: a for name, (_, a) in wire.items()}
         if request.shm_name:
             segment = self._segment(request.worker_id, "pull", request.shm_name, writable=True)

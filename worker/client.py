@@ -12,8 +12,11 @@ unary message (``Unary``), larger ones are streamed in ~2 MiB chunks
 (``Streams``: ``PullStream``, ``PushStream``, ``protos.stream``) or pass through
 shared memory (``SharedMemory``). A full pull sends the server the version and
 incarnation of the values this client holds, and gets back only the variables
-that changed since (the rest come from its cache, ``PullCache``); in sync mode
-a push's reply may bring the new values, saving the next pull (``SyncShortcut``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
+that changed since, and of an embedding table the server steps row by row only
+the rows changed since, which it writes into its copy (the rest come from its
+cache, ``PullCache``, which says what such a copy guarantees); in sync mode
+a dense push's reply may bring the new values of a small model, saving the next
+pull (``SyncShortcut``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
 gradient bytes (the server widens them back; off by default: it costs accuracy).
 
 Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register``
@@ -233,7 +236,9 @@ class PSClient:
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
         """(version, values), streamed or through shared memory. Arrays are read-only and
         the client's own; a full pull (no ``names``) reuses the previous pull's arrays for
-        the variables that did not change."""
+        the variables that did not change, and a row-wise table's array is the client's one
+        copy of it, into which a later full pull writes the rows that changed
+        (``PullCache``)."""
         names = list(names)
         full = not names
         if full:
@@ -251,7 +256,10 @@ class PSClient:
         for a in values.values():
             a.flags.writeable = False
         if full:
-            values = self.cache.complete(header, values)
+            try:
+                values = self.cache.complete(header, values)
+            except ValueError as e:
+                raise PSClientError("Pull", self.address, None, f"malformed reply: {e}") from None
             self.shared_memory.expect_pull(values)
         return header.version, values
 
@@ -287,7 +295,11 @@ class PSClient:
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
         if outgoing.nbytes <= self._unary_limit():  # one message beats a stream
-            outgoing.return_values = self.shortcut.on
+            # The sync shortcut brings every variable whole: not after a sparse push, whose
+            # next pull brings an embedding table's changed rows only (when the server
+            # steps it row by row), nor for a large model.
+            outgoing.return_values = (self.shortcut.on and not rows and self.cache.nbytes <= self._unary_limit()
+                                      and not self.cache.row_deltas_seen)
             reply = self.unary.push(outgoing, timeout)
             self.shortcut.receive(reply)
         else:

@@ -126,7 +126,12 @@ class Unary:
             values = codec.decode_many(reply.variables)
         except codec.CodecError as e:
             raise PSClientError("Pull", self.address, None, f"malformed reply: {e}") from None
-        return pb.PullHeader(version=reply.version, incarnation=reply.incarnation), values
+        header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
+        for t in reply.variables:  # row deltas (PullRequest.row_deltas): their rows, as a stream's header has them
+            if t.sparse:
+                header.variables.append(pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, sparse=True,
+                                                      rows=t.rows))
+        return header, values
 
     def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
         return self.call("Push", outgoing.request(), timeout=timeout)
@@ -452,12 +457,21 @@ class SharedMemory:
 
 class PullCache:
     """The last full pull: (incarnation, version, values). The next full pull sends the
-    server that version and incarnation and gets back only the variables changed since;
-    the others are these arrays again (read-only, so sharing them is safe)."""
+    server that version and incarnation and gets back only the variables changed since,
+    and of a row-wise table (an embedding the server steps row by row) only the rows
+    changed since (``PullRequest.row_deltas``), which are written into this cache's copy
+    of it; the others are these arrays again (read-only, so sharing them is safe).
+
+    A row-wise table's array is therefore this client's one copy of it, written in place
+    by a later pull (the first delta copies it once, so that the cache owns it): it stays
+    read-only to everyone else, and holds the server's values as of the last pull
+    (sync: exactly that version; async: each row as of it or later, ``store``)."""
 
     def __init__(self) -> None:
         self.held: tuple[str, int, dict[str, np.ndarray]] | None = None
         self.fresh = False  # held came with a push reply (SyncShortcut): no pull needed
+        self.row_deltas_seen = False  # the server sent row deltas: it holds row-wise tables
+        self._owned: dict[str, np.ndarray] = {}  # arrays this cache made, which it may write
 
     def take_fresh(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """(version, values) when the last push's reply brought them, once; else None."""
@@ -467,25 +481,47 @@ class PullCache:
         return self.held[1], self.held[2]
 
     def ask(self, request: pb.PullRequest) -> None:
-        """Name what this client holds, so the server can skip it."""
+        """Name what this client holds, so the server can skip it (and send row deltas)."""
         if self.held is not None:
             request.known_incarnation, request.known_version = self.held[0], self.held[1]
+            request.row_deltas = True
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.held[2].values()) if self.held is not None else 0
 
     def complete(self, header: pb.PullHeader, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A full pull's values: the changed ones from ``values``, the others from the
-        cache (same server process only); then held for the next pull."""
+        """A full pull's values: the changed ones from ``values`` (a row delta written into
+        the held copy), the others from the cache (same server process only); then held
+        for the next pull. ValueError for row deltas that do not fit what is held."""
         held = self.held
+        deltas = {m.name: m for m in header.variables if m.sparse}
         if held is not None and header.incarnation == held[0] and set(values) <= set(held[2]):
+            for name, meta in deltas.items():
+                values[name] = self._write_rows(name, held[2][name], np.array(meta.rows, np.int64), values[name])
             values = {n: values.get(n, held[2][n]) for n in held[2]}
+        elif deltas:
+            raise ValueError(f"row deltas for {sorted(deltas)[:4]}, which this client does not hold")
+        self.row_deltas_seen = self.row_deltas_seen or bool(deltas)
         self.keep(header.incarnation, header.version, values)
         return values
 
+    def _write_rows(self, name: str, held: np.ndarray, rows: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        if held.ndim < 1 or delta.shape != (len(rows),) + held.shape[1:] or delta.dtype != held.dtype:
+            raise ValueError(f"row delta of {name!r} is {delta.dtype}{list(delta.shape)} for {len(rows)} row(s); "
+                             f"the copy held is {held.dtype}{list(held.shape)}")
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= held.shape[0]):
+            raise ValueError(f"row delta of {name!r} names rows outside 0..{held.shape[0] - 1}")
+        copy = held if self._owned.get(name) is held else held.copy()  # copied once, then written in place
+        copy.flags.writeable = True
+        copy[rows] = delta
+        copy.flags.writeable = False
+        self._owned[name] = copy
+        return copy
+
     def keep(self, incarnation: str, version: int, values: dict[str, np.ndarray], fresh: bool = False) -> None:
         self.held, self.fresh = (incarnation, version, values), fresh
+        self._owned = {n: a for n, a in self._owned.items() if values.get(n) is a}  # those still held
 
 
 class SyncShortcut:

@@ -13,7 +13,8 @@ Plain Python and NumPy only (``tests/core/test_core_imports.py`` proves it):
 - ``async_mode``: every push applied on arrival;
 - ``ssp_mode``: applied on arrival, nobody more than S steps ahead of the slowest;
 - ``membership``: registered workers, their leases and what each last did;
-- ``sparse``: sparse embedding gradients checked and made dense on arrival;
+- ``sparse``: sparse embedding gradients checked, then stepped on their rows alone or made dense
+  (``--sparse-updates``), and a sync round's mean of them;
 - ``checkpoint``: the checkpoint file, written atomically, checked on restore;
 - ``errors``: the exceptions the core raises.
 

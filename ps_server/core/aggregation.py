@@ -199,13 +199,22 @@ class RoundSum:
     def __init__(self) -> None:
         self._exact: dict[str, _Exact] = {}
         self._held: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # float64: (worker, b, g)
+        # Sparse gradients (ps_common.sparse.SparseRows, an embedding's rows stepped row-wise):
+        # kept as they came, (worker, b, g), a push's few rows, and folded at ``mean``.
+        self._rows: dict[str, list[tuple[int, int, object]]] = {}
+        self._names: set[str] = set()
+        self._sparse_means: dict = {}
         self.total = 0
         self.count = 0
 
     def add(self, worker_id: int, batch_size: int, gradients: Mapping[str, np.ndarray]) -> None:
-        if self.count and set(gradients) != set(self._exact) | set(self._held):
+        if self.count and set(gradients) != self._names:
             raise InvalidArgument("every push of a round carries the same variables")
+        self._names = set(gradients)
         for name, g in gradients.items():
+            if not isinstance(g, np.ndarray):  # SparseRows
+                self._rows.setdefault(name, []).append((worker_id, batch_size, g))
+                continue
             dtype = g.dtype.newbyteorder("=")
             if dtype in _EXACT_DTYPES:
                 acc = self._exact.get(name)
@@ -225,11 +234,61 @@ class RoundSum:
             raise InvalidArgument("a round needs at least one contribution")
         if self.total <= 0:
             raise InvalidArgument(f"a round needs at least one example, got a total batch size of {self.total}")
+        for name, held in self._rows.items():
+            self._fold_rows(name, held)
         out = {name: acc.mean(self.total) for name, acc in self._exact.items()}
+        out.update(self._sparse_means)
         for name, held in self._held.items():
             held = sorted(held, key=lambda x: x[0])
             out[name] = _weighted_sum([g for _, _, g in held], batch_weights([b for _, b, _ in held]))
         return out
+
+
+    def _fold_rows(self, name: str, held: list) -> None:
+        """Sparse pushes of ``name``: made dense into its accumulator when some push of the
+        round was dense, else their exact mean over the union of their rows, a SparseRows
+        whose rows hold the bits of the dense mean's (rows of zeros elsewhere)."""
+        from ps_common.sparse import SparseRows
+        from ps_server.core import sparse
+
+        if name in self._exact or name in self._held:
+            like = self._exact[name] if name in self._exact else None
+            for worker, b, g in held:
+                shape = like.shape if like is not None else self._held[name][0][2].shape
+                dtype = like.dtype if like is not None else self._held[name][0][2].dtype
+                self.add_dense(worker, b, name, sparse.densify(g, shape, dtype))
+            return
+        combined = [(worker, b, *sparse.combine(g)) for worker, b, g in held]
+        union = np.unique(np.concatenate([rows for _, _, rows, _ in combined]))
+        values = combined[0][3]
+        dtype = values.dtype.newbyteorder("=")
+        shape = (len(union),) + values.shape[1:]
+        if dtype in _EXACT_DTYPES:
+            acc = _Exact(shape, dtype)
+            for _, b, rows, v in combined:
+                full = np.zeros(shape, dtype)
+                full[np.searchsorted(union, rows)] = v
+                if b:
+                    acc.add(full, b)
+            mean = acc.mean(self.total)
+        else:
+            ordered = sorted(combined, key=lambda c: c[0])
+            shaped = []
+            for _, _, rows, v in ordered:
+                full = np.zeros(shape, dtype)
+                full[np.searchsorted(union, rows)] = v
+                shaped.append(full)
+            mean = _weighted_sum(shaped, batch_weights([b for _, b, _, _ in ordered]))
+        self._sparse_means = {**self._sparse_means, name: SparseRows(union, mean)}
+
+    def add_dense(self, worker_id: int, batch_size: int, name: str, g: np.ndarray) -> None:
+        """One variable's dense gradient of a push already counted (``add``)."""
+        dtype = g.dtype.newbyteorder("=")
+        if dtype in _EXACT_DTYPES:
+            if batch_size:
+                self._exact[name].add(g, batch_size)
+        else:
+            self._held[name].append((worker_id, batch_size, g))
 
 
 def weighted_mean(contributions: Sequence[Contribution]) -> dict[str, np.ndarray]:

@@ -440,6 +440,26 @@ class Optimizer:
         slots = {name: x.reshape(shape) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 
+    def apply_rows(self, value: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict,
+                   lr_scale: float = 1.0, clip_scale: np.floating | None = None) -> tuple[np.ndarray, dict]:
+        """Pure, like ``apply``: one step of rows ``rows`` (distinct) of ``value`` for their
+        gradient ``grad`` (``grad[i]`` is row ``rows[i]``'s), every other row left out.
+
+        Returns (the new values of those rows, the new state): each slot shaped like the
+        variable holds only those rows (in the order of ``rows``), a slot of another shape
+        (Nadam's 0-d ``u_product``) and ``iterations`` are whole. The caller writes the rows
+        back (``VariableStore``). Every step here is elementwise once its scalars are fixed,
+        so these are those rows' bits of ``apply`` on the whole variable with zeros
+        elsewhere; the exceptions need the whole variable (``clipnorm``,
+        ``global_clipnorm``, ``use_ema``: ``core.sparse.row_wise``) and are not for here."""
+        _check_float_array("variable", value)
+        if not value.shape:
+            raise InvalidArgument("apply_rows needs a variable with rows; this one is 0-d")
+        # np.take: the same rows as value[rows], several times faster for a 2-D table
+        gathered = {k: (np.take(v, rows, axis=0) if isinstance(v, np.ndarray) and v.shape == value.shape else v)
+                    for k, v in state.items()}
+        return self.apply(np.take(value, rows, axis=0), grad, gathered, lr_scale, clip_scale)
+
     def _clip(self, g: np.ndarray, c: dict, clip_scale) -> np.ndarray:
         """Keras' ``_clip_gradients`` for one variable (``clip_scale``: the global one)."""
         spec = self.spec

@@ -111,6 +111,7 @@ class ParameterServer:
         staleness_bound: int = 0,
         stale_policy: str = "none",
         max_staleness: int = 0,
+        sparse_updates: str = "exact",
         clock=time.monotonic,
         async_apply: str = "locked",
     ):
@@ -132,7 +133,7 @@ class ParameterServer:
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
         self.members = Membership(num_workers, lease_timeout, clock=clock)
-        self.store = VariableStore()
+        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
@@ -197,6 +198,14 @@ class ParameterServer:
             self.members.require(worker_id)
         return self.store.read(names, since)
 
+    def pull_rows(self, worker_id: int | None = None, names: Iterable[str] | None = None,
+                  since: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(version, values, rows): ``pull``, but with ``since`` a row-wise table (``store``)
+        comes as the rows changed after that version, ``rows[name]`` naming them."""
+        if worker_id is not None and worker_id >= 0:
+            self.members.require(worker_id)
+        return self.store.read_rows(names, since)
+
     def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
                    specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = (),
                    metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> None:
@@ -223,9 +232,10 @@ class ParameterServer:
 
     def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
         """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
-        (``core.sparse``): they are checked and made dense here, before the mode sees them.
-        ``consumed`` (sync mode) is called once the push's gradient arrays are no longer
-        needed, possibly long before the round's outcome (``SyncMode.push``)."""
+        (``core.sparse``): they are checked here, before the mode sees them, and made dense
+        unless their rows alone are stepped (``--sparse-updates``). ``consumed`` (sync mode)
+        is called once the push's gradient arrays are no longer needed, possibly long before
+        the round's outcome (``SyncMode.push``)."""
         self.members.require(push.worker_id)
         arrived = self._clock()
         push, consumed = self._dense(push, consumed)
@@ -255,11 +265,12 @@ class ParameterServer:
         return ticket
 
     def _dense(self, push: Push, consumed: Callable[[], None] | None) -> tuple[Push, Callable[[], None] | None]:
-        """Sparse gradients made dense (``core.sparse``); ``consumed`` then also drops the dense
-        copies, which are ours: no frame keeps them while the push waits."""
+        """Sparse gradients checked, and made dense unless stepped row-wise (``store.prepare``);
+        ``consumed`` then also drops those arrays, which are ours: no frame keeps them while
+        the push waits."""
         if not any(isinstance(g, SparseRows) for g in push.gradients.values()):
             return push, consumed
-        dense = self.store.densify(push.gradients)
+        dense = self.store.prepare(push.gradients)
         given = consumed
 
         def dropped() -> None:

@@ -7,6 +7,8 @@
     store.apply_all({"w": g})                    # sync: one step on every variable
     store.apply_push({"w": g})                   # async: variable by variable, each under its own lock
     store.apply_one("w", g)                      # async: one variable, its own lock
+    store.apply_push({"emb": SparseRows(rows, g)})    # a sparse gradient: only its rows, where exact
+    version, values, rows = store.read_rows(since=version)  # row-wise tables: only their changed rows
     store.set_learning_rate(0.05)                # the chief's LearningRateScheduler / ReduceLROnPlateau
     store.current_learning_rate(), store.optimizer_iterations()
 
@@ -22,6 +24,42 @@ Values are copy-on-write: an optimizer step builds a new array and swaps the
 reference, so an array handed to a reader is never modified afterwards (arrays
 are marked read-only to enforce it). That is what lets pulls serialize outside
 any lock.
+
+Row-wise variables (embedding tables). A variable becomes row-wise the first time
+a sparse gradient (``SparseRows``) arrives for it that ``core.sparse.row_wise``
+says may be stepped on its rows alone (``VariableStore(sparse_updates=...)``,
+``--sparse-updates``). From then on it is *not* copy-on-write: a step gathers the
+touched rows and their slots, computes (``Optimizer.apply_rows``) and writes them
+back in place, under the variable's ``lock``, so a step costs in proportion to the
+rows it touches, not the table. Each row-wise variable keeps ``rows_changed``, an
+int64 per row: the version by which that row was last written (as ``changed`` is
+for a whole variable), plus a short log of the rows each recent step wrote, so that
+``read_rows(since=v)`` finds the rows changed after ``v`` in time proportional to
+them (and scans ``rows_changed`` when ``v`` is older than the log). Every reader of
+a row-wise variable (a pull, a checkpoint) copies what it needs while holding the
+variable's lock; no reference to its arrays ever leaves the store. Dense variables
+stay copy-on-write, zero-copy to read, as described above. A dense gradient for a
+row-wise variable steps it whole (all its rows marked).
+
+Consistency of reads (``read``, ``read_rows``, ``export_state``). A reader takes the
+locks of the row-wise variables it reads (in name order), then ``_publish`` for the
+version and the dense references, and copies the row-wise rows before letting go.
+A sync round (``apply_all``) holds the locks of the row-wise variables it writes
+from before its first write until after it has published the new version, and
+computes every step before writing any (so a refused step writes nothing). So:
+
+- sync: a read sees one version exactly, every variable, dense or row-wise, as
+  that round left it; ``read_rows(since=v)`` returns, for each row-wise variable,
+  exactly the rows some round after ``v`` wrote (a round writes only the rows its
+  pushes touched), and for a dense one the whole value when it changed after ``v``.
+- async: as for dense variables, each variable is whole (its rows and slots from
+  one push's step, never half a step), the version read is a lower bound, and a
+  read holds every push its version counts. Rows are marked with the version being
+  built (the current version + 1) when written, and the version is read before the
+  rows are copied, so a row written after a read returned version ``v`` is marked
+  above ``v``: ``read_rows(since=v)`` never misses a change, and may send a row
+  again that the reader already had. A client that scatters the rows it gets into
+  its copy therefore holds the server's values exactly, as of its pull.
 
 Non-trainable variables (``initialize(..., non_trainable=[...])``: a BatchNorm
 layer's moving mean and variance) are stored, pulled and checkpointed like the
@@ -39,10 +77,11 @@ accepts a gradient is never contradicted by the optimizer after some
 variables were already updated.
 
 Locks, in the order they may be taken: a variable's ``lock`` (held for its
-read-modify-write), then ``_publish`` (held only to swap references and read or
+read-modify-write; several row-wise variables' locks in name order), then ``_publish`` (held only to swap references and read or
 bump the version). No lock here is held across network I/O.
 
-Checkpoints: ``export_state`` takes a zero-copy snapshot under ``_publish``.
+Checkpoints: ``export_state`` takes a zero-copy snapshot under ``_publish`` (row-wise
+variables copied, under their locks, as for any read).
 Every swap of a value and its optimizer state happens under ``_publish``, so
 each variable in a snapshot is whole (its value and slots from the same step).
 With ``apply_all`` (sync) the snapshot is one version exactly. With
@@ -54,7 +93,10 @@ variables updated, not yet counted). Its version is a lower bound.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -67,9 +109,12 @@ from ps_server.core import schedules, sparse
 from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
 from ps_common.sparse import SparseRows
 
+log = logging.getLogger("ps_server.core")
+
 
 class _Variable:
-    __slots__ = ("name", "value", "state", "lock", "changed", "non_trainable")
+    __slots__ = ("name", "value", "state", "lock", "changed", "non_trainable", "rows_changed", "row_log",
+                 "row_log_floor", "row_log_size")
 
     def __init__(self, name: str, value: np.ndarray, state: dict, changed: int = 0, non_trainable: bool = False):
         self.name = name
@@ -82,6 +127,47 @@ class _Variable:
         # A version by which this value was published: a reader that saw version
         # v < changed may hold an older value; one that saw v >= changed holds this one.
         self.changed = changed
+        # Row-wise (module docstring): None while copy-on-write. Else the version by which
+        # each row was last written; row_log holds (version, rows) of recent steps, oldest
+        # first, complete for every version above row_log_floor; row_log_size its rows.
+        self.rows_changed: np.ndarray | None = None
+        self.row_log: collections.deque = collections.deque()
+        self.row_log_floor = 0
+        self.row_log_size = 0
+
+    @property
+    def row_wise(self) -> bool:
+        return self.rows_changed is not None
+
+    def mark_rows(self, rows: np.ndarray | None, version: int) -> None:
+        """Rows ``rows`` (None: all) written as of ``version``. Lock held."""
+        self.changed = version
+        if rows is None:
+            self.rows_changed[:] = version
+            self.row_log.clear()
+            self.row_log_floor, self.row_log_size = version, 0
+            return
+        self.rows_changed[rows] = version
+        self.row_log.append((version, np.array(rows, np.intp)))  # a copy: the caller's may change
+        self.row_log_size += len(rows)
+        # Beyond a table's worth of rows, a scan of rows_changed costs no more than the log.
+        while self.row_log_size > len(self.rows_changed) and self.row_log:
+            old_version, old_rows = self.row_log.popleft()
+            self.row_log_size -= len(old_rows)
+            self.row_log_floor = max(self.row_log_floor, old_version)
+
+    def rows_since(self, since: int) -> np.ndarray:
+        """The rows written after version ``since``, increasing. Lock held."""
+        if since < self.row_log_floor:
+            return np.flatnonzero(self.rows_changed > since)
+        recent = []
+        for version, rows in reversed(self.row_log):
+            if version <= since:
+                break
+            recent.append(rows)
+        if not recent:
+            return np.empty(0, np.intp)
+        return recent[0] if len(recent) == 1 else np.unique(np.concatenate(recent))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -92,6 +178,33 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def _native(a: np.ndarray, copy: bool = False) -> np.ndarray:
     """``a`` in native byte order; without ``copy``, ``a`` itself when it already is."""
     return a.astype(a.dtype.newbyteorder("="), copy=copy)
+
+
+def _native_gradient(g):
+    """A gradient (array or ``SparseRows``) in native byte order."""
+    if isinstance(g, SparseRows):
+        return g if g.values.dtype.isnative else SparseRows(g.rows, _native(g.values))
+    return _native(g)
+
+
+def _write_rows(var: _Variable, rows: np.ndarray, value: np.ndarray, state: dict) -> None:
+    """Write one row-wise step (``Optimizer.apply_rows``' result) into ``var`` in place. Lock held."""
+    var.value[rows] = value
+    for k, v in state.items():
+        current = var.state.get(k)
+        if isinstance(current, np.ndarray) and current.shape == var.value.shape:
+            current[rows] = v
+        else:  # iterations, a 0-d slot (Nadam's u_product)
+            var.state[k] = v
+
+
+def _replace_whole(var: _Variable, value: np.ndarray, state: dict, version: int) -> None:
+    """A whole step of a row-wise variable (a dense gradient): its new arrays, owned by the
+    store from now on (never handed out), every row marked. Lock and ``_publish`` held."""
+    var.value = value if value.flags.writeable else value.copy()
+    var.state = {k: (v.copy() if isinstance(v, np.ndarray) and not v.flags.writeable else v)
+                 for k, v in state.items()}
+    var.mark_rows(None, version)
 
 
 @dataclass(frozen=True)
@@ -115,7 +228,14 @@ class StoreState:
 
 
 class VariableStore:
-    def __init__(self) -> None:
+    def __init__(self, sparse_updates: str = "exact") -> None:
+        """``sparse_updates`` (``core.sparse.SPARSE_UPDATES``, ``--sparse-updates``): how a
+        sparse gradient is applied: only its rows where that is exact (default), only its
+        rows always (``lazy``), or made dense."""
+        if sparse_updates not in sparse.SPARSE_UPDATES:
+            raise InvalidArgument(f"sparse_updates must be one of {', '.join(sparse.SPARSE_UPDATES)}; "
+                                  f"got {sparse_updates!r}")
+        self.sparse_updates = sparse_updates
         self._publish = threading.Lock()
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
@@ -164,6 +284,7 @@ class VariableStore:
         if unknown:
             raise InvalidArgument(f"non-trainable variable(s) {', '.join(map(repr, unknown[:5]))} are not among "
                                   f"the variables")
+        self._check_sparse_updates(spec)
         for name, value in variables.items():
             if not name:
                 raise InvalidArgument("variable names must be non-empty")
@@ -181,6 +302,21 @@ class VariableStore:
             }
             self._optimizer = optimizer
             return True
+
+    def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
+        refusal = sparse.lazy_refusal(spec) if self.sparse_updates == "lazy" else None
+        if refusal:
+            raise InvalidArgument(refusal)
+
+    def _row_wise_reason(self, var: _Variable) -> str | None:
+        """None when a sparse gradient of ``var`` is stepped on its rows alone; else why not."""
+        if var.non_trainable:
+            return "it is not trainable"
+        return sparse.row_wise(self._optimizer.spec, self.sparse_updates)
+
+    def row_wise(self) -> frozenset[str]:
+        """The variables that are row-wise now (module docstring)."""
+        return frozenset(n for n, v in self._vars.items() if v.row_wise)
 
     def _check_same(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                     non_trainable: frozenset[str] = frozenset()) -> None:
@@ -219,30 +355,68 @@ class VariableStore:
         rest). Sync updates publish every variable with the new version; an
         async update publishes a variable as of the version being built, so a
         reader that caught it half-way through a push gets it again, never misses it.
+        A row-wise variable comes whole, copied (module docstring).
         """
+        version, values, _ = self._read(names, since, rows=False)
+        return version, values
+
+    def read_rows(self, names: Iterable[str] | None = None,
+                  since: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(version, values, rows): ``read``, except that with ``since`` a row-wise variable
+        changed after it comes as the rows written after ``since`` only: ``values[name]``
+        holds them, ``rows[name]`` (int64, increasing) says which they are. A caller that
+        writes them into its copy from the read that returned ``since`` holds the values
+        as of ``version`` (module docstring: consistency)."""
+        return self._read(names, since, rows=True)
+
+    def _read(self, names, since, rows: bool):
         self._require_initialized()
         names = list(names) if names else None
         if names:
             unknown = [n for n in names if n not in self._vars]
             if unknown:
                 raise NotFound(f"unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
-        with self._publish:
-            chosen = names or list(self._vars)
-            if since is not None:
-                chosen = [n for n in chosen if self._vars[n].changed > since]
-            return self._version, {n: self._vars[n].value for n in chosen}
+        chosen = names or list(self._vars)
+        while True:
+            row_wise = sorted(n for n in chosen if self._vars[n].row_wise)
+            with contextlib.ExitStack() as held:
+                for n in row_wise:  # name order (the lock order)
+                    held.enter_context(self._vars[n].lock)
+                with self._publish:
+                    if sorted(n for n in chosen if self._vars[n].row_wise) != row_wise:
+                        continue  # a variable turned row-wise meanwhile: take its lock too
+                    version = self._version
+                    if since is not None:
+                        chosen = [n for n in chosen if self._vars[n].changed > since]
+                    values = {n: self._vars[n].value for n in chosen if n not in row_wise}
+                indices = {}
+                for n in row_wise:
+                    if n not in chosen:
+                        continue
+                    var = self._vars[n]
+                    if rows and since is not None:
+                        indices[n] = var.rows_since(since).astype(np.int64, copy=False)
+                        values[n] = _frozen(np.take(var.value, indices[n], axis=0))
+                    else:
+                        values[n] = _frozen(var.value.copy())
+                return version, {n: values[n] for n in chosen}, indices
 
     # -- gradients ---------------------------------------------------------------
-    def check_gradients(self, grads: Mapping[str, np.ndarray], allow_nonfinite: bool = False) -> None:
-        """Raise unless grads has exactly one finite array per variable, of its shape and dtype.
+    def check_gradients(self, grads: Mapping[str, "np.ndarray | SparseRows"], allow_nonfinite: bool = False) -> None:
+        """Raise unless grads has exactly one finite array per variable, of its shape and dtype
+        (a ``SparseRows``: rows of the variable, ``core.sparse.check``).
 
         ``allow_nonfinite`` lets NaN and Inf through (they are rejected by default).
         """
-        self.check_gradient_specs({n: (g.dtype, g.shape) for n, g in grads.items()})
-        if not allow_nonfinite:
-            for name, g in grads.items():
-                if not np.isfinite(g).all():
-                    raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
+        self.check_gradient_specs({n: (g.dtype, g.values.shape if isinstance(g, SparseRows) else g.shape)
+                                   for n, g in grads.items()},
+                                  sparse=frozenset(n for n, g in grads.items() if isinstance(g, SparseRows)))
+        for name, g in grads.items():
+            if isinstance(g, SparseRows):
+                var = self._vars[name]
+                sparse.check(name, g, var.value.shape, var.value.dtype)
+            if not allow_nonfinite and not np.isfinite(g.values if isinstance(g, SparseRows) else g).all():
+                raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
 
     def check_gradient_specs(self, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
                              sparse: Collection[str] = ()) -> None:
@@ -274,6 +448,13 @@ class VariableStore:
         """``grads`` with every ``SparseRows`` checked against its variable and scattered
         into a dense array (``core.sparse``); dense gradients pass as they are, for
         ``check_gradients``. Raises before anything is applied."""
+        return self.prepare(grads, keep_sparse=False)
+
+    def prepare(self, grads: Mapping[str, "np.ndarray | SparseRows"], keep_sparse: bool = True) -> dict:
+        """``grads`` as the modes take them: every ``SparseRows`` checked against its variable,
+        kept as it is where its rows alone are stepped (``core.sparse.row_wise``, and
+        ``keep_sparse``), else made dense; dense gradients pass as they are, for
+        ``check_gradients``. Raises before anything is applied."""
         self._require_initialized()
         out = {}
         for name, g in grads.items():
@@ -282,26 +463,29 @@ class VariableStore:
                 if var is None:
                     raise NotFound(f"gradient for unknown variable(s): {name!r}")
                 sparse.check(name, g, var.value.shape, var.value.dtype)
-                g = sparse.densify(g, var.value.shape, var.value.dtype)
+                if not (keep_sparse and self._row_wise_reason(var) is None):
+                    g = sparse.densify(g, var.value.shape, var.value.dtype)
             out[name] = g
         return out
 
     # -- updates -----------------------------------------------------------------
-    def apply_all(self, grads: Mapping[str, np.ndarray]) -> int:
+    def apply_all(self, grads: Mapping[str, "np.ndarray | SparseRows"]) -> int:
         """One optimizer step on every variable, published at once; returns the new version.
 
         Callers check the gradients first (``check_gradients``) and serialize
         apply_all (the sync barrier does); readers see either all of the old
-        values or all of the new ones.
+        values or all of the new ones. A ``SparseRows`` gradient (``prepare`` kept it)
+        steps that variable's rows alone, in place (module docstring).
         """
         new = {}
         optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rate)
-        grads = {name: _native(g) for name, g in grads.items()}
+        grads = {name: _native_gradient(g) for name, g in grads.items()}
         clip_scale = self._global_clip_scale(optimizer, grads)
         for name, g in grads.items():
-            var = self._vars[name]
-            new[name] = self._step(var, g, optimizer=optimizer, clip_scale=clip_scale)
-        return self.publish(new)
+            if not isinstance(g, SparseRows):
+                new[name] = self._step(self._vars[name], g, optimizer=optimizer, clip_scale=clip_scale)
+        return self.publish(new, {n: g for n, g in grads.items() if isinstance(g, SparseRows)},
+                            optimizer=optimizer, clip_scale=clip_scale)
 
     def step_rows(self, name: str, rows: tuple[int, int] | None, grad: np.ndarray) -> tuple[np.ndarray, dict]:
         """(new value, new optimizer state) of rows ``r0:r1`` of one variable (None: all of
@@ -323,22 +507,41 @@ class VariableStore:
                  for k, v in var.state.items()}
         return self._optimizer.apply(value, grad, state)
 
-    def publish(self, new: Mapping[str, tuple[np.ndarray, dict]]) -> int:
+    def publish(self, new: Mapping[str, tuple[np.ndarray, dict]], rows: Mapping[str, SparseRows] | None = None,
+                optimizer: Optimizer | None = None, clip_scale=None) -> int:
         """Make ``new`` ({name: (value, state)}, each from ``_step`` on the current values)
-        the variables' values at once; returns the new version."""
-        with self._publish:
-            self._version += 1
-            for name, (value, state) in new.items():
-                var = self._vars[name]
-                var.value, var.state, var.changed = _frozen(value), state, self._version
-            return self._version
+        the variables' values at once, with the steps of ``rows`` ({name: sparse gradient},
+        on those rows alone) written in place; returns the new version. Every row step is
+        computed before anything is written: one that raises leaves the store as it was."""
+        rows = rows or {}
+        for name in rows:
+            self._make_row_wise(self._vars[name])
+        writes = sorted(n for n in set(new) | set(rows) if self._vars[n].row_wise)
+        with contextlib.ExitStack() as held:
+            for name in writes:  # name order (the lock order); readers wait until published
+                held.enter_context(self._vars[name].lock)
+            stepped = {name: self._step_rows(self._vars[name], g, optimizer=optimizer, clip_scale=clip_scale)
+                       for name, g in rows.items()}
+            for name, (indices, value, state) in stepped.items():
+                _write_rows(self._vars[name], indices, value, state)
+            with self._publish:
+                self._version += 1
+                for name, (value, state) in new.items():
+                    var = self._vars[name]
+                    if var.row_wise:
+                        _replace_whole(var, value, state, self._version)
+                    else:
+                        var.value, var.state, var.changed = _frozen(value), state, self._version
+                for name, (indices, _, _) in stepped.items():
+                    self._vars[name].mark_rows(indices, self._version)
+                return self._version
 
     def apply_push(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
         """One push of async/SSP mode: ``apply_one`` on each variable in name order, with
         ``global_clipnorm``'s factor taken once over the whole push (as Keras takes it over
         one update). The caller counts it in the version (``bump_version``) afterwards."""
         optimizer = self._optimizer
-        grads = {name: _native(g) for name, g in grads.items()}
+        grads = {name: _native_gradient(g) for name, g in grads.items()}
         clip_scale = self._global_clip_scale(optimizer, grads)
         for name in sorted(grads):
             self.apply_one(name, grads[name], lr_scale, clip_scale=clip_scale, optimizer=optimizer)
@@ -347,24 +550,61 @@ class VariableStore:
         """With ``global_clipnorm``: the factor every gradient of the update ``grads`` (a
         whole push or round) is clipped by, to hand to ``apply_one``; else None."""
         self._require_initialized()
-        return self._global_clip_scale(self._optimizer, {n: _native(g) for n, g in grads.items()})
+        return self._global_clip_scale(self._optimizer, {n: _native_gradient(g) for n, g in grads.items()})
 
     def _global_clip_scale(self, optimizer: Optimizer, grads: Mapping[str, np.ndarray]):
         # Keras takes the norm over the gradients of the trainable variables only.
         return optimizer.global_clip_scale(g for name, g in grads.items() if not self._vars[name].non_trainable)
 
-    def apply_one(self, name: str, grad: np.ndarray, lr_scale: float = 1.0, clip_scale=None,
+    def apply_one(self, name: str, grad: "np.ndarray | SparseRows", lr_scale: float = 1.0, clip_scale=None,
                   optimizer: Optimizer | None = None) -> None:
         """One optimizer step on one variable under its own lock (async and SSP modes);
         ``lr_scale`` scales this step's learning rate (stale-gradient policy "scale").
         With ``global_clipnorm`` the push's ``clip_scale`` is needed (``apply_push``
-        passes it; InvalidArgument without it)."""
+        passes it; InvalidArgument without it). A ``SparseRows`` gradient steps its rows
+        alone, in place (module docstring)."""
         var = self._vars[name]
-        grad = _native(grad)
+        grad = _native_gradient(grad)
+        if isinstance(grad, SparseRows):
+            self._make_row_wise(var)
         with var.lock:
+            if isinstance(grad, SparseRows):
+                indices, value, state = self._step_rows(var, grad, lr_scale, optimizer, clip_scale)
+                _write_rows(var, indices, value, state)
+                with self._publish:
+                    var.mark_rows(indices, self._version + 1)
+                return
             value, state = self._step(var, grad, lr_scale, optimizer=optimizer, clip_scale=clip_scale)
             with self._publish:  # a snapshot sees value and state of the same step
-                var.value, var.state, var.changed = _frozen(value), state, self._version + 1
+                if var.row_wise:
+                    _replace_whole(var, value, state, self._version + 1)
+                else:
+                    var.value, var.state, var.changed = _frozen(value), state, self._version + 1
+
+    def _make_row_wise(self, var: _Variable) -> None:
+        """From now on ``var`` is written in place, its rows tracked (module docstring): its
+        value and slots copied once (readers may hold the frozen ones), every row marked
+        with the version its value was published by."""
+        if var.row_wise:
+            return
+        with var.lock:
+            value = var.value.copy()
+            state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in var.state.items()}
+            with self._publish:
+                var.value, var.state = value, state
+                var.rows_changed = np.full(value.shape[0], var.changed, np.int64)
+                var.row_log_floor = var.changed
+        log.info("variable %r (%s rows) is stepped row by row from now on (--sparse-updates %s)", var.name,
+                 f"{value.shape[0]:,}", self.sparse_updates)
+
+    def _step_rows(self, var: _Variable, grad: SparseRows, lr_scale: float = 1.0,
+                   optimizer: Optimizer | None = None, clip_scale=None) -> tuple[np.ndarray, np.ndarray, dict]:
+        """(rows, their new values, the new state with those rows of each slot) of one
+        row-wise step, changing nothing. Lock held."""
+        indices, values = sparse.combine(grad)
+        value, state = (optimizer or self._optimizer).apply_rows(var.value, indices, values, var.state,
+                                                                 lr_scale, clip_scale)
+        return indices, value, state
 
     def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0,
               optimizer: Optimizer | None = None, clip_scale=None) -> tuple[np.ndarray, dict]:
@@ -376,17 +616,26 @@ class VariableStore:
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
-        """A snapshot for a checkpoint, zero-copy (see the module docstring for its consistency)."""
+        """A snapshot for a checkpoint, zero-copy but for the row-wise variables, which are
+        copied (see the module docstring for its consistency)."""
         self._require_initialized()
-        with self._publish:
-            return StoreState(
-                version=self._version,
-                optimizer=self._optimizer.spec,
-                values={n: v.value for n, v in self._vars.items()},
-                states={n: dict(v.state) for n, v in self._vars.items()},
-                non_trainable=self.non_trainable(),
-                initial_learning_rate=self._initial_learning_rate,
-            )
+        while True:
+            row_wise = sorted(n for n, v in self._vars.items() if v.row_wise)
+            with contextlib.ExitStack() as held:
+                for n in row_wise:
+                    held.enter_context(self._vars[n].lock)
+                with self._publish:
+                    if sorted(n for n, v in self._vars.items() if v.row_wise) != row_wise:
+                        continue
+                    values = {n: v.value for n, v in self._vars.items()}
+                    states = {n: dict(v.state) for n, v in self._vars.items()}
+                    snapshot = dict(version=self._version, optimizer=self._optimizer.spec,
+                                    non_trainable=self.non_trainable(),
+                                    initial_learning_rate=self._initial_learning_rate)
+                for n in row_wise:
+                    values[n] = _frozen(values[n].copy())
+                    states[n] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in states[n].items()}
+                return StoreState(values=values, states=states, **snapshot)
 
     def restore_state(self, state: StoreState) -> None:
         """Load a snapshot into an empty store: values, optimizer state and version.
@@ -396,6 +645,7 @@ class VariableStore:
         state leaves the store empty. A store that already holds state refuses.
         """
         optimizer = make_optimizer(state.optimizer)
+        self._check_sparse_updates(state.optimizer)
         if not state.values:
             raise InvalidArgument("the state to restore has no variables")
         if set(state.states) != set(state.values):
