@@ -61,12 +61,14 @@ SPECS = {
 @contextlib.contextmanager
 def _path(enabled: bool, threads: int):
     """The kernels' switch and thread count set for one call."""
-    saved = kernels.ENABLED, kernels.THREADS
-    kernels.ENABLED, kernels.THREADS = enabled, threads
+    saved = kernels.ENABLED, kernels.THREADS, kernels.MIN_ELEMENTS
+    # Every size fused when on: the server's own threshold (kernels.MIN_ELEMENTS) is what
+    # this benchmark measures the case for.
+    kernels.ENABLED, kernels.THREADS, kernels.MIN_ELEMENTS = enabled, threads, 0
     try:
         yield
     finally:
-        kernels.ENABLED, kernels.THREADS = saved
+        kernels.ENABLED, kernels.THREADS, kernels.MIN_ELEMENTS = saved
 
 
 def measure(mib: int, names: list[str], reps: int) -> dict:

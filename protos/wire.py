@@ -136,7 +136,7 @@ def client_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
 # server keeps each stream's window at STREAM_WINDOW_BYTES (enough for 1 GB/s at 200 us
 # round trips per stream), so what waits stays in the workers' memory.
 MANY_WORKERS = 64
-STREAM_WINDOW_BYTES = 256 << 10
+STREAM_WINDOW_BYTES = 64 << 10
 
 
 def server_options(max_bytes: int | None = None, workers: int = 1) -> list[tuple[str, int]]:

@@ -350,6 +350,7 @@ def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
 # round speculated by PushPull holds every push whole (at most core.overlap.HELD_BYTES of
 # them): for pushes of that size the budget takes them all.
 RECEIVE_BYTES = 16 << 20
+SEND_BYTES = 16 << 20  # bytes of PullStream replies being sent at once (one always, however large)
 BUSY_WAIT_S = 120.0  # at most this long for room, within the call's deadline
 
 
@@ -382,6 +383,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
         self.buffers = BufferPool(keep=max(4, 2 * core.num_workers), keep_bytes=RECEIVE_BYTES // 2)
         self.receiving = AsyncBudget(RECEIVE_BYTES)
+        self.sending = AsyncBudget(SEND_BYTES)  # PullStream replies in flight
         self.pool = None  # the server's thread pool (ps_server.aio.LoopServer.pool): the work of a call
         self.allow_shm = allow_shm
         self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped
@@ -471,9 +473,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # Everything that can fail happens before the first message (on the pool: it reads
         # the store and may write a shared-memory segment).
         header, arrays = await self._work(self._pull_prepared, request)
-        yield pb.PullChunk(header=header)
-        for chunk in stream.chunk_buffers(arrays, self.chunk_bytes):
-            yield chunk
+        nbytes = sum(a.nbytes for a in arrays)
+        remaining = context.time_remaining()
+        # Every worker of a sync round pulls at once: the send budget lets a few streams send
+        # at a time instead of queueing a thousand models in gRPC's buffers (a pull that waits
+        # longer than its deadline allows is sent anyway: the budget bounds memory, not work).
+        granted = await self.sending.acquire(nbytes, min(remaining, BUSY_WAIT_S) if remaining else BUSY_WAIT_S)
+        try:
+            yield pb.PullChunk(header=header)
+            for chunk in stream.chunk_buffers(arrays, self.chunk_bytes):
+                yield chunk
+        finally:
+            if granted:
+                self.sending.release(nbytes)
 
     def _pull_prepared(self, request) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """The header of a PullStream and the arrays its data messages carry (none when they

@@ -26,7 +26,8 @@ Guarantees:
   compares both paths bit for bit.
 - Pure, like ``Optimizer.apply``: the outputs are freshly allocated arrays;
   nothing is written into an input (the store hands old arrays to readers).
-- None, never an error, where a kernel does not apply: numba not installed (it
+- None, never an error, where a kernel does not apply: a variable of fewer than
+  ``MIN_ELEMENTS`` elements (numba is then never imported), numba not installed (it
   is the optional ``fast`` extra), ``TFPS_KERNELS=numpy`` in the environment or
   ``kernels.ENABLED = False``, a dtype other than float32/float64 (numba has no
   float16 arithmetic on CPU), or an array that is not C-contiguous. The NumPy
@@ -64,6 +65,11 @@ ENABLED = os.environ.get("TFPS_KERNELS", "").lower() not in ("numpy", "0", "off"
 # core is busy) costs more than it saves; so it is there for machines with idle cores.
 THREADS = max(1, int(os.environ.get("TFPS_KERNEL_THREADS", "1")))
 THREAD_MIN_ELEMENTS = 1 << 22  # 16 MiB of float32
+# Variables smaller than this take the NumPy step (TFPS_KERNEL_MIN_ELEMENTS; default 2**20
+# elements, 4 MiB of float32): numba's import and LLVM cost the server process ~120 MB of
+# resident memory (bench/load_test.py, 64 workers of a 136 KB model: 228 MB against 110 MB
+# peak RSS), which a model of small variables should not pay for a step that is already short.
+MIN_ELEMENTS = int(os.environ.get("TFPS_KERNEL_MIN_ELEMENTS", str(1 << 20)))
 CHUNK_MIN_ELEMENTS = 1 << 18  # a split call's chunks: at most 4 per thread, none smaller than this
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -105,7 +111,7 @@ def _run(name: str, inputs: tuple, scalars: tuple, outputs: int):
     if not ENABLED:
         return None
     first = inputs[0]
-    if first.dtype not in _DTYPES or not all(x.flags.c_contiguous for x in inputs):
+    if first.size < MIN_ELEMENTS or first.dtype not in _DTYPES or not all(x.flags.c_contiguous for x in inputs):
         return None
     loops = _loops()
     if loops is None:

@@ -91,6 +91,18 @@ def _assert_same_bits(a, b, what):
     assert np.array_equal(_bits(a), _bits(b)), f"{what}: {a!r} != {b!r}"
 
 
+@pytest.fixture(autouse=True)
+def every_size_fused(monkeypatch):
+    """These tests compare the fused path on small arrays: no size threshold here."""
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+
+
+def test_small_variables_take_the_numpy_step_so_a_small_model_never_imports_numba(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 1 << 20)
+    w = np.ones(1000, np.float32)
+    assert kernels.sgd(w, w, np.float32(0.1)) is None
+
+
 @needs_numba
 def test_the_fused_path_runs_where_numba_is_installed():
     assert kernels.available()
