@@ -14,7 +14,9 @@ processes on 127.0.0.1 and the same N simulated workers against each:
   handler and two raw-bytes methods (no protobuf, no store): ``Get`` answers 40
   bytes at once (the pull), ``Arrive`` answers every caller once the Nth caller
   of the round arrived (the push). Same channel options as ``PSClient``, same
-  handler pool size as ours (``ServerConfig.pool_threads``), same client loop.
+  handler pool as ours before its handlers stopped blocking (a sync gRPC server,
+  2N + 8 threads: a bare barrier holds one thread per waiting worker; ours now
+  holds none, ``ps_server.aio``), same client loop.
 
 A round's latency is measured by each worker from sending its push (or Arrive)
 to the reply: N samples per round. The first ``--warmup`` rounds are left out
@@ -52,7 +54,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from ps_server.config import ServerConfig  # noqa: E402
 from ps_common.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 
 KINDS = ("ours", "bare")
@@ -91,7 +92,7 @@ def serve_bare(num_workers: int, port_file: str) -> None:
         "Get": grpc.unary_unary_rpc_method_handler(get),
         "Arrive": grpc.unary_unary_rpc_method_handler(arrive),
     })
-    pool = futures.ThreadPoolExecutor(ServerConfig(num_workers=num_workers).pool_threads)
+    pool = futures.ThreadPoolExecutor(max(16, 2 * num_workers + 8))  # a thread per waiter, and room
     server = grpc.server(pool, handlers=[handler], options=wire.server_options())
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

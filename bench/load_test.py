@@ -92,7 +92,7 @@ class Server:
             os.remove(port_file)
         self.argv = [
             sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-            "--mode", mode, "--num-workers", str(num_workers), "--threads", str(threads),
+            "--mode", mode, "--num-workers", str(num_workers), *(["--threads", str(threads)] if threads else []),
             "--lease-timeout", "3600", "--barrier-timeout", str(BARRIER_TIMEOUT), "--log-level", "WARNING",
         ] + (["--async-apply", async_apply] if mode != "sync" else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -137,13 +137,16 @@ class RssSampler(threading.Thread):
         super().__init__(name="rss-sampler", daemon=True)
         self.pid, self.period = pid, period
         self.samples: list[tuple[float, int]] = []  # (monotonic time, rss bytes)
+        self.peak_threads = 0  # the most threads the process had at a sample
         self._halt = threading.Event()
 
     def sample(self) -> None:
         try:
             with open(f"/proc/{self.pid}/status") as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration, ValueError):
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            rss = int(fields["VmRSS"].split()[0]) * 1024
+            self.peak_threads = max(self.peak_threads, int(fields["Threads"]))
+        except (OSError, KeyError, ValueError):
             return  # the process is gone
         self.samples.append((time.monotonic(), rss))
 
@@ -155,6 +158,39 @@ class RssSampler(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5)
+
+
+class ControlProbe(threading.Thread):
+    """Status and a health check every half second while the load runs, each with a 10 s
+    deadline: the calls an operator makes while workers wait at a barrier."""
+
+    def __init__(self, address: str, period: float = 0.5):
+        super().__init__(name="control-probe", daemon=True)
+        self.address, self.period = address, period
+        self.times: list[float] = []
+        self.failed = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with PSClient(self.address, timeout=10.0) as client:
+            while not self._halt.wait(self.period):
+                for call in (client.status, lambda: client.health(timeout=10.0)):
+                    started = time.perf_counter()
+                    try:
+                        call()
+                        self.times.append(time.perf_counter() - started)
+                    except Exception:
+                        self.failed += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=15)
+
+    def summary(self) -> dict:
+        times = sorted(self.times)
+        ms = lambda x: round(1e3 * x, 1)  # noqa: E731
+        return {"calls": len(times) + self.failed, "failed": self.failed,
+                "p50_ms": ms(times[len(times) // 2]) if times else None, "max_ms": ms(times[-1]) if times else None}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -379,7 +415,7 @@ def _collect(results, procs: list, timeout: float) -> list[dict]:
 
 def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str = "locked") -> dict:
     n = opts.clients
-    threads = opts.threads or 2 * n + 16
+    threads = opts.threads  # 0: the server's default pool
     server = Server(mode, n, workdir, threads, async_apply)
     sampler = RssSampler(server.pid)
     sampler.start()
@@ -407,7 +443,10 @@ def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str
             t_start = time.monotonic()
             load_before = os.getloadavg()[0]
             cpu_start = cpu_seconds(server.pid)
+            probe = ControlProbe(server.address)  # Status and Health, answered while workers wait
+            probe.start()
             time.sleep(opts.seconds)
+            probe.stop()
             if mode == "sync":
                 with shared.round_lock:
                     shared.stop_round.value = shared.max_started.value + 1
@@ -457,6 +496,8 @@ def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str
         "server_pushes_replayed": status.pushes_replayed, "server_pushes_dropped": status.pushes_dropped,
         "server_max_staleness": status.max_staleness, "server_mean_staleness": round(status.mean_staleness, 2),
         "memory": memory_summary(sampler.samples, t_start, t_end, min(max(2.0, 0.2 * opts.seconds), opts.seconds / 2)),
+        "server_threads_peak": sampler.peak_threads,
+        "control_calls": probe.summary(),
     }
     checks: dict[str, bool] = {
         "zero_errors": not errors,
@@ -528,6 +569,9 @@ def print_table(results: list[dict]) -> None:
         ("lost element updates", lambda r: r.get("lost_element_updates", "-")),
         ("lost fraction", lambda r: r.get("lost_fraction", "-")),
         ("RSS start/peak/end MiB", lambda r: "{start_mib} / {peak_mib} / {end_mib}".format(**r["memory"])),
+        ("server threads (peak)", lambda r: str(r.get("server_threads_peak", "-"))),
+        ("Status+Health during load", lambda r: "{calls} calls, {failed} failed, p50/max {p50_ms} / {max_ms} ms".format(
+            **r["control_calls"]) if r.get("control_calls") else "-"),
         ("RSS post-warm-up MiB", lambda r: r["memory"]["post_warmup_mib"]),
         ("RSS slope MiB/min", lambda r: r["memory"]["slope_mib_per_min"]),
         ("memory bounded", lambda r: r["memory"]["bounded"]),
@@ -550,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="how long the workers push (default 30)")
     p.add_argument("--procs", type=int, default=2,
                    help="client processes the workers are spread over, as threads (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="server handler threads (default 2*clients+16)")
+    p.add_argument("--threads", type=int, default=0, help="server pool threads (default: the server's own, which does not grow with the workers)")
     p.add_argument("--pull-every", type=int, default=1, help="async: pull before every Nth push (default 1)")
     p.add_argument("--async-apply", default="locked",
                    help="async: the server's --async-apply, or several comma-separated (locked,hogwild), each "

@@ -50,6 +50,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ps_server.core import kernels
 from ps_server.core.errors import InvalidArgument
 
 Contribution = tuple[int, Mapping[str, np.ndarray]]  # (batch_size, gradients by name)
@@ -70,14 +71,50 @@ def batch_weights(batch_sizes: Sequence[int]) -> list[float]:
     return [b / total for b in batch_sizes]
 
 
+def _two_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(s, e) with s = fl(a + b) and a + b = s + e exactly (Knuth's TwoSum), elementwise."""
+    s = a + b
+    bp = s - a
+    e = (a - (s - bp)) + (b - bp)
+    return s, e
+
+
+def _approximate(terms: list[np.ndarray]):
+    """(s, alone, magnitude): s the float64 sum of the levels ``terms`` (Neumaier's
+    compensated sum: within a few units in the last place of the exact one unless they
+    cancel), ``alone`` where every level but the first is zero (s is then exact), and
+    ``magnitude`` the sum of their absolute values; None, None for one level."""
+    if len(terms) == 1:
+        return terms[0], None, None
+    s = terms[0].copy()
+    c = np.zeros_like(s)
+    for t in terms[1:]:
+        s2 = s + t
+        c += np.where(np.abs(s) >= np.abs(t), (s - s2) + t, (t - s2) + s)
+        s = s2
+    alone = np.ones(s.shape, bool)
+    for t in terms[1:]:
+        alone &= t == 0
+    magnitude = sum(np.abs(t) for t in terms)
+    return s + c, alone, magnitude
+
+
 class _Exact:
-    """The exact sum of ``b * g`` over the pushes of one variable (float16/float32)."""
+    """The exact sum of ``b * g`` over the pushes of one variable (float16/float32).
+
+    Levels of float64, each the sum of the exact remainders of the additions of the one
+    above (TwoSum), made when first needed: ``levels[0]`` the sum itself, ``levels[1]``
+    its remainders (only where terms of an element span more than ~29 bits), and so on.
+    The exact sum is the sum of the levels, whatever the order of the pushes. Every term
+    is a multiple of the same power of two and each level is at most half a unit in the
+    last place of the one above, so a level below the seventh is never needed for float32
+    products (a range of ~310 bits; 7 x 53 > 310)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
         self.shape, self.dtype = shape, dtype
         size = int(np.prod(shape, dtype=np.int64))
         self.hi = np.zeros(size, np.float64)
-        self.errors: list[tuple[np.ndarray, np.ndarray]] = []  # (flat indices, exact float64 remainders)
+        self.levels: list[np.ndarray] = [self.hi]
 
     def add(self, g: np.ndarray, b: int) -> None:
         flat = g.reshape(-1)
@@ -94,12 +131,29 @@ class _Exact:
         with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN stay what they are
             self._fold(flat, pieces, x, s, t)
 
+    def _remainders(self, idx: np.ndarray, e: np.ndarray, level: int = 1) -> None:
+        """Add the exact remainders ``e`` (finite, non-zero) of level ``level - 1``'s additions
+        at flat ``idx`` (distinct) to level ``level``, and its own remainders further down."""
+        if level == len(self.levels):
+            self.levels.append(np.zeros(self.hi.size, np.float64))
+        target = self.levels[level]
+        s2, e2 = _two_sum(target[idx], e)
+        target[idx] = s2
+        nz = np.flatnonzero(e2)
+        if nz.size:
+            self._remainders(idx[nz], e2[nz], level + 1)
+
     def _fold(self, flat, pieces, x, s, t) -> None:
         for piece in pieces:
             for start in range(0, self.hi.size, _BLOCK):
                 stop = min(start + _BLOCK, self.hi.size)
                 m = stop - start
                 h, xb, sb, tb = self.hi[start:stop], x[:m], s[:m], t[:m]
+                count = kernels.fold_exact(flat[start:stop], piece, self.hi, start, tb)
+                if count is not None:  # the fused pass (core.kernels): the same operations
+                    if count:
+                        self._kept(tb, start)
+                    continue
                 np.multiply(flat[start:stop], piece, out=xb, dtype=np.float64)  # exact
                 np.add(h, xb, out=sb)  # s = h + x, rounded
                 # TwoSum: e = (h - (s - (s - h))) + (x - (s - h)), exactly h + x - s
@@ -109,12 +163,17 @@ class _Exact:
                 np.subtract(h, tb, out=tb)  # h - (s - bp)
                 np.add(tb, xb, out=tb)  # e
                 h[...] = sb
-                nz = np.flatnonzero(tb)
-                if nz.size:
-                    e = tb[nz]
-                    keep = np.isfinite(e)  # an inf or NaN sum carries no remainder worth keeping
-                    if keep.any():
-                        self.errors.append((nz[keep] + start, e[keep].copy()))
+                self._kept(tb, start)
+
+    def _kept(self, e: np.ndarray, start: int) -> None:
+        """A block's remainders ``e`` (from flat index ``start``): the non-zero finite ones go
+        to the next level (an inf or NaN sum carries no remainder worth keeping)."""
+        nz = np.flatnonzero(e)
+        if nz.size:
+            kept = e[nz]
+            finite = np.isfinite(kept)
+            if finite.any():
+                self._remainders(nz[finite] + start, kept[finite].copy())
 
     def mean(self, total: int) -> np.ndarray:
         """The exact sum / ``total``, rounded once to the dtype."""
@@ -122,41 +181,44 @@ class _Exact:
         out = np.empty(self.hi.size, dtype)
         divisor = float(total)  # exact: total < 2**53
         uint = np.uint64
-        # Where a float64 quotient q is exactly halfway between two neighbours of the dtype, the
-        # rounding of q (ties to even) may differ from the rounding of the exact quotient: the
-        # low bits of q's significand then read 1000..0 (normal results; subnormal ones are
-        # checked one by one).
+        # The float64 quotient q of hi (+ lo) is within 2 units in its last place of the exact
+        # quotient (0.5 without lo). A rounding to the dtype can differ from the exact one only
+        # where a midpoint between two neighbours of the dtype lies that close to q: the low
+        # bits of q's significand then read 1000..0 give or take 3 (normal results; subnormal
+        # ones are all checked). Those elements are recomputed exactly, unless q is the exact
+        # quotient of an exact sum (a true tie, which q's own rounding breaks to even).
         low = 52 - (np.finfo(dtype).nmant)
-        mask, half = uint((1 << low) - 1), uint(1 << (low - 1))
+        mask, half = uint((1 << low) - 1), np.int64(1 << (low - 1))
+        slack = 0 if len(self.levels) == 1 else 4
         tiny = np.finfo(dtype).tiny
         power_of_two = total & (total - 1) == 0
         suspect = []
         for start in range(0, self.hi.size, _BLOCK):
             stop = min(start + _BLOCK, self.hi.size)
+            terms = [level[start:stop] for level in self.levels]
             with np.errstate(invalid="ignore", over="ignore"):
-                q = self.hi[start:stop] / divisor
+                total_sum, rest, magnitude = _approximate(terms)
+                q = total_sum / divisor
                 out[start:stop] = q  # rounds to nearest, ties to even (float16: inf beyond 65504)
-            ties = (q.view(uint) & mask) == half
-            ties |= (np.abs(q) < tiny) & (q != 0)
-            ties &= np.isfinite(q)
-            where = np.flatnonzero(ties)
-            if where.size:  # where q is the exact quotient, its one rounding is the right one
-                where = where[:0] if power_of_two else \
-                    where[~_exact_quotients(q[where], divisor, self.hi[start:stop][where])]
+                near = np.abs((q.view(uint) & mask).astype(np.int64) - half) <= slack
+                near |= (np.abs(q) < tiny) & (q != 0)
+                if magnitude is not None:  # levels that cancel leave q no closer than their size
+                    near |= magnitude > np.abs(total_sum) * 2.0 ** 20
+                near &= np.isfinite(q)
+            where = np.flatnonzero(near)
+            if where.size:
+                exact = np.ones(where.size, bool) if power_of_two else \
+                    _exact_quotients(q[where], divisor, total_sum[where])
+                if rest is not None:
+                    exact &= rest[where]
+                where = where[~exact]
             if where.size:
                 suspect.append(where + start)
-        exact: dict[int, Fraction] = {}
-        for idx, err in self.errors:
-            for i, e in zip(idx.tolist(), err.tolist()):
-                exact[i] = exact.get(i, Fraction(0)) + Fraction(e)
         for where in suspect:
             for i in where.tolist():
-                exact.setdefault(i, Fraction(0))
-        for i, remainder in exact.items():
-            hi = float(self.hi[i])
-            if not np.isfinite(hi):
-                continue  # non-finite sums keep their float64 rounding
-            out[i] = _round_exact((Fraction(hi) + remainder) / total, dtype)
+                parts = [float(level[i]) for level in self.levels]
+                if all(np.isfinite(parts)):  # non-finite sums keep their float64 rounding
+                    out[i] = _round_exact(sum(map(Fraction, parts), Fraction(0)) / total, dtype)
         return out.reshape(self.shape)
 
 

@@ -423,8 +423,46 @@ def _define_loops(cache: bool) -> dict:
             wo[i] = w[i] - sign(mi * b1 + gi * omb1, one, zero) * lr
             mo[i] = mi * b2 + gi * omb2
 
+    @njit
+    def fold_exact(g, piece, hi, start, err):
+        # hi[start + i] += g[i] * piece in float64, each addition's exact remainder (TwoSum)
+        # written to err[i]: aggregation._Exact.add's operations, in one branch-free pass
+        # (it vectorizes); the count of non-zero remainders, NaN ones included.
+        count = 0
+        for i in range(g.size):
+            x = np.float64(g[i]) * piece
+            h = hi[start + i]
+            s = h + x
+            bp = s - h
+            e = (h - (s - bp)) + (x - bp)
+            hi[start + i] = s
+            err[i] = e
+            count += e != 0.0
+        return count
+
     return {name: f for name, f in locals().items() if name in _NAMES}
 
 
 _NAMES = ("sgd", "sgd_momentum", "sgd_nesterov", "adam", "amsgrad", "adagrad", "rmsprop", "rmsprop_momentum",
-          "rmsprop_centered", "rmsprop_momentum_centered", "adamax", "nadam", "lion")
+          "rmsprop_centered", "rmsprop_momentum_centered", "adamax", "nadam", "lion", "fold_exact")
+
+
+def fold_exact(g: np.ndarray, piece: float, hi: np.ndarray, start: int, err: np.ndarray):
+    """``aggregation._Exact``'s fold of one block in one pass: ``hi[start:start+len(g)]``
+    += ``g * piece`` (float64), each remainder written to ``err[:len(g)]``; the count of
+    non-zero ones, or None where the fused path does not apply (then NumPy folds the same bits)."""
+    if not ENABLED or hi.size < MIN_ELEMENTS or g.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) \
+            or not g.flags.c_contiguous:
+        return None
+    if g.dtype == np.float16:
+        return None  # numba has no float16 arithmetic on CPU
+    loops = _loops()
+    if loops is None:
+        return None
+    try:
+        return int(loops["fold_exact"](g, float(piece), hi, start, err))
+    except Exception as e:
+        if type(e).__module__.split(".")[0] != "numba":
+            raise
+        _disable(f"{type(e).__name__}: {e}")
+        return None

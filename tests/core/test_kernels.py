@@ -256,6 +256,7 @@ def test_no_loop_is_compiled_with_a_fused_multiply_add(monkeypatch):
     for name in SPECS:
         for dtype in (np.float32, np.float64):
             _run(SPECS[name], (37,), dtype)
+    kernels.fold_exact(np.ones(37, np.float32), 3.0, np.zeros(37), 0, np.empty(37))
     for name, loop in kernels._compiled.items():
         listings = loop.inspect_asm().values()
         assert listings, f"{name} was not compiled"
@@ -263,3 +264,25 @@ def test_no_loop_is_compiled_with_a_fused_multiply_add(monkeypatch):
             assert "vmov" in asm, name  # real code, not a placeholder
             fmas = re.findall(r"\bvfn?m(?:add|sub)\w*", asm)
             assert not fmas, f"{name}: {sorted(set(fmas))}"
+
+
+@needs_numba
+def test_the_fused_fold_of_a_round_sum_gives_the_numpy_folds_levels_and_mean(monkeypatch):
+    from ps_server.core.aggregation import _Exact
+
+    rng = np.random.default_rng(5)
+    pushes = [(rng.standard_normal(5000) * 10.0 ** rng.integers(-25, 25, size=5000)).astype(np.float32)
+              for _ in range(4)]
+    pushes[1][:10] = np.inf
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", enabled)
+        acc = _Exact((5000,), np.dtype(np.float32))
+        for b, g in zip((3, 1, 7, 2**31 + 5), pushes):
+            acc.add(g, b)
+        results.append(([level.copy() for level in acc.levels], acc.mean(3 + 1 + 7 + 2**31 + 5)))
+    (fused_levels, fused_mean), (numpy_levels, numpy_mean) = results
+    assert len(fused_levels) == len(numpy_levels) > 1  # the spread reaches the lower levels
+    for a, b in zip(fused_levels, numpy_levels):
+        np.testing.assert_array_equal(a.view(np.uint64), b.view(np.uint64))
+    np.testing.assert_array_equal(fused_mean.view(np.uint32), numpy_mean.view(np.uint32))
