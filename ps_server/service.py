@@ -183,18 +183,22 @@ def _handled_async(method):
                                 f"{request.error}")
         try:
             return await method(self, request, context)
-        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
-            code = status_code_for(e)
-            log.info("%s refused: %s: %s", method.__name__, code.name, e)
-            await context.abort(code, str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as e:  # a bug: say so, but never as UNKNOWN
-            log.exception("%s failed unexpectedly", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+        except Exception as e:
+            await _abort_for(method.__name__, e, context)
 
     return wrapper
+
+
+async def _abort_for(name: str, e: Exception, context) -> None:
+    """End the call with ``e``'s status from the error table (called in the except block)."""
+    if isinstance(e, (errors.PSError, codec.CodecError, shm.ShmError)):
+        code = status_code_for(e)
+        log.info("%s refused: %s: %s", name, code.name, e)
+        await context.abort(code, str(e))
+    log.exception("%s failed unexpectedly", name)  # a bug: say so, but never as UNKNOWN
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}: {e}")
 
 
 def _handled_stream(method):
@@ -205,16 +209,10 @@ def _handled_stream(method):
         try:
             async for reply in method(self, request_iterator, context):
                 yield reply
-        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
-            code = status_code_for(e)
-            log.info("%s refused: %s: %s", method.__name__, code.name, e)
-            await context.abort(code, str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as e:  # a bug: say so, but never as UNKNOWN
-            log.exception("%s failed unexpectedly", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error in {method.__name__}: {type(e).__name__}: {e}")
+        except Exception as e:
+            await _abort_for(method.__name__, e, context)
 
     return wrapper
 
