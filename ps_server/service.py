@@ -514,6 +514,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _submit_unary(self, request):
         gradients = _sparse(self._widen_half(codec.decode_many(request.gradients)), request.gradients)
+        try:
+            return self._submit_push(request, gradients)
+        finally:  # a push waiting at the barrier keeps no bytes of its request (its arrays are views)
+            gradients.clear()
+            request.ClearField("gradients")
+
+    def _submit_push(self, request, gradients):
         return self.core.submit(
             Push(
                 worker_id=request.worker_id,

@@ -240,7 +240,7 @@ class ParameterServer:
         arrived = self._clock()
         push, consumed = self._dense(push, consumed)
         result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
-        self._recorded(push, arrived, result)
+        self._recorded(push.worker_id, push.step, arrived, result)
         return result
 
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
@@ -255,10 +255,11 @@ class ParameterServer:
             ticket.settle(e)
             return ticket
         ticket = self.mode.submit(push, consumed)
+        worker_id, step = push.worker_id, push.step  # not the push: its gradients are let go
 
         def record(t: Ticket) -> None:
             try:
-                self._recorded(push, arrived, t.result())
+                self._recorded(worker_id, step, arrived, t.result())
             except PSError:
                 pass
         ticket.add_done_callback(record)
@@ -279,9 +280,9 @@ class ParameterServer:
                 given()
         return dataclasses.replace(push, gradients=dense), dropped
 
-    def _recorded(self, push: Push, arrived: float, result: PushResult) -> None:
+    def _recorded(self, worker_id: int, step: int, arrived: float, result: PushResult) -> None:
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
-        self.members.record_push(push.worker_id, push.step, dropped=result.dropped and not result.replayed,
+        self.members.record_push(worker_id, step, dropped=result.dropped and not result.replayed,
                                  arrived=arrived, done=self._clock())
 
     def leave(self, worker_id: int) -> None:
