@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -123,17 +124,20 @@ def _little(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
 
 
-def encode(state: ServerState) -> bytes:
-    """The whole file as bytes (see the module docstring for the layout)."""
-    chunks: list[bytes] = []
+_CHUNK = 64 << 20  # bytes written or hashed at a time: a checkpoint never holds a second copy of the state
+
+
+def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
+    """(header, [(offset, array)], data bytes) of ``state``: where each array goes, without
+    copying any (see the module docstring for the layout)."""
+    arrays: list[tuple[int, np.ndarray]] = []
     offset = 0
 
     def put(array: np.ndarray) -> int:
         nonlocal offset
-        data = _little(array).tobytes()
         at = offset
-        chunks.append(data)
-        offset += len(data)
+        arrays.append((at, array))
+        offset += array.nbytes
         return at
 
     if set(state.states) != set(state.values):
@@ -181,32 +185,74 @@ def encode(state: ServerState) -> bytes:
         "incarnation": state.incarnation,
         "wall_time": state.wall_time,
     }
+    return header, arrays, offset
+
+
+def write_to(f, state: ServerState) -> None:
+    """Write the file to ``f`` (binary, sequential), array by array in slices of ``_CHUNK``
+    bytes, hashing as it goes: memory beyond the state is one slice (a little-endian,
+    contiguous array is written from its own memory)."""
+    header, arrays, data_len = _layout(state)
     text = json.dumps(header, sort_keys=True, allow_nan=False).encode("utf-8")
     text += b" " * (-(_PREFIX.size + len(text)) % _ALIGN)
-    body = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(text), offset), text, *chunks])
-    return body + hashlib.sha256(body).digest()
+    digest = hashlib.sha256()
+
+    def out(data) -> None:
+        digest.update(data)
+        f.write(data)
+
+    out(_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(text), data_len))
+    out(text)
+    for _, array in arrays:
+        flat = np.asarray(array).reshape(-1)
+        step = max(1, _CHUNK // max(1, flat.dtype.itemsize))
+        for start in range(0, flat.size, step):
+            out(memoryview(_little(flat[start:start + step])).cast("B"))
+    f.write(digest.digest())
+
+
+def encode(state: ServerState) -> bytes:
+    """The whole file as bytes (``write_to`` into memory; the files are written streaming)."""
+    buffer = io.BytesIO()
+    write_to(buffer, state)
+    return buffer.getvalue()
 
 
 def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
     """Parse and verify a whole file; CheckpointError says what is wrong with it."""
-    view = memoryview(blob)
-    if len(blob) < len(MAGIC) or bytes(view[: len(MAGIC)]) != MAGIC:
+    return _read(io.BytesIO(blob), len(blob), what)
+
+
+def _read(f, size: int, what: str) -> ServerState:
+    """Verify a file of ``size`` bytes read from ``f`` (the SHA-256 in one sequential pass of
+    ``_CHUNK`` slices), then read each array straight into its own native array: memory
+    beyond the state is one slice."""
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
-    if len(blob) < _PREFIX.size + _DIGEST_BYTES:
-        raise CheckpointError(f"{what}: truncated ({len(blob)} bytes, not even a header)")
-    _, fmt, _flags, header_len, data_len = _PREFIX.unpack_from(blob)
+    if size < _PREFIX.size + _DIGEST_BYTES:
+        raise CheckpointError(f"{what}: truncated ({size} bytes, not even a header)")
+    _, fmt, _flags, header_len, data_len = _PREFIX.unpack(prefix)
     if fmt != FORMAT_VERSION:
         raise CheckpointError(f"{what}: format version {fmt}, this tfps reads version {FORMAT_VERSION}")
     expected = _PREFIX.size + header_len + data_len + _DIGEST_BYTES
-    if len(blob) != expected:
-        kind = "truncated" if len(blob) < expected else "has trailing bytes"
-        raise CheckpointError(f"{what}: {kind} ({len(blob)} bytes, its header says {expected})")
-    body = view[: -_DIGEST_BYTES]
-    if hashlib.sha256(body).digest() != bytes(view[-_DIGEST_BYTES:]):
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
+    digest = hashlib.sha256(prefix)
+    left = size - _PREFIX.size - _DIGEST_BYTES
+    while left:
+        piece = f.read(min(_CHUNK, left))
+        if not piece:
+            raise CheckpointError(f"{what}: truncated while reading")
+        digest.update(piece)
+        left -= len(piece)
+    if digest.digest() != f.read(_DIGEST_BYTES):
         raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
+    data_start = _PREFIX.size + header_len
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]).decode("utf-8"))
-        data = view[_PREFIX.size + header_len : -_DIGEST_BYTES]
+        f.seek(_PREFIX.size)
+        header = json.loads(f.read(header_len).decode("utf-8"))
         values, states = {}, {}
         for v in header["variables"]:
             dtype, shape = np.dtype(v["dtype"]), tuple(int(d) for d in v["shape"])
@@ -215,10 +261,15 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
 
             def array(at: int, shape=shape) -> np.ndarray:
                 count = int(np.prod(shape, dtype=np.int64))
-                if not 0 <= at <= len(data) - count * dtype.itemsize:
+                if not 0 <= at <= data_len - count * dtype.itemsize:
                     raise ValueError(f"array of {v['name']!r} lies outside the data")
-                a = np.frombuffer(data, dtype=dtype, count=count, offset=at).reshape(shape)
-                return a.astype(dtype.newbyteorder("="))  # a native, writable copy
+                a = np.empty(count, dtype)
+                f.seek(data_start + at)
+                if f.readinto(memoryview(a).cast("B")) != a.nbytes:
+                    raise ValueError(f"array of {v['name']!r} ends early")
+                if a.dtype != dtype.newbyteorder("="):
+                    a = a.astype(dtype.newbyteorder("="))
+                return a.reshape(shape)  # native and writable
 
             slot_shapes = v.get("slot_shapes", {})
             values[v["name"]] = array(v["value"])
@@ -254,7 +305,7 @@ def _optional_float(x) -> float | None:
 def read_checkpoint(path: str) -> ServerState:
     """One file, verified; raises CheckpointError (or OSError if it cannot be read)."""
     with open(path, "rb") as f:
-        return decode(f.read(), what=path)
+        return _read(f, os.fstat(f.fileno()).st_size, what=path)
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -294,12 +345,11 @@ def write_checkpoint(directory: str, state: ServerState, keep: int = 3) -> str:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     os.makedirs(directory, exist_ok=True)
-    blob = encode(state)
     path = os.path.join(directory, checkpoint_name(state.version))
     fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            write_to(f, state)  # streamed: no second copy of the state in memory
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
