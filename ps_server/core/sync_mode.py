@@ -155,12 +155,9 @@ class SyncMode:
             self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
             with self._lock:
                 entered = self._enter(push, consumed)
-                if not isinstance(entered, PushResult):
-                    outcome = self._outcomes.get(entered) if self._book.generation != entered else None
-                    if outcome is None:
-                        self._tickets.setdefault(entered, []).append(ticket)
-                        return ticket
-                    entered = outcome
+                if not isinstance(entered, PushResult):  # the current generation: settled when it ends
+                    self._tickets.setdefault(entered, []).append(ticket)
+                    return ticket
         except PSError as e:
             ticket.settle(e)
             return ticket
