@@ -104,6 +104,8 @@ def _server_threads() -> int:
 def test_the_servers_threads_do_not_grow_with_the_workers_waiting(ps, connect, bg, wait_until):
     counts = {}
     for n in (4, 64):
+        # Only this server's threads: those of servers stopped before have ended.
+        wait_until(lambda: _server_threads() == 0, timeout=20, what="no server threads left over")
         running, _ = ps(mode="sync", num_workers=n)
         chief, waiters = _block_all_but_last(running, connect, bg, wait_until, n)
         counts[n] = _server_threads()
