@@ -27,12 +27,12 @@ it by a few units in the last place.
 How it stays exact: every ``b_i * g_i`` is exact in float64 (a 24-bit significand
 times a batch size below 2**29; a larger batch size is split into such pieces),
 the accumulator is float64, and each addition's rounding error is recovered
-exactly (Knuth's TwoSum) and kept, for the rare element where it is not zero,
-in a sparse list beside the accumulator: accumulator + errors is the exact sum.
-At the end the division by ``B`` and the rounding are done in float64 and
-checked: only where the float64 quotient falls exactly on a midpoint between two
-float32 values (or an element has recorded errors) can a double rounding go
-wrong, and those elements are recomputed with exact rationals.
+exactly (Knuth's TwoSum) and added to a second float64 level, made only when
+some element needs it, whose own errors go to a third, and so on (``_Exact``):
+the levels add up to the exact sum. At the end the division by ``B`` and the
+rounding are done in float64 and checked: only elements whose quotient lies
+within a few units in the last place of a midpoint between two float32 values
+can round wrong, and those are recomputed with exact rationals.
 
 Float64 gradients cannot be made exact this way: for them the round keeps every
 push and applies the rule of before, ``g_0*w_0 + g_1*w_1 + ...`` in worker-id

@@ -32,21 +32,18 @@ rows and their indices instead of the whole table (``PushRequest`` tensors with
   whole table (what tfps did before; for comparisons).
 
 In a sync round the batch-weighted mean of sparse gradients stays sparse
-(``weighted_mean``): over the union of the workers' rows, with the very float
-operations ``aggregation.weighted_mean`` does on the dense arrays, so each of
-those rows gets the bits the dense mean gives it (the other rows' mean is zero).
+(``aggregation.RoundSum``): over the union of the workers' rows, exact and rounded
+once as the dense mean is, so each of those rows gets the bits the dense mean
+gives it (the other rows' mean is zero).
 
 Plain NumPy, like the rest of ``ps_server.core``.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
-
 import numpy as np
 
 from ps_common.sparse import SparseRows
-from ps_server.core import aggregation
 from ps_server.core.errors import InvalidArgument
 
 # --sparse-updates: how a sparse gradient is applied (module docstring).
@@ -143,12 +140,3 @@ def lazy_refusal(spec) -> str | None:
         return None
     return (f"--sparse-updates lazy steps only the rows a push touches, but {whole}: drop that option, or run "
             f"the server with --sparse-updates exact")
-
-
-def weighted_mean(contributions: Sequence[tuple[int, Mapping]]) -> dict:
-    """``aggregation.weighted_mean`` for gradients that may be ``SparseRows``: a name sparse
-    in every contribution stays sparse (``SparseRows`` over the union of their rows, each
-    row's bits those of the dense mean); one sparse in some only is made dense like the
-    others; dense ones as ``aggregation.weighted_mean`` computes them (its ``RoundSum``
-    does all three)."""
-    return aggregation.weighted_mean(contributions)
