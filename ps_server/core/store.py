@@ -266,6 +266,10 @@ class VariableStore:
     def num_parameters(self) -> int:
         return sum(int(v.value.size) for v in self._vars.values())
 
+    def nbytes(self) -> int:
+        """The bytes of the values (not their optimizer state)."""
+        return sum(int(v.value.nbytes) for v in self._vars.values())
+
     # -- initialization ----------------------------------------------------------
     def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                    non_trainable: Collection[str] = ()) -> bool:
