@@ -159,6 +159,26 @@ class InitializeRequest(_message.Message):
     non_trainable: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class InitializeHeader(_message.Message):
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    optimizer: OptimizerConfig
+    variables: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    non_trainable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InitializeChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: InitializeHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[InitializeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class InitializeResponse(_message.Message):
     __slots__ = ("created", "version")
     CREATED_FIELD_NUMBER: _ClassVar[int]

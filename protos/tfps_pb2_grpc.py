@@ -44,6 +44,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.InitializeRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.InitializeResponse.FromString,
                 _registered_method=True)
+        self.InitializeStream = channel.stream_unary(
+                '/tfps.v1.ParameterServer/InitializeStream',
+                request_serializer=protos_dot_tfps__pb2.InitializeChunk.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.InitializeResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Pull',
                 request_serializer=protos_dot_tfps__pb2.PullRequest.SerializeToString,
@@ -102,6 +107,14 @@ class ParameterServerServicer:
 
     def Initialize(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitializeStream(self, request_iterator, context):
+        """Initialize streamed in ~2 MiB chunks (see InitializeHeader), for a model
+        whose variables do not fit one message (--max-message-mb).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -179,6 +192,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Initialize': grpc.unary_unary_rpc_method_handler(
                     servicer.Initialize,
                     request_deserializer=protos_dot_tfps__pb2.InitializeRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.InitializeResponse.SerializeToString,
+            ),
+            'InitializeStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.InitializeStream,
+                    request_deserializer=protos_dot_tfps__pb2.InitializeChunk.FromString,
                     response_serializer=protos_dot_tfps__pb2.InitializeResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
@@ -280,6 +298,33 @@ class ParameterServer:
             target,
             '/tfps.v1.ParameterServer/Initialize',
             protos_dot_tfps__pb2.InitializeRequest.SerializeToString,
+            protos_dot_tfps__pb2.InitializeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitializeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tfps.v1.ParameterServer/InitializeStream',
+            protos_dot_tfps__pb2.InitializeChunk.SerializeToString,
             protos_dot_tfps__pb2.InitializeResponse.FromString,
             options,
             channel_credentials,

@@ -128,9 +128,10 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server, traf
     handlers = {}
     for m in service.methods:
         method = getattr(servicer, m.name)
-        if m.name == "PushStream":
-            deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
-            serialize = pb.PushResponse.SerializeToString
+        if m.name in ("PushStream", "InitializeStream"):
+            chunk = getattr(pb, m.input_type.name)
+            deserialize = _tolerant(chunk, stream.deserializer(chunk))
+            serialize = getattr(pb, m.output_type.name).SerializeToString
             handler = grpc.stream_unary_rpc_method_handler
         elif m.name == "PushPull":
             deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
@@ -236,12 +237,12 @@ async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
             pass
 
 
-async def _header(request_iterator, method: str) -> pb.PushHeader:
-    """``_push_header`` of an async request stream."""
+async def _header(request_iterator, method: str, chunk_class=pb.PushChunk):
+    """``_stream_header`` of an async request stream."""
     first = None
     async for first in request_iterator:
         break
-    return _push_header(iter(() if first is None else (first,)), method)
+    return _stream_header(iter(() if first is None else (first,)), method, chunk_class)
 
 
 async def _received_async(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str,
@@ -306,18 +307,19 @@ def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
     return STATUS.to_wire(s, workers=lambda records: [WORKER_STATUS.to_wire(w, last_seen=age) for w in records])
 
 
-def _push_header(request_iterator, method: str) -> pb.PushHeader:
-    """The header a push stream must start with (a PushChunk with a header and no data)."""
+def _stream_header(request_iterator, method: str, chunk_class=pb.PushChunk):
+    """The header a request stream must start with (a ``chunk_class``, PushChunk or
+    InitializeChunk, with a header and no data)."""
     first = next(request_iterator, None)
     if isinstance(first, Malformed):
         raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
-    if not isinstance(first, pb.PushChunk) or not first.HasField("header") or first.data:
+    if not isinstance(first, chunk_class) or not first.HasField("header") or first.data:
         raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
     return first.header
 
 
 def _data(chunk, method: str) -> memoryview:
-    """A push stream's message after its header: data, or an error naming what came instead."""
+    """A request stream's message after its header: data, or an error naming what came instead."""
     if not isinstance(chunk, memoryview):
         what = f"not a valid {chunk.message_type}: {chunk.error}" if isinstance(chunk, Malformed) else "a second header"
         raise codec.CodecError(f"{method}: after the header, every message must be data; got {what}")
@@ -452,7 +454,40 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Initialize(self, request, context):
-        variables = codec.decode_many(request.variables)
+        return self._initialize(request, codec.decode_many(request.variables))
+
+    @_handled_async
+    async def InitializeStream(self, request_iterator, context):
+        """Initialize, its variables' bytes streamed (``protos.stream``): checked from the
+        header first, then received straight into one buffer of the model's size, whose
+        views the core stores (copying them, as from a unary request); nothing is stored
+        unless every byte the header announced, and no more, arrived. Async like
+        PushStream: the bytes are copied in on the loop, the core's work is on the pool,
+        and the buffer counts against the receive budget while it is filled."""
+        h = await _header(request_iterator, "InitializeStream", pb.InitializeChunk)
+        layout = stream.Layout.of(h.variables)
+        for m in h.variables:
+            if m.sparse or m.rows:
+                raise codec.CodecError(f"InitializeStream: variable {m.name!r} is marked sparse; a variable "
+                                       "comes whole")
+        await self._work(self._check_initialize, h)  # before a model's bytes are taken in
+        await self._admit(layout.nbytes, context)
+        try:
+            # Not from the buffer pool: the model arrives once, and the pool would keep it.
+            variables = await _received_async(layout, np.empty(layout.nbytes, np.uint8), request_iterator,
+                                              "InitializeStream")
+            return await self._work(self._initialize, h, variables)
+        finally:
+            self.receiving.release(layout.nbytes)
+
+    def _check_initialize(self, h: pb.InitializeHeader) -> None:
+        """What the header alone can refuse: an unknown worker, an invalid optimizer."""
+        self.core.members.require(h.worker_id)
+        optimizer_from_wire(h.optimizer).validate()
+
+    def _initialize(self, request, variables: dict[str, np.ndarray]) -> pb.InitializeResponse:
+        """The core's initialize for an InitializeRequest or an InitializeHeader (the same
+        fields but the variables' bytes), ``variables`` decoded from either."""
         created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer),
                                                 non_trainable=list(request.non_trainable))
         if created:
@@ -603,16 +638,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def _lend(self, nbytes: int, context) -> "_Loan":
         """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
         Busy when the pushes in flight leave no room before the call's deadline."""
+        await self._admit(nbytes, context)
+        return _Loan(self, nbytes, self.buffers.acquire(nbytes))
+
+    async def _admit(self, nbytes: int, context) -> None:
+        """Take ``nbytes`` of the receive budget (give them back with ``receiving.release``);
+        Busy when the streams in flight leave no room before the call's deadline."""
         remaining = context.time_remaining() if context is not None else None
         wait = min(remaining, BUSY_WAIT_S) if remaining is not None else BUSY_WAIT_S
         limit = max(self.receiving.limit, 2 * nbytes)
         if nbytes * self.core.num_workers <= HELD_BYTES:
             limit = max(limit, nbytes * self.core.num_workers)  # a round PushPull may speculate
         if not await self.receiving.acquire(nbytes, wait, limit):
-            raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other pushes, its "
+            raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other streams, its "
                               f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "
-                              "nothing applied, push again")
-        return _Loan(self, nbytes, self.buffers.acquire(nbytes))
+                              "nothing done, call again")
 
     @_handled_stream
     async def PushPull(self, request_iterator, context):

@@ -35,7 +35,8 @@ segments, and so does interpreter exit.
 
 Each call carries a deadline. Calls
 that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat, Broadcast)
-are retried on UNAVAILABLE by the channel's service-config retry policy. Push
+are retried on UNAVAILABLE by the channel's service-config retry policy (a large
+model's streamed Initialize is not: ``initialize``). Push
 is retried only by the trainer, deliberately: the server answers a repeated
 (worker, step) from its record instead of applying it twice. Failures surface as
 ``PSClientError`` whose message names the call, the status code and the
@@ -126,9 +127,10 @@ class PSClient:
         self.timeout = timeout
         self.grad_wire_dtype = grad_wire_dtype
         self.small_bytes = small_bytes
+        self.max_message_bytes = wire.max_message_bytes() if max_message_bytes is None else max_message_bytes
         self._channel = security.client_channel(
             address,
-            options=wire.client_options(max_message_bytes) + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
+            options=wire.client_options(self.max_message_bytes) + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
             ca_file=tls_ca_file,
             cert_file=tls_cert_file,
             key_file=tls_key_file,
@@ -218,17 +220,30 @@ class PSClient:
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
                    non_trainable: Iterable[str] = ()) -> bool:
         """Store ``variables`` on the server, unless an identical state is there (False).
-        ``non_trainable`` names the variables updated by pushed changes, not the optimizer."""
-        reply = self.unary.call(
-            "Initialize",
-            pb.InitializeRequest(
-                worker_id=worker_id,
-                optimizer=pb.OptimizerConfig(**optimizer),
-                variables=codec.encode_many(variables),
-                non_trainable=sorted(non_trainable),
-            ),
-        )
-        return reply.created
+        ``non_trainable`` names the variables updated by pushed changes, not the optimizer.
+
+        Variables of up to half the channel's message limit (``max_message_bytes``) in all
+        go as one Initialize message, which every server takes and the channel retries on
+        UNAVAILABLE; larger ones are streamed in ~2 MiB chunks (InitializeStream), so a
+        model of any size can be initialized (a server older than InitializeStream answers
+        UNIMPLEMENTED: it could not have taken such a model in one message either). Half,
+        so that protobuf's own bytes around the tensors never push a message over."""
+        optimizer = pb.OptimizerConfig(**optimizer)
+        non_trainable = sorted(non_trainable)
+        if sum(np.asarray(v).nbytes for v in variables.values()) <= self.max_message_bytes // 2:
+            reply = self.unary.call(
+                "Initialize",
+                pb.InitializeRequest(worker_id=worker_id, optimizer=optimizer,
+                                     variables=codec.encode_many(variables), non_trainable=non_trainable),
+            )
+            return reply.created
+        try:
+            arrays = {n: stream.to_wire(v) for n, v in variables.items()}
+        except codec.CodecError as e:
+            raise PSClientError("Initialize", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        header = pb.InitializeHeader(worker_id=worker_id, optimizer=optimizer, variables=stream.metas(arrays),
+                                     non_trainable=non_trainable)
+        return self.streams.initialize(header, [a for _, a in arrays.values()]).created
 
     def _unary_limit(self) -> int:
         return min(self.small_bytes, SMALL_SHM_BYTES) if self.shared_memory.active else self.small_bytes

@@ -143,8 +143,9 @@ PUSH_PULL_CHUNK_BYTES = 256 << 10
 
 
 class Streams:
-    """PullStream and PushStream: a header, then the tensors' bytes in ~2 MiB data messages
-    framed by hand (``protos.stream``), so no message ever holds a whole model."""
+    """PullStream, PushStream and InitializeStream: a header, then the tensors' bytes in
+    ~2 MiB data messages framed by hand (``protos.stream``), so no message ever holds a
+    whole model."""
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
@@ -158,6 +159,22 @@ class Streams:
         self.push_pull_stream = channel.stream_stream(
             method + "PushPull", request_serializer=stream.serializer(pb.PushChunk),
             response_deserializer=stream.deserializer(pb.PushPullChunk))
+        self.initialize_stream = channel.stream_unary(
+            method + "InitializeStream", request_serializer=stream.serializer(pb.InitializeChunk),
+            response_deserializer=pb.InitializeResponse.FromString)
+
+    def initialize(self, header: pb.InitializeHeader, arrays: list[np.ndarray]) -> pb.InitializeResponse:
+        """One InitializeStream: ``header``, then the bytes of ``arrays`` (its variables in
+        wire form, in its order). Not retried: a stream cannot be replayed by the channel."""
+
+        def messages():
+            yield pb.InitializeChunk(header=header)
+            yield from stream.chunk_buffers(arrays)
+
+        try:
+            return self.initialize_stream(messages(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise PSClientError("Initialize", self.address, e.code(), e.details() or "") from None
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:

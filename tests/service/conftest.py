@@ -74,6 +74,7 @@ def bg():
 @pytest.fixture
 def ps(bg):
     """Start a real server: ``ps(mode=..., num_workers=..., ...) -> (RunningServer, PSClient)``.
+    ``max_message_mb``: the server's and the client's message limit (default: ``protos.wire``'s).
 
     Depends on ``bg`` so that at teardown the server stops first, cancelling any
     call still blocked in a barrier, and only then are the background threads joined.
@@ -81,11 +82,13 @@ def ps(bg):
     started: list[tuple[RunningServer, PSClient]] = []
 
     def start(mode: str = "sync", num_workers: int = 1, barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT,
-              threads: int = 0) -> tuple[RunningServer, PSClient]:
+              threads: int = 0, max_message_mb: float | None = None) -> tuple[RunningServer, PSClient]:
+        limit = {} if max_message_mb is None else {"max_message_mb": max_message_mb}  # both ends alike
         config = ServerConfig(host="127.0.0.1", port=0, mode=mode, num_workers=num_workers,
-                              barrier_timeout=barrier_timeout, threads=threads)
+                              barrier_timeout=barrier_timeout, threads=threads, **limit)
         running = build_server(config).start()
-        client = PSClient(running.address, timeout=CLIENT_TIMEOUT)
+        client = PSClient(running.address, timeout=CLIENT_TIMEOUT,
+                          max_message_bytes=config.max_message_bytes if limit else None)
         started.append((running, client))
         return running, client
 

@@ -88,7 +88,7 @@ REQUESTS = {
     "Status": pb.StatusRequest,
     "Broadcast": pb.BroadcastRequest,
 }
-STREAMS = {"PushStream", "PullStream", "PushPull"}  # fuzzed below, message by message
+STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
 
 
@@ -411,7 +411,7 @@ def test_raw_bytes_to_every_method_are_refused_or_harmless(target, method, data)
     check(target, method, request, code, details, reply)
 
 
-# -- the streamed forms: PushStream and PullStream, message by message ----------------------
+# -- the streamed forms: PushStream, PullStream, InitializeStream, message by message ------------
 
 
 def as_stream(request: pb.PushRequest, data) -> list[bytes]:
@@ -421,10 +421,16 @@ def as_stream(request: pb.PushRequest, data) -> list[bytes]:
                            batch_size=request.batch_size, loss=request.loss,
                            gradients=[pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape)
                                       for t in request.gradients])
-    payload = b"".join(t.data for t in request.gradients)
+    return chunked(pb.PushChunk(header=header), request.gradients, data)
+
+
+def chunked(first, tensors, data) -> list[bytes]:
+    """``first`` (a header message), then the bytes of ``tensors`` cut at drawn points,
+    sometimes mangled (``as_stream``)."""
+    payload = b"".join(t.data for t in tensors)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(payload)), max_size=4), label="cuts"))
     pieces = [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)]) if b > a]
-    messages = [pb.PushChunk(header=header).SerializeToString()] + [stream.frame([p]) for p in pieces]
+    messages = [first.SerializeToString()] + [stream.frame([p]) for p in pieces]
     mangle = data.draw(st.sampled_from(["none"] * 6 + ["short", "long", "header", "garbage", "headless"]),
                        label="mangle")
     if mangle == "short" and pieces:
@@ -478,3 +484,17 @@ def test_fuzzed_pull_stream_is_answered_with_a_table_code_and_changes_nothing(ta
                                        response_deserializer=None)
     code, details, reply = outcome(lambda r, timeout: list(call(r.SerializeToString(), timeout=timeout)), request)
     check(target, "Pull", request, code, details, reply)
+
+
+@FUZZ
+@given(request=STRATEGIES["Initialize"], data=st.data())
+def test_fuzzed_initialize_stream_of_an_initialized_server_is_harmless_or_refused(target, request, data):
+    """InitializeStream keeps Initialize's promises whatever the messages."""
+    header = pb.InitializeHeader(worker_id=request.worker_id, optimizer=request.optimizer,
+                                 variables=[pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape)
+                                            for t in request.variables],
+                                 non_trainable=request.non_trainable)
+    call = target.channel.stream_unary(f"/{wire.SERVICE_NAME}/InitializeStream", request_serializer=None,
+                                       response_deserializer=pb.InitializeResponse.FromString)
+    code, details, reply = outcome(call, iter(chunked(pb.InitializeChunk(header=header), request.variables, data)))
+    check(target, "Initialize", request, code, details, reply)
