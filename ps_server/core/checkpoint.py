@@ -60,7 +60,7 @@ import re
 import struct
 import tempfile
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -113,6 +113,29 @@ class ServerState:
     def round(self) -> int:
         return self.mode_status.round
 
+    def release(self) -> None:
+        """Release every ``ArraySource`` it holds that can be (a live store's row-wise
+        snapshot, ``store.RowSnapshot``): once the file is written, or abandoned."""
+        for name, value in self.values.items():
+            for a in (value, *self.states.get(name, {}).values()):
+                if isinstance(a, ArraySource) and hasattr(a, "release"):
+                    a.release()
+
+
+@runtime_checkable
+class ArraySource(Protocol):
+    """An array written slice by slice rather than held: ``ServerState`` may hold one in
+    place of any array of at least one dimension (a live store's row-wise table,
+    ``store.SnapshotArray``). ``read(start, stop)`` returns rows ``start:stop`` (along the
+    first axis) as an array of ``dtype``; ``write_to`` reads each row range once, in order."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    size: int
+
+    def read(self, start: int, stop: int) -> np.ndarray: ...
+
 
 def checkpoint_name(version: int) -> str:
     return f"ckpt-{version:012d}.tfps"
@@ -125,6 +148,25 @@ def _little(a: np.ndarray) -> np.ndarray:
 
 
 _CHUNK = 64 << 20  # bytes written or hashed at a time: a checkpoint never holds a second copy of the state
+
+
+def _array(a) -> "np.ndarray | ArraySource":
+    return a if isinstance(a, ArraySource) and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def _write_array(array: "np.ndarray | ArraySource", out) -> None:
+    """Hand ``array``'s bytes, little-endian, in order, to ``out`` in slices of about ``_CHUNK``
+    bytes; each slice an ``ArraySource`` reads is let go before the next is read."""
+    if isinstance(array, np.ndarray):
+        flat = array.reshape(-1)
+        step = max(1, _CHUNK // max(1, flat.dtype.itemsize))
+        for start in range(0, flat.size, step):
+            out(memoryview(_little(flat[start:start + step])).cast("B"))
+        return
+    rows = array.shape[0]
+    step = max(1, _CHUNK // max(1, array.nbytes // rows)) if rows else 1
+    for start in range(0, rows, step):
+        out(memoryview(_little(array.read(start, min(rows, start + step))).reshape(-1)).cast("B"))
 
 
 def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
@@ -144,11 +186,11 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         raise CheckpointError("the state has optimizer state for other variables than its values")
     variables = []
     for name, value in state.values.items():
-        value = np.asarray(value)
+        value = _array(value)
         opt_state = state.states[name]
         slots = {}
         for slot in sorted(k for k in opt_state if k != "iterations"):
-            array = np.asarray(opt_state[slot])
+            array = _array(opt_state[slot])
             if array.shape not in (value.shape, ()) \
                     or array.dtype.newbyteorder("=") != value.dtype.newbyteorder("="):
                 raise CheckpointError(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
@@ -191,7 +233,8 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
 def write_to(f, state: ServerState) -> None:
     """Write the file to ``f`` (binary, sequential), array by array in slices of ``_CHUNK``
     bytes, hashing as it goes: memory beyond the state is one slice (a little-endian,
-    contiguous array is written from its own memory)."""
+    contiguous array is written from its own memory; an ``ArraySource`` is read one slice
+    of rows at a time)."""
     header, arrays, data_len = _layout(state)
     text = json.dumps(header, sort_keys=True, allow_nan=False).encode("utf-8")
     text += b" " * (-(_PREFIX.size + len(text)) % _ALIGN)
@@ -204,10 +247,7 @@ def write_to(f, state: ServerState) -> None:
     out(_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(text), data_len))
     out(text)
     for _, array in arrays:
-        flat = np.asarray(array).reshape(-1)
-        step = max(1, _CHUNK // max(1, flat.dtype.itemsize))
-        for start in range(0, flat.size, step):
-            out(memoryview(_little(flat[start:start + step])).cast("B"))
+        _write_array(array, out)
     f.write(digest.digest())
 
 
