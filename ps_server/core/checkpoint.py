@@ -59,6 +59,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -151,7 +152,8 @@ _CHUNK = 64 << 20  # bytes written or hashed at a time: a checkpoint never holds
 
 
 def _array(a) -> "np.ndarray | ArraySource":
-    return a if isinstance(a, ArraySource) and not isinstance(a, np.ndarray) else np.asarray(a)
+    source = isinstance(a, ArraySource) and not isinstance(a, np.ndarray) and len(a.shape) > 0
+    return a if source else np.asarray(a)
 
 
 def _write_array(array: "np.ndarray | ArraySource", out) -> None:
@@ -263,10 +265,43 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
     return _read(io.BytesIO(blob), len(blob), what)
 
 
-def _read(f, size: int, what: str) -> ServerState:
+class FileArray:
+    """An array of a checkpoint file read only when asked (``read_checkpoint(..., lazy=True)``):
+    an ``ArraySource`` (``read(start, stop)``: those rows, a fresh native array) that
+    ``np.asarray`` reads whole. It keeps the file open (the one it was verified in, even
+    if that name is replaced or pruned since) until no array of it is left."""
+
+    def __init__(self, f, lock: threading.Lock, at: int, dtype: np.dtype, shape: tuple[int, ...], what: str):
+        self._f, self._lock, self._at, self._what, self._file_dtype = f, lock, at, what, dtype
+        self.dtype, self.shape = dtype.newbyteorder("="), shape
+        self.ndim, self.size = len(shape), int(np.prod(shape, dtype=np.int64))
+        self.nbytes = self.size * dtype.itemsize
+
+    def _elements(self, first: int, count: int) -> np.ndarray:
+        a = np.empty(count, self._file_dtype)
+        with self._lock:  # one file position for every array of the file
+            self._f.seek(self._at + first * a.itemsize)
+            if self._f.readinto(memoryview(a).cast("B")) != a.nbytes:
+                raise CheckpointError(f"{self._what}: an array ends early (the file changed since it was verified?)")
+        return a if a.dtype == self.dtype else a.astype(self.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        row = self.size // self.shape[0] if self.shape[0] else 0
+        return self._elements(start * row, (stop - start) * row).reshape((stop - start, *self.shape[1:]))
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._elements(0, self.size).reshape(self.shape)
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"FileArray({self._what!r}, {self.dtype}{list(self.shape)})"
+
+
+def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
     """Verify a file of ``size`` bytes read from ``f`` (the SHA-256 in one sequential pass of
     ``_CHUNK`` slices), then read each array straight into its own native array: memory
-    beyond the state is one slice."""
+    beyond the state is one slice. ``lazy``: each array a ``FileArray`` instead, read from
+    ``f`` (left open) when asked."""
     prefix = f.read(_PREFIX.size)
     if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
@@ -281,15 +316,18 @@ def _read(f, size: int, what: str) -> ServerState:
         raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
     digest = hashlib.sha256(prefix)
     left = size - _PREFIX.size - _DIGEST_BYTES
+    buffer = memoryview(bytearray(min(_CHUNK, left)))  # one slice, read into again and again
     while left:
-        piece = f.read(min(_CHUNK, left))
-        if not piece:
+        n = f.readinto(buffer[:min(_CHUNK, left)])
+        if not n:
             raise CheckpointError(f"{what}: truncated while reading")
-        digest.update(piece)
-        left -= len(piece)
+        digest.update(buffer[:n])
+        left -= n
+    del buffer
     if digest.digest() != f.read(_DIGEST_BYTES):
         raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
     data_start = _PREFIX.size + header_len
+    lock = threading.Lock()
     try:
         f.seek(_PREFIX.size)
         header = json.loads(f.read(header_len).decode("utf-8"))
@@ -303,6 +341,8 @@ def _read(f, size: int, what: str) -> ServerState:
                 count = int(np.prod(shape, dtype=np.int64))
                 if not 0 <= at <= data_len - count * dtype.itemsize:
                     raise ValueError(f"array of {v['name']!r} lies outside the data")
+                if lazy:
+                    return FileArray(f, lock, data_start + at, dtype, shape, what)
                 a = np.empty(count, dtype)
                 f.seek(data_start + at)
                 if f.readinto(memoryview(a).cast("B")) != a.nbytes:
@@ -342,10 +382,21 @@ def _optional_float(x) -> float | None:
 
 
 # -- files -------------------------------------------------------------------------
-def read_checkpoint(path: str) -> ServerState:
-    """One file, verified; raises CheckpointError (or OSError if it cannot be read)."""
-    with open(path, "rb") as f:
-        return _read(f, os.fstat(f.fileno()).st_size, what=path)
+def read_checkpoint(path: str, lazy: bool = False) -> ServerState:
+    """One file, verified; raises CheckpointError (or OSError if it cannot be read).
+
+    ``lazy``: each of its arrays is a ``FileArray``, read from the file (kept open until they
+    are all gone) when asked: a caller that reads them one at a time (``ps-export``) holds
+    one array at a time, never the whole state."""
+    f = open(path, "rb")
+    try:
+        state = _read(f, os.fstat(f.fileno()).st_size, what=path, lazy=lazy)
+    except BaseException:
+        f.close()
+        raise
+    if not lazy:
+        f.close()
+    return state
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -358,7 +409,7 @@ def list_checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, n) for _, n in sorted(found, reverse=True)]
 
 
-def latest_valid(directory: str) -> tuple[ServerState, str] | None:
+def latest_valid(directory: str, lazy: bool = False) -> tuple[ServerState, str] | None:
     """The newest checkpoint in ``directory`` that verifies, with its path; None if there is none.
 
     Each damaged or unreadable newer file is skipped with a warning that names
@@ -366,7 +417,7 @@ def latest_valid(directory: str) -> tuple[ServerState, str] | None:
     """
     for path in list_checkpoints(directory):
         try:
-            return read_checkpoint(path), path
+            return read_checkpoint(path, lazy=lazy), path
         except CheckpointError as e:
             log.warning("skipping checkpoint %s", e)
         except OSError as e:
