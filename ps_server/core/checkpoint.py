@@ -1,9 +1,12 @@
 """Checkpoint files: the whole state of a parameter server, written atomically.
 
-    path = write_checkpoint("/ckpt", core.checkpoint_state(), keep=3)
+    state = core.checkpoint_state()
+    path = write_checkpoint("/ckpt", state, keep=3)
+    state.release()                        # ends the row-wise tables' snapshots (core.store)
     found = latest_valid("/ckpt")          # (ServerState, path) or None
     if found:
         core.restore(found[0])
+    lazy = read_checkpoint(path, lazy=True)   # arrays read from the file when asked (ps-export)
 
 One file per checkpoint, named ``ckpt-<version:012d>.tfps``. Layout (all
 integers little-endian)::
@@ -43,7 +46,12 @@ Guarantees:
   and the SHA-256 must match; ``latest_valid`` skips a damaged file with a
   warning naming it and the reason, and falls back to the next newest;
 - a round trip is bit-exact: values and slots keep dtype, shape and every bit
-  (NaN payloads and signed zeros included).
+  (NaN payloads and signed zeros included);
+- no second copy of the state in memory: a file is written and verified in
+  slices of 64 MiB; an array the state holds as an ``ArraySource`` (a live
+  store's row-wise table, ``store.SnapshotArray``) is read one slice of rows at
+  a time; ``read_checkpoint`` reads each array straight into its own, or with
+  ``lazy`` not until asked.
 
 Plain Python and NumPy, like the rest of the core.
 """
