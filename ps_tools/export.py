@@ -20,7 +20,9 @@ lists the differences; nothing is written then.
   ``build_model(--model)``.
 
 The file is written under a temporary name and renamed, so a reader never
-opens half of it. Exit status 2 for bad flags or a mismatch, 1 when the source
+opens half of it. A checkpoint is read one array at a time as the model takes it
+(``read_checkpoint(..., lazy=True)``): beside the model's own weights and slots,
+memory holds one array of the checkpoint, never a second copy of the state. Exit status 2 for bad flags or a mismatch, 1 when the source
 cannot be read.
 """
 
@@ -48,15 +50,16 @@ class ExportError(RuntimeError):
 
 
 def load_source(checkpoint: str = "", server: str = "", client_options: dict | None = None) -> tuple[ServerState | None, dict, object, str]:
-    """(state or None, values, optimizer spec or None, description) from a checkpoint or a server."""
+    """(state or None, values, optimizer spec or None, description) from a checkpoint or a server.
+    A checkpoint's arrays are each a ``FileArray``, verified but read only when asked."""
     if checkpoint:
         if os.path.isdir(checkpoint):
-            found = latest_valid(checkpoint)
+            found = latest_valid(checkpoint, lazy=True)
             if found is None:
                 raise FileNotFoundError(f"no valid checkpoint in {checkpoint}")
             state, path = found
         else:
-            state, path = read_checkpoint(checkpoint), checkpoint
+            state, path = read_checkpoint(checkpoint, lazy=True), checkpoint
         return state, state.values, state.optimizer, f"{path} (version {state.version})"
     with PSClient(server, **(client_options or {})) as client:
         version, values = client.pull()
@@ -82,7 +85,8 @@ def keras_optimizer(spec):
 
 
 def assign(model, values: dict[str, np.ndarray]) -> None:
-    """Give each trainable variable of ``model`` its array by path; ExportError lists every mismatch."""
+    """Give each trainable variable of ``model`` its array by path; ExportError lists every mismatch.
+    An array of a checkpoint (``FileArray``) is read as its variable takes it, one at a time."""
     mine = {v.path: tuple(v.shape) for v in model.trainable_variables}
     theirs = {n: tuple(np.shape(a)) for n, a in values.items()}
     kinds = [
@@ -98,7 +102,7 @@ def assign(model, values: dict[str, np.ndarray]) -> None:
                           + "; ".join(shown) + ("; ..." if len(shown) < count else "")
                           + ": export with the --model the workers trained")
     for v in model.trainable_variables:
-        v.assign(values[v.path])
+        v.assign(np.asarray(values[v.path]))
 
 
 def compile_like_the_server(model, spec, state: ServerState | None) -> str:
@@ -121,7 +125,7 @@ def compile_like_the_server(model, spec, state: ServerState | None) -> str:
         if slot in state.states[variables[0].path] and len(keras_slots) != len(variables):
             raise ExportError(f"this Keras keeps {spec.name}'s {slot!r} slots elsewhere; cannot export them")
         for v, keras_slot in zip(variables, keras_slots):
-            keras_slot.assign(state.states[v.path][slot])
+            keras_slot.assign(np.asarray(state.states[v.path][slot]))  # read now, let go after
     steps = sorted({int(state.states[v.path]["iterations"]) for v in variables})
     optimizer.iterations.assign(steps[-1])
     note = f"{spec.name} with the server's slots at step {steps[-1]}"

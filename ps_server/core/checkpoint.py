@@ -1,9 +1,12 @@
 """Checkpoint files: the whole state of a parameter server, written atomically.
 
-    path = write_checkpoint("/ckpt", core.checkpoint_state(), keep=3)
+    state = core.checkpoint_state()
+    path = write_checkpoint("/ckpt", state, keep=3)
+    state.release()                        # ends the row-wise tables' snapshots (core.store)
     found = latest_valid("/ckpt")          # (ServerState, path) or None
     if found:
         core.restore(found[0])
+    lazy = read_checkpoint(path, lazy=True)   # arrays read from the file when asked (ps-export)
 
 One file per checkpoint, named ``ckpt-<version:012d>.tfps``. Layout (all
 integers little-endian)::
@@ -43,7 +46,12 @@ Guarantees:
   and the SHA-256 must match; ``latest_valid`` skips a damaged file with a
   warning naming it and the reason, and falls back to the next newest;
 - a round trip is bit-exact: values and slots keep dtype, shape and every bit
-  (NaN payloads and signed zeros included).
+  (NaN payloads and signed zeros included);
+- no second copy of the state in memory: a file is written and verified in
+  slices of 64 MiB; an array the state holds as an ``ArraySource`` (a live
+  store's row-wise table, ``store.SnapshotArray``) is read one slice of rows at
+  a time; ``read_checkpoint`` reads each array straight into its own, or with
+  ``lazy`` not until asked.
 
 Plain Python and NumPy, like the rest of the core.
 """
@@ -59,8 +67,9 @@ import os
 import re
 import struct
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -113,6 +122,29 @@ class ServerState:
     def round(self) -> int:
         return self.mode_status.round
 
+    def release(self) -> None:
+        """Release every ``ArraySource`` it holds that can be (a live store's row-wise
+        snapshot, ``store.RowSnapshot``): once the file is written, or abandoned."""
+        for name, value in self.values.items():
+            for a in (value, *self.states.get(name, {}).values()):
+                if isinstance(a, ArraySource) and hasattr(a, "release"):
+                    a.release()
+
+
+@runtime_checkable
+class ArraySource(Protocol):
+    """An array written slice by slice rather than held: ``ServerState`` may hold one in
+    place of any array of at least one dimension (a live store's row-wise table,
+    ``store.SnapshotArray``). ``read(start, stop)`` returns rows ``start:stop`` (along the
+    first axis) as an array of ``dtype``; ``write_to`` reads each row range once, in order."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    size: int
+
+    def read(self, start: int, stop: int) -> np.ndarray: ...
+
 
 def checkpoint_name(version: int) -> str:
     return f"ckpt-{version:012d}.tfps"
@@ -125,6 +157,26 @@ def _little(a: np.ndarray) -> np.ndarray:
 
 
 _CHUNK = 64 << 20  # bytes written or hashed at a time: a checkpoint never holds a second copy of the state
+
+
+def _array(a) -> "np.ndarray | ArraySource":
+    source = isinstance(a, ArraySource) and not isinstance(a, np.ndarray) and len(a.shape) > 0
+    return a if source else np.asarray(a)
+
+
+def _write_array(array: "np.ndarray | ArraySource", out) -> None:
+    """Hand ``array``'s bytes, little-endian, in order, to ``out`` in slices of about ``_CHUNK``
+    bytes; each slice an ``ArraySource`` reads is let go before the next is read."""
+    if isinstance(array, np.ndarray):
+        flat = array.reshape(-1)
+        step = max(1, _CHUNK // max(1, flat.dtype.itemsize))
+        for start in range(0, flat.size, step):
+            out(memoryview(_little(flat[start:start + step])).cast("B"))
+        return
+    rows = array.shape[0]
+    step = max(1, _CHUNK // max(1, array.nbytes // rows)) if rows else 1
+    for start in range(0, rows, step):
+        out(memoryview(_little(array.read(start, min(rows, start + step))).reshape(-1)).cast("B"))
 
 
 def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int]:
@@ -144,11 +196,11 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         raise CheckpointError("the state has optimizer state for other variables than its values")
     variables = []
     for name, value in state.values.items():
-        value = np.asarray(value)
+        value = _array(value)
         opt_state = state.states[name]
         slots = {}
         for slot in sorted(k for k in opt_state if k != "iterations"):
-            array = np.asarray(opt_state[slot])
+            array = _array(opt_state[slot])
             if array.shape not in (value.shape, ()) \
                     or array.dtype.newbyteorder("=") != value.dtype.newbyteorder("="):
                 raise CheckpointError(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "
@@ -191,7 +243,8 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
 def write_to(f, state: ServerState) -> None:
     """Write the file to ``f`` (binary, sequential), array by array in slices of ``_CHUNK``
     bytes, hashing as it goes: memory beyond the state is one slice (a little-endian,
-    contiguous array is written from its own memory)."""
+    contiguous array is written from its own memory; an ``ArraySource`` is read one slice
+    of rows at a time)."""
     header, arrays, data_len = _layout(state)
     text = json.dumps(header, sort_keys=True, allow_nan=False).encode("utf-8")
     text += b" " * (-(_PREFIX.size + len(text)) % _ALIGN)
@@ -204,10 +257,7 @@ def write_to(f, state: ServerState) -> None:
     out(_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(text), data_len))
     out(text)
     for _, array in arrays:
-        flat = np.asarray(array).reshape(-1)
-        step = max(1, _CHUNK // max(1, flat.dtype.itemsize))
-        for start in range(0, flat.size, step):
-            out(memoryview(_little(flat[start:start + step])).cast("B"))
+        _write_array(array, out)
     f.write(digest.digest())
 
 
@@ -223,10 +273,43 @@ def decode(blob: bytes, what: str = "checkpoint") -> ServerState:
     return _read(io.BytesIO(blob), len(blob), what)
 
 
-def _read(f, size: int, what: str) -> ServerState:
+class FileArray:
+    """An array of a checkpoint file read only when asked (``read_checkpoint(..., lazy=True)``):
+    an ``ArraySource`` (``read(start, stop)``: those rows, a fresh native array) that
+    ``np.asarray`` reads whole. It keeps the file open (the one it was verified in, even
+    if that name is replaced or pruned since) until no array of it is left."""
+
+    def __init__(self, f, lock: threading.Lock, at: int, dtype: np.dtype, shape: tuple[int, ...], what: str):
+        self._f, self._lock, self._at, self._what, self._file_dtype = f, lock, at, what, dtype
+        self.dtype, self.shape = dtype.newbyteorder("="), shape
+        self.ndim, self.size = len(shape), int(np.prod(shape, dtype=np.int64))
+        self.nbytes = self.size * dtype.itemsize
+
+    def _elements(self, first: int, count: int) -> np.ndarray:
+        a = np.empty(count, self._file_dtype)
+        with self._lock:  # one file position for every array of the file
+            self._f.seek(self._at + first * a.itemsize)
+            if self._f.readinto(memoryview(a).cast("B")) != a.nbytes:
+                raise CheckpointError(f"{self._what}: an array ends early (the file changed since it was verified?)")
+        return a if a.dtype == self.dtype else a.astype(self.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        row = self.size // self.shape[0] if self.shape[0] else 0
+        return self._elements(start * row, (stop - start) * row).reshape((stop - start, *self.shape[1:]))
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self._elements(0, self.size).reshape(self.shape)
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"FileArray({self._what!r}, {self.dtype}{list(self.shape)})"
+
+
+def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
     """Verify a file of ``size`` bytes read from ``f`` (the SHA-256 in one sequential pass of
     ``_CHUNK`` slices), then read each array straight into its own native array: memory
-    beyond the state is one slice."""
+    beyond the state is one slice. ``lazy``: each array a ``FileArray`` instead, read from
+    ``f`` (left open) when asked."""
     prefix = f.read(_PREFIX.size)
     if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
@@ -241,15 +324,18 @@ def _read(f, size: int, what: str) -> ServerState:
         raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
     digest = hashlib.sha256(prefix)
     left = size - _PREFIX.size - _DIGEST_BYTES
+    buffer = memoryview(bytearray(min(_CHUNK, left)))  # one slice, read into again and again
     while left:
-        piece = f.read(min(_CHUNK, left))
-        if not piece:
+        n = f.readinto(buffer[:min(_CHUNK, left)])
+        if not n:
             raise CheckpointError(f"{what}: truncated while reading")
-        digest.update(piece)
-        left -= len(piece)
+        digest.update(buffer[:n])
+        left -= n
+    del buffer
     if digest.digest() != f.read(_DIGEST_BYTES):
         raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
     data_start = _PREFIX.size + header_len
+    lock = threading.Lock()
     try:
         f.seek(_PREFIX.size)
         header = json.loads(f.read(header_len).decode("utf-8"))
@@ -263,6 +349,8 @@ def _read(f, size: int, what: str) -> ServerState:
                 count = int(np.prod(shape, dtype=np.int64))
                 if not 0 <= at <= data_len - count * dtype.itemsize:
                     raise ValueError(f"array of {v['name']!r} lies outside the data")
+                if lazy:
+                    return FileArray(f, lock, data_start + at, dtype, shape, what)
                 a = np.empty(count, dtype)
                 f.seek(data_start + at)
                 if f.readinto(memoryview(a).cast("B")) != a.nbytes:
@@ -302,10 +390,21 @@ def _optional_float(x) -> float | None:
 
 
 # -- files -------------------------------------------------------------------------
-def read_checkpoint(path: str) -> ServerState:
-    """One file, verified; raises CheckpointError (or OSError if it cannot be read)."""
-    with open(path, "rb") as f:
-        return _read(f, os.fstat(f.fileno()).st_size, what=path)
+def read_checkpoint(path: str, lazy: bool = False) -> ServerState:
+    """One file, verified; raises CheckpointError (or OSError if it cannot be read).
+
+    ``lazy``: each of its arrays is a ``FileArray``, read from the file (kept open until they
+    are all gone) when asked: a caller that reads them one at a time (``ps-export``) holds
+    one array at a time, never the whole state."""
+    f = open(path, "rb")
+    try:
+        state = _read(f, os.fstat(f.fileno()).st_size, what=path, lazy=lazy)
+    except BaseException:
+        f.close()
+        raise
+    if not lazy:
+        f.close()
+    return state
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -318,7 +417,7 @@ def list_checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, n) for _, n in sorted(found, reverse=True)]
 
 
-def latest_valid(directory: str) -> tuple[ServerState, str] | None:
+def latest_valid(directory: str, lazy: bool = False) -> tuple[ServerState, str] | None:
     """The newest checkpoint in ``directory`` that verifies, with its path; None if there is none.
 
     Each damaged or unreadable newer file is skipped with a warning that names
@@ -326,7 +425,7 @@ def latest_valid(directory: str) -> tuple[ServerState, str] | None:
     """
     for path in list_checkpoints(directory):
         try:
-            return read_checkpoint(path), path
+            return read_checkpoint(path, lazy=lazy), path
         except CheckpointError as e:
             log.warning("skipping checkpoint %s", e)
         except OSError as e:

@@ -315,7 +315,9 @@ class ParameterServer:
         """Everything a restart needs, or None while nothing is initialized.
 
         Zero-copy and short: it holds the store's publish lock (and in sync mode
-        the barrier's lock) only to collect references. Consistency: in sync
+        the barrier's lock) only to collect references, and begins a snapshot of
+        each row-wise table (``store.RowSnapshot``, read slice by slice as the file
+        is written): call ``release()`` on it once written or abandoned. Consistency: in sync
         mode the values, optimizer state, version and round are those after one
         round exactly; in async mode each variable is whole and the version is
         a lower bound (``store`` docstring); with ``async_apply="hogwild"`` the

@@ -35,15 +35,17 @@ rows it touches, not the table. Each row-wise variable keeps ``rows_changed``, a
 int64 per row: the version by which that row was last written (as ``changed`` is
 for a whole variable), plus a short log of the rows each recent step wrote, so that
 ``read_rows(since=v)`` finds the rows changed after ``v`` in time proportional to
-them (and scans ``rows_changed`` when ``v`` is older than the log). Every reader of
-a row-wise variable (a pull, a checkpoint) copies what it needs while holding the
-variable's lock; no reference to its arrays ever leaves the store. Dense variables
-stay copy-on-write, zero-copy to read, as described above. A dense gradient for a
-row-wise variable steps it whole (all its rows marked).
+them (and scans ``rows_changed`` when ``v`` is older than the log). A pull copies
+what it needs of a row-wise variable while holding the variable's lock; no reference
+to its arrays ever leaves the store. A checkpoint does not copy it: it reads it
+through a snapshot (below, "Checkpoints"). Dense variables stay copy-on-write,
+zero-copy to read, as described above. A dense gradient for a row-wise variable
+steps it whole (all its rows marked).
 
 Consistency of reads (``read``, ``read_rows``, ``export_state``). A reader takes the
 locks of the row-wise variables it reads (in name order), then ``_publish`` for the
-version and the dense references, and copies the row-wise rows before letting go.
+version and the dense references, and copies the row-wise rows (``export_state``:
+begins their snapshots) before letting go.
 A sync round (``apply_all``) holds the locks of the row-wise variables it writes
 from before its first write until after it has published the new version, and
 computes every step before writing any (so a refused step writes nothing). So:
@@ -80,11 +82,34 @@ Locks, in the order they may be taken: a variable's ``lock`` (held for its
 read-modify-write; several row-wise variables' locks in name order), then ``_publish`` (held only to swap references and read or
 bump the version). No lock here is held across network I/O.
 
-Checkpoints: ``export_state`` takes a zero-copy snapshot under ``_publish`` (row-wise
-variables copied, under their locks, as for any read).
+Checkpoints: ``export_state`` takes a zero-copy snapshot under ``_publish``. A dense
+variable is its arrays (copy-on-write: they never change). A row-wise variable is a
+``RowSnapshot`` begun under its lock, in the same critical section a pull would copy
+it in, so it is exactly the table a pull then would have copied: from then on, a step
+about to write rows in place (``_write_rows``, the only in-place write of a row-wise
+table) first saves, in the snapshot's undo log, the original contents of those rows
+(value and every slot shaped like it) that it has not saved yet. The checkpoint
+reads the table in slices of rows (``core.checkpoint`` writes 64 MiB at a time),
+each under the variable's lock, held for that slice only, and patches in the saved
+rows of the slice: every byte is the table's as of the snapshot. A whole step (a
+dense gradient) replaces the table's arrays rather than writing them; the snapshot
+keeps the old ones, which nothing writes any more, and stops saving. So a snapshot
+costs the rows written while it is open, once each (whatever the number of steps
+that touch them), plus one flag byte per row once any is: nothing when no row is
+written, and at most one copy of the table when every row is (today's cost of a
+copy). Several snapshots may be open at once (two checkpoints being written): each
+keeps its own log, and a step saves into each. ``StoreState.release`` ends the
+snapshots (the checkpoint is written, or abandoned); so does the garbage collector
+once nothing refers to a snapshot, lazily: its rows are freed at the table's next
+step. Reading a released snapshot raises.
+Why an undo log rather than copy-on-write by blocks of rows, or a forked process: it
+keeps the step's in-place write (a step costs in proportion to its rows), the cost
+falls on the first write of a row only and only while a checkpoint is being written,
+and it needs no second address space.
 Every swap of a value and its optimizer state happens under ``_publish``, so
 each variable in a snapshot is whole (its value and slots from the same step).
-With ``apply_all`` (sync) the snapshot is one version exactly. With
+With ``apply_all`` (sync) the snapshot is one version exactly, row-wise variables
+included (their snapshots begin under the locks a round holds until it publishes). With
 ``apply_one`` (async) a push updates variable after variable and counts in the
 version only once all are done: a snapshot holds every push its version
 counts, and may also hold part of a push still in flight (some of its
@@ -99,6 +124,7 @@ import dataclasses
 import logging
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping
 
@@ -114,7 +140,7 @@ log = logging.getLogger("ps_server.core")
 
 class _Variable:
     __slots__ = ("name", "value", "state", "lock", "changed", "non_trainable", "rows_changed", "row_log",
-                 "row_log_floor", "row_log_size")
+                 "row_log_floor", "row_log_size", "undo_logs")
 
     def __init__(self, name: str, value: np.ndarray, state: dict, changed: int = 0, non_trainable: bool = False):
         self.name = name
@@ -134,6 +160,9 @@ class _Variable:
         self.row_log: collections.deque = collections.deque()
         self.row_log_floor = 0
         self.row_log_size = 0
+        # Row-wise: one per snapshot being read (``RowSnapshot``), each saving the original
+        # contents of a row before its first in-place write since that snapshot began.
+        self.undo_logs: list[_UndoLog] = []
 
     @property
     def row_wise(self) -> bool:
@@ -155,6 +184,14 @@ class _Variable:
             old_version, old_rows = self.row_log.popleft()
             self.row_log_size -= len(old_rows)
             self.row_log_floor = max(self.row_log_floor, old_version)
+
+    def before_write(self, rows: np.ndarray) -> None:
+        """Rows ``rows`` of the value and slots are about to be written in place: each open
+        snapshot saves their contents first (module docstring: checkpoints). Lock held."""
+        if self.undo_logs:
+            self.undo_logs = [u for u in self.undo_logs if not u.released]  # released by the GC
+            for undo in self.undo_logs:
+                undo.save(rows)
 
     def rows_since(self, since: int) -> np.ndarray:
         """The rows written after version ``since``, increasing. Lock held."""
@@ -188,7 +225,9 @@ def _native_gradient(g):
 
 
 def _write_rows(var: _Variable, rows: np.ndarray, value: np.ndarray, state: dict) -> None:
-    """Write one row-wise step (``Optimizer.apply_rows``' result) into ``var`` in place. Lock held."""
+    """Write one row-wise step (``Optimizer.apply_rows``' result) into ``var`` in place, its
+    open snapshots saving those rows first (``_Variable.before_write``). Lock held."""
+    var.before_write(rows)
     var.value[rows] = value
     for k, v in state.items():
         current = var.state.get(k)
@@ -200,11 +239,129 @@ def _write_rows(var: _Variable, rows: np.ndarray, value: np.ndarray, state: dict
 
 def _replace_whole(var: _Variable, value: np.ndarray, state: dict, version: int) -> None:
     """A whole step of a row-wise variable (a dense gradient): its new arrays, owned by the
-    store from now on (never handed out), every row marked. Lock and ``_publish`` held."""
+    store from now on (never handed out), every row marked. Lock and ``_publish`` held.
+    An open snapshot keeps the arrays replaced here, which nothing writes any more: it
+    stops saving rows (what it saved so far it still needs)."""
+    var.undo_logs = []
     var.value = value if value.flags.writeable else value.copy()
     var.state = {k: (v.copy() if isinstance(v, np.ndarray) and not v.flags.writeable else v)
                  for k, v in state.items()}
     var.mark_rows(None, version)
+
+
+class _UndoLog:
+    """What one snapshot of a row-wise variable needs that the table no longer holds: the
+    original contents (value and every slot shaped like it) of each row written in place
+    since the snapshot began, saved before the row's first such write. Every method runs
+    under the variable's lock but ``released``' setter, which is one attribute store (the
+    garbage collector may set it in any thread, holding any lock)."""
+
+    __slots__ = ("arrays", "saved", "blocks", "released")
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays  # "value" and each slot name -> the array as of the snapshot
+        self.saved: np.ndarray | None = None  # one bool per row, once a row is saved
+        self.blocks: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []  # (rows increasing, their contents)
+        self.released = False
+
+    def save(self, rows: np.ndarray) -> None:
+        """Save the rows of ``rows`` not saved yet, as the arrays hold them now."""
+        rows = np.asarray(rows, np.intp)
+        if self.saved is None:
+            self.saved = np.zeros(len(self.arrays["value"]), bool)
+        new = rows[~self.saved[rows]]
+        if not len(new):
+            return
+        if len(new) > 1 and not np.all(new[1:] > new[:-1]):
+            new = np.unique(new)
+        self.saved[new] = True
+        self.blocks.append((new, {k: np.take(a, new, axis=0) for k, a in self.arrays.items()}))
+
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of array ``key`` as of the snapshot: a fresh array."""
+        out = self.arrays[key][start:stop].copy()
+        for rows, contents in self.blocks:
+            lo, hi = np.searchsorted(rows, (start, stop))
+            if lo < hi:
+                out[rows[lo:hi] - start] = contents[key][lo:hi]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes saved (the rows' contents and the per-row flags): what the snapshot costs."""
+        return sum(r.nbytes + sum(c.nbytes for c in cs.values()) for r, cs in self.blocks) \
+            + (self.saved.nbytes if self.saved is not None else 0)
+
+
+def _released_by_gc(undo: _UndoLog) -> None:
+    undo.released = True  # dropped from the variable, and its rows freed, at its next write
+
+
+class RowSnapshot:
+    """A row-wise variable as of one ``export_state``, read row range by row range, without a
+    copy of the table (module docstring: checkpoints), through one ``SnapshotArray`` for the
+    value and one per slot shaped like it (``arrays``). ``release`` ends it, as does the
+    garbage collector once nothing refers to its arrays (they refer to it, it not to them:
+    no cycle, so in CPython at once)."""
+
+    def __init__(self, var: _Variable, undo: _UndoLog):
+        self._var, self._undo = var, undo
+        self._finalizer = weakref.finalize(self, _released_by_gc, undo)
+
+    def arrays(self) -> dict[str, "SnapshotArray"]:
+        """"value" and each slot shaped like it -> its ``SnapshotArray``."""
+        return {k: SnapshotArray(self, k, a.shape, a.dtype) for k, a in self._undo.arrays.items()}
+
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        with self._var.lock:  # held for one slice: a step on this variable waits that long at most
+            if self._undo.released:
+                raise InvalidArgument(f"the snapshot of {self._var.name!r} was released (its checkpoint is "
+                                      f"done): take another one (export_state)")
+            return self._undo.read(key, start, stop)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the snapshot holds beyond the table (rows saved since it began)."""
+        with self._var.lock:
+            return self._undo.nbytes
+
+    def release(self) -> None:
+        """Stop saving rows and free those saved; reading it afterwards raises. Idempotent."""
+        if self._finalizer.detach() is None:
+            return
+        with self._var.lock:
+            self._undo.released = True
+            self._var.undo_logs = [u for u in self._var.undo_logs if u is not self._undo]
+            self._undo.blocks, self._undo.saved = [], None
+
+
+class SnapshotArray:
+    """One array of a ``RowSnapshot``: what ``core.checkpoint`` writes slice by slice (its
+    ``ArraySource``): ``shape``, ``dtype``, ``nbytes`` and ``read(start, stop)``, rows
+    ``start:stop`` in a fresh native array. ``np.asarray`` of it reads it whole (a copy
+    of the array: for tests and small tables, not for checkpoints)."""
+
+    def __init__(self, snapshot: RowSnapshot, key: str, shape: tuple[int, ...], dtype: np.dtype):
+        self.snapshot, self.key = snapshot, key
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.snapshot.read(self.key, start, stop)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self.read(0, self.shape[0])
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def release(self) -> None:
+        self.snapshot.release()
+
+    def __repr__(self) -> str:
+        return f"SnapshotArray({self.snapshot._var.name!r}, {self.key!r}, {self.dtype}{list(self.shape)})"
 
 
 @dataclass(frozen=True)
@@ -214,7 +371,9 @@ class StoreState:
     ``states[name]`` is the optimizer state of variable ``name``: its slots
     (e.g. ``m`` and ``v`` for Adam) and ``iterations``. Arrays are shared with
     the store, never copied, and never modified (copy-on-write): do not write
-    into them.
+    into them. A row-wise variable's value and slots are each a ``SnapshotArray``
+    instead (``RowSnapshot``): read row range by row range, as of the snapshot,
+    until ``release``; ``np.asarray`` of one copies it whole.
     """
 
     version: int
@@ -225,6 +384,19 @@ class StoreState:
     # The learning rate initialize was given, when set_learning_rate has changed it since
     # (``optimizer`` holds the changed one); None otherwise.
     initial_learning_rate: float | None = None
+
+    def release(self) -> None:
+        """End the snapshots of its row-wise variables (``RowSnapshot.release``): call it
+        once the checkpoint is written, or abandoned. Dense arrays need nothing."""
+        release_snapshots(self.values, self.states)
+
+
+def release_snapshots(values: Mapping[str, object], states: Mapping[str, Mapping]) -> None:
+    """``RowSnapshot.release`` for every ``SnapshotArray`` among ``values`` and ``states``."""
+    for name, value in values.items():
+        for a in (value, *states.get(name, {}).values()):
+            if isinstance(a, SnapshotArray):
+                a.release()
 
 
 class VariableStore:
@@ -620,8 +792,9 @@ class VariableStore:
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
-        """A snapshot for a checkpoint, zero-copy but for the row-wise variables, which are
-        copied (see the module docstring for its consistency)."""
+        """A snapshot for a checkpoint, zero-copy: dense variables by reference, each row-wise
+        one as a ``RowSnapshot`` begun here, under its lock (module docstring: checkpoints,
+        and consistency). Release it (``StoreState.release``) once written."""
         self._require_initialized()
         while True:
             row_wise = sorted(n for n, v in self._vars.items() if v.row_wise)
@@ -637,8 +810,14 @@ class VariableStore:
                                     non_trainable=self.non_trainable(),
                                     initial_learning_rate=self._initial_learning_rate)
                 for n in row_wise:
-                    values[n] = _frozen(values[n].copy())
-                    states[n] = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in states[n].items()}
+                    var = self._vars[n]
+                    shaped = {k for k, a in states[n].items()
+                              if isinstance(a, np.ndarray) and a.shape == var.value.shape}
+                    undo = _UndoLog({"value": values[n], **{k: states[n][k] for k in sorted(shaped)}})
+                    var.undo_logs = [u for u in var.undo_logs if not u.released] + [undo]
+                    arrays = RowSnapshot(var, undo).arrays()
+                    values[n] = arrays["value"]
+                    states[n] = {k: (arrays[k] if k in shaped else a) for k, a in states[n].items()}
                 return StoreState(values=values, states=states, **snapshot)
 
     def restore_state(self, state: StoreState) -> None:
@@ -662,7 +841,8 @@ class VariableStore:
         for name, value in state.values.items():
             if not name or value.dtype.kind != "f":
                 raise InvalidArgument(f"cannot restore variable {name!r} of dtype {value.dtype}")
-            value = _frozen(_native(value, copy=True))
+            # A SnapshotArray (a live store's row-wise table) is read whole: that read is the copy.
+            value = _frozen(_native(np.asarray(value), copy=not isinstance(value, SnapshotArray)))
             wanted = optimizer.init_state(value)
             given = state.states[name]
             if set(given) != set(wanted):
@@ -675,7 +855,7 @@ class VariableStore:
             for slot, array in given.items():
                 if slot == "iterations":
                     continue
-                array = _native(np.asarray(array), copy=True)
+                array = _native(np.asarray(array), copy=not isinstance(array, SnapshotArray))
                 like = wanted[slot]  # shaped like the variable, or 0-d (Nadam's u_product)
                 if array.shape != like.shape or array.dtype != like.dtype:
                     raise InvalidArgument(f"slot {slot!r} of {name!r} is {array.dtype}{list(array.shape)}, "

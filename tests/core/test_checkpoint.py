@@ -9,6 +9,8 @@ is the core alone: two workers push seeded gradients in threads, so an
 interrupted run and an uninterrupted one can be compared exactly.
 """
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -549,3 +551,36 @@ def test_a_checkpoint_is_written_and_read_streaming_without_a_second_copy_of_the
     assert written_peak < 4 << 20, written_peak  # slices only
     assert read_peak < (32 << 20) + (4 << 20), read_peak  # the restored arrays and a slice
     np.testing.assert_array_equal(restored.values["emb"], big)
+
+
+def test_a_lazy_read_holds_one_array_at_a_time_and_reads_the_file_it_verified(tmp_path, monkeypatch):
+    # ps-export reads a checkpoint this way: "memory holds one array of the checkpoint".
+    import tracemalloc
+
+    monkeypatch.setattr(checkpoint, "_CHUNK", 1 << 20)
+    rng = np.random.default_rng(3)
+    values = {f"t{i}": rng.standard_normal((1 << 18, 4)).astype(np.float32) for i in range(4)}  # 4 x 4 MiB
+    values["scale"] = np.array(0.5, np.float64)
+    state = ServerState(mode="async", num_workers=1, version=9, optimizer=OptimizerSpec("sgd", learning_rate=0.1),
+                        values=values, states={n: {"iterations": 9} for n in values})
+    path = write_checkpoint(str(tmp_path), state)
+    zeros = write_checkpoint(str(tmp_path / "other"), dataclasses.replace(
+        state, values={n: np.zeros_like(a) for n, a in values.items()}))
+    digests = {n: hashlib.sha256(a).hexdigest() for n, a in values.items()}
+    tracemalloc.start()
+    try:
+        lazy = read_checkpoint(path, lazy=True)
+        opened_peak = tracemalloc.get_traced_memory()[1]
+        os.replace(zeros, path)  # the name now holds another file: the one verified is read
+        tracemalloc.reset_peak()
+        for name, a in values.items():
+            got = np.asarray(lazy.values[name])
+            assert got.shape == a.shape and got.dtype == a.dtype and hashlib.sha256(got).hexdigest() == digests[name]
+            del got
+        read_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert opened_peak < (1 << 20) + (256 << 10), opened_peak  # verified in one slice, nothing read
+    assert read_peak < (4 << 20) + (1 << 20), read_peak  # one 4 MiB array at a time, not the 16 MiB
+    assert lazy.values["t1"].read(5, 7).tobytes() == values["t1"][5:7].tobytes()
+    assert checkpoint.encode(lazy) == checkpoint.encode(state)  # and it writes back byte for byte
