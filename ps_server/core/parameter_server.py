@@ -268,10 +268,11 @@ class ParameterServer:
     def _dense(self, push: Push, consumed: Callable[[], None] | None) -> tuple[Push, Callable[[], None] | None]:
         """Sparse gradients checked, and made dense unless stepped row-wise (``store.prepare``);
         ``consumed`` then also drops those arrays, which are ours: no frame keeps them while
-        the push waits."""
+        the push waits. Hogwild steps whole arrays in place, never rows: its sparse gradients
+        are all made dense."""
         if not any(isinstance(g, SparseRows) for g in push.gradients.values()):
             return push, consumed
-        dense = self.store.prepare(push.gradients)
+        dense = self.store.prepare(push.gradients, keep_sparse=self.async_apply != "hogwild")
         given = consumed
 
         def dropped() -> None:

@@ -329,3 +329,26 @@ def test_a_checkpoint_written_while_pushes_race_is_whole_and_restores_into_a_hog
     for n, a in values.items():
         assert np.array_equal(a, final.values[n] - 1)
     assert restored.store.version == TOTAL + 1
+
+
+@pytest.mark.parametrize("spec", [SGD_LR1, OptimizerSpec("adam", learning_rate=0.01)])
+def test_a_sparse_push_is_stepped_dense_in_place_as_the_locked_apply_steps_it(spec):
+    from ps_common.sparse import SparseRows
+
+    rows = np.array([3, 0, 3], np.int64)
+    grad = SparseRows(rows, np.arange(3 * 256, dtype=np.float32).reshape(3, 256))
+    results = {}
+    for apply in ("hogwild", "locked"):
+        ps = ParameterServer(mode="async", num_workers=1, async_apply=apply)
+        ps.register(0, 1)
+        ps.initialize(0, ones(), spec)
+        grads = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
+        grads["big"] = grad
+        ps.submit(push(0, 0, grads)).result()
+        version, values = ps.pull(0)
+        assert version == 1
+        results[apply] = {n: np.array(v) for n, v in values.items()}
+    for name in SHAPES:
+        np.testing.assert_array_equal(results["hogwild"][name], results["locked"][name])
+    assert not np.array_equal(results["hogwild"]["big"][3], np.ones(256, np.float32))
+    np.testing.assert_array_equal(results["hogwild"]["big"][1], np.ones(256, np.float32))
