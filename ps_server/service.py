@@ -460,7 +460,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def InitializeStream(self, request_iterator, context):
         """Initialize, its variables' bytes streamed (``protos.stream``): checked from the
         header first, then received straight into one buffer of the model's size, whose
-        views the core stores (copying them, as from a unary request); nothing is stored
+        views the store keeps as its values (aligned ones: no second copy); nothing is stored
         unless every byte the header announced, and no more, arrived. Async like
         PushStream: the bytes are copied in on the loop, the core's work is on the pool,
         and the buffer counts against the receive budget while it is filled."""
@@ -476,7 +476,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             # Not from the buffer pool: the model arrives once, and the pool would keep it.
             variables = await _received_async(layout, np.empty(layout.nbytes, np.uint8), request_iterator,
                                               "InitializeStream")
-            return await self._work(self._initialize, h, variables)
+            return await self._work(self._initialize, h, variables, True)
         finally:
             self.receiving.release(layout.nbytes)
 
@@ -485,11 +485,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.core.members.require(h.worker_id)
         optimizer_from_wire(h.optimizer).validate()
 
-    def _initialize(self, request, variables: dict[str, np.ndarray]) -> pb.InitializeResponse:
+    def _initialize(self, request, variables: dict[str, np.ndarray], owned: bool = False) -> pb.InitializeResponse:
         """The core's initialize for an InitializeRequest or an InitializeHeader (the same
-        fields but the variables' bytes), ``variables`` decoded from either."""
+        fields but the variables' bytes), ``variables`` decoded from either; ``owned``: views
+        of a buffer of ours, which the store keeps instead of copying."""
         created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer),
-                                                non_trainable=list(request.non_trainable))
+                                                non_trainable=list(request.non_trainable), owned=owned)
         if created:
             log.info(
                 "initialized %d variables (%d parameters) by worker %d, optimizer %s",

@@ -180,15 +180,16 @@ class ParameterServer:
         return dead
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
-                   non_trainable: Iterable[str] = ()) -> tuple[bool, int]:
+                   non_trainable: Iterable[str] = (), owned: bool = False) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
+        ``owned``: the arrays are given up to the store, not copied (``store.initialize``).
         ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
         With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
         (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
         if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
             hogwild.check_supported(spec)
-        created = self.store.initialize(variables, spec, frozenset(non_trainable))
+        created = self.store.initialize(variables, spec, frozenset(non_trainable), owned=owned)
         return created, self.store.version
 
     def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None,

@@ -444,8 +444,12 @@ class VariableStore:
 
     # -- initialization ----------------------------------------------------------
     def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
-                   non_trainable: Collection[str] = ()) -> bool:
+                   non_trainable: Collection[str] = (), owned: bool = False) -> bool:
         """Store the variables and optimizer; True if created, False if identical state exists.
+
+        The values are copied, unless ``owned``: the caller gives the arrays up (nothing else
+        writes them again), and each aligned one in native byte order is stored as it is
+        (a streamed Initialize's receive buffer: the model is then in memory once).
 
         ``non_trainable`` names variables the optimizer leaves alone: their pushed
         "gradient" is a change to add (see the module docstring). A second call with
@@ -471,7 +475,8 @@ class VariableStore:
                 self._check_same(variables, spec, non_trainable)
                 return False
             optimizer = make_optimizer(spec)
-            values = {name: _frozen(_native(value, copy=True)) for name, value in variables.items()}
+            values = {name: _frozen(_native(value, copy=not (owned and value.flags.aligned)))
+                      for name, value in variables.items()}
             self._vars = {
                 name: _Variable(name, value, optimizer.init_state(value), non_trainable=name in non_trainable)
                 for name, value in values.items()

@@ -399,3 +399,23 @@ def test_an_async_push_with_global_clipnorm_takes_its_norm_once_through_apply_pu
         s.apply_one("a", GLOBAL["a"])
     s.apply_one("a", GLOBAL["a"], clip_scale=s.global_clip_scale(GLOBAL))
     np.testing.assert_array_equal(s.read()[1]["a"], 2 * t.read()[1]["a"])
+
+
+def test_owned_arrays_are_kept_as_they_are_unless_unaligned_and_the_store_never_writes_them():
+    buffer = np.zeros(4 * 6 + 1, np.uint8)
+    aligned = buffer[:24].view(np.float32)  # a stream's receive buffer, sliced per variable
+    unaligned = buffer[1:25].view(np.float32)
+    aligned[:] = 1.0
+    store = VariableStore()
+    store.initialize({"a": aligned}, OptimizerSpec("sgd", 0.5), owned=True)
+    _, values = store.read()
+    assert np.shares_memory(values["a"], buffer) and not values["a"].flags.writeable
+    store.apply_all({"a": np.ones(6, np.float32)})
+    np.testing.assert_array_equal(aligned, np.ones(6, np.float32))  # copy-on-write: the given array is left alone
+    np.testing.assert_array_equal(store.read()[1]["a"], np.full(6, 0.5, np.float32))
+    other = VariableStore()
+    other.initialize({"u": unaligned}, OptimizerSpec("sgd", 0.5), owned=True)
+    assert not np.shares_memory(other.read()[1]["u"], buffer)
+    copied = VariableStore()
+    copied.initialize({"a": aligned}, OptimizerSpec("sgd", 0.5))
+    assert not np.shares_memory(copied.read()[1]["a"], buffer)
