@@ -27,11 +27,12 @@ table made dense and stepped whole, the whole table pulled: what tfps did
 before), ``exact:sgd`` and ``exact:adagrad`` (the touched rows stepped, the
 dense step's bits), ``lazy:adam`` (TF Addons' LazyAdam). One fresh
 ``ps-server`` (async, one worker) per table and configuration, seeded through
-Initialize; a table above 512 MiB cannot be (a protobuf message holds at most
-2 GiB, and a checkpoint of it is built three times over in memory), so its
-server is ``build_server`` of the same configuration in a child process that
-makes the table itself and hands it to its core before serving
-(``--serve-seeded``, internal). Reported: steps/s over ``--reps`` timed
+Initialize. A table above 512 MiB is made by the server's own process instead:
+``build_server`` of the same configuration in a child process that makes the
+table itself and hands it to its core before serving (``--serve-seeded``,
+internal). That path dates from when Initialize was one message (at most 2 GiB);
+InitializeStream now carries any size, but seeding in place keeps this one
+machine from holding the table twice (the client's and the server's). Reported: steps/s over ``--reps`` timed
 steps after three warm-up ones (``--dense-reps`` for ``dense``, whose steps take
 seconds at 10^7 rows), the median step, bytes the server sent per pull
 (``tfps_sent_bytes_total`` of Pull and PullStream), and the first (whole) pull.
