@@ -13,9 +13,10 @@ barrier (a thousand workers, a thousand threads, and their memory). Here the gRP
 server is ``grpc.aio``: a handler that waits (a sync round, the SSP bound, a
 broadcast) awaits a ``core.modes.Ticket`` and holds no thread; the work of a call
 (decoding, the core's checks, folding a push, an optimizer step, serializing a
-pull) runs on a fixed pool of ``pool_threads`` threads, and every handler that never
-waits is the plain synchronous one run there (``grpc.aio``'s migration pool). The
-thread count does not grow with the workers.
+pull) runs on a fixed pool of ``pool_threads`` threads (for a small store on the loop
+itself: ``service.INLINE_BYTES``), and every handler that never waits is the plain
+synchronous one run there (``grpc.aio``'s migration pool). The thread count does not
+grow with the workers.
 
 ``LoopServer`` gives ``RunningServer`` the calls of a ``grpc.Server`` (start, stop,
 ports) from any thread; the loop runs on the thread "ps-aio".
