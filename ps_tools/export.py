@@ -22,8 +22,11 @@ lists the differences; nothing is written then.
 The file is written under a temporary name and renamed, so a reader never
 opens half of it. A checkpoint is read one array at a time as the model takes it
 (``read_checkpoint(..., lazy=True)``): beside the model's own weights and slots,
-memory holds one array of the checkpoint, never a second copy of the state. Exit status 2 for bad flags or a mismatch, 1 when the source
-cannot be read.
+memory holds one array of the checkpoint, never a second copy of the state. A live
+server's parameters come in one pull, so that they are all of one version; memory
+then holds them beside the model's weights, two copies: for a multi-GiB table, export
+from a checkpoint. Exit status 2 for bad flags or a mismatch, 1 when the source cannot
+be read.
 """
 
 from __future__ import annotations
