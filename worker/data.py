@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
 
 import numpy as np
+
+from ps_common.batches import global_batches, shard, steps_per_epoch  # noqa: F401 (this module's API)
 
 DATASETS = ("digits", "mnist", "synthetic")
 IMAGE_SHAPE = (28, 28, 1)
@@ -102,20 +103,3 @@ def load_dataset(name: str) -> Dataset:
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
-def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
-    return math.ceil(num_examples / global_batch_size)
-
-
-def global_batches(num_examples: int, global_batch_size: int, epochs: int, seed: int) -> Iterator[np.ndarray]:
-    """Index arrays of every global batch, epoch after epoch; identical in every process."""
-    if global_batch_size < 1:
-        raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
-    for epoch in range(epochs):
-        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-        for start in range(0, num_examples, global_batch_size):
-            yield order[start : start + global_batch_size]
-
-
-def shard(batch: np.ndarray, worker_index: int, num_workers: int) -> np.ndarray:
-    """This worker's contiguous part of a global batch (may be empty if the batch is tiny)."""
-    return np.array_split(batch, num_workers)[worker_index]
