@@ -57,6 +57,9 @@ class Push:
     # > 0: the optimizer's constant learning rate from this push's update on (sync: its
     # round's); 0: unchanged.
     set_learning_rate: float = 0.0
+    # Elastic sync (``core.elastic_mode``): the micro-batch of the round this gradient is
+    # for (``core.cursor``); -1 elsewhere.
+    micro_batch: int = -1
 
     def validate(self) -> None:
         # The upper bounds keep every answer and counter a signed 64-bit integer:

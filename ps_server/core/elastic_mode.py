@@ -1,0 +1,309 @@
+"""Elastic sync mode: workers come and go, every round still trains on its whole global batch.
+
+    mode = ElasticSyncMode(store, members, Cursor(1437, 64, seed=0, micro_batches=4),
+                           min_workers=2, barrier_timeout=60.0)
+    mode.worker_joined(w)                        # a worker registered (any time)
+    work = mode.work(w).result()                 # Work(round, micro_batches, sizes): what to compute
+    reply = mode.submit(Push(..., step=work.round, micro_batch=m, batch_size=work.sizes[i])).result()
+    # ElasticReply(result=None, work=Work(...)): go on with this work (yours, or a dead worker's)
+    # ElasticReply(result=PushResult(...), work=None): the round completed; pull, then ``work`` again
+    mode.workers_died([w])                       # lease expired or left: its undelivered part moves
+
+The data cursor belongs to the cluster (``core.cursor``): round ``r`` trains on
+global batch ``r`` of the seeded sequence, cut into the cursor's fixed
+micro-batches, dealt to the workers live when the round starts. A worker pushes
+one gradient per micro-batch (``Push.micro_batch``, its ``batch_size`` that
+micro-batch's examples), computed on the round's parameters (``work.round`` is the
+version it pulls). Each is folded into the round's exact sum (``RoundSum``, keyed
+by micro-batch) as it arrives. A push is answered at once while its worker has
+micro-batches left to compute (``ElasticReply.work``); its last one waits for the
+round, or for work moved to it from a worker that died: ``core.cursor`` explains
+why the round's result then has the same bits whoever computed what.
+
+- The first round starts when ``min_workers`` have joined; later rounds start
+  as the previous one completes, with every live worker (one that joined during
+  a round takes part from the next, or at once when the round has unowned work).
+- A worker declared dead (``workers_died``: no heartbeat for the lease, or it
+  left) gives its undelivered micro-batches to the live workers (``RoundWork.lost``);
+  its own waits fail with ``WorkerDead``; what it delivered stays folded.
+- Exactly once: a micro-batch is folded once (a repeated push of it is answered,
+  not folded: the round's outcome once it ends, the recorded one after), and
+  ``ledger`` (``EpochLedger``) marks every example of a completed round, refusing
+  any marked twice, so every epoch trains on each example exactly once.
+- A round that does not complete within ``barrier_timeout`` of its start is
+  discarded (parameters unchanged, nothing counted in the ledger) and started
+  again from its first micro-batch; its waiters fail with ``BarrierTimeout``.
+- Not here (refused with InvalidArgument): backup workers, metrics summed over
+  the round, a learning rate set by a push, and PushPull's speculation.
+
+Threading: one lock around the round; the aggregation and the optimizer step run
+under it (as in ``SyncMode``); tickets are settled under it and their callbacks
+must not block (``core.modes.Ticket``). Nothing here does network I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+from ps_server.core.aggregation import RoundSum, weighted_loss
+from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
+from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, PSError, StaleRound, WorkerDead
+from ps_server.core.membership import Membership
+from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.rounds import ROUNDS_REMEMBERED
+from ps_server.core.store import StoreState, VariableStore
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Micro-batches of ``round`` a worker is to compute, on the parameters of version ``round``."""
+
+    round: int
+    micro_batches: tuple[int, ...]
+    sizes: tuple[int, ...]  # each one's examples: its push's batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticReply:
+    """A push's answer: the round's result once it completed, else the work to go on with."""
+
+    result: PushResult | None = None
+    work: Work | None = None
+
+
+class ElasticSyncMode:
+    name = "sync"
+
+    def __init__(self, store: VariableStore, members: Membership, cursor: Cursor, min_workers: int,
+                 barrier_timeout: float, stats: Stats | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if min_workers < 1:
+            raise InvalidArgument(f"min_workers must be >= 1, got {min_workers}")
+        if barrier_timeout <= 0:
+            raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
+        self.store, self.members, self.cursor = store, members, cursor
+        self.min_workers, self.barrier_timeout = min_workers, barrier_timeout
+        self.stats = stats or Stats()
+        self.ledger = EpochLedger(cursor.num_examples)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self._round = store.version  # one round is one version
+        self._work: RoundWork | None = None
+        self._started = 0.0
+        self._sum = RoundSum()
+        self._contributors: set[int] = set()
+        self._losses: list[tuple[float, int]] = []
+        self._pushes: dict[int, list[Ticket]] = {}   # worker -> its pushes waiting for the round
+        self._asking: dict[int, list[Ticket]] = {}   # worker -> its ``work`` calls waiting
+        self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
+        self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
+        self._timed_out = 0
+
+    # -- membership ---------------------------------------------------------------
+    def worker_joined(self, worker_id: int) -> None:
+        with self._lock:
+            self._live.add(worker_id)
+            if self._work is None:
+                self._start_if_ready()
+            else:
+                self._hand_out(self._work.join(worker_id))
+
+    def workers_died(self, worker_ids: list[int]) -> None:
+        with self._lock:
+            for w in worker_ids:
+                if w not in self._live:
+                    continue
+                self._live.discard(w)
+                error = WorkerDead(f"worker {w} was declared dead (no heartbeat for more than "
+                                   f"{self.members.lease_timeout:g} s) or left; its undelivered micro-batches "
+                                   "went to the live workers", dead=(w,))
+                for ticket in self._pushes.pop(w, []) + self._asking.pop(w, []):
+                    ticket.settle(error)
+                if self._work is not None:
+                    self._hand_out(self._work.lost(w))
+
+    # -- the worker's calls ---------------------------------------------------------
+    def work(self, worker_id: int) -> Ticket:
+        """A ticket for ``worker_id``'s micro-batches: at once when it has some in the current
+        round, else when it is given some (a dead worker's, or the next round's)."""
+        ticket = Ticket()
+        with self._lock:
+            if worker_id not in self._live:
+                ticket.settle(InvalidArgument(f"worker {worker_id} has not joined the elastic round"))
+                return ticket
+            mine = self._mine(worker_id)
+            if mine is not None:
+                ticket.settle(mine)
+            else:
+                self._asking.setdefault(worker_id, []).append(ticket)
+        return ticket
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
+        ticket = Ticket()
+        try:
+            with self._lock:
+                self._take(push, ticket)
+        except PSError as e:
+            ticket.settle(e)
+        finally:
+            if consumed is not None:
+                consumed()
+        return ticket
+
+    def push(self, push: Push) -> ElasticReply:
+        ticket = self.submit(push)
+        ticket.wait()
+        return ticket.result()
+
+    def expire_overdue(self) -> None:
+        with self._lock:
+            if self._work is None or self._clock() - self._started < self.barrier_timeout:
+                return
+            missing = sorted({w for m in self._work.outstanding if (w := self._work.owner(m)) is not None})
+            error = BarrierTimeout(
+                f"elastic sync round {self._round} timed out after {self.barrier_timeout:g} s waiting for "
+                f"micro-batch(es) {list(self._work.outstanding)} (of worker(s) {missing or 'nobody'}); round "
+                f"discarded, parameters unchanged at version {self.store.version}", missing=tuple(missing))
+            self._timed_out += 1
+            for tickets in list(self._pushes.values()):
+                for t in tickets:
+                    t.settle(error)
+            self._pushes.clear()
+            self._reset_round()
+            self._start_if_ready()
+
+    def status(self) -> ModeStatus:
+        with self._lock:
+            waiting = () if self._work is None else tuple(sorted(
+                {w for m in self._work.outstanding if (w := self._work.owner(m)) is not None}))
+            return ModeStatus(round=self._round, waiting_for=waiting, rounds_timed_out=self._timed_out,
+                              active_workers=tuple(sorted(self._live)))
+
+    def export_state(self) -> tuple[StoreState, ModeStatus]:
+        with self._lock:
+            return self.store.export_state(), ModeStatus(round=self._round, rounds_timed_out=self._timed_out,
+                                                         active_workers=tuple(sorted(self._live)))
+
+    def restore(self, status: ModeStatus) -> None:
+        with self._lock:
+            self._round = status.round
+            self._timed_out = status.rounds_timed_out
+            self._reset_round()
+
+    # -- under the lock -------------------------------------------------------------
+    def _take(self, push: Push, ticket: Ticket) -> None:
+        push.validate()
+        if push.metrics or push.set_learning_rate:
+            raise InvalidArgument("elastic sync does not sum metrics over a round or take a learning rate from "
+                                  "a push; nothing applied")
+        m, r, w = push.micro_batch, push.step, push.worker_id
+        if r < self._round:
+            if r in self._results and m in self._folded.get(r, ()):
+                ticket.settle(ElasticReply(result=dataclasses.replace(self._results[r], replayed=True)))
+                return
+            raise StaleRound(f"push from worker {w} for round {r}, micro-batch {m}: that round completed "
+                             f"without it (the server is collecting round {self._round})")
+        if r > self._round:
+            raise FutureRound(f"push from worker {w} is for round {r}; the server is collecting round "
+                              f"{self._round}")
+        if w not in self._live:
+            raise InvalidArgument(f"worker {w} has not joined the elastic round (or was declared dead)")
+        if self._work is None:
+            raise FutureRound(f"round {r} has not started: {len(self._live)} of at least {self.min_workers} "
+                              "workers have joined")
+        if m < 0:
+            raise InvalidArgument(f"an elastic sync push names its micro-batch (0..{self.cursor.micro_batches - 1})")
+        size = self._work.size(m)  # refuses an unknown micro-batch
+        if push.batch_size != size:
+            raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
+                                  f"{push.batch_size}")
+        self.store.check_gradients(push.gradients)  # before anything is taken
+        if self._work.receive(w, m):
+            self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
+            self._contributors.add(w)
+            self._losses.append((push.loss, size))
+        mine = self._mine(w)
+        if mine is not None and mine.round == r:
+            ticket.settle(ElasticReply(work=mine))
+        else:
+            self._pushes.setdefault(w, []).append(ticket)
+        if self._work.complete:
+            self._complete()
+
+    def _complete(self) -> None:
+        work, completed = self._work, self._round
+        started = time.perf_counter()
+        try:
+            version = self.store.apply_all(self._sum.mean())
+        except PSError as e:  # nothing applied (apply_all is all or nothing): the round starts over
+            for tickets in self._pushes.values():
+                for t in tickets:
+                    t.settle(e)
+            self._pushes.clear()
+            self._reset_round()
+            self._start_if_ready()
+            return
+        self.stats.applied(time.perf_counter() - started)
+        micro = range(self.cursor.micro_batches)
+        for m in micro:
+            self.ledger.fold(work.epoch, work.indices(m))
+        sizes = [s for _, s in self._losses]
+        self.stats.record(pushes=len(sizes), examples=sum(sizes), staleness=[0] * len(sizes),
+                          loss=weighted_loss([loss for loss, _ in self._losses], sizes))
+        result = PushResult(version=version, staleness=0, contributors=len(self._contributors),
+                            next_step=completed + 1, learning_rate=self.store.current_learning_rate())
+        self._results[completed] = result
+        self._folded[completed] = set(micro)
+        self._results.pop(completed - ROUNDS_REMEMBERED, None)
+        self._folded.pop(completed - ROUNDS_REMEMBERED, None)
+        waiting, self._pushes = self._pushes, {}
+        self._round = completed + 1
+        self._reset_round()
+        self._start_if_ready()
+        for tickets in waiting.values():
+            for t in tickets:
+                t.settle(ElasticReply(result=result))
+
+    def _reset_round(self) -> None:
+        self._work = None
+        self._sum = RoundSum()
+        self._contributors = set()
+        self._losses = []
+
+    def _start_if_ready(self) -> None:
+        if self._work is not None or len(self._live) < self.min_workers:
+            return
+        self._work = self.cursor.round(self._round, self._live)
+        self._started = self._clock()
+        for w in list(self._asking):
+            self._answer_asking(w)
+
+    def _mine(self, worker_id: int) -> Work | None:
+        if self._work is None:
+            return None
+        micro = self._work.assigned(worker_id)
+        if not micro:
+            return None
+        return Work(self._round, micro, tuple(self._work.size(m) for m in micro))
+
+    def _hand_out(self, given: dict[int, tuple[int, ...]]) -> None:
+        """Tell workers given more micro-batches: a waiting push is answered with them, a
+        waiting ``work`` call too."""
+        for w in given:
+            mine = self._mine(w)
+            if mine is None:
+                continue
+            for t in self._pushes.pop(w, []):
+                t.settle(ElasticReply(work=mine))
+            self._answer_asking(w)
+
+    def _answer_asking(self, worker_id: int) -> None:
+        mine = self._mine(worker_id)
+        if mine is not None:
+            for t in self._asking.pop(worker_id, []):
+                t.settle(mine)
+
