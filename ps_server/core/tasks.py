@@ -129,23 +129,36 @@ class TaskStatus:
 
 
 class ExampleLedger:
-    """Which examples each epoch has done; each at most once."""
+    """Which examples each epoch has done; each at most once. An epoch's bitmap exists from
+    its first batch until it is complete (then only "complete" is kept): memory for the
+    one or two epochs in progress, not for every epoch of the job."""
 
     def __init__(self, num_examples: int, epochs: int):
         self.num_examples, self.epochs = num_examples, epochs
-        self._seen = np.zeros((epochs, num_examples), bool)
+        self._seen: dict[int, np.ndarray] = {}  # epoch in progress -> one bool per example
         self._count = [0] * epochs
 
     def fold(self, epoch: int, indices: np.ndarray) -> None:
         """Mark ``indices`` done in ``epoch``; InvalidArgument, nothing marked, if any already was."""
-        seen = self._seen[epoch]
         values, counts = np.unique(indices, return_counts=True)
-        twice = np.union1d(values[counts > 1], values[seen[values]])
+        if values.size == 0:
+            return
+        if self._count[epoch] == self.num_examples:
+            twice = values
+        else:
+            seen = self._seen.get(epoch)
+            if seen is None:
+                seen = np.zeros(self.num_examples, bool)
+            twice = np.union1d(values[counts > 1], values[seen[values]])
         if twice.size:
             raise InvalidArgument(f"epoch {epoch}: example(s) {twice[:5].tolist()} would be counted "
                                   f"done twice (a bug: each batch is applied once)")
         seen[values] = True
         self._count[epoch] += int(values.size)
+        if self._count[epoch] == self.num_examples:
+            self._seen.pop(epoch, None)
+        else:
+            self._seen[epoch] = seen
 
     def count(self, epoch: int) -> int:
         return self._count[epoch]
@@ -155,7 +168,7 @@ class TaskQueue:
     def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
                  clock: Callable[[], float] = time.monotonic):
         for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
         if not lease_timeout > 0:
             raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
@@ -243,7 +256,7 @@ class TaskQueue:
         done (its examples counted), False when this worker had already done it (a retry:
         nothing counted, the first record kept; see ``record``)."""
         self._check_id(task_id)
-        if not isinstance(applied_version, (int, np.integer)) or applied_version < 0:
+        if not _is_int(applied_version) or applied_version < 0:
             raise InvalidArgument(f"applied_version must be an integer >= 0, got {applied_version!r}")
         with self._lock:
             if self._check_push(worker_id, task_id) is not None:
@@ -369,6 +382,8 @@ class TaskQueue:
         if not ids.size == workers.size == versions.size:
             raise InvalidArgument(f"task state: {ids.size} done task ids but {workers.size} workers "
                                   f"and {versions.size} versions")
+        if (workers < 0).any() or (versions < 0).any():
+            raise InvalidArgument("task state: done workers and versions must be >= 0")
         for t, w, v in zip(ids.tolist(), workers.tolist(), versions.tolist()):
             queue._check_id(t)
             task = queue._task(t)
@@ -378,15 +393,19 @@ class TaskQueue:
 
     # -- checks ------------------------------------------------------------------------
     def _check_id(self, task_id: int) -> None:
-        if not isinstance(task_id, (int, np.integer)) or not 0 <= task_id < self.total_tasks:
+        if not _is_int(task_id) or not 0 <= task_id < self.total_tasks:
             raise InvalidArgument(f"unknown task {task_id!r}: this job's tasks are 0..{self.total_tasks - 1} "
                                   f"({self.epochs} epochs of {self.steps_per_epoch})")
 
     def _check_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, (int, np.integer)) or not 0 <= epoch < self.epochs:
+        if not _is_int(epoch) or not 0 <= epoch < self.epochs:
             raise InvalidArgument(f"unknown epoch {epoch!r}: this job has epochs 0..{self.epochs - 1}")
 
     @staticmethod
     def _check_worker(worker_id: int) -> None:
-        if not isinstance(worker_id, (int, np.integer)) or worker_id < 0:
+        if not _is_int(worker_id) or worker_id < 0:
             raise InvalidArgument(f"worker id must be an integer >= 0, got {worker_id!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

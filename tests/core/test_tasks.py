@@ -198,6 +198,10 @@ def test_the_ledger_refuses_an_example_done_twice():
     assert ledger.count(0) == 3 and ledger.count(1) == 0  # a refusal marks nothing
     ledger.fold(1, np.array([2, 3]))
     assert ledger.count(1) == 2
+    ledger.fold(0, np.array([5, 4, 3]))  # epoch 0 complete: its bitmap is dropped, the rule kept
+    assert ledger.count(0) == 6 and 0 not in ledger._seen
+    with pytest.raises(InvalidArgument, match=r"\[1\] would be counted done twice"):
+        ledger.fold(0, np.array([1]))
 
 
 def test_a_checkpoint_listing_a_done_task_twice_trips_the_guard():
@@ -246,7 +250,7 @@ def test_a_chaos_run_of_joins_deaths_retries_refusals_and_expiries_is_exactly_on
     live = [0, 1]
     next_id = 2
     history: dict[int, list[int]] = {}  # worker -> every task it was ever given
-    seen = {"refused": 0, "answered": 0, "given back": 0, "lost": 0, "expired": 0, "joined": 0}
+    seen = {"restored": 0, "refused": 0, "answered": 0, "given back": 0, "lost": 0, "expired": 0, "joined": 0}
 
     def push(w, task_id):
         nonlocal version
@@ -297,6 +301,9 @@ def test_a_chaos_run_of_joins_deaths_retries_refusals_and_expiries_is_exactly_on
             seen["expired"] += len(q.expire())
         elif kind == "renew":
             q.renew(w)
+        if events == 200:  # the server restarts from a checkpoint: held tasks go back
+            q = TaskQueue.restore(q.state(), lease_timeout=5.0, clock=clock)
+            seen["restored"] = 1
     # the chaos did happen: every kind of event moved something
     assert min(seen.values()) > 0, seen
     assert sorted(applies) == list(range(q.total_tasks))  # none lost
@@ -336,6 +343,8 @@ def test_status_counts_what_is_held_queued_and_done():
     ((10, -3, 0, 1, 1.0), "batch_size must be an integer >= 1, got -3"),
     ((10, 5, 0, 0, 1.0), "epochs must be an integer >= 1, got 0"),
     ((10, 5, 0, 1, 0.0), "lease_timeout must be > 0"),
+    ((10, True, 0, 1, 1.0), "batch_size must be an integer >= 1, got True"),
+    ((10.0, 5, 0, 1, 1.0), "num_examples must be an integer >= 1, got 10.0"),
 ])
 def test_a_queue_of_no_size_is_refused(args, message):
     with pytest.raises(InvalidArgument, match=message):
