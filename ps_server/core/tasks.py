@@ -1,0 +1,411 @@
+"""Exactly-once data for async and ssp training: batches handed out as tasks under leases.
+
+    queue = TaskQueue(num_examples=1437, batch_size=64, seed=0, epochs=3, lease_timeout=10.0)
+    task = queue.take(worker_id=1)          # Task(task_id, epoch, index, indices), or None
+    queue.renew(1)                          # on each heartbeat or push: its tasks' leases
+    record = queue.begin(1, task.task_id)   # the push arrived: None -> apply it; a TaskRecord
+                                            # -> a retry of a done task: answer from the record
+    queue.done(1, task.task_id, version)    # the push was applied at ``version``: True
+    queue.given_back(1, task.task_id)       # or: the push was refused (too stale): back in the queue
+    queue.lost(1); queue.expire()           # a dead worker's, or overdue, tasks go back
+    queue.examples_done(0), queue.epoch_complete(0), queue.status(), queue.finished
+
+What it serves (issue 17, item 3): "Batches are handed out as tasks; a batch is done
+when its push is applied; a batch whose worker dies (lease) or whose push is refused
+goes back to the queue; a retried push of a done batch is answered from the record.
+Per epoch, the examples applied equal the dataset's size, counted by the server."
+
+**The tasks.** Epoch ``e``'s examples are ``ps_common.batches.epoch_order(num_examples,
+seed, e)`` cut into consecutive batches of ``batch_size`` (the last one of an epoch
+smaller when the size does not divide): exactly ``ps_common.batches.global_batch``, so
+task ``e * steps_per_epoch + index`` trains on the examples of global step
+``e * steps_per_epoch + index`` of the sync modes. Task ids are that step number:
+deterministic, the same after a restart, dense in ``0 .. total_tasks - 1``.
+
+**Handing out (``take``).** A worker gets, first, the lowest-numbered task that was given
+back (a dead worker's, an expired one, a refused push's), else the next fresh task in
+order. It may hold several (prefetching); each is held under a lease that ends
+``lease_timeout`` after it was taken or last renewed (``renew``, on every heartbeat and
+push). ``None``: every task is handed out; the worker waits (some held task may still
+come back) or, when ``finished``, stops.
+
+**The epoch boundary.** Tasks of epoch ``e + 1`` are handed out only once every task of
+epoch ``e`` has been handed out, not once every one is done: async workers never idle
+at a boundary waiting for a straggler's last batch (that would be the barrier async
+mode exists to avoid). So near a boundary a few batches of ``e`` may be applied after
+the first ones of ``e + 1``; a given-back task of ``e`` still comes before any fresh one
+of ``e + 1`` (lowest id first). Counts are per epoch of the task, not of the clock.
+
+**Exactly once: only the current holder completes a task.** A push for a task that is
+not done is taken only from the worker holding it now. A worker whose task was taken
+away (it was declared lost, its lease ran out, or it gave the task back) and
+handed out again is refused (``InvalidArgument``, saying who holds it): its late push
+is stale. The other rule, "the first push to arrive wins, the other is a duplicate",
+was rejected: with it two workers may both pass the check before either has applied,
+so exactly-once would need one lock around every apply, which async mode does not
+have (its pushes run side by side, each worker's in order under that worker's lock).
+With "only the holder", each task that is not done has at most one worker allowed to
+push it, so the worker's own lock is enough. Either rule wastes one computation of a
+reassigned batch; this one wastes the stale one.
+
+**Pinned while applied (``begin``).** ``begin`` checks a push and pins its task: from
+then until ``done`` (applied) or ``given_back`` (refused), ``lost`` and ``expire`` leave it
+where it is, so a task whose push is being applied is never handed to someone else
+(the apply would then race the new holder's). A push is answered from the record,
+``begin`` returning its ``TaskRecord``, only for the worker whose push did it (a retry
+after a lost reply); another worker's push for a done task is refused.
+``done`` without ``begin`` is accepted too (a caller that checks and applies under one
+lock): it returns False for a task this worker already did (the retry) and counts nothing.
+
+**Counting.** Each epoch keeps one bit per example; ``done`` marks its task's examples and
+refuses (``InvalidArgument``, nothing changed) one already marked: a bug guard, since
+the rules above already make it impossible. ``examples_done(e) == num_examples`` is
+"every example of epoch ``e`` applied exactly once", checked by the server.
+
+**Checkpoints (``state`` / ``TaskQueue.restore``).** The state is the done tasks and their
+records, as NumPy int64 arrays, and the job's shape as ints. Held tasks are not kept:
+after a restore every task not done is handed out again, lowest id first, so a
+restarted server repeats no done batch and loses none (a worker's push for a task it
+held before the restart is refused: it holds nothing now; its retry of a done task is
+answered from the restored record).
+
+Thread-safe: one leaf lock guards everything; nothing is called under it but NumPy and
+``heapq``; the clock is read before it is taken. Pure Python and NumPy: no gRPC, no
+TensorFlow. Not wired into a mode yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+import ps_common.batches as batches
+from ps_server.core.errors import InvalidArgument
+
+ORDERS_KEPT = 3  # epoch orders cached: near a boundary two epochs are in use, and a given-back one
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+    """One batch to train on. ``indices`` is read-only; compare tasks by ``task_id``."""
+
+    task_id: int
+    epoch: int
+    index: int  # the batch's place in its epoch
+    indices: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRecord:
+    """How a done task's push was answered: the worker whose push was applied, at which version."""
+
+    task_id: int
+    worker_id: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskStatus:
+    """For Status: ``epoch`` is the lowest epoch not complete (``epochs`` once finished)."""
+
+    epoch: int
+    epochs: int
+    total: int        # tasks in the whole job
+    done: int
+    held: int         # handed out, not done (pinned ones included)
+    queued: int       # given back, waiting to be handed out again
+    outstanding: int  # not done: total - done
+    examples_done: int  # in ``epoch``
+    num_examples: int
+
+
+class ExampleLedger:
+    """Which examples each epoch has done; each at most once. An epoch's bitmap exists from
+    its first batch until it is complete (then only "complete" is kept): memory for the
+    one or two epochs in progress, not for every epoch of the job."""
+
+    def __init__(self, num_examples: int, epochs: int):
+        self.num_examples, self.epochs = num_examples, epochs
+        self._seen: dict[int, np.ndarray] = {}  # epoch in progress -> one bool per example
+        self._count = [0] * epochs
+
+    def fold(self, epoch: int, indices: np.ndarray) -> None:
+        """Mark ``indices`` done in ``epoch``; InvalidArgument, nothing marked, if any already was."""
+        values, counts = np.unique(indices, return_counts=True)
+        if values.size == 0:
+            return
+        if self._count[epoch] == self.num_examples:
+            twice = values
+        else:
+            seen = self._seen.get(epoch)
+            if seen is None:
+                seen = np.zeros(self.num_examples, bool)
+            twice = np.union1d(values[counts > 1], values[seen[values]])
+        if twice.size:
+            raise InvalidArgument(f"epoch {epoch}: example(s) {twice[:5].tolist()} would be counted "
+                                  f"done twice (a bug: each batch is applied once)")
+        seen[values] = True
+        self._count[epoch] += int(values.size)
+        if self._count[epoch] == self.num_examples:
+            self._seen.pop(epoch, None)
+        else:
+            self._seen[epoch] = seen
+
+    def count(self, epoch: int) -> int:
+        return self._count[epoch]
+
+
+class TaskQueue:
+    def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
+                 clock: Callable[[], float] = time.monotonic):
+        for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs)):
+            if not _is_int(value) or value < 1:
+                raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
+        if not lease_timeout > 0:
+            raise InvalidArgument(f"lease_timeout must be > 0 seconds, got {lease_timeout!r}")
+        self.num_examples, self.batch_size = int(num_examples), int(batch_size)
+        self.seed, self.epochs, self.lease_timeout = int(seed), int(epochs), float(lease_timeout)
+        self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
+        self.total_tasks = self.epochs * self.steps_per_epoch
+        self._clock = clock
+        self._lock = threading.Lock()  # guards everything below; leaf lock, nothing is called under it
+        self._fresh = 0                          # the next task id never handed out
+        self._queue: list[int] = []              # heap of given-back task ids
+        self._queued: set[int] = set()
+        self._holder: dict[int, int] = {}        # task id -> the worker holding it
+        self._deadline: dict[int, float] = {}    # task id -> when its lease ends
+        self._pinned: set[int] = set()           # held tasks whose push is being applied
+        self._records: dict[int, TaskRecord] = {}
+        self._ledger = ExampleLedger(self.num_examples, self.epochs)
+        self._orders: dict[int, np.ndarray] = {}  # epoch -> its order, the few used last
+
+    # -- the tasks ---------------------------------------------------------------------
+    def task(self, task_id: int) -> Task:
+        """Task ``task_id`` (deterministic: the same in every process and after a restart)."""
+        self._check_id(task_id)
+        with self._lock:
+            return self._task(int(task_id))
+
+    def _task(self, task_id: int) -> Task:
+        epoch, index = divmod(task_id, self.steps_per_epoch)
+        order = self._orders.pop(epoch, None)
+        if order is None:
+            order = batches.epoch_order(self.num_examples, self.seed, epoch)
+            order.setflags(write=False)
+        self._orders[epoch] = order  # the most recently used last
+        if len(self._orders) > ORDERS_KEPT:
+            del self._orders[next(iter(self._orders))]
+        return Task(task_id, epoch, index, order[index * self.batch_size:(index + 1) * self.batch_size])
+
+    # -- handing out -------------------------------------------------------------------
+    def take(self, worker_id: int) -> Task | None:
+        """The next task for ``worker_id``, held under a lease; None when every task is handed out."""
+        self._check_worker(worker_id)
+        now = self._clock()
+        with self._lock:
+            if self._queue:
+                task_id = heapq.heappop(self._queue)
+                self._queued.discard(task_id)
+            else:
+                while self._fresh < self.total_tasks and self._fresh in self._records:
+                    self._fresh += 1  # done before a restore
+                if self._fresh == self.total_tasks:
+                    return None
+                task_id = self._fresh
+                self._fresh += 1
+            self._holder[task_id] = worker_id
+            self._deadline[task_id] = now + self.lease_timeout
+            return self._task(task_id)
+
+    def renew(self, worker_id: int) -> int:
+        """Extend the lease of every task ``worker_id`` holds; returns how many it holds."""
+        now = self._clock()
+        with self._lock:
+            mine = [t for t, w in self._holder.items() if w == worker_id]
+            for t in mine:
+                self._deadline[t] = now + self.lease_timeout
+            return len(mine)
+
+    def held(self, worker_id: int) -> list[int]:
+        with self._lock:
+            return sorted(t for t, w in self._holder.items() if w == worker_id)
+
+    # -- a push ------------------------------------------------------------------------
+    def begin(self, worker_id: int, task_id: int) -> TaskRecord | None:
+        """A push of ``task_id`` from ``worker_id`` arrived. None: apply it (the task is pinned
+        until ``done`` or ``given_back``). A TaskRecord: this worker's push of it was already
+        applied; answer from the record, apply nothing. InvalidArgument: not this worker's."""
+        self._check_id(task_id)
+        with self._lock:
+            record = self._check_push(worker_id, task_id)
+            if record is None:
+                self._pinned.add(task_id)
+            return record
+
+    def done(self, worker_id: int, task_id: int, applied_version: int) -> bool:
+        """``worker_id``'s push of ``task_id`` was applied at ``applied_version``: True when newly
+        done (its examples counted), False when this worker had already done it (a retry:
+        nothing counted, the first record kept; see ``record``)."""
+        self._check_id(task_id)
+        if not _is_int(applied_version) or applied_version < 0:
+            raise InvalidArgument(f"applied_version must be an integer >= 0, got {applied_version!r}")
+        with self._lock:
+            if self._check_push(worker_id, task_id) is not None:
+                return False
+            task = self._task(task_id)
+            self._ledger.fold(task.epoch, task.indices)  # the bug guard; raises before any change
+            self._records[task_id] = TaskRecord(task_id, worker_id, int(applied_version))
+            del self._holder[task_id], self._deadline[task_id]
+            self._pinned.discard(task_id)
+            return True
+
+    def given_back(self, worker_id: int, task_id: int) -> None:
+        """``worker_id``'s push of ``task_id`` was refused (e.g. dropped as too stale): the task
+        goes back to the queue, to be handed out again."""
+        self._check_id(task_id)
+        with self._lock:
+            if self._check_push(worker_id, task_id) is not None:
+                raise InvalidArgument(f"task {task_id} is already done (by worker {worker_id}'s push); "
+                                      f"it cannot be given back")
+            self._requeue(task_id)
+
+    def record(self, task_id: int) -> TaskRecord | None:
+        """How ``task_id``'s push was answered, if it is done."""
+        self._check_id(task_id)
+        with self._lock:
+            return self._records.get(int(task_id))
+
+    def _check_push(self, worker_id: int, task_id: int) -> TaskRecord | None:
+        """Under the lock: None if ``worker_id`` holds ``task_id`` (not done), its record if this
+        worker did it; InvalidArgument otherwise."""
+        task_id = int(task_id)
+        record = self._records.get(task_id)
+        if record is not None:
+            if record.worker_id == worker_id:
+                return record
+            raise InvalidArgument(f"task {task_id} was already done by worker {record.worker_id}'s push "
+                                  f"(version {record.version}); worker {worker_id} does not hold it")
+        holder = self._holder.get(task_id)
+        if holder == worker_id:
+            return None
+        if holder is not None:
+            why = f"it is held by worker {holder}"
+        elif task_id in self._queued:
+            why = "it was given back and waits to be handed out again"
+        else:
+            why = "it was not handed out yet"
+        raise InvalidArgument(f"worker {worker_id} does not hold task {task_id}: {why}; "
+                              f"a worker pushes only the tasks it holds now (take a new one)")
+
+    # -- taking tasks back -------------------------------------------------------------
+    def lost(self, worker_id: int) -> list[Task]:
+        """``worker_id`` died or left: every task it holds goes back (those whose push is being
+        applied stay, until ``done`` or ``given_back``). Returns them."""
+        with self._lock:
+            back = sorted(t for t, w in self._holder.items() if w == worker_id and t not in self._pinned)
+            for t in back:
+                self._requeue(t)
+            return [self._task(t) for t in back]
+
+    def expire(self, now: float | None = None) -> list[Task]:
+        """Every held task whose lease ended before ``now`` (default: the clock) goes back,
+        except one whose push is being applied. Returns them."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            back = sorted(t for t, d in self._deadline.items() if d < now and t not in self._pinned)
+            for t in back:
+                self._requeue(t)
+            return [self._task(t) for t in back]
+
+    def _requeue(self, task_id: int) -> None:
+        del self._holder[task_id], self._deadline[task_id]
+        self._pinned.discard(task_id)
+        heapq.heappush(self._queue, task_id)
+        self._queued.add(task_id)
+
+    # -- counting ----------------------------------------------------------------------
+    def examples_done(self, epoch: int) -> int:
+        self._check_epoch(epoch)
+        with self._lock:
+            return self._ledger.count(epoch)
+
+    def epoch_complete(self, epoch: int) -> bool:
+        return self.examples_done(epoch) == self.num_examples
+
+    @property
+    def finished(self) -> bool:
+        """Every task of every epoch is done."""
+        with self._lock:
+            return len(self._records) == self.total_tasks
+
+    def status(self) -> TaskStatus:
+        with self._lock:
+            epoch = next((e for e in range(self.epochs) if self._ledger.count(e) < self.num_examples),
+                         self.epochs)
+            done = len(self._records)
+            return TaskStatus(epoch=epoch, epochs=self.epochs, total=self.total_tasks, done=done,
+                              held=len(self._holder), queued=len(self._queue),
+                              outstanding=self.total_tasks - done,
+                              examples_done=self._ledger.count(epoch) if epoch < self.epochs else 0,
+                              num_examples=self.num_examples)
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state(self) -> dict:
+        """The done tasks and their records (plain ints and int64 arrays), for a checkpoint."""
+        with self._lock:
+            ids = sorted(self._records)
+            return {
+                "num_examples": self.num_examples, "batch_size": self.batch_size,
+                "seed": self.seed, "epochs": self.epochs,
+                "done_task_ids": np.array(ids, np.int64),
+                "done_workers": np.array([self._records[t].worker_id for t in ids], np.int64),
+                "done_versions": np.array([self._records[t].version for t in ids], np.int64),
+            }
+
+    @classmethod
+    def restore(cls, state: dict, lease_timeout: float,
+                clock: Callable[[], float] = time.monotonic) -> "TaskQueue":
+        """A queue with ``state``'s done tasks done; every other task is handed out again."""
+        queue = cls(int(state["num_examples"]), int(state["batch_size"]), int(state["seed"]),
+                    int(state["epochs"]), lease_timeout, clock)
+        ids, workers, versions = (np.asarray(state[k], np.int64).reshape(-1)
+                                  for k in ("done_task_ids", "done_workers", "done_versions"))
+        if not ids.size == workers.size == versions.size:
+            raise InvalidArgument(f"task state: {ids.size} done task ids but {workers.size} workers "
+                                  f"and {versions.size} versions")
+        if (workers < 0).any() or (versions < 0).any():
+            raise InvalidArgument("task state: done workers and versions must be >= 0")
+        for t, w, v in zip(ids.tolist(), workers.tolist(), versions.tolist()):
+            queue._check_id(t)
+            task = queue._task(t)
+            queue._ledger.fold(task.epoch, task.indices)  # a task listed twice is refused here
+            queue._records[t] = TaskRecord(t, w, v)
+        return queue
+
+    # -- checks ------------------------------------------------------------------------
+    def _check_id(self, task_id: int) -> None:
+        if not _is_int(task_id) or not 0 <= task_id < self.total_tasks:
+            raise InvalidArgument(f"unknown task {task_id!r}: this job's tasks are 0..{self.total_tasks - 1} "
+                                  f"({self.epochs} epochs of {self.steps_per_epoch})")
+
+    def _check_epoch(self, epoch: int) -> None:
+        if not _is_int(epoch) or not 0 <= epoch < self.epochs:
+            raise InvalidArgument(f"unknown epoch {epoch!r}: this job has epochs 0..{self.epochs - 1}")
+
+    @staticmethod
+    def _check_worker(worker_id: int) -> None:
+        if not _is_int(worker_id) or worker_id < 0:
+            raise InvalidArgument(f"worker id must be an integer >= 0, got {worker_id!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
