@@ -53,6 +53,15 @@ from ps_server.core.errors import InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
+class DataPlan:
+    """What the server must know of the job's data to deal its rounds (the chief sends it)."""
+
+    num_examples: int
+    global_batch_size: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Cursor:
     """The job's sequence of global batches, each cut into ``micro_batches`` parts."""
 

@@ -2,6 +2,7 @@
 
     mode = ElasticSyncMode(store, members, Cursor(1437, 64, seed=0, micro_batches=4),
                            min_workers=2, barrier_timeout=60.0)
+    mode.set_cursor(cursor)                      # or later: the chief's data plan, at initialize
     mode.worker_joined(w)                        # a worker registered (any time)
     work = mode.work(w).result()                 # Work(round, micro_batches, sizes): what to compute
     reply = mode.submit(Push(..., step=work.round, micro_batch=m, batch_size=work.sizes[i])).result()
@@ -50,7 +51,8 @@ from typing import Callable
 
 from ps_server.core.aggregation import RoundSum, weighted_loss
 from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
-from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, PSError, StaleRound, WorkerDead
+from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
+                                   WorkerDead)
 from ps_server.core.membership import Membership
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.rounds import ROUNDS_REMEMBERED
@@ -77,17 +79,18 @@ class ElasticReply:
 class ElasticSyncMode:
     name = "sync"
 
-    def __init__(self, store: VariableStore, members: Membership, cursor: Cursor, min_workers: int,
+    def __init__(self, store: VariableStore, members: Membership, cursor: Cursor | None, min_workers: int,
                  barrier_timeout: float, stats: Stats | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if min_workers < 1:
             raise InvalidArgument(f"min_workers must be >= 1, got {min_workers}")
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
-        self.store, self.members, self.cursor = store, members, cursor
+        self.store, self.members = store, members
         self.min_workers, self.barrier_timeout = min_workers, barrier_timeout
         self.stats = stats or Stats()
-        self.ledger = EpochLedger(cursor.num_examples)
+        self.cursor: Cursor | None = None
+        self.ledger: EpochLedger | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self._live: set[int] = set()
@@ -102,6 +105,19 @@ class ElasticSyncMode:
         self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
         self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
         self._timed_out = 0
+        if cursor is not None:
+            self.set_cursor(cursor)
+
+    def set_cursor(self, cursor: Cursor) -> None:
+        """The job's data plan (the chief's, at initialize): rounds start once it is known.
+        The same plan again is harmless; another one is refused (SpecConflict)."""
+        with self._lock:
+            if self.cursor is not None:
+                if cursor != self.cursor:
+                    raise SpecConflict(f"the elastic round's data plan is {self.cursor}; got {cursor}")
+                return
+            self.cursor, self.ledger = cursor, EpochLedger(cursor.num_examples)
+            self._start_if_ready()
 
     # -- membership ---------------------------------------------------------------
     def worker_joined(self, worker_id: int) -> None:
@@ -154,8 +170,8 @@ class ElasticSyncMode:
                 consumed()
         return ticket
 
-    def push(self, push: Push) -> ElasticReply:
-        ticket = self.submit(push)
+    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> ElasticReply:
+        ticket = self.submit(push, consumed)
         ticket.wait()
         return ticket.result()
 
@@ -214,7 +230,7 @@ class ElasticSyncMode:
             raise InvalidArgument(f"worker {w} has not joined the elastic round (or was declared dead)")
         if self._work is None:
             raise FutureRound(f"round {r} has not started: {len(self._live)} of at least {self.min_workers} "
-                              "workers have joined")
+                              "workers have joined" + ("" if self.cursor else ", and no data plan is known yet"))
         if m < 0:
             raise InvalidArgument(f"an elastic sync push names its micro-batch (0..{self.cursor.micro_batches - 1})")
         size = self._work.size(m)  # refuses an unknown micro-batch
@@ -275,7 +291,7 @@ class ElasticSyncMode:
         self._losses = []
 
     def _start_if_ready(self) -> None:
-        if self._work is not None or len(self._live) < self.min_workers:
+        if self._work is not None or self.cursor is None or len(self._live) < self.min_workers:
             return
         self._work = self.cursor.round(self._round, self._live)
         self._started = self._clock()

@@ -34,7 +34,9 @@ from ps_server.core import hogwild
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import ServerState
-from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError
+from ps_server.core.cursor import Cursor, DataPlan
+from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optimizers import OptimizerSpec
@@ -114,6 +116,8 @@ class ParameterServer:
         sparse_updates: str = "exact",
         clock=time.monotonic,
         async_apply: str = "locked",
+        elastic_min_workers: int = 0,
+        micro_batches: int = 0,
     ):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
@@ -122,6 +126,21 @@ class ParameterServer:
         if async_apply != "locked" and mode == "sync":
             raise InvalidArgument(f"async_apply {async_apply!r} applies to async and ssp modes; sync applies each "
                                   "round at once")
+        # Elastic sync (``core.elastic_mode``): from elastic_min_workers up to num_workers
+        # workers, each global batch cut into micro_batches (default num_workers).
+        self.elastic = elastic_min_workers > 0
+        if self.elastic:
+            if mode != "sync":
+                raise InvalidArgument("elastic training is a sync mode's; async and ssp take workers as they come")
+            if replicas_to_aggregate:
+                raise InvalidArgument("elastic sync trains every round on its whole batch: no backup workers "
+                                      "(replicas_to_aggregate)")
+            if elastic_min_workers > num_workers:
+                raise InvalidArgument(f"elastic_min_workers {elastic_min_workers} is above num_workers "
+                                      f"{num_workers} (the most workers the job takes)")
+        elif micro_batches:
+            raise InvalidArgument("micro_batches apply to elastic sync only")
+        self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
         self.mode_name = mode
         self.async_apply = async_apply
         self.num_workers = num_workers
@@ -138,7 +157,10 @@ class ParameterServer:
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
-        if mode == "sync":
+        if self.elastic:
+            self.mode = ElasticSyncMode(self.store, self.members, None, elastic_min_workers, barrier_timeout,
+                                        self.stats, clock=clock)
+        elif mode == "sync":
             self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,
                                  replicas_to_aggregate=replicas_to_aggregate, allow_nonfinite=allow_nonfinite)
@@ -180,17 +202,43 @@ class ParameterServer:
         return dead
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
-                   non_trainable: Iterable[str] = (), owned: bool = False) -> tuple[bool, int]:
+                   non_trainable: Iterable[str] = (), owned: bool = False,
+                   data_plan: DataPlan | None = None) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
         ``owned``: the arrays are given up to the store, not copied (``store.initialize``).
+        ``data_plan``: elastic sync's (required there, refused elsewhere): the job's examples,
+        global batch and seed, from which the server's cursor deals every round.
         ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
         With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
         (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
         if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
             hogwild.check_supported(spec)
+        cursor = self._cursor_of(data_plan)
+        if cursor is not None and self.mode.cursor not in (None, cursor):
+            raise SpecConflict(f"the job's data plan is {self.mode.cursor}; this initialize brings {cursor}")
         created = self.store.initialize(variables, spec, frozenset(non_trainable), owned=owned)
+        if cursor is not None:
+            self.mode.set_cursor(cursor)
         return created, self.store.version
+
+    def _cursor_of(self, plan: "DataPlan | None") -> Cursor | None:
+        if not self.elastic:
+            if plan is not None:
+                raise InvalidArgument("a data plan is for elastic sync (the server deals the batches); this "
+                                      "server's workers read their own shards")
+            return None
+        if plan is None:
+            raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
+                                  "batch size, seed): the server deals every round's micro-batches")
+        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
+
+    def work(self, worker_id: int) -> Ticket:
+        """Elastic sync: a ticket for this worker's micro-batches (``ElasticSyncMode.work``)."""
+        self.members.require(worker_id)
+        if not self.elastic:
+            raise InvalidArgument("work is dealt by elastic sync only; this server's workers compute their shards")
+        return self.mode.work(worker_id)
 
     def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None,
              since: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
@@ -224,7 +272,7 @@ class ParameterServer:
         """Sync: the speculation (``core.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
         its bytes come); None in other modes, or when its round is not speculated."""
-        if self.mode_name != "sync" or not self.store.initialized:
+        if self.mode_name != "sync" or self.elastic or not self.store.initialized:
             return None
         return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse)
 
@@ -282,13 +330,17 @@ class ParameterServer:
                 given()
         return dataclasses.replace(push, gradients=dense), dropped
 
-    def _recorded(self, worker_id: int, step: int, arrived: float, result: PushResult) -> None:
+    def _recorded(self, worker_id: int, step: int, arrived: float, result: "PushResult | ElasticReply") -> None:
         # A replay answers a push already counted: its drop, if it was one, is not counted again.
+        if isinstance(result, ElasticReply):  # one push per micro-batch; only a round's end has a result
+            result = result.result or PushResult(version=self.store.version, staleness=0)
         self.members.record_push(worker_id, step, dropped=result.dropped and not result.replayed,
                                  arrived=arrived, done=self._clock())
 
     def leave(self, worker_id: int) -> None:
         self.members.leave(worker_id)
+        if self.elastic:  # what it had not delivered goes to the others
+            self.mode.workers_died([worker_id])
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """The chief's (worker 0's) value under ``key``. The chief posts ``value`` and is
