@@ -101,7 +101,7 @@ class ElasticSyncMode:
         self._contributors: set[int] = set()
         self._losses: list[tuple[float, int]] = []
         self._pushes: dict[int, list[Ticket]] = {}   # worker -> its pushes waiting for the round
-        self._asking: dict[int, list[Ticket]] = {}   # worker -> its ``work`` calls waiting
+        self._asking: dict[int, list[tuple[Ticket, float]]] = {}  # worker -> its waiting ``work`` calls, since
         self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
         self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
         self._timed_out = 0
@@ -137,7 +137,7 @@ class ElasticSyncMode:
                 error = WorkerDead(f"worker {w} was declared dead (no heartbeat for more than "
                                    f"{self.members.lease_timeout:g} s) or left; its undelivered micro-batches "
                                    "went to the live workers", dead=(w,))
-                for ticket in self._pushes.pop(w, []) + self._asking.pop(w, []):
+                for ticket in self._pushes.pop(w, []) + [t for t, _ in self._asking.pop(w, [])]:
                     ticket.settle(error)
                 if self._work is not None:
                     self._hand_out(self._work.lost(w))
@@ -155,7 +155,7 @@ class ElasticSyncMode:
             if mine is not None:
                 ticket.settle(mine)
             else:
-                self._asking.setdefault(worker_id, []).append(ticket)
+                self._asking.setdefault(worker_id, []).append((ticket, self._clock()))
         return ticket
 
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
@@ -177,7 +177,20 @@ class ElasticSyncMode:
 
     def expire_overdue(self) -> None:
         with self._lock:
-            if self._work is None or self._clock() - self._started < self.barrier_timeout:
+            now = self._clock()
+            for w, asked in list(self._asking.items()):  # no work within a barrier timeout
+                for ticket, since in asked:
+                    if now - since >= self.barrier_timeout:
+                        ticket.settle(BarrierTimeout(
+                            f"worker {w} was given no work within {self.barrier_timeout:g} s (round {self._round}: "
+                            f"{len(self._live)} of at least {self.min_workers} workers joined"
+                            f"{'' if self.cursor else ', no data plan yet'})"))
+                kept = [(t, since) for t, since in asked if not t.done()]
+                if kept:
+                    self._asking[w] = kept
+                else:
+                    del self._asking[w]
+            if self._work is None or now - self._started < self.barrier_timeout:
                 return
             missing = sorted({w for m in self._work.outstanding if (w := self._work.owner(m)) is not None})
             error = BarrierTimeout(
@@ -320,6 +333,6 @@ class ElasticSyncMode:
     def _answer_asking(self, worker_id: int) -> None:
         mine = self._mine(worker_id)
         if mine is not None:
-            for t in self._asking.pop(worker_id, []):
+            for t, _ in self._asking.pop(worker_id, []):
                 t.settle(mine)
 

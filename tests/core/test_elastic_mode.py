@@ -144,6 +144,22 @@ def test_repeats_are_answered_not_folded_and_bad_pushes_change_nothing():
     assert mode.ledger.count(0) == 16
 
 
+def test_a_worker_given_no_work_within_the_barrier_timeout_is_told_why():
+    clock = Clock()
+    mode, store = make(workers=(0,), clock=clock)  # one of at least two: no round starts
+    asked = mode.work(0)
+    clock.now = 29.0
+    mode.expire_overdue()
+    assert not asked.done()
+    clock.now = 30.0
+    mode.expire_overdue()
+    with pytest.raises(BarrierTimeout, match="no work within 30 s .*1 of at least 2 workers joined"):
+        asked.result()
+    again = mode.work(0)
+    mode.worker_joined(1)
+    assert again.result().micro_batches == (0, 1)
+
+
 def test_a_round_out_of_time_is_discarded_uncounted_and_dealt_again():
     clock = Clock()
     mode, store = make(clock=clock)
