@@ -95,7 +95,9 @@ def metrics_from_wire(tensors) -> dict:
 PUSH_REPLY = Conversion(
     PushReply, pb.PushResponse,
     to_wire={"metrics": metrics_to_wire}, from_wire={"metrics": metrics_from_wire},
-    wire_only={"variables", "incarnation"},  # the sync shortcut's values (PushRequest.return_values)
+    # the sync shortcut's values (PushRequest.return_values); elastic sync's next work, set by the
+    # service while a round goes on (ps_server.core.elastic_mode.ElasticReply)
+    wire_only={"variables", "incarnation", "assignment"},
 )
 
 CONVERSIONS = (REGISTRATION, PUSH_REPLY)

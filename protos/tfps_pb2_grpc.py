@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.BroadcastResponse.FromString,
                 _registered_method=True)
+        self.Work = channel.unary_unary(
+                '/tfps.v1.ParameterServer/Work',
+                request_serializer=protos_dot_tfps__pb2.WorkRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.Assignment.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -181,6 +186,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Work(self, request, context):
+        """Elastic sync: this worker's micro-batches, at once when it has some in the round
+        being collected, else when it is given some (a dead worker's part, or the next
+        round's); DEADLINE_EXCEEDED after the barrier timeout with none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +257,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Broadcast,
                     request_deserializer=protos_dot_tfps__pb2.BroadcastRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.BroadcastResponse.SerializeToString,
+            ),
+            'Work': grpc.unary_unary_rpc_method_handler(
+                    servicer.Work,
+                    request_deserializer=protos_dot_tfps__pb2.WorkRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.Assignment.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +588,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/Broadcast',
             protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
             protos_dot_tfps__pb2.BroadcastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Work(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/Work',
+            protos_dot_tfps__pb2.WorkRequest.SerializeToString,
+            protos_dot_tfps__pb2.Assignment.FromString,
             options,
             channel_credentials,
             insecure,

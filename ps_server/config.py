@@ -55,6 +55,12 @@ class ServerConfig:
     # Sparse gradients (ps_server/core/sparse.py): step only the touched rows where that is exact
     # (exact: SGD, Adagrad; the others densely), always (lazy: TF Addons' LazyAdam), or never (dense).
     sparse_updates: str = "exact"
+    # Elastic sync (ps_server/core/elastic_mode.py): > 0, rounds start with this many workers
+    # and take up to --num-workers, joining and leaving at any time; each global batch is
+    # cut into micro_batches (0: --num-workers) that the server deals out. In progress:
+    # the server's side is built; ps-worker does not push micro-batches yet.
+    elastic_min_workers: int = 0
+    micro_batches: int = 0
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
     # tensors through their shared-memory segments. --no-shm refuses it: they stream.
     shm: bool = setting(True, env="TFPS_SERVER_SHM", old_env="TFPS_SHM")
@@ -132,6 +138,20 @@ class ServerConfig:
         if self.sparse_updates not in SPARSE_UPDATES:
             raise ConfigError(f"--sparse-updates must be one of {', '.join(SPARSE_UPDATES)}, "
                               f"got {self.sparse_updates!r}")
+        if self.elastic_min_workers < 0 or self.micro_batches < 0:
+            raise ConfigError("--elastic-min-workers and --micro-batches must be >= 0")
+        if self.elastic_min_workers:
+            if self.mode != "sync":
+                raise ConfigError("--elastic-min-workers applies to --mode sync (async and ssp take workers as "
+                                  "they come)")
+            if self.elastic_min_workers > self.num_workers:
+                raise ConfigError(f"--elastic-min-workers {self.elastic_min_workers} is above --num-workers "
+                                  f"{self.num_workers} (the most workers the job takes)")
+            if self.replicas_to_aggregate:
+                raise ConfigError("--elastic-min-workers trains every round on its whole batch: no "
+                                  "--replicas-to-aggregate")
+        elif self.micro_batches:
+            raise ConfigError("--micro-batches applies to elastic sync (--elastic-min-workers)")
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
@@ -196,6 +216,12 @@ class ServerConfig:
                        "hogwild (in place under no lock: pushes race, an update may be lost, a pull may see a "
                        "variable half-updated; sgd, adam, adamw, adagrad and rmsprop)")
         g = p.add_argument_group("sparse gradients")
+        g.add_argument("--elastic-min-workers", type=int,
+                       help="sync: elastic rounds (in progress: ps-worker does not take part yet): start with this "
+                       "many workers, take up to --num-workers, joining or leaving at any time, the server dealing "
+                       "each round's micro-batches (default 0: off)")
+        g.add_argument("--micro-batches", type=int,
+                       help="elastic sync: micro-batches per global batch (default: --num-workers)")
         g.add_argument("--sparse-updates", choices=SPARSE_UPDATES,
                        help="how an embedding's sparse gradient is applied: exact (default) steps only the touched "
                        "rows where that gives the dense step's bits (SGD without momentum, Adagrad) and the whole "

@@ -34,6 +34,8 @@ from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
+from ps_server.core.cursor import DataPlan
+from ps_server.core.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.overlap import HELD_BYTES, NOT_YET
@@ -301,6 +303,15 @@ STATUS = convert.Conversion(
 CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, STATUS)
 
 
+def _reply_to_wire(result) -> pb.PushResponse:
+    """A push's answer (elastic sync's once its round completed: the round's)."""
+    return convert.PUSH_REPLY.to_wire(result.result if isinstance(result, ElasticReply) else result)
+
+
+def _assignment(work: Work) -> pb.Assignment:
+    return pb.Assignment(round=work.round, micro_batches=list(work.micro_batches), sizes=list(work.sizes))
+
+
 def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
     """``s`` as a StatusResponse; worker ages are seconds from their last call to ``now``."""
     age = lambda last_seen: now - last_seen  # noqa: E731
@@ -489,8 +500,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """The core's initialize for an InitializeRequest or an InitializeHeader (the same
         fields but the variables' bytes), ``variables`` decoded from either; ``owned``: views
         of a buffer of ours, which the store keeps instead of copying."""
-        created, version = self.core.initialize(request.worker_id, variables, optimizer_from_wire(request.optimizer),
-                                                non_trainable=list(request.non_trainable), owned=owned)
+        plan = request.data_plan if request.HasField("data_plan") else None
+        created, version = self.core.initialize(
+            request.worker_id, variables, optimizer_from_wire(request.optimizer),
+            non_trainable=list(request.non_trainable), owned=owned,
+            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed) if plan is not None else None)
         if created:
             log.info(
                 "initialized %d variables (%d parameters) by worker %d, optimizer %s",
@@ -586,11 +600,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 loss=request.loss,
                 metrics=codec.decode_many(request.metrics),
                 set_learning_rate=request.set_learning_rate,
+                micro_batch=request.micro_batch if request.HasField("micro_batch") else -1,
             )
         )
 
     def _push_reply(self, request, result) -> pb.PushResponse:
-        reply = convert.PUSH_REPLY.to_wire(result)
+        if isinstance(result, ElasticReply) and result.result is None:
+            return self._elastic_reply(result)
+        reply = _reply_to_wire(result)
         if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
             if version == result.version:
@@ -615,7 +632,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if h.shm_name:
             rest = [chunk async for chunk in request_iterator]
             ticket = await self._work(self._push_from_segment, h, layout, metrics, iter(rest))
-            return convert.PUSH_REPLY.to_wire(await settled(ticket))
+            return self._stream_reply(await settled(ticket))
         loan = await self._lend(layout.nbytes, context)
         try:
             loan.gradients = _sparse(self._widen_half(
@@ -624,7 +641,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             result = await settled(ticket)
         finally:  # the core keeps no reference to the gradients once its ticket is settled
             loan.give_back()
-        return convert.PUSH_REPLY.to_wire(result)
+        return self._stream_reply(result)
+
+    def _stream_reply(self, result) -> pb.PushResponse:
+        if isinstance(result, ElasticReply) and result.result is None:
+            return self._elastic_reply(result)
+        return _reply_to_wire(result)
 
     def _check(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict) -> None:
         self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
@@ -634,7 +656,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @staticmethod
     def _push_of(h: pb.PushHeader, gradients, metrics: dict) -> Push:
         return Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
-                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate)
+                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate,
+                    micro_batch=h.micro_batch if h.HasField("micro_batch") else -1)
+
+    def _elastic_reply(self, reply: ElasticReply) -> pb.PushResponse:
+        """Elastic sync, the round going on: the current version and the work to do next."""
+        version = self.core.store.version
+        return pb.PushResponse(version=version, next_step=version, assignment=_assignment(reply.work))
 
     async def _lend(self, nbytes: int, context) -> "_Loan":
         """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
@@ -663,6 +691,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         send the speculated values in the push's order; the last reply is the push's answer
         and whether those values are the round's (``confirmed``)."""
         h = await _header(request_iterator, "PushPull")
+        if self.core.elastic:
+            raise errors.InvalidArgument("PushPull: elastic sync takes its micro-batches through Push or PushStream")
         if h.shm_name or h.shm_offsets:
             raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
         layout = stream.Layout.of(h.gradients)
@@ -773,6 +803,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def Heartbeat(self, request, context):
         self.core.heartbeat(request.worker_id, request.step)
         return pb.HeartbeatResponse(lease_timeout_s=self.core.members.lease_timeout, incarnation=self.core.incarnation)
+
+    @_handled_async
+    async def Work(self, request, context):
+        """Elastic sync: this worker's micro-batches; waits (holding no thread) until it has some."""
+        ticket = await self._work(self.core.work, request.worker_id)
+        return _assignment(await settled(ticket))
 
     @_handled_async
     async def Broadcast(self, request, context):

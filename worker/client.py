@@ -218,9 +218,11 @@ class PSClient:
         return convert.REGISTRATION.from_wire(reply, shm=shared.active)
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
-                   non_trainable: Iterable[str] = ()) -> bool:
+                   non_trainable: Iterable[str] = (), data_plan: Mapping | None = None) -> bool:
         """Store ``variables`` on the server, unless an identical state is there (False).
         ``non_trainable`` names the variables updated by pushed changes, not the optimizer.
+        ``data_plan`` (elastic sync: ``num_examples``, ``global_batch_size``, ``seed``): the
+        job's data, from which the server deals every round.
 
         Variables of up to half the channel's message limit (``max_message_bytes``) in all
         go as one Initialize message, which every server takes and the channel retries on
@@ -230,11 +232,12 @@ class PSClient:
         so that protobuf's own bytes around the tensors never push a message over."""
         optimizer = pb.OptimizerConfig(**optimizer)
         non_trainable = sorted(non_trainable)
+        plan = {} if data_plan is None else {"data_plan": pb.DataPlan(**data_plan)}
         if sum(np.asarray(v).nbytes for v in variables.values()) <= self.max_message_bytes // 2:
             reply = self.unary.call(
                 "Initialize",
                 pb.InitializeRequest(worker_id=worker_id, optimizer=optimizer,
-                                     variables=codec.encode_many(variables), non_trainable=non_trainable),
+                                     variables=codec.encode_many(variables), non_trainable=non_trainable, **plan),
             )
             return reply.created
         try:
@@ -242,7 +245,7 @@ class PSClient:
         except codec.CodecError as e:
             raise PSClientError("Initialize", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         header = pb.InitializeHeader(worker_id=worker_id, optimizer=optimizer, variables=stream.metas(arrays),
-                                     non_trainable=non_trainable)
+                                     non_trainable=non_trainable, **plan)
         return self.streams.initialize(header, [a for _, a in arrays.values()]).created
 
     def _unary_limit(self) -> int:

@@ -87,6 +87,7 @@ REQUESTS = {
     "Heartbeat": pb.HeartbeatRequest,
     "Status": pb.StatusRequest,
     "Broadcast": pb.BroadcastRequest,
+    "Work": pb.WorkRequest,
 }
 STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
@@ -291,6 +292,7 @@ STRATEGIES = {
                                                                                   TEXT),
                            value=st.binary(max_size=16),
                            timeout_s=st.sampled_from([0.0, 0.001, 0.01, -1.0, float("nan"), -float("inf")])),
+    "Work": st.builds(pb.WorkRequest, worker_id=WORKER),  # these servers are not elastic: refused
 }
 
 
@@ -344,6 +346,12 @@ def test_fuzzed_heartbeat_is_answered_with_a_table_code_and_changes_nothing(targ
 @given(request=STRATEGIES["Broadcast"])
 def test_fuzzed_broadcast_is_answered_with_a_table_code_and_changes_nothing(target, request):
     fuzz(target, "Broadcast", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["Work"])
+def test_fuzzed_work_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    fuzz(target, "Work", request)
 
 
 @FUZZ

@@ -71,8 +71,10 @@ def test_a_push_reply_comes_back_from_the_wire_as_it_left():
         == {n: (a.dtype, a.shape, a.tobytes()) for n, a in metrics.items()}
 
 
-def test_the_sync_shortcut_s_values_are_the_only_wire_only_push_reply_fields():
-    assert convert.PUSH_REPLY.wire_only == {"variables", "incarnation"}
+def test_the_sync_shortcut_s_values_and_elastic_work_are_the_only_wire_only_push_reply_fields():
+    # The service sets them itself: the values (return_values) and, while an elastic round
+    # goes on, the work to do next (ps_server.core.elastic_mode.ElasticReply).
+    assert convert.PUSH_REPLY.wire_only == {"variables", "incarnation", "assignment"}
 
 
 def test_a_malformed_metric_in_a_push_reply_is_a_codec_error():
