@@ -605,9 +605,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
 
     def _push_reply(self, request, result) -> pb.PushResponse:
-        if isinstance(result, ElasticReply) and result.result is None:
-            return self._elastic_reply(result)
-        reply = _reply_to_wire(result)
+        if isinstance(result, ElasticReply):
+            if result.result is None:
+                return self._elastic_reply(result)
+            result = result.result  # the round completed: its answer, and its values if asked
+        reply = convert.PUSH_REPLY.to_wire(result)
         if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
             if version == result.version:

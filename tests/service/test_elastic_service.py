@@ -63,8 +63,11 @@ def test_a_round_over_the_wire_with_a_worker_leaving_mid_round(elastic, bg):
     assert list(first.assignment.micro_batches) == [1] and first.version == 0
     waiting = bg(stub.Push, push_request(running, client, 0, w0, 1))
     stub.Push(push_request(running, client, 1, w1, 0))
-    done = stub.Push(push_request(running, client, 1, w1, 1))
+    last = push_request(running, client, 1, w1, 1)
+    last.return_values = True  # the round's new parameters come with its answer
+    done = stub.Push(last)
     assert not done.HasField("assignment") and done.version == 1 and done.contributors == 2
+    assert {t.name for t in done.variables} == {"w", "b"} and done.incarnation
     assert waiting.result(10).version == 1
     # Round 1: worker 1 delivers one micro-batch and leaves; worker 0, waiting, is given the other.
     w0, w1 = stub.Work(pb.WorkRequest(worker_id=0)), stub.Work(pb.WorkRequest(worker_id=1))
@@ -106,3 +109,30 @@ def test_a_server_that_is_not_elastic_refuses_a_data_plan_and_work(ps):
     with pytest.raises(Exception, match="for elastic sync"):
         client.initialize(0, zeros(), ADAM, data_plan=PLAN)
     assert not running.core.store.initialized
+
+
+def test_micro_batches_pushed_as_streams_are_folded_like_unary_ones(elastic):
+    from protos import stream, wire
+
+    running, client, stub = elastic(num_workers=2, min_workers=1, micro_batches=2)
+    client.register(0, 2)
+    client.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    work = stub.Work(pb.WorkRequest(worker_id=0))
+    channel = grpc.insecure_channel(running.address, options=wire.channel_options())
+    try:
+        call = channel.stream_unary(f"/{wire.SERVICE_NAME}/PushStream", request_serializer=None,
+                                    response_deserializer=pb.PushResponse.FromString)
+        replies = []
+        for i, m in enumerate(work.micro_batches):
+            unary = push_request(running, client, 0, work, i)
+            arrays = {n: stream.to_wire(g) for n, g in codec.decode_many(unary.gradients).items()}
+            header = pb.PushHeader(worker_id=0, step=work.round, base_version=work.round,
+                                   batch_size=work.sizes[i], gradients=stream.metas(arrays), micro_batch=m)
+            frames = [pb.PushChunk(header=header).SerializeToString()]
+            frames += [stream.frame(views) for views in stream.chunk_buffers([a for _, a in arrays.values()])]
+            replies.append(call(iter(frames), timeout=20))
+    finally:
+        channel.close()
+    assert list(replies[0].assignment.micro_batches) == [1]
+    assert not replies[1].HasField("assignment") and replies[1].version == 1
+    assert running.core.mode.ledger.count(0) == 16
