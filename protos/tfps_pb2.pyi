@@ -186,14 +186,16 @@ class DataPlan(_message.Message):
     def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("round", "micro_batches", "sizes")
+    __slots__ = ("round", "micro_batches", "sizes", "parts")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     micro_batches: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    parts: int
+    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -57,8 +57,8 @@ class ServerConfig:
     sparse_updates: str = "exact"
     # Elastic sync (ps_server/core/elastic_mode.py): > 0, rounds start with this many workers
     # and take up to --num-workers, joining and leaving at any time; each global batch is
-    # cut into micro_batches (0: --num-workers) that the server deals out. In progress:
-    # the server's side is built; ps-worker does not push micro-batches yet.
+    # cut into micro_batches (0: --num-workers) that the server deals out to ps-worker
+    # --elastic (in progress: built-in models and data, one server; docs/elastic.md).
     elastic_min_workers: int = 0
     micro_batches: int = 0
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass
@@ -217,7 +217,7 @@ class ServerConfig:
                        "variable half-updated; sgd, adam, adamw, adagrad and rmsprop)")
         g = p.add_argument_group("sparse gradients")
         g.add_argument("--elastic-min-workers", type=int,
-                       help="sync: elastic rounds (in progress: ps-worker does not take part yet): start with this "
+                       help="sync: elastic rounds with ps-worker --elastic (in progress, docs/elastic.md): start with this "
                        "many workers, take up to --num-workers, joining or leaving at any time, the server dealing "
                        "each round's micro-batches (default 0: off)")
         g.add_argument("--micro-batches", type=int,

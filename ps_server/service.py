@@ -308,8 +308,9 @@ def _reply_to_wire(result) -> pb.PushResponse:
     return convert.PUSH_REPLY.to_wire(result.result if isinstance(result, ElasticReply) else result)
 
 
-def _assignment(work: Work) -> pb.Assignment:
-    return pb.Assignment(round=work.round, micro_batches=list(work.micro_batches), sizes=list(work.sizes))
+def _assignment(work: Work, parts: int) -> pb.Assignment:
+    return pb.Assignment(round=work.round, micro_batches=list(work.micro_batches), sizes=list(work.sizes),
+                         parts=parts)
 
 
 def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
@@ -664,7 +665,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _elastic_reply(self, reply: ElasticReply) -> pb.PushResponse:
         """Elastic sync, the round going on: the current version and the work to do next."""
         version = self.core.store.version
-        return pb.PushResponse(version=version, next_step=version, assignment=_assignment(reply.work))
+        return pb.PushResponse(version=version, next_step=version,
+                               assignment=_assignment(reply.work, self.core.micro_batches))
 
     async def _lend(self, nbytes: int, context) -> "_Loan":
         """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
@@ -810,7 +812,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def Work(self, request, context):
         """Elastic sync: this worker's micro-batches; waits (holding no thread) until it has some."""
         ticket = await self._work(self.core.work, request.worker_id)
-        return _assignment(await settled(ticket))
+        return _assignment(await settled(ticket), self.core.micro_batches)
 
     @_handled_async
     async def Broadcast(self, request, context):

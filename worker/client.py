@@ -301,15 +301,42 @@ class PSClient:
         worker of the round. ``set_learning_rate`` > 0: the optimizer's constant learning
         rate from this push's update on (sync: its round's). The reply's ``learning_rate``
         is the rate the optimizer used for this update."""
+        arrays = self._wire_arrays(gradients)
         try:
-            arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
-                      for n, g in gradients.items()}
             metric_tensors = [codec.encode(n, np.asarray(m)) for n, m in (metrics or {}).items()]
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rows = {n: np.asarray(g.rows, dtype=np.int64) for n, g in gradients.items() if isinstance(g, SparseRows)}
         outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, arrays, rows,
                                 metrics=metric_tensors, set_learning_rate=float(set_learning_rate))
+        return self._reply_record(self._send(outgoing, timeout))
+
+    def push_micro(self, worker_id: int, round_: int, micro_batch: int, batch_size: int,
+                   gradients: Mapping[str, np.ndarray], loss: float = 0.0,
+                   timeout: float | None = None) -> tuple[PushReply, pb.Assignment | None]:
+        """Elastic sync: the gradient of one micro-batch of round ``round_`` (computed on the
+        parameters of version ``round_``). Returns the reply and, while the round goes on, the
+        work to do next (this worker's rest, or a dead worker's part); None once the round
+        completed (the reply is its answer, with the new parameters where the shortcut asks)."""
+        outgoing = OutgoingPush(worker_id, round_, round_, batch_size, loss, self._wire_arrays(gradients), {},
+                                micro_batch=micro_batch)
+        reply = self._send(outgoing, timeout)
+        return self._reply_record(reply), (reply.assignment if reply.HasField("assignment") else None)
+
+    def _wire_arrays(self, gradients: Mapping) -> dict[str, tuple[int, np.ndarray]]:
+        try:
+            return {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
+                    for n, g in gradients.items()}
+        except codec.CodecError as e:
+            raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
+        """Elastic sync: this worker's micro-batches (round, micro_batches, sizes, parts); waits
+        until it has some, at most ``timeout`` (default: the client's)."""
+        return self.unary.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout)
+
+    def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
+        rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
         if outgoing.nbytes <= self._unary_limit():  # one message beats a stream
@@ -322,10 +349,14 @@ class PSClient:
             self.shortcut.receive(reply)
         else:
             reply = self.shared_memory.push(outgoing, timeout)
-            if reply is None and self.overlap and self.shortcut.on and not rows and not set_learning_rate:
+            if reply is None and self.overlap and self.shortcut.on and not rows and not set_learning_rate \
+                    and outgoing.micro_batch < 0:  # elastic sync takes no PushPull
                 reply = self._push_pull(outgoing, timeout)
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
+        return reply
+
+    def _reply_record(self, reply: pb.PushResponse) -> PushReply:
         try:
             return convert.PUSH_REPLY.from_wire(reply)
         except codec.CodecError as e:

@@ -91,6 +91,9 @@ class WorkerConfig:
     shm: bool = setting(False, env="TFPS_WORKER_SHM", old_env="TFPS_SHM")
     # Sync: a streamed push gets the round's new values back while it still sends (PushPull).
     overlap: bool = True
+    # Elastic sync (ps-server --elastic-min-workers): the server deals each round's
+    # micro-batches (worker.elastic); built-in models and data only, one server.
+    elastic: bool = False
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
     slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
@@ -136,6 +139,8 @@ class WorkerConfig:
         return [a.strip() for a in self.ps.split(",")] if "," in self.ps else [self.ps]
 
     def validate(self) -> "WorkerConfig":
+        if self.elastic and "," in self.ps:
+            raise ConfigError("--elastic trains against one server (no shards yet)")
         if "," not in self.ps:
             if not _is_host_port(self.ps):
                 raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")
@@ -300,6 +305,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
+    p.add_argument("--elastic", action=argparse.BooleanOptionalAction,
+                   help="elastic sync: compute the micro-batches the server deals (ps-server "
+                        "--elastic-min-workers); built-in models and data, one server (default off)")
     p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
                    help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
                         "default float32: exact)")

@@ -103,6 +103,7 @@ class Connection:
         self.pulled: dict[str, np.ndarray] = {}  # the values of the last pull
         self.seen = -1  # the newest server version this worker saw
         self.heartbeat: Heartbeat | None = None
+        self.data_plan: dict | None = None  # elastic sync: the chief sends it with Initialize (worker.elastic)
 
     @property
     def worker_id(self) -> int:
@@ -261,9 +262,10 @@ class Connection:
                                     f"{socket.gethostname()}:{os.getpid()}", timeout=timeout)
 
     def _initialize(self, worker_id: int | None = None) -> bool:
+        plan = {} if self.data_plan is None else {"data_plan": self.data_plan}
         return self.client.initialize(self.worker_id if worker_id is None else worker_id, get_values(self.model),
                                       self._optimizer_spec(),
-                                      non_trainable=[v.path for v in non_trainable(self.model)])
+                                      non_trainable=[v.path for v in non_trainable(self.model)], **plan)
 
     def _optimizer_spec(self) -> dict:
         """The optimizer this worker trains with: the one given to ``__init__``, else the flags'."""

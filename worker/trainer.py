@@ -114,7 +114,15 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
     if observer.metrics_port:
         log.debug("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
     try:
-        loop = TrainingLoop(config, task, model, observer, device)
+        if config.elastic:
+            from worker.elastic import ElasticLoop
+
+            if not isinstance(task, tasks.BuiltinTask):
+                raise ConfigError("--elastic trains the built-in models and data (examples drawn by index) "
+                                  "for now; not your own model or tf.data pipeline")
+            loop = ElasticLoop(config, task, model, observer, device)
+        else:
+            loop = TrainingLoop(config, task, model, observer, device)
         try:
             return loop.run()
         finally:

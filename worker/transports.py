@@ -68,6 +68,7 @@ class OutgoingPush:
     # encoded: every transport sends them whole, in the request or the stream's header.
     metrics: list[pb.Tensor] = dataclasses.field(default_factory=list)
     set_learning_rate: float = 0.0  # > 0: the optimizer's constant learning rate from this update on
+    micro_batch: int = -1  # elastic sync: the micro-batch of the round this gradient is of
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +78,7 @@ class OutgoingPush:
         return pb.PushRequest(
             worker_id=self.worker_id, step=self.step, base_version=self.base_version, batch_size=self.batch_size,
             loss=self.loss, return_values=self.return_values, metrics=self.metrics,
-            set_learning_rate=self.set_learning_rate,
+            set_learning_rate=self.set_learning_rate, **self._micro(),
             gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes(), sparse=n in self.rows,
                                  rows=self.rows[n].tolist() if n in self.rows else ())
                        for n, (code, a) in self.arrays.items()])
@@ -85,7 +86,7 @@ class OutgoingPush:
     def header(self) -> pb.PushHeader:
         header = pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
                                batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays),
-                               metrics=self.metrics, set_learning_rate=self.set_learning_rate)
+                               metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
         for meta in header.gradients:
             if meta.name in self.rows:
                 meta.sparse = True
@@ -94,6 +95,9 @@ class OutgoingPush:
 
     def buffers(self) -> list[np.ndarray]:
         return [a for _, a in self.arrays.values()]
+
+    def _micro(self) -> dict:
+        return {"micro_batch": self.micro_batch} if self.micro_batch >= 0 else {}
 
 
 class Transport(Protocol):

@@ -95,6 +95,7 @@ class ElasticSyncMode:
         self._lock = threading.Lock()
         self._live: set[int] = set()
         self._round = store.version  # one round is one version
+        self._first_round = self._round  # where this server started (0, or a restored round)
         self._work: RoundWork | None = None
         self._started = 0.0
         self._sum = RoundSum()
@@ -219,7 +220,7 @@ class ElasticSyncMode:
 
     def restore(self, status: ModeStatus) -> None:
         with self._lock:
-            self._round = status.round
+            self._round = self._first_round = status.round
             self._timed_out = status.rounds_timed_out
             self._reset_round()
 
@@ -304,7 +305,9 @@ class ElasticSyncMode:
         self._losses = []
 
     def _start_if_ready(self) -> None:
-        if self._work is not None or self.cursor is None or len(self._live) < self.min_workers:
+        # min_workers gates the job's first round only: later ones go on with whoever is live.
+        needed = self.min_workers if self._round == self._first_round else 1
+        if self._work is not None or self.cursor is None or len(self._live) < needed:
             return
         self._work = self.cursor.round(self._round, self._live)
         self._started = self._clock()

@@ -77,6 +77,20 @@ def test_the_first_round_waits_for_min_workers_and_a_late_joiner_takes_the_next_
     assert later.result() == Work(1, (3,), (4,)) and mode.work(0).result().micro_batches == (0, 1)
 
 
+def test_after_the_first_round_rounds_go_on_below_min_workers():
+    mode, store = make(min_workers=2)
+    for w in (0, 1):
+        work = mode.work(w).result()
+        for i in range(len(work.micro_batches)):
+            mode.submit(push_of(mode, store, w, work, i))
+    mode.workers_died([1])  # between rounds: round 1 was dealt to both, 1's part moves to 0
+    work = mode.work(0).result()
+    assert work == Work(1, (0, 1, 2, 3), (4, 4, 4, 4))
+    for i in range(4):
+        mode.submit(push_of(mode, store, 0, work, i))
+    assert store.version == 2 and mode.work(0).result().round == 2  # and round 2 starts with one worker
+
+
 def test_a_dead_worker_s_undelivered_micro_batch_goes_to_the_waiting_worker():
     mode, store = make()
     w0, w1 = mode.work(0).result(), mode.work(1).result()

@@ -82,10 +82,11 @@ def test_a_worker_whose_lease_runs_out_hands_its_part_to_the_waiting_one_and_a_n
     assert moved.micro_batches == (3,)
     done = ps.submit(push(ps, 0, moved)).result().result
     assert done.version == 1 and ps.status().round == 1 and ps.status().active_workers == (0,)
-    ps.register(2, 4)  # joins at the round boundary: round 1 is dealt between 0 and 2
-    assert ps.work(0).result().micro_batches == (0, 1) and ps.work(2).result().micro_batches == (2, 3)
-    ps.leave(0)  # leaving mid-round gives its part back too
-    assert ps.work(2).result().micro_batches == (0, 1, 2, 3)
+    ps.register(2, 4)  # round 1 started with worker 0 alone: 2 takes part from round 2
+    pending = ps.work(2)
+    assert ps.work(0).result().micro_batches == (0, 1, 2, 3) and not pending.done()
+    ps.leave(0)  # leaving mid-round gives its part back too: to 2, which was waiting
+    assert pending.result().micro_batches == (0, 1, 2, 3)
     assert ps.members.snapshot()[0].pushes == 3  # every micro-batch push was counted
 
 

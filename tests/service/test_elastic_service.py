@@ -2,8 +2,8 @@
 
 The server's side of elastic training end to end through the wire: the chief's data plan
 with Initialize, Work, one Push per micro-batch (unary and streamed), the round's answer,
-a leaving worker's part moved to the one waiting, and the refusals. (ps-worker does not
-take part yet: these calls are made with the generated stub.)
+a leaving worker's part moved to the one waiting, and the refusals, made with the
+generated stub (ps-worker --elastic makes them in tests/cluster/test_elastic.py).
 """
 
 import grpc

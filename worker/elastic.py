@@ -1,0 +1,104 @@
+"""The worker's loop in elastic sync: it computes what the server deals it.
+
+    ps-server --mode sync --num-workers 4 --elastic-min-workers 2 --micro-batches 4
+    ps-worker --elastic --worker-index 0 --num-workers 4 ...     # any number of these, at any time
+
+Against ``ps-server --elastic-min-workers`` (``ps_server/core/elastic_mode.py``) the
+data cursor is the server's: every round it deals the fixed micro-batches of that
+round's global batch (``ps_common.batches``) to the workers live at its start. So a
+worker does not own a shard. Each round it asks for its work (``Work``), pulls the
+parameters of that round's version, and for each micro-batch dealt to it computes the
+mean loss and gradient of those examples alone (one ``GradientTape`` per micro-batch,
+``worker.gradients``) and pushes it (``PSClient.push_micro``). The reply either names
+the work to do next (its own rest, or the part of a worker that died) or is the round's
+answer. A worker may join at any time and may die at any time: its undelivered part is
+computed by another, and the round's result has the same bits (``core.cursor``).
+
+The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
+Initialize. The job ends at the last step: a worker dealt work of a round at or past
+``total_steps`` stops. Built-in models and datasets only for now (their examples are
+drawn by index); one server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from ps_common.batches import micro_batches
+from worker.client import PSClientError
+from worker.connection import recoverable
+from worker.trainer import TrainingLoop
+
+log = logging.getLogger("worker")
+
+
+class ElasticLoop(TrainingLoop):
+    """``TrainingLoop`` whose steps are the server's rounds, computed micro-batch by micro-batch."""
+
+    def run(self) -> dict:
+        task = self.task
+        self.conn.data_plan = {"num_examples": len(task.data.y_train),
+                               "global_batch_size": self.config.global_batch_size, "seed": self.config.seed}
+        self.start()
+        self.t0 = time.monotonic()
+        while True:
+            try:
+                if not self._one_round():
+                    break
+            except PSClientError as e:
+                if _rejoin_for(e):  # this worker was declared dead (a lease missed), or the server restarted
+                    self.conn.rejoin(e)
+                elif not _ask_again(e):
+                    raise
+        self.conn.step = task.total_steps
+        return self.finish()
+
+    def _one_round(self) -> bool:
+        """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
+        task, client, me = self.task, self.conn.client, self.conn.worker_id
+        work = client.work(me, timeout=self.conn.registration.barrier_timeout + client.timeout)
+        if work.round >= task.total_steps:
+            return False
+        version = self.conn.pull()
+        if version == work.round:  # else: dealt for a round that ended meanwhile: ask again
+            self._compute_round(work, version)
+        return True
+
+    def _compute_round(self, work, version: int) -> None:
+        task, client, me = self.task, self.conn.client, self.conn.worker_id
+        knob_s = self.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
+        started, compute_s = time.monotonic(), 0.0
+        todo, sizes, losses = list(work.micro_batches), [], []
+        reply = None
+        while todo:
+            m = todo.pop(0)
+            batch = micro_batches(task._batches[work.round], work.parts)[m]
+            computing = time.monotonic()
+            loss, grads = self.compute(task.data.x_train[batch], task.data.y_train[batch], len(batch))
+            compute_s += time.monotonic() - computing
+            reply, more = client.push_micro(me, work.round, m, len(batch), grads, loss)
+            sizes.append(len(batch))
+            losses.append(loss)
+            if more is not None and more.round == work.round:
+                todo = list(more.micro_batches)  # the rest of ours, or a dead worker's part
+        push_s = time.monotonic() - started - compute_s
+        record = {"step": work.round, "loss": sum(l * n for l, n in zip(losses, sizes)) / max(sum(sizes), 1),
+                  "batch_size": sum(sizes), "micro_batches": len(sizes), "base_version": version,
+                  "version": reply.version, "staleness": 0, "dropped": False, "t": time.monotonic() - self.t0,
+                  "pull_s": 0.0, "compute_s": compute_s, "push_s": push_s, "knob_s": knob_s}
+        self.history.append(record)
+        self.observer.step(record)
+        self.conn.step = work.round + 1
+
+
+def _rejoin_for(e: PSClientError) -> bool:
+    return recoverable(e) or any(d in e.details for d in ("was declared dead", "has not joined"))
+
+
+def _ask_again(e: PSClientError) -> bool:
+    """A round that ended without this push (a late one) or timed out: the next ``Work`` says what now."""
+    return e.code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+        or "completed without it" in e.details
