@@ -192,13 +192,19 @@ class Membership:
             parts.append(f"{w} ({name})" if name else str(w))
         return ", ".join(parts)
 
-    def finished(self) -> tuple[bool, list[int], list[int]]:
+    def finished(self, every_index: bool = True) -> tuple[bool, list[int], list[int]]:
         """(done, left, dead): done once every index registered and each worker
-        since either left (finished) or was declared dead, so nobody trains."""
+        since either left (finished) or was declared dead, so nobody trains.
+        ``every_index=False`` (elastic jobs, which may never fill every index): done once
+        some worker finished and every registered one left or was declared dead."""
         with self._lock:
             left = sorted(i for i, r in self._workers.items() if r.left)
             dead = sorted(i for i, r in self._workers.items() if r.dead and not r.left)
-            done = len(self._workers) == self.num_workers and len(left) + len(dead) == self.num_workers
+            registered = len(self._workers)
+            if every_index:
+                done = registered == self.num_workers and len(left) + len(dead) == self.num_workers
+            else:
+                done = bool(left) and len(left) + len(dead) == registered
         return done, left, dead
 
     def snapshot(self) -> list[WorkerRecord]:

@@ -184,8 +184,9 @@ class ParameterServer:
                             round_restored=bool(restored and restored()), **shared)
 
     def finished(self) -> tuple[bool, list[int], list[int]]:
-        """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done."""
-        return self.members.finished()
+        """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done.
+        Elastic: once someone finished and nobody trains, however many indices were used."""
+        return self.members.finished(every_index=not self.elastic)
 
     def heartbeat(self, worker_id: int, step: int = -1) -> None:
         self.members.heartbeat(worker_id)

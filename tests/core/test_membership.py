@@ -188,3 +188,17 @@ def test_work_and_wait_times_average_what_happens_between_and_inside_pushes(memb
     assert rec.work_s == pytest.approx(1.0, abs=0.01) and rec.wait_s == pytest.approx(0.1, abs=0.01)
     members.register(0, 3)  # a new registration starts the averages again
     assert members.snapshot()[0].last_push_done == 0.0
+
+
+def test_an_elastic_job_is_finished_when_nobody_trains_however_many_indices_it_used(members, clock):
+    assert members.finished(every_index=False) == (False, [], [])
+    members.register(0, 3)
+    members.register(1, 3)
+    assert members.finished(every_index=False) == (False, [], [])  # both train
+    clock.now += 11.0
+    assert members.expire() == [0, 1]
+    assert members.finished(every_index=False) == (False, [], [0, 1])  # nobody finished: a crash, not an end
+    members.register(1, 3)
+    members.leave(1)
+    assert members.finished(every_index=False) == (True, [1], [0])  # index 2 never used
+    assert members.finished() == (False, [1], [0])
