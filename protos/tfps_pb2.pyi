@@ -176,26 +176,32 @@ class InitializeHeader(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
-    __slots__ = ("num_examples", "global_batch_size", "seed")
+    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs")
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     num_examples: int
     global_batch_size: int
     seed: int
-    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    epochs: int
+    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("round", "micro_batches", "sizes", "parts")
+    __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     round: int
     micro_batches: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     parts: int
-    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., parts: _Optional[int] = ...) -> None: ...
+    task: bool
+    finished: bool
+    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., parts: _Optional[int] = ..., task: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -260,7 +266,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate", "micro_batch")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate", "micro_batch", "task")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +278,7 @@ class PushHeader(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -283,7 +290,8 @@ class PushHeader(_message.Message):
     metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
     set_learning_rate: float
     micro_batch: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ...) -> None: ...
+    task: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -330,7 +338,7 @@ class PushPullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., done: _Optional[_Union[PushResponse, _Mapping]] = ..., confirmed: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rate", "micro_batch")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rate", "micro_batch", "task")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +349,7 @@ class PushRequest(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -351,7 +360,8 @@ class PushRequest(_message.Message):
     metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
     set_learning_rate: float
     micro_batch: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ...) -> None: ...
+    task: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed", "variables", "incarnation", "metrics", "learning_rate", "assignment")
@@ -434,7 +444,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ..., work_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled", "optimizer_iterations", "learning_rate_now")
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled", "optimizer_iterations", "learning_rate_now", "epoch_examples", "num_examples", "tasks_total", "tasks_done", "tasks_held", "tasks_queued")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +479,12 @@ class StatusResponse(_message.Message):
     PUSHES_SCALED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_NOW_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    TASKS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     initialized: bool
@@ -503,7 +519,13 @@ class StatusResponse(_message.Message):
     pushes_scaled: int
     optimizer_iterations: int
     learning_rate_now: float
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ...) -> None: ...
+    epoch_examples: _containers.RepeatedScalarFieldContainer[int]
+    num_examples: int
+    tasks_total: int
+    tasks_done: int
+    tasks_held: int
+    tasks_queued: int
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ..., epoch_examples: _Optional[_Iterable[int]] = ..., num_examples: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_held: _Optional[int] = ..., tasks_queued: _Optional[int] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
     __slots__ = ("worker_id", "key", "value", "timeout_s")

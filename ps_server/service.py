@@ -40,7 +40,7 @@ from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.overlap import HELD_BYTES, NOT_YET
 from ps_server.core.optimizers import OptimizerSpec
-from ps_server.core.parameter_server import ParameterServer, Status
+from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.sparse import SparseRows
 from ps_server.aio import AsyncBudget, settled
@@ -308,7 +308,12 @@ def _reply_to_wire(result) -> pb.PushResponse:
     return convert.PUSH_REPLY.to_wire(result.result if isinstance(result, ElasticReply) else result)
 
 
-def _assignment(work: Work, parts: int) -> pb.Assignment:
+def _assignment(work, parts: int) -> pb.Assignment:
+    """Elastic sync's ``Work``, or async and ssp's ``TaskOffer``, as an Assignment."""
+    if isinstance(work, TaskOffer):
+        if work.task is None:
+            return pb.Assignment(round=-1, task=True, finished=work.finished)
+        return pb.Assignment(round=work.task.task_id, sizes=[work.task.size], task=True)
     return pb.Assignment(round=work.round, micro_batches=list(work.micro_batches), sizes=list(work.sizes),
                          parts=parts)
 
@@ -505,7 +510,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         created, version = self.core.initialize(
             request.worker_id, variables, optimizer_from_wire(request.optimizer),
             non_trainable=list(request.non_trainable), owned=owned,
-            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed) if plan is not None else None)
+            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs)
+            if plan is not None else None)
         if created:
             log.info(
                 "initialized %d variables (%d parameters) by worker %d, optimizer %s",
@@ -602,6 +608,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 metrics=codec.decode_many(request.metrics),
                 set_learning_rate=request.set_learning_rate,
                 micro_batch=request.micro_batch if request.HasField("micro_batch") else -1,
+                task=request.task if request.HasField("task") else -1,
             )
         )
 
@@ -660,7 +667,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _push_of(h: pb.PushHeader, gradients, metrics: dict) -> Push:
         return Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
                     gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate,
-                    micro_batch=h.micro_batch if h.HasField("micro_batch") else -1)
+                    micro_batch=h.micro_batch if h.HasField("micro_batch") else -1,
+                    task=h.task if h.HasField("task") else -1)
 
     def _elastic_reply(self, reply: ElasticReply) -> pb.PushResponse:
         """Elastic sync, the round going on: the current version and the work to do next."""
@@ -810,7 +818,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled_async
     async def Work(self, request, context):
-        """Elastic sync: this worker's micro-batches; waits (holding no thread) until it has some."""
+        """Elastic sync: this worker's micro-batches; waits (holding no thread) until it has some.
+        Async and ssp with a data plan: a task, at once."""
         ticket = await self._work(self.core.work, request.worker_id)
         return _assignment(await settled(ticket), self.core.micro_batches)
 

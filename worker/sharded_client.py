@@ -474,6 +474,14 @@ STATUS_RULES: dict[str, Callable] = {
     "pushes_scaled": max,
     "optimizer_iterations": min,  # the updates every shard has made
     "learning_rate_now": first,  # every shard steps the same schedule at the same count
+    # A data plan's counts (elastic sync, async and ssp tasks) are one server's: --elastic
+    # workers take one server, never shards.
+    "epoch_examples": first,
+    "num_examples": first,
+    "tasks_total": first,
+    "tasks_done": first,
+    "tasks_held": first,
+    "tasks_queued": first,
 }
 
 

@@ -100,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -132,6 +133,9 @@ class AsyncMode:
         self.apply = apply
         self._worker_locks = [threading.Lock() for _ in range(members.num_workers)]
         self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
+        # Called with (push, result) once a push was applied or dropped, under that worker's
+        # lock (the task queue's bookkeeping, ``ParameterServer``); must not block.
+        self.on_applied: Callable[[Push, PushResult], None] | None = None
 
     def push(self, push: Push) -> PushResult:
         started = time.perf_counter()
@@ -160,6 +164,8 @@ class AsyncMode:
                 raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; step {push.step} is older")
             result = self._apply(push)
             self._last[push.worker_id] = (push.step, result)
+            if self.on_applied is not None:  # before ssp's wait for the bound, which may time out
+                self.on_applied(push, result)
             return result
 
     def _apply(self, push: Push) -> PushResult:

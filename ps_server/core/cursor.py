@@ -54,11 +54,15 @@ from ps_server.core.errors import InvalidArgument
 
 @dataclasses.dataclass(frozen=True)
 class DataPlan:
-    """What the server must know of the job's data to deal its rounds (the chief sends it)."""
+    """What the server must know of the job's data to deal its rounds (the chief sends it).
+    Async and ssp: ``global_batch_size`` is each task's batch (one push's examples) and
+    ``epochs`` how many passes the job makes (``core.tasks``); elastic sync's rounds go on
+    while workers ask (``epochs`` 0)."""
 
     num_examples: int
     global_batch_size: int
     seed: int
+    epochs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

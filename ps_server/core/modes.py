@@ -60,6 +60,9 @@ class Push:
     # Elastic sync (``core.elastic_mode``): the micro-batch of the round this gradient is
     # for (``core.cursor``); -1 elsewhere.
     micro_batch: int = -1
+    # Async and ssp with a data plan (``core.tasks``): the task (batch) this gradient is
+    # of, which this worker holds; -1 elsewhere.
+    task: int = -1
 
     def validate(self) -> None:
         # The upper bounds keep every answer and counter a signed 64-bit integer:

@@ -42,9 +42,20 @@ from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
+from ps_server.core.tasks import Task, TaskQueue
 from ps_server.core.sync_mode import SyncMode
 
 log = logging.getLogger("ps_server.core")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOffer:
+    """Async and ssp with a data plan: what ``work`` hands a worker. ``task`` None: every
+    task is handed out; ``finished`` says whether all are done (stop) or some may still
+    come back (ask again soon)."""
+
+    task: Task | None
+    finished: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +98,14 @@ class Status:
     max_ahead: int = 0  # ssp: the most steps an applied push was ahead of the slowest worker
     optimizer_iterations: int = 0  # the optimizer steps every trainable variable has had (Keras' iterations)
     learning_rate_now: float = 0.0  # the learning rate of the next update (a schedule's at that count); 0 before init
+    # With a data plan (elastic sync's rounds, async and ssp's tasks): the examples each
+    # epoch has applied so far, each counted once (epoch 0 first); () without one.
+    epoch_examples: tuple[int, ...] = ()
+    num_examples: int = 0  # the plan's dataset size: an epoch is complete at this many
+    tasks_total: int = 0  # async and ssp with a data plan: the job's tasks (batches), and
+    tasks_done: int = 0   # how many are applied, handed out and not done, and given back
+    tasks_held: int = 0   # (a dead worker's, an expired lease's, a refused push's) waiting
+    tasks_queued: int = 0  # to be handed out again
 
 
 _REGISTRATION_FROM_STATUS = tuple(f for f in dataclasses.fields(Registration)
@@ -151,6 +170,7 @@ class ParameterServer:
         self.stale_policy, self.max_staleness = stale_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
+        self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.tasks)
         self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
         self.stats = Stats()
@@ -190,6 +210,8 @@ class ParameterServer:
 
     def heartbeat(self, worker_id: int, step: int = -1) -> None:
         self.members.heartbeat(worker_id)
+        if self.tasks is not None:
+            self.tasks.renew(worker_id)
 
     def tick(self) -> list[int]:
         """Declare workers whose lease ran out dead and apply the dead-worker policy."""
@@ -198,6 +220,11 @@ class ParameterServer:
             log.warning("worker(s) %s declared dead: no call or heartbeat for more than %g s",
                         self.members.describe(dead), self.members.lease_timeout)
             self.mode.workers_died(dead)
+        if self.tasks is not None:
+            for w in dead:
+                self._tasks_back(w, self.tasks.lost(w), "it was declared dead")
+            for task in self.tasks.expire():
+                log.warning("task %d (epoch %d) goes back to the queue: its lease ran out", task.task_id, task.epoch)
         self.mode.expire_overdue()  # submit()'s waits have no thread watching their time
         self.broadcasts.expire_overdue()
         return dead
@@ -218,16 +245,49 @@ class ParameterServer:
         cursor = self._cursor_of(data_plan)
         if cursor is not None and self.mode.cursor not in (None, cursor):
             raise SpecConflict(f"the job's data plan is {self.mode.cursor}; this initialize brings {cursor}")
+        tasks = self._tasks_of(data_plan)
         created = self.store.initialize(variables, spec, frozenset(non_trainable), owned=owned)
         if cursor is not None:
             self.mode.set_cursor(cursor)
+        if tasks is not None and self.tasks is None:
+            self.tasks = tasks
+            self.mode.on_applied = self._task_applied
         return created, self.store.version
+
+    def _tasks_of(self, plan: "DataPlan | None") -> TaskQueue | None:
+        """Async and ssp: the task queue a data plan makes (refusing one that conflicts with
+        the job's), checked before anything is stored."""
+        if self.mode_name == "sync":
+            return None
+        if plan is None:
+            if self.tasks is not None:
+                raise SpecConflict(f"this job's data is dealt as tasks ({self._plan_text()}); an initialize "
+                                   f"without that data plan belongs to another job")
+            return None
+        if self.store.initialized and self.tasks is None:
+            raise SpecConflict("this job was initialized without a data plan (its workers read their own "
+                               "shards); an initialize with one belongs to another job")
+        if plan.epochs < 1:
+            raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
+        queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
+                          self.members.lease_timeout, self._clock)
+        if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed,
+                                       self.tasks.epochs) != (queue.num_examples, queue.batch_size,
+                                                              queue.seed, queue.epochs):
+            raise SpecConflict(f"the job's data plan is {self._plan_text()}; this initialize brings "
+                               f"{plan.num_examples} examples, batches of {plan.global_batch_size}, seed "
+                               f"{plan.seed}, {plan.epochs} epoch(s)")
+        return queue
+
+    def _plan_text(self) -> str:
+        t = self.tasks
+        return f"{t.num_examples} examples, batches of {t.batch_size}, seed {t.seed}, {t.epochs} epoch(s)"
 
     def _cursor_of(self, plan: "DataPlan | None") -> Cursor | None:
         if not self.elastic:
-            if plan is not None:
-                raise InvalidArgument("a data plan is for elastic sync (the server deals the batches); this "
-                                      "server's workers read their own shards")
+            if plan is not None and self.mode_name == "sync":
+                raise InvalidArgument("a sync data plan is for elastic sync (ps-server --elastic-min-workers: "
+                                      "the server deals the batches); this server's workers read their own shards")
             return None
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
@@ -235,10 +295,19 @@ class ParameterServer:
         return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
 
     def work(self, worker_id: int) -> Ticket:
-        """Elastic sync: a ticket for this worker's micro-batches (``ElasticSyncMode.work``)."""
+        """Elastic sync: a ticket for this worker's micro-batches (``ElasticSyncMode.work``).
+        Async and ssp with a data plan: one settled at once with a ``TaskOffer``."""
         self.members.require(worker_id)
+        if self.tasks is not None:
+            task = self.tasks.take(worker_id)
+            ticket = Ticket()
+            ticket.settle(TaskOffer(task, task is None and self.tasks.finished))
+            return ticket
         if not self.elastic:
-            raise InvalidArgument("work is dealt by elastic sync only; this server's workers compute their shards")
+            why = ("its chief initialized it without a data plan" if self.mode_name != "sync"
+                   else "it is not elastic")
+            raise InvalidArgument(f"work is dealt by elastic sync, or by async and ssp with a data plan; "
+                                  f"this server's workers compute their own shards ({why})")
         return self.mode.work(worker_id)
 
     def pull(self, worker_id: int | None = None, names: Iterable[str] | None = None,
@@ -288,8 +357,15 @@ class ParameterServer:
         the round's outcome (``SyncMode.push``)."""
         self.members.require(push.worker_id)
         arrived = self._clock()
+        record = self._task_begin(push)
+        if record is not None:
+            return record
         push, consumed = self._dense(push, consumed)
-        result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
+        try:
+            result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
+        except PSError:
+            self._task_refused(push.worker_id, push.task)
+            raise
         self._recorded(push.worker_id, push.step, arrived, result)
         return result
 
@@ -299,21 +375,89 @@ class ParameterServer:
         try:
             self.members.require(push.worker_id)
             arrived = self._clock()
-            push, consumed = self._dense(push, consumed)
+            answered = self._task_begin(push)
+            if answered is None:
+                push, consumed = self._dense(push, consumed)
         except PSError as e:
             ticket = Ticket()
             ticket.settle(e)
             return ticket
-        ticket = self.mode.submit(push, consumed)
-        worker_id, step = push.worker_id, push.step  # not the push: its gradients are let go
+        if answered is not None:
+            ticket = Ticket()
+            ticket.settle(answered)
+            return ticket
+        try:
+            ticket = self.mode.submit(push, consumed)
+        except PSError as e:
+            self._task_refused(push.worker_id, push.task)
+            ticket = Ticket()
+            ticket.settle(e)
+            return ticket
+        # Not the push itself: its gradients are let go once folded.
+        worker_id, step, task = push.worker_id, push.step, push.task
 
         def record(t: Ticket) -> None:
             try:
-                self._recorded(worker_id, step, arrived, t.result())
+                result = t.result()
             except PSError:
-                pass
+                self._task_refused(worker_id, task)
+                return
+            self._recorded(worker_id, step, arrived, result)
         ticket.add_done_callback(record)
         return ticket
+
+    # -- tasks (async and ssp with a data plan) -------------------------------------------
+    def _task_begin(self, push: Push) -> PushResult | None:
+        """Check a push against the task queue and pin its task (``TaskQueue.begin``); the
+        recorded answer of a task this worker's push already did; None to apply it."""
+        if self.tasks is None:
+            if push.task >= 0:
+                raise InvalidArgument(f"push names task {push.task}, but this server deals no tasks "
+                                      f"(its chief initialized it without a data plan)")
+            return None
+        if push.task < 0:
+            raise InvalidArgument("this job's data is dealt as tasks: a push names the task it trains on "
+                                  "(ps-worker --elastic asks for them)")
+        self.tasks.renew(push.worker_id)
+        record = self.tasks.begin(push.worker_id, push.task)
+        if record is not None:
+            self.stats.count("replayed")
+            return PushResult(version=record.version, staleness=0, next_step=push.step + 1, replayed=True)
+        size = self.tasks.task(push.task).size
+        if push.batch_size != size:
+            self.tasks.given_back(push.worker_id, push.task)
+            raise InvalidArgument(f"task {push.task} holds {size} examples; this push says batch_size "
+                                  f"{push.batch_size} (the task goes back to the queue)")
+        return None
+
+    def _task_applied(self, push: Push, result: PushResult) -> None:
+        """The mode applied a task's push (done: its examples counted) or dropped it (too
+        stale: the task goes back). Called at once, under the worker's lock: an ssp push
+        whose wait for the bound then times out stays done."""
+        if push.task < 0:
+            return
+        try:
+            if result.dropped:
+                self.tasks.given_back(push.worker_id, push.task)
+            else:
+                self.tasks.done(push.worker_id, push.task, result.version)
+        except PSError as e:  # a bug guard: never lose the push's answer to it
+            log.error("task %d of worker %d: %s", push.task, push.worker_id, e)
+
+    def _task_refused(self, worker_id: int, task_id: int) -> None:
+        """A task's push failed: unless it was applied first (ssp's wait for the bound comes
+        after), the task goes back to the queue."""
+        if self.tasks is None or task_id < 0 or self.tasks.record(task_id) is not None:
+            return
+        try:
+            self.tasks.given_back(worker_id, task_id)
+        except PSError:
+            pass  # not pinned by this worker any more (taken back meanwhile): nothing to give
+
+    def _tasks_back(self, worker_id: int, back: list, why: str) -> None:
+        if back:
+            log.warning("worker %d's task(s) %s go back to the queue: %s", worker_id,
+                        [t.task_id for t in back], why)
 
     def _dense(self, push: Push, consumed: Callable[[], None] | None) -> tuple[Push, Callable[[], None] | None]:
         """Sparse gradients checked, and made dense unless stepped row-wise (``store.prepare``);
@@ -342,6 +486,8 @@ class ParameterServer:
         self.members.leave(worker_id)
         if self.elastic:  # what it had not delivered goes to the others
             self.mode.workers_died([worker_id])
+        if self.tasks is not None:
+            self._tasks_back(worker_id, self.tasks.lost(worker_id), "it left")
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """The chief's (worker 0's) value under ``key``. The chief posts ``value`` and is
@@ -465,7 +611,22 @@ class ParameterServer:
             max_ahead=mode_status.max_ahead,
             optimizer_iterations=self.store.optimizer_iterations() if self.store.initialized else 0,
             learning_rate_now=self.store.current_learning_rate() if self.store.initialized else 0.0,
+            **self._data_status(),
         )
+
+    def _data_status(self) -> dict:
+        if self.tasks is not None:
+            t = self.tasks
+            ts = t.status()
+            return dict(epoch_examples=tuple(t.examples_done(e) for e in range(min(ts.epoch + 1, t.epochs))),
+                        num_examples=t.num_examples, tasks_total=ts.total, tasks_done=ts.done,
+                        tasks_held=ts.held, tasks_queued=ts.queued)
+        ledger = getattr(self.mode, "ledger", None) if self.elastic else None
+        if ledger is None:
+            return {}
+        epochs = ledger.epochs()
+        return dict(epoch_examples=tuple(ledger.count(e) for e in range(epochs[-1] + 1)) if epochs else (),
+                    num_examples=ledger.num_examples)
 
 
 __all__ = ["ParameterServer", "Push", "PushResult", "Registration", "Status"]

@@ -1,0 +1,221 @@
+"""ParameterServer in async and ssp with a data plan: batches handed out as tasks
+(``core.tasks``), each applied exactly once whoever dies, leaves, retries or joins."""
+
+import random
+
+import numpy as np
+import pytest
+
+from ps_common.batches import global_batch
+from ps_server.core.cursor import DataPlan
+from ps_server.core.errors import BarrierTimeout, InvalidArgument, SpecConflict, UnknownWorker
+from ps_server.core.modes import Push
+from ps_server.core.parameter_server import ParameterServer
+from tests.core.test_cursor import EXAMPLES, gradient
+from tests.core.test_elastic_mode import Clock
+from tests.core.test_elastic_server import ADAM, zeros
+
+PLAN = DataPlan(num_examples=EXAMPLES, global_batch_size=16, seed=5, epochs=3)
+
+
+def server(clock, mode="async", **kwargs):
+    options = dict(num_workers=4, lease_timeout=5.0, clock=clock)  # ssp: S ahead of workers not yet joined too
+    if mode == "ssp":
+        options["staleness_bound"] = 3
+    ps = ParameterServer(mode, **{**options, **kwargs})
+    return ps
+
+
+def started(clock, mode="async", workers=(0, 1, 2), num_workers=4):
+    ps = server(clock, mode, num_workers=num_workers)
+    for w in workers:
+        ps.register(w, num_workers)
+    ps.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    return ps
+
+
+def take(ps, worker):
+    offer = ps.work(worker).result()
+    return offer.task
+
+
+def push_of(ps, worker, task, step=0, batch_size=None):
+    version, params = ps.pull(worker)
+    indices = global_batch(PLAN.num_examples, PLAN.global_batch_size, PLAN.seed, task.task_id)
+    assert np.array_equal(indices, task.indices)  # a task is the plan's batch of that step
+    return Push(worker_id=worker, step=step, base_version=version,
+                batch_size=task.size if batch_size is None else batch_size,
+                gradients=gradient(params, indices), task=task.task_id)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_each_task_is_applied_once_and_counted_per_epoch_in_status(mode):
+    clock = Clock()
+    ps = started(clock, mode, workers=(0,), num_workers=1)
+    status = ps.status()
+    assert status.tasks_total == 3 * -(-EXAMPLES // 16) and status.tasks_done == 0
+    assert status.num_examples == EXAMPLES and status.epoch_examples == (0,)
+    step = 0
+    while (task := take(ps, 0)) is not None:
+        result = ps.push(push_of(ps, 0, task, step))
+        assert not result.replayed
+        step += 1
+    status = ps.status()
+    assert step == status.tasks_total == status.tasks_done == status.pushes_applied
+    assert status.epoch_examples == (EXAMPLES,) * 3
+    assert status.examples_applied == 3 * EXAMPLES
+    assert ps.work(0).result().finished
+
+
+def test_a_retried_push_of_a_done_task_is_answered_from_the_record_and_applied_once():
+    clock = Clock()
+    ps = started(clock)
+    task = take(ps, 1)
+    p = push_of(ps, 1, task)
+    first = ps.push(p)
+    again = ps.push(p)
+    assert again.replayed and again.version == first.version
+    ticket = ps.submit(p)  # the same through the non-blocking path
+    assert ticket.result().replayed
+    status = ps.status()
+    assert status.pushes_applied == 1 and status.tasks_done == 1 and status.epoch_examples == (task.size,)
+    with pytest.raises(InvalidArgument, match="already done by worker 1"):
+        ps.push(push_of(ps, 2, task))  # another worker's push of it: refused, nothing applied
+    assert ps.status().pushes_applied == 1
+
+
+def test_pushes_that_do_not_fit_the_tasks_are_refused_and_lose_nothing():
+    clock = Clock()
+    ps = started(clock)
+    task = take(ps, 1)
+    with pytest.raises(InvalidArgument, match="does not hold task"):
+        ps.push(push_of(ps, 2, task))  # not the holder
+    no_task = push_of(ps, 1, task)
+    with pytest.raises(InvalidArgument, match="dealt as tasks"):
+        ps.push(Push(no_task.worker_id, 0, no_task.base_version, no_task.batch_size, no_task.gradients))
+    with pytest.raises(InvalidArgument, match=f"task {task.task_id} holds {task.size} examples"):
+        ps.push(push_of(ps, 1, task, batch_size=task.size - 1))
+    assert ps.status().tasks_queued == 1  # the refused push's task went back ...
+    again = take(ps, 2)
+    assert again.task_id == task.task_id  # ... and is handed out first
+    ps.push(push_of(ps, 2, again))
+    assert ps.status().pushes_applied == 1 and ps.status().epoch_examples == (task.size,)
+
+
+def test_a_dead_or_leaving_workers_tasks_go_back_and_its_late_push_is_refused():
+    clock = Clock()
+    ps = started(clock)
+    held = take(ps, 1)
+    late = push_of(ps, 1, held)
+    left = take(ps, 2)
+    ps.leave(2)
+    clock.now += 3.0
+    ps.heartbeat(0)
+    clock.now += 3.0  # worker 1 silent for 6 s > its 5 s lease: declared dead
+    assert ps.tick() == [1]
+    status = ps.status()
+    assert status.tasks_queued == 2 and status.tasks_held == 0
+    assert [take(ps, 0).task_id, take(ps, 0).task_id] == sorted([held.task_id, left.task_id])
+    with pytest.raises(UnknownWorker, match="declared dead"):  # it must register again
+        ps.push(late)
+    ps.register(1, 4)
+    with pytest.raises(InvalidArgument, match="held by worker 0"):
+        ps.push(late)
+    assert ps.status().pushes_applied == 0
+
+
+def test_the_data_plan_must_fit_the_job():
+    clock = Clock()
+    ps = server(clock)
+    ps.register(0, 4)
+    with pytest.raises(InvalidArgument, match="needs the job's epochs"):
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5))
+    assert not ps.store.initialized
+    ps.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    assert ps.initialize(0, zeros(), ADAM, data_plan=PLAN) == (False, 0)
+    with pytest.raises(SpecConflict, match="data plan"):
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=2))
+    with pytest.raises(SpecConflict, match="dealt as tasks"):
+        ps.initialize(0, zeros(), ADAM)
+    plain = server(clock)
+    plain.register(0, 4)
+    plain.initialize(0, zeros(), ADAM)
+    with pytest.raises(SpecConflict, match="without a data plan"):
+        plain.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    with pytest.raises(InvalidArgument, match="without a data plan"):
+        plain.work(0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_deaths_joins_and_retries_at_random_apply_every_example_exactly_once_per_epoch(mode, seed):
+    """Workers take tasks, push them, retry pushes, die (lease) and leave at random; new
+    ones join. At the end every task is done once and each epoch counted every example once."""
+    rng = random.Random(seed)
+    clock = Clock()
+    ps = started(clock, mode, workers=(0, 1))
+    live, holding, waiting, applied = {0, 1}, {}, {}, []
+    steps = {0: 0, 1: 0}
+    rounds = 0
+
+    def settled():
+        for w, (ticket, p) in list(waiting.items()):
+            if ticket.done():
+                del waiting[w]
+                try:
+                    if not ticket.result().replayed:
+                        applied.append(p.task)
+                except BarrierTimeout:  # ssp: applied, then the wait for the bound timed out
+                    assert ps.tasks.record(p.task).worker_id == w
+                    applied.append(p.task)
+
+    while not ps.tasks.finished:
+        rounds += 1
+        assert rounds < 20_000
+        settled()
+        event = rng.random()
+        if event < 0.05 and len(live) > 1:  # a worker dies silently: its lease runs out later
+            w = rng.choice(sorted(live))
+            live.discard(w)
+            holding.pop(w, None)
+            continue
+        if event < 0.08 and len(live) > 1 and not waiting:
+            w = rng.choice(sorted(live))
+            ps.leave(w)
+            live.discard(w)
+            holding.pop(w, None)
+            continue
+        if event < 0.12:
+            free = [w for w in range(4) if w not in live and w not in waiting]
+            if free:
+                w = free[0]
+                ps.register(w, 4)
+                live.add(w)
+                steps[w] = ps.status().version  # where an ssp worker starts: anywhere at or after the slowest
+            continue
+        clock.now += 0.5
+        for w in live:
+            ps.heartbeat(w)
+        ps.tick()
+        w = rng.choice(sorted(live))
+        if w in waiting:
+            continue
+        if w not in holding:
+            task = take(ps, w)
+            if task is not None:
+                holding[w] = push_of(ps, w, task, step=steps[w])
+            continue
+        p = holding.pop(w)
+        steps[w] += 1
+        waiting[w] = (ps.submit(p), p)
+        settled()
+        if w not in waiting and rng.random() < 0.2:
+            assert ps.push(p).replayed  # a retry after a lost reply
+    settled()
+    for w, (ticket, p) in waiting.items():  # ssp: applied, waiting for the bound still
+        assert ps.tasks.record(p.task).worker_id == w
+        applied.append(p.task)
+    status = ps.status()
+    assert sorted(applied) == list(range(status.tasks_total))  # each once
+    assert status.epoch_examples == (EXAMPLES,) * PLAN.epochs
+    assert status.pushes_applied == status.tasks_total
