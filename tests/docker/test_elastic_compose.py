@@ -102,15 +102,18 @@ def test_the_elastic_compose_settings_resolve_to_an_elastic_server_and_workers_t
     """`docker-compose config` of the elastic files, each service's environment read by the
     program's own configuration code (with the image's ENV, as ps_tools.kube knows it)."""
     yaml = pytest.importorskip("yaml")
+    from ps_common.settings import ConfigError
     from ps_server.config import ServerConfig
     from ps_tools.kube import IMAGE_ENV
     from tests.docker.conftest import Compose, Images
     from worker.config import AUTO_INDEX, WorkerConfig
 
+    def env(service: dict, image: str) -> dict:
+        return {**IMAGE_ENV[image], **{k: str(v) for k, v in service["environment"].items()}}
+
     def resolved(**settings):
         config = yaml.safe_load(Compose(Images("python:3.11-slim", {}), ELASTIC, **settings).compose("config").stdout)
         server, worker = config["services"]["server"], config["services"]["worker"]
-        env = lambda service, image: {**IMAGE_ENV[image], **{k: str(v) for k, v in service["environment"].items()}}  # noqa: E731
         return (ServerConfig.from_args([], env(server, "tfps-server")),
                 WorkerConfig.from_args([], env(worker, "tfps-worker")), worker["scale"])
 
@@ -121,7 +124,5 @@ def test_the_elastic_compose_settings_resolve_to_an_elastic_server_and_workers_t
     assert scale == ps.elastic_min_workers  # `up` starts the minimum
     ps, worker, scale = resolved(TFPS_ELASTIC_MIN_WORKERS=3, TFPS_ELASTIC_MAX_WORKERS=8, TFPS_MICRO_BATCHES=8)
     assert (ps.elastic_min_workers, ps.num_workers, worker.num_workers, scale) == (3, 8, 8, 3)
-    from ps_common.settings import ConfigError
-
     with pytest.raises(ConfigError, match="above --num-workers"):
         resolved(TFPS_ELASTIC_MIN_WORKERS=5)
