@@ -23,7 +23,9 @@ Kubernetes and the operator would do to it, for ``deploy/kubernetes/``:
   container's env; a job of one replica in all gets none (``isDistributed``).
 - **plain** objects: a StatefulSet's pod i is ``<name>-<i>``, reached as
   ``<name>-<i>.<serviceName>``; an Indexed Job's pod is ``<name>-<i>`` (its hostname) with
-  ``JOB_COMPLETION_INDEX=i``, reached as ``<name>-<i>.<subdomain>`` when it has a subdomain.
+  ``JOB_COMPLETION_INDEX=i``, reached as ``<name>-<i>.<subdomain>`` when it has a subdomain;
+  a NonIndexed Job without ``completions`` (a work queue, the elastic workers) has
+  ``parallelism`` pods, named ``<name>-x0000``, ... here for their random names.
   Their role is the program their image runs: ``ps`` for ``tfps-server``, ``worker`` for
   ``tfps-worker``.
 
@@ -122,10 +124,10 @@ def load(paths: str | pathlib.Path | Iterable[str | pathlib.Path]) -> list[dict]
 def replicas(paths, job_name: str | None = None, namespace: str = "default",
              custom_cluster_domain: str = "", cluster_domain: str = "cluster.local") -> list[Replica]:
     """Every replica the manifests ``paths`` start (see ``load``): a TFJob's PS, Chief, Worker
-    replicas, a StatefulSet's and an Indexed Job's pods, in the files' order (a TFJob's by
-    type: PS, Chief, Worker). ``job_name`` deploys a TFJob under another name; ``namespace``
-    is where objects go whose metadata names none (``kubectl apply -n``);
-    ``custom_cluster_domain`` is the operator's ``CUSTOM_CLUSTER_DOMAIN``; ``cluster_domain``
+    replicas, a StatefulSet's and an Indexed Job's pods, a work-queue Job's ``parallelism``
+    pods, in the files' order (a TFJob's by type: PS, Chief, Worker). ``job_name`` deploys a
+    TFJob under another name; ``namespace`` is where objects go whose metadata names none
+    (``kubectl apply -n``); ``custom_cluster_domain`` is the operator's ``CUSTOM_CLUSTER_DOMAIN``; ``cluster_domain``
     the cluster's DNS domain, for the fully qualified names in ``Replica.names``.
 
     To run a replica on an emulated host: give it an address, write ``hosts_file`` for
@@ -252,8 +254,10 @@ def _job_replicas(doc, config_maps, namespace, cluster_domain) -> list[Replica]:
     name = doc["metadata"]["name"]
     namespace = doc["metadata"].get("namespace") or namespace
     spec = doc["spec"]
+    if spec.get("completionMode", "NonIndexed") == "NonIndexed":
+        return _work_queue_replicas(doc, config_maps, namespace, cluster_domain)
     if spec.get("completionMode") != "Indexed":
-        raise ValueError(f"Job {name}: only an Indexed Job has stable pod names and indexes")
+        raise ValueError(f"Job {name}: completionMode {spec['completionMode']!r} is neither Indexed nor NonIndexed")
     pod_spec = spec["template"]["spec"]
     subdomain = pod_spec.get("subdomain")
     out = []
@@ -267,6 +271,27 @@ def _job_replicas(doc, config_maps, namespace, cluster_domain) -> list[Replica]:
         out.append(_plain_replica(doc, pod_spec, meta, i, f"{host}.{subdomain}" if subdomain else host,
                                   subdomain, config_maps, namespace, cluster_domain,
                                   {"JOB_COMPLETION_INDEX": str(i)}, pod_name=host))
+    return out
+
+
+def _work_queue_replicas(doc, config_maps, namespace, cluster_domain) -> list[Replica]:
+    """A NonIndexed Job without ``completions`` (a work queue: complete once a pod succeeded and
+    every pod ended): ``parallelism`` pods at a time. Their names carry a random suffix, written
+    here ``<name>-x0000``, ``<name>-x0001``, ...; the index is their place in that list, which
+    the pods themselves never see."""
+    name = doc["metadata"]["name"]
+    spec = doc["spec"]
+    if "completions" in spec:
+        raise ValueError(f"Job {name}: a NonIndexed Job is read as a work queue, which sets no completions")
+    out = []
+    for i in range(int(spec.get("parallelism", 1))):
+        pod_name = f"{name}-x{i:04d}"
+        meta = {"name": pod_name, "namespace": namespace,
+                "labels": {**(spec["template"].get("metadata") or {}).get("labels", {}),
+                           "batch.kubernetes.io/job-name": name},
+                "annotations": dict((spec["template"].get("metadata") or {}).get("annotations", {}))}
+        out.append(_plain_replica(doc, spec["template"]["spec"], meta, i, pod_name, None, config_maps, namespace,
+                                  cluster_domain, {}))
     return out
 
 

@@ -47,10 +47,11 @@ TFJOB = DEPLOY / "tfjob.yaml"
 TFJOB_GPU = DEPLOY / "tfjob-gpu.yaml"
 PLAIN = DEPLOY / "plain"
 PLAIN_GPU = [PLAIN / "settings.yaml", PLAIN / "ps.yaml", PLAIN / "gpu" / "workers.yaml"]
+ELASTIC = DEPLOY / "elastic"
 FILES = sorted(DEPLOY.rglob("*.yaml"))
 TFJOBS = [TFJOB, TFJOB_GPU]
 PLAINS = [PLAIN, PLAIN_GPU]
-ALL_SETS = [*TFJOBS, *PLAINS]
+ALL_SETS = [*TFJOBS, *PLAINS, ELASTIC]
 
 
 def _id(p) -> str:
@@ -232,7 +233,7 @@ def _pod_specs(p) -> list[tuple[str, dict]]:
 def test_the_manifests_are_where_the_docs_say():
     assert {f.relative_to(DEPLOY).as_posix() for f in FILES} == {
         "tfjob.yaml", "tfjob-gpu.yaml", "plain/settings.yaml", "plain/ps.yaml", "plain/workers.yaml",
-        "plain/gpu/workers.yaml"}
+        "plain/gpu/workers.yaml", "elastic/settings.yaml", "elastic/ps.yaml", "elastic/workers.yaml"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=_id)
@@ -350,7 +351,7 @@ def _server_containers(p):
 @pytest.mark.parametrize("p", ALL_SETS, ids=_id)
 def test_every_server_has_grpc_health_probes_on_the_port_it_listens_on(p):
     servers = [r for r in kube.replicas(p) if r.role == "ps"]
-    assert len(servers) == 2
+    assert len(servers) == (1 if p == ELASTIC else 2)  # elastic sync: one server
     (c,) = [c for _, c in _server_containers(p)]  # one template for every shard
     for r in servers:
         port = ServerConfig.from_args(r.process_argv[1:], r.env).port
@@ -630,6 +631,110 @@ def test_plain_names_come_from_headless_services_that_select_their_pods():
     assert int(settings["TFPS_NUM_WORKERS"]) == job["spec"]["completions"]
 
 
+# -- the elastic variant: a worker set scaled while the job runs --------------------------------------
+def _elastic_settings(docs) -> dict:
+    return next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+
+
+def elastic_errors(docs: list[dict]) -> list[str]:
+    """What keeps the elastic manifests from scaling between their minimum and maximum
+    workers; [] when nothing does."""
+    settings = _elastic_settings(docs)
+    low, high = int(settings["TFPS_ELASTIC_MIN_WORKERS"]), int(settings["TFPS_NUM_WORKERS"])
+    job = next(d for d in docs if d["kind"] == "Job")["spec"]
+    errors = []
+    if job.get("completionMode", "NonIndexed") != "NonIndexed" or "completions" in job:
+        errors.append("the workers' Job must be a work queue (NonIndexed, no completions): complete once "
+                      "a worker finished and every pod ended")
+    if not low <= job.get("parallelism", 1) <= high:
+        errors.append(f"parallelism {job.get('parallelism', 1)} is outside {low}..{high}")
+    if job["template"]["spec"]["restartPolicy"] != "Never":
+        errors.append("a finished worker must not be started again: restartPolicy Never")
+    return errors
+
+
+def _scaled(tmp_path, docs: list[dict], parallelism: int) -> list[kube.Replica]:
+    """The replicas once `kubectl patch job ... parallelism` set it (the manifests rewritten)."""
+    docs = copy.deepcopy(docs)
+    next(d for d in docs if d["kind"] == "Job")["spec"]["parallelism"] = parallelism
+    path = tmp_path / f"elastic-{parallelism}.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return kube.replicas(path)
+
+
+def test_the_elastic_workers_are_a_work_queue_job_started_at_the_minimum():
+    docs = _objects(ELASTIC)
+    assert elastic_errors(docs) == []
+    job = next(d for d in docs if d["kind"] == "Job")["spec"]
+    assert job["parallelism"] == int(_elastic_settings(docs)["TFPS_ELASTIC_MIN_WORKERS"])
+    fail = [r for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert fail[0]["onExitCodes"] == {"containerName": "worker", "operator": "In", "values": [1, 2]}
+
+
+def test_every_elastic_replica_resolves_to_one_elastic_server_and_auto_index_workers_at_each_size(tmp_path):
+    docs = _objects(ELASTIC)
+    settings = _elastic_settings(docs)
+    low, high = int(settings["TFPS_ELASTIC_MIN_WORKERS"]), int(settings["TFPS_NUM_WORKERS"])
+    assert 1 <= low < high
+    for n in range(low, high + 1):
+        reps = _scaled(tmp_path, docs, n)
+        (server,) = [r for r in reps if r.role == "ps"]
+        workers = [r for r in reps if r.role == "worker"]
+        assert len(workers) == n
+        ps = _resolve(server)
+        assert (ps.mode, ps.elastic_min_workers, ps.num_workers) == ("sync", low, high)
+        assert ps.micro_batches == high  # at full size each worker computes one micro-batch a round
+        assert not ps.exit_when_done  # a StatefulSet would start it again
+        for w in workers:
+            config = _resolve(w)
+            assert config.elastic and config.worker_index == AUTO_INDEX
+            assert config.num_workers == ps.num_workers  # the server refuses any other count
+            assert config.ps_addresses == [server.address]
+            assert config.result_json  # every pod may become the chief (worker 0): the first to register
+
+
+def test_the_elastic_check_refuses_a_size_outside_min_max_and_an_indexed_job(tmp_path):
+    docs = _objects(ELASTIC)
+    settings = _elastic_settings(docs)
+    low, high = int(settings["TFPS_ELASTIC_MIN_WORKERS"]), int(settings["TFPS_NUM_WORKERS"])
+    for n in (low - 1, high + 1):
+        bad = copy.deepcopy(docs)
+        next(d for d in bad if d["kind"] == "Job")["spec"]["parallelism"] = n
+        assert elastic_errors(bad) == [f"parallelism {n} is outside {low}..{high}"]
+    indexed = copy.deepcopy(docs)
+    next(d for d in indexed if d["kind"] == "Job")["spec"].update(completionMode="Indexed", completions=2)
+    assert "work queue" in elastic_errors(indexed)[0]
+    counted = copy.deepcopy(docs)
+    next(d for d in counted if d["kind"] == "Job")["spec"]["completions"] = 2
+    path = tmp_path / "counted.yaml"
+    path.write_text(yaml.safe_dump_all(counted))
+    with pytest.raises(ValueError, match="work queue"):
+        kube.replicas(path)
+    # A minimum above the maximum: the server itself refuses to start.
+    (server,) = [r for r in kube.replicas(ELASTIC) if r.role == "ps"]
+    with pytest.raises(ConfigError, match="above --num-workers"):
+        ServerConfig.from_args([], {**server.env, "TFPS_ELASTIC_MIN_WORKERS": str(high + 1)})
+    (w, *_) = [r for r in kube.replicas(ELASTIC) if r.role == "worker"]
+    with pytest.raises(ConfigError, match="one server"):  # elastic sync has no shards yet
+        WorkerConfig.from_args(w.process_argv[1:], {**w.env, "TFPS_PS": f"{server.address},other:50051"})
+
+
+def test_the_elastic_and_plain_objects_can_share_a_namespace():
+    plain, elastic = _objects(PLAIN), _objects(ELASTIC)
+    names = lambda docs: {(d["kind"], d["metadata"]["name"]) for d in docs}  # noqa: E731
+    assert not names(plain) & names(elastic)
+    templates = lambda docs: [d["spec"]["template"]["metadata"]["labels"] for d in docs  # noqa: E731
+                              if d["kind"] in ("StatefulSet", "Job")]
+    for mine, theirs in ((plain, elastic), (elastic, plain)):
+        for service in (d for d in mine if d["kind"] == "Service"):
+            assert not any(_matches(service["spec"]["selector"], t) for t in templates(theirs)), service
+    (service,) = [d for d in elastic if d["kind"] == "Service"]
+    sts = next(d for d in elastic if d["kind"] == "StatefulSet")
+    assert service["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == service["metadata"]["name"]
+    assert _matches(service["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    assert _elastic_settings(elastic)["TFPS_PS"] == f"{sts['metadata']['name']}-0.{service['metadata']['name']}:50051"
+
+
 # -- ps_tools.kube itself -------------------------------------------------------------------------
 def test_expand_follows_kubernetes():
     env = {"A": "x", "B": "$(A)"}
@@ -671,7 +776,7 @@ def test_hosts_file_lists_every_name_of_every_replica():
             assert re.search(rf"\s{re.escape(entry.rpartition(':')[0])}(\s|$)", text, re.M), entry
 
 
-@pytest.mark.parametrize("p", [TFJOB, PLAIN], ids=_id)
+@pytest.mark.parametrize("p", [TFJOB, PLAIN, ELASTIC], ids=_id)
 def test_the_commands_themselves_print_the_resolved_configuration_for_a_server_and_a_worker(p):
     # The programs the entrypoint runs, through their own command line (``--print-config``),
     # in an environment holding nothing of this one's TFPS_* or TF_CONFIG.

@@ -39,8 +39,9 @@ with PSClient("127.0.0.1:50051", timeout=5) as c:
 print(json.dumps({"version": s.version, "round": s.round, "initialized": s.initialized,
                   "last_checkpoint_version": s.last_checkpoint_version,
                   "incarnation": s.incarnation, "active": list(s.active_workers),
+                  "examples_applied": s.examples_applied,
                   "workers": [{"id": w.worker_id, "name": w.worker_name, "left": w.left, "dead": w.dead,
-                               "last_step": w.last_step} for w in s.workers]}))
+                               "last_step": w.last_step, "pushes": w.pushes} for w in s.workers]}))
 """
 
 
