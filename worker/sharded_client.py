@@ -474,6 +474,8 @@ STATUS_RULES: dict[str, Callable] = {
     "pushes_scaled": max,
     "optimizer_iterations": min,  # the updates every shard has made
     "learning_rate_now": first,  # every shard steps the same schedule at the same count
+    "membership": first,  # every worker registers with, leaves and heartbeats every shard: shard 0's history
+    "membership_dropped": first,
 }
 
 
