@@ -26,8 +26,10 @@ call's may be mid-use), and ``ps-worker`` exits with 143 (128 + SIGTERM). The se
 moves the micro-batches it had not delivered to the live workers, so nothing is
 lost or computed twice, and no round waits for its lease to run out. A push of
 it still in flight either arrived first (delivered) or is refused (its micro-batch
-went to another). Only while it trains: before it registered, or once its last
-round is done, SIGTERM ends it as usual. It writes no ``--history-json``.
+went to another). This holds from the loop's start (a worker stopped before it
+registered has nothing to leave) until its last round is done; in ``finish`` SIGTERM
+ends it as usual. It writes no ``--history-json``. Only in the main thread (where
+signals arrive); a loop run in another keeps SIGTERM as it is.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class ElasticLoop(TrainingLoop):
                                "global_batch_size": self.config.global_batch_size, "seed": self.config.seed}
         # Signals reach the main thread only; a loop run from another one keeps SIGTERM as it is.
         catch = threading.current_thread() is threading.main_thread()
+        _STOP.clear()
         previous = signal.signal(signal.SIGTERM, _on_sigterm) if catch else None
         try:
             self.start()

@@ -61,6 +61,7 @@ def test_a_job_scaled_2_4_3_by_schedule_and_by_signals_ends_with_the_undisturbed
     scaled.send_signal(signal.SIGUSR1)  # starts one at the lowest free index
     wait_for_line(scaled, "2 -> 3 workers: started worker(s)")
     assert wait_exit(scaled, 600) == 0, read_log(scaled)[-3000:]
+    assert read_log(scaled).count("stopped by SIGTERM: left the job") == 2, read_log(scaled)[-3000:]
 
     want, got = np.load(tmp_path / "plain.npz"), np.load(tmp_path / "scaled.npz")
     assert sorted(want.keys()) == sorted(got.keys())
