@@ -99,6 +99,7 @@ worker is sent SIGKILL if ps-launch itself dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -725,6 +726,23 @@ class Scaler:
         return None
 
 
+@contextlib.contextmanager
+def scale_signals(scaler: "Scaler | None"):
+    """Inside: SIGUSR1 and SIGUSR2 are ``scaler``'s +1 and -1 requests (from before the servers
+    start, so that an early one is queued, not ps-launch's end: their default). Nothing without
+    a scaler, or outside the main thread (where signals arrive)."""
+    if scaler is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {signal.SIGUSR1: +1, signal.SIGUSR2: -1}
+    previous = {sig: signal.signal(sig, lambda signum, frame: scaler.request(handlers[signum])) for sig in handlers}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class ElasticPool:
     """The worker processes of an elastic launch: started at free indices, stopped on purpose
     (SIGTERM: ``ps-worker --elastic`` leaves the job, its undelivered part moving to the others;
@@ -732,12 +750,11 @@ class ElasticPool:
     ``_wait_for_workers`` does, applying the ``Scaler`` meanwhile; a worker stopped on purpose
     is no failure, whatever its status."""
 
-    def __init__(self, args, addresses: list[str], extra: dict[int, list[str]], result_file: str,
+    def __init__(self, args, scaler: Scaler, addresses: list[str], extra: dict[int, list[str]], result_file: str,
                  out_lock: threading.Lock, env: dict, children: list[Child]):
         self.args, self.addresses, self.extra, self.result_file = args, addresses, extra, result_file
         self.out_lock, self.env, self.children = out_lock, env, children
-        low, high = args.elastic_workers
-        self.scaler = Scaler(low, high, args.scale_at)
+        self.scaler = scaler
         self.workers: dict[int, Child] = {}  # index -> its newest process
         self.started: list[Child] = []  # every worker process, in start order
         self.stopping: dict[Child, float] = {}  # stopped on purpose -> when (monotonic)
@@ -789,25 +806,17 @@ class ElasticPool:
 
         for i in range(self.args.workers):
             self.start(i)
-        handlers = {signal.SIGUSR1: +1, signal.SIGUSR2: -1}
-        main = threading.current_thread() is threading.main_thread()  # signals reach the main thread only
-        previous = {sig: signal.signal(sig, lambda signum, frame: self.scaler.request(handlers[signum]))
-                    for sig in handlers} if main else {}
         token = security.load_token(self.args.auth_token_file, os.environ)
-        try:
-            with PSClient(self.addresses[0], timeout=10.0, token=token) as client:
-                while True:
-                    failed = self._check(servers)
-                    if failed is not None:
-                        return failed
-                    try:
-                        self._scale(client.status())
-                    except PSClientError:
-                        pass  # busy or restarting: the next poll asks again
-                    time.sleep(0.2)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with PSClient(self.addresses[0], timeout=10.0, token=token) as client:
+            while True:
+                failed = self._check(servers)
+                if failed is not None:
+                    return failed
+                try:
+                    self._scale(client.status())
+                except PSClientError:
+                    pass  # busy or restarting: the next poll asks again
+                time.sleep(0.2)
 
     def _check(self, servers: list[Child]) -> list[Child] | None:
         for c, since in list(self.stopping.items()):
@@ -884,13 +893,15 @@ def run(args: argparse.Namespace) -> int:
     shards: list[dict] = []
     membership: list[dict] = []
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
+    scaler = Scaler(elastic[0], elastic[1], args.scale_at) if elastic else None
+    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp, scale_signals(scaler):
         result_file = os.path.join(tmp, "result.json")
         try:
             addresses = _start_servers(args, tmp, out_lock, env, children)
             servers = list(children)
             if elastic:  # workers started and stopped during the run (ElasticPool)
-                failed = ElasticPool(args, addresses, extra, result_file, out_lock, env, children).run(servers)
+                pool = ElasticPool(args, scaler, addresses, extra, result_file, out_lock, env, children)
+                failed = pool.run(servers)
             else:
                 for i in range(args.workers):
                     argv = worker_argv(args, i, addresses, extra.get(i, []))

@@ -144,3 +144,17 @@ def test_a_change_that_needs_more_free_indices_than_there_are_waits_first_in_lin
     scaler.request(+1)
     assert scaler.due(round=7, running=3, free=0) is None and scaler.requests == [+1]
     assert scaler.due(round=7, running=3, free=1) == 4
+
+
+def test_sigusr1_and_sigusr2_are_queued_as_requests_while_the_launch_runs():
+    import os
+    import signal
+
+    scaler = launch.Scaler(1, 4)
+    before = signal.getsignal(signal.SIGUSR1)
+    with launch.scale_signals(scaler):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert scaler.requests == [+1, -1, +1]
+    assert signal.getsignal(signal.SIGUSR1) is before  # given back
