@@ -36,7 +36,7 @@ from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
 from ps_server.core.cursor import DataPlan
 from ps_server.core.elastic_mode import ElasticReply, Work
-from ps_server.core.membership import WorkerRecord
+from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.overlap import HELD_BYTES, NOT_YET
 from ps_server.core.optimizers import OptimizerSpec
@@ -295,12 +295,14 @@ WORKER_STATUS = convert.Conversion(
     rename={"name": "worker_name", "last_seen": "last_seen_age_s"},  # the age is taken at the call (Status)
     local={"registered_at", "dead_since", "last_push_done"},  # the server's own clock readings
 )
+MEMBERSHIP_EVENT = convert.Conversion(MembershipEvent, pb.MembershipEvent, rename={"name": "worker_name"})
 STATUS = convert.Conversion(
     Status, pb.StatusResponse,
     rename={"lease_timeout": "lease_timeout_s"},
-    to_wire={"mode": wire.mode_to_wire, "optimizer": optimizer_to_wire},
+    to_wire={"mode": wire.mode_to_wire, "optimizer": optimizer_to_wire,
+             "membership": lambda events: [MEMBERSHIP_EVENT.to_wire(e) for e in events]},
 )
-CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, STATUS)
+CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, MEMBERSHIP_EVENT, STATUS)
 
 
 def _reply_to_wire(result) -> pb.PushResponse:

@@ -3,6 +3,7 @@
     ps-launch --mode sync --workers 2 --dataset digits --epochs 3 --metrics-json m.json
     ps-launch --num-ps 2 --mode sync --workers 2 --dataset digits --epochs 3
     ps-launch --mode ssp --staleness 2 --workers 3 --worker-args 2 "--slowdown 3" --dataset digits
+    ps-launch --elastic 2:4 --workers 2 --scale-at 10:4 --scale-at 20:3 --dataset digits
 
 Starts ``ps-server`` on a free loopback port (``--num-ps M``: M of them, each
 with the same mode, worker count and flags, and ``--checkpoint-dir D/shard-<i>``
@@ -34,6 +35,27 @@ variables that server and worker read differently (``TFPS_SHM``,
 ``TFPS_TLS_CERT_FILE``, ``TFPS_TLS_KEY_FILE``, ``TFPS_METRICS_PORT``) are
 refused: ``TFPS_SERVER_*`` and ``TFPS_WORKER_*`` say which side is meant.
 ``--print-config`` prints every child's resolved configuration as JSON and exits.
+
+Elastic sync, workers added and removed during the run (docs/elastic.md)::
+
+    ps-launch --elastic MIN:MAX [--workers N] [--micro-batches K] [--scale-at ROUND:N ...]
+
+The server runs with ``--elastic-min-workers MIN --num-workers MAX`` (and
+``--micro-batches K`` when given; the server's default is MAX), every worker with
+``ps-worker --elastic --num-workers MAX``; ``--workers`` start (within MIN..MAX).
+``ElasticPool`` then polls the server's Status and applies the ``Scaler``: each
+``--scale-at ROUND:N`` once the server's round reaches ROUND, and SIGUSR1 (+1) and
+SIGUSR2 (-1) sent to ps-launch, each within MIN..MAX, one change at a time (a change
+waits until the workers the last one started registered, and until enough indices
+are free). More workers: started on the lowest indices whose process exited. Fewer:
+the newest running workers but the chief get SIGTERM (ps-worker --elastic leaves the
+job, the server dealing its undelivered part to the others), SIGKILL 5 s later. A
+worker stopped on purpose is no failure whatever its status; any other worker
+failing, or the server exiting, stops the run as above. Refused in one line: MIN >
+MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
+``--scale-at`` without ``--elastic``, async or ssp, ``--num-ps`` > 1, a command after
+``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic``
+and the server's ``membership`` history (``core.membership``), printed at the end.
 
 Your own script as every worker, as torchrun and horovodrun do it::
 
@@ -77,6 +99,7 @@ worker is sent SIGKILL if ps-launch itself dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -175,7 +198,7 @@ _SET_BY_LAUNCH = ("ps", "worker_index", "num_workers", "result_json")  # --worke
 # ps-server flags ps-launch sets itself, that are no setting of the server, or (TLS) that
 # ps-launch, all on loopback, does without.
 _SERVER_SET_BY_LAUNCH = ("help", "print_config", "host", "port", "port_file", "num_workers", "exit_when_done",
-                         "tls_client_ca_file")
+                         "tls_client_ca_file", "elastic_min_workers")  # the last: --elastic MIN:MAX
 # Flags ps-worker and ps-server both have with the same meaning: given once, they reach both
 # (--metrics-port too, with an offset per process). The others both have are the workers' alone:
 # --shm (servers accept shared memory by default), and the TLS files, which ps-launch refuses.
@@ -216,8 +239,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ps-launch",
         description="Train with one ps-server (or --num-ps shards) and N ps-worker processes on this machine.",
+        conflict_handler="resolve",  # --elastic MIN:MAX below replaces ps-worker's --elastic (it sets that itself)
     )
-    p.add_argument("--workers", type=int, default=2, help="number of worker processes (default 2)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="number of worker processes (default 2); with --elastic, how many start")
     p.add_argument("--num-ps", type=int, default=1,
                    help="server shards: the variables are spread over this many ps-server processes (default 1)")
     p.add_argument("--metrics-json", help="write the run's metrics here")
@@ -231,6 +256,15 @@ def parser() -> argparse.ArgumentParser:
                    "--worker-args 1 \"--slowdown 3 --history-json h1.json\" (repeatable; a lone flag "
                    "needs a space to stay one string: \" --no-shm\")")
     add_training_flags(p)
+    g = p.add_argument_group("elastic sync", "workers added and removed during the run (docs/elastic.md)")
+    g.add_argument("--elastic", dest="elastic_workers", type=elastic_range, metavar="MIN:MAX",
+                   help="elastic sync: the server takes MIN to MAX workers (ps-server --elastic-min-workers MIN "
+                   "--num-workers MAX), each round's batch cut into --micro-batches (default MAX); --workers "
+                   "start; SIGUSR1 to ps-launch adds a worker, SIGUSR2 stops the newest but the chief")
+    g.add_argument("--scale-at", dest="scale_at", type=scale_step, action="append", default=[],
+                   metavar="ROUND:N", help="with --elastic: once the server reaches round ROUND, start or stop "
+                   "workers until N run (repeatable; each step waits for the workers the last one started "
+                   "to register)")
     add_server_flags(p)
     p.add_argument("command", nargs="*", metavar="-- COMMAND ARGS",
                    help="run this command as every worker instead of ps-worker (after --, e.g. "
@@ -277,8 +311,8 @@ def worker_extra_args(args: argparse.Namespace) -> dict[int, list[str]]:
             index = int(raw_index)
         except ValueError:
             raise LaunchError(f"--worker-args takes a worker index and a string, got index {raw_index!r}") from None
-        if not 0 <= index < args.workers:
-            raise LaunchError(f"--worker-args {index}: the workers are 0..{args.workers - 1}")
+        if not 0 <= index < capacity(args):
+            raise LaunchError(f"--worker-args {index}: the workers are 0..{capacity(args) - 1}")
         try:
             argv = shlex.split(raw_args)
         except ValueError as e:
@@ -312,15 +346,19 @@ def worker_argv(args: argparse.Namespace, index: int, addresses: list[str], extr
         flags += ["--save-model", args.save_model]
     if index == 0 and args.save_weights:
         flags += ["--save-weights", args.save_weights]
+    if getattr(args, "elastic_workers", None):
+        flags.append("--elastic")
     return [sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(index),
-            "--num-workers", str(args.workers), *flags, *extra]
+            "--num-workers", str(capacity(args)), *flags, *extra]
 
 
 def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[str]:
     """The command line of server ``shard`` (0 .. --num-ps - 1): the ps-server flags given, in
     ps-server's order, a checkpoint directory of its own and its metrics port (``--metrics-port + shard``)."""
     argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-            "--num-workers", str(args.workers), "--no-exit-when-done"]  # the launcher stops its servers
+            "--num-workers", str(capacity(args)), "--no-exit-when-done"]  # the launcher stops its servers
+    if getattr(args, "elastic_workers", None):
+        argv += ["--elastic-min-workers", str(args.elastic_workers[0])]
     for dest in server_flag_dests():
         value = getattr(args, dest, None)
         if value is None:
@@ -371,7 +409,7 @@ def resolved(args: argparse.Namespace, extra: dict[int, list[str]], env: dict,
         raise LaunchError(f"ps-server: {e}") from None
     placeholders = [f"127.0.0.1:{i + 1}" for i in range(args.num_ps)]  # the ports are picked at start
     configs = []
-    for i in range(args.workers if workers else 0):
+    for i in range(capacity(args) if workers else 0):  # elastic: every index a worker may be started with
         try:
             configs.append(WorkerConfig.from_args(worker_argv(args, i, placeholders, extra.get(i, []))[3:],
                                                   environ=env))
@@ -391,7 +429,8 @@ def print_config(args: argparse.Namespace, server: ServerConfig, workers: list) 
         servers.append(shard)
     ps = ",".join(f"127.0.0.1:<port of server {i}>" for i in range(args.num_ps))
     doc = {"launch": {k: getattr(args, k) for k in ("workers", "num_ps", "metrics_json", "save_model",
-                                                    "save_weights", "server_start_timeout")},
+                                                    "save_weights", "server_start_timeout",
+                                                    "elastic_workers", "scale_at")},
            "servers": servers,
            "workers": [{**json.loads(to_json(w)), "ps": ps} for w in workers]}
     command = getattr(args, "command", None)
@@ -587,6 +626,231 @@ def _start_servers(args: argparse.Namespace, tmp: str, out_lock: threading.Lock,
             for server, port_file in zip(servers, port_files)]
 
 
+
+# -- elastic sync: workers started and stopped during the run ---------------------------------
+
+
+def elastic_range(raw: str) -> tuple[int, int]:
+    """``--elastic MIN:MAX`` as (MIN, MAX), 1 <= MIN <= MAX."""
+    try:
+        low, high = (int(x) for x in raw.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes MIN:MAX, two integers (e.g. 2:4), got {raw!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"needs 1 <= MIN <= MAX, got {raw!r}")
+    return low, high
+
+
+def scale_step(raw: str) -> tuple[int, int]:
+    """``--scale-at ROUND:N`` as (ROUND, N), ROUND >= 0 (N is checked against --elastic later)."""
+    try:
+        at, count = (int(x) for x in raw.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes ROUND:N, two integers (e.g. 10:4), got {raw!r}") from None
+    if at < 0:
+        raise argparse.ArgumentTypeError(f"ROUND must be >= 0, got {raw!r}")
+    return at, count
+
+
+def capacity(args: argparse.Namespace) -> int:
+    """The server's --num-workers: --elastic's MAX, else --workers."""
+    elastic = getattr(args, "elastic_workers", None)
+    return elastic[1] if elastic else args.workers
+
+
+def check_elastic(args: argparse.Namespace) -> None:
+    """Refuse, in one line, what an elastic launch (or a schedule without one) cannot do."""
+    elastic, steps = getattr(args, "elastic_workers", None), getattr(args, "scale_at", [])
+    if not elastic:
+        if steps:
+            raise LaunchError("--scale-at changes the worker count of an elastic job: add --elastic MIN:MAX")
+        return
+    low, high = elastic
+    if args.mode not in (None, "sync"):
+        raise LaunchError(f"--elastic is sync training; --mode {args.mode} takes workers as they come and has no "
+                          "exactly-once data yet (docs/elastic.md)")
+    if args.num_ps != 1:
+        raise LaunchError(f"--elastic trains against one server; --num-ps {args.num_ps} (shards) is not supported yet")
+    if getattr(args, "command", None):
+        raise LaunchError("--elastic trains the built-in models and data (ps-worker --elastic), not a command after --")
+    if not low <= args.workers <= high:
+        raise LaunchError(f"--workers {args.workers} (the workers started) must lie in {low}..{high} "
+                          f"(--elastic {low}:{high})")
+    rounds = [r for r, _ in steps]
+    if len(set(rounds)) != len(rounds):
+        raise LaunchError(f"--scale-at: two steps at the same round ({sorted(rounds)})")
+    for at, count in steps:
+        if not low <= count <= high:
+            raise LaunchError(f"--scale-at {at}:{count}: N must lie in {low}..{high} (--elastic {low}:{high})")
+
+
+class Scaler:
+    """When to change an elastic job's worker count, and to what: the ``--scale-at`` schedule
+    (ROUND:N, applied in round order once the server's round reaches ROUND) and the requests
+    (+1 or -1: SIGUSR1, SIGUSR2), in the order they became due. Plain, no processes:
+
+        scaler = Scaler(low=2, high=4, schedule=[(10, 4), (20, 3)])
+        scaler.request(+1)                 # interactive
+        n = scaler.due(round=12, running=2) # the count to reach now, or None
+
+    A request beyond MIN..MAX is dropped with a line saying why (``refused``)."""
+
+    def __init__(self, low: int, high: int, schedule: list[tuple[int, int]] = ()):
+        self.low, self.high = low, high
+        self.schedule = sorted(schedule)
+        self.requests: list[int] = []
+        self.refused: list[str] = []
+
+    def request(self, delta: int) -> None:
+        self.requests.append(delta)
+
+    def due(self, round: int, running: int, free: int | None = None) -> int | None:
+        """The count to reach now, or None. ``free``: how many more workers can start now (the
+        indices whose process exited); a change that needs more waits, first in line."""
+        if self.schedule and round >= self.schedule[0][0]:
+            want = self.schedule[0][1]
+            if free is not None and want - running > free:
+                return None
+            return self.schedule.pop(0)[1]
+        while self.requests:
+            want = running + self.requests[0]
+            if not self.low <= want <= self.high:
+                self.requests.pop(0)
+                self.refused.append(f"{'SIGUSR1 (add a worker)' if want > running else 'SIGUSR2 (stop a worker)'} "
+                                    f"ignored: {running} run, and --elastic is {self.low}:{self.high}")
+                continue
+            if free is not None and want - running > free:
+                return None
+            self.requests.pop(0)
+            return want
+        return None
+
+
+@contextlib.contextmanager
+def scale_signals(scaler: "Scaler | None"):
+    """Inside: SIGUSR1 and SIGUSR2 are ``scaler``'s +1 and -1 requests (from before the servers
+    start, so that an early one is queued, not ps-launch's end: their default). Nothing without
+    a scaler, or outside the main thread (where signals arrive)."""
+    if scaler is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {signal.SIGUSR1: +1, signal.SIGUSR2: -1}
+    previous = {sig: signal.signal(sig, lambda signum, frame: scaler.request(handlers[signum])) for sig in handlers}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class ElasticPool:
+    """The worker processes of an elastic launch: started at free indices, stopped on purpose
+    (SIGTERM: ``ps-worker --elastic`` leaves the job, its undelivered part moving to the others;
+    SIGKILL ``_STOP_GRACE_S`` later), never the chief. ``run`` waits for the job as
+    ``_wait_for_workers`` does, applying the ``Scaler`` meanwhile; a worker stopped on purpose
+    is no failure, whatever its status."""
+
+    def __init__(self, args, scaler: Scaler, addresses: list[str], extra: dict[int, list[str]], result_file: str,
+                 out_lock: threading.Lock, env: dict, children: list[Child]):
+        self.args, self.addresses, self.extra, self.result_file = args, addresses, extra, result_file
+        self.out_lock, self.env, self.children = out_lock, env, children
+        self.scaler = scaler
+        self.workers: dict[int, Child] = {}  # index -> its newest process
+        self.started: list[Child] = []  # every worker process, in start order
+        self.stopping: dict[Child, float] = {}  # stopped on purpose -> when (monotonic)
+        self.unregistered: set[int] = set()  # started by the last step, not yet registered
+
+    def say(self, text: str) -> None:
+        with self.out_lock:
+            print(f"ps-launch: {text}", flush=True)
+
+    def running(self) -> list[Child]:
+        """Workers neither exited nor stopped on purpose, in start order."""
+        return [c for c in self.started if c.poll() is None and c not in self.stopping]
+
+    def start(self, index: int) -> None:
+        argv = worker_argv(self.args, index, self.addresses, self.extra.get(index, []))
+        if index == 0:
+            argv += ["--result-json", self.result_file]
+        child = Child(f"worker {index}", argv, self.out_lock, self.env)
+        self.workers[index] = child
+        self.started.append(child)
+        self.children.append(child)
+        self.unregistered.add(index)
+
+    def free_indices(self) -> list[int]:
+        """The indices whose process (if any) has exited: an index is never run twice at once
+        (one stopped on purpose is busy until it exited)."""
+        busy = {i for i, c in self.workers.items() if c.poll() is None}
+        return [i for i in range(capacity(self.args)) if i not in busy]
+
+    def scale_to(self, count: int, round: int) -> None:
+        running = self.running()
+        if count > len(running):
+            new = self.free_indices()[:count - len(running)]  # Scaler.due saw that there are enough
+            for index in new:
+                self.start(index)
+            self.say(f"round {round}: {len(running)} -> {count} workers: started worker(s) "
+                     f"{', '.join(map(str, new))}")
+        elif count < len(running):
+            newest = [c for c in running if c is not self.workers.get(0)][::-1][:len(running) - count]
+            for c in newest:
+                c.proc.terminate()  # ps-worker --elastic leaves the job (worker.elastic)
+                self.stopping[c] = time.monotonic()
+            self.say(f"round {round}: {len(running)} -> {count} workers: stopping "
+                     f"{', '.join(c.label for c in newest)} (SIGTERM: it leaves the job)")
+
+    def run(self, servers: list[Child]) -> list[Child]:
+        """Until every worker not stopped on purpose exited; the failed ones (or a server that exited)."""
+        from worker.client import PSClient, PSClientError
+
+        for i in range(self.args.workers):
+            self.start(i)
+        token = security.load_token(self.args.auth_token_file, os.environ)
+        with PSClient(self.addresses[0], timeout=10.0, token=token) as client:
+            while True:
+                failed = self._check(servers)
+                if failed is not None:
+                    return failed
+                try:
+                    self._scale(client.status())
+                except PSClientError:
+                    pass  # busy or restarting: the next poll asks again
+                time.sleep(0.2)
+
+    def _check(self, servers: list[Child]) -> list[Child] | None:
+        for c, since in list(self.stopping.items()):
+            if c.poll() is None and time.monotonic() - since > _STOP_GRACE_S:
+                c.proc.kill()
+        failed = [c for c in self.started if c.poll() not in (None, 0) and c not in self.stopping]
+        if failed:
+            return failed
+        for i, server in enumerate(servers):
+            if server.poll() is not None:
+                print(f"ps-launch: ps-server exited with status {server.proc.returncode} while training",
+                      file=sys.stderr)
+                return [server]
+        if all(c.poll() is not None for c in self.started):
+            for c in self.stopping:
+                c.join_relay()
+            return []
+        return None
+
+    def _scale(self, status) -> None:
+        if self.workers[0].poll() is not None:
+            return  # the chief finished: no more changes
+        alive = {w.worker_id for w in status.workers if not w.left and not w.dead}
+        self.unregistered = {i for i in self.unregistered if i not in alive and self.workers[i].poll() is None}
+        for line in self.scaler.refused:
+            self.say(line)
+        self.scaler.refused.clear()
+        if self.unregistered:
+            return  # the last step's workers are still starting: the next one waits for them
+        count = self.scaler.due(int(status.round), len(self.running()), free=len(self.free_indices()))
+        if count is not None:
+            self.scale_to(count, int(status.round))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
@@ -597,6 +861,7 @@ def run(args: argparse.Namespace) -> int:
                           "each server shard would drop different workers' gradients")
     if any(getattr(args, name, None) for name in _TLS_FIELDS):
         raise LaunchError(_NO_TLS)
+    check_elastic(args)
     command = getattr(args, "command", None) or []
     if command:
         refused = built_in_only_flags(args)
@@ -617,26 +882,35 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args, server_config, env)
     chief = worker_configs[0]
     servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
-    print(f"ps-launch: {server_config.mode}, {args.workers} workers and {servers_text} on loopback, "
+    elastic = getattr(args, "elastic_workers", None)
+    elastic_text = (f" (elastic {elastic[0]}:{elastic[1]}, {server_config.micro_batches or elastic[1]} "
+                    "micro-batches a round)" if elastic else "")
+    print(f"ps-launch: {server_config.mode}, {args.workers} workers{elastic_text} and {servers_text} on loopback, "
           f"training {chief.model} on {chief.dataset}", flush=True)
 
     out_lock = threading.Lock()
     children: list[Child] = []
     shards: list[dict] = []
+    membership: list[dict] = []
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
+    scaler = Scaler(elastic[0], elastic[1], args.scale_at) if elastic else None
+    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp, scale_signals(scaler):
         result_file = os.path.join(tmp, "result.json")
         try:
             addresses = _start_servers(args, tmp, out_lock, env, children)
             servers = list(children)
-            for i in range(args.workers):
-                argv = worker_argv(args, i, addresses, extra.get(i, []))
-                if i == 0:
-                    argv += ["--result-json", result_file]
-                children.append(Child(f"worker {i}", argv, out_lock, env))
-            failed = _wait_for_workers(children[len(servers):], servers)
+            if elastic:  # workers started and stopped during the run (ElasticPool)
+                pool = ElasticPool(args, scaler, addresses, extra, result_file, out_lock, env, children)
+                failed = pool.run(servers)
+            else:
+                for i in range(args.workers):
+                    argv = worker_argv(args, i, addresses, extra.get(i, []))
+                    if i == 0:
+                        argv += ["--result-json", result_file]
+                    children.append(Child(f"worker {i}", argv, out_lock, env))
+                failed = _wait_for_workers(children[len(servers):], servers)
             if not failed:
-                shards = _shard_summary(addresses, args.auth_token_file)
+                shards, membership = _shard_summary(addresses, args.auth_token_file)
         except KeyboardInterrupt:
             print("ps-launch: interrupted, stopping all processes", file=sys.stderr)
             for c in reversed(children):
@@ -669,15 +943,24 @@ def run(args: argparse.Namespace) -> int:
         "max_staleness": result["max_staleness"],
         "num_ps": args.num_ps,
         "shards": shards,
+        "membership": membership,
     }
+    if elastic:
+        metrics["elastic"] = {"min_workers": elastic[0], "max_workers": elastic[1],
+                              "micro_batches": server_config.micro_batches or elastic[1],
+                              "scale_at": [list(step) for step in args.scale_at]}
+        for e in membership:
+            print(f"ps-launch: round {e['round']}: worker {e['worker_id']} {e['event']}", flush=True)
     if args.num_ps > 1:
         for i, shard in enumerate(shards):
             print(f"ps-launch: shard {i} at {shard['address']} holds {shard['variables']} pieces "
                   f"({shard['parameters']:,} parameters), version {shard['version']}, round {shard['round']}",
                   flush=True)
     servers_text = f" and {args.num_ps} server shards" if args.num_ps > 1 else ""
+    started_text = f" at the start (elastic {elastic[0]}:{elastic[1]})" if elastic else ""
     print(
-        f"ps-launch: {server_config.mode} with {args.workers} workers{servers_text}: {metrics['steps']} steps, "
+        f"ps-launch: {server_config.mode} with {args.workers} workers{started_text}{servers_text}: "
+        f"{metrics['steps']} steps, "
         f"test accuracy {metrics['test_accuracy']:.4f}, final loss {metrics['final_loss']:.4f}, "
         f"{metrics['examples_per_s']:.0f} examples/s, wall {wall_s:.1f} s",
         flush=True,
@@ -706,21 +989,27 @@ def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:
     return address
 
 
-def _shard_summary(addresses: list[str], token_file: str | None) -> list[dict]:
-    """What each server holds at the end, from its Status (empty if one does not answer)."""
+def _shard_summary(addresses: list[str], token_file: str | None) -> tuple[list[dict], list[dict]]:
+    """What each server holds at the end, and shard 0's membership history, from their
+    Status (both empty if one does not answer)."""
     from worker.client import PSClient, PSClientError
 
-    out = []
-    for address in addresses:
+    out, membership = [], []
+    for i, address in enumerate(addresses):
         try:
             with PSClient(address, timeout=10.0, token=security.load_token(token_file, os.environ)) as client:
                 s = client.status()
         except (PSClientError, ConfigError) as e:
             print(f"ps-launch: no status from {address}: {e}", file=sys.stderr)
-            return []
+            return [], []
         out.append({"address": address, "variables": int(s.num_variables), "parameters": int(s.num_parameters),
-                    "version": int(s.version), "round": int(s.round), "pushes_applied": int(s.pushes_applied)})
-    return out
+                    "version": int(s.version), "round": int(s.round), "pushes_applied": int(s.pushes_applied),
+                    "examples_applied": int(s.examples_applied)})
+        if i == 0:
+            membership = [{"wall_time": e.wall_time, "round": int(e.round), "version": int(e.version),
+                           "event": e.event, "worker_id": int(e.worker_id), "worker_name": e.worker_name}
+                          for e in s.membership]
+    return out, membership
 
 
 def _wait_for_workers(workers: list[Child], servers: list[Child]) -> list[Child]:
@@ -745,6 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     dashes = "--" in argv  # everything after the first -- is the command, as given
     before, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if dashes else (argv, [])
+    if "--elastic-min-workers" in before:  # ps-server's flag; ps-launch sets it from --elastic
+        print("ps-launch: error: --elastic-min-workers: give --elastic MIN:MAX (the server's minimum and most "
+              "workers; the workers then run ps-worker --elastic)", file=sys.stderr)
+        return 2
     args = parser().parse_args(before)
     try:
         if args.command:

@@ -3,6 +3,7 @@
     ps-status 127.0.0.1:50051                 # once
     ps-status 127.0.0.1:50051 --watch 2       # refresh every 2 s until Ctrl-C
     ps-status a:50051,b:50051                 # server shards: the cluster, then one block each
+    ps-status 127.0.0.1:50051 --membership 0  # without the membership history (default: its newest 20)
 
 Per server: mode, version, round, who the barrier (sync) or the bound (ssp) is
 waiting for, updates applied and dropped, staleness, checkpoint age. Per
@@ -12,7 +13,10 @@ since its last call or heartbeat), pushes, and where its time goes (``work``:
 between its pushes; ``wait``: inside them, at the barrier or the bound).
 With several shards a first block shows the cluster as the workers see it:
 the shards' statuses combined by ``worker.sharded_client.combine_statuses``
-(one rule per field). Plain text; no TensorFlow.
+(one rule per field). Then the membership over time (``core.membership``), the
+newest ``--membership N`` events: when (local time), the round and version the
+server was at, what happened (joined, rejoined, left, dead) and to which worker
+(once per cluster: with shards, in the cluster block). Plain text; no TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import time
 from protos.wire import mode_from_wire
 
 
-def render(address: str, s) -> str:
+def render(address: str, s, history: int = 0) -> str:
+    """One server's block; with ``history`` > 0, its newest membership events after the workers."""
     mode = mode_from_wire(s.mode)
     lines = [f"{address}  mode {mode}  version {s.version}  round {s.round}  workers {s.num_workers}"
              + ("" if s.initialized else "  (not initialized: waiting for the chief)")]
@@ -68,7 +73,25 @@ def render(address: str, s) -> str:
             state = "awaited" if index in s.waiting_for else "waiting"  # waiting: pushed, at the barrier
         lines.append(f"  {index:>6}  {state:<9} {w.last_step:>9} {w.last_seen_age_s:>9.1f} {w.pushes:>7} "
                      f"{w.work_s:>9.3f} {w.wait_s:>9.3f}  {w.worker_name}")
+    if history > 0:
+        lines += membership_lines(s, history)
     return "\n".join(lines)
+
+
+def membership_lines(s, newest: int) -> list[str]:
+    """The membership over time as a compact table: the ``newest`` events, oldest first."""
+    events = list(s.membership)
+    if not events:
+        return ["  membership: no worker has registered yet"]
+    shown = events[-newest:]
+    earlier = len(events) - len(shown) + s.membership_dropped
+    lines = [f"  membership over time ({len(shown)} events" + (f", {earlier} earlier not shown)" if earlier else ")"),
+             f"  {'time':<8} {'round':>7} {'version':>8}  {'event':<8}  worker"]
+    for e in shown:
+        name = f" ({e.worker_name})" if e.worker_name else ""
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e.wall_time)):<8} {e.round:>7} {e.version:>8}  "
+                     f"{e.event:<8}  {e.worker_id}{name}")
+    return lines
 
 
 def _who(s, worker_id: int) -> str:
@@ -80,7 +103,7 @@ def _who(s, worker_id: int) -> str:
     return f"worker {worker_id} (never registered)"
 
 
-def snapshot(addresses: list[str], token: str | None, timeout: float) -> str:
+def snapshot(addresses: list[str], token: str | None, timeout: float, history: int = 20) -> str:
     from worker.client import PSClient, PSClientError
     from worker.sharded_client import combine_statuses
 
@@ -89,11 +112,11 @@ def snapshot(addresses: list[str], token: str | None, timeout: float) -> str:
         try:
             with PSClient(address, timeout=timeout, token=token) as c:
                 answers.append(c.status())
-            blocks.append(render(address, answers[-1]))
+            blocks.append(render(address, answers[-1], history if len(addresses) == 1 else 0))
         except PSClientError as e:
             blocks.append(f"{address}  not answering: {e.code.name if e.code else 'ERROR'}: {e.details}")
     if len(addresses) > 1 and len(answers) == len(addresses):
-        blocks.insert(0, render(f"cluster of {len(addresses)} shards", combine_statuses(answers)))
+        blocks.insert(0, render(f"cluster of {len(addresses)} shards", combine_statuses(answers), history))
     return "\n\n".join(blocks)
 
 
@@ -102,18 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ps", help="server HOST:PORT, or shards HOST:PORT,HOST:PORT,...")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, help="refresh every N seconds (default 2)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per Status call (default 5)")
+    p.add_argument("--membership", type=int, default=20, metavar="N",
+                   help="show the newest N membership events: who joined, left or died, when, at which round "
+                   "(default 20; 0: none)")
     args = p.parse_args(argv)
     from ps_common import security
 
     token = security.load_token(None, os.environ)
     addresses = [a.strip() for a in args.ps.split(",") if a.strip()]
     if args.watch is None:
-        text = snapshot(addresses, token, args.timeout)
+        text = snapshot(addresses, token, args.timeout, args.membership)
         print(text, flush=True)
         return 1 if "not answering" in text else 0
     try:
         while True:
-            text = snapshot(addresses, token, args.timeout)
+            text = snapshot(addresses, token, args.timeout, args.membership)
             clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
             print(f"{clear}{time.strftime('%H:%M:%S')}\n{text}\n", flush=True)
             time.sleep(args.watch)

@@ -12,6 +12,7 @@ is logged at DEBUG; other libraries log only their warnings (``ps_common.logs``)
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from protos import wire
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
     wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens
     from worker.client import PSClientError
+    from worker.elastic import Stopped
     from worker.trainer import LOG_TAG, TrainingError, train
 
     LOG_TAG.index = config.worker_index  # "worker?" until the server assigns it (--worker-index auto)
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         who = f"worker {LOG_TAG.index}" if LOG_TAG.index >= 0 else "worker (no index assigned yet)"
         print(f"ps-worker: error: {who}: {e}", file=sys.stderr)
         return 1
+    except Stopped as e:  # --elastic: SIGTERM made it leave the job (worker.elastic)
+        print(f"ps-worker: worker {LOG_TAG.index}: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("ps-worker: interrupted", file=sys.stderr)
         return 130

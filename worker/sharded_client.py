@@ -482,6 +482,8 @@ STATUS_RULES: dict[str, Callable] = {
     "tasks_done": first,
     "tasks_held": first,
     "tasks_queued": first,
+    "membership": first,  # every worker registers with, leaves and heartbeats every shard: shard 0's history
+    "membership_dropped": first,
 }
 
 

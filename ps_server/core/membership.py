@@ -5,6 +5,8 @@
     members.register(AUTO_INDEX).worker_id   # the server picks: lowest free index
     members.require(0)            # renews the lease; UnknownWorker if never registered or dead
     newly_dead = members.expire() # workers silent for longer than the lease timeout
+    members.register(1, at=(7, 7))  # ``at``: the (round, version) the server is at, for the history
+    members.history()             # [MembershipEvent(wall_time, round, version, "joined", 1, name), ...]
 
 A worker holds a lease, renewed by every call it makes (``require``) and by
 heartbeats. ``expire`` declares dead every registered, not-yet-left worker whose
@@ -17,12 +19,21 @@ A worker that does not know its index (identical containers scaled by
 index nobody registered yet, else the lowest one whose worker was declared dead
 (it replaces that worker); never one whose worker finished (left) or is alive.
 
-Thread-safe: one small lock guards the table and is never held while calling
-out. The clock is injected, so tests drive time by hand.
+Membership over time: every change is recorded as a ``MembershipEvent`` (wall
+time, the round and version the caller says the server is at, what happened, the
+worker): ``joined`` (a first registration of the index, or a new worker on an
+index whose worker left), ``rejoined`` (registered again while its record was
+alive or declared dead: a restart, a replacement, a worker that missed its
+lease), ``left`` and ``dead``. The newest ``HISTORY_LIMIT`` are kept; ``dropped``
+counts the older ones let go. A checkpoint's restore records nothing.
+
+Thread-safe: one small lock guards the table and the history and is never held
+while calling out. Both clocks are injected, so tests drive time by hand.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -54,6 +65,26 @@ class WorkerRecord:
     last_push_done: float = 0.0
 
 
+HISTORY_LIMIT = 1000  # membership events kept (the newest); a job's churn, not its pushes
+
+JOINED, REJOINED, LEFT, DEAD = "joined", "rejoined", "left", "dead"
+NOWHERE = (-1, -1)  # (round, version) when the caller does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipEvent:
+    """One change of membership: at ``wall_time`` (seconds since the epoch), with the
+    server at ``round`` (sync: the round collecting pushes) and ``version``, ``event``
+    (JOINED, REJOINED, LEFT or DEAD) happened to worker ``worker_id``."""
+
+    wall_time: float
+    round: int
+    version: int
+    event: str
+    worker_id: int
+    name: str = ""
+
+
 AVERAGE_WEIGHT = 0.2  # weight of the newest sample in work_s and wait_s (after the first few)
 
 
@@ -66,7 +97,8 @@ def _average(mean: float, sample: float, n: int) -> float:
 
 class Membership:
     def __init__(self, num_workers: int, lease_timeout: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 history_limit: int = HISTORY_LIMIT):
         if num_workers < 1:
             raise InvalidArgument(f"num_workers must be >= 1, got {num_workers}")
         if not lease_timeout > 0:
@@ -74,10 +106,30 @@ class Membership:
         self.num_workers = num_workers
         self.lease_timeout = lease_timeout
         self._clock = clock
-        self._lock = threading.Lock()  # guards _workers; leaf lock, nothing is called under it
+        self._wall_clock = wall_clock
+        self._lock = threading.Lock()  # guards _workers and the history; leaf lock, nothing is called under it
         self._workers: dict[int, WorkerRecord] = {}
+        self._history: collections.deque[MembershipEvent] = collections.deque(maxlen=history_limit)
+        self._events = 0  # ever recorded: len(_history) + dropped
 
-    def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> WorkerRecord:
+    def _record(self, event: str, worker_id: int, name: str, at: tuple[int, int]) -> None:
+        """Under the lock: one event into the bounded history."""
+        self._history.append(MembershipEvent(self._wall_clock(), at[0], at[1], event, worker_id, name))
+        self._events += 1
+
+    def history(self) -> list[MembershipEvent]:
+        """The membership events kept, oldest first."""
+        with self._lock:
+            return list(self._history)
+
+    @property
+    def dropped(self) -> int:
+        """Events recorded but no longer kept (older than the newest ``history_limit``)."""
+        with self._lock:
+            return self._events - len(self._history)
+
+    def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "",
+                 at: tuple[int, int] = NOWHERE) -> WorkerRecord:
         who = "a worker" if worker_index == AUTO_INDEX else f"worker {worker_index}"
         if claimed_num_workers and claimed_num_workers != self.num_workers:
             raise ConfigMismatch(
@@ -98,6 +150,7 @@ class Membership:
             if old is not None:  # keep the counters of the index across restarts
                 record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
             self._workers[worker_index] = record
+            self._record(JOINED if old is None or old.left else REJOINED, worker_index, name, at)
         return dataclasses.replace(record)
 
     def _free_index(self) -> int:
@@ -158,21 +211,25 @@ class Membership:
                         rec.work_s = _average(rec.work_s, arrived - rec.last_push_done, rec.pushes - 1)
                     rec.last_push_done = done
 
-    def leave(self, worker_id: int) -> None:
+    def leave(self, worker_id: int, at: tuple[int, int] = NOWHERE) -> None:
         self.require(worker_id)
         with self._lock:
-            self._workers[worker_id].left = True
+            rec = self._workers[worker_id]
+            if not rec.left:  # a repeated Leave is no second event
+                rec.left = True
+                self._record(LEFT, worker_id, rec.name, at)
 
-    def expire(self) -> list[int]:
+    def expire(self, at: tuple[int, int] = NOWHERE) -> list[int]:
         """Declare dead every live, registered, not-left worker whose lease ran out; returns them."""
         now = self._clock()
         newly = []
         with self._lock:
-            for w, rec in self._workers.items():
+            for w, rec in sorted(self._workers.items()):
                 if not rec.dead and not rec.left and now - rec.last_seen > self.lease_timeout:
                     rec.dead, rec.dead_since = True, now
                     newly.append(w)
-        return sorted(newly)
+                    self._record(DEAD, w, rec.name, at)
+        return newly
 
     def is_dead(self, worker_id: int) -> bool:
         with self._lock:

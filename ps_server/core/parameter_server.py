@@ -37,7 +37,7 @@ from ps_server.core.checkpoint import ServerState
 from ps_server.core.cursor import Cursor, DataPlan
 from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
-from ps_server.core.membership import Membership, WorkerRecord
+from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
 from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
@@ -106,6 +106,10 @@ class Status:
     tasks_done: int = 0   # how many are applied, handed out and not done, and given back
     tasks_held: int = 0   # (a dead worker's, an expired lease's, a refused push's) waiting
     tasks_queued: int = 0  # to be handed out again
+    # Who joined, left or was declared dead, when (wall time) and at which round and version,
+    # oldest first: the newest ``membership.HISTORY_LIMIT``, and how many older ones were let go.
+    membership: tuple[MembershipEvent, ...] = ()
+    membership_dropped: int = 0
 
 
 _REGISTRATION_FROM_STATUS = tuple(f for f in dataclasses.fields(Registration)
@@ -193,7 +197,7 @@ class ParameterServer:
                                   stale_policy=stale_policy, max_staleness=max_staleness, apply=async_apply)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
-        rec = self.members.register(worker_index, claimed_num_workers, name)
+        rec = self.members.register(worker_index, claimed_num_workers, name, at=self._position())
         self.mode.worker_joined(rec.worker_id)
         # What a worker learns when it joins is the status's (mode, version, round, lease,
         # incarnation, ...), read once from there, plus its id and the barrier timeout.
@@ -202,6 +206,11 @@ class ParameterServer:
         restored = getattr(self.mode, "round_restored", None)
         return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout,
                             round_restored=bool(restored and restored()), **shared)
+
+    def _position(self) -> tuple[int, int]:
+        """(round, version) now, for the membership history. Takes the mode's lock: never call
+        it from under a lock the mode may wait for."""
+        return self.mode.status().round, self.store.version
 
     def finished(self) -> tuple[bool, list[int], list[int]]:
         """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done.
@@ -215,7 +224,7 @@ class ParameterServer:
 
     def tick(self) -> list[int]:
         """Declare workers whose lease ran out dead and apply the dead-worker policy."""
-        dead = self.members.expire()
+        dead = self.members.expire(at=self._position())
         if dead:
             log.warning("worker(s) %s declared dead: no call or heartbeat for more than %g s",
                         self.members.describe(dead), self.members.lease_timeout)
@@ -483,7 +492,7 @@ class ParameterServer:
                                  arrived=arrived, done=self._clock())
 
     def leave(self, worker_id: int) -> None:
-        self.members.leave(worker_id)
+        self.members.leave(worker_id, at=self._position())
         if self.elastic:  # what it had not delivered goes to the others
             self.mode.workers_died([worker_id])
         if self.tasks is not None:
@@ -612,6 +621,8 @@ class ParameterServer:
             optimizer_iterations=self.store.optimizer_iterations() if self.store.initialized else 0,
             learning_rate_now=self.store.current_learning_rate() if self.store.initialized else 0.0,
             **self._data_status(),
+            membership=tuple(self.members.history()),
+            membership_dropped=self.members.dropped,
         )
 
     def _data_status(self) -> dict:

@@ -126,3 +126,26 @@ def test_the_same_rounds_with_and_without_a_death_end_with_the_same_bits():
     for name in undisturbed:
         np.testing.assert_array_equal(disturbed[name], undisturbed[name])
     assert count == counted == EXAMPLES
+
+
+def test_the_status_shows_who_joined_left_and_died_at_which_round():
+    clock = Clock()
+    ps = server(clock)
+    for w in (0, 1):
+        ps.register(w, 4)
+    ps.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    for r in range(2):  # two rounds with workers 0 and 1
+        for w in (0, 1):
+            work = ps.work(w).result()
+            tickets = [ps.submit(push(ps, w, work, i)) for i in range(len(work.micro_batches))]
+        for t in tickets:
+            t.wait()
+    ps.register(2, 4)  # joins during round 2
+    ps.leave(1)
+    clock.now += 6  # worker 2 and 0 silent past the lease
+    ps.heartbeat(0)
+    ps.tick()
+    s = ps.status()
+    assert [(e.event, e.worker_id, e.round, e.version) for e in s.membership] == [
+        ("joined", 0, 0, 0), ("joined", 1, 0, 0), ("joined", 2, 2, 2), ("left", 1, 2, 2), ("dead", 2, 2, 2)]
+    assert s.membership_dropped == 0

@@ -8,7 +8,7 @@ A fake clock makes ``registered_at`` and ``last_seen`` exact.
 import pytest
 
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
-from ps_server.core.membership import AUTO_INDEX, Membership
+from ps_server.core.membership import AUTO_INDEX, Membership, WorkerRecord
 from tests.core.threads import FakeClock
 
 
@@ -202,3 +202,56 @@ def test_an_elastic_job_is_finished_when_nobody_trains_however_many_indices_it_u
     members.leave(1)
     assert members.finished(every_index=False) == (True, [1], [0])  # index 2 never used
     assert members.finished() == (False, [1], [0])
+
+
+# -- membership over time ------------------------------------------------------------------
+
+
+def events(members):
+    return [(e.wall_time, e.round, e.version, e.event, e.worker_id, e.name) for e in members.history()]
+
+
+def test_joins_leaves_deaths_and_rejoins_are_recorded_in_order_with_round_version_and_wall_time(clock):
+    wall = FakeClock(now=1_700_000_000.0)
+    members = Membership(num_workers=3, lease_timeout=10.0, clock=clock, wall_clock=wall)
+    members.register(0, 3, "a", at=(0, 0))
+    members.register(AUTO_INDEX, 3, "b", at=(0, 0))  # the event names the index it was given
+    wall.now += 5
+    members.leave(1, at=(4, 4))
+    members.leave(1, at=(5, 5))  # a repeated Leave is answered, and is no second event
+    members.register(1, 3, "c", at=(6, 6))  # a new worker on an index whose worker left: joined
+    clock.now += 11
+    wall.now += 11
+    members.require(1)
+    assert members.expire(at=(9, 9)) == [0]
+    members.register(0, 3, "a2", at=(9, 9))  # registered again after being declared dead
+    members.register(0, 3, "a3", at=(9, 9))  # ... and again while alive (a restart)
+    t = 1_700_000_000.0
+    assert events(members) == [(t, 0, 0, "joined", 0, "a"), (t, 0, 0, "joined", 1, "b"),
+                               (t + 5, 4, 4, "left", 1, "b"), (t + 5, 6, 6, "joined", 1, "c"),
+                               (t + 16, 9, 9, "dead", 0, "a"), (t + 16, 9, 9, "rejoined", 0, "a2"),
+                               (t + 16, 9, 9, "rejoined", 0, "a3")]
+    assert members.dropped == 0
+
+
+def test_the_history_keeps_the_newest_events_and_counts_those_let_go(clock):
+    members = Membership(num_workers=2, clock=clock, history_limit=3)
+    for i in range(5):
+        members.register(i % 2, 2, f"w{i}", at=(i, i))
+    assert [e.round for e in members.history()] == [2, 3, 4]
+    assert members.dropped == 2
+
+
+def test_a_refused_registration_and_a_restore_record_no_event(members):
+    with pytest.raises(InvalidArgument):
+        members.register(7, 3)
+    with pytest.raises(ConfigMismatch):
+        members.register(0, 5)
+    members.restore([WorkerRecord(worker_id=2, name="old", registered_at=0.0, last_seen=0.0)])
+    assert members.history() == [] and members.dropped == 0
+
+
+def test_a_caller_that_does_not_say_where_the_server_is_records_round_and_version_minus_one(members):
+    members.register(0, 3)
+    (e,) = members.history()
+    assert (e.round, e.version, e.event) == (-1, -1, "joined")

@@ -94,7 +94,7 @@ def test_the_status_on_the_wire_carries_every_core_field_with_ages_taken_at_the_
     assert msg.mode == pb.SSP and msg.lease_timeout_s == s.lease_timeout
     renamed = {"lease_timeout": "lease_timeout_s"}
     for f in dataclasses.fields(Status):
-        if f.name in ("mode", "workers", "optimizer"):
+        if f.name in ("mode", "workers", "optimizer", "membership"):
             continue
         value, want = getattr(msg, renamed.get(f.name, f.name)), getattr(s, f.name)
         if isinstance(want, tuple):
@@ -102,6 +102,8 @@ def test_the_status_on_the_wire_carries_every_core_field_with_ages_taken_at_the_
         else:
             assert value == pytest.approx(want, nan_ok=True) if isinstance(want, float) else value == want, f.name
     assert (msg.staleness_bound, msg.stale_policy, msg.drop_staleness_above) == (2, "drop", 4)
+    assert [service.MEMBERSHIP_EVENT.from_wire(e) for e in msg.membership] == list(s.membership)
+    assert [(e.event, e.worker_id, e.worker_name) for e in msg.membership] == [("joined", 0, "w0")]
 
 
 def test_an_optimizer_spec_crosses_by_its_fields():
