@@ -323,6 +323,16 @@ class PSClient:
         reply = self._send(outgoing, timeout)
         return self._reply_record(reply), (reply.assignment if reply.HasField("assignment") else None)
 
+    def push_task(self, worker_id: int, step: int, base_version: int, task: int, batch_size: int,
+                  gradients: Mapping[str, np.ndarray], loss: float = 0.0,
+                  timeout: float | None = None) -> PushReply:
+        """Async and ssp with a data plan: the gradient of ``task`` (an ``Assignment`` of
+        ``work``; ``batch_size`` its examples), computed on the parameters of ``base_version``.
+        A retry of a push already applied is answered from the server's record (``replayed``)."""
+        outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, self._wire_arrays(gradients), {},
+                                task=task)
+        return self._reply_record(self._send(outgoing, timeout))
+
     def _wire_arrays(self, gradients: Mapping) -> dict[str, tuple[int, np.ndarray]]:
         try:
             return {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
@@ -332,7 +342,9 @@ class PSClient:
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
         """Elastic sync: this worker's micro-batches (round, micro_batches, sizes, parts); waits
-        until it has some, at most ``timeout`` (default: the client's)."""
+        until it has some, at most ``timeout`` (default: the client's). Async and ssp with a
+        data plan: a task (``task`` set; ``round`` its id, ``sizes[0]`` its examples), or none
+        (no sizes; ``finished`` when every task is applied), at once."""
         return self.unary.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout)
 
     def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
@@ -350,7 +362,7 @@ class PSClient:
         else:
             reply = self.shared_memory.push(outgoing, timeout)
             if reply is None and self.overlap and self.shortcut.on and not rows and not set_learning_rate \
-                    and outgoing.micro_batch < 0:  # elastic sync takes no PushPull
+                    and outgoing.micro_batch < 0 and outgoing.task < 0:  # server-dealt data takes no PushPull
                 reply = self._push_pull(outgoing, timeout)
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)

@@ -1,4 +1,4 @@
-"""The worker's loop in elastic sync: it computes what the server deals it.
+"""The worker's loop when the server deals the data: elastic sync's rounds, async and ssp's tasks.
 
     ps-server --mode sync --num-workers 4 --elastic-min-workers 2 --micro-batches 4
     ps-worker --elastic --worker-index 0 --num-workers 4 ...     # any number of these, at any time
@@ -18,6 +18,17 @@ The chief (worker 0) sends the data plan (examples, global batch size, seed) wit
 Initialize. The job ends at the last step: a worker dealt work of a round at or past
 ``total_steps`` stops. Built-in models and datasets only for now (their examples are
 drawn by index); one server.
+
+Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
+carries ``--epochs``, and the server hands out the job's batches as tasks
+(``ps_server/core/tasks.py``): each epoch's shuffled examples cut into batches of
+``--global-batch-size / --num-workers`` (the examples one async push trains on without
+tasks too). Each step a worker asks for a task, pulls, computes that batch
+(``ps_common.batches.global_batch`` of the plan at the task's id) and pushes it naming
+the task. A dead worker's tasks, an expired lease's, a refused push's go back to the
+queue; only the holder's push of a task is applied, a retry is answered from the
+record: every example is applied exactly once per epoch. The job ends when the server
+says every task is applied; the chief then evaluates at once.
 
 SIGTERM (``ps-launch`` scaling a job down, an operator, a scheduler) makes a worker
 leave the job at once, wherever it is: whatever it computes or waits for is
@@ -41,8 +52,9 @@ import time
 
 import grpc
 
-from ps_common.batches import micro_batches
+from ps_common.batches import global_batch, micro_batches
 from worker.client import PSClientError
+from worker.config import ConfigError
 from worker.connection import connect, recoverable
 from worker.trainer import TrainingLoop
 
@@ -71,18 +83,22 @@ def _stop_if_asked() -> None:
 class ElasticLoop(TrainingLoop):
     """``TrainingLoop`` whose steps are the server's rounds, computed micro-batch by micro-batch."""
 
+    dealt = True  # the server deals the data: the chief waits for nobody before evaluating
+    WAIT_S = 0.2  # async and ssp: every task handed out, some not done: ask again after this
+
     def run(self) -> dict:
         task = self.task
-        self.conn.data_plan = {"num_examples": len(task.data.y_train),
-                               "global_batch_size": self.config.global_batch_size, "seed": self.config.seed}
         # Signals reach the main thread only; a loop run from another one keeps SIGTERM as it is.
         catch = threading.current_thread() is threading.main_thread()
         _STOP.clear()
         previous = signal.signal(signal.SIGTERM, _on_sigterm) if catch else None
         try:
-            self.start()
+            self.start()  # registers, then (_before_join) sets the data plan for the server's mode
             self.t0 = time.monotonic()
-            self._rounds()
+            if self.conn.registration.mode == "sync":
+                self._rounds()
+            else:
+                self._tasks()
         except Stopped:
             if catch:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the Leave short
@@ -90,8 +106,26 @@ class ElasticLoop(TrainingLoop):
         finally:
             if catch:
                 signal.signal(signal.SIGTERM, previous)
-        self.conn.step = task.total_steps
+        if self.conn.registration.mode == "sync":
+            self.conn.step = task.total_steps
         return self.finish()
+
+    def _before_join(self, registration) -> None:
+        """The chief's data plan, which the server deals from: sync, the global batches of
+        the job; async and ssp, tasks of ``--global-batch-size / --num-workers`` examples for
+        ``--epochs`` epochs (``_tasks``)."""
+        config, task = self.config, self.task
+        if registration.mode == "sync":
+            self.conn.data_plan = {"num_examples": task.num_examples,
+                                   "global_batch_size": config.global_batch_size, "seed": config.seed}
+            return
+        if config.steps:
+            raise ConfigError(f"--steps {config.steps}: async and ssp with --elastic train on the server's "
+                              f"tasks for whole epochs; say --epochs")
+        self.batch = max(1, config.global_batch_size // config.num_workers)
+        self.conn.step = max(self.conn.step, registration.round)  # ssp: the slowest live worker's clock
+        self.conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": self.batch,
+                               "seed": config.seed, "epochs": config.epochs}
 
     def _rounds(self) -> None:
         while True:
@@ -103,6 +137,49 @@ class ElasticLoop(TrainingLoop):
                     self.conn.rejoin(e)
                 elif not _ask_again(e):
                     raise
+
+    def _tasks(self) -> None:
+        """Async and ssp: the server hands out the job's batches as tasks (``core.tasks``);
+        each is applied exactly once, whoever dies or joins. A push of a task taken away
+        meanwhile (its lease ran out) is refused and dropped; the job ends when the server
+        says every task is applied."""
+        while True:
+            try:
+                if not self._one_task():
+                    return
+            except PSClientError as e:
+                if _rejoin_for(e):
+                    self.conn.rejoin(e)
+                elif not _task_taken_away(e):
+                    raise
+
+    def _one_task(self) -> bool:
+        task, client, me = self.task, self.conn.client, self.conn.worker_id
+        _stop_if_asked()
+        offer = client.work(me)
+        if not offer.sizes:
+            if offer.finished:
+                return False
+            time.sleep(self.WAIT_S)  # the last tasks are held by others; one may come back
+            return True
+        knob_s = self.knobs.before_step(self.conn.step) + self.knobs.before_pull()
+        started = time.monotonic()
+        version = self.conn.pull()
+        indices = global_batch(task.num_examples, self.batch, self.config.seed, offer.round)
+        computing = time.monotonic()
+        loss, grads = self.compute(*task.examples(indices), len(indices))
+        compute_s = time.monotonic() - computing
+        step = self.conn.step
+        self.conn.step += 1  # never the same step twice: the mode answers a repeated step from its record
+        pushing = time.monotonic()
+        reply = client.push_task(me, step, version, offer.round, len(indices), grads, loss)
+        record = {"step": step, "task": offer.round, "loss": loss, "batch_size": len(indices),
+                  "base_version": version, "version": reply.version, "staleness": reply.staleness,
+                  "dropped": reply.dropped, "t": time.monotonic() - self.t0, "pull_s": computing - started,
+                  "compute_s": compute_s, "push_s": time.monotonic() - pushing, "knob_s": knob_s}
+        self.history.append(record)
+        self.observer.step(record)
+        return True
 
     def _leave_now(self) -> str:
         """After SIGTERM: Leave over a fresh connection; what happened, in words."""
@@ -142,9 +219,9 @@ class ElasticLoop(TrainingLoop):
         while todo:
             _stop_if_asked()
             m = todo.pop(0)
-            batch = micro_batches(task._batches[work.round], work.parts)[m]
+            batch = micro_batches(task.global_batch(work.round), work.parts)[m]
             computing = time.monotonic()
-            loss, grads = self.compute(task.data.x_train[batch], task.data.y_train[batch], len(batch))
+            loss, grads = self.compute(*task.examples(batch), len(batch))
             compute_s += time.monotonic() - computing
             reply, more = client.push_micro(me, work.round, m, len(batch), grads, loss)
             sizes.append(len(batch))
@@ -159,6 +236,13 @@ class ElasticLoop(TrainingLoop):
         self.history.append(record)
         self.observer.step(record)
         self.conn.step = work.round + 1
+
+
+def _task_taken_away(e: PSClientError) -> bool:
+    """A push of a task this worker no longer holds (its lease ran out; another does it),
+    or ssp's wait for the bound timed out after the push was applied: take the next one."""
+    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or "does not hold task" in e.details \
+        or "already done by worker" in e.details
 
 
 def _rejoin_for(e: PSClientError) -> bool:

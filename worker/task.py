@@ -169,6 +169,18 @@ class BuiltinTask(Task):
     def batches(self, worker_index: int, num_workers: int) -> "_Indexed":
         return _Indexed(self, worker_index, num_workers)
 
+    def global_batch(self, step: int) -> np.ndarray:
+        """The examples (indices) of global batch ``step``: the data plan the server deals from."""
+        return self._batches[step]
+
+    def examples(self, indices: np.ndarray):
+        """(x, y) of the training examples at ``indices``."""
+        return self.data.x_train[indices], self.data.y_train[indices]
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.data.y_train)
+
     def loss(self, y_true, y_pred):
         from worker import model as models
 

@@ -134,6 +134,8 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
 class TrainingLoop:
     """One worker's training: its state is the fields set here (module docstring)."""
 
+    dealt = False  # the server deals the data (worker.elastic): every batch is done when the loop ends
+
     def __init__(self, config: WorkerConfig, task: Task, model, observer: Observer, device: str = "/CPU:0"):
         self.task, self.model, self.observer, self.device = task, model, observer, device
         self.conn = Connection(config, model)  # registration, step, version pulled and seen, heartbeat
@@ -171,8 +173,12 @@ class TrainingLoop:
             extras.append(f"metrics on http://{self.config.metrics_host}:{self.observer.metrics_port}/metrics")
         log.info("%s; computes on %s (TensorFlow %s); %s, %d steps%s", self.conn.describe(), self.device,
                  tf.__version__, self.task.name, self.task.total_steps, "".join(f"; {e}" for e in extras))
+        self._before_join(reg)
         self.conn.join()
         self.batches = self.task.batches(self.config.worker_index, self.config.num_workers)
+
+    def _before_join(self, registration) -> None:
+        """What a loop sets once it knows the server (its mode), before it joins: nothing here."""
 
     # -- one step: pull, compute, push
     def one_step(self) -> None:
@@ -256,7 +262,7 @@ class TrainingLoop:
         from worker import model as models
 
         config, reg, model, task = self.config, self.conn.registration, self.model, self.task
-        if reg.mode != "sync":  # async, ssp: nobody waits at a barrier, so wait for the others here
+        if reg.mode != "sync" and not self.dealt:  # async, ssp: nobody waits at a barrier, so wait for the others
             _wait_for_others(config, self.conn.client)
         version = self.conn.pull()
         values = self.conn.pulled

@@ -69,6 +69,7 @@ class OutgoingPush:
     metrics: list[pb.Tensor] = dataclasses.field(default_factory=list)
     set_learning_rate: float = 0.0  # > 0: the optimizer's constant learning rate from this update on
     micro_batch: int = -1  # elastic sync: the micro-batch of the round this gradient is of
+    task: int = -1  # async and ssp with a data plan: the task this gradient trains on
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +98,11 @@ class OutgoingPush:
         return [a for _, a in self.arrays.values()]
 
     def _micro(self) -> dict:
-        return {"micro_batch": self.micro_batch} if self.micro_batch >= 0 else {}
+        """The optional fields of a server-dealt push: elastic sync's micro-batch, a task."""
+        fields = {"micro_batch": self.micro_batch} if self.micro_batch >= 0 else {}
+        if self.task >= 0:
+            fields["task"] = self.task
+        return fields
 
 
 class Transport(Protocol):

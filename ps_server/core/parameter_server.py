@@ -261,6 +261,8 @@ class ParameterServer:
         if tasks is not None and self.tasks is None:
             self.tasks = tasks
             self.mode.on_applied = self._task_applied
+            if self.mode_name == "ssp":
+                self.mode.elastic = True
         return created, self.store.version
 
     def _tasks_of(self, plan: "DataPlan | None") -> TaskQueue | None:

@@ -76,6 +76,10 @@ class SSPMode(AsyncMode):
         self._now = clock
         self._cond = threading.Condition()  # guards _clocks, records, max_ahead
         self._clocks = [0] * members.num_workers
+        # Workers that come and go (the server hands out tasks, ``core.tasks``): only the
+        # workers registered and live take part, and one that joins starts at the slowest
+        # of them, not at 0 (it would hold every other back until it caught up).
+        self.elastic = False
         self.records: collections.deque[SSPRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self.max_ahead = 0
         # submit()'s pushes waiting for the bound: (ticket, worker, step to start, clock needed,
@@ -90,6 +94,8 @@ class SSPMode(AsyncMode):
             for r in records:
                 self._clocks[r.worker_id] = max(self._clocks[r.worker_id], r.last_step + 1)
         gone = {r.worker_id for r in records if r.left or r.dead}
+        if self.elastic:
+            return sorted(r.worker_id for r in records if r.worker_id not in gone)
         return [w for w in range(self.members.num_workers) if w not in gone]
 
     def _slowest(self, participants: list[int]) -> int:
@@ -193,6 +199,18 @@ class SSPMode(AsyncMode):
             waiting = tuple(w for w in participants if self._clocks[w] == slowest) if participants else ()
             return ModeStatus(round=slowest if slowest != UNBOUNDED else 0, waiting_for=waiting,
                               active_workers=tuple(participants), max_ahead=self.max_ahead)
+
+    def worker_joined(self, worker_id: int) -> None:
+        """Elastic: a worker joining (or rejoining) starts at the slowest live one's clock."""
+        if not self.elastic:
+            return
+        others = [w for w in self._participants() if w != worker_id]
+        with self._cond:
+            slowest = self._slowest(others)
+            if slowest != UNBOUNDED:
+                self._clocks[worker_id] = max(self._clocks[worker_id], slowest)
+            self._cond.notify_all()
+        self._release_waiting()
 
     def workers_died(self, worker_ids: list[int]) -> None:
         with self._cond:

@@ -219,3 +219,18 @@ def test_deaths_joins_and_retries_at_random_apply_every_example_exactly_once_per
     assert sorted(applied) == list(range(status.tasks_total))  # each once
     assert status.epoch_examples == (EXAMPLES,) * PLAN.epochs
     assert status.pushes_applied == status.tasks_total
+
+
+def test_ssp_with_tasks_bounds_only_the_live_workers_and_a_joiner_starts_at_the_slowest():
+    clock = Clock()
+    ps = started(clock, "ssp", workers=(0,))  # indices 1..3 never started: they hold nobody back
+    for step in range(6):
+        ticket = ps.submit(push_of(ps, 0, take(ps, 0), step))
+        assert ticket.done() and not ticket.result().replayed
+    reg = ps.register(1, 4)
+    assert reg.round == 6  # worker 1 starts where worker 0 is, not at 0
+    ticket = ps.submit(push_of(ps, 0, take(ps, 0), 6))
+    assert ticket.done()  # worker 0 is not 3 ahead of worker 1's clock
+    ticket = ps.submit(push_of(ps, 1, take(ps, 1), 6))
+    assert ticket.done()
+    assert ps.status().tasks_done == 8
