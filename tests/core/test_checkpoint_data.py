@@ -8,7 +8,9 @@ are integers, exact whatever the order, so ``w == -(how often each example was a
 and a checkpoint's values can be checked against replaying exactly its recorded tasks.
 """
 
+import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -232,8 +234,9 @@ def test_a_checkpoint_is_taken_only_between_a_push_s_apply_and_its_task_s_record
     inside.wait(5)
     s = threading.Thread(target=snapshot)
     s.start()
-    while not gate._snapshots_waiting:
-        pass
+    deadline = time.monotonic() + 5
+    while not gate._snapshots_waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
     later = threading.Thread(target=lambda: (gate.applying().__enter__(), order.append("later")))
     later.start()
     leave.set()
@@ -252,7 +255,6 @@ def test_a_checkpoint_whose_plan_does_not_fit_this_server_is_refused_and_changes
             ps.restore(state)
         assert not ps.store.initialized and ps.status().epoch_examples == () and ps.tasks is None
     tasks = task_job().checkpoint_state()
-    import dataclasses
     sync = ParameterServer("sync", 3)
     with pytest.raises(ConfigMismatch, match="tasks .* this server runs sync"):
         sync.restore(dataclasses.replace(tasks, mode="sync"))
