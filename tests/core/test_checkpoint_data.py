@@ -273,3 +273,21 @@ def test_a_checkpoint_written_before_the_data_plan_reads_as_no_plan():
     fresh = task_server()
     fresh.restore(back)  # as before: the chief's initialize brings the plan, counting from 0
     assert fresh.tasks is None and fresh.store.version == 1
+
+
+def test_the_ledger_s_state_keeps_complete_epochs_as_a_mark_and_refuses_a_bitmap_that_does_not_fit():
+    ledger = EpochLedger(10)
+    ledger.fold(0, np.arange(10))
+    ledger.fold(1, np.array([0, 9]))
+    complete, seen = ledger.state()
+    assert complete == (0,) and list(seen) == [1] and seen[1].tolist() == [0b10000000, 0b01000000]
+    back = EpochLedger.restore(10, complete, seen)
+    assert [back.count(e) for e in (0, 1, 2)] == [10, 2, 0] and back.epochs() == [0, 1]
+    with pytest.raises(InvalidArgument, match="twice"):
+        back.fold(0, np.array([3]))  # a complete epoch refuses any example again
+    with pytest.raises(InvalidArgument, match="twice"):
+        back.fold(1, np.array([9]))
+    with pytest.raises(InvalidArgument, match="holds 1 bytes; 10 examples take 2"):
+        EpochLedger.restore(10, (), {1: np.zeros(1, np.uint8)})
+    with pytest.raises(InvalidArgument, match="past example 9"):
+        EpochLedger.restore(10, (), {1: np.array([0, 0b00100000], np.uint8)})
