@@ -292,6 +292,11 @@ def _restore(core: ParameterServer, directory: str) -> int | None:
     log.info("restored version %d%s from %s, written %s by incarnation %s; %d worker(s) known, "
              "%d variables, %d parameters", state.version, _round(state), path, info["written"] or "?",
              state.incarnation or "?", len(state.members), info["variables"], info["parameters"])
+    if state.data is not None:
+        progress = (f"{state.data.done_task_ids.size} task(s) done" if state.data.kind == "tasks" else
+                    f"epoch(s) {list(state.data.epochs_complete)} complete, {sorted(state.data.epochs_seen)} "
+                    f"in progress")
+        log.info("restored the data plan (%s): %s", info["data_plan"], progress)
     return state.version
 
 

@@ -97,6 +97,7 @@ wait for each other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -136,6 +137,9 @@ class AsyncMode:
         # Called with (push, result) once a push was applied or dropped, under that worker's
         # lock (the task queue's bookkeeping, ``ParameterServer``); must not block.
         self.on_applied: Callable[[Push, PushResult], None] | None = None
+        # Held around a push's apply and its on_applied (``tasks.TaskGate.applying``, with a task
+        # queue): a checkpoint between the two would hold an update whose task is not done.
+        self.applying: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def push(self, push: Push) -> PushResult:
         started = time.perf_counter()
@@ -162,10 +166,11 @@ class AsyncMode:
                 return dataclasses.replace(last[1], replayed=True)
             if last is not None and push.step < last[0]:
                 raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; step {push.step} is older")
-            result = self._apply(push)
-            self._last[push.worker_id] = (push.step, result)
-            if self.on_applied is not None:  # before ssp's wait for the bound, which may time out
-                self.on_applied(push, result)
+            with self.applying():
+                result = self._apply(push)
+                self._last[push.worker_id] = (push.step, result)
+                if self.on_applied is not None:  # before ssp's wait for the bound, which may time out
+                    self.on_applied(push, result)
             return result
 
     def _apply(self, push: Push) -> PushResult:

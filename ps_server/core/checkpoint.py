@@ -31,11 +31,19 @@ had: with a schedule, where it carries on), the offset of its ``value`` and of
 each optimizer slot in ``slots``, and in ``slot_shapes`` the shape of a slot
 that is not the variable's, such as a 0-d one), ``members``
 (the membership records), ``mode_status`` and ``stats`` (counters),
-``incarnation`` of the server that wrote it and ``wall_time`` (Unix seconds).
+``incarnation`` of the server that wrote it and ``wall_time`` (Unix seconds),
+and ``data``: the data plan and how far the job got through it (``DataState``),
+null or absent without one (a file written before it reads as "no plan"). Its
+arrays lie in the data section too, after the variables', each as ``{"dtype",
+"shape", "at"}``: for tasks (async and ssp) the done task ids, their workers and
+versions (int64); for elastic sync one packed bitmap (uint8) per epoch in
+progress, complete epochs only listed. The format stays 1: the field is
+optional, and a tfps from before it reads such a file as one without a plan.
 Not saved, on purpose: pushes waiting in an unfinished sync round (workers
 push that round again), the answers kept for replaying lost replies (a retry
-from before the restart is judged against the restored round), and leases
-(they start again at restore).
+from before the restart is judged against the restored round, or with tasks
+against the done task's record), leases and held tasks (they start again at
+restore).
 
 Guarantees:
 - a reader never sees a half-written file: the file is written under a
@@ -94,6 +102,47 @@ class CheckpointError(PSError):
     """A checkpoint file is unreadable, damaged, or not a checkpoint at all."""
 
 
+def _no_ids() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataState:
+    """A data plan and how far the job got through it (``ServerState.data``).
+
+    ``kind`` "tasks" (async and ssp, ``core.tasks``): ``epochs`` is the job's, and the
+    done tasks are ``done_task_ids`` with the worker whose push did each and the version
+    it was applied at (``TaskQueue.state``); tasks not done, held ones included, are
+    handed out again after a restore. "elastic" (elastic sync, ``core.cursor``): the
+    cursor's ``micro_batches``; ``epochs_complete`` are the epochs whose every example
+    a completed round trained on, and ``epochs_seen[e]`` the examples epoch ``e`` in
+    progress has trained on, one bit per example in index order (``np.packbits``).
+    """
+
+    kind: str
+    num_examples: int
+    global_batch_size: int
+    seed: int
+    epochs: int = 0
+    micro_batches: int = 0
+    done_task_ids: np.ndarray = dataclasses.field(default_factory=_no_ids)
+    done_workers: np.ndarray = dataclasses.field(default_factory=_no_ids)
+    done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
+    epochs_complete: tuple[int, ...] = ()
+    epochs_seen: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    KINDS = ("tasks", "elastic")
+
+    def describe(self) -> str:
+        """One line: the plan, for messages."""
+        what = (f"{self.epochs} epoch(s) of tasks" if self.kind == "tasks"
+                else f"elastic, {self.micro_batches} micro-batches")
+        return (f"{self.num_examples} examples, batches of {self.global_batch_size}, seed {self.seed}, {what}")
+
+
+_TASK_ARRAYS = ("done_task_ids", "done_workers", "done_versions")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerState:
     """Everything a parameter server needs to carry on after a restart.
@@ -117,6 +166,7 @@ class ServerState:
     stats: dict = dataclasses.field(default_factory=dict)
     incarnation: str = ""
     wall_time: float = 0.0
+    data: DataState | None = None  # the data plan and its progress; None: no plan (or an older file)
 
     @property
     def round(self) -> int:
@@ -236,8 +286,31 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         "stats": state.stats,
         "incarnation": state.incarnation,
         "wall_time": state.wall_time,
+        "data": None if state.data is None else _data_header(state.data, put),
     }
     return header, arrays, offset
+
+
+def _data_header(data: DataState, put) -> dict:
+    """The header's ``data``: the plan's ints, and each of its arrays placed by ``put``."""
+    if data.kind not in DataState.KINDS:
+        raise CheckpointError(f"data plan kind {data.kind!r}: not one of {DataState.KINDS}")
+
+    def ref(a: np.ndarray, dtype) -> dict:
+        a = np.ascontiguousarray(np.asarray(a, dtype).reshape(-1))
+        return {"dtype": a.dtype.newbyteorder("<").str, "shape": list(a.shape), "at": put(a)}
+
+    return {
+        "kind": data.kind,
+        "num_examples": int(data.num_examples),
+        "global_batch_size": int(data.global_batch_size),
+        "seed": int(data.seed),
+        "epochs": int(data.epochs),
+        "micro_batches": int(data.micro_batches),
+        **{k: ref(getattr(data, k), np.int64) for k in _TASK_ARRAYS},
+        "epochs_complete": [int(e) for e in data.epochs_complete],
+        "epochs_seen": {str(int(e)): ref(bits, np.uint8) for e, bits in sorted(data.epochs_seen.items())},
+    }
 
 
 def write_to(f, state: ServerState) -> None:
@@ -365,6 +438,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
                                     for slot, at in v["slots"].items()},
                                  "iterations": int(v["iterations"])}
         status = header["mode_status"]
+        data = _data_of(header.get("data"), f, data_start, data_len)
         return ServerState(
             mode=header["mode"],
             num_workers=int(header["num_workers"]),
@@ -380,9 +454,41 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
             stats=dict(header["stats"]),
             incarnation=str(header["incarnation"]),
             wall_time=float(header["wall_time"]),
+            data=data,
         )
     except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
         raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None
+
+
+def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataState | None:
+    """The header's ``data`` with its arrays, read at once (even ``lazy``: they are small,
+    a few integers per task, one bit per example); None when absent (an older file)."""
+    if header is None:
+        return None
+    if header["kind"] not in DataState.KINDS:
+        raise ValueError(f"data plan kind {header['kind']!r}")
+
+    def read(ref: dict, kind: str) -> np.ndarray:
+        dtype, shape = np.dtype(ref["dtype"]), tuple(int(d) for d in ref["shape"])
+        if dtype.kind != kind or len(shape) != 1:
+            raise ValueError(f"a data plan array is {dtype}{list(shape)}")
+        at = int(ref["at"])
+        if not 0 <= at <= data_len - shape[0] * dtype.itemsize:
+            raise ValueError("a data plan array lies outside the data")
+        a = np.empty(shape, dtype)
+        f.seek(data_start + at)
+        if f.readinto(memoryview(a).cast("B")) != a.nbytes:
+            raise ValueError("a data plan array ends early")
+        return a.astype(dtype.newbyteorder("="), copy=False)
+
+    return DataState(
+        kind=header["kind"], num_examples=int(header["num_examples"]),
+        global_batch_size=int(header["global_batch_size"]), seed=int(header["seed"]),
+        epochs=int(header["epochs"]), micro_batches=int(header["micro_batches"]),
+        **{k: read(header[k], "i").astype(np.int64) for k in _TASK_ARRAYS},
+        epochs_complete=tuple(int(e) for e in header["epochs_complete"]),
+        epochs_seen={int(e): read(ref, "u") for e, ref in header["epochs_seen"].items()},
+    )
 
 
 def _optional_float(x) -> float | None:
@@ -525,4 +631,5 @@ def describe(state: ServerState, path: str = "") -> dict[str, Any]:
         "optimizer": state.optimizer.name,
         "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.wall_time)) if state.wall_time else "",
         "incarnation": state.incarnation,
+        "data_plan": state.data.describe() if state.data is not None else "",
     }

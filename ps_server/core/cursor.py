@@ -217,14 +217,16 @@ class RoundWork:
 
 
 class EpochLedger:
-    """Which examples each epoch's completed rounds trained on; each at most once."""
+    """Which examples each epoch's completed rounds trained on; each at most once. An
+    epoch's bitmap is kept while it is in progress; a complete one is only listed."""
 
     def __init__(self, num_examples: int):
         if num_examples < 1:
             raise InvalidArgument(f"the dataset needs at least 1 example, got {num_examples}")
         self.num_examples = num_examples
         self._lock = threading.Lock()
-        self._seen: dict[int, np.ndarray] = {}  # epoch -> one bool per example
+        self._seen: dict[int, np.ndarray] = {}  # epoch in progress -> one bool per example
+        self._complete: set[int] = set()
 
     def fold(self, epoch: int, indices: np.ndarray) -> None:
         """Mark ``indices`` as trained on in ``epoch``; InvalidArgument (nothing marked) if
@@ -233,15 +235,27 @@ class EpochLedger:
         if indices.size and (indices.min() < 0 or indices.max() >= self.num_examples):
             raise InvalidArgument(f"epoch {epoch}: example indices must lie in 0..{self.num_examples - 1}")
         with self._lock:
-            seen = self._seen.setdefault(epoch, np.zeros(self.num_examples, bool))
+            if epoch in self._complete:
+                seen = np.ones(self.num_examples, bool)
+            else:
+                seen = self._seen.get(epoch, None)
+                if seen is None:
+                    seen = np.zeros(self.num_examples, bool)
             if np.unique(indices).size != indices.size or seen[indices].any():
                 twice = np.union1d(indices[seen[indices]], _repeated(indices))
                 raise InvalidArgument(f"epoch {epoch}: example(s) {twice[:5].tolist()} would be trained on twice")
             seen[indices] = True
+            if seen.all():
+                self._seen.pop(epoch, None)
+                self._complete.add(epoch)
+            else:
+                self._seen[epoch] = seen
 
     def count(self, epoch: int) -> int:
         """Examples trained on in ``epoch`` so far."""
         with self._lock:
+            if epoch in self._complete:
+                return self.num_examples
             seen = self._seen.get(epoch)
             return 0 if seen is None else int(seen.sum())
 
@@ -250,7 +264,33 @@ class EpochLedger:
 
     def epochs(self) -> list[int]:
         with self._lock:
-            return sorted(self._seen)
+            return sorted({*self._seen, *self._complete})
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state(self) -> tuple[tuple[int, ...], dict[int, np.ndarray]]:
+        """(complete epochs, {epoch in progress: its bitmap packed, ``np.packbits``}), for a
+        checkpoint (``checkpoint.DataState``): one bit per example of an epoch in progress."""
+        with self._lock:
+            return tuple(sorted(self._complete)), {e: np.packbits(s) for e, s in sorted(self._seen.items())}
+
+    @classmethod
+    def restore(cls, num_examples: int, complete, seen) -> "EpochLedger":
+        """The ledger ``state`` describes; InvalidArgument if it does not fit ``num_examples``."""
+        ledger = cls(num_examples)
+        ledger._complete = {int(e) for e in complete}
+        for e, packed in seen.items():
+            packed = np.asarray(packed, np.uint8).reshape(-1)
+            if packed.size != -(-num_examples // 8) or int(e) in ledger._complete or int(e) < 0:
+                raise InvalidArgument(f"epoch {e}'s bitmap holds {packed.size} bytes; {num_examples} examples "
+                                      f"take {-(-num_examples // 8)} (or the epoch is also listed complete)")
+            bits = np.unpackbits(packed, count=num_examples).astype(bool)
+            if np.unpackbits(packed)[num_examples:].any():
+                raise InvalidArgument(f"epoch {e}'s bitmap has bits set past example {num_examples - 1}")
+            if bits.all():
+                ledger._complete.add(int(e))
+            elif bits.any():
+                ledger._seen[int(e)] = bits
+        return ledger
 
 
 def _repeated(indices: np.ndarray) -> np.ndarray:

@@ -109,15 +109,16 @@ class ElasticSyncMode:
         if cursor is not None:
             self.set_cursor(cursor)
 
-    def set_cursor(self, cursor: Cursor) -> None:
-        """The job's data plan (the chief's, at initialize): rounds start once it is known.
-        The same plan again is harmless; another one is refused (SpecConflict)."""
+    def set_cursor(self, cursor: Cursor, ledger: EpochLedger | None = None) -> None:
+        """The job's data plan (the chief's, at initialize; or a checkpoint's, with its
+        ``ledger``): rounds start once it is known. The same plan again is harmless; another
+        one is refused (SpecConflict)."""
         with self._lock:
             if self.cursor is not None:
                 if cursor != self.cursor:
                     raise SpecConflict(f"the elastic round's data plan is {self.cursor}; got {cursor}")
                 return
-            self.cursor, self.ledger = cursor, EpochLedger(cursor.num_examples)
+            self.cursor, self.ledger = cursor, ledger or EpochLedger(cursor.num_examples)
             self._start_if_ready()
 
     # -- membership ---------------------------------------------------------------
@@ -214,9 +215,18 @@ class ElasticSyncMode:
                               active_workers=tuple(sorted(self._live)))
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
+        store_state, status, _ = self.export_round()
+        return store_state, status
+
+    def export_round(self) -> tuple[StoreState, ModeStatus, tuple | None]:
+        """The store's snapshot, the round and the ledger's ``state`` (None before the data
+        plan), all after the same completed round: ``_complete`` applies a round, folds it
+        into the ledger and moves the round on under this lock, and all three are read under it."""
         with self._lock:
-            return self.store.export_state(), ModeStatus(round=self._round, rounds_timed_out=self._timed_out,
-                                                         active_workers=tuple(sorted(self._live)))
+            return (self.store.export_state(),
+                    ModeStatus(round=self._round, rounds_timed_out=self._timed_out,
+                               active_workers=tuple(sorted(self._live))),
+                    None if self.ledger is None else self.ledger.state())
 
     def restore(self, status: ModeStatus) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ service module maps them to gRPC status codes. Every method is thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -33,8 +34,8 @@ from ps_common.sparse import SparseRows
 from ps_server.core import hogwild
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
-from ps_server.core.checkpoint import ServerState
-from ps_server.core.cursor import Cursor, DataPlan
+from ps_server.core.checkpoint import DataState, ServerState
+from ps_server.core.cursor import Cursor, DataPlan, EpochLedger
 from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
@@ -42,7 +43,7 @@ from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
-from ps_server.core.tasks import Task, TaskQueue
+from ps_server.core.tasks import Task, TaskGate, TaskQueue
 from ps_server.core.sync_mode import SyncMode
 
 log = logging.getLogger("ps_server.core")
@@ -175,6 +176,7 @@ class ParameterServer:
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
         self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.tasks)
+        self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
         self.members = Membership(num_workers, lease_timeout, clock=clock)
         self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
         self.stats = Stats()
@@ -259,11 +261,17 @@ class ParameterServer:
         if cursor is not None:
             self.mode.set_cursor(cursor)
         if tasks is not None and self.tasks is None:
-            self.tasks = tasks
-            self.mode.on_applied = self._task_applied
-            if self.mode_name == "ssp":
-                self.mode.elastic = True
+            self._use_tasks(tasks)
         return created, self.store.version
+
+    def _use_tasks(self, tasks: TaskQueue) -> None:
+        """Deal the job's data as ``tasks``: each push of one is applied and recorded done
+        inside the gate (``checkpoint_state``)."""
+        self.mode.applying = self._gate.applying
+        self.mode.on_applied = self._task_applied
+        if self.mode_name == "ssp":
+            self.mode.elastic = True  # only live registered workers bound; joiners start at the slowest
+        self.tasks = tasks
 
     def _tasks_of(self, plan: "DataPlan | None") -> TaskQueue | None:
         """Async and ssp: the task queue a data plan makes (refusing one that conflicts with
@@ -536,10 +544,42 @@ class ParameterServer:
         arrays are copied under no lock, each whole-shaped, torn at worst
         (``async_mode``). Stats and membership are read just after, so their
         counters may be a push ahead.
+
+        The data plan's progress (``ServerState.data``) is of the same moment as the
+        values, so a restart applies every batch exactly once:
+
+        - Async and ssp with tasks: a done task in the file has its update in the
+          file's values, and an update in the values has its task done. Each task's
+          push holds the ``TaskGate`` shared from before its apply until its task is
+          recorded done (``AsyncMode.applying``, ``on_applied``); this holds it
+          exclusive while it collects the store's references and the done tasks, so
+          no push is between the two. Pushes of different workers still run side by
+          side; only a checkpoint waits for those in flight, and holds new ones back
+          while it collects. So the snapshot is a moment between pushes: every
+          variable holds the same pushes, and the version is exact (the previous
+          version plus the pushes applied; with tasks from the start, the done tasks
+          applied, dropped ones not counted). Hogwild too: its copy of the arrays is
+          made under the exclusive gate (pushes wait for that copy, the one cost), so
+          it is not torn; each done task's writes are in it, as far as racing pushes
+          left them in the live run (hogwild's lost updates happen with or without a
+          restart). An ssp push whose wait for the bound times out after its task was
+          recorded is done in the file as it is live.
+        - Elastic sync: the ledger is folded when a round completes, under the
+          mode's lock, with the round's apply and the round's advance; the store's
+          snapshot, the round and the ledger are read under that lock
+          (``ElasticSyncMode.export_round``): all three after the same round. A
+          round in progress is not saved (its pushes come again).
         """
         if not self.store.initialized:
             return None
-        store_state, mode_status = self.mode.export_state()
+        ledger = None
+        gate = self._gate.still() if self.tasks is not None else contextlib.nullcontext()
+        with gate:
+            if self.elastic:
+                store_state, mode_status, ledger = self.mode.export_round()
+            else:
+                store_state, mode_status = self.mode.export_state()
+            tasks = self.tasks.state() if self.tasks is not None else None
         return ServerState(
             mode=self.mode_name,
             num_workers=self.num_workers,
@@ -550,7 +590,52 @@ class ParameterServer:
             stats=self.stats.export(),
             incarnation=self.incarnation,
             wall_time=time.time(),
+            data=self._data_state(tasks, ledger),
         )
+
+    def _data_state(self, tasks: dict | None, ledger: tuple | None) -> DataState | None:
+        if tasks is not None:
+            return DataState("tasks", tasks["num_examples"], tasks["batch_size"], tasks["seed"], tasks["epochs"],
+                             done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
+                             done_versions=tasks["done_versions"])
+        if ledger is not None:
+            c = self.mode.cursor
+            complete, seen = ledger
+            return DataState("elastic", c.num_examples, c.global_batch_size, c.seed, 0, c.micro_batches,
+                             epochs_complete=complete, epochs_seen=seen)
+        return None
+
+    def _restored_data(self, data: DataState | None):
+        """What ``restore`` installs for ``data``: a TaskQueue, a (Cursor, EpochLedger), or None.
+        ConfigMismatch, in one line, when it does not fit this server; builds, installs nothing."""
+        if data is None:
+            return None
+        where = "start this server with the checkpoint's flags, or use another --checkpoint-dir"
+        if data.kind == "tasks":
+            if self.mode_name == "sync":
+                raise ConfigMismatch(f"the checkpoint deals its data as async/ssp tasks ({data.describe()}); this "
+                                     f"server runs sync: {where}")
+            try:
+                return TaskQueue.restore({"num_examples": data.num_examples, "batch_size": data.global_batch_size,
+                                          "seed": data.seed, "epochs": data.epochs,
+                                          **{k: getattr(data, k) for k in
+                                             ("done_task_ids", "done_workers", "done_versions")}},
+                                         self.members.lease_timeout, self._clock)
+            except InvalidArgument as e:
+                raise ConfigMismatch(f"the checkpoint's tasks do not fit its own plan ({data.describe()}): {e}") \
+                    from None
+        if not self.elastic:
+            raise ConfigMismatch(f"the checkpoint was written by an elastic sync server ({data.describe()}); this "
+                                 f"server is not elastic (--elastic-min-workers): {where}")
+        if data.micro_batches != self.micro_batches:
+            raise ConfigMismatch(f"the checkpoint's rounds are cut into {data.micro_batches} micro-batches; this "
+                                 f"server cuts them into {self.micro_batches} (--micro-batches): {where}")
+        try:
+            cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches)
+            return cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen)
+        except InvalidArgument as e:
+            raise ConfigMismatch(f"the checkpoint's ledger does not fit its own plan ({data.describe()}): {e}") \
+                from None
 
     def restore(self, state: ServerState) -> None:
         """Carry on from a checkpoint, before serving: variables, optimizer state, version,
@@ -564,6 +649,15 @@ class ParameterServer:
         them. A server that already holds variables refuses (SpecConflict).
         This process keeps its own new incarnation, so workers can tell that
         the server restarted.
+
+        The data plan and its progress come back too (``checkpoint_state``): with
+        tasks, the done ones stay done (a retried push of one is answered from
+        its record) and every other is handed out again, lowest id first; in
+        elastic sync the cursor and the ledger, so the epochs' counts go on. A
+        later initialize from the chief with the same plan is harmless, another
+        is SpecConflict. A plan that does not fit this server (an elastic one
+        here without --elastic-min-workers, other micro-batches) is
+        ConfigMismatch, and changes nothing.
         """
         if state.mode != self.mode_name or state.num_workers != self.num_workers:
             raise ConfigMismatch(
@@ -573,10 +667,15 @@ class ParameterServer:
             )
         if self.async_apply == "hogwild":
             hogwild.check_supported(state.optimizer)
+        data = self._restored_data(state.data)  # checked (and built) before anything changes
         self.store.restore_state(StoreState(**_store_part(state)))
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         self.members.restore(list(state.members))
+        if isinstance(data, TaskQueue):
+            self._use_tasks(data)
+        elif data is not None:
+            self.mode.set_cursor(*data)
         self.checkpointed(state.version)
 
     def checkpointed(self, version: int) -> None:

@@ -71,16 +71,18 @@ answered from the restored record).
 
 Thread-safe: one leaf lock guards everything; nothing is called under it but NumPy and
 ``heapq``; the clock is read before it is taken. Pure Python and NumPy: no gRPC, no
-TensorFlow. Not wired into a mode yet.
+TensorFlow. ``ParameterServer`` wires it into async and ssp (``AsyncMode.on_applied``);
+``TaskGate`` below keeps a checkpoint's done tasks and its values of one moment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -405,6 +407,65 @@ class TaskQueue:
     def _check_worker(worker_id: int) -> None:
         if not _is_int(worker_id) or worker_id < 0:
             raise InvalidArgument(f"worker id must be an integer >= 0, got {worker_id!r}")
+
+
+class TaskGate:
+    """Pushes of tasks against a checkpoint's snapshot: a reader-writer lock.
+
+        with gate.applying():   # a task's push: from before its apply until its task is recorded
+            ...
+        with gate.still():      # a checkpoint: while it collects the store's references and the done tasks
+            ...
+
+    Any number of pushes hold it together (``applying``, shared): they still run side by
+    side, as async mode's pushes do. A checkpoint holds it alone (``still``, exclusive):
+    it waits for the pushes in their apply to record their task, and holds new ones back
+    until it has collected references (zero-copy, short; ``ParameterServer.checkpoint_state``).
+    A waiting checkpoint goes before pushes that arrive after it: a steady stream of
+    overlapping pushes cannot starve it. Lock order: a worker's lock (``AsyncMode``), then
+    this, then the store's and the task queue's locks. Nothing that holds it waits for
+    another push (ssp's wait for the bound comes after ``applying`` ends).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._no_snapshot = threading.Condition(self._lock)  # pushes wait here while a checkpoint holds it
+        self._no_apply = threading.Condition(self._lock)     # a checkpoint waits here for pushes to finish
+        self._applying = 0
+        self._snapshots_waiting = 0
+        self._snapshot = False
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        with self._lock:
+            while self._snapshot or self._snapshots_waiting:
+                self._no_snapshot.wait()
+            self._applying += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._applying -= 1
+                if not self._applying:
+                    self._no_apply.notify_all()
+
+    @contextlib.contextmanager
+    def still(self) -> Iterator[None]:
+        with self._lock:
+            self._snapshots_waiting += 1
+            try:
+                while self._snapshot or self._applying:
+                    self._no_apply.wait()
+            finally:
+                self._snapshots_waiting -= 1
+            self._snapshot = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._snapshot = False
+                self._no_apply.notify_all()  # another checkpoint waiting
+                self._no_snapshot.notify_all()
 
 
 def _is_int(value) -> bool:
