@@ -13,7 +13,8 @@ since its last call or heartbeat), pushes, and where its time goes (``work``:
 between its pushes; ``wait``: inside them, at the barrier or the bound).
 With several shards a first block shows the cluster as the workers see it:
 the shards' statuses combined by ``worker.sharded_client.combine_statuses``
-(one rule per field). Then the membership over time (``core.membership``), the
+(one rule per field). When the server deals the data (``ps-worker --elastic``), the
+examples each epoch applied and, in async and ssp, the tasks. Then the membership over time (``core.membership``), the
 newest ``--membership N`` events: when (local time), the round and version the
 server was at, what happened (joined, rejoined, left, dead) and to which worker
 (once per cluster: with shards, in the cluster block). Plain text; no TensorFlow.
@@ -60,6 +61,7 @@ def render(address: str, s, history: int = 0) -> str:
     lines.append(f"  applied {s.pushes_applied} pushes, {s.examples_applied} examples; staleness mean "
                  f"{s.mean_staleness:.2f} max {s.max_staleness}; {checkpoint}"
                  + (f"; {'; '.join(extra)}" if extra else ""))
+    lines += data_lines(s)
     lines.append(f"  {'worker':>6}  {'state':<9} {'last step':>9} {'lease age':>9} {'pushes':>7} "
                  f"{'work (s)':>9} {'wait (s)':>9}  name")
     known = {w.worker_id: w for w in s.workers}
@@ -76,6 +78,19 @@ def render(address: str, s, history: int = 0) -> str:
     if history > 0:
         lines += membership_lines(s, history)
     return "\n".join(lines)
+
+
+def data_lines(s) -> list[str]:
+    """The data plan's progress, when the server deals the data (``ps-worker --elastic``):
+    the examples each epoch applied, each once, of the dataset's; async and ssp's tasks."""
+    if not s.num_examples:
+        return []
+    epochs = ", ".join(f"{e}: {n}/{s.num_examples}" for e, n in enumerate(s.epoch_examples)) or "none yet"
+    line = f"  examples applied once per epoch: {epochs}"
+    if s.tasks_total:
+        line += (f"; tasks {s.tasks_done}/{s.tasks_total} done, {s.tasks_held} held, "
+                 f"{s.tasks_queued} given back and waiting")
+    return [line]
 
 
 def membership_lines(s, newest: int) -> list[str]:

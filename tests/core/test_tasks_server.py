@@ -234,3 +234,4 @@ def test_ssp_with_tasks_bounds_only_the_live_workers_and_a_joiner_starts_at_the_
     ticket = ps.submit(push_of(ps, 1, take(ps, 1), 6))
     assert ticket.done()
     assert ps.status().tasks_done == 8
+
