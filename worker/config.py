@@ -306,8 +306,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
     p.add_argument("--elastic", action=argparse.BooleanOptionalAction,
-                   help="elastic sync: compute the micro-batches the server deals (ps-server "
-                        "--elastic-min-workers); built-in models and data, one server (default off)")
+                   help="train on the data the server deals: elastic sync's micro-batches (ps-server "
+                        "--elastic-min-workers), or async and ssp's tasks, each applied exactly once "
+                        "(--epochs); built-in models and data, one server (default off)")
     p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
                    help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
                         "default float32: exact)")
