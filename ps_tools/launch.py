@@ -36,13 +36,15 @@ variables that server and worker read differently (``TFPS_SHM``,
 refused: ``TFPS_SERVER_*`` and ``TFPS_WORKER_*`` say which side is meant.
 ``--print-config`` prints every child's resolved configuration as JSON and exits.
 
-Elastic sync, workers added and removed during the run (docs/elastic.md)::
+Elastic training, workers added and removed during the run (docs/elastic.md)::
 
     ps-launch --elastic MIN:MAX [--workers N] [--micro-batches K] [--scale-at ROUND:N ...]
 
-The server runs with ``--elastic-min-workers MIN --num-workers MAX`` (and
-``--micro-batches K`` when given; the server's default is MAX), every worker with
-``ps-worker --elastic --num-workers MAX``; ``--workers`` start (within MIN..MAX).
+Sync: the server runs with ``--elastic-min-workers MIN --num-workers MAX`` (and
+``--micro-batches K`` when given; the server's default is MAX). Async and ssp: with
+``--num-workers MAX`` (MIN is only the floor SIGUSR2 keeps), the workers train on the
+server's tasks (whole ``--epochs``), and ROUND below is the server's version. Every
+worker runs ``ps-worker --elastic --num-workers MAX``; ``--workers`` start (within MIN..MAX).
 ``ElasticPool`` then polls the server's Status and applies the ``Scaler``: each
 ``--scale-at ROUND:N`` once the server's round reaches ROUND, and SIGUSR1 (+1) and
 SIGUSR2 (-1) sent to ps-launch, each within MIN..MAX, one change at a time (a change
@@ -53,7 +55,7 @@ job, the server dealing its undelivered part to the others), SIGKILL 5 s later. 
 worker stopped on purpose is no failure whatever its status; any other worker
 failing, or the server exiting, stops the run as above. Refused in one line: MIN >
 MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
-``--scale-at`` without ``--elastic``, async or ssp, ``--num-ps`` > 1, a command after
+``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, a command after
 ``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic``
 and the server's ``membership`` history (``core.membership``), printed at the end.
 
@@ -256,13 +258,15 @@ def parser() -> argparse.ArgumentParser:
                    "--worker-args 1 \"--slowdown 3 --history-json h1.json\" (repeatable; a lone flag "
                    "needs a space to stay one string: \" --no-shm\")")
     add_training_flags(p)
-    g = p.add_argument_group("elastic sync", "workers added and removed during the run (docs/elastic.md)")
+    g = p.add_argument_group("elastic training", "workers added and removed during the run (docs/elastic.md)")
     g.add_argument("--elastic", dest="elastic_workers", type=elastic_range, metavar="MIN:MAX",
-                   help="elastic sync: the server takes MIN to MAX workers (ps-server --elastic-min-workers MIN "
-                   "--num-workers MAX), each round's batch cut into --micro-batches (default MAX); --workers "
-                   "start; SIGUSR1 to ps-launch adds a worker, SIGUSR2 stops the newest but the chief")
+                   help="MIN to MAX workers on data the server deals: sync, each round's batch cut into "
+                   "--micro-batches (default MAX; ps-server --elastic-min-workers MIN --num-workers MAX); async "
+                   "and ssp, tasks each applied once (--epochs); --workers start; SIGUSR1 to ps-launch adds a "
+                   "worker, SIGUSR2 stops the newest but the chief")
     g.add_argument("--scale-at", dest="scale_at", type=scale_step, action="append", default=[],
-                   metavar="ROUND:N", help="with --elastic: once the server reaches round ROUND, start or stop "
+                   metavar="ROUND:N", help="with --elastic: once the server reaches round ROUND (async, ssp: "
+                   "version ROUND), start or stop "
                    "workers until N run (repeatable; each step waits for the workers the last one started "
                    "to register)")
     add_server_flags(p)
@@ -357,8 +361,8 @@ def server_argv(args: argparse.Namespace, shard: int, port_file: str) -> list[st
     ps-server's order, a checkpoint directory of its own and its metrics port (``--metrics-port + shard``)."""
     argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
             "--num-workers", str(capacity(args)), "--no-exit-when-done"]  # the launcher stops its servers
-    if getattr(args, "elastic_workers", None):
-        argv += ["--elastic-min-workers", str(args.elastic_workers[0])]
+    if getattr(args, "elastic_workers", None) and args.mode in (None, "sync"):
+        argv += ["--elastic-min-workers", str(args.elastic_workers[0])]  # async, ssp: MIN is ps-launch's floor
     for dest in server_flag_dests():
         value = getattr(args, dest, None)
         if value is None:
@@ -658,6 +662,12 @@ def capacity(args: argparse.Namespace) -> int:
     return elastic[1] if elastic else args.workers
 
 
+def position(status) -> int:
+    """Where a job is, for ``--scale-at``: sync, the round; async and ssp, the version (the
+    updates applied: one per task)."""
+    return int(status.round) if wire.mode_from_wire(status.mode) == "sync" else int(status.version)
+
+
 def check_elastic(args: argparse.Namespace) -> None:
     """Refuse, in one line, what an elastic launch (or a schedule without one) cannot do."""
     elastic, steps = getattr(args, "elastic_workers", None), getattr(args, "scale_at", [])
@@ -666,9 +676,9 @@ def check_elastic(args: argparse.Namespace) -> None:
             raise LaunchError("--scale-at changes the worker count of an elastic job: add --elastic MIN:MAX")
         return
     low, high = elastic
-    if args.mode not in (None, "sync"):
-        raise LaunchError(f"--elastic is sync training; --mode {args.mode} takes workers as they come and has no "
-                          "exactly-once data yet (docs/elastic.md)")
+    if args.mode not in (None, "sync") and getattr(args, "steps", None):
+        raise LaunchError(f"--elastic with --mode {args.mode}: the server hands out whole epochs as tasks; "
+                          f"say --epochs, not --steps {args.steps}")
     if args.num_ps != 1:
         raise LaunchError(f"--elastic trains against one server; --num-ps {args.num_ps} (shards) is not supported yet")
     if getattr(args, "command", None):
@@ -846,9 +856,10 @@ class ElasticPool:
         self.scaler.refused.clear()
         if self.unregistered:
             return  # the last step's workers are still starting: the next one waits for them
-        count = self.scaler.due(int(status.round), len(self.running()), free=len(self.free_indices()))
+        at = position(status)
+        count = self.scaler.due(at, len(self.running()), free=len(self.free_indices()))
         if count is not None:
-            self.scale_to(count, int(status.round))
+            self.scale_to(count, at)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -883,8 +894,11 @@ def run(args: argparse.Namespace) -> int:
     chief = worker_configs[0]
     servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
     elastic = getattr(args, "elastic_workers", None)
-    elastic_text = (f" (elastic {elastic[0]}:{elastic[1]}, {server_config.micro_batches or elastic[1]} "
-                    "micro-batches a round)" if elastic else "")
+    elastic_text = ""
+    if elastic:
+        dealt = (f"{server_config.micro_batches or elastic[1]} micro-batches a round" if server_config.mode == "sync"
+                 else "the server's tasks")
+        elastic_text = f" (elastic {elastic[0]}:{elastic[1]}, {dealt})"
     print(f"ps-launch: {server_config.mode}, {args.workers} workers{elastic_text} and {servers_text} on loopback, "
           f"training {chief.model} on {chief.dataset}", flush=True)
 
@@ -947,7 +961,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if elastic:
         metrics["elastic"] = {"min_workers": elastic[0], "max_workers": elastic[1],
-                              "micro_batches": server_config.micro_batches or elastic[1],
+                              "micro_batches": (server_config.micro_batches or elastic[1])
+                              if server_config.mode == "sync" else 0,
                               "scale_at": [list(step) for step in args.scale_at]}
         for e in membership:
             print(f"ps-launch: round {e['round']}: worker {e['worker_id']} {e['event']}", flush=True)

@@ -61,8 +61,8 @@ def test_a_bad_scale_step_is_refused_by_the_parser(raw, message, capsys):
     (["--elastic", "2:4", "--scale-at", "10:5"], r"--scale-at 10:5: N must lie in 2\.\.4"),
     (["--elastic", "2:4", "--scale-at", "10:1"], r"--scale-at 10:1: N must lie in 2\.\.4"),
     (["--elastic", "2:4", "--scale-at", "10:3", "--scale-at", "10:4"], "two steps at the same round"),
-    (["--elastic", "2:4", "--mode", "async"], "--elastic is sync training; --mode async"),
-    (["--elastic", "2:4", "--mode", "ssp"], "--elastic is sync training; --mode ssp"),
+    (["--elastic", "2:4", "--mode", "async", "--steps", "30"], "hands out whole epochs as tasks; say --epochs"),
+    (["--elastic", "2:4", "--mode", "ssp", "--steps", "30"], "hands out whole epochs as tasks; say --epochs"),
     (["--elastic", "2:4", "--num-ps", "2"], "--elastic trains against one server; --num-ps 2"),
     (["--elastic", "2:4", "--worker-args", "4", "--slowdown 2"], r"--worker-args 4: the workers are 0\.\.3"),
 ])
@@ -158,3 +158,22 @@ def test_sigusr1_and_sigusr2_are_queued_as_requests_while_the_launch_runs():
         os.kill(os.getpid(), signal.SIGUSR1)
     assert scaler.requests == [+1, -1, +1]
     assert signal.getsignal(signal.SIGUSR1) is before  # given back
+
+
+def test_an_async_elastic_launch_starts_a_plain_async_server_of_max_workers_and_elastic_workers(capsys):
+    import json
+
+    assert launch.main(["--print-config", "--mode", "async", "--elastic", "2:4", "--scale-at", "50:4",
+                        "--dataset", "synthetic", "--epochs", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    server = doc["servers"][0]
+    assert (server["mode"], server["elastic_min_workers"], server["num_workers"]) == ("async", 0, 4)
+    assert [(w["elastic"], w["num_workers"], w["epochs"]) for w in doc["workers"]] == [(True, 4, 2)] * 4
+
+
+def test_the_schedule_counts_rounds_in_sync_and_versions_in_async_and_ssp():
+    from protos import tfps_pb2 as pb
+
+    assert launch.position(pb.StatusResponse(mode=pb.SYNC, round=7, version=7)) == 7
+    assert launch.position(pb.StatusResponse(mode=pb.ASYNC, round=2, version=40)) == 40
+    assert launch.position(pb.StatusResponse(mode=pb.SSP, round=3, version=41)) == 41
