@@ -1019,7 +1019,10 @@ def _shard_summary(addresses: list[str], token_file: str | None) -> tuple[list[d
             return [], []
         out.append({"address": address, "variables": int(s.num_variables), "parameters": int(s.num_parameters),
                     "version": int(s.version), "round": int(s.round), "pushes_applied": int(s.pushes_applied),
-                    "examples_applied": int(s.examples_applied)})
+                    "examples_applied": int(s.examples_applied),
+                    # When the server deals the data (--elastic): each epoch's examples, each counted once.
+                    "epoch_examples": [int(n) for n in s.epoch_examples], "num_examples": int(s.num_examples),
+                    "tasks_total": int(s.tasks_total), "tasks_done": int(s.tasks_done)})
         if i == 0:
             membership = [{"wall_time": e.wall_time, "round": int(e.round), "version": int(e.version),
                            "event": e.event, "worker_id": int(e.worker_id), "worker_name": e.worker_name}
