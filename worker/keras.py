@@ -95,6 +95,10 @@ class Strategy:
             raise ValueError(f"batches must be one of {', '.join(BATCHES)}; got {batches!r}")
         self.batches = batches
         self.config = make_config(**flags)
+        if self.config.elastic:
+            raise ValueError("tfps.keras does not train on data the server deals (elastic=True, ps-worker "
+                             "--elastic) yet: your dataset's batches are read by model.fit. Run the built-in "
+                             "models with ps-worker --elastic, or tfps.keras against a server that is not elastic")
         self.connection = None
         self.models: list = []
         self._lock = threading.Lock()

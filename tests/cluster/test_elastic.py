@@ -71,6 +71,7 @@ def test_a_worker_killed_and_one_added_mid_run_end_with_the_undisturbed_weights(
         np.testing.assert_array_equal(disturbed[name], undisturbed[name], err_msg=name)
     # Every example of both epochs was counted once, whoever computed it.
     assert quiet.examples_applied == churned.examples_applied == 2 * EXAMPLES
+    assert list(quiet.epoch_examples) == list(churned.epoch_examples) == [EXAMPLES, EXAMPLES]
     assert quiet.version == churned.version == STEPS
     joined = json.loads((tmp_path / "h3.json").read_text())["steps"]
     assert joined, "the worker added mid-run computed nothing"

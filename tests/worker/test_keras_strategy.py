@@ -75,3 +75,8 @@ def test_each_worker_takes_its_contiguous_part_of_a_global_batch_the_first_ones_
     assert [list(p[1]) for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert all(p[2] is None for p in parts)
     assert np.array_equal(np.concatenate([p[0] for p in parts]), x)
+
+
+def test_elastic_is_refused_in_one_line_before_any_server():
+    with pytest.raises(ValueError, match="tfps.keras does not train on data the server deals"):
+        Strategy(ps="127.0.0.1:1", worker_index=0, num_workers=2, elastic=True)
