@@ -215,18 +215,21 @@ class ElasticSyncMode:
                               active_workers=tuple(sorted(self._live)))
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
-        store_state, status, _ = self.export_round()
+        store_state, status, _, _ = self.export_round()
         return store_state, status
 
-    def export_round(self) -> tuple[StoreState, ModeStatus, tuple | None]:
-        """The store's snapshot, the round and the ledger's ``state`` (None before the data
-        plan), all after the same completed round: ``_complete`` applies a round, folds it
-        into the ledger and moves the round on under this lock, and all three are read under it."""
+    def export_round(self) -> tuple[StoreState, ModeStatus, tuple | None, dict]:
+        """The store's snapshot, the round, the ledger's ``state`` (None before the data
+        plan) and the counters (``ModeStats.export``), all after the same completed round:
+        ``_complete`` applies a round, folds it into the ledger, counts it and moves the round
+        on under this lock, and all four are read under it (counters read after it could hold
+        a round the file's values lack, counted again when it is redone after a restart)."""
         with self._lock:
             return (self.store.export_state(),
                     ModeStatus(round=self._round, rounds_timed_out=self._timed_out,
                                active_workers=tuple(sorted(self._live))),
-                    None if self.ledger is None else self.ledger.state())
+                    None if self.ledger is None else self.ledger.state(),
+                    self.stats.export())
 
     def restore(self, status: ModeStatus) -> None:
         with self._lock:

@@ -542,8 +542,9 @@ class ParameterServer:
         round exactly; in async mode each variable is whole and the version is
         a lower bound (``store`` docstring); with ``async_apply="hogwild"`` the
         arrays are copied under no lock, each whole-shaped, torn at worst
-        (``async_mode``). Stats and membership are read just after, so their
-        counters may be a push ahead.
+        (``async_mode``). Membership is read just after, and so are the stats
+        without a data plan: their counters may be a push ahead. With one, the
+        stats are of the values' moment too (below).
 
         The data plan's progress (``ServerState.data``) is of the same moment as the
         values, so a restart applies every batch exactly once:
@@ -563,11 +564,13 @@ class ParameterServer:
           it is not torn; each done task's writes are in it, as far as racing pushes
           left them in the live run (hogwild's lost updates happen with or without a
           restart). An ssp push whose wait for the bound times out after its task was
-          recorded is done in the file as it is live.
+          recorded is done in the file as it is live. The stats are read under the
+          gate too: ``pushes_applied`` and ``examples_applied`` count exactly the done
+          tasks, so after a restart they still end at one push per task.
         - Elastic sync: the ledger is folded when a round completes, under the
-          mode's lock, with the round's apply and the round's advance; the store's
-          snapshot, the round and the ledger are read under that lock
-          (``ElasticSyncMode.export_round``): all three after the same round. A
+          mode's lock, with the round's apply, its stats and the round's advance; the
+          store's snapshot, the round, the ledger and the stats are read under that
+          lock (``ElasticSyncMode.export_round``): all after the same round. A
           round in progress is not saved (its pushes come again).
         """
         if not self.store.initialized:
@@ -576,9 +579,10 @@ class ParameterServer:
         gate = self._gate.still() if self.tasks is not None else contextlib.nullcontext()
         with gate:
             if self.elastic:
-                store_state, mode_status, ledger = self.mode.export_round()
+                store_state, mode_status, ledger, stats = self.mode.export_round()
             else:
                 store_state, mode_status = self.mode.export_state()
+                stats = self.stats.export()  # with tasks under the gate: counts the pushes the values hold
             tasks = self.tasks.state() if self.tasks is not None else None
         return ServerState(
             mode=self.mode_name,
@@ -587,7 +591,7 @@ class ParameterServer:
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
                                    rounds_aborted=mode_status.rounds_aborted),
             members=tuple(self.members.snapshot()),
-            stats=self.stats.export(),
+            stats=stats,
             incarnation=self.incarnation,
             wall_time=time.time(),
             data=self._data_state(tasks, ledger),
