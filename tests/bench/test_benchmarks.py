@@ -67,6 +67,7 @@ def test_optimizer_step_reports_fused_and_numpy_bandwidths_of_every_optimizer(tm
     assert all(x > 0 for x in row.values()), row
 
 
+@pytest.mark.slow  # ~55 s: the benchmark's smoke run, outside the default tier
 @pytest.mark.parity  # TensorFlow's own strategies run too
 def test_training_reports_examples_per_s_of_every_runner_and_the_ratios(tmp_path):
     report = run_bench("training.py", "--models", "cnn", "--steps", "3", out=tmp_path / "training.json",

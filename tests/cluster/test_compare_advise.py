@@ -28,6 +28,7 @@ def advise(*argv, timeout=600):
     return run.stdout
 
 
+@pytest.mark.slow  # ~41 s: every scenario trained; the ps-advise tests here stay in the default tier
 def test_ps_compare_writes_a_complete_report(tmp_path):
     out = tmp_path / "report"
     run = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--scenario", "straggler", "--modes", "sync,ssp1",

@@ -20,6 +20,7 @@ from ps_tools.hosts import unavailable
 from tests.hosts.conftest import ROOT
 
 
+@pytest.mark.slow  # ~66 s: the benchmark's smoke run, outside the default tier
 def test_quick_scaling_run_reports_every_row_with_its_limit_fraction_and_ratio(tmp_path):
     why = unavailable()
     if why:

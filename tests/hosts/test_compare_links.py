@@ -25,6 +25,7 @@ EMULATED = "emulated hosts: tc tbf 20 Mbit/s per host, 5 ms each way by relay"
 REASON = "emulated hosts need root (network namespaces, veth pairs, tc)"
 
 
+@pytest.mark.slow  # ~50 s: two short trainings on shaped links, outside the default tier
 def test_a_short_comparison_on_emulated_and_sleep_links_names_each_and_compares_them(tmp_path):
     why = unavailable()
     if why:
