@@ -60,7 +60,7 @@ _SHM_RUNNERS = (
     parity.Runner("ours-async-shm", "tf_strategies.ours", ("--mode", "async", "--shm"), sync=False,
                   honours_loss_scaling=False),
 )
-DEFAULT_STEPS = {"cnn": 600, "mlp": 200, "mlp25m": 60}
+DEFAULT_STEPS = {"tiny": 600, "deepcnn": 600, "cnn": 600, "mlp": 200, "mlp25m": 60}
 
 
 def parse_steps(text: str, models: list[str]) -> dict[str, int]:
@@ -109,7 +109,7 @@ def run_model(spec: RunSpec, workdir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="cnn,mlp25m", help=f"comma-separated, of {', '.join(MODELS)} (default cnn,mlp25m)")
-    p.add_argument("--steps", default=",".join(f"{m}={n}" for m, n in DEFAULT_STEPS.items() if m != "mlp"),
+    p.add_argument("--steps", default=",".join(f"{m}={n}" for m, n in DEFAULT_STEPS.items() if m in ("cnn", "mlp25m")),
                    help="global steps: N for every model, or MODEL=N,... (default cnn=600,mlp25m=60)")
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")

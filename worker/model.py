@@ -4,12 +4,23 @@
     model = build_model("cnn", seed=0)
     loss, payload = Gradients(model, loss)(x, y, pulled)   # worker.gradients: every runner's path
 
-``cnn`` is the model of TensorFlow's tutorials: Conv2D(32, 3, relu) on 28x28x1,
-Flatten, Dense(10, softmax), sparse categorical cross-entropy. ``mlp`` is a
-larger fully connected model (about 1M parameters) for throughput runs, and
-``mlp25m`` a much larger one: Flatten, Dense(8192, relu), Dense(2304, relu),
-Dense(10, softmax), 25,330,442 parameters (~97 MiB of float32), the size of
-model the training benchmark (``bench/training.py``) compares on.
+Every model takes 28x28x1 images and ends in Dense(10, softmax), with sparse
+categorical cross-entropy; from the smallest:
+
+- ``tiny``: Flatten, Dense(10, softmax): logistic regression, 7,850 parameters.
+- ``deepcnn``: Conv2D(16, 3, relu), Conv2D(16, 3, relu), MaxPool(2),
+  Conv2D(32, 3, relu), MaxPool(2), Flatten, Dense(64, relu), Dense(10, softmax):
+  three convolutions deep, 59,034 parameters, so it trains on a few cores.
+- ``cnn``: the model of TensorFlow's tutorials: Conv2D(32, 3, relu), Flatten,
+  Dense(10, softmax), 216,650 parameters.
+- ``mlp``: Flatten, Dense(1024, relu), Dense(128, relu), Dense(10, softmax),
+  936,330 parameters, for throughput runs.
+- ``mlp25m``: Flatten, Dense(8192, relu), Dense(2304, relu), Dense(10, softmax),
+  25,330,442 parameters (~97 MiB of float32), the size of model the training
+  benchmark (``bench/training.py``) compares on.
+
+``ps-compare --models tiny,deepcnn,cnn,mlp`` compares the modes across them (from
+tiny to mlp, 119x the parameters).
 
 Loss scaling: each worker differentiates the *mean* loss over its own shard;
 the server takes the batch-weighted mean of those gradients. That equals
@@ -23,7 +34,7 @@ import os
 
 import numpy as np
 
-MODELS = ("cnn", "mlp", "mlp25m")
+MODELS = ("tiny", "deepcnn", "cnn", "mlp", "mlp25m")
 
 
 def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_threads: int = 0):
@@ -58,7 +69,31 @@ def build_model(name: str = "cnn", seed: int = 0):
     import keras
 
     keras.utils.set_random_seed(seed)
-    if name == "cnn":
+    if name == "tiny":
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(10, activation="softmax"),
+            ],
+            name="tiny",
+        )
+    elif name == "deepcnn":
+        model = keras.Sequential(
+            [
+                keras.Input(shape=(28, 28, 1)),
+                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ],
+            name="deepcnn",
+        )
+    elif name == "cnn":
         model = keras.Sequential(
             [
                 keras.Input(shape=(28, 28, 1)),
