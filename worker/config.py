@@ -56,6 +56,7 @@ class WorkerConfig:
     num_workers: int = 1
     dataset: str = "digits"
     model: str = "cnn"
+    train_examples: int = 0  # built-in data: train on this many (a fixed stratified subset); 0: all
     epochs: int = 3
     steps: int = 0  # 0: epochs * steps per epoch
     global_batch_size: int = 64
@@ -164,6 +165,11 @@ class WorkerConfig:
         if _is_function(self.model) != _is_function(self.dataset):
             raise ConfigError("--model module:function goes with --dataset module:function (the built-in models fit "
                               "only the built-in datasets, and your model needs your data)")
+        if self.train_examples < 0:
+            raise ConfigError(f"--train-examples must be >= 0 (0: all), got {self.train_examples}")
+        if self.train_examples and _is_function(self.dataset):
+            raise ConfigError("--train-examples subsets the built-in datasets; --dataset module:function makes "
+                              "its own data")
         if self.dataset_sharding not in ("batch", "none"):
             raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
         if self.progress not in ("auto", "bar", "lines", "off"):
@@ -279,10 +285,14 @@ def _is_host_port(address: str) -> bool:
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
     """Flags that describe the training; ps-launch forwards them to every worker."""
-    p.add_argument("--dataset", help="digits (default, offline), mnist, synthetic, or module:function returning "
+    p.add_argument("--dataset", help="digits (default, offline), digits-large (digits' training set augmented "
+                   "tenfold: shifted and noised copies), mnist, synthetic, or module:function returning "
                    "a tf.data.Dataset of (features, labels) batches, or a (train, eval) pair (worker.task)")
     p.add_argument("--model", help=f"{', '.join(MODELS)} (default cnn), or module:function returning a Keras model "
                    "compiled with its loss and metrics (goes with --dataset module:function)")
+    p.add_argument("--train-examples", type=int, help="built-in data: train on N examples of the training set, "
+                   "a stratified choice that is the same for every --seed (the test set unchanged; an epoch "
+                   "is N examples); default 0: all")
     p.add_argument("--dataset-sharding", choices=("batch", "none"),
                    help="with --dataset module:function: batch (default) splits every global batch by worker "
                         "index; none: the function made this worker's own batches (it takes a context argument)")

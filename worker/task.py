@@ -145,15 +145,23 @@ class Task:
 
 # -- the built-in models and datasets -------------------------------------------------
 class BuiltinTask(Task):
-    """``--model cnn|mlp|mlp25m`` on ``--dataset digits|mnist|synthetic``: NumPy arrays in
-    memory, batches drawn by index (``worker.data``); the loss of ``worker.model``."""
+    """``--model tiny|deepcnn|cnn|mlp|mlp25m`` on ``--dataset digits|digits-large|mnist|synthetic``: NumPy arrays in
+    memory, batches drawn by index (``worker.data``); the loss of ``worker.model``. With
+    ``--train-examples N`` the training set is ``worker.data.train_subset``'s N examples,
+    and an epoch is N examples."""
 
     def __init__(self, config):
-        from worker.data import global_batches, load_dataset, steps_per_epoch
+        from worker.data import global_batches, load_dataset, steps_per_epoch, train_subset
 
         self.config = config
         self.name = f"{config.model} on {config.dataset}"
         self.data = load_dataset(config.dataset)
+        if config.train_examples:
+            try:
+                self.data = train_subset(self.data, config.train_examples)
+            except ValueError as e:
+                raise TaskError(str(e)) from None
+            self.name += f" ({config.train_examples} training examples)"
         n_train = len(self.data.y_train)
         per_epoch = steps_per_epoch(n_train, config.global_batch_size)
         self.total_steps = config.steps or config.epochs * per_epoch

@@ -122,3 +122,18 @@ def test_launch_with_the_same_host_fast_path_trains_through_shared_memory(extra,
     assert run.stdout.count("registered (") >= 2 * shards
     assert run.stdout.count("shared memory on") == run.stdout.count("registered ("), run.stdout[-3000:]
     assert "shared memory off" not in run.stdout + run.stderr
+
+
+def test_launch_trains_deepcnn_on_a_subset_and_an_epoch_is_the_subset(tmp_path):
+    # --train-examples reaches every worker through ps-launch: 130 examples at global batch 64
+    # are 3 steps an epoch (64, 64, 2), against digits' 23.
+    metrics = tmp_path / "m.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "ps_tools.launch", "--mode", "sync", "--workers", "2", "--dataset", "digits",
+         "--model", "deepcnn", "--train-examples", "130", "--epochs", "2", "--metrics-json", str(metrics)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    m = json.loads(metrics.read_text())
+    assert m["steps"] == 2 * 3 and 0.0 <= m["test_accuracy"] <= 1.0
+    assert "training deepcnn on digits" in run.stdout.splitlines()[0]
