@@ -2,6 +2,7 @@
 
     ps-compare --scenario straggler --quick --out report/
     ps-compare --scenario balanced,straggler,bandwidth,pause --seeds 3 --out report/
+    ps-compare --scenario balanced --models tiny,cnn,mlp --train-examples 200,0 --workers 2,4 --out report/
 
 For every scenario, mode and seed it runs ``ps-launch`` (one server, N worker
 processes on this machine) with the scenario's experiment knobs (``--slowdown``,
@@ -17,6 +18,15 @@ loss and accuracy against wall time and against updates, time to the target
 accuracy, final accuracy, examples/s, staleness, and the spread of each across
 seeds (the stability of a mode, measured), and says per scenario how its links
 were made.
+
+Three more axes, each a comma-separated list: ``--models`` (built-in models, from
+``tiny`` to ``mlp25m``; default the one ``--model``), ``--train-examples`` (the
+size of the training set, ``ps-worker --train-examples``; 0: all of it) and
+``--workers``. The runs are every scenario x model x training-set size x worker
+count x mode x seed; a comparison group is one scenario (and link kind), model,
+size and worker count, and the report says for each pair of modes in a group
+whether the difference of their means exceeds the spread across seeds
+(``ps_tools.report.significance``).
 
 Modes (``--modes``): ``sync``; ``async``; ``ssp1`` and ``ssp4`` (``--mode ssp
 --staleness 1`` and ``4``); ``backup`` (sync finishing each round with the first
@@ -38,6 +48,7 @@ import time
 from ps_tools.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
 from ps_tools.compare_hosts import run_on_hosts
 from ps_tools.report import write_report
+from worker.model import MODELS
 
 LAST = -1  # the scenario knob goes to the last worker
 ALL = -2  # ... to every worker
@@ -90,9 +101,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated: sync, async, sspS (S: the bound), backup (default: %(default)s)")
     p.add_argument("--seeds", type=int, help="runs per scenario and mode, seeds 0..N-1 (default 3; --quick 2)")
-    p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
-    p.add_argument("--dataset", default="digits", help="digits (default), mnist or synthetic")
-    p.add_argument("--model", default="cnn", help="cnn (default), mlp or mlp25m")
+    p.add_argument("--workers", default="3", help="worker processes, or a comma-separated list of counts to "
+                   "compare (default 3)")
+    p.add_argument("--dataset", default="digits", help="digits (default), digits-large, mnist or synthetic")
+    p.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} (default cnn)")
+    p.add_argument("--models", help="comma-separated models to compare, of the same (default: --model)")
+    p.add_argument("--train-examples", default="0",
+                   help="comma-separated training-set sizes (ps-worker --train-examples; 0: the whole set; "
+                   "default 0)")
     p.add_argument("--epochs", type=int, help="epochs per run (default 12; --quick 6)")
     p.add_argument("--steps", type=int, help="steps per run instead of epochs")
     # 256: each worker's compute outweighs the per-step overhead of pulling and pushing a
@@ -125,13 +141,53 @@ def scenario_worker_args(scenario: Scenario, workers: int, links: str = "sleep")
     return out
 
 
+def parse_axes(args) -> tuple[list[str], list[int], list[int]]:
+    """The models, training-set sizes and worker counts to compare; ``CompareError`` says
+    what is wrong with a list."""
+    if args.models is not None:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        flag = "--models"
+    else:
+        models, flag = [args.model], "--model"
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise CompareError(f"{flag}: unknown {', '.join(map(repr, unknown)) or repr(args.models)}; "
+                           f"use {', '.join(MODELS)}")
+    sizes = _int_list(args.train_examples, "--train-examples", "a training-set size (0: all)", low=0)
+    workers = _int_list(args.workers, "--workers", "a worker count", low=1)
+    for axis, flag in ((models, "--models"), (sizes, "--train-examples"), (workers, "--workers")):
+        if len(set(axis)) < len(axis):
+            raise CompareError(f"{flag} lists a value twice: {','.join(map(str, axis))}")
+    return models, sizes, workers
+
+
+def _int_list(text, flag: str, what: str, low: int) -> list[int]:
+    items = [t.strip() for t in str(text).split(",")]
+    try:
+        values = [int(t) for t in items]
+    except ValueError:
+        raise CompareError(f"{flag} must be comma-separated integers, each {what}, got {text!r}") from None
+    bad = [v for v in values if v < low]
+    if bad:
+        raise CompareError(f"{flag} must be >= {low}, got {','.join(map(str, bad))}")
+    return values
+
+
+def run_args(args, model: str, train_examples: int, workers: int):
+    """``args`` for one point of the axes: one model, training-set size and worker count."""
+    return argparse.Namespace(**{**vars(args), "model": model, "train_examples": train_examples,
+                                 "workers": workers})
+
+
 def launch_argv(args, scenario: Scenario, mode: str, seed: int, run_dir: str, links: str) -> list[str]:
-    """The ps-launch arguments (without the program) of one run."""
+    """The ps-launch arguments (without the program) of one run (``args``: one point of the axes)."""
     per_worker = scenario_worker_args(scenario, args.workers, links)
     argv = [*mode_flags(mode, args.workers), "--workers", str(args.workers),
             "--dataset", args.dataset, "--model", args.model, "--global-batch-size", str(args.global_batch_size),
             "--seed", str(seed), "--metrics-json", os.path.join(run_dir, "metrics.json"),
             "--log-every", "1000000"]
+    if getattr(args, "train_examples", 0):
+        argv += ["--train-examples", str(args.train_examples)]
     argv += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
     for i in range(args.workers):
         extra = per_worker.get(i, []) + ["--history-json", os.path.join(run_dir, f"history{i}.json")]
@@ -162,7 +218,9 @@ def run_one(args, scenario: Scenario, mode: str, seed: int, run_dir: str, links:
     for i in range(args.workers):
         with open(os.path.join(run_dir, f"history{i}.json")) as f:
             histories.append(json.load(f))
-    return {"scenario": scenario.name, "mode": mode, "seed": seed, "metrics": metrics, "histories": histories,
+    return {"scenario": scenario.name, "mode": mode, "seed": seed, "model": args.model,
+            "train_examples": getattr(args, "train_examples", 0), "workers": args.workers,
+            "metrics": metrics, "histories": histories,
             "launch_s": time.monotonic() - t0, "command": command, "links": links,
             "links_description": describe(links, scenario.network)}
 
@@ -192,16 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [s for s in names if s not in SCENARIOS]
         if unknown or not names:
             raise CompareError(f"--scenario: unknown {unknown or args.scenario!r}; use {', '.join(SCENARIOS)} or all")
+        models, sizes, worker_counts = parse_axes(args)
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         for m in modes:
             try:
-                mode_flags(m, args.workers)
+                mode_flags(m, worker_counts[0])
             except ValueError as e:
                 raise CompareError(f"--modes: {e}") from None
-        if "backup" in modes and args.workers < 2:
+        if "backup" in modes and min(worker_counts) < 2:
             raise CompareError("--modes backup needs --workers >= 2")
-        if args.workers < 1:
-            raise CompareError("--workers must be >= 1")
         args.seeds = args.seeds or (2 if args.quick else 3)
         args.epochs = args.epochs or (6 if args.quick else 12)
         if args.seeds < 1 or args.epochs < 1 or args.eval_every < 1:
@@ -216,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(f"ps-compare: {note}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    config = {"scenarios": names, "modes": modes, "seeds": args.seeds, "workers": args.workers,
-              "dataset": args.dataset, "model": args.model,
+    axes = {"model": models, "train_examples": sizes, "workers": worker_counts}
+    config = {"scenarios": names, "modes": modes, "seeds": args.seeds,
+              # One value each: as before; an axis with several is in "axes" only (here None).
+              "workers": worker_counts[0] if len(worker_counts) == 1 else None,
+              "dataset": args.dataset, "model": models[0] if len(models) == 1 else None,
+              "train_examples": sizes[0] if len(sizes) == 1 else None, "axes": axes,
               "epochs": None if args.steps else args.epochs, "steps": args.steps or None,
               "global_batch_size": args.global_batch_size, "eval_every": args.eval_every,
               "target_accuracy": args.target_accuracy,
@@ -227,21 +288,31 @@ def main(argv: list[str] | None = None) -> int:
               "command": "ps-compare " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
     runs = []
-    total = sum(len(plan[n]) for n in names) * len(modes) * args.seeds
+    points = [(m, n, w) for m in models for n in sizes for w in worker_counts]
+    total = sum(len(plan[n]) for n in names) * len(points) * len(modes) * args.seeds
     started = time.monotonic()
     try:
         for name in names:
             for links in plan[name]:
-                for mode in modes:
-                    for seed in range(args.seeds):
-                        parts = [name, links] if len(plan[name]) > 1 else [name]
-                        run_dir = os.path.join(args.out, "runs", *parts, mode, f"seed{seed}")
-                        shown = f" ({links})" if SCENARIOS[name].network is not None else ""
-                        print(f"ps-compare: [{len(runs) + 1}/{total}] {name}{shown} {mode} seed {seed}", flush=True)
-                        run = run_one(args, SCENARIOS[name], mode, seed, run_dir, links)
-                        print(f"ps-compare:   test accuracy {run['metrics']['test_accuracy']:.4f}, "
-                              f"{run['launch_s']:.0f} s", flush=True)
-                        runs.append(run)
+                for model, size, workers in points:
+                    one = run_args(args, model, size, workers)
+                    # Only an axis with several values names a level of the run directories.
+                    point = [part for part, several in ((model, len(models) > 1),
+                                                        (f"n{size or 'all'}", len(sizes) > 1),
+                                                        (f"w{workers}", len(worker_counts) > 1)) if several]
+                    for mode in modes:
+                        for seed in range(args.seeds):
+                            parts = [name, links] if len(plan[name]) > 1 else [name]
+                            run_dir = os.path.join(args.out, "runs", *parts, *point, mode, f"seed{seed}")
+                            shown = f" ({links})" if SCENARIOS[name].network is not None else ""
+                            shown += "".join(f" {p}" for p in point)
+                            print(f"ps-compare: [{len(runs) + 1}/{total}] {name}{shown} {mode} seed {seed}",
+                                  flush=True)
+                            run = run_one(one, SCENARIOS[name], mode, seed, run_dir, links)
+                            print(f"ps-compare:   test accuracy {run['metrics']['test_accuracy']:.4f}, "
+                                  f"{run['launch_s']:.0f} s", flush=True)
+                            run.update(model=model, train_examples=size, workers=workers)
+                            runs.append(run)
     except CompareError as e:
         print(f"ps-compare: error: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,21 @@ without one, "sleep" for the sleep knobs, "emulated" for emulated hosts; see
 (``plot-<scenario>-<kind>.png``) and findings, and ``compare_links`` says how the
 conclusions differ: the fastest mode to the target under each, and each mode's
 time to the target and examples/s side by side.
+
+The axes (``ps-compare --models``, ``--train-examples``, ``--workers``): every run
+and row names its model, training-set size (0: all) and worker count; a
+comparison group is one scenario, link kind, model, size and worker count. Where
+an axis has several values each group has its own table, findings and plots
+(``plot-<scenario>-<model>-n<size>-w<workers>.png``, naming only the axes that vary).
+
+**Does a difference exceed the spread?** (``significance``) For every pair of
+modes a, b of a group and each of time to the target and final accuracy: the
+difference of the means exceeds the spread when
+``|mean_a - mean_b| > 2 * sqrt(sd_a**2 / n_a + sd_b**2 / n_b)``, twice the
+standard error of the difference (Welch's, without the t quantile: with 2 or 3
+seeds a rough rule, meant to flag differences that the seeds' own scatter could
+have made). With one seed of either mode the spread is unknown and nothing is
+claimed; time to the target counts only the seeds that reached it.
 """
 
 from __future__ import annotations
@@ -42,6 +57,9 @@ def summarize_run(run: dict, target: float) -> dict:
     return {
         "scenario": run["scenario"],
         "links": run.get("links", "loopback"),
+        "model": run.get("model"),
+        "train_examples": run.get("train_examples"),
+        "workers": run.get("workers"),
         "mode": run["mode"],
         "seed": run["seed"],
         "final_accuracy": metrics["test_accuracy"],
@@ -80,12 +98,20 @@ def _spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
+AXES = ("model", "train_examples", "workers")  # with scenario and links: a comparison group
+
+
+def group_of(r: dict) -> tuple:
+    """(model, train_examples, workers) of a run summary or row."""
+    return tuple(r.get(k) for k in AXES)
+
+
 def aggregate(summaries: list[dict]) -> list[dict]:
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for s in summaries:
-        groups.setdefault((s["scenario"], s.get("links", "loopback"), s["mode"]), []).append(s)
+        groups.setdefault((s["scenario"], s.get("links", "loopback"), group_of(s), s["mode"]), []).append(s)
     rows = []
-    for (scenario, links, mode), runs in groups.items():
+    for (scenario, links, point, mode), runs in groups.items():
         merged: dict[str, int] = {}
         for r in runs:
             for k, c in r["staleness"]["counts"].items():
@@ -94,6 +120,7 @@ def aggregate(summaries: list[dict]) -> list[dict]:
         rows.append({
             "scenario": scenario,
             "links": links,
+            **dict(zip(AXES, point)),
             "mode": mode,
             "seeds": len(runs),
             "final_accuracy": _spread([r["final_accuracy"] for r in runs]),
@@ -114,9 +141,82 @@ def _fmt(spread: dict, digits: int = 1, suffix: str = "") -> str:
     return text
 
 
-def findings(rows: list[dict], scenario: str, target: float, links: str | None = None) -> list[str]:
-    """Plain sentences on what the table of one scenario (and link kind, if given) shows."""
-    mine = [r for r in rows if r["scenario"] == scenario and links in (None, r.get("links", "loopback"))]
+def _spread_test(a: dict, b: dict) -> dict:
+    """The rule of the module docstring on two spreads (``_spread``) of one metric."""
+    if not a["n"] or not b["n"]:
+        return {"difference": None, "threshold": None, "exceeds": None, "note": "not reached in any seed"}
+    difference = a["mean"] - b["mean"]
+    if a["n"] < 2 or b["n"] < 2:
+        return {"difference": difference, "threshold": None, "exceeds": None, "note": "one seed: spread unknown"}
+    threshold = 2.0 * math.sqrt(a["sd"] ** 2 / a["n"] + b["sd"] ** 2 / b["n"])
+    exceeds = abs(difference) > threshold
+    return {"difference": difference, "threshold": threshold, "exceeds": exceeds,
+            "note": "exceeds spread" if exceeds else "within spread"}
+
+
+SIGNIFICANCE_METRICS = ("time_to_target_s", "final_accuracy")
+
+
+def significance(rows: list[dict]) -> list[dict]:
+    """For the rows of one comparison group, every pair of modes (in row order) and each of
+    ``SIGNIFICANCE_METRICS``: difference (mean of the first minus the second), threshold (two
+    standard errors of the difference), exceeds (None where it cannot be said: one seed, or
+    not reached) and a note saying so."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            for metric in SIGNIFICANCE_METRICS:
+                out.append({"modes": [a["mode"], b["mode"]], "metric": metric, "n": [a[metric]["n"], b[metric]["n"]],
+                            **_spread_test(a[metric], b[metric])})
+    return out
+
+
+def fastest_mode(rows: list[dict]) -> dict | None:
+    """The row that reached the target soonest on average, of those that reached it in every
+    seed (else of those that reached it at all); None when none did."""
+    for pool in ([r for r in rows if r["time_to_target_s"]["n"] == r["seeds"]],
+                 [r for r in rows if r["time_to_target_s"]["n"]]):
+        if pool:
+            return min(pool, key=lambda r: r["time_to_target_s"]["mean"])
+    return None
+
+
+def _in_group(r: dict, scenario: str, links: str | None, point: tuple | None) -> bool:
+    return (r["scenario"] == scenario and links in (None, r.get("links", "loopback"))
+            and point in (None, group_of(r)))
+
+
+def groups(rows: list[dict], scenario: str, links: str | None = None) -> list[tuple]:
+    """The (model, train_examples, workers) points a scenario (and link kind) ran, in run order."""
+    out = []
+    for r in rows:
+        if _in_group(r, scenario, links, None) and group_of(r) not in out:
+            out.append(group_of(r))
+    return out
+
+
+def group_label(point: tuple, config: dict) -> str:
+    """The axes of a point that vary in this comparison, in words ("" when none does)."""
+    axes = config.get("axes") or {}
+    words = []
+    for key, value in zip(AXES, point):
+        if len(axes.get(key, [])) > 1:
+            words.append({"model": f"{value}", "workers": f"{value} workers",
+                          "train_examples": f"{value or 'all'} training examples"}[key])
+    return ", ".join(words)
+
+
+def _group_name(point: tuple, config: dict) -> str:
+    axes = config.get("axes") or {}
+    parts = {"model": str(point[0]), "train_examples": f"n{point[1] or 'all'}", "workers": f"w{point[2]}"}
+    return "-".join(parts[k] for k in AXES if len(axes.get(k, [])) > 1)
+
+
+def findings(rows: list[dict], scenario: str, target: float, links: str | None = None,
+             point: tuple | None = None) -> list[str]:
+    """Plain sentences on what the table of one scenario (and link kind, and point of the
+    axes, if given) shows."""
+    mine = [r for r in rows if _in_group(r, scenario, links, point)]
     if not mine:
         return []
     reached = [r for r in mine if r["time_to_target_s"]["n"] == r["seeds"]]
@@ -141,16 +241,16 @@ def findings(rows: list[dict], scenario: str, target: float, links: str | None =
     return lines
 
 
-def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str], links: str | None = None) -> list[str]:
+def _plots(out: str, scenario: str, summaries: list[dict], modes: list[str], links: str | None = None,
+           point: tuple | None = None, config: dict | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
-    runs = [s for s in summaries if s["scenario"] == scenario and links in (None, s.get("links", "loopback"))]
-    name = f"{scenario}-{links}" if links else scenario
-    shown = f"{scenario} ({links})" if links else scenario
+    runs = [s for s in summaries if _in_group(s, scenario, links, point)]
+    name, shown = _names(scenario, links, point, config or {})
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for s in runs:
         c = colors[s["mode"]]
@@ -208,6 +308,45 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
     return out
 
 
+def _names(scenario: str, links: str | None, point: tuple | None, config: dict) -> tuple[str, str]:
+    """(file name part, title) of a scenario, link kind (None: the only one) and point of the axes."""
+    extra = _group_name(point, config) if point is not None else ""
+    label = group_label(point, config) if point is not None else ""
+    name = "-".join(p for p in (scenario, links, extra) if p)
+    shown = scenario + "".join(f", {p}" for p in (links, label) if p)
+    if links and not label:
+        shown = f"{scenario} ({links})"
+    return name, shown
+
+
+def _significance_markdown(mine: list[dict], target: float) -> list[str]:
+    """The fastest mode of a group against each other one: differences and whether they exceed the spread."""
+    best = fastest_mode(mine)
+    if best is None or len(mine) < 2:
+        return []
+
+    def cell(test: dict, digits: int) -> str:
+        return "-" if test["difference"] is None else f"{test['difference']:+.{digits}f}"
+
+    def bound(test: dict, digits: int) -> str:
+        return "-" if test["threshold"] is None else f"{test['threshold']:.{digits}f}"
+
+    lines = ["", f"Does a difference exceed the spread? {best['mode']} (fastest to {target:.2f}) against each "
+             "other mode: the other's mean minus its own; it exceeds the spread when larger than twice the "
+             "standard error of the difference, sqrt(sd_a²/n_a + sd_b²/n_b).", "",
+             f"| {best['mode']} vs | time to {target:.2f}: difference (s) | 2 SE (s) | time | "
+             "final accuracy: difference | 2 SE | accuracy |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for other in mine:
+        if other is best:
+            continue
+        t = _spread_test(other["time_to_target_s"], best["time_to_target_s"])
+        a = _spread_test(other["final_accuracy"], best["final_accuracy"])
+        lines.append(f"| {other['mode']} | {cell(t, 1)} | {bound(t, 1)} | {t['note']} | "
+                     f"{cell(a, 4)} | {bound(a, 4)} | {a['note']} |")
+    return lines
+
+
 def markdown(config: dict, rows: list[dict]) -> str:
     target = config["target_accuracy"]
     lines = [
@@ -215,7 +354,7 @@ def markdown(config: dict, rows: list[dict]) -> str:
         "",
         f"Command: `{config['command']}`  ",
         f"Machine: {config['machine']}  ",
-        f"Training: {config['workers']} workers, {config['dataset']}/{config['model']}, global batch "
+        f"Training: {_training_words(config)}, global batch "
         f"{config['global_batch_size']}, " + (f"{config['steps']} steps" if config.get("steps") else
                                                f"{config['epochs']} epochs") +
         f", {config['seeds']} seed(s) per mode; the chief evaluates every {config['eval_every']} of its steps.  ",
@@ -240,26 +379,48 @@ def markdown(config: dict, rows: list[dict]) -> str:
                 lines += ["", f"### {scenario}, {kind}"]
             if described:
                 lines += ["", f"Links: {described}."]
-            lines += ["", f"| mode | final accuracy | time to {target:.2f} (s) | reached | updates to {target:.2f} | "
-                      "training (s) | examples/s | staleness mean / p90 / max | dropped |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for r in [r for r in rows if r["scenario"] == scenario and r.get("links", "loopback") == kind]:
-                st = r["staleness"]
-                lines.append(
-                    f"| {r['mode']} | {_fmt(r['final_accuracy'], 4)} | {_fmt(r['time_to_target_s'])} | "
-                    f"{r['time_to_target_s']['n']}/{r['seeds']} | {_fmt(r['updates_to_target'], 0)} | "
-                    f"{_fmt(r['train_s'])} | {_fmt(r['examples_per_s'], 0)} | "
-                    f"{st['mean']:.2f} / {st['p90']} / {st['max']} | {r['dropped']} |")
-            lines += [""] + [f"- {line}" for line in findings(rows, scenario, target, kind)]
-            lines += ["", f"![{name}: accuracy and loss](plot-{name}.png)", "",
-                      f"![{name}: staleness](staleness-{name}.png)"]
+            points = groups(rows, scenario, kind)
+            for point in points:
+                if len(points) > 1:
+                    name = _names(scenario, kind if several else None, point, config)[0]
+                    lines += ["", f"{'####' if several else '###'} {scenario}, {group_label(point, config)}"]
+                mine = [r for r in rows if _in_group(r, scenario, kind, point)]
+                lines += ["", f"| mode | final accuracy | time to {target:.2f} (s) | reached | updates to "
+                          f"{target:.2f} | training (s) | examples/s | staleness mean / p90 / max | dropped |",
+                          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                for r in mine:
+                    st = r["staleness"]
+                    lines.append(
+                        f"| {r['mode']} | {_fmt(r['final_accuracy'], 4)} | {_fmt(r['time_to_target_s'])} | "
+                        f"{r['time_to_target_s']['n']}/{r['seeds']} | {_fmt(r['updates_to_target'], 0)} | "
+                        f"{_fmt(r['train_s'])} | {_fmt(r['examples_per_s'], 0)} | "
+                        f"{st['mean']:.2f} / {st['p90']} / {st['max']} | {r['dropped']} |")
+                lines += [""] + [f"- {line}" for line in findings(rows, scenario, target, kind, point)]
+                lines += _significance_markdown(mine, target)
+                lines += ["", f"![{name}: accuracy and loss](plot-{name}.png)", "",
+                          f"![{name}: staleness](staleness-{name}.png)"]
         if len(kinds) > 1:
-            lines += ["", f"### {scenario}: {' vs '.join(kinds)}", ""] + _links_markdown(
-                compare_links(rows, scenario, target, kinds), target)
+            for point in groups(rows, scenario):
+                label = group_label(point, config)
+                mine = [r for r in rows if _in_group(r, scenario, None, point)]
+                lines += ["", f"### {scenario}{f', {label}' if label else ''}: {' vs '.join(kinds)}", ""]
+                lines += _links_markdown(compare_links(mine, scenario, target, kinds), target)
     notes = config.get("links_notes") or []
     if notes:
         lines += ["", "## Links", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _training_words(config: dict) -> str:
+    """"3 workers, digits/cnn" as before for one value of each axis; the lists where several."""
+    axes = config.get("axes") or {}
+    workers = axes.get("workers") or [config["workers"]]
+    models = axes.get("model") or [config["model"]]
+    sizes = axes.get("train_examples") or [config.get("train_examples") or 0]
+    text = f"{','.join(map(str, workers))} workers, {config['dataset']}/{','.join(models)}"
+    if sizes != [0]:
+        text += ", training examples " + ",".join(str(n) if n else "all" for n in sizes)
+    return text
 
 
 def _kinds(config: dict, rows: list[dict], scenario: str) -> list[str]:
@@ -333,27 +494,42 @@ def _links_markdown(comparison: dict, target: float) -> list[str]:
 
 def write_report(out: str, config: dict, runs: list[dict]) -> list[str]:
     target = config["target_accuracy"]
-    summaries = [summarize_run(r, target) for r in runs]
+    single = {"model": config.get("model"), "train_examples": config.get("train_examples", 0),
+              "workers": config.get("workers")}
+    summaries = [summarize_run({**single, **r}, target) for r in runs]  # older runs: the config's one value
     rows = aggregate(summaries)
     kinds = {s: _kinds(config, rows, s) for s in config["scenarios"]}
-    found = {}
+    found, compared, grouped = {}, {}, []
     for s in config["scenarios"]:
-        if len(kinds[s]) > 1:
-            found[s] = [f"[{k}] {line}" for k in kinds[s] for line in findings(rows, s, target, k)]
-        else:
-            found[s] = findings(rows, s, target)
-    report = {"config": config, "rows": rows, "runs": summaries, "findings": found,
-              "compare_links": {s: compare_links(rows, s, target, kinds[s])
-                                for s in config["scenarios"] if len(kinds[s]) > 1}}
+        points = groups(rows, s)
+        found[s] = []
+        for point in points:
+            label = group_label(point, config)
+            for k in kinds[s]:
+                tags = [t for t in (k if len(kinds[s]) > 1 else "", label if len(points) > 1 else "") if t]
+                prefix = f"[{', '.join(tags)}] " if tags else ""
+                found[s] += [prefix + line for line in findings(rows, s, target, k, point)]
+                mine = [r for r in rows if _in_group(r, s, k, point)]
+                grouped.append({"scenario": s, "links": k, **dict(zip(AXES, point)),
+                                "fastest_to_target": (fastest_mode(mine) or {}).get("mode"),
+                                "significance": significance(mine)})
+            if len(kinds[s]) > 1:
+                mine = [r for r in rows if _in_group(r, s, None, point)]
+                compared[f"{s} ({label})" if len(points) > 1 else s] = compare_links(mine, s, target, kinds[s])
+    report = {"config": config, "rows": rows, "runs": summaries, "findings": found, "groups": grouped,
+              "compare_links": compared}
     paths = [os.path.join(out, "report.json"), os.path.join(out, "report.md")]
     with open(paths[0], "w") as f:
         json.dump(report, f, indent=1)
     with open(paths[1], "w") as f:
         f.write(markdown(config, rows))
     for scenario in config["scenarios"]:
-        if len(kinds[scenario]) > 1:
-            for kind in kinds[scenario]:
-                paths += _plots(out, scenario, summaries, config["modes"], kind)
-        else:
-            paths += _plots(out, scenario, summaries, config["modes"])
+        points = groups(rows, scenario)
+        for point in points:
+            shown = point if len(points) > 1 else None
+            if len(kinds[scenario]) > 1:
+                for kind in kinds[scenario]:
+                    paths += _plots(out, scenario, summaries, config["modes"], kind, shown, config)
+            else:
+                paths += _plots(out, scenario, summaries, config["modes"], None, shown, config)
     return paths
