@@ -111,7 +111,7 @@ def train_subset(data: Dataset, n: int) -> Dataset:
     if n < 0:
         raise ValueError(f"--train-examples must be >= 0 (0: all), got {n}")
     if n > total:
-        raise ValueError(f"--train-examples {n} is more than {data.name}'s {total} training examples")
+        raise ValueError(f"--train-examples {n} is more than the {total} training examples of {data.name}")
     if n in (0, total):
         return data
     labels, counts = np.unique(data.y_train, return_counts=True)

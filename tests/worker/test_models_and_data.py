@@ -69,7 +69,7 @@ def test_an_epoch_follows_the_number_of_training_examples():
 
 
 def test_more_training_examples_than_the_set_holds_or_fewer_than_zero_are_refused():
-    with pytest.raises(TaskError, match="--train-examples 5000 is more than digits's 1437 training examples"):
+    with pytest.raises(TaskError, match="--train-examples 5000 is more than the 1437 training examples of digits"):
         BuiltinTask(WorkerConfig(train_examples=5000, steps=1))
     with pytest.raises(ConfigError, match=r"--train-examples must be >= 0 \(0: all\), got -1"):
         WorkerConfig.from_args(["--train-examples", "-1"], environ={})
