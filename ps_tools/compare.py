@@ -244,6 +244,10 @@ def _run_launch(argv: list[str], where: str, run_dir: str, timeout: float) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--virtual" in (sys.argv[1:] if argv is None else argv):  # N simulated workers: ps_tools.virtual_compare
+        from ps_tools.virtual_compare import main as virtual_main
+
+        return virtual_main(argv)
     args = parser().parse_args(argv)
     try:
         names = list(SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",") if s.strip()]

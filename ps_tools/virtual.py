@@ -1,0 +1,497 @@
+"""Virtual time: N simulated workers against the real server core, in one process.
+
+    sim = Simulation(SimConfig(mode="async", workers=64, profile="straggler", model="tiny"))
+    run = sim.run()          # {"evals": [...], "time_to_target": 1.8, "staleness": {...}, ...}
+
+Two cores cannot run 64 real workers, and the effects that decide between sync and async
+grow with N: an async gradient's staleness, a sync round's wait for the slowest of N, the
+server's one link shared by all. This module drives the real core
+(``ps_server.core.ParameterServer``: the same sync, async, ssp and backup-worker code the
+gRPC server runs, through its non-blocking ``submit``) with real TensorFlow gradients
+(``worker.gradients.Gradients``, the workers' own path, on the built-in models and data),
+but takes time from a model instead of the clock:
+
+- **compute**: each worker's time for a step's gradient is ``compute_s`` (measured here,
+  the median of timed gradient calls of this model and batch) times the profile's factor
+  for that worker and step (``PROFILES``): ``balanced`` (every worker jitters by a
+  lognormal of sigma 0.05), ``straggler`` (the last worker 3x slower), ``tail`` (every
+  step's factor lognormal with sigma 0.5: a long tail), ``pause`` (the last worker stops
+  ``pause_steps`` steps' worth of time once, at its step 10);
+- **links**: every message pays the one-way ``latency_s``, and its bytes cross the
+  worker's own link (``worker_mbps``) and the server's (``server_mbps``), which all
+  workers share in each direction (pushes in, pulls out; full duplex), split max-min fair
+  among the transfers in flight (processor sharing: what TCP flows through one bottleneck
+  approach). The bytes are the real messages': the protobuf tensors of a whole-model
+  pull and of a push of this model's gradients (``protos.codec``). ``shards`` servers
+  each carry an equal part of every message over a link of their own;
+- **the server**: one queue, first come first served; each push occupies it for the
+  apply time measured here (async and ssp: one optimizer step; sync: folding the push,
+  plus the round's optimizer step for the push that fills it).
+
+A worker's step is what a real one does: pull (request, then the whole model back), compute
+the gradient of its part of global batch ``step`` (``worker.data.shard``, as every tfps
+worker) on the values it pulled, push, and wait for the reply (a sync round, the ssp
+bound), then pull again. Events run in virtual-time order, ties broken by the order they
+were scheduled in, and every random draw comes from the seed: a run is a deterministic
+function of its configuration, so each mode's staleness is the one the modelled cluster
+would give. The server's parameters are evaluated on the test set each time the examples
+applied cross a multiple of one sync round's (``workers * batch``), at that virtual time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+PROFILES = ("balanced", "straggler", "tail", "pause")
+MODES = ("sync", "async", "ssp1", "ssp4", "backup")
+
+
+class VirtualError(ValueError):
+    """A configuration the simulation cannot run; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    mode: str = "sync"  # one of MODES (sspS: any bound S; backup: sync taking the first N-1 pushes, backupK N-K)
+    workers: int = 4
+    profile: str = "balanced"
+    model: str = "tiny"
+    dataset: str = "digits"
+    train_examples: int = 0  # 0: the whole training set
+    batch: int = 16  # each worker's examples per step: a sync round is workers * batch
+    epochs: float = 3.0  # the job: this many passes over the training set, in examples applied
+    optimizer: str = "sgd"
+    learning_rate: float = 0.0  # 0: the optimizer's Keras default
+    seed: int = 0
+    latency_s: float = 0.0005  # one way, every message
+    worker_mbps: float = 10_000.0  # each worker's link; 0: unlimited
+    server_mbps: float = 10_000.0  # the server's link, shared by all workers (each shard's); 0: unlimited
+    shards: int = 1
+    slowdown: float = 3.0  # the straggler's factor
+    pause_steps: float = 50.0  # the pause: this many mean step computes
+    target_accuracy: float = 0.85
+    compute_s: float = 0.0  # 0: measured here (``measure``)
+    apply_s: float = -1.0  # server seconds per async apply; < 0: measured
+    fold_s: float = -1.0  # server seconds to fold one sync push; < 0: measured
+    round_apply_s: float = -1.0  # server seconds of a sync round's optimizer step; < 0: measured
+
+    def check(self) -> None:
+        mode_options(self.mode, self.workers)
+        if self.profile not in PROFILES:
+            raise VirtualError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.workers < 1:
+            raise VirtualError(f"workers must be >= 1, got {self.workers}")
+        if self.batch < 1:
+            raise VirtualError(f"batch must be >= 1, got {self.batch}")
+        if not self.epochs > 0:
+            raise VirtualError(f"epochs must be > 0, got {self.epochs}")
+        if self.shards < 1:
+            raise VirtualError(f"shards must be >= 1, got {self.shards}")
+        for name in ("latency_s", "worker_mbps", "server_mbps", "compute_s", "pause_steps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise VirtualError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.slowdown >= 1:
+            raise VirtualError(f"slowdown must be >= 1, got {self.slowdown!r}")
+
+
+def mode_options(mode: str, workers: int) -> dict:
+    """The ParameterServer arguments of a compared mode (``ps-compare``'s names)."""
+    if mode == "sync":
+        return {"mode": "sync"}
+    if mode == "async":
+        return {"mode": "async"}
+    if mode.startswith("ssp") and mode[3:].isdigit():
+        return {"mode": "ssp", "staleness_bound": int(mode[3:])}
+    if mode == "backup" or (mode.startswith("backup") and mode[6:].isdigit() and int(mode[6:]) > 0):
+        spare = int(mode[6:] or 1)  # backupK: each round takes the first N - K pushes
+        if workers <= spare:
+            raise VirtualError(f"{mode} needs at least {spare + 1} workers (backup workers need at least 2)")
+        return {"mode": "sync", "replicas_to_aggregate": workers - spare}
+    raise VirtualError(f"unknown mode {mode!r}: use sync, async, sspS (S an integer), backup or backupK "
+                       "(K backup workers)")
+
+
+# -- the event queue and the links --------------------------------------------------------
+class Events:
+    """Callbacks in virtual-time order; equal times in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        if when < self.now:
+            raise AssertionError(f"an event scheduled in the past: {when} < {self.now}")
+        heapq.heappush(self._heap, (when, self._seq, fn))
+        self._seq += 1
+
+    def run(self, until: Callable[[], bool]) -> None:
+        while self._heap and not until():
+            when, _, fn = heapq.heappop(self._heap)
+            self.now = when
+            fn()
+
+    def pending(self) -> int:
+        return len(self._heap)
+
+
+def fair_rates(capacity: float, caps: list[float]) -> list[float]:
+    """Max-min fair rates of flows with their own ``caps`` through one link of ``capacity``
+    (``math.inf``: unlimited): the slowest-capped flows take their cap, the rest share."""
+    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    rates = [0.0] * len(caps)
+    left, n = capacity, len(caps)
+    for k, i in enumerate(order):
+        share = left / (n - k)
+        rates[i] = min(caps[i], share)
+        left -= rates[i]
+    return rates
+
+
+class SharedLink:
+    """One direction of a link that all transfers share (processor sharing, each transfer
+    also capped by its own worker's link): ``send(bytes, cap, done)`` calls ``done()``
+    when the last byte is across."""
+
+    def __init__(self, events: Events, bytes_per_s: float):
+        self.events, self.capacity = events, bytes_per_s
+        self._flows: dict[int, list] = {}  # id -> [bytes left, cap, done, rate]
+        self._next_id = 0
+        self._last = 0.0
+        self._generation = 0
+        self.busy_s = 0.0  # virtual seconds with at least one transfer in flight
+
+    def send(self, nbytes: float, cap: float, done: Callable[[], None]) -> None:
+        if nbytes <= 0 or (math.isinf(cap) and math.isinf(self.capacity)):
+            self.events.at(self.events.now, done)
+            return
+        self._advance()
+        self._flows[self._next_id] = [float(nbytes), cap, done, 0.0]
+        self._next_id += 1
+        self._reschedule()
+
+    def _advance(self) -> None:
+        dt = self.events.now - self._last
+        if dt > 0 and self._flows:
+            self.busy_s += dt
+            for flow in self._flows.values():
+                flow[0] -= flow[3] * dt
+        self._last = self.events.now
+
+    def _reschedule(self) -> None:
+        ids = list(self._flows)
+        for i, rate in zip(ids, fair_rates(self.capacity, [self._flows[i][1] for i in ids])):
+            self._flows[i][3] = rate
+        self._generation += 1
+        if not ids:
+            return
+        generation = self._generation
+        first = min(self._flows[i][0] / self._flows[i][3] for i in ids)
+        self.events.at(self.events.now + max(first, 0.0), lambda: self._wake(generation))
+
+    def _wake(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # the flows changed since: a later wake-up stands
+        self._advance()
+        # Done: less than a nanosecond's worth left (float residue), or nothing at all.
+        finished = [i for i, f in self._flows.items() if f[0] <= max(f[3] * 1e-9, 1e-6)]
+        callbacks = [self._flows.pop(i)[2] for i in finished]
+        self._reschedule()
+        for fn in callbacks:
+            fn()
+
+
+def _rate(mbps: float) -> float:
+    return math.inf if mbps <= 0 else mbps * 1e6 / 8
+
+
+# -- the workload: model, data, measured costs ----------------------------------------------
+class Workload:
+    """The model, its data and what is measured of them here: one per (model, dataset,
+    train examples, batch, workers, seed), shared by every mode of a comparison."""
+
+    def __init__(self, cfg: SimConfig):
+        from worker.config import WorkerConfig
+        from worker.gradients import Gradients, get_values
+        from worker.model import tf_setup
+        from worker.task import BuiltinTask
+
+        tf_setup(deterministic=True)
+        self.cfg = cfg
+        self.worker_config = WorkerConfig(model=cfg.model, dataset=cfg.dataset, train_examples=cfg.train_examples,
+                                          global_batch_size=cfg.workers * cfg.batch,
+                                          epochs=max(1, math.ceil(cfg.epochs)) + 1, seed=cfg.seed,
+                                          optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
+                                          num_workers=cfg.workers)
+        self.task = BuiltinTask(self.worker_config)
+        self.model = self.task.build_model()
+        self.gradients = Gradients(self.model, self.task.loss)
+        self.initial = get_values(self.model)
+        self.params = sum(int(a.size) for a in self.initial.values())
+        self.pull_bytes, self.push_bytes = message_bytes(self.initial)
+        self.budget = int(round(cfg.epochs * self.task.num_examples))
+
+    def batch_of(self, step: int, worker: int) -> tuple[np.ndarray, np.ndarray, int]:
+        from worker.data import shard
+
+        steps = self.task.total_steps
+        mine = shard(self.task.global_batch(step % steps), worker, self.cfg.workers)
+        x, y = self.task.examples(mine)
+        return x, y, len(mine)
+
+    def gradient(self, values: dict, x, y) -> tuple[float, dict]:
+        from worker.gradients import set_values
+
+        set_values(self.model, values)
+        return self.gradients(x, y, values)
+
+    def evaluate(self, values: dict) -> dict:
+        from worker.gradients import set_values
+
+        set_values(self.model, values)
+        return self.task.evaluate(self.model)
+
+    def measure_compute(self, repeats: int = 7) -> float:
+        """Median seconds of one worker's gradient (after a warm-up call that traces)."""
+        x, y, _ = self.batch_of(0, 0)
+        self.gradient(self.initial, x, y)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.gradient(self.initial, x, y)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    def measure_server(self, repeats: int = 5) -> tuple[float, float, float]:
+        """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
+        scratch servers of the real core with this model's gradients."""
+        from ps_server.core.modes import Push
+        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.parameter_server import ParameterServer
+
+        x, y, n = self.batch_of(0, 0)
+        _, grads = self.gradient(self.initial, x, y)
+        spec = OptimizerSpec(**self.worker_config.optimizer_spec())
+        applies, folds, rounds = [], [], []
+        ps = ParameterServer("async", 1)
+        ps.register(0)
+        ps.initialize(0, self.initial, spec)
+        for step in range(repeats + 1):
+            t0 = time.perf_counter()
+            ps.submit(Push(0, step, ps.store.version, n, grads)).result()
+            applies.append(time.perf_counter() - t0)
+        ps = ParameterServer("sync", 2)
+        ps.register(0), ps.register(1)
+        ps.initialize(0, self.initial, spec)
+        for step in range(repeats + 1):
+            t0 = time.perf_counter()
+            first = ps.submit(Push(0, step, step, n, grads))
+            t1 = time.perf_counter()
+            ps.submit(Push(1, step, step, n, grads)).result()
+            t2 = time.perf_counter()
+            first.result()
+            folds.append(t1 - t0)
+            rounds.append(max(0.0, (t2 - t1) - (t1 - t0)))
+        return tuple(float(np.median(v[1:])) for v in (applies, folds, rounds))
+
+
+def message_bytes(values: dict) -> tuple[int, int]:
+    """(a whole-model pull's bytes, a push's bytes): the protobuf tensors that carry them
+    (``protos.codec``); a push carries a gradient shaped like every variable."""
+    from protos import codec
+
+    tensors = sum(t.ByteSize() for t in codec.encode_many(values))
+    return tensors + 16, tensors + 64  # plus the messages' own fields (versions, step, batch size)
+
+
+# -- one simulated run -----------------------------------------------------------------------
+class Simulation:
+    """One mode's run of the modelled cluster (module docstring)."""
+
+    def __init__(self, cfg: SimConfig, workload: Workload | None = None, costs: dict | None = None):
+        cfg.check()
+        self.cfg = cfg
+        self.w = workload or Workload(cfg)
+        c = dict(costs or {})
+        if cfg.compute_s > 0:
+            c["compute_s"] = cfg.compute_s
+        if "compute_s" not in c:
+            c["compute_s"] = self.w.measure_compute()
+        if not {"apply_s", "fold_s", "round_apply_s"} <= set(c):
+            c["apply_s"], c["fold_s"], c["round_apply_s"] = self.w.measure_server()
+        for name in ("apply_s", "fold_s", "round_apply_s"):
+            if getattr(cfg, name) >= 0:
+                c[name] = getattr(cfg, name)
+        self.costs = c
+
+    def _factors(self, worker: int):
+        """The profile's compute factor for each of a worker's steps (deterministic per seed)."""
+        rng = np.random.default_rng([self.cfg.seed, worker, 7])
+        last = worker == self.cfg.workers - 1
+        profile = self.cfg.profile
+        step = 0
+        while True:
+            if profile == "tail":
+                f = float(rng.lognormal(0.0, 0.5))
+            else:
+                f = float(rng.lognormal(0.0, 0.05))
+                if profile == "straggler" and last:
+                    f *= self.cfg.slowdown
+            extra = self.cfg.pause_steps if (profile == "pause" and last and step == 10) else 0.0
+            yield f, extra
+            step += 1
+
+    def run(self) -> dict:
+        from ps_server.core.modes import Push
+        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.parameter_server import ParameterServer
+        from worker.gradients import zeros
+
+        cfg, w, costs = self.cfg, self.w, self.costs
+        ev = Events()
+        n = cfg.workers
+        ps = ParameterServer(num_workers=n, barrier_timeout=1e9, lease_timeout=1e9, clock=lambda: ev.now,
+                             **mode_options(cfg.mode, n))
+        for i in range(n):
+            ps.register(i, n)
+        ps.initialize(0, w.initial, OptimizerSpec(**w.worker_config.optimizer_spec()))
+        syncish = ps.mode_name == "sync"
+        # Each shard's link carries 1/shards of every message; the shards' links in parallel
+        # are one link of shards x the rate for equal parts.
+        server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
+        server_out = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
+        worker_cap = _rate(cfg.worker_mbps)
+        latency = cfg.latency_s
+        factors = [self._factors(i) for i in range(n)]
+        queue: collections.deque = collections.deque()
+        server = {"busy": False, "busy_s": 0.0}
+        replies: list = []  # (worker, ticket) settled during the submit being processed
+        evals: list[dict] = []
+        round_examples = n * cfg.batch
+        state = {"next_eval": 0, "done": False, "active": n}
+        step_of = [0] * n
+        computes = [0.0] * n
+        waits = [0.0] * n
+        pushed_at = [0.0] * n
+
+        def evaluate() -> None:
+            version, values = ps.pull()
+            scores = w.evaluate(values)
+            evals.append({"t": ev.now, "version": version, "examples": ps.stats.examples_applied,
+                          "test_accuracy": scores["test_accuracy"], "test_loss": scores["test_loss"]})
+
+        def maybe_evaluate() -> None:
+            while ps.stats.examples_applied >= state["next_eval"]:
+                evaluate()
+                state["next_eval"] += round_examples
+            if ps.stats.examples_applied >= w.budget:
+                state["done"] = True
+
+        def start_step(i: int) -> None:
+            if state["done"] or ps.stats.examples_applied >= w.budget:
+                state["active"] -= 1
+                return
+            ev.at(ev.now + latency, lambda: pull_arrives(i))  # the pull request
+
+        def pull_arrives(i: int) -> None:
+            version, values = ps.pull(i)
+            server_out.send(w.pull_bytes, worker_cap, lambda: ev.at(ev.now + latency,
+                                                                    lambda: pulled(i, version, values)))
+
+        def pulled(i: int, version: int, values: dict) -> None:
+            factor, extra = next(factors[i])
+            seconds = costs["compute_s"] * (factor + extra)
+            computes[i] += seconds
+            ev.at(ev.now + seconds, lambda: computed(i, version, values))
+
+        def computed(i: int, version: int, values: dict) -> None:
+            x, y, count = w.batch_of(step_of[i], i)
+            while not count and not syncish:  # async and ssp: an empty share of a short last batch is skipped
+                step_of[i] += 1
+                x, y, count = w.batch_of(step_of[i], i)
+            if count:
+                loss, grads = w.gradient(values, x, y)
+            else:  # sync: an empty share is pushed with weight 0, as a real worker does
+                loss, grads = 0.0, zeros(values)
+            push = Push(worker_id=i, step=step_of[i], base_version=version, batch_size=count, gradients=grads,
+                        loss=loss)
+            ev.at(ev.now + latency, lambda: server_in.send(w.push_bytes, worker_cap, lambda: arrive(push)))
+
+        def arrive(push) -> None:
+            queue.append(push)
+            if not server["busy"]:
+                process()
+
+        def process() -> None:
+            push = queue.popleft()
+            server["busy"] = True
+            pushed_at[push.worker_id] = ev.now
+            ticket = ps.submit(push)
+            ticket.add_done_callback(lambda t, i=push.worker_id: replies.append((i, t)))
+            if syncish:
+                cost = costs["fold_s"] + (costs["round_apply_s"] if ticket.done() else 0.0)
+            else:
+                cost = costs["apply_s"]
+            server["busy_s"] += cost
+            settled, replies[:] = list(replies), []
+
+            def end() -> None:
+                maybe_evaluate()
+                for i, t in settled:
+                    ev.at(ev.now + latency, lambda i=i, t=t: replied(i, t))
+                server["busy"] = False
+                if queue:
+                    process()
+            ev.at(ev.now + cost, end)
+
+        def replied(i: int, ticket) -> None:
+            result = ticket.result()  # a refused push is a defect of the simulation: raise
+            waits[i] += ev.now - pushed_at[i]
+            step_of[i] = result.next_step if syncish else step_of[i] + 1
+            start_step(i)
+
+        wall0 = time.perf_counter()
+        evaluate()
+        state["next_eval"] = round_examples
+        for i in range(n):
+            ev.at(0.0, lambda i=i: start_step(i))
+        ev.run(until=lambda: state["done"] and ev.pending() == 0)
+        if not evals or evals[-1]["examples"] != ps.stats.examples_applied:
+            evaluate()
+        status = ps.status()
+        self.final_values = ps.pull()[1]
+        self.max_ahead = ps.mode.status().max_ahead
+        reached = next((e for e in evals if e["test_accuracy"] >= cfg.target_accuracy), None)
+        duration = max(e["t"] for e in evals)
+        return {
+            "mode": cfg.mode, "workers": n, "profile": cfg.profile, "seed": cfg.seed, "model": cfg.model,
+            "dataset": cfg.dataset, "train_examples": w.task.num_examples, "batch": cfg.batch,
+            "virtual_s": duration, "wall_s": time.perf_counter() - wall0,
+            "evals": evals, "final_accuracy": evals[-1]["test_accuracy"], "final_loss": evals[-1]["test_loss"],
+            "time_to_target": reached["t"] if reached else None,
+            "updates_to_target": reached["version"] if reached else None,
+            "updates": status.version, "pushes": status.pushes_applied,
+            "examples": status.examples_applied,
+            "examples_per_s": status.examples_applied / duration if duration > 0 else 0.0,
+            "staleness": {str(k): v for k, v in sorted(ps.stats.staleness_histogram().items())},
+            "mean_staleness": status.mean_staleness, "max_staleness": status.max_staleness,
+            "dropped": ps.stats.dropped, "max_ahead": self.max_ahead,
+            "server_busy": server["busy_s"] / duration if duration > 0 else 0.0,
+            "link_in_busy": server_in.busy_s / duration if duration > 0 else 0.0,
+            "link_out_busy": server_out.busy_s / duration if duration > 0 else 0.0,
+            "compute_share": (sum(computes) / n) / duration if duration > 0 else 0.0,
+            "costs": dict(costs), "params": w.params, "pull_bytes": w.pull_bytes, "push_bytes": w.push_bytes,
+        }
+
+
+__all__ = ["SimConfig", "Simulation", "Workload", "Events", "SharedLink", "fair_rates", "message_bytes",
+           "mode_options", "PROFILES", "MODES", "VirtualError"]

@@ -1,0 +1,160 @@
+"""Virtual time (ps_tools.virtual): the link and event model by hand, and runs of the real
+server core with real gradients whose times and staleness follow from fixed costs."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ps_tools.virtual import Events, SharedLink, SimConfig, Simulation, VirtualError, Workload, fair_rates
+
+# Fixed costs (not measured): the times below follow from them exactly, whatever the machine.
+COMPUTE = 0.010
+FREE = {"compute_s": COMPUTE, "apply_s": 0.0, "fold_s": 0.0, "round_apply_s": 0.0}
+BASE = SimConfig(model="tiny", dataset="digits", train_examples=256, batch=8, epochs=2.0, optimizer="sgd",
+                 learning_rate=0.1, latency_s=0.0, worker_mbps=0.0, server_mbps=0.0, workers=4)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return Workload(BASE)
+
+
+def run(workload, costs=FREE, **changes):
+    sim = Simulation(dataclasses.replace(BASE, **changes), workload, costs)
+    return sim, sim.run()
+
+
+def test_fair_rates_share_a_link_max_min():
+    assert fair_rates(10.0, [100.0, 100.0]) == [5.0, 5.0]
+    assert fair_rates(10.0, [1.0, 100.0, 100.0]) == [1.0, 4.5, 4.5]  # the capped flow's rest is shared
+    assert fair_rates(math.inf, [3.0, 7.0]) == [3.0, 7.0]
+    assert fair_rates(10.0, [math.inf]) == [10.0]
+
+
+def test_transfers_through_a_shared_link_take_their_bytes_over_its_rate():
+    ev = Events()
+    link = SharedLink(ev, bytes_per_s=1000.0)
+    done = {}
+    for i in range(4):  # four at once: each gets a quarter, all end after 4 x 500 bytes / 1000
+        link.send(500, math.inf, lambda i=i: done.setdefault(i, ev.now))
+    ev.at(1.0, lambda: link.send(100, 200.0, lambda: done.setdefault("late", ev.now)))
+    ev.run(until=lambda: False)
+    # 0-1 s: four at 250 B/s. Then the late flow takes its cap of 200 and the four share 800
+    # until it is done at 1.5 s; the four end when all 2100 bytes are across.
+    assert done["late"] == pytest.approx(1.5, abs=1e-9)
+    assert done[0] == done[3] == pytest.approx(2.1, abs=1e-9)
+    assert link.busy_s == pytest.approx(2.1, abs=1e-9)
+
+
+def test_a_run_is_a_function_of_its_configuration(workload):
+    _, a = run(workload, mode="async", profile="tail")
+    _, b = run(workload, mode="async", profile="tail")
+    assert a["evals"] == b["evals"] and a["staleness"] == b["staleness"]
+    _, c = run(workload, mode="async", profile="tail", seed=1)
+    assert c["evals"] != a["evals"]
+
+
+def test_sync_in_virtual_time_is_one_big_batch(workload):
+    """Four workers' rounds equal one worker taking the whole global batch each step."""
+    four, r4 = run(workload, mode="sync")
+    one = Simulation(dataclasses.replace(BASE, workers=1, batch=32), Workload(dataclasses.replace(BASE, workers=1,
+                                                                                                batch=32)), FREE)
+    r1 = one.run()
+    assert r4["updates"] == r1["updates"] == 2 * 256 // 32
+    assert r4["mean_staleness"] == 0
+    assert len(one.final_values) == len(four.final_values) == 2
+    # The same variables in the same order (a second model in one process has other names).
+    for a, b in zip(four.final_values.values(), one.final_values.values()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    moved = [np.abs(a - b).max() for a, b in zip(one.final_values.values(), workload.initial.values())]
+    assert min(moved) > 1e-3  # it trained
+
+
+def test_a_sync_round_waits_for_the_straggler_and_async_does_not(workload):
+    _, sync_b = run(workload, mode="sync")
+    _, sync_s = run(workload, mode="sync", profile="straggler", slowdown=3.0)
+    # 16 rounds of compute (jitter of 5 %: the slowest of 4 each round), nothing else costs.
+    assert sync_b["virtual_s"] == pytest.approx(16 * COMPUTE, rel=0.15)
+    assert sync_s["virtual_s"] == pytest.approx(3 * sync_b["virtual_s"], rel=0.15)
+    _, async_b = run(workload, mode="async")
+    _, async_s = run(workload, mode="async", profile="straggler", slowdown=3.0)
+    # Async loses only the straggler's missing two thirds: 3 1/3 of 4 workers' throughput.
+    assert async_s["examples_per_s"] == pytest.approx(async_b["examples_per_s"] * (3 + 1 / 3) / 4, rel=0.1)
+    # Balanced async: each push is about N - 1 updates old.
+    assert 2.5 <= async_b["mean_staleness"] <= 3.5
+
+
+def test_ssp_holds_fast_workers_to_the_bound(workload):
+    _, async_s = run(workload, mode="async", profile="straggler")
+    _, ssp_s = run(workload, mode="ssp1", profile="straggler")
+    assert async_s["max_ahead"] == 0  # async keeps no clocks
+    assert ssp_s["max_ahead"] <= 1
+    assert ssp_s["examples_per_s"] < 0.7 * async_s["examples_per_s"]
+
+
+def test_backup_workers_finish_rounds_without_the_straggler(workload):
+    _, sync_s = run(workload, mode="sync", profile="straggler")
+    _, backup = run(workload, mode="backup", profile="straggler")
+    assert backup["dropped"] > 0
+    assert backup["virtual_s"] < 0.6 * sync_s["virtual_s"]
+
+
+def test_the_servers_link_is_shared_by_every_worker(workload):
+    """Sync, compute free: each round pulls N models out and pushes N gradients in through
+    the server's one link, one direction after the other."""
+    costs = dict(FREE, compute_s=1e-9)
+    _, r = run(workload, costs, mode="sync", server_mbps=8.0, latency_s=0.001)
+    w = workload
+    per_round = 4 * (w.pull_bytes + w.push_bytes) / 1e6 + 4 * 0.001
+    assert r["virtual_s"] == pytest.approx(r["updates"] * per_round, rel=0.02)
+    _, fast = run(workload, costs, mode="sync", server_mbps=8.0, latency_s=0.001, shards=2)
+    assert fast["virtual_s"] < 0.6 * r["virtual_s"]
+
+
+def test_the_server_is_one_queue(workload):
+    """Async with a server slower than the workers: throughput is the server's apply rate."""
+    costs = dict(FREE, apply_s=0.01, compute_s=0.001)
+    _, r = run(workload, costs, mode="async")
+    assert r["server_busy"] == pytest.approx(1.0, abs=0.05)
+    assert r["pushes"] / r["virtual_s"] == pytest.approx(100.0, rel=0.05)
+
+
+def test_bad_configurations_are_refused(workload):
+    for changes, words in (({"mode": "backup", "workers": 1}, "at least 2"), ({"mode": "fast"}, "unknown mode"),
+                           ({"profile": "storm"}, "profile"), ({"latency_s": -1.0}, "latency_s"),
+                           ({"slowdown": 0.5}, "slowdown")):
+        with pytest.raises(VirtualError, match=words):
+            dataclasses.replace(BASE, **changes).check()
+
+
+def test_ps_compare_virtual_64_workers_quick(tmp_path):
+    """The acceptance: ps-compare --virtual --workers 64 --quick writes its report."""
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", "--workers", "64", "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["sync", "async", "ssp1", "ssp4", "backup"]
+    assert all(r["workers"] == 64 for r in report["runs"])
+    sync = next(r for r in report["runs"] if r["mode"] == "sync")
+    async_ = next(r for r in report["runs"] if r["mode"] == "async")
+    assert sync["mean_staleness"] == 0 and async_["mean_staleness"] > 10  # 64 workers: stale async pushes
+    assert sync["examples"] >= sync["train_examples"]  # the whole epoch was applied
+    md = (out / "report.md").read_text()
+    assert "| 64 |" in md and "fastest" in md
+    assert os.path.getsize(out / "plot-balanced.png") > 10_000
+
+
+def test_ps_compare_virtual_refuses_bad_flags(tmp_path):
+    for flags, words in ((["--profiles", "storm"], "--profiles"), (["--workers", "1", "--modes", "backup"],
+                                                                   "at least 2"),
+                         (["--workers", "0"], "--workers"), (["--model", "huge"], "--model")):
+        done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", *flags, "--out",
+                               str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr and "ps-compare: error:" in done.stderr, done.stderr
