@@ -16,7 +16,9 @@ but takes time from a model instead of the clock:
   for that worker and step (``PROFILES``): ``balanced`` (every worker jitters by a
   lognormal of sigma 0.05), ``straggler`` (the last worker 3x slower), ``tail`` (every
   step's factor lognormal with sigma 0.5: a long tail), ``pause`` (the last worker stops
-  ``pause_steps`` steps' worth of time once, at its step 10);
+  ``pause_steps`` steps' worth of time once, at its step 10); plus ``step_overhead_s``, a
+  worker's own time per step besides pull, compute and push (0 unless measured: the
+  validation measures it from real histories);
 - **links**: every message pays the one-way ``latency_s``, and its bytes cross the
   worker's own link (``worker_mbps``) and the server's (``server_mbps``), which all
   workers share in each direction (pushes in, pulls out; full duplex), split max-min fair
@@ -24,9 +26,11 @@ but takes time from a model instead of the clock:
   approach). The bytes are the real messages': the protobuf tensors of a whole-model
   pull and of a push of this model's gradients (``protos.codec``). ``shards`` servers
   each carry an equal part of every message over a link of their own;
-- **the server**: one queue, first come first served; each push occupies it for the
-  apply time measured here (async and ssp: one optimizer step; sync: folding the push,
-  plus the round's optimizer step for the push that fills it).
+- **the server**: one queue, first come first served (one interpreter's CPU); each push
+  occupies it for the times measured here: parsing and decoding its message, then the
+  apply (async and ssp: one optimizer step; sync: folding the push, plus the round's
+  optimizer step for the push that fills it); each pull for encoding the model into its
+  reply. The values a pull returns are read when the server takes it up.
 
 A worker's step is what a real one does: pull (request, then the whole model back), compute
 the gradient of its part of global batch ``step`` (``worker.data.shard``, as every tfps
@@ -35,7 +39,8 @@ bound), then pull again. Events run in virtual-time order, ties broken by the or
 were scheduled in, and every random draw comes from the seed: a run is a deterministic
 function of its configuration, so each mode's staleness is the one the modelled cluster
 would give. The server's parameters are evaluated on the test set each time the examples
-applied cross a multiple of one sync round's (``workers * batch``), at that virtual time.
+applied cross a multiple of one sync round's (``workers * batch``; at least 1/400 of the
+job's), at that virtual time.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class SimConfig:
     pause_steps: float = 50.0  # the pause: this many mean step computes
     target_accuracy: float = 0.85
     compute_s: float = 0.0  # 0: measured here (``measure``)
+    step_overhead_s: float = 0.0  # a worker's own seconds per step besides pull, compute and push
     apply_s: float = -1.0  # server seconds per async apply; < 0: measured
     fold_s: float = -1.0  # server seconds to fold one sync push; < 0: measured
     round_apply_s: float = -1.0  # server seconds of a sync round's optimizer step; < 0: measured
@@ -94,7 +100,7 @@ class SimConfig:
             raise VirtualError(f"epochs must be > 0, got {self.epochs}")
         if self.shards < 1:
             raise VirtualError(f"shards must be >= 1, got {self.shards}")
-        for name in ("latency_s", "worker_mbps", "server_mbps", "compute_s", "pause_steps"):
+        for name in ("latency_s", "worker_mbps", "server_mbps", "compute_s", "pause_steps", "step_overhead_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise VirtualError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -303,6 +309,26 @@ class Workload:
             rounds.append(max(0.0, (t2 - t1) - (t1 - t0)))
         return tuple(float(np.median(v[1:])) for v in (applies, folds, rounds))
 
+    def measure_wire(self, repeats: int = 5) -> tuple[float, float]:
+        """(a push's, a pull's) server seconds on the wire's side, medians: parsing a real
+        PushRequest of this model's gradients and decoding its tensors; encoding the whole
+        model into a PullResponse and serializing it (``protos.codec``)."""
+        from protos import codec
+        from protos import tfps_pb2 as pb
+
+        x, y, _ = self.batch_of(0, 0)
+        _, grads = self.gradient(self.initial, x, y)
+        data = pb.PushRequest(gradients=codec.encode_many(grads)).SerializeToString()
+        pushes, pulls = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            codec.decode_many(pb.PushRequest.FromString(data).gradients)
+            t1 = time.perf_counter()
+            pb.PullResponse(variables=codec.encode_many(self.initial)).SerializeToString()
+            pulls.append(time.perf_counter() - t1)
+            pushes.append(t1 - t0)
+        return float(np.median(pushes[1:])), float(np.median(pulls[1:]))
+
 
 def message_bytes(values: dict) -> tuple[int, int]:
     """(a whole-model pull's bytes, a push's bytes): the protobuf tensors that carry them
@@ -328,6 +354,8 @@ class Simulation:
             c["compute_s"] = self.w.measure_compute()
         if not {"apply_s", "fold_s", "round_apply_s"} <= set(c):
             c["apply_s"], c["fold_s"], c["round_apply_s"] = self.w.measure_server()
+        if not {"decode_s", "encode_s"} <= set(c):
+            c["decode_s"], c["encode_s"] = self.w.measure_wire()
         for name in ("apply_s", "fold_s", "round_apply_s"):
             if getattr(cfg, name) >= 0:
                 c[name] = getattr(cfg, name)
@@ -376,7 +404,8 @@ class Simulation:
         server = {"busy": False, "busy_s": 0.0}
         replies: list = []  # (worker, ticket) settled during the submit being processed
         evals: list[dict] = []
-        round_examples = n * cfg.batch
+        # One sync round's examples apart, but at most about 400 evaluations in a run.
+        round_examples = max(n * cfg.batch, math.ceil(w.budget / 400))
         state = {"next_eval": 0, "done": False, "active": n}
         step_of = [0] * n
         computes = [0.0] * n
@@ -403,13 +432,26 @@ class Simulation:
             ev.at(ev.now + latency, lambda: pull_arrives(i))  # the pull request
 
         def pull_arrives(i: int) -> None:
+            queue.append(("pull", i))
+            if not server["busy"]:
+                process()
+
+        def serve_pull(i: int) -> None:
             version, values = ps.pull(i)
-            server_out.send(w.pull_bytes, worker_cap, lambda: ev.at(ev.now + latency,
-                                                                    lambda: pulled(i, version, values)))
+            cost = costs.get("encode_s", 0.0)
+            server["busy_s"] += cost
+
+            def end() -> None:
+                server_out.send(w.pull_bytes, worker_cap, lambda: ev.at(ev.now + latency,
+                                                                        lambda: pulled(i, version, values)))
+                server["busy"] = False
+                if queue:
+                    process()
+            ev.at(ev.now + cost, end)
 
         def pulled(i: int, version: int, values: dict) -> None:
             factor, extra = next(factors[i])
-            seconds = costs["compute_s"] * (factor + extra)
+            seconds = costs["compute_s"] * (factor + extra) + cfg.step_overhead_s
             computes[i] += seconds
             ev.at(ev.now + seconds, lambda: computed(i, version, values))
 
@@ -427,13 +469,19 @@ class Simulation:
             ev.at(ev.now + latency, lambda: server_in.send(w.push_bytes, worker_cap, lambda: arrive(push)))
 
         def arrive(push) -> None:
-            queue.append(push)
+            queue.append(("push", push))
             if not server["busy"]:
                 process()
 
         def process() -> None:
-            push = queue.popleft()
+            kind, item = queue.popleft()
             server["busy"] = True
+            if kind == "pull":
+                serve_pull(item)
+            else:
+                serve_push(item)
+
+        def serve_push(push) -> None:
             pushed_at[push.worker_id] = ev.now
             ticket = ps.submit(push)
             ticket.add_done_callback(lambda t, i=push.worker_id: replies.append((i, t)))
@@ -441,6 +489,7 @@ class Simulation:
                 cost = costs["fold_s"] + (costs["round_apply_s"] if ticket.done() else 0.0)
             else:
                 cost = costs["apply_s"]
+            cost += costs.get("decode_s", 0.0)
             server["busy_s"] += cost
             settled, replies[:] = list(replies), []
 

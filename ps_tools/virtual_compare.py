@@ -34,16 +34,21 @@ def parser() -> argparse.ArgumentParser:
         description="Compare sync, async, ssp and backup workers for N simulated workers in virtual time: the "
         "real server core and real TensorFlow gradients, time from a model of compute, links and the server.")
     p.add_argument("--virtual", action="store_true", required=True, help="this mode (virtual time)")
-    p.add_argument("--workers", default="2,4,8,16,32,64",
-                   help="comma-separated worker counts N (default %(default)s; --quick: as given)")
+    p.add_argument("--workers",
+                   help="comma-separated worker counts N (default 2,4,8,16,32,64; --validate 2,3,4)")
     p.add_argument("--profiles", default="balanced,straggler",
                    help=f"comma-separated, from {', '.join(PROFILES)} (default %(default)s; --quick balanced)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: sync, async, sspS, backup")
     p.add_argument("--seeds", type=int, help="runs per profile, N and mode, seeds 0..K-1 (default 3; --quick 1)")
+    p.add_argument("--validate", action="store_true",
+                   help="run each configuration for real too (ps-launch on this machine) and compare: "
+                   "ps_tools.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
+    p.add_argument("--eval-every", type=int, default=2, help="--validate: the real chief evaluates every N steps")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="--validate: seconds one real run may take")
     p.add_argument("--model", default="tiny", help="a built-in model (default tiny)")
-    p.add_argument("--dataset", default="digits-large", help="a built-in dataset (default digits-large)")
+    p.add_argument("--dataset", help="a built-in dataset (default digits-large; --validate digits)")
     p.add_argument("--train-examples", type=int, default=0, help="train on this many examples (0: all)")
-    p.add_argument("--batch", type=int, default=8, help="each worker's examples per step (default 8)")
+    p.add_argument("--batch", type=int, help="each worker's examples per step (default 8; --validate 32)")
     p.add_argument("--epochs", type=float, help="passes over the training set (default 3; --quick 1)")
     p.add_argument("--optimizer", default="sgd", help="the server's optimizer (default sgd)")
     p.add_argument("--learning-rate", type=float, default=0.1, help="(default 0.1)")
@@ -73,6 +78,13 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
+    args.workers = args.workers or ("2,3,4" if args.validate else "2,4,8,16,32,64")
+    args.dataset = args.dataset or ("digits" if args.validate else "digits-large")
+    args.batch = args.batch or (32 if args.validate else 8)
+    if args.validate and args.epochs is None:
+        args.epochs = 3.0
+    if args.validate and (args.epochs or 1) != int(args.epochs or 1):
+        raise VirtualError("--validate runs whole --epochs (the real runs count epochs)")
     workers = _ints(args.workers, "--workers")
     if args.quick and args.profiles == parser().get_default("profiles"):
         args.profiles = "balanced"
@@ -83,9 +95,15 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise VirtualError("--modes is empty")
-    for m in modes:
+    for m in modes:  # a mode must fit some N; where it does not (backupK at N <= K) it is left out
+        errors = []
         for n in workers:
-            mode_options(m, n)
+            try:
+                mode_options(m, n)
+            except VirtualError as e:
+                errors.append(e)
+        if len(errors) == len(workers):
+            raise errors[0]
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.epochs = args.epochs or (1.0 if args.quick else 3.0)
     if args.seeds < 1:
@@ -106,16 +124,26 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
     return workers, profiles, modes, base
 
 
+def fits(mode: str, n: int) -> bool:
+    try:
+        mode_options(mode, n)
+    except VirtualError:
+        return False
+    return True
+
+
 def run_study(workers: list[int], profiles: list[str], modes: list[str], seeds: int, base: SimConfig,
               progress=print) -> tuple[list[dict], dict]:
     """Every run of the study and the costs measured per N."""
     runs, costs_of = [], {}
-    total = len(workers) * len(profiles) * len(modes) * seeds
+    total = sum(fits(m, n) for n in workers for m in modes) * len(profiles) * seeds
     for n in workers:
         workloads = {}
         for seed in range(seeds):
             for profile in profiles:
                 for mode in modes:
+                    if not fits(mode, n):
+                        continue
                     cfg = dataclasses.replace(base, workers=n, profile=profile, mode=mode, seed=seed)
                     if seed not in workloads:
                         workloads[seed] = Workload(cfg)
@@ -216,7 +244,8 @@ def write_report(out: str, config: dict, runs: list[dict], costs_of: dict) -> li
                                                           else "") + ".", "",
              "Costs measured here, per N (the same for every mode and profile of it): "
              + "; ".join(f"N={n}: compute {c['compute_s'] * 1000:.2f} ms, apply {c['apply_s'] * 1000:.3f} ms, "
-                         f"fold {c['fold_s'] * 1000:.3f} ms, round step {c['round_apply_s'] * 1000:.3f} ms"
+                         f"fold {c['fold_s'] * 1000:.3f} ms, round step {c['round_apply_s'] * 1000:.3f} ms, "
+                         f"push decode {c.get('decode_s', 0) * 1000:.3f} ms, pull encode {c.get('encode_s', 0) * 1000:.3f} ms"
                          for n, c in costs_of.items()), ""]
     for profile in config["profiles"]:
         lines += [f"## {profile}", "",
@@ -226,8 +255,8 @@ def write_report(out: str, config: dict, runs: list[dict], costs_of: dict) -> li
         for n in workers:
             cells = []
             for m in modes:
-                r = next(r for r in rows if (r["profile"], r["workers"], r["mode"]) == (profile, n, m))
-                cells.append(_fmt(r["time_to_target"], r["time_to_target_sd"]))
+                r = next((r for r in rows if (r["profile"], r["workers"], r["mode"]) == (profile, n, m)), None)
+                cells.append("n/a" if r is None else _fmt(r["time_to_target"], r["time_to_target_sd"]))
             v = next(v for v in verdict if (v["profile"], v["workers"]) == (profile, n))
             lead = ""
             if v["fastest"]:
@@ -240,15 +269,113 @@ def write_report(out: str, config: dict, runs: list[dict], costs_of: dict) -> li
                   "| N | mode | final accuracy | staleness | examples/s | server busy |", "| --- | --- | --- | --- | --- | --- |"]
         for n in workers:
             for m in modes:
-                r = next(r for r in rows if (r["profile"], r["workers"], r["mode"]) == (profile, n, m))
+                r = next((r for r in rows if (r["profile"], r["workers"], r["mode"]) == (profile, n, m)), None)
+                if r is None:
+                    continue
                 lines.append(f"| {n} | {m} | {_fmt(r['final_accuracy'], r['final_accuracy_sd'])} | "
                              f"{r['mean_staleness']:.1f} | {r['examples_per_s']:.0f} | {r['server_busy']:.0%} |")
         lines.append("")
         paths += _plots(out, profile, config, rows, runs)
         lines += [f"![{profile}](plot-{profile}.png)", ""]
+    chen_lines, chen = chen_comparison(config, rows)
+    if chen:
+        report["chen"] = chen
+        with open(paths[0], "w") as f:
+            json.dump(report, f, indent=1)
+        lines += chen_lines
+        paths += _chen_plot(out, config, rows)
+        lines += ["![sync with backup workers against async](plot-chen.png)", ""]
     with open(paths[1], "w") as f:
         f.write("\n".join(lines))
     return paths
+
+
+def chen_comparison(config: dict, rows: list[dict]) -> tuple[list[str], list[dict]]:
+    """Chen et al., "Revisiting Distributed Synchronous SGD" (2016): sync with a few backup
+    workers reaches a given accuracy sooner than async, and a better final accuracy, as N
+    grows. Per profile and N: the best of sync and its backup modes against async, and
+    whether each half of the claim held (a lead within the spread, or one seed, counts as
+    not shown)."""
+    backups = [m for m in config["modes"] if m == "sync" or m.startswith("backup")]
+    if "async" not in config["modes"] or not backups:
+        return [], []
+    out, lines = [], ["## Sync with backup workers against async (Chen et al., 2016)", "",
+                      "Chen et al. found synchronous SGD with a few backup workers faster to a given accuracy "
+                      "than asynchronous SGD, and more accurate in the end, as the number of workers grows "
+                      "(Inception and ImageNet, 50 to 100 workers). Here, per N: the fastest of "
+                      f"{', '.join(backups)} against async, virtual seconds to {config['target_accuracy']:g} "
+                      "and final test accuracy (mean over seeds).", ""]
+    for profile in config["profiles"]:
+        lines += [f"### {profile}", "", "| N | best sync | its time | async time | its accuracy | async accuracy "
+                  "| sooner | more accurate |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for n in config["workers"]:
+            mine = {r["mode"]: r for r in rows if r["profile"] == profile and r["workers"] == n}
+            a = mine.get("async")
+            cands = [mine[m] for m in backups if m in mine]
+            if a is None or not cands:
+                continue
+            reached = [c for c in cands if c["time_to_target"] is not None]
+            best = min(reached, key=lambda c: c["time_to_target"]) if reached else \
+                max(cands, key=lambda c: c["final_accuracy"])
+            sooner = _lead(best, a, "time_to_target", smaller=True)
+            accurate = _lead(best, a, "final_accuracy", smaller=False)
+            out.append({"profile": profile, "workers": n, "sync_mode": best["mode"],
+                        "sync_time": best["time_to_target"], "async_time": a["time_to_target"],
+                        "sync_accuracy": best["final_accuracy"], "async_accuracy": a["final_accuracy"],
+                        "sooner": sooner, "more_accurate": accurate})
+            lines.append(f"| {n} | {best['mode']} | {_fmt(best['time_to_target'], best['time_to_target_sd'])} | "
+                         f"{_fmt(a['time_to_target'], a['time_to_target_sd'])} | {best['final_accuracy']:.3f} | "
+                         f"{a['final_accuracy']:.3f} | {sooner} | {accurate} |")
+        lines.append("")
+    return lines, out
+
+
+def _lead(best: dict, other: dict, key: str, smaller: bool) -> str:
+    """"yes", "no" or "within spread" (or "one seed"): did ``best`` beat ``other`` on ``key``?"""
+    b, o = best[key], other[key]
+    if key == "time_to_target":
+        if b is None:
+            return "no" if o is not None else "neither reached"
+        if o is None:
+            return "yes (async never)"
+    diff = (o - b) if smaller else (b - o)
+    if best["seeds"] < 2 or other["seeds"] < 2:
+        return ("yes" if diff > 0 else "no") + " (one seed)"
+    se = math.sqrt(best[f"{key}_sd"] ** 2 / best["seeds"] + other[f"{key}_sd"] ** 2 / other["seeds"])
+    if abs(diff) <= 2 * se:
+        return "within spread"
+    return "yes" if diff > 0 else "no"
+
+
+def _chen_plot(out: str, config: dict, rows: list[dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in config["modes"] if m == "sync" or m.startswith("backup") or m == "async"]
+    fig, axes = plt.subplots(len(config["profiles"]), 2, figsize=(11, 3.6 * len(config["profiles"])),
+                             squeeze=False)
+    for (a, b), profile in zip(axes, config["profiles"]):
+        for m in modes:
+            mine = sorted((r for r in rows if r["profile"] == profile and r["mode"] == m), key=lambda r: r["workers"])
+            pts = [(r["workers"], r["time_to_target"]) for r in mine if r["time_to_target"] is not None]
+            if pts:
+                a.plot(*zip(*pts), marker="o", label=m)
+            b.plot([r["workers"] for r in mine], [r["final_accuracy"] for r in mine], marker="o", label=m)
+        for ax in (a, b):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("workers N")
+            ax.legend()
+        a.set_ylabel(f"virtual s to {config['target_accuracy']:g}")
+        a.set_title(f"{profile}: time to target")
+        b.set_ylabel("final test accuracy")
+        b.set_title(f"{profile}: final accuracy")
+    fig.tight_layout()
+    path = os.path.join(out, "plot-chen.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
 
 
 def _plots(out: str, profile: str, config: dict, rows: list[dict], runs: list[dict]) -> list[str]:
@@ -300,6 +427,17 @@ def main(argv: list[str] | None = None) -> int:
               "server_mbps": args.server_mbps, "shards": args.shards, "slowdown": args.slowdown,
               "target_accuracy": args.target_accuracy, "command": "ps-compare " + shlex.join(argv),
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
+    if args.validate:
+        from ps_tools import virtual_validate
+        from ps_tools.compare import CompareError
+
+        args.worker_list, args.profile_list, args.mode_list = workers, profiles, modes
+        args.command, args.epochs = config["command"], int(args.epochs)
+        try:
+            return virtual_validate.main(args)
+        except (CompareError, ValueError) as e:
+            print(f"ps-compare: error: {e}", file=sys.stderr)
+            return 1
     started = time.monotonic()
     try:
         runs, costs_of = run_study(workers, profiles, modes, args.seeds, base,

@@ -207,6 +207,10 @@ def bad_command_lines(text: str) -> list[str]:
             wrong.append(f"{shown}: no command {name}")
             return
         p = parsers[name]()
+        if name == "ps-compare" and "--virtual" in args:  # its own parser (ps_tools.virtual_compare)
+            from ps_tools import virtual_compare
+
+            p = virtual_compare.parser()
 
         def error(message):
             raise ValueError(message)

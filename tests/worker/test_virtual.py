@@ -15,7 +15,7 @@ from ps_tools.virtual import Events, SharedLink, SimConfig, Simulation, VirtualE
 
 # Fixed costs (not measured): the times below follow from them exactly, whatever the machine.
 COMPUTE = 0.010
-FREE = {"compute_s": COMPUTE, "apply_s": 0.0, "fold_s": 0.0, "round_apply_s": 0.0}
+FREE = {"compute_s": COMPUTE, "apply_s": 0.0, "fold_s": 0.0, "round_apply_s": 0.0, "decode_s": 0.0, "encode_s": 0.0}
 BASE = SimConfig(model="tiny", dataset="digits", train_examples=256, batch=8, epochs=2.0, optimizer="sgd",
                  learning_rate=0.1, latency_s=0.0, worker_mbps=0.0, server_mbps=0.0, workers=4)
 
@@ -146,6 +146,7 @@ def test_ps_compare_virtual_64_workers_quick(tmp_path):
     async_ = next(r for r in report["runs"] if r["mode"] == "async")
     assert sync["mean_staleness"] == 0 and async_["mean_staleness"] > 10  # 64 workers: stale async pushes
     assert sync["examples"] >= sync["train_examples"]  # the whole epoch was applied
+    assert report["chen"] == [dict(report["chen"][0], profile="balanced", workers=64)]
     md = (out / "report.md").read_text()
     assert "| 64 |" in md and "fastest" in md
     assert os.path.getsize(out / "plot-balanced.png") > 10_000
@@ -158,3 +159,68 @@ def test_ps_compare_virtual_refuses_bad_flags(tmp_path):
         done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", *flags, "--out",
                                str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and words in done.stderr and "ps-compare: error:" in done.stderr, done.stderr
+
+
+def test_the_chen_comparison_says_which_half_held():
+    from ps_tools.virtual_compare import chen_comparison
+
+    def row(mode, times, accs):
+        mean = lambda v: sum(v) / len(v)
+        sd = lambda v: (sum((x - mean(v)) ** 2 for x in v) / (len(v) - 1)) ** 0.5
+        return {"profile": "balanced", "workers": 8, "mode": mode, "seeds": len(times),
+                "time_to_target": mean(times), "time_to_target_sd": sd(times),
+                "final_accuracy": mean(accs), "final_accuracy_sd": sd(accs)}
+
+    config = {"modes": ["sync", "backup", "async"], "profiles": ["balanced"], "workers": [8],
+              "target_accuracy": 0.9}
+    rows = [row("sync", [2.0, 2.1, 1.9], [0.93, 0.94, 0.93]), row("backup", [1.0, 1.1, 0.9], [0.93, 0.92, 0.94]),
+            row("async", [1.5, 1.6, 1.4], [0.90, 0.91, 0.90])]
+    _, (one,) = chen_comparison(config, rows)
+    assert (one["sync_mode"], one["sooner"], one["more_accurate"]) == ("backup", "yes", "yes")
+    rows[2] = row("async", [0.5, 0.6, 0.4], [0.92, 0.94, 0.93])  # async sooner; accuracy within the spread
+    _, (one,) = chen_comparison(config, rows)
+    assert (one["sooner"], one["more_accurate"]) == ("no", "within spread")
+
+
+def test_the_real_runs_costs_and_time_to_target_are_read_from_histories():
+    from ps_tools.virtual_validate import measured, real_time_to_target
+
+    def step(i, t):
+        return {"step": i, "t": t, "pull_s": 0.001, "compute_s": 0.004, "push_s": 0.003, "knob_s": 0.0}
+
+    # The first step traces (0.5 s); then 10 ms a step, 2 ms of it the loop's own.
+    chief = {"steps": [step(0, 0.5)] + [step(i, 0.5 + 0.01 * i) for i in range(1, 8)],
+             "evals": [{"step": 3, "t": 0.53, "test_accuracy": 0.5, "eval_s": 0.0},
+                       {"step": 5, "t": 0.55, "test_accuracy": 0.9, "eval_s": 0.0}]}
+    got = measured([chief, {"steps": chief["steps"]}])
+    assert got["compute_s"] == 0.004 and got["pull_s"] == 0.001
+    assert got["overhead_s"] == pytest.approx(0.002)
+    # 0.55 s less the tracing (0.5 - 0.01): 0.06 s of training.
+    assert real_time_to_target([chief], 0.85) == pytest.approx(0.06)
+    chief["evals"][0]["eval_s"] = 0.02  # an evaluation before it is not training time
+    assert real_time_to_target([chief], 0.85) == pytest.approx(0.04)
+    assert real_time_to_target([chief], 0.95) is None
+
+
+@pytest.mark.cluster
+def test_validation_against_real_runs_writes_the_table(tmp_path):
+    """Real ps-launch runs (2 workers, sync and async) and their virtual twins: virtual sync
+    trains the same job as the real one (same data, same rounds), so its final accuracy is
+    the real run's; the table holds both times and their residual."""
+    out = tmp_path / "v"
+    done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", "--validate", "--workers", "2",
+                           "--profiles", "balanced", "--modes", "sync,async", "--seeds", "1", "--epochs", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "validation.json").read_text())
+    rows = {r["mode"]: r for r in report["validation"]}
+    assert sorted(rows) == ["async", "sync"]
+    assert rows["sync"]["virtual_final_accuracy"] == rows["sync"]["real_final_accuracy"]
+    for r in rows.values():
+        assert r["real_time_to_target"] > 0 and r["virtual_time_to_target"] > 0
+        assert r["residual"] == pytest.approx((r["virtual_time_to_target"] - r["real_time_to_target"])
+                                              / r["real_time_to_target"])
+        assert 0 < r["measured"]["compute_s"] < 1
+    assert report["rankings"][0]["workers"] == 2
+    md = (out / "validation.md").read_text()
+    assert "| balanced | 2 | sync | 0 |" in md and "ranking" in md
