@@ -26,6 +26,9 @@ but takes time from a model instead of the clock:
   approach). The bytes are the real messages': the protobuf tensors of a whole-model
   pull and of a push of this model's gradients (``protos.codec``). ``shards`` servers
   each carry an equal part of every message over a link of their own;
+- **cores** (``cores`` > 0): every worker's compute and the server's work share that many
+  cores, processor-shared, one core at most each: N processes on one machine, as the
+  validation's real runs are; 0 (the default) gives each a machine of its own;
 - **the server**: one queue, first come first served (one interpreter's CPU); each push
   occupies it for the times measured here: parsing and decoding its message, then the
   apply (async and ssp: one optimizer step; sync: folding the push, plus the round's
@@ -82,8 +85,18 @@ class SimConfig:
     slowdown: float = 3.0  # the straggler's factor
     pause_steps: float = 50.0  # the pause: this many mean step computes
     target_accuracy: float = 0.85
+    # The job's examples rounded down to whole sync rounds (N x batch): no mode's last update
+    # is a short batch at the full learning rate. False: as a real job (ps-launch) runs.
+    whole_rounds: bool = False
     compute_s: float = 0.0  # 0: measured here (``measure``)
     step_overhead_s: float = 0.0  # a worker's own seconds per step besides pull, compute and push
+    # > 0: every worker's compute and the server's work share this many cores (processor
+    # sharing, one core at most each), as N processes on one machine do; 0: a machine each.
+    cores: float = 0.0
+    # Seconds a worker's first step of a second batch size costs beyond the step (its
+    # tf.function traces again, then for every size: the short last batch of an epoch);
+    # 0: not charged (``Workload.measure_retrace`` measures it on a fresh model).
+    retrace_s: float = 0.0
     apply_s: float = -1.0  # server seconds per async apply; < 0: measured
     fold_s: float = -1.0  # server seconds to fold one sync push; < 0: measured
     round_apply_s: float = -1.0  # server seconds of a sync round's optimizer step; < 0: measured
@@ -100,7 +113,8 @@ class SimConfig:
             raise VirtualError(f"epochs must be > 0, got {self.epochs}")
         if self.shards < 1:
             raise VirtualError(f"shards must be >= 1, got {self.shards}")
-        for name in ("latency_s", "worker_mbps", "server_mbps", "compute_s", "pause_steps", "step_overhead_s"):
+        for name in ("latency_s", "worker_mbps", "server_mbps", "compute_s", "pause_steps", "step_overhead_s",
+                     "cores"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise VirtualError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -245,6 +259,9 @@ class Workload:
         self.params = sum(int(a.size) for a in self.initial.values())
         self.pull_bytes, self.push_bytes = message_bytes(self.initial)
         self.budget = int(round(cfg.epochs * self.task.num_examples))
+        if cfg.whole_rounds:
+            per_round = cfg.workers * cfg.batch
+            self.budget = max(per_round, self.budget // per_round * per_round)
 
     def batch_of(self, step: int, worker: int) -> tuple[np.ndarray, np.ndarray, int]:
         from worker.data import shard
@@ -253,6 +270,21 @@ class Workload:
         mine = shard(self.task.global_batch(step % steps), worker, self.cfg.workers)
         x, y = self.task.examples(mine)
         return x, y, len(mine)
+
+    def batch_size_of(self, step: int, worker: int) -> int:
+        from worker.data import shard
+
+        return len(shard(self.task.global_batch(step % self.task.total_steps), worker, self.cfg.workers))
+
+    def measure_retrace(self) -> float:
+        """Seconds a gradient call on a batch of a new size costs beyond a traced one's."""
+        x, y, n = self.batch_of(0, 0)
+        self.gradient(self.initial, x, y)
+        t0 = time.perf_counter()
+        self.gradient(self.initial, x, y)
+        t1 = time.perf_counter()
+        self.gradient(self.initial, x[: max(1, n - 1)], y[: max(1, n - 1)])
+        return max(0.0, (time.perf_counter() - t1) - (t1 - t0))
 
     def gradient(self, values: dict, x, y) -> tuple[float, dict]:
         from worker.gradients import set_values
@@ -398,8 +430,18 @@ class Simulation:
         server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
         server_out = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
         worker_cap = _rate(cfg.worker_mbps)
+        cpu = SharedLink(ev, cfg.cores) if cfg.cores > 0 else None
+
+        def busy(seconds: float, done: Callable[[], None]) -> None:
+            """``seconds`` of one core's work, then ``done``: on a machine of its own, or
+            sharing ``cfg.cores`` with every other process's work in flight."""
+            if cpu is None:
+                ev.at(ev.now + seconds, done)
+            else:
+                cpu.send(seconds, 1.0, done)
         latency = cfg.latency_s
         factors = [self._factors(i) for i in range(n)]
+        traced: list[set] = [set() for _ in range(n)]  # batch sizes each worker has traced for
         queue: collections.deque = collections.deque()
         server = {"busy": False, "busy_s": 0.0}
         replies: list = []  # (worker, ticket) settled during the submit being processed
@@ -447,13 +489,18 @@ class Simulation:
                 server["busy"] = False
                 if queue:
                     process()
-            ev.at(ev.now + cost, end)
+            busy(cost, end)
 
         def pulled(i: int, version: int, values: dict) -> None:
             factor, extra = next(factors[i])
             seconds = costs["compute_s"] * (factor + extra) + cfg.step_overhead_s
+            size = w.batch_size_of(step_of[i], i)
+            if size not in traced[i]:
+                if len(traced[i]) == 1:  # the second size traces once more, for any size (reduce_retracing)
+                    seconds += cfg.retrace_s
+                traced[i].add(size)
             computes[i] += seconds
-            ev.at(ev.now + seconds, lambda: computed(i, version, values))
+            busy(seconds, lambda: computed(i, version, values))
 
         def computed(i: int, version: int, values: dict) -> None:
             x, y, count = w.batch_of(step_of[i], i)
@@ -500,7 +547,7 @@ class Simulation:
                 server["busy"] = False
                 if queue:
                     process()
-            ev.at(ev.now + cost, end)
+            busy(cost, end)
 
         def replied(i: int, ticket) -> None:
             result = ticket.result()  # a refused push is a defect of the simulation: raise
@@ -526,6 +573,9 @@ class Simulation:
             "dataset": cfg.dataset, "train_examples": w.task.num_examples, "batch": cfg.batch,
             "virtual_s": duration, "wall_s": time.perf_counter() - wall0,
             "evals": evals, "final_accuracy": evals[-1]["test_accuracy"], "final_loss": evals[-1]["test_loss"],
+            # The mean of the last 10 evaluations: small-batch SGD moves the test accuracy by
+            # points from one evaluation to the next; the comparisons read this one.
+            "end_accuracy": float(np.mean([e["test_accuracy"] for e in evals[-10:]])),
             "time_to_target": reached["t"] if reached else None,
             "updates_to_target": reached["version"] if reached else None,
             "updates": status.version, "pushes": status.pushes_applied,

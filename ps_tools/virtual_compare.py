@@ -4,7 +4,8 @@
     ps-compare --virtual --workers 2,4,8,16,32,64,128,256 --profiles balanced,straggler,tail \\
         --seeds 3 --server-mbps 1000 --out report/
 
-Every (profile, N, mode, seed) is one run of ``ps_tools.virtual.Simulation``: the real
+Every (profile, N, mode, seed) is one run of ``ps_tools.virtual.Simulation`` (the job:
+``--epochs`` of the training set, rounded down to whole sync rounds): the real
 server core and real TensorFlow gradients, time from a model of compute, links and the
 server (see that module). The compute and server costs are measured once per N here and
 shared by every mode and profile of that N, so the modes differ only in what the modes do.
@@ -45,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    "ps_tools.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
     p.add_argument("--eval-every", type=int, default=2, help="--validate: the real chief evaluates every N steps")
     p.add_argument("--run-timeout", type=float, default=900.0, help="--validate: seconds one real run may take")
+    p.add_argument("--cores", type=float,
+                   help="the whole cluster's processes share this many cores (0: a machine each; default 0, "
+                   "--validate this machine's count, as its real runs do)")
     p.add_argument("--model", default="tiny", help="a built-in model (default tiny)")
     p.add_argument("--dataset", help="a built-in dataset (default digits-large; --validate digits)")
     p.add_argument("--train-examples", type=int, default=0, help="train on this many examples (0: all)")
@@ -85,6 +89,8 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
         args.epochs = 3.0
     if args.validate and (args.epochs or 1) != int(args.epochs or 1):
         raise VirtualError("--validate runs whole --epochs (the real runs count epochs)")
+    if args.cores is None:
+        args.cores = float(os.cpu_count() or 1) if args.validate else 0.0
     workers = _ints(args.workers, "--workers")
     if args.quick and args.profiles == parser().get_default("profiles"):
         args.profiles = "balanced"
@@ -118,8 +124,9 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
     base = SimConfig(model=args.model, dataset=args.dataset, train_examples=args.train_examples, batch=args.batch,
                      epochs=args.epochs, optimizer=args.optimizer, learning_rate=args.learning_rate,
                      latency_s=args.latency_ms / 1000, worker_mbps=args.worker_mbps, server_mbps=args.server_mbps,
-                     shards=args.shards, slowdown=args.slowdown, compute_s=args.compute_ms / 1000,
-                     target_accuracy=args.target_accuracy, workers=workers[0], mode=modes[0], profile=profiles[0])
+                     shards=args.shards, slowdown=args.slowdown, compute_s=args.compute_ms / 1000, cores=args.cores,
+                     target_accuracy=args.target_accuracy, workers=workers[0], mode=modes[0], profile=profiles[0],
+                     whole_rounds=True)
     base.check()
     return workers, profiles, modes, base
 
@@ -174,7 +181,7 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
     for (profile, n, mode), rs in groups.items():
         times = [r["time_to_target"] for r in rs if r["time_to_target"] is not None]
         t_mean, t_sd = _mean_sd(times) if times else (None, None)
-        acc_mean, acc_sd = _mean_sd([r["final_accuracy"] for r in rs])
+        acc_mean, acc_sd = _mean_sd([r.get("end_accuracy", r["final_accuracy"]) for r in rs])
         rows.append({"profile": profile, "workers": n, "mode": mode, "seeds": len(rs), "reached": len(times),
                      "time_to_target": t_mean if len(times) == len(rs) else None, "time_to_target_sd": t_sd,
                      "final_accuracy": acc_mean, "final_accuracy_sd": acc_sd,
@@ -265,7 +272,8 @@ def write_report(out: str, config: dict, runs: list[dict], costs_of: dict) -> li
                 lead = v["fastest"] + (f" (within spread: {', '.join(within)})" if within else "") \
                     + (" (one seed: spread unknown)" if unknown else "")
             lines.append(f"| {n} | " + " | ".join(cells) + f" | {lead or 'none'} |")
-        lines += ["", "Final test accuracy, mean staleness, examples per virtual second, server busy share:", "",
+        lines += ["", "Final test accuracy (the mean of each run's last 10 evaluations, then over seeds), mean "
+                  "staleness, examples per virtual second, server busy share:", "",
                   "| N | mode | final accuracy | staleness | examples/s | server busy |", "| --- | --- | --- | --- | --- | --- |"]
         for n in workers:
             for m in modes:
@@ -304,7 +312,7 @@ def chen_comparison(config: dict, rows: list[dict]) -> tuple[list[str], list[dic
                       "than asynchronous SGD, and more accurate in the end, as the number of workers grows "
                       "(Inception and ImageNet, 50 to 100 workers). Here, per N: the fastest of "
                       f"{', '.join(backups)} against async, virtual seconds to {config['target_accuracy']:g} "
-                      "and final test accuracy (mean over seeds).", ""]
+                      "and final test accuracy (each run's last 10 evaluations, mean over seeds).", ""]
     for profile in config["profiles"]:
         lines += [f"### {profile}", "", "| N | best sync | its time | async time | its accuracy | async accuracy "
                   "| sooner | more accurate |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

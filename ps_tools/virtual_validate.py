@@ -7,13 +7,18 @@ and N worker processes on this machine, through ``ps_tools.compare.run_one``, th
 straggler by ``--slowdown``), reads the workers' histories, and runs the same job in
 virtual time (``ps_tools.virtual``) with what the real run measured:
 
-- ``compute_s``: the median of every worker's per-step ``compute_s`` (without the first
-  step, which traces), so the simulation's workers compute as fast as the real ones did
-  on this machine's shared cores; the profile's factor (the straggler's 3x) on top;
-- ``latency_s``: half the median ``pull_s`` (a pull is a request and a reply on
-  loopback, where bytes cost next to nothing): the per-call cost of gRPC here;
+- ``compute_s``: the median of every worker's per-step ``compute_cpu_s`` (the CPU time
+  of its gradient; without the first step, which traces); the profile's factor (the
+  straggler's 3x) on top; and since the real processes share this machine's cores, so do
+  the simulation's (``cores``: ``--cores``, default this machine's count);
+- ``latency_s``: half the 10th percentile of ``pull_s`` (a pull is a request and a reply
+  on loopback, where bytes cost next to nothing; the fast ones waited least for a core):
+  the per-call cost of gRPC here;
 - ``step_overhead_s``: the median time between steps beyond their pull, compute, push
-  and knobs (the worker loop's own work).
+  and knobs (the worker loop's own work);
+- ``retrace_s``: what a gradient call on a second batch size costs here beyond a traced
+  one (the short last batch of an epoch traces the worker's tf.function again), timed on
+  a fresh model before the simulation.
 
 The real time to the target is the chief's, less the first step's tracing and its own
 evaluations before it (a virtual evaluation takes no time).
@@ -28,6 +33,7 @@ the modes the same.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -65,8 +71,10 @@ def measured(histories: list[dict]) -> dict:
                 continue
             spent = b["pull_s"] + b["compute_s"] + b["push_s"] + b.get("knob_s", 0.0)
             overheads.append(max(0.0, b["t"] - a["t"] - spent))
+    pulls = sorted(s["pull_s"] for s in steps)
     return {"compute_s": statistics.median(s["compute_s"] for s in steps),
-            "pull_s": statistics.median(s["pull_s"] for s in steps),
+            "compute_cpu_s": statistics.median(s.get("compute_cpu_s", s["compute_s"]) for s in steps),
+            "pull_s": statistics.median(pulls), "pull_fast_s": pulls[len(pulls) // 10],
             "push_s": statistics.median(s["push_s"] for s in steps),
             "overhead_s": statistics.median(overheads) if overheads else 0.0}
 
@@ -102,12 +110,14 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
     cfg = SimConfig(mode=mode, workers=n, profile=profile, model=args.model, dataset=args.dataset,
                     train_examples=args.train_examples, batch=args.batch, epochs=float(args.epochs),
                     optimizer=args.optimizer, learning_rate=args.learning_rate, seed=seed,
-                    latency_s=costs["pull_s"] / 2, worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN,
-                    compute_s=costs["compute_s"], step_overhead_s=costs["overhead_s"],
+                    latency_s=costs["pull_fast_s"] / 2, worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN,
+                    compute_s=costs["compute_cpu_s"], step_overhead_s=costs["overhead_s"], cores=args.cores,
                     target_accuracy=args.target_accuracy)
     key = (n, seed)
     if key not in workload_of:
         workload_of[key] = Workload(cfg)
+        workload_of[key].retrace_s = workload_of[key].measure_retrace()  # on its fresh model, first
+    cfg = dataclasses.replace(cfg, retrace_s=workload_of[key].retrace_s)
     virtual = Simulation(cfg, workload_of[key]).run()
     r, v = summary["time_to_target_s"], virtual["time_to_target"]
     return {"profile": profile, "workers": n, "mode": mode, "seed": seed, "measured": costs,

@@ -145,7 +145,10 @@ def test_ps_compare_virtual_64_workers_quick(tmp_path):
     sync = next(r for r in report["runs"] if r["mode"] == "sync")
     async_ = next(r for r in report["runs"] if r["mode"] == "async")
     assert sync["mean_staleness"] == 0 and async_["mean_staleness"] > 10  # 64 workers: stale async pushes
-    assert sync["examples"] >= sync["train_examples"]  # the whole epoch was applied
+    # The whole epoch was applied, rounded down to whole rounds of 64 x 8 examples.
+    assert sync["examples"] == sync["train_examples"] // 512 * 512
+    assert min(e["test_accuracy"] for e in sync["evals"][-10:]) <= sync["end_accuracy"] \
+        <= max(e["test_accuracy"] for e in sync["evals"][-10:])
     assert report["chen"] == [dict(report["chen"][0], profile="balanced", workers=64)]
     md = (out / "report.md").read_text()
     assert "| 64 |" in md and "fastest" in md
@@ -224,3 +227,22 @@ def test_validation_against_real_runs_writes_the_table(tmp_path):
     assert report["rankings"][0]["workers"] == 2
     md = (out / "validation.md").read_text()
     assert "| balanced | 2 | sync | 0 |" in md and "ranking" in md
+
+
+def test_workers_sharing_two_cores_compute_at_half_speed(workload):
+    _, own = run(workload, mode="sync")
+    _, shared = run(workload, mode="sync", cores=2.0)
+    assert shared["virtual_s"] == pytest.approx(2 * own["virtual_s"], rel=0.1)
+    _, plenty = run(workload, mode="sync", cores=8.0)
+    assert plenty["virtual_s"] == pytest.approx(own["virtual_s"], rel=1e-6)
+
+
+def test_a_second_batch_size_costs_one_retrace(workload):
+    # 256 examples in rounds of 32: no short batch; 250 leaves one of 26 at the end of each epoch.
+    _, whole = run(workload, mode="async", retrace_s=1.0)
+    _, plain = run(workload, mode="async")
+    assert whole["virtual_s"] == pytest.approx(plain["virtual_s"])
+    short = Workload(dataclasses.replace(BASE, train_examples=250))
+    a = Simulation(dataclasses.replace(BASE, train_examples=250, mode="sync"), short, FREE).run()
+    b = Simulation(dataclasses.replace(BASE, train_examples=250, mode="sync", retrace_s=1.0), short, FREE).run()
+    assert b["virtual_s"] - a["virtual_s"] == pytest.approx(1.0, abs=0.05)  # once per worker, in parallel
