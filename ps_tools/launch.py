@@ -235,6 +235,11 @@ _BUILT_IN_LAUNCH_FLAGS = ("metrics_json", "save_model", "save_weights", "worker_
 _CLUSTER_FIELDS = ("ps", "worker_index", "num_workers")
 _AFTER_CHIEF_S = 5.0  # with a command: how long the other workers may run on once the chief exited
 _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
+# A worker scaled down leaves the job (worker.elastic: the handler runs once the main
+# thread is back in Python, then Leave over a fresh channel). On a loaded machine that
+# took more than 5 s once: SIGKILL came first, no Leave, and the server declared it
+# dead 10 s later. SIGKILL is only for a worker that hangs.
+_LEAVE_GRACE_S = 60.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -756,7 +761,7 @@ def scale_signals(scaler: "Scaler | None"):
 class ElasticPool:
     """The worker processes of an elastic launch: started at free indices, stopped on purpose
     (SIGTERM: ``ps-worker --elastic`` leaves the job, its undelivered part moving to the others;
-    SIGKILL ``_STOP_GRACE_S`` later), never the chief. ``run`` waits for the job as
+    SIGKILL ``_LEAVE_GRACE_S`` later), never the chief. ``run`` waits for the job as
     ``_wait_for_workers`` does, applying the ``Scaler`` meanwhile; a worker stopped on purpose
     is no failure, whatever its status."""
 
@@ -830,7 +835,7 @@ class ElasticPool:
 
     def _check(self, servers: list[Child]) -> list[Child] | None:
         for c, since in list(self.stopping.items()):
-            if c.poll() is None and time.monotonic() - since > _STOP_GRACE_S:
+            if c.poll() is None and time.monotonic() - since > _LEAVE_GRACE_S:
                 c.proc.kill()
         failed = [c for c in self.started if c.poll() not in (None, 0) and c not in self.stopping]
         if failed:
