@@ -1,7 +1,7 @@
 """``ps-advise``: measure a cluster for a few steps, then recommend a mode and its settings.
 
     ps-advise --ps 10.0.0.5:50051                     # a running cluster (any mode)
-    ps-advise --launch -- --workers 3 --dataset digits --worker-args 2 "--slowdown 3"   # a launch configuration
+    ps-advise --launch --workers 3 --dataset digits --worker-args 2 "--slowdown 3"      # a launch configuration
 
 What it measures, per worker: the time of a step's work (pull, compute, upload),
 how it splits into compute and communication, and (in a probe) its step-to-step
@@ -251,8 +251,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-steps", type=int, default=20, help="launch: steps of the probe run (default 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="launch: seconds the probe may take (default 600)")
     p.add_argument("--json-out", help="also write the measurements and the advice here")
+    g = p.add_argument_group("prediction (ps_tools.advise_predict): the measured profile in virtual time")
+    g.add_argument("--predict", action="store_true",
+                   help="simulate the measured cluster at --predict-workers and decide by time to accuracy")
+    g.add_argument("--predict-workers", type=int, help="N to predict for (default: the workers measured)")
+    g.add_argument("--link-mbps", type=float,
+                   help="each worker's and the server's link in Mbit/s (default: the pull bandwidth measured, "
+                        "at most 10000)")
+    g.add_argument("--latency-ms", type=float, default=0.5, help="one way, every message (default 0.5)")
+    g.add_argument("--predict-modes", help="comma-separated: sync, async, sspS, backup, backupK "
+                                           "(default sync,async,ssp4 and backup from 3 workers)")
+    g.add_argument("--predict-seeds", type=int, default=2, help="runs per mode (default 2)")
+    g.add_argument("--predict-epochs", type=float, help="the simulated job's epochs (default: the launch's)")
+    g.add_argument("--target-accuracy", type=float, default=0.85, help="(default 0.85)")
+    g.add_argument("--predict-model", help="a built-in model to simulate (default: the launch's; for --ps the "
+                                           "built-in nearest in parameters, as a stand-in)")
+    g.add_argument("--predict-dataset", help="a built-in dataset (default: the launch's; for --ps digits)")
+    # Everything after --launch is ps-launch's, "--" first or not (argparse alone refuses
+    # "--launch -- ARGS": it takes "--" as the end of options, then has no home for ARGS).
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launch = None
+    if "--launch" in argv:
+        at = argv.index("--launch")
+        argv, launch = argv[:at], argv[at + 1:]
+        launch = launch[1:] if launch[:1] == ["--"] else launch
     args = p.parse_args(argv)
-    launch = [a for a in (args.launch or []) if a != "--"] if args.launch is not None else None
     if bool(args.ps) == (launch is not None):
         print("ps-advise: error: give either --ps HOST:PORT (a running cluster) or --launch ARGS...", file=sys.stderr)
         return 2
@@ -271,11 +294,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     advice = decide(m)
     print(report(m, advice), flush=True)
+    out = {"measurements": {**dataclasses.asdict(m), "straggler_ratio": m.straggler_ratio,
+                            "comm_fraction": m.comm_fraction}, "advice": dataclasses.asdict(advice)}
+    if args.predict:
+        from ps_tools import advise_predict
+
+        modes = [s.strip() for s in args.predict_modes.split(",") if s.strip()] if args.predict_modes else None
+        try:
+            prediction = advise_predict.predict(
+                m, advice, args.predict_workers or len(m.workers), launch_args=launch, link_mbps=args.link_mbps,
+                latency_ms=args.latency_ms, modes=modes, seeds=args.predict_seeds, epochs=args.predict_epochs,
+                target=args.target_accuracy, model=args.predict_model, dataset=args.predict_dataset,
+                progress=lambda line: print(line.replace("ps-compare:", "ps-advise:"), file=sys.stderr, flush=True))
+        except AdviseError as e:
+            print(f"ps-advise: error: {e}", file=sys.stderr)
+            return 1
+        print(advise_predict.report(prediction), flush=True)
+        out["prediction"] = {**dataclasses.asdict(prediction), "advice": dataclasses.asdict(prediction.advice)}
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"measurements": {**dataclasses.asdict(m), "straggler_ratio": m.straggler_ratio,
-                                        "comm_fraction": m.comm_fraction},
-                       "advice": dataclasses.asdict(advice)}, f, indent=1, default=str)
+            json.dump(out, f, indent=1, default=str)
     return 0
 
 

@@ -83,6 +83,11 @@ class SimConfig:
     server_mbps: float = 10_000.0  # the server's link, shared by all workers (each shard's); 0: unlimited
     shards: int = 1
     slowdown: float = 3.0  # the straggler's factor
+    # profile "measured" (``ps-advise --predict``): each worker's mean compute factor and its
+    # step-to-step lognormal sigma, measured on a real cluster and repeated in order up to
+    # ``workers`` (a straggler among 3 measured stays one worker in 3)
+    factors: tuple = ()
+    sigmas: tuple = ()
     pause_steps: float = 50.0  # the pause: this many mean step computes
     target_accuracy: float = 0.85
     # The job's examples rounded down to whole sync rounds (N x batch): no mode's last update
@@ -103,7 +108,14 @@ class SimConfig:
 
     def check(self) -> None:
         mode_options(self.mode, self.workers)
-        if self.profile not in PROFILES:
+        if self.profile == "measured":
+            if not self.factors or any(not (math.isfinite(f) and f > 0) for f in self.factors):
+                raise VirtualError(f"profile 'measured' needs factors > 0, one per measured worker, got "
+                                   f"{self.factors!r}")
+            if self.sigmas and (len(self.sigmas) != len(self.factors)
+                                or any(not (math.isfinite(s) and s >= 0) for s in self.sigmas)):
+                raise VirtualError(f"sigmas must be >= 0, one per factor, got {self.sigmas!r}")
+        elif self.profile not in PROFILES:
             raise VirtualError(f"profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if self.workers < 1:
             raise VirtualError(f"workers must be >= 1, got {self.workers}")
@@ -253,6 +265,11 @@ class Workload:
                                           optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
                                           num_workers=cfg.workers)
         self.task = BuiltinTask(self.worker_config)
+        # Names as a worker process's, which builds its model once: Keras numbers layers per
+        # process (dense, then dense_1 ...), and the names' bytes are on the wire.
+        import keras
+
+        keras.backend.clear_session()
         self.model = self.task.build_model()
         self.gradients = Gradients(self.model, self.task.loss)
         self.initial = get_values(self.model)
@@ -400,7 +417,11 @@ class Simulation:
         profile = self.cfg.profile
         step = 0
         while True:
-            if profile == "tail":
+            if profile == "measured":
+                k = worker % len(self.cfg.factors)
+                sigma = self.cfg.sigmas[k] if self.cfg.sigmas else 0.05
+                f = self.cfg.factors[k] * float(rng.lognormal(0.0, sigma))
+            elif profile == "tail":
                 f = float(rng.lognormal(0.0, 0.5))
             else:
                 f = float(rng.lognormal(0.0, 0.05))

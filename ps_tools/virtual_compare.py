@@ -140,8 +140,9 @@ def fits(mode: str, n: int) -> bool:
 
 
 def run_study(workers: list[int], profiles: list[str], modes: list[str], seeds: int, base: SimConfig,
-              progress=print) -> tuple[list[dict], dict]:
-    """Every run of the study and the costs measured per N."""
+              progress=print, costs: dict | None = None) -> tuple[list[dict], dict]:
+    """Every run of the study and the costs measured per N (``costs``: the server's, given;
+    the compute is then the configuration's ``compute_s`` or measured)."""
     runs, costs_of = [], {}
     total = sum(fits(m, n) for n in workers for m in modes) * len(profiles) * seeds
     for n in workers:
@@ -154,7 +155,7 @@ def run_study(workers: list[int], profiles: list[str], modes: list[str], seeds: 
                     cfg = dataclasses.replace(base, workers=n, profile=profile, mode=mode, seed=seed)
                     if seed not in workloads:
                         workloads[seed] = Workload(cfg)
-                    sim = Simulation(cfg, workloads[seed], costs_of.get(n))
+                    sim = Simulation(cfg, workloads[seed], costs_of.get(n, costs))
                     costs_of.setdefault(n, sim.costs)
                     run = sim.run()
                     runs.append(run)

@@ -84,11 +84,23 @@ def test_ps_advise_reads_a_running_sync_cluster_and_finds_its_straggler(procs, t
             import time
 
             time.sleep(0.2)
-    out = advise("--ps", address, "--window", "2", "--json-out", str(tmp_path / "a.json"))
+    # --predict: the measured profile simulated at 6 workers (ps_tools.advise_predict)
+    out = advise("--ps", address, "--window", "2", "--json-out", str(tmp_path / "a.json"), "--predict",
+                 "--predict-workers", "6", "--predict-epochs", "1", "--predict-modes", "sync,async,backup",
+                 "--link-mbps", "1000")
     assert "running cluster at" in out and "(mode sync)" in out
     assert "[rule: straggler]" in out and "worker(s) [1]" in out, out
     doc = json.loads((tmp_path / "a.json").read_text())
     assert doc["advice"]["mode"] == "async" and doc["measurements"]["straggler_ratio"] >= STRAGGLER_RATIO
+    prediction = doc["prediction"]
+    assert "predicted for 6 workers" in out and f"[decided by: {prediction['decided_by']}]" in out, out
+    config = prediction["config"]
+    assert config["workers"] == 6 and config["model"] == "cnn" and config["profile"] == "measured"  # cnn: the nearest
+    factors = config["factors"]
+    assert factors[0] == 1.0 and factors[1] >= STRAGGLER_RATIO, factors  # the slowed worker, as measured
+    rows = {r["mode"]: r for r in prediction["rows"]}
+    assert set(rows) == {"sync", "async", "backup"} and all(r["seeds"] == 2 for r in rows.values())
+    assert rows["sync"]["mean_staleness"] == 0 < rows["async"]["mean_staleness"]
     for w in workers:
         w.kill()
         wait_exit(w, 30)
