@@ -22,8 +22,9 @@ but takes time from a model instead of the clock:
 - **links**: every message pays the one-way ``latency_s``, and its bytes cross the
   worker's own link (``worker_mbps``) and the server's (``server_mbps``), which all
   workers share in each direction (pushes in, pulls out; full duplex), split max-min fair
-  among the transfers in flight (processor sharing: what TCP flows through one bottleneck
-  approach). The bytes are the real messages': the protobuf tensors of a whole-model
+  among the transfers in flight in proportion to ``window_bytes`` plus the bytes each has
+  sent (``SharedLink``: what TCP flows through one bottleneck approach, the flow under way
+  with its window open). The bytes are the real messages': the protobuf tensors of a whole-model
   pull and of a push of this model's gradients (``protos.codec``). ``shards`` servers
   each carry an equal part of every message over a link of their own;
 - **cores** (``cores`` > 0): every worker's compute and the server's work share that many
@@ -102,6 +103,10 @@ class SimConfig:
     # tf.function traces again, then for every size: the short last batch of an epoch);
     # 0: not charged (``Workload.measure_retrace`` measures it on a fresh model).
     retrace_s: float = 0.0
+    # A transfer's share of a shared link is in proportion to this plus the bytes it has
+    # sent (TCP: a flow under way has its window open, one just started does not), so
+    # transfers started apart drift apart, as on real links; 0: equal shares.
+    window_bytes: float = 65536.0
     apply_s: float = -1.0  # server seconds per async apply; < 0: measured
     fold_s: float = -1.0  # server seconds to fold one sync push; < 0: measured
     round_apply_s: float = -1.0  # server seconds of a sync round's optimizer step; < 0: measured
@@ -176,26 +181,35 @@ class Events:
         return len(self._heap)
 
 
-def fair_rates(capacity: float, caps: list[float]) -> list[float]:
+def fair_rates(capacity: float, caps: list[float], weights: list[float] | None = None) -> list[float]:
     """Max-min fair rates of flows with their own ``caps`` through one link of ``capacity``
-    (``math.inf``: unlimited): the slowest-capped flows take their cap, the rest share."""
-    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    (``math.inf``: unlimited): the slowest-capped flows take their cap, the rest share
+    (in proportion to ``weights``, if given)."""
+    weights = weights or [1.0] * len(caps)
+    order = sorted(range(len(caps)), key=lambda i: caps[i] / weights[i])
     rates = [0.0] * len(caps)
-    left, n = capacity, len(caps)
-    for k, i in enumerate(order):
-        share = left / (n - k)
+    left, total = capacity, sum(weights)
+    for i in order:
+        share = left * weights[i] / total if total > 0 else left
         rates[i] = min(caps[i], share)
         left -= rates[i]
+        total -= weights[i]
     return rates
 
 
 class SharedLink:
     """One direction of a link that all transfers share (processor sharing, each transfer
     also capped by its own worker's link): ``send(bytes, cap, done)`` calls ``done()``
-    when the last byte is across."""
+    when the last byte is across. ``window`` > 0: shares in proportion to ``window`` plus
+    each transfer's bytes sent so far (recomputed each time a transfer at its share has
+    sent another window): TCP flows through one bottleneck, where the flow under way
+    has its congestion window open and a new one starts small. Transfers that start
+    together share equally throughout; one that started earlier stays ahead, so two
+    async workers fall into turns (one pulls while the other pushes), as measured on
+    emulated hosts, instead of the lockstep equal shares would keep forever."""
 
-    def __init__(self, events: Events, bytes_per_s: float):
-        self.events, self.capacity = events, bytes_per_s
+    def __init__(self, events: Events, bytes_per_s: float, window: float = 0.0):
+        self.events, self.capacity, self.window = events, bytes_per_s, window
         self._flows: dict[int, list] = {}  # id -> [bytes left, cap, done, rate]
         self._next_id = 0
         self._last = 0.0
@@ -207,7 +221,7 @@ class SharedLink:
             self.events.at(self.events.now, done)
             return
         self._advance()
-        self._flows[self._next_id] = [float(nbytes), cap, done, 0.0]
+        self._flows[self._next_id] = [float(nbytes), cap, done, 0.0, 0.0]  # + bytes sent
         self._next_id += 1
         self._reschedule()
 
@@ -217,17 +231,26 @@ class SharedLink:
             self.busy_s += dt
             for flow in self._flows.values():
                 flow[0] -= flow[3] * dt
+                flow[4] += flow[3] * dt
         self._last = self.events.now
 
     def _reschedule(self) -> None:
         ids = list(self._flows)
-        for i, rate in zip(ids, fair_rates(self.capacity, [self._flows[i][1] for i in ids])):
+        if self.window > 0:
+            rates = fair_rates(self.capacity, [self._flows[i][1] for i in ids],
+                               [self.window + self._flows[i][4] for i in ids])
+        else:
+            rates = fair_rates(self.capacity, [self._flows[i][1] for i in ids])
+        for i, rate in zip(ids, rates):
             self._flows[i][3] = rate
         self._generation += 1
         if not ids:
             return
         generation = self._generation
-        first = min(self._flows[i][0] / self._flows[i][3] for i in ids)
+        first = min(self._flows[i][0] / self._flows[i][3] for i in ids if self._flows[i][3] > 0)
+        if self.window > 0 and len(ids) > 1 and math.isfinite(self.capacity):
+            # the shares follow the bytes sent: again once a flow at its share sent a window
+            first = min(first, self.window * len(ids) / self.capacity)
         self.events.at(self.events.now + max(first, 0.0), lambda: self._wake(generation))
 
     def _wake(self, generation: int) -> None:
@@ -235,7 +258,7 @@ class SharedLink:
             return  # the flows changed since: a later wake-up stands
         self._advance()
         # Done: less than a nanosecond's worth left (float residue), or nothing at all.
-        finished = [i for i, f in self._flows.items() if f[0] <= max(f[3] * 1e-9, 1e-6)]
+        finished = [i for i, f in self._flows.items() if f[3] > 0 and f[0] <= max(f[3] * 1e-9, 1e-6)]
         callbacks = [self._flows.pop(i)[2] for i in finished]
         self._reschedule()
         for fn in callbacks:
@@ -448,8 +471,8 @@ class Simulation:
         syncish = ps.mode_name == "sync"
         # Each shard's link carries 1/shards of every message; the shards' links in parallel
         # are one link of shards x the rate for equal parts.
-        server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
-        server_out = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards)
+        server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
+        server_out = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
         worker_cap = _rate(cfg.worker_mbps)
         cpu = SharedLink(ev, cfg.cores) if cfg.cores > 0 else None
 

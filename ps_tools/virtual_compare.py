@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", action="store_true",
                    help="run each configuration for real too (ps-launch on this machine) and compare: "
                    "ps_tools.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
+    p.add_argument("--validate-hosts", metavar="MBPS,MS",
+                   help="--validate: the real runs on emulated hosts (ps_tools.hosts, root), every host's link "
+                   "shaped to MBPS Mbit/s with MS ms added each way; their twins get the same links")
     p.add_argument("--eval-every", type=int, default=2, help="--validate: the real chief evaluates every N steps")
     p.add_argument("--run-timeout", type=float, default=900.0, help="--validate: seconds one real run may take")
     p.add_argument("--cores", type=float,
@@ -89,6 +92,20 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
         args.epochs = 3.0
     if args.validate and (args.epochs or 1) != int(args.epochs or 1):
         raise VirtualError("--validate runs whole --epochs (the real runs count epochs)")
+    args.validate_network = None
+    if args.validate_hosts is not None:
+        if not args.validate:
+            raise VirtualError("--validate-hosts is for --validate")
+        try:
+            rate, latency = (float(x) for x in args.validate_hosts.split(","))
+        except ValueError:
+            raise VirtualError(f"--validate-hosts: give MBPS,MS (e.g. 20,5), got {args.validate_hosts!r}") from None
+        if not (rate > 0 and latency >= 0):
+            raise VirtualError(f"--validate-hosts: the rate must be > 0 and the latency >= 0, got "
+                               f"{args.validate_hosts!r}")
+        from ps_tools.compare import Network
+
+        args.validate_network = Network(rate_mbps=rate, latency_ms=latency)
     if args.cores is None:
         args.cores = float(os.cpu_count() or 1) if args.validate else 0.0
     workers = _ints(args.workers, "--workers")

@@ -14,6 +14,12 @@ virtual time (``ps_tools.virtual``) with what the real run measured:
 - ``latency_s``: half the 10th percentile of ``pull_s`` (a pull is a request and a reply
   on loopback, where bytes cost next to nothing; the fast ones waited least for a core):
   the per-call cost of gRPC here;
+- with ``--validate-hosts MBPS,MS`` the real runs are on emulated hosts
+  (``ps_tools.compare_hosts``: a network namespace per process on a bridge, every host's
+  link shaped with ``tc tbf`` at MBPS, MS added each way by the relay before the server),
+  and the twin gets each worker's link and the server's (shared by all) at MBPS and a
+  one-way latency of MS plus the per-call cost: half of what the fast pulls took beyond
+  their bytes at MBPS and the 2 x MS;
 - ``step_overhead_s``: the median time between steps beyond their pull, compute, push
   and knobs (the worker loop's own work);
 - ``retrace_s``: what a gradient call on a second batch size costs here beyond a traced
@@ -103,21 +109,32 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
                                    eval_every=args.eval_every, run_timeout=args.run_timeout,
                                    train_examples=args.train_examples)
     run_dir = os.path.join(out, "runs", profile, f"w{n}", mode, f"seed{seed}")
-    real = compare.run_one(real_args, scenario(profile, args.optimizer, args.learning_rate), mode, seed, run_dir)
+    network = getattr(args, "validate_network", None)
+    where = scenario(profile, args.optimizer, args.learning_rate)
+    if network is not None:
+        where = dataclasses.replace(where, network=network)
+    real = compare.run_one(real_args, where, mode, seed, run_dir, links="emulated" if network else "sleep")
     summary = summarize_run(real, args.target_accuracy)
     costs = measured(real["histories"])
     summary["time_to_target_s"] = real_time_to_target(real["histories"], args.target_accuracy)
     cfg = SimConfig(mode=mode, workers=n, profile=profile, model=args.model, dataset=args.dataset,
                     train_examples=args.train_examples, batch=args.batch, epochs=float(args.epochs),
                     optimizer=args.optimizer, learning_rate=args.learning_rate, seed=seed,
-                    latency_s=costs["pull_fast_s"] / 2, worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN,
-                    compute_s=costs["compute_cpu_s"], step_overhead_s=costs["overhead_s"], cores=args.cores,
-                    target_accuracy=args.target_accuracy)
+                    worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN, compute_s=costs["compute_cpu_s"],
+                    step_overhead_s=costs["overhead_s"], cores=args.cores, target_accuracy=args.target_accuracy)
     key = (n, seed)
     if key not in workload_of:
         workload_of[key] = Workload(cfg)
         workload_of[key].retrace_s = workload_of[key].measure_retrace()  # on its fresh model, first
-    cfg = dataclasses.replace(cfg, retrace_s=workload_of[key].retrace_s)
+    w = workload_of[key]
+    latency = costs["pull_fast_s"] / 2
+    if network is not None:  # the shaped links' own time taken out of the fast pulls: the per-call rest
+        wire = network.latency_ms / 1000
+        per_call = max(0.0, costs["pull_fast_s"] - w.pull_bytes * 8 / (network.rate_mbps * 1e6) - 2 * wire) / 2
+        latency = wire + per_call
+        cfg = dataclasses.replace(cfg, worker_mbps=network.rate_mbps, server_mbps=network.rate_mbps)
+    costs["latency_s"] = latency
+    cfg = dataclasses.replace(cfg, latency_s=latency, retrace_s=w.retrace_s)
     virtual = Simulation(cfg, workload_of[key]).run()
     r, v = summary["time_to_target_s"], virtual["time_to_target"]
     return {"profile": profile, "workers": n, "mode": mode, "seed": seed, "measured": costs,
@@ -126,7 +143,8 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
             "real_final_accuracy": summary["final_accuracy"], "virtual_final_accuracy": virtual["final_accuracy"],
             "real_train_s": summary["train_s"], "virtual_s": virtual["virtual_s"],
             "real_mean_staleness": (summary["staleness"] or {}).get("mean"),
-            "virtual_mean_staleness": virtual["mean_staleness"], "command": real["command"]}
+            "virtual_mean_staleness": virtual["mean_staleness"], "command": real["command"],
+            "links": real["links_description"]}
 
 
 def rankings(rows: list[dict]) -> list[dict]:
@@ -148,8 +166,10 @@ def rankings(rows: list[dict]) -> list[dict]:
 
 
 def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list[str]:
+    links = rows[0].get("links") if rows else None
     lines = ["## Validation: virtual time against real runs", "",
-             f"Seconds to {target:g} test accuracy, real (ps-launch on this machine) and virtual (the same job, "
+             f"Seconds to {target:g} test accuracy, real (ps-launch's processes on this machine"
+             + (f"; {links}" if links else "") + ") and virtual (the same job, "
              "the real run's median compute and pull time), residual = (virtual - real) / real:", "",
              "| profile | N | mode | seed | real s | virtual s | residual | real accuracy | virtual accuracy |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

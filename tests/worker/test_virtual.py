@@ -52,6 +52,27 @@ def test_transfers_through_a_shared_link_take_their_bytes_over_its_rate():
     assert link.busy_s == pytest.approx(2.1, abs=1e-9)
 
 
+def test_a_transfer_under_way_keeps_the_larger_share_of_a_windowed_link():
+    """TCP-like shares (window + bytes sent): two transfers started together share equally;
+    one started later gets less than half, so the earlier one ends sooner than under equal
+    shares (1.5 s), and the link stays busy as long (every byte at its rate)."""
+    ev = Events()
+    link = SharedLink(ev, bytes_per_s=1000.0, window=100.0)
+    done = {}
+    link.send(1000, math.inf, lambda: done.setdefault("a", ev.now))
+    ev.at(0.5, lambda: link.send(1000, math.inf, lambda: done.setdefault("b", ev.now)))
+    ev.run(until=lambda: False)
+    assert 1.0 < done["a"] < 1.2 and done["b"] == pytest.approx(2.0, abs=1e-9)
+    ev2 = Events()
+    link2 = SharedLink(ev2, bytes_per_s=1000.0, window=100.0)
+    for k in "cd":
+        link2.send(1000, math.inf, lambda k=k: done.setdefault(k, ev2.now))
+    ev2.run(until=lambda: False)
+    assert done["c"] == done["d"] == pytest.approx(2.0, abs=1e-9)
+    assert fair_rates(900.0, [math.inf, math.inf], [2.0, 1.0]) == [600.0, 300.0]
+    assert fair_rates(900.0, [100.0, math.inf], [2.0, 1.0]) == [100.0, 800.0]  # a capped flow's rest goes on
+
+
 def test_a_run_is_a_function_of_its_configuration(workload):
     _, a = run(workload, mode="async", profile="tail")
     _, b = run(workload, mode="async", profile="tail")
