@@ -39,8 +39,11 @@ but takes time from a model instead of the clock:
 A worker's step is what a real one does: pull (request, then the whole model back), compute
 the gradient of its part of global batch ``step`` (``worker.data.shard``, as every tfps
 worker) on the values it pulled, push, and wait for the reply (a sync round, the ssp
-bound), then pull again. Events run in virtual-time order, ties broken by the order they
-were scheduled in, and every random draw comes from the seed: a run is a deterministic
+bound), then pull again; in sync without backup workers, for a model of at most
+``worker.client.SMALL_BYTES``, the reply carries the round's values (encoded for each
+reply) and the next step starts from them without a pull, as the real client's sync
+shortcut does. Events run in virtual-time order, ties broken by the order they were
+scheduled in, and every random draw comes from the seed: a run is a deterministic
 function of its configuration, so each mode's staleness is the one the modelled cluster
 would give. The server's parameters are evaluated on the test set each time the examples
 applied cross a multiple of one sync round's (``workers * batch``; at least 1/400 of the
@@ -458,6 +461,7 @@ class Simulation:
         from ps_server.core.modes import Push
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
+        from worker.client import SMALL_BYTES
         from worker.gradients import zeros
 
         cfg, w, costs = self.cfg, self.w, self.costs
@@ -469,6 +473,11 @@ class Simulation:
             ps.register(i, n)
         ps.initialize(0, w.initial, OptimizerSpec(**w.worker_config.optimizer_spec()))
         syncish = ps.mode_name == "sync"
+        # The sync shortcut (worker.transports.SyncShortcut): without backup workers, a push
+        # of a model that fits one message asks for the round's values with its reply, and
+        # the next step starts from them without a pull.
+        shortcut = (syncish and mode_options(cfg.mode, n).get("replicas_to_aggregate", n) == n
+                    and w.pull_bytes <= SMALL_BYTES)
         # Each shard's link carries 1/shards of every message; the shards' links in parallel
         # are one link of shards x the rate for equal parts.
         server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
@@ -511,9 +520,12 @@ class Simulation:
             if ps.stats.examples_applied >= w.budget:
                 state["done"] = True
 
-        def start_step(i: int) -> None:
+        def start_step(i: int, fresh: tuple | None = None) -> None:
             if state["done"] or ps.stats.examples_applied >= w.budget:
                 state["active"] -= 1
+                return
+            if fresh is not None:  # the push's reply brought the values: no pull (the sync shortcut)
+                pulled(i, *fresh)
                 return
             ev.at(ev.now + latency, lambda: pull_arrives(i))  # the pull request
 
@@ -569,8 +581,24 @@ class Simulation:
             server["busy"] = True
             if kind == "pull":
                 serve_pull(item)
+            elif kind == "reply":
+                serve_reply(*item)
             else:
                 serve_push(item)
+
+        def serve_reply(i: int, ticket) -> None:
+            """The sync shortcut: a push's reply carrying the round's values, encoded for it."""
+            version, values = ps.pull(i)
+            cost = costs.get("encode_s", 0.0)
+            server["busy_s"] += cost
+
+            def end() -> None:
+                server_out.send(w.pull_bytes, worker_cap,
+                                lambda: ev.at(ev.now + latency, lambda: replied(i, ticket, (version, values))))
+                server["busy"] = False
+                if queue:
+                    process()
+            busy(cost, end)
 
         def serve_push(push) -> None:
             pushed_at[push.worker_id] = ev.now
@@ -587,17 +615,20 @@ class Simulation:
             def end() -> None:
                 maybe_evaluate()
                 for i, t in settled:
-                    ev.at(ev.now + latency, lambda i=i, t=t: replied(i, t))
+                    if shortcut:
+                        queue.append(("reply", (i, t)))
+                    else:
+                        ev.at(ev.now + latency, lambda i=i, t=t: replied(i, t))
                 server["busy"] = False
                 if queue:
                     process()
             busy(cost, end)
 
-        def replied(i: int, ticket) -> None:
+        def replied(i: int, ticket, fresh: tuple | None = None) -> None:
             result = ticket.result()  # a refused push is a defect of the simulation: raise
             waits[i] += ev.now - pushed_at[i]
             step_of[i] = result.next_step if syncish else step_of[i] + 1
-            start_step(i)
+            start_step(i, fresh)
 
         wall0 = time.perf_counter()
         evaluate()
