@@ -101,6 +101,7 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
             dataset: str | None = None, costs: dict | None = None, progress=print) -> Prediction:
     """``costs``: the server's seconds per apply, fold, round, decode and encode
     (``Simulation``); None: measured here, once."""
+    from ps_tools.compare import mode_flags
     from ps_tools.virtual import SimConfig, VirtualError, mode_options
     from ps_tools.virtual_compare import run_study, summarize, verdicts
 
@@ -135,7 +136,8 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
     decisive = verdict["fastest"] is not None and all(a["exceeds"] for a in verdict["against"])
     if decisive:
         best = next(r for r in rows if r["mode"] == verdict["fastest"])
-        advice = Advice(best["mode"], flags_of(best["mode"], workers), "simulation",
+        flags = mode_flags(best["mode"], workers)
+        advice = Advice(flags[1], flags, "simulation",
                         f"in the simulation of {workers} workers {best['mode']} reached {target:g} test accuracy "
                         f"first ({best['time_to_target']:.3g} s), ahead of every other mode by more than the spread "
                         f"over {seeds} seed(s)", f"the rule would say {' '.join(rule.flags)} [{rule.rule}] "
@@ -148,14 +150,6 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
                                      f"decide ({why})")
     config = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("mode", "seed")}
     return Prediction(workers, config, rows, verdict, "simulation" if decisive else "rule", advice)
-
-
-def flags_of(mode: str, workers: int) -> list[str]:
-    if mode.startswith("ssp"):
-        return ["--mode", "ssp", "--staleness-bound", mode[3:]]
-    if mode.startswith("backup"):
-        return ["--mode", "sync", "--replicas-to-aggregate", str(workers - int(mode[6:] or 1))]
-    return ["--mode", mode]
 
 
 def report(p: Prediction) -> str:

@@ -81,9 +81,9 @@ def mode_flags(mode: str, workers: int) -> list[str]:
         return ["--mode", "async"]
     if mode.startswith("ssp") and mode[3:].isdigit():
         return ["--mode", "ssp", "--staleness", mode[3:]]
-    if mode == "backup":
-        return ["--mode", "sync", "--replicas-to-aggregate", str(workers - 1)]
-    raise ValueError(f"unknown mode {mode!r}: use sync, async, sspS (S an integer) or backup")
+    if mode == "backup" or (mode.startswith("backup") and mode[6:].isdigit()):
+        return ["--mode", "sync", "--replicas-to-aggregate", str(workers - int(mode[6:] or 1))]
+    raise ValueError(f"unknown mode {mode!r}: use sync, async, sspS (S an integer), backup or backupK")
 
 
 class CompareError(RuntimeError):

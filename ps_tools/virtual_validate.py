@@ -193,11 +193,15 @@ def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
+    from ps_tools.virtual_compare import fits
+
     rows, workload_of = [], {}
-    total = len(args.profile_list) * len(args.worker_list) * len(args.mode_list) * args.seeds
+    total = len(args.profile_list) * sum(fits(m, n) for n in args.worker_list for m in args.mode_list) * args.seeds
     for profile in args.profile_list:
         for n in args.worker_list:
             for mode in args.mode_list:
+                if not fits(mode, n):  # backup at N = 2
+                    continue
                 for seed in range(args.seeds):
                     row = validate_one(args, profile, n, mode, seed, args.out, workload_of)
                     rows.append(row)

@@ -11,6 +11,7 @@ import pytest
 
 from ps_tools import advise_predict
 from ps_tools.advise import AdviseError, Measurements, WorkerTimes, decide
+from ps_tools.compare import mode_flags
 from ps_tools.virtual import SimConfig, Simulation, VirtualError, Workload
 
 FREE = {"apply_s": 0.0, "fold_s": 0.0, "round_apply_s": 0.0, "decode_s": 0.0, "encode_s": 0.0}
@@ -69,7 +70,8 @@ def test_the_prediction_runs_each_mode_at_the_users_n_and_decides_only_beyond_th
     assert rows["sync"]["mean_staleness"] == 0 and rows["async"]["mean_staleness"] > 0
     if p.decided_by == "simulation":  # the fastest leads every other mode beyond 2 standard errors
         fastest = p.verdict["fastest"]
-        assert p.advice.mode == ("sync" if fastest == "backup" else fastest) and p.advice.rule == "simulation"
+        assert p.advice.mode == {"backup": "sync"}.get(fastest, fastest) and p.advice.rule == "simulation"
+        assert p.advice.flags == mode_flags(fastest, 6)
         assert all(a["exceeds"] for a in p.verdict["against"])
     else:
         assert p.advice.flags == rule.flags and "could not decide" in p.advice.reason
