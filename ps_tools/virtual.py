@@ -110,6 +110,11 @@ class SimConfig:
     # sent (TCP: a flow under way has its window open, one just started does not), so
     # transfers started apart drift apart, as on real links; 0: equal shares.
     window_bytes: float = 65536.0
+    # The job ends when every worker has done the real job's steps (ps-launch's: epochs x
+    # steps of an epoch of N x batch), as a real run ends; a backup worker's dropped push is
+    # a step too, so backup applies fewer examples. False: when ``epochs`` of examples are
+    # applied, in every mode (the study's rule).
+    job_in_steps: bool = False
     apply_s: float = -1.0  # server seconds per async apply; < 0: measured
     fold_s: float = -1.0  # server seconds to fold one sync push; < 0: measured
     round_apply_s: float = -1.0  # server seconds of a sync round's optimizer step; < 0: measured
@@ -517,12 +522,16 @@ class Simulation:
             while ps.stats.examples_applied >= state["next_eval"]:
                 evaluate()
                 state["next_eval"] += round_examples
-            if ps.stats.examples_applied >= w.budget:
+            if ps.stats.examples_applied >= w.budget and not cfg.job_in_steps:
                 state["done"] = True
 
+        job_steps = round(cfg.epochs * math.ceil(w.task.num_examples / (n * cfg.batch)))
+
         def start_step(i: int, fresh: tuple | None = None) -> None:
-            if state["done"] or ps.stats.examples_applied >= w.budget:
+            if (step_of[i] >= job_steps if cfg.job_in_steps else
+                    state["done"] or ps.stats.examples_applied >= w.budget):
                 state["active"] -= 1
+                state["done"] = state["done"] or state["active"] == 0
                 return
             if fresh is not None:  # the push's reply brought the values: no pull (the sync shortcut)
                 pulled(i, *fresh)

@@ -26,7 +26,9 @@ virtual time (``ps_tools.virtual``) with what the real run measured:
   one (the short last batch of an epoch traces the worker's tf.function again), timed on
   a fresh model before the simulation.
 
-The real time to the target is the chief's, less the first step's tracing and its own
+The twin's job ends as the real one does, when every worker has done the job's steps
+(``SimConfig.job_in_steps``: a backup worker's dropped push is a step too). The real
+time to the target is the chief's, less the first step's tracing and its own
 evaluations before it (a virtual evaluation takes no time).
 
 Nothing else is fitted: the server's costs are measured on scratch servers as in every
@@ -121,7 +123,8 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
                     train_examples=args.train_examples, batch=args.batch, epochs=float(args.epochs),
                     optimizer=args.optimizer, learning_rate=args.learning_rate, seed=seed,
                     worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN, compute_s=costs["compute_cpu_s"],
-                    step_overhead_s=costs["overhead_s"], cores=args.cores, target_accuracy=args.target_accuracy)
+                    step_overhead_s=costs["overhead_s"], cores=args.cores, target_accuracy=args.target_accuracy,
+                    job_in_steps=True)
     key = (n, seed)
     if key not in workload_of:
         workload_of[key] = Workload(cfg)

@@ -126,6 +126,19 @@ def test_backup_workers_finish_rounds_without_the_straggler(workload):
     assert backup["virtual_s"] < 0.6 * sync_s["virtual_s"]
 
 
+def test_a_job_in_steps_ends_as_a_real_run_and_a_dropped_backup_push_is_a_step(workload):
+    """job_in_steps (the validation's twins): every worker does the job's 2 x 256 / 32 = 16
+    steps; backup's rounds take 3 of 4 pushes, so 16 rounds apply 16 x 3 x 8 examples, where
+    the study's job (examples applied) runs backup until 2 x 256 are."""
+    costs = dict(FREE, compute_s=COMPUTE)
+    _, steps = run(workload, costs, mode="backup", profile="straggler", job_in_steps=True)
+    assert steps["updates"] == 16 and steps["examples"] == 16 * 3 * 8
+    _, examples = run(workload, costs, mode="backup", profile="straggler")
+    assert examples["examples"] >= 2 * 256 and examples["updates"] > 16
+    _, sync = run(workload, costs, mode="sync", job_in_steps=True)
+    assert sync["updates"] == 16 and sync["examples"] == 2 * 256
+
+
 def test_the_servers_link_is_shared_by_every_worker(workload):
     """Sync, compute free: each round pulls N models out and pushes N gradients in through
     the server's one link, one direction after the other. The models come back with the
