@@ -360,6 +360,7 @@ class Workload:
     def measure_server(self, repeats: int = 5) -> tuple[float, float, float]:
         """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
         scratch servers of the real core with this model's gradients."""
+        from ps_server.core.errors import InvalidArgument
         from ps_server.core.modes import Push
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
@@ -463,6 +464,7 @@ class Simulation:
             step += 1
 
     def run(self) -> dict:
+        from ps_server.core.errors import InvalidArgument
         from ps_server.core.modes import Push
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
@@ -634,7 +636,17 @@ class Simulation:
             busy(cost, end)
 
         def replied(i: int, ticket, fresh: tuple | None = None) -> None:
-            result = ticket.result()  # a refused push is a defect of the simulation: raise
+            try:
+                result = ticket.result()  # any other refused push is a defect of the simulation: raise
+            except InvalidArgument as e:
+                if "NaN or Inf" not in str(e):
+                    raise
+                # The training diverged: the server refused the gradient and applied nothing,
+                # and a real worker would stop with this error. The run ends here.
+                state["diverged"] = state.get("diverged") or f"worker {i} at step {step_of[i]}: {e}"
+                state["done"] = True
+                state["active"] -= 1
+                return
             waits[i] += ev.now - pushed_at[i]
             step_of[i] = result.next_step if syncish else step_of[i] + 1
             start_step(i, fresh)
@@ -668,6 +680,7 @@ class Simulation:
             "staleness": {str(k): v for k, v in sorted(ps.stats.staleness_histogram().items())},
             "mean_staleness": status.mean_staleness, "max_staleness": status.max_staleness,
             "dropped": ps.stats.dropped, "max_ahead": self.max_ahead,
+            "diverged": state.get("diverged"),  # None, or the refused push that ended the run
             "server_busy": server["busy_s"] / duration if duration > 0 else 0.0,
             "link_in_busy": server_in.busy_s / duration if duration > 0 else 0.0,
             "link_out_busy": server_out.busy_s / duration if duration > 0 else 0.0,

@@ -180,6 +180,7 @@ def run_study(workers: list[int], profiles: list[str], modes: list[str], seeds: 
                     progress(f"ps-compare: [{len(runs)}/{total}] N={n} {profile} {mode} seed {seed}: "
                              f"accuracy {run['final_accuracy']:.3f}, to {base.target_accuracy:g} "
                              f"{'never' if reached is None else f'{reached:.3f} s'} (virtual), "
+                             + ("diverged (a NaN gradient refused), " if run.get("diverged") else "") +
                              f"{run['wall_s']:.1f} s here")
     return runs, costs_of
 
@@ -207,6 +208,7 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
                      "examples_per_s": _mean_sd([r["examples_per_s"] for r in rs])[0],
                      "virtual_s": _mean_sd([r["virtual_s"] for r in rs])[0],
                      "server_busy": _mean_sd([r["server_busy"] for r in rs])[0],
+                     "diverged": sum(bool(r.get("diverged")) for r in rs),
                      "times": times})
     return rows
 
@@ -298,7 +300,8 @@ def write_report(out: str, config: dict, runs: list[dict], costs_of: dict) -> li
                 r = next((r for r in rows if (r["profile"], r["workers"], r["mode"]) == (profile, n, m)), None)
                 if r is None:
                     continue
-                lines.append(f"| {n} | {m} | {_fmt(r['final_accuracy'], r['final_accuracy_sd'])} | "
+                m_ = m + (f" (diverged in {r['diverged']} of {r['seeds']} seeds)" if r.get("diverged") else "")
+                lines.append(f"| {n} | {m_} | {_fmt(r['final_accuracy'], r['final_accuracy_sd'])} | "
                              f"{r['mean_staleness']:.1f} | {r['examples_per_s']:.0f} | {r['server_busy']:.0%} |")
         lines.append("")
         paths += _plots(out, profile, config, rows, runs)

@@ -139,6 +139,16 @@ def test_a_job_in_steps_ends_as_a_real_run_and_a_dropped_backup_push_is_a_step(w
     assert sync["updates"] == 16 and sync["examples"] == 2 * 256
 
 
+def test_a_diverged_run_ends_where_the_server_refused_its_nan_gradient(workload):
+    """SGD at 1e38: the weights overflow to inf, a gradient holds NaN, the server refuses it and
+    applies nothing (as a real one does); the run ends there and says so, no exception."""
+    wild = dataclasses.replace(BASE, mode="async", learning_rate=1e38)
+    r = Simulation(wild, Workload(wild), FREE).run()  # the optimizer is the workload's
+    assert r["diverged"] and "NaN or Inf" in r["diverged"] and r["examples"] < 2 * 256
+    _, fine = run(workload, mode="async")
+    assert fine["diverged"] is None
+
+
 def test_the_servers_link_is_shared_by_every_worker(workload):
     """Sync, compute free: each round pulls N models out and pushes N gradients in through
     the server's one link, one direction after the other. The models come back with the
