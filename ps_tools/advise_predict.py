@@ -23,11 +23,16 @@ measured here:
   the times are the cluster's, the accuracy curve is the stand-in's.
 
 The modes (``--predict-modes``, default sync, async, ssp4 and backup where N >= 3) run for
-``--predict-seeds`` seeds each. The simulation decides when the fastest mode to
-``--target-accuracy`` leads every other by more than the spread (the difference beyond
-2 standard errors over the seeds, as ``ps-compare`` reports; a mode that never reached
-the target is behind); otherwise the rule's recommendation stands and the report says
-the simulation could not tell them apart.
+``--predict-seeds`` seeds each; "beyond the spread" is a difference of more than 2
+standard errors over the seeds, as ``ps-compare`` reports (``decide``):
+
+1. the fastest mode to ``--target-accuracy`` decides if it leads every other beyond the
+   spread (a mode that never reached the target is behind);
+2. else, of it and the modes within its spread, the most accurate at the end decides if
+   it leads the others beyond the spread;
+3. else the rule's mode stands if it is one of those still level (the report says the
+   simulation agrees), and the fastest of them replaces it if it is not: the simulation
+   shows the rule's choice behind, on time or on accuracy.
 """
 
 from __future__ import annotations
@@ -101,7 +106,6 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
             dataset: str | None = None, costs: dict | None = None, progress=print) -> Prediction:
     """``costs``: the server's seconds per apply, fold, round, decode and encode
     (``Simulation``); None: measured here, once."""
-    from ps_tools.compare import mode_flags
     from ps_tools.virtual import SimConfig, VirtualError, mode_options
     from ps_tools.virtual_compare import run_study, summarize, verdicts
 
@@ -133,23 +137,72 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
         raise AdviseError(f"the simulation: {e}") from None
     rows = sorted(summarize(runs, target), key=lambda r: modes.index(r["mode"]))
     (verdict,) = verdicts(rows)
-    decisive = verdict["fastest"] is not None and all(a["exceeds"] for a in verdict["against"])
-    if decisive:
-        best = next(r for r in rows if r["mode"] == verdict["fastest"])
-        flags = mode_flags(best["mode"], workers)
-        advice = Advice(flags[1], flags, "simulation",
-                        f"in the simulation of {workers} workers {best['mode']} reached {target:g} test accuracy "
-                        f"first ({best['time_to_target']:.3g} s), ahead of every other mode by more than the spread "
-                        f"over {seeds} seed(s)", f"the rule would say {' '.join(rule.flags)} [{rule.rule}] "
-                        f"from the measured profile")
-    else:
-        why = ("no mode reached the target in every seed of the simulated job" if verdict["fastest"] is None else
-               f"the fastest, {verdict['fastest']}, is within the spread of "
-               + ", ".join(a["mode"] for a in verdict["against"] if not a["exceeds"]))
-        advice = dataclasses.replace(rule, reason=f"{rule.reason}; the simulation of {workers} workers could not "
-                                     f"decide ({why})")
+    decided_by, advice = decide(rows, verdict, rule, workers, target, seeds)
     config = {k: v for k, v in dataclasses.asdict(base).items() if k not in ("mode", "seed")}
-    return Prediction(workers, config, rows, verdict, "simulation" if decisive else "rule", advice)
+    return Prediction(workers, config, rows, verdict, decided_by, advice)
+
+
+def _beyond(a: dict, b: dict) -> bool:
+    """a's final accuracy above b's by more than 2 standard errors over the seeds."""
+    if a["seeds"] < 2 or b["seeds"] < 2:
+        return False
+    se = math.sqrt(a["final_accuracy_sd"] ** 2 / a["seeds"] + b["final_accuracy_sd"] ** 2 / b["seeds"])
+    return a["final_accuracy"] - b["final_accuracy"] > 2 * se
+
+
+def decide(rows: list[dict], verdict: dict, rule: Advice, workers: int, target: float,
+           seeds: int) -> tuple[str, Advice]:
+    """("simulation" or "rule", the advice). In order: the fastest mode to the target, if it
+    leads every other beyond the spread; else, among it and the modes within its spread,
+    the most accurate at the end, if it leads them beyond the spread; else the rule's
+    mode stands while it is among those (fast and accurate within the spread), and the
+    fastest of them replaces it when it is not (the simulation shows it behind)."""
+    from ps_tools.compare import mode_flags
+
+    by = {r["mode"]: r for r in rows}
+
+    def advice(mode: str, reason: str) -> tuple[str, Advice]:
+        flags = mode_flags(mode, workers)
+        return "simulation", Advice(flags[1], flags, "simulation", f"in the simulation of {workers} workers, "
+                                    f"{reason} (over {seeds} seed(s))", f"the rule would say "
+                                    f"{' '.join(rule.flags)} [{rule.rule}] from the measured profile")
+
+    if seeds < 2:
+        return "rule", dataclasses.replace(rule, reason=f"{rule.reason}; the simulation of {workers} workers could "
+                                           "not decide (one seed: the spread is unknown)")
+    if verdict["fastest"] is None:
+        return "rule", dataclasses.replace(rule, reason=f"{rule.reason}; the simulation of {workers} workers could "
+                                           "not decide (no mode reached the target in every seed of the job)")
+    fastest = by[verdict["fastest"]]
+    close = [fastest] + [by[a["mode"]] for a in verdict["against"] if a["exceeds"] is not True]
+    if len(close) == 1:
+        return advice(fastest["mode"], f"{fastest['mode']} reached {target:g} test accuracy first "
+                      f"({fastest['time_to_target']:.3g} s), ahead of every other mode beyond the spread")
+    best = max(close, key=lambda r: r["final_accuracy"])
+    level = [r for r in close if r is best or not _beyond(best, r)]
+    names = ", ".join(r["mode"] for r in close)
+    if len(level) == 1:
+        return advice(best["mode"], f"{names} reached {target:g} within the spread of each other, and "
+                      f"{best['mode']} ended the most accurate ({best['final_accuracy']:.3f}), beyond the spread")
+    ruled = rule.mode
+    if ruled not in by:
+        return "rule", dataclasses.replace(rule, reason=f"{rule.reason}; the simulation of {workers} workers did "
+                                           f"not run {ruled} (--predict-modes)")
+    if ruled in {r["mode"] for r in level}:
+        return "rule", dataclasses.replace(rule, reason=f"{rule.reason}; the simulation of {workers} workers "
+                                           f"agrees: {ruled} is among the fastest and most accurate within the "
+                                           f"spread ({', '.join(r['mode'] for r in level)})")
+    first = min(level, key=lambda r: r["time_to_target"] if r["time_to_target"] is not None else math.inf)
+    behind = by[ruled]
+    if behind in close:
+        how = f"it ended at {behind['final_accuracy']:.3f}, below {best['mode']}'s {best['final_accuracy']:.3f}"
+    elif behind["time_to_target"] is None:
+        how = f"it did not reach {target:g} in every seed"
+    else:
+        how = f"it took {behind['time_to_target']:.3g} s to {target:g}, beyond the spread of the fastest"
+    return advice(first["mode"], f"the rule's {ruled} is behind beyond the spread ({how}) while "
+                  f"{', '.join(r['mode'] for r in level)} reached {target:g} within the spread of each other "
+                  f"and ended within it too; {first['mode']} was the fastest of them")
 
 
 def report(p: Prediction) -> str:
