@@ -26,7 +26,10 @@ virtual time (``ps_tools.virtual``) with what the real run measured:
   one (the short last batch of an epoch traces the worker's tf.function again), timed on
   a fresh model before the simulation.
 
-The twin's job ends as the real one does, when every worker has done the job's steps
+The twin evaluates on the real chief's grid (``--eval-every`` K: the values of its steps
+K-1, 2K-1, ...; ``SimConfig.eval_every_rounds``), so that an accuracy passing the target
+between two of the chief's evaluations is missed by both. The twin's job ends as the
+real one does, when every worker has done the job's steps
 (``SimConfig.job_in_steps``: a backup worker's dropped push is a step too). The real
 time to the target is the chief's, less the first step's tracing and its own
 evaluations before it (a virtual evaluation takes no time).
@@ -124,7 +127,7 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
                     optimizer=args.optimizer, learning_rate=args.learning_rate, seed=seed,
                     worker_mbps=0.0, server_mbps=0.0, slowdown=SLOWDOWN, compute_s=costs["compute_cpu_s"],
                     step_overhead_s=costs["overhead_s"], cores=args.cores, target_accuracy=args.target_accuracy,
-                    job_in_steps=True)
+                    job_in_steps=True, eval_every_rounds=args.eval_every)
     key = (n, seed)
     if key not in workload_of:
         workload_of[key] = Workload(cfg)

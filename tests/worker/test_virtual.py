@@ -149,6 +149,17 @@ def test_a_diverged_run_ends_where_the_server_refused_its_nan_gradient(workload)
     assert fine["diverged"] is None
 
 
+def test_the_evaluations_follow_the_real_chiefs_grid(workload):
+    """eval_every_rounds 2 (the validation's, from --eval-every 2): the chief evaluates the
+    values it pulled for its steps 1, 3, 5, ...: sync versions 1, 3, ..., 15 of the 16 rounds
+    (with the start and the end); the default grid evaluates every round."""
+    costs = dict(FREE, compute_s=COMPUTE)
+    _, every = run(workload, costs, mode="sync", job_in_steps=True)
+    _, chief = run(workload, costs, mode="sync", job_in_steps=True, eval_every_rounds=2)
+    assert [e["version"] for e in every["evals"]] == list(range(17))
+    assert [e["version"] for e in chief["evals"]] == [0, *range(1, 17, 2), 16]
+
+
 def test_the_servers_link_is_shared_by_every_worker(workload):
     """Sync, compute free: each round pulls N models out and pushes N gradients in through
     the server's one link, one direction after the other. The models come back with the
