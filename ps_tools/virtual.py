@@ -366,7 +366,6 @@ class Workload:
     def measure_server(self, repeats: int = 5) -> tuple[float, float, float]:
         """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
         scratch servers of the real core with this model's gradients."""
-        from ps_server.core.errors import InvalidArgument
         from ps_server.core.modes import Push
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
