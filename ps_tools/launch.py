@@ -51,8 +51,9 @@ SIGUSR2 (-1) sent to ps-launch, each within MIN..MAX, one change at a time (a ch
 waits until the workers the last one started registered, and until enough indices
 are free). More workers: started on the lowest indices whose process exited. Fewer:
 the newest running workers but the chief get SIGTERM (ps-worker --elastic leaves the
-job, the server dealing its undelivered part to the others), SIGKILL 5 s later. A
-worker stopped on purpose is no failure whatever its status; any other worker
+job, the server dealing its undelivered part to the others), SIGKILL 60 s later
+(``_LEAVE_GRACE_S``). A worker stopped on purpose is no failure whatever its status
+(one that exited other than 0 or 143, left, is named, with how it ended); any other worker
 failing, or the server exiting, stops the run as above. Refused in one line: MIN >
 MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
 ``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, a command after
@@ -240,6 +241,17 @@ _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
 # took more than 5 s once: SIGKILL came first, no Leave, and the server declared it
 # dead 10 s later. SIGKILL is only for a worker that hangs.
 _LEAVE_GRACE_S = 60.0
+_LEFT_STATUS = 128 + signal.SIGTERM  # ps-worker --elastic's status once it left the job on SIGTERM
+
+
+def _how_it_exited(status: int) -> str:
+    """A child's exit status in words: "with status 1", "killed by SIGKILL"."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"with status {status}"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -774,6 +786,7 @@ class ElasticPool:
         self.started: list[Child] = []  # every worker process, in start order
         self.stopping: dict[Child, float] = {}  # stopped on purpose -> when (monotonic)
         self.unregistered: set[int] = set()  # started by the last step, not yet registered
+        self.reported: set[Child] = set()  # stopped on purpose, and how it exited said
 
     def say(self, text: str) -> None:
         with self.out_lock:
@@ -837,6 +850,12 @@ class ElasticPool:
         for c, since in list(self.stopping.items()):
             if c.poll() is None and time.monotonic() - since > _LEAVE_GRACE_S:
                 c.proc.kill()
+            elif c.poll() is not None and c not in self.reported:
+                self.reported.add(c)
+                if c.poll() not in (0, _LEFT_STATUS):  # no failure of the job, but no clean leave either
+                    self.say(f"{c.label} was stopped but exited {_how_it_exited(c.poll())}, not with "
+                             f"{_LEFT_STATUS} (left the job): unless it had finished, the server declares "
+                             f"it dead when its lease runs out")
         failed = [c for c in self.started if c.poll() not in (None, 0) and c not in self.stopping]
         if failed:
             return failed

@@ -469,7 +469,7 @@ class Simulation:
             step += 1
 
     def run(self) -> dict:
-        from ps_server.core.errors import InvalidArgument
+        from ps_server.core.errors import NonFinite
         from ps_server.core.modes import Push
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
@@ -647,9 +647,7 @@ class Simulation:
         def replied(i: int, ticket, fresh: tuple | None = None) -> None:
             try:
                 result = ticket.result()  # any other refused push is a defect of the simulation: raise
-            except InvalidArgument as e:
-                if "NaN or Inf" not in str(e):
-                    raise
+            except NonFinite as e:
                 # The training diverged: the server refused the gradient and applied nothing,
                 # and a real worker would stop with this error. The run ends here.
                 state["diverged"] = state.get("diverged") or f"worker {i} at step {step_of[i]}: {e}"

@@ -11,6 +11,7 @@ is logged at DEBUG; other libraries log only their warnings (``ps_common.logs``)
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -22,6 +23,7 @@ from worker.config import ConfigError, WorkerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # a crash in TensorFlow or gRPC leaves each thread's Python stack on stderr
     config = command_config(WorkerConfig, argv, "ps-worker")
     allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
     wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens

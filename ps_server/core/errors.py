@@ -17,6 +17,12 @@ class InvalidArgument(PSError):
     """The request itself is malformed: bad shape, dtype, value or spec."""
 
 
+class NonFinite(InvalidArgument):
+    """A gradient holds NaN or Inf: the training diverged (or the worker has a bug). Nothing
+    was applied; to a client it is INVALID_ARGUMENT like any bad value, and a caller that
+    drives the core itself (virtual time) can tell a diverged run by this class."""
+
+
 class NotFound(PSError):
     """A named variable does not exist on this server."""
 

@@ -130,7 +130,7 @@ from typing import Collection, Iterable, Mapping
 
 import numpy as np
 
-from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
+from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
 from ps_server.core import schedules, sparse
 from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
 from ps_common.sparse import SparseRows
@@ -597,7 +597,7 @@ class VariableStore:
                 var = self._vars[name]
                 sparse.check(name, g, var.value.shape, var.value.dtype)
             if not allow_nonfinite and not np.isfinite(g.values if isinstance(g, SparseRows) else g).all():
-                raise InvalidArgument(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
+                raise NonFinite(f"gradient for {name!r} contains NaN or Inf; rejected, nothing applied")
 
     def check_gradient_specs(self, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
                              sparse: Collection[str] = ()) -> None:

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from ps_server.core.errors import InvalidArgument, NotFound, NotInitialized, SpecConflict
+from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 
@@ -209,9 +209,9 @@ NEG_INF_32 = np.full((2, 3), -np.inf, np.float32)
         (grads(w=np.ones((2, 3), np.float64)), InvalidArgument, "gradient for 'w' has dtype float64, variable has float32"),
         (grads(b=np.ones(2, np.float32)), InvalidArgument, "gradient for 'b' has dtype float32, variable has float64"),
         (grads(w=np.ones((2, 3), np.int32)), InvalidArgument, "gradient for 'w' has dtype int32, variable has float32"),
-        (grads(b=NAN), InvalidArgument, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
-        (grads(b=INF), InvalidArgument, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
-        (grads(w=NEG_INF_32), InvalidArgument, "gradient for 'w' contains NaN or Inf; rejected, nothing applied"),
+        (grads(b=NAN), NonFinite, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
+        (grads(b=INF), NonFinite, "gradient for 'b' contains NaN or Inf; rejected, nothing applied"),
+        (grads(w=NEG_INF_32), NonFinite, "gradient for 'w' contains NaN or Inf; rejected, nothing applied"),
     ],
     ids=["unknown", "missing", "all_missing", "shape", "shape_flat", "dtype_wider", "dtype_narrower",
          "dtype_int", "nan", "inf", "neg_inf"],
