@@ -90,7 +90,7 @@ def _distribution(values: list[int]) -> dict:
     }
 
 
-def _spread(values: list[float]) -> dict:
+def spread(values: list[float]) -> dict:
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "sd": None, "n": 0}
@@ -123,11 +123,11 @@ def aggregate(summaries: list[dict]) -> list[dict]:
             **dict(zip(AXES, point)),
             "mode": mode,
             "seeds": len(runs),
-            "final_accuracy": _spread([r["final_accuracy"] for r in runs]),
-            "time_to_target_s": _spread([r["time_to_target_s"] for r in runs]),
-            "updates_to_target": _spread([r["updates_to_target"] for r in runs]),
-            "train_s": _spread([r["train_s"] for r in runs]),
-            "examples_per_s": _spread([r["examples_per_s"] for r in runs]),
+            "final_accuracy": spread([r["final_accuracy"] for r in runs]),
+            "time_to_target_s": spread([r["time_to_target_s"] for r in runs]),
+            "updates_to_target": spread([r["updates_to_target"] for r in runs]),
+            "train_s": spread([r["train_s"] for r in runs]),
+            "examples_per_s": spread([r["examples_per_s"] for r in runs]),
             "staleness": _distribution(all_staleness),
             "dropped": sum(r["dropped"] for r in runs),
         })
@@ -141,8 +141,8 @@ def _fmt(spread: dict, digits: int = 1, suffix: str = "") -> str:
     return text
 
 
-def _spread_test(a: dict, b: dict) -> dict:
-    """The rule of the module docstring on two spreads (``_spread``) of one metric."""
+def spread_test(a: dict, b: dict) -> dict:
+    """The rule of the module docstring on two spreads (``spread``) of one metric."""
     if not a["n"] or not b["n"]:
         return {"difference": None, "threshold": None, "exceeds": None, "note": "not reached in any seed"}
     difference = a["mean"] - b["mean"]
@@ -167,7 +167,7 @@ def significance(rows: list[dict]) -> list[dict]:
         for b in rows[i + 1:]:
             for metric in SIGNIFICANCE_METRICS:
                 out.append({"modes": [a["mode"], b["mode"]], "metric": metric, "n": [a[metric]["n"], b[metric]["n"]],
-                            **_spread_test(a[metric], b[metric])})
+                            **spread_test(a[metric], b[metric])})
     return out
 
 
@@ -340,8 +340,8 @@ def _significance_markdown(mine: list[dict], target: float) -> list[str]:
     for other in mine:
         if other is best:
             continue
-        t = _spread_test(other["time_to_target_s"], best["time_to_target_s"])
-        a = _spread_test(other["final_accuracy"], best["final_accuracy"])
+        t = spread_test(other["time_to_target_s"], best["time_to_target_s"])
+        a = spread_test(other["final_accuracy"], best["final_accuracy"])
         lines.append(f"| {other['mode']} | {cell(t, 1)} | {bound(t, 1)} | {t['note']} | "
                      f"{cell(a, 4)} | {bound(a, 4)} | {a['note']} |")
     return lines

@@ -37,8 +37,9 @@ evaluations before it (a virtual evaluation takes no time).
 Nothing else is fitted: the server's costs are measured on scratch servers as in every
 virtual run, and the accuracy comes from the simulation's own gradients. The report
 holds, per run, the real and the virtual time to the target accuracy, their residual
-((virtual - real) / real) and final accuracies, and per (profile, N) whether the two rank
-the modes the same.
+((virtual - real) / real), the same for the whole job's time, and final accuracies; per
+(profile, N) the order of the modes each way and the pairs the real seeds decide, each
+kept or contradicted by virtual time (``rankings``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 
 from ps_tools import compare
-from ps_tools.report import summarize_run
+from ps_tools.report import spread, spread_test, summarize_run
 from ps_tools.virtual import SimConfig, Simulation, Workload
 
 SLOWDOWN = 3.0
@@ -145,7 +147,7 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
     r, v = summary["time_to_target_s"], virtual["time_to_target"]
     return {"profile": profile, "workers": n, "mode": mode, "seed": seed, "measured": costs,
             "real_time_to_target": r, "virtual_time_to_target": v,
-            "residual": (v - r) / r if (r and v is not None) else None,
+            "residual": _residual(v, r),
             "real_final_accuracy": summary["final_accuracy"], "virtual_final_accuracy": virtual["final_accuracy"],
             "real_train_s": summary["train_s"], "virtual_s": virtual["virtual_s"],
             "real_mean_staleness": (summary["staleness"] or {}).get("mean"),
@@ -153,22 +155,74 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
             "links": real["links_description"]}
 
 
+def _order_key(times: list) -> tuple:
+    """A mode's place: the seeds that missed the target (fewer first), then the mean time
+    of those that reached it."""
+    reached = [t for t in times if t is not None]
+    return (len(times) - len(reached), statistics.fmean(reached) if reached else math.inf)
+
+
+def _decided(a: list, b: list) -> int:
+    """-1 where the times ``a`` (one per seed, None: never reached) are ahead of ``b`` by
+    more than the seeds explain, 1 where behind, 0 where it cannot be said: one reached the
+    target in every seed and the other in none, or both in every seed with means apart by
+    more than twice the standard error of their difference (``report.spread_test``; with
+    one seed each, the means alone). Seeds that disagree on whether a mode gets there at
+    all decide nothing."""
+    ra, rb = all(t is not None for t in a), all(t is not None for t in b)
+    na, nb = all(t is None for t in a), all(t is None for t in b)
+    if ra and nb:
+        return -1
+    if na and rb:
+        return 1
+    if not (ra and rb):
+        return 0
+    test = spread_test(spread(a), spread(b))
+    if test["exceeds"] is False or test["difference"] == 0:
+        return 0
+    return -1 if test["difference"] < 0 else 1
+
+
 def rankings(rows: list[dict]) -> list[dict]:
-    """Per (profile, N): the modes ordered by mean time to the target, real and virtual."""
+    """Per (profile, N): the modes in order of time to the target, real and virtual
+    (``_order_key``), whether the two orders are the same, and the pairs the real runs
+    decide (``_decided``): each is ``kept`` when virtual time puts the two in the same
+    order, ``contradicted`` otherwise. A pair the real seeds leave undecided asks nothing
+    of the simulation: with its spread, either order is what the real runs show."""
     out = []
     keys = sorted({(r["profile"], r["workers"]) for r in rows})
     for profile, n in keys:
         mine = [r for r in rows if (r["profile"], r["workers"]) == (profile, n)]
-        order = {}
-        for side in ("real", "virtual"):
-            means = {}
-            for m in dict.fromkeys(r["mode"] for r in mine):
-                times = [r[f"{side}_time_to_target"] for r in mine if r["mode"] == m]
-                means[m] = statistics.mean(times) if all(t is not None for t in times) else float("inf")
-            order[side] = sorted(means, key=means.get)
+        modes = list(dict.fromkeys(r["mode"] for r in mine))
+        times = {side: {m: [r[f"{side}_time_to_target"] for r in mine if r["mode"] == m] for m in modes}
+                 for side in ("real", "virtual")}
+        order = {side: sorted(modes, key=lambda m: _order_key(times[side][m])) for side in times}
+        decided, contradicted = [], []
+        for i, a in enumerate(modes):
+            for b in modes[i + 1:]:
+                verdict = _decided(times["real"][a], times["real"][b])
+                if not verdict:
+                    continue
+                first, second = (a, b) if verdict < 0 else (b, a)
+                decided.append(f"{first} < {second}")
+                if order["virtual"].index(first) > order["virtual"].index(second):
+                    contradicted.append(f"{first} < {second}")
         out.append({"profile": profile, "workers": n, "real": order["real"], "virtual": order["virtual"],
-                    "same": order["real"] == order["virtual"]})
+                    "same": order["real"] == order["virtual"], "decided": decided, "contradicted": contradicted,
+                    "kept": not contradicted})
     return out
+
+
+def _residual(virtual: float | None, real: float | None) -> float | None:
+    return (virtual - real) / real if (real and virtual is not None) else None
+
+
+def _within(residuals: list[float | None], what: str) -> list[str]:
+    got = [abs(x) for x in residuals if x is not None]
+    if not got:
+        return []
+    return [f"{what}: {sum(x <= 0.25 for x in got)} of {len(got)} runs within 25 % (median |residual| "
+            f"{statistics.median(got):.0%}, largest {max(got):.0%})."]
 
 
 def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list[str]:
@@ -176,24 +230,39 @@ def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list
     lines = ["## Validation: virtual time against real runs", "",
              f"Seconds to {target:g} test accuracy, real (ps-launch's processes on this machine"
              + (f"; {links}" if links else "") + ") and virtual (the same job, "
-             "the real run's median compute and pull time), residual = (virtual - real) / real:", "",
-             "| profile | N | mode | seed | real s | virtual s | residual | real accuracy | virtual accuracy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "the real run's median compute and pull time), residual = (virtual - real) / real; "
+             "then the same for the whole job (the chief's training time as ps-launch reports it, its first "
+             "step's tracing and its evaluations included, which virtual time does not charge), which "
+             "depends on the model of time alone, not on the order the gradients arrived in:", "",
+             "| profile | N | mode | seed | real s | virtual s | residual | job real s | job virtual s | "
+             "job residual | real accuracy | virtual accuracy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda t: "never" if t is None else f"{t:.2f}"
+    pct = lambda x: "n/a" if x is None else f"{x:+.0%}"
     for r in rows:
-        res = "n/a" if r["residual"] is None else f"{r['residual']:+.0%}"
+        job = _residual(r.get("virtual_s"), r.get("real_train_s"))
         lines.append(f"| {r['profile']} | {r['workers']} | {r['mode']} | {r['seed']} | "
-                     f"{fmt(r['real_time_to_target'])} | {fmt(r['virtual_time_to_target'])} | {res} | "
+                     f"{fmt(r['real_time_to_target'])} | {fmt(r['virtual_time_to_target'])} | {pct(r['residual'])} | "
+                     f"{fmt(r.get('real_train_s'))} | {fmt(r.get('virtual_s'))} | {pct(job)} | "
                      f"{r['real_final_accuracy']:.3f} | {r['virtual_final_accuracy']:.3f} |")
-    residuals = [abs(r["residual"]) for r in rows if r["residual"] is not None]
-    if residuals:
-        within = sum(x <= 0.25 for x in residuals)
-        lines += ["", f"{within} of {len(residuals)} runs within 25 % (median |residual| "
-                  f"{statistics.median(residuals):.0%}, largest {max(residuals):.0%})."]
-    lines += ["", "| profile | N | real ranking | virtual ranking | same |", "| --- | --- | --- | --- | --- |"]
+    lines += [""] + _within([r["residual"] for r in rows], f"Time to {target:g}")
+    lines += _within([_residual(r.get("virtual_s"), r.get("real_train_s")) for r in rows], "The whole job")
+    lines += ["", "The modes in order of time to the target (fewer seeds that never reached it first, then the "
+              "mean time), and the pairs the real runs decide: one mode reached the target in every seed and "
+              "the other in none, or both in every seed with means apart by more than twice the standard "
+              "error of their difference (one seed each: the means). A pair is kept when virtual time orders "
+              "it the same way.", "",
+              "| profile | N | real order | virtual order | same order | pairs the real runs decide | kept |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for k in ranks:
+        kept = "yes" if k["kept"] else "no: " + ", ".join(k["contradicted"])
         lines.append(f"| {k['profile']} | {k['workers']} | {' < '.join(k['real'])} | {' < '.join(k['virtual'])} | "
-                     f"{'yes' if k['same'] else 'no'} |")
+                     f"{'yes' if k['same'] else 'no'} | {', '.join(k['decided']) or 'none'} | {kept} |")
+    if ranks:
+        lines += ["", f"Same order in {sum(k['same'] for k in ranks)} of {len(ranks)}; the real runs' decided "
+                  f"pairs kept in {sum(k['kept'] for k in ranks)} of {len(ranks)} "
+                  f"({sum(len(k['decided']) for k in ranks) - sum(len(k['contradicted']) for k in ranks)} of "
+                  f"{sum(len(k['decided']) for k in ranks)} pairs)."]
     return lines + [""]
 
 

@@ -262,6 +262,40 @@ def test_the_real_runs_costs_and_time_to_target_are_read_from_histories():
     assert real_time_to_target([chief], 0.95) is None
 
 
+def test_the_rankings_hold_virtual_time_to_the_pairs_the_real_seeds_decide():
+    from ps_tools.virtual_validate import rankings, validation_lines
+
+    def row(mode, seed, real, virtual):
+        return {"profile": "balanced", "workers": 3, "mode": mode, "seed": seed, "real_time_to_target": real,
+                "virtual_time_to_target": virtual, "residual": None, "real_final_accuracy": 0.9,
+                "virtual_final_accuracy": 0.9, "real_train_s": 10.0, "virtual_s": 12.0}
+
+    # Real: sync and backup level (their seeds overlap), async never there: async is decided
+    # last against both; sync against backup asks nothing of the simulation.
+    rows = [row("sync", 0, 10.0, 11.0), row("sync", 1, 14.0, 12.0),
+            row("backup", 0, 11.0, 9.0), row("backup", 1, 12.0, 9.5),
+            row("async", 0, None, None), row("async", 1, None, 30.0)]
+    (one,) = rankings(rows)
+    assert one["real"] == ["backup", "sync", "async"] and one["virtual"] == ["backup", "sync", "async"]
+    assert one["decided"] == ["sync < async", "backup < async"] and one["kept"] and one["same"]
+    # Virtual async reaching 0.85 before sync in both seeds contradicts a decided pair.
+    rows[4:] = [row("async", 0, None, 5.0), row("async", 1, None, 6.0)]
+    (one,) = rankings(rows)
+    assert one["virtual"][0] == "async" and one["contradicted"] == ["sync < async", "backup < async"]
+    assert not one["kept"]
+    # Seeds far apart beyond their scatter decide the pair; a mode that misses in one seed
+    # of two decides nothing against one that always reached the target.
+    rows = [row("sync", 0, 10.0, 20.0), row("sync", 1, 10.2, 20.2),
+            row("backup", 0, 20.0, 10.0), row("backup", 1, 20.4, 10.4),
+            row("async", 0, 5.0, 50.0), row("async", 1, None, 60.0)]
+    (one,) = rankings(rows)
+    assert one["decided"] == ["sync < backup"] and one["contradicted"] == ["sync < backup"]
+    md = "\n".join(validation_lines(rows, [one], 0.85))
+    assert "| balanced | 3 | sync < backup < async | backup < sync < async | no | sync < backup | no: sync < backup |" \
+        in md and "decided pairs kept in 0 of 1 (0 of 1 pairs)" in md
+    assert "The whole job: 6 of 6 runs within 25 % (median |residual| 20%" in md
+
+
 @pytest.mark.cluster
 def test_validation_against_real_runs_writes_the_table(tmp_path):
     """Real ps-launch runs (2 workers, sync and async) and their virtual twins: virtual sync
