@@ -105,9 +105,9 @@ CALL_TIMEOUT = 300.0
 
 def rate_bytes(rate: str) -> float:
     """Bytes per second of a tc rate ("100mbit")."""
-    from ps_tools.hosts import _rate_bits
+    from ps_tools.hosts import rate_bits
 
-    return _rate_bits(rate) / 8
+    return rate_bits(rate) / 8
 
 
 def shares(num_ps: int) -> list[float]:

@@ -107,7 +107,8 @@ class Link:
     loss: float = 0.0
 
 
-def _rate_bits(rate: str) -> float:
+def rate_bits(rate: str) -> float:
+    """Bits per second of a rate as tc writes it ("20mbit", "1gbit", "500kbps"); HostsError otherwise."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)\s*", rate.lower())
     if not m:
         raise HostsError(f"rate {rate!r}: write it as tc does, e.g. 1gbit, 100mbit, 500kbit")
@@ -118,7 +119,7 @@ def _rate_bits(rate: str) -> float:
 def _tbf(rate: str) -> list[str]:
     """A tbf with a bucket of 1 ms at the rate (at least 64 KiB, so that one GSO packet of
     veth fits it whole) and a queue of 20 ms: TCP sees a link that paces and queues."""
-    bits = _rate_bits(rate)
+    bits = rate_bits(rate)
     burst = max(65536, int(bits / 8 * 0.001))
     limit = max(2 * burst, int(bits / 8 * 0.020))
     return ["tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
@@ -316,7 +317,7 @@ class Hosts:
         link = self.links[self.names[self._index(name)]]
         if rate is not ...:
             if rate is not None:
-                _rate_bits(rate)
+                rate_bits(rate)
             link.rate = rate
         if loss is not None:
             if not 0.0 <= loss < 1.0:
