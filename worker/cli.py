@@ -12,6 +12,7 @@ is logged at DEBUG; other libraries log only their warnings (``ps_common.logs``)
 from __future__ import annotations
 
 import faulthandler
+import io
 import logging
 import signal
 import sys
@@ -22,8 +23,18 @@ from ps_common.settings import command_config, to_json
 from worker.config import ConfigError, WorkerConfig
 
 
+def _dump_stacks_on_crash() -> None:
+    """A crash in TensorFlow or gRPC (SIGSEGV, SIGABRT ...) leaves each thread's Python stack
+    on the process's own stderr (fd 2, whatever ``sys.stderr`` is now: a test may have
+    replaced it with an object that has no file descriptor)."""
+    try:
+        faulthandler.enable(file=sys.__stderr__)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass  # no stderr to write to
+
+
 def main(argv: list[str] | None = None) -> int:
-    faulthandler.enable()  # a crash in TensorFlow or gRPC leaves each thread's Python stack on stderr
+    _dump_stacks_on_crash()
     config = command_config(WorkerConfig, argv, "ps-worker")
     allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
     wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens

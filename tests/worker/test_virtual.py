@@ -315,9 +315,10 @@ def test_validation_against_real_runs_writes_the_table(tmp_path):
         assert r["residual"] == pytest.approx((r["virtual_time_to_target"] - r["real_time_to_target"])
                                               / r["real_time_to_target"])
         assert 0 < r["measured"]["compute_s"] < 1
-    assert report["rankings"][0]["workers"] == 2
+    (ranks,) = report["rankings"]
+    assert ranks["workers"] == 2 and sorted(ranks["real"]) == ["async", "sync"] and "kept" in ranks
     md = (out / "validation.md").read_text()
-    assert "| balanced | 2 | sync | 0 |" in md and "ranking" in md
+    assert "| balanced | 2 | sync | 0 |" in md and "pairs the real runs decide" in md and "The whole job:" in md
 
 
 def test_workers_sharing_two_cores_compute_at_half_speed(workload):
