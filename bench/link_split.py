@@ -82,7 +82,7 @@ def source(host: str, size: int, rounds: int) -> None:
 
 
 def measure(n: int, rate: str, size: int, rounds: int, idle_s: float) -> list[list[float]]:
-    from ps_tools.hosts import Hosts
+    from ps_tools.hosts import Hosts, rate_bits
 
     names = ["tfps-ps-0"] + [f"tfps-worker-{i}" for i in range(n)]
     me = os.path.abspath(__file__)
@@ -91,7 +91,7 @@ def measure(n: int, rate: str, size: int, rounds: int, idle_s: float) -> list[li
                              stdout=-1, text=True)
         sources = [hosts.popen(h, [sys.executable, me, "source", "tfps-ps-0", str(size), str(rounds)])
                    for h in names[1:]]
-        out, _ = server.communicate(timeout=60 + rounds * (n * size * 8 / 1e6 + idle_s) * 4)
+        out, _ = server.communicate(timeout=60 + 4 * rounds * (n * size * 8 / rate_bits(rate) + idle_s))
         for p in sources:
             p.wait(30)
         if server.returncode:

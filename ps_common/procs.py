@@ -27,6 +27,11 @@ from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1
 
+# ps-worker --elastic's exit status once SIGTERM made it leave the job (worker.elastic):
+# 128 + SIGTERM, as a shell reports a process SIGTERM ended; ps-launch tells it from a
+# worker that ended without leaving.
+LEFT_JOB_STATUS = 128 + signal.SIGTERM
+
 
 class ServerStartError(RuntimeError):
     """The child exited, or wrote no port in time."""

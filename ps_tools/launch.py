@@ -115,7 +115,7 @@ import time
 
 from protos import wire
 from ps_common import security
-from ps_common.procs import ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.procs import LEFT_JOB_STATUS, ServerStartError, dying_with_parent, wait_for_port_file
 from ps_common.settings import deprecated_env, env_names, to_json
 from ps_server.config import ServerConfig
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
@@ -241,7 +241,6 @@ _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
 # took more than 5 s once: SIGKILL came first, no Leave, and the server declared it
 # dead 10 s later. SIGKILL is only for a worker that hangs.
 _LEAVE_GRACE_S = 60.0
-_LEFT_STATUS = 128 + signal.SIGTERM  # ps-worker --elastic's status once it left the job on SIGTERM
 
 
 def _how_it_exited(status: int) -> str:
@@ -852,9 +851,9 @@ class ElasticPool:
                 c.proc.kill()
             elif c.poll() is not None and c not in self.reported:
                 self.reported.add(c)
-                if c.poll() not in (0, _LEFT_STATUS):  # no failure of the job, but no clean leave either
+                if c.poll() not in (0, LEFT_JOB_STATUS):  # no failure of the job, but no clean leave either
                     self.say(f"{c.label} was stopped but exited {_how_it_exited(c.poll())}, not with "
-                             f"{_LEFT_STATUS} (left the job): unless it had finished, the server declares "
+                             f"{LEFT_JOB_STATUS} (left the job): unless it had finished, the server declares "
                              f"it dead when its lease runs out")
         failed = [c for c in self.started if c.poll() not in (None, 0) and c not in self.stopping]
         if failed:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import faulthandler
 import io
 import logging
-import signal
 import sys
 
 from protos import wire
 from ps_common.logs import configure_logging
+from ps_common.procs import LEFT_JOB_STATUS
 from ps_common.settings import command_config, to_json
 from worker.config import ConfigError, WorkerConfig
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Stopped as e:  # --elastic: SIGTERM made it leave the job (worker.elastic)
         print(f"ps-worker: worker {LOG_TAG.index}: {e}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return LEFT_JOB_STATUS
     except KeyboardInterrupt:
         print("ps-worker: interrupted", file=sys.stderr)
         return 130
