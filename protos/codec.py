@@ -19,10 +19,13 @@ import math
 import numpy as np
 
 from protos import tfps_pb2 as pb
+from ps_common.reasons import Reason
 
 
 class CodecError(ValueError):
     """A tensor message that cannot be turned into an array."""
+
+    reason = Reason.INVALID
 
 
 # DType enum value -> little-endian numpy dtype.

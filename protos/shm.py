@@ -18,10 +18,9 @@ They are plain files in ``/dev/shm`` (tmpfs), so any process that sees the same
 map them, and no other can. That is the probe: at Register the worker writes a
 random token into its push segment and names both segments; the server reads
 the token back and writes a nonce of its own into the pull segment; the worker
-uses shared memory only if both match. Every refusal is a ``ShmError`` whose
-message starts with ``"shared memory:"``, and the service turns it into
-FAILED_PRECONDITION before anything is applied, so the worker can fall back to
-the streams and repeat the call.
+uses shared memory only if both match. Every refusal is a ``ShmError`` (reason
+SHM_REFUSED), and the service turns it into FAILED_PRECONDITION before anything is
+applied, so the worker can fall back to the streams and repeat the call.
 
 Lifetime. A segment's size is fixed for its life; growing makes a new one
 under a new name. ``Segment.close`` unlinks it, and so do garbage collection
@@ -68,6 +67,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ps_common.reasons import Reason
+
 PREFIX = "tfps-"
 DIRECTORY = "/dev/shm"
 TOKEN_BYTES = 16  # the probe's token and nonce
@@ -77,7 +78,9 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 class ShmError(Exception):
-    """The fast path cannot serve this call; the message starts with "shared memory:"."""
+    """The fast path cannot serve this call (reason SHM_REFUSED: the worker streams it instead)."""
+
+    reason = Reason.SHM_REFUSED
 
     def __init__(self, message: str):
         super().__init__(f"shared memory: {message}")

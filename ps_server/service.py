@@ -5,16 +5,17 @@
 
 This is the only module that turns protobuf into core calls, and core errors
 into gRPC status codes, through the one table ``STATUS_OF``. Every error leaves
-through ``context.abort(code, message)``; an unexpected exception is logged and
-becomes ``INTERNAL``, never ``UNKNOWN``.
+through ``context.abort(code, message)`` with its reason (``ps_common.reasons``) as the
+trailing metadata ``tfps-reason``; an unexpected exception is logged and becomes
+``INTERNAL``, never ``UNKNOWN``.
 
 Same-host fast path (``protos.shm``; off with ``ParameterServerServicer(core,
 allow_shm=False)``, ``ps-server --no-shm``): Register answers the worker's probe,
 PushStream reads the gradients straight from the worker's segment (zero-copy,
 read-only; no reference is kept once the push returns) and PullStream writes
 the values into it. Every refusal of that path (disabled, a bad name, a missing
-or foreign segment, an offset or size that does not fit) is FAILED_PRECONDITION
-"shared memory: ...", raised before anything is applied or written.
+or foreign segment, an offset or size that does not fit) is FAILED_PRECONDITION with
+reason SHM_REFUSED, raised before anything is applied or written.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ps_server.core.overlap import HELD_BYTES, NOT_YET
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
+from ps_common.reasons import REASON_KEY, Reason, reason_of
 from ps_common.sparse import SparseRows
 from ps_server.aio import AsyncBudget, settled
 from ps_server.buffers import BufferPool
@@ -69,11 +71,31 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     broadcast.BroadcastTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
+REFUSALS = (errors.PSError, codec.CodecError, shm.ShmError)  # each has a reason (ps_common.reasons)
+
+# Refusals a worker expects while it waits its turn and rides out by asking again: logged
+# at DEBUG, where every other refusal is at INFO (a start of N workers is not N refusals).
+EXPECTED = frozenset({Reason.NOT_INITIALIZED})
+
+
 def status_code_for(exc: Exception) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:
             return STATUS_OF[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def _refused(name: str, e: Exception) -> grpc.StatusCode:
+    """``e``'s status code, the refusal logged."""
+    code, reason = status_code_for(e), reason_of(e)
+    log.log(logging.DEBUG if reason in EXPECTED else logging.INFO, "%s refused: %s (%s): %s",
+            name, code.name, reason.value, e)
+    return code
+
+
+def _reason_metadata(e: Exception) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries ``e``'s reason to the client."""
+    return ((REASON_KEY, reason_of(e).value),)
 
 
 class Malformed:
@@ -159,14 +181,12 @@ def _handled(method):
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        if isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{method.__name__}: the request is not a valid {request.message_type}: {request.error}")
         try:
+            _refuse_malformed(method.__name__, request)
             return method(self, request, context)
-        except (errors.PSError, codec.CodecError, shm.ShmError) as e:
-            code = status_code_for(e)
-            log.info("%s refused: %s: %s", method.__name__, code.name, e)
+        except REFUSALS as e:
+            code = _refused(method.__name__, e)
+            context.set_trailing_metadata(_reason_metadata(e))
             context.abort(code, str(e))
         except Exception as e:  # a bug: say so, but never as UNKNOWN
             log.exception("%s failed unexpectedly", method.__name__)
@@ -175,16 +195,18 @@ def _handled(method):
     return wrapper
 
 
+def _refuse_malformed(name: str, request) -> None:
+    if isinstance(request, Malformed):
+        raise codec.CodecError(f"{name}: the request is not a valid {request.message_type}: {request.error}")
+
+
 def _handled_async(method):
     """``_handled`` for a handler that awaits (``ps_server.aio``)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{method.__name__}: the request is not a valid {request.message_type}: "
-                                f"{request.error}")
         try:
+            _refuse_malformed(method.__name__, request)
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -196,10 +218,8 @@ def _handled_async(method):
 
 async def _abort_for(name: str, e: Exception, context) -> None:
     """End the call with ``e``'s status from the error table (called in the except block)."""
-    if isinstance(e, (errors.PSError, codec.CodecError, shm.ShmError)):
-        code = status_code_for(e)
-        log.info("%s refused: %s: %s", name, code.name, e)
-        await context.abort(code, str(e))
+    if isinstance(e, REFUSALS):
+        await context.abort(_refused(name, e), str(e), trailing_metadata=_reason_metadata(e))
     log.exception("%s failed unexpectedly", name)  # a bug: say so, but never as UNKNOWN
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}: {e}")
 

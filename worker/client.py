@@ -58,6 +58,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import codec, convert, stream, wire
 from protos import tfps_pb2 as pb
 from ps_common import security
+from ps_common.reasons import Reason
 from ps_common.records import PushReply, Registration
 from ps_common.sparse import SparseRows
 from worker.transports import (OutgoingPush, PSClientError, PullCache, SharedMemory, Streams, SyncShortcut,
@@ -192,7 +193,7 @@ class PSClient:
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.RpcError as e:
-            raise PSClientError("Health", self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of("Health", self.address, e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
@@ -434,11 +435,11 @@ def pull_when_initialized(client, worker_id: int, timeout: float) -> tuple[int, 
         try:
             return client.pull(worker_id)
         except PSClientError as e:
-            if e.code != grpc.StatusCode.FAILED_PRECONDITION or "not initialized" not in e.details:
+            if e.reason is not Reason.NOT_INITIALIZED:
                 raise
             if time.monotonic() + delay > deadline:
                 raise PSClientError("Pull", e.address, e.code,
                                     f"variables still not initialized after {timeout:g} s: is the chief "
-                                    "(worker 0) running?") from None
+                                    "(worker 0) running?", e.reason) from None
         time.sleep(delay)
         delay = min(delay * 2, 1.0)

@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 
 from ps_common import security
+from ps_common.reasons import Reason
 from worker.client import PSClient, PSClientError, PushReply, Registration
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
 from worker.gradients import get_values, non_trainable, set_values
@@ -68,21 +69,16 @@ def connect(config: WorkerConfig) -> PSClient | ShardedClient:
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)
 
 
-# Failures a worker rides out by reconnecting and registering again: the server is
-# down or restarting, it restarted without knowing us, or it declared us dead (a
-# pause longer than the lease) or out of step.
-REJOIN_DETAILS = ("not registered", "declared dead", "not initialized", "is late", "is early",
-                  "not part of sync round", "pull first")
+# Refusals a worker rides out by reconnecting and registering again: the server
+# restarted without knowing us, or it declared us dead (a pause longer than the
+# lease) or out of step. So is UNAVAILABLE: the server is down or restarting.
+REJOIN = frozenset({Reason.NOT_REGISTERED, Reason.DECLARED_DEAD, Reason.NOT_INITIALIZED, Reason.LATE,
+                    Reason.EARLY, Reason.NOT_IN_ROUND, Reason.PULL_FIRST})
 
 
 def recoverable(e: PSClientError) -> bool:
-    """Whether ``rejoin`` can ride out ``e`` (``REJOIN_DETAILS``)."""
-    if e.code == grpc.StatusCode.UNAVAILABLE:
-        return True
-    if e.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-                  grpc.StatusCode.INVALID_ARGUMENT):
-        return any(d in e.details for d in REJOIN_DETAILS)
-    return False
+    """Whether ``rejoin`` can ride out ``e`` (``REJOIN``)."""
+    return e.code == grpc.StatusCode.UNAVAILABLE or e.reason in REJOIN
 
 
 class Connection:

@@ -53,6 +53,7 @@ import time
 import grpc
 
 from ps_common.batches import global_batch, micro_batches
+from ps_common.reasons import Reason
 from worker.client import PSClientError
 from worker.config import ConfigError
 from worker.connection import connect, recoverable
@@ -133,10 +134,11 @@ class ElasticLoop(TrainingLoop):
                 if not self._one_round():
                     return
             except PSClientError as e:
-                if _rejoin_for(e):  # this worker was declared dead (a lease missed), or the server restarted
-                    self.conn.rejoin(e)
-                elif not _ask_again(e):
+                if _ask_again(e):
+                    continue
+                if not _rejoin_for(e):  # this worker was declared dead (a lease missed), or the server restarted
                     raise
+                self.conn.rejoin(e)
 
     def _tasks(self) -> None:
         """Async and ssp: the server hands out the job's batches as tasks (``core.tasks``);
@@ -241,15 +243,15 @@ class ElasticLoop(TrainingLoop):
 def _task_taken_away(e: PSClientError) -> bool:
     """A push of a task this worker no longer holds (its lease ran out; another does it),
     or ssp's wait for the bound timed out after the push was applied: take the next one."""
-    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or "does not hold task" in e.details \
-        or "already done by worker" in e.details
+    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.TASK_NOT_HELD, Reason.TASK_DONE)
 
 
 def _rejoin_for(e: PSClientError) -> bool:
-    return recoverable(e) or any(d in e.details for d in ("was declared dead", "has not joined"))
+    return recoverable(e) or e.reason is Reason.NOT_JOINED
 
 
 def _ask_again(e: PSClientError) -> bool:
-    """A round that ended without this push (a late one) or timed out: the next ``Work`` says what now."""
-    return e.code in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-        or "completed without it" in e.details
+    """A round that ended without this push (a late one), has not started (an early one) or
+    timed out: the next ``Work`` says what now. Asked before ``_rejoin_for``: a sync worker
+    rejoins for a late or early push, an elastic one only asks again."""
+    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.LATE, Reason.EARLY)

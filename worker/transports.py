@@ -34,6 +34,7 @@ import numpy as np
 from protos import codec, shm as shmem, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
+from ps_common.reasons import REASON_KEY, Reason
 
 log = logging.getLogger("worker.client")
 
@@ -46,10 +47,22 @@ HANDLER_DONE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grp
 
 
 class PSClientError(RuntimeError):
-    def __init__(self, call: str, address: str, code: grpc.StatusCode | None, details: str):
-        self.call, self.address, self.code, self.details = call, address, code, details
+    """A call that failed: its status ``code`` (None: the reply itself was wrong), the
+    server's ``reason`` (``ps_common.reasons``: what a worker decides on) and the
+    ``details``, for people."""
+
+    def __init__(self, call: str, address: str, code: grpc.StatusCode | None, details: str,
+                 reason: Reason = Reason.UNSPECIFIED):
+        self.call, self.address, self.code, self.details, self.reason = call, address, code, details, reason
         code_name = code.name if code is not None else "ERROR"
-        super().__init__(f"{call} to {address} failed: {code_name}: {details}")
+        why = f" ({reason.value})" if reason is not Reason.UNSPECIFIED else ""
+        super().__init__(f"{call} to {address} failed: {code_name}{why}: {details}")
+
+    @classmethod
+    def of(cls, call: str, address: str, e: grpc.RpcError) -> "PSClientError":
+        """The error a failed gRPC call ``e`` is, with the reason its trailing metadata names."""
+        sent = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+        return cls(call, address, e.code(), e.details() or "", Reason.of_wire(sent.get(REASON_KEY)))
 
 
 @dataclasses.dataclass
@@ -127,7 +140,7 @@ class Unary:
                 request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready
             )
         except grpc.RpcError as e:
-            raise PSClientError(name, self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of(name, self.address, e) from None
 
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
         reply = self.call("Pull", request)
@@ -183,7 +196,7 @@ class Streams:
         try:
             return self.initialize_stream(messages(), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise PSClientError("Initialize", self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of("Initialize", self.address, e) from None
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
@@ -208,7 +221,7 @@ class Streams:
                 assembler.feed(chunk)
             return header, assembler.arrays()
         except grpc.RpcError as e:
-            raise PSClientError("Pull", self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of("Pull", self.address, e) from None
         except (codec.CodecError, StopIteration) as e:
             raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
@@ -225,7 +238,7 @@ class Streams:
         try:
             return self.push_stream(messages(), timeout=timeout)
         except grpc.RpcError as e:
-            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of("Push", self.address, e) from None
 
 
     def push_pull(self, outgoing: OutgoingPush, timeout: float) -> tuple[pb.PushResponse, dict | None]:
@@ -257,7 +270,7 @@ class Streams:
                     raise PSClientError("PushPull", self.address, None, "a second header in the reply")
             raise PSClientError("PushPull", self.address, None, "the reply ended without the push's answer")
         except grpc.RpcError as e:
-            raise PSClientError("Push", self.address, e.code(), e.details() or "") from None
+            raise PSClientError.of("Push", self.address, e) from None
         except (codec.CodecError, StopIteration) as e:
             raise PSClientError("Push", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
@@ -267,7 +280,7 @@ class _ShmRefused(Exception):
 
 
 def _refused(e: PSClientError) -> bool:
-    return e.code == grpc.StatusCode.FAILED_PRECONDITION and e.details.startswith("shared memory:")
+    return e.reason is Reason.SHM_REFUSED
 
 
 class _Slot:

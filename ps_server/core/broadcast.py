@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.reasons import Reason
 from ps_server.core.errors import InvalidArgument, PSError
 from ps_server.core.modes import Ticket
 
@@ -47,9 +48,13 @@ MAX_VALUE_BYTES = 2**20  # a decision, not a payload: a flag or a learning rate 
 class BroadcastConflict(PSError):
     """A key the chief already posted was posted again with another value."""
 
+    reason = Reason.BROADCAST_CONFLICT
+
 
 class BroadcastTimeout(PSError):
     """The chief did not post the key within the wait's timeout."""
+
+    reason = Reason.BROADCAST_TIMEOUT
 
 
 def _check_key(key: str) -> None:

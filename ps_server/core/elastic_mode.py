@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.reasons import Reason
 from ps_server.core.aggregation import RoundSum, weighted_loss
 from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
@@ -138,7 +139,7 @@ class ElasticSyncMode:
                 self._live.discard(w)
                 error = WorkerDead(f"worker {w} was declared dead (no heartbeat for more than "
                                    f"{self.members.lease_timeout:g} s) or left; its undelivered micro-batches "
-                                   "went to the live workers", dead=(w,))
+                                   "went to the live workers", dead=(w,), reason=Reason.DECLARED_DEAD)
                 for ticket in self._pushes.pop(w, []) + [t for t, _ in self._asking.pop(w, [])]:
                     ticket.settle(error)
                 if self._work is not None:
@@ -151,7 +152,8 @@ class ElasticSyncMode:
         ticket = Ticket()
         with self._lock:
             if worker_id not in self._live:
-                ticket.settle(InvalidArgument(f"worker {worker_id} has not joined the elastic round"))
+                ticket.settle(InvalidArgument(f"worker {worker_id} has not joined the elastic round",
+                                              reason=Reason.NOT_JOINED))
                 return ticket
             mine = self._mine(worker_id)
             if mine is not None:
@@ -254,7 +256,8 @@ class ElasticSyncMode:
             raise FutureRound(f"push from worker {w} is for round {r}; the server is collecting round "
                               f"{self._round}")
         if w not in self._live:
-            raise InvalidArgument(f"worker {w} has not joined the elastic round (or was declared dead)")
+            raise InvalidArgument(f"worker {w} has not joined the elastic round (or was declared dead)",
+                                  reason=Reason.NOT_JOINED)
         if self._work is None:
             raise FutureRound(f"round {r} has not started: {len(self._live)} of at least {self.min_workers} "
                               "workers have joined" + ("" if self.cursor else ", and no data plan is known yet"))

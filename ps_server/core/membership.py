@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.reasons import Reason
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
 
 AUTO_INDEX = -1  # register(AUTO_INDEX): the server assigns the index
@@ -188,7 +189,7 @@ class Membership:
             if rec.dead:
                 raise UnknownWorker(
                     f"worker {worker_id} was declared dead (no call or heartbeat for more than "
-                    f"{self.lease_timeout:g} s); register again to rejoin"
+                    f"{self.lease_timeout:g} s); register again to rejoin", reason=Reason.DECLARED_DEAD
                 )
             rec.last_seen = self._clock()
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ps_common.reasons import Reason
 from ps_server.core.errors import DuplicatePush, FutureRound, InvalidArgument, StaleRound, UnknownWorker
 
 # How many completed rounds remember who contributed (for replays of lost replies).
@@ -85,7 +86,7 @@ class RoundBook:
         if worker_id not in self.active:
             raise UnknownWorker(
                 f"worker {worker_id} is not part of sync round {self.round} (it was dropped from the "
-                f"cluster); register again to rejoin"
+                f"cluster); register again to rejoin", reason=Reason.NOT_IN_ROUND
             )
         return "join" if worker_id in self._pending else "new"
 

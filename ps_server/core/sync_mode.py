@@ -70,6 +70,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.names import DEAD_WORKER_POLICIES
+from ps_common.reasons import Reason
 from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
@@ -193,7 +194,7 @@ class SyncMode:
                 raise InvalidArgument(
                     f"worker {push.worker_id} computed its gradient for round {push.step} on version "
                     f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; "
-                    "pull first"
+                    "pull first", reason=Reason.PULL_FIRST
                 )
             self._raise_if_blocked()
             self._check_round_extras(push)

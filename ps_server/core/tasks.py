@@ -87,6 +87,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 import ps_common.batches as batches
+from ps_common.reasons import Reason
 from ps_server.core.errors import InvalidArgument
 
 ORDERS_KEPT = 3  # epoch orders cached: near a boundary two epochs are in use, and a given-back one
@@ -295,7 +296,7 @@ class TaskQueue:
             if record.worker_id == worker_id:
                 return record
             raise InvalidArgument(f"task {task_id} was already done by worker {record.worker_id}'s push "
-                                  f"(version {record.version}); worker {worker_id} does not hold it")
+                                  f"(version {record.version}); worker {worker_id} does not hold it", reason=Reason.TASK_DONE)
         holder = self._holder.get(task_id)
         if holder == worker_id:
             return None
@@ -306,7 +307,7 @@ class TaskQueue:
         else:
             why = "it was not handed out yet"
         raise InvalidArgument(f"worker {worker_id} does not hold task {task_id}: {why}; "
-                              f"a worker pushes only the tasks it holds now (take a new one)")
+                              f"a worker pushes only the tasks it holds now (take a new one)", reason=Reason.TASK_NOT_HELD)
 
     # -- taking tasks back -------------------------------------------------------------
     def lost(self, worker_id: int) -> list[Task]:

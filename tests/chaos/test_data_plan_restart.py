@@ -32,7 +32,7 @@ from worker.client import PSClient
 
 from .test_server_restart import free_port
 
-pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
+pytestmark = [pytest.mark.chaos, pytest.mark.cluster, pytest.mark.recovery]
 
 EXAMPLES = 1437  # digits' training examples
 INTERVAL = "0.5"  # --checkpoint-interval

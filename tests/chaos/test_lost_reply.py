@@ -13,7 +13,7 @@ import pytest
 
 from worker.client import PSClient, PSClientError
 
-pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
+pytestmark = [pytest.mark.chaos, pytest.mark.cluster, pytest.mark.recovery]
 
 W0 = {"w": np.zeros(4, np.float32)}
 ONES = {"w": np.ones(4, np.float32)}

@@ -35,6 +35,7 @@ import pytest
 from ps_server.core.checkpoint import latest_valid, list_checkpoints
 from ps_server.core.optimizers import OptimizerSpec
 from tests.cluster.conftest import Procs, read_log, wait_exit
+from tests.withheld import messages_withheld
 from worker.client import PSClient
 
 pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
@@ -90,7 +91,8 @@ def restart(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     procs = Procs(tmp)
     try:
-        yield _restart_scenario(procs, tmp)
+        with messages_withheld():  # its tests are marked recovery; module-scoped, it starts first
+            yield _restart_scenario(procs, tmp)
     finally:
         procs.stop_all()
 
@@ -150,6 +152,7 @@ def _restart_scenario(procs: Procs, tmp) -> dict:
     return run
 
 
+@pytest.mark.recovery
 def test_workers_rejoin_a_restarted_server_and_reach_the_accuracy_of_an_undisturbed_run(restart):
     w0, w1 = restart["workers"]
     logs = read_log(w0) + read_log(w1)
@@ -161,6 +164,7 @@ def test_workers_rejoin_a_restarted_server_and_reach_the_accuracy_of_an_undistur
     assert "Traceback" not in logs
 
 
+@pytest.mark.recovery
 def test_restarted_server_restores_the_newest_checkpoint_and_says_so(restart):
     log = restart["ps2_log"]
     v = restart["on_disk"]
@@ -169,6 +173,7 @@ def test_restarted_server_restores_the_newest_checkpoint_and_says_so(restart):
     assert "2 worker(s) known" in log
 
 
+@pytest.mark.recovery
 def test_at_most_one_interval_of_updates_is_lost_and_workers_say_how_many(restart):
     # The newest checkpoint was at most one interval old when the server died ...
     age = restart["killed_wall"] - restart["on_disk_mtime"]
@@ -191,6 +196,7 @@ def test_at_most_one_interval_of_updates_is_lost_and_workers_say_how_many(restar
         assert lost <= rounds_in_an_interval + 2, (lost, rounds_in_an_interval)
 
 
+@pytest.mark.recovery
 def test_sigterm_writes_a_final_checkpoint_that_the_next_start_restores(restart):
     v = restart["version_at_sigterm"]
     assert v == 69
@@ -199,6 +205,7 @@ def test_sigterm_writes_a_final_checkpoint_that_the_next_start_restores(restart)
     assert restart["ps3_status"] == (v, v, v)
 
 
+@pytest.mark.recovery
 def test_ps_export_output_loads_with_keras_and_reproduces_the_chiefs_test_accuracy(restart):
     assert restart["export_codes"] == [0, 0], restart["export_logs"]
     assert "from " + str(restart["ckpt"]) in restart["export_logs"][0]

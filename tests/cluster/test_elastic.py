@@ -24,7 +24,7 @@ from worker.client import PSClient
 
 from .conftest import wait_exit
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
 EXAMPLES = 1437  # digits' training examples
 STEPS = 46  # two epochs of global batches of 64 (22 full ones and one of 29 each)

@@ -25,7 +25,7 @@ from worker.client import PSClient
 
 from .conftest import wait_exit
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
 EXAMPLES = 1437  # digits' training examples
 EPOCHS = 3

@@ -26,7 +26,7 @@ import pytest
 
 from .conftest import read_log, wait_exit
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
 EXAMPLES = 1437  # digits' training examples
 STEPS = 46  # two epochs of global batches of 64

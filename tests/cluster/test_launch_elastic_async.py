@@ -21,7 +21,7 @@ import pytest
 from .conftest import read_log, wait_exit
 from .test_launch_elastic import wait_for_line
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
 EXAMPLES = 1437
 EPOCHS = 2

@@ -13,6 +13,8 @@ Rules checked (STYLE.md 7, ps_server/service.py, ps_server/core/*):
 """
 
 import dataclasses
+import logging
+
 import grpc
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import codec
 from protos import tfps_pb2 as pb
+from ps_common.reasons import Reason
 from ps_server.core import errors
 from ps_server.service import status_code_for
 from worker.client import PSClientError
@@ -35,18 +38,20 @@ SGD = {"name": "sgd", "learning_rate": 0.5}
 ONES = {name: np.ones_like(v) for name, v in W0.items()}
 
 
-def refused(code: grpc.StatusCode, fn, *args, **kwargs) -> str:
-    """Call fn, expect it to fail with exactly ``code``; return the server's details."""
+def refused(code: grpc.StatusCode, fn, *args, reason: Reason | None = None, **kwargs) -> str:
+    """Call fn, expect it to fail with exactly ``code`` (and ``reason``, the trailing metadata
+    ps_common.reasons names); return the server's details."""
     try:
         fn(*args, **kwargs)
     except PSClientError as e:
-        got, details = e.code, e.details
+        got, details, why = e.code, e.details, e.reason
     except grpc.RpcError as e:
-        got, details = e.code(), e.details()
+        got, details, why = e.code(), e.details(), None
     else:
         pytest.fail(f"expected {code.name}, but the call succeeded")
     assert got == code, f"expected {code.name}, got {got.name}: {details}"
     assert got != Code.UNKNOWN
+    assert reason is None or why is reason, f"expected reason {reason}, got {why}: {details}"
     return details
 
 
@@ -86,14 +91,15 @@ def test_register_reports_initialized_state_and_version_to_a_late_worker(ps):
 
 def test_register_with_mismatched_num_workers_is_failed_precondition(ps):
     _, client = ps(num_workers=2)
-    details = refused(Code.FAILED_PRECONDITION, client.register, worker_index=0, num_workers=3)
+    details = refused(Code.FAILED_PRECONDITION, client.register, worker_index=0, num_workers=3,
+                      reason=Reason.CONFIG_MISMATCH)
     assert "--num-workers 3" in details and "server runs with 2" in details
 
 
 @pytest.mark.parametrize("index", [-2, 2, 100])
 def test_register_with_out_of_range_index_is_invalid_argument(ps, index):
     _, client = ps(num_workers=2)
-    details = refused(Code.INVALID_ARGUMENT, client.register, worker_index=index, num_workers=2)
+    details = refused(Code.INVALID_ARGUMENT, client.register, worker_index=index, num_workers=2, reason=Reason.INVALID)
     assert f"worker index {index} is outside 0..1" in details
 
 
@@ -101,7 +107,8 @@ def test_register_with_index_minus_one_gets_the_lowest_free_index_until_none_is_
     _, client = ps(num_workers=2)
     assert client.register(worker_index=1, num_workers=2).worker_id == 1
     assert client.register(worker_index=-1, num_workers=2).worker_id == 0
-    details = refused(Code.RESOURCE_EXHAUSTED, client.register, worker_index=-1, num_workers=2)
+    details = refused(Code.RESOURCE_EXHAUSTED, client.register, worker_index=-1, num_workers=2,
+                      reason=Reason.NO_FREE_INDEX)
     assert "all 2 worker indexes are taken (alive: [0, 1], finished: [])" in details
 
 
@@ -140,7 +147,7 @@ def test_conflicting_initialize_is_already_exists_and_changes_nothing(ps, snapsh
     client.initialize(0, W0, SGD)
     client.push(0, 0, 0, 1, ONES)  # trained: a conflict must not reset it either
     before, status_before = snapshot(client), client.status()
-    details = refused(Code.ALREADY_EXISTS, client.initialize, 0, variables, optimizer)
+    details = refused(Code.ALREADY_EXISTS, client.initialize, 0, variables, optimizer, reason=Reason.SPEC_CONFLICT)
     assert "conflicts with the stored state" in details
     for part in names_in_details:
         assert part in details
@@ -152,7 +159,7 @@ def test_conflicting_initialize_is_already_exists_and_changes_nothing(ps, snapsh
 
 def test_initialize_from_unregistered_worker_is_failed_precondition(ps):
     _, client = ps(num_workers=2)
-    details = refused(Code.FAILED_PRECONDITION, client.initialize, 1, W0, SGD)
+    details = refused(Code.FAILED_PRECONDITION, client.initialize, 1, W0, SGD, reason=Reason.NOT_REGISTERED)
     assert "worker 1 is not registered" in details
     assert client.status().initialized is False
 
@@ -179,14 +186,27 @@ def test_invalid_initialize_is_invalid_argument_and_stores_nothing(ps, variables
 def test_pull_before_initialize_is_failed_precondition(ps):
     _, client = ps(num_workers=1)
     client.register(0, 1)
-    details = refused(Code.FAILED_PRECONDITION, client.pull, 0)
+    details = refused(Code.FAILED_PRECONDITION, client.pull, 0, reason=Reason.NOT_INITIALIZED)
     assert "not initialized" in details
+
+
+def test_a_worker_waiting_for_the_chief_is_logged_at_debug_and_a_refusal_at_info(ps, caplog):
+    """A start of N workers pulls until the chief initialized: a wait they expect, not N
+    refusals in the server's log (issue 27, "a quiet start")."""
+    _, client = ps(num_workers=2)
+    client.register(0, 2)
+    with caplog.at_level(logging.DEBUG, logger="ps_server.service"):
+        refused(Code.FAILED_PRECONDITION, client.pull, 0, reason=Reason.NOT_INITIALIZED)
+        refused(Code.FAILED_PRECONDITION, client.pull, 1, reason=Reason.NOT_REGISTERED)
+    levels = {reason: [r.levelname for r in caplog.records if f"({reason})" in r.getMessage()]
+              for reason in ("not-initialized", "not-registered")}
+    assert levels == {"not-initialized": ["DEBUG"], "not-registered": ["INFO"]}
 
 
 def test_push_before_initialize_is_failed_precondition(ps):
     _, client = ps(mode="async", num_workers=1)
     client.register(0, 1)
-    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 0, 1, ONES)
+    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 0, 1, ONES, reason=Reason.NOT_INITIALIZED)
     assert "not initialized" in details
 
 
@@ -217,14 +237,14 @@ def test_pull_of_an_unknown_variable_is_not_found(ps):
     _, client = ps(num_workers=1)
     client.register(0, 1)
     client.initialize(0, W0, SGD)
-    assert "'nope'" in refused(Code.NOT_FOUND, client.pull, 0, names=["b", "nope"])
+    assert "'nope'" in refused(Code.NOT_FOUND, client.pull, 0, names=["b", "nope"], reason=Reason.NOT_FOUND)
 
 
 def test_pull_from_an_unregistered_worker_is_failed_precondition(ps):
     _, client = ps(num_workers=2)
     client.register(0, 2)
     client.initialize(0, W0, SGD)
-    assert "worker 1 is not registered" in refused(Code.FAILED_PRECONDITION, client.pull, 1)
+    assert "worker 1 is not registered" in refused(Code.FAILED_PRECONDITION, client.pull, 1, reason=Reason.NOT_REGISTERED)
 
 
 # -- Sync rounds ----------------------------------------------------------------------------------
@@ -284,7 +304,7 @@ def test_late_push_for_a_forgotten_round_is_failed_precondition_and_changes_noth
     for step in range(17):  # replies are remembered for the last 16 rounds only
         client.push(0, step=step, base_version=step, batch_size=1, gradients=ONES)
     before = snapshot(client)
-    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 0, 1, ONES)
+    details = refused(Code.FAILED_PRECONDITION, client.push, 0, 0, 0, 1, ONES, reason=Reason.LATE)
     assert "step 0 is late" in details and "round 0 already completed" in details
     assert snapshot(client) == before
     assert client.status().pushes_applied == 17
@@ -295,7 +315,7 @@ def test_push_for_a_future_round_is_out_of_range_and_changes_nothing(ps, snapsho
     client.register(0, 2)
     client.initialize(0, W0, SGD)
     before = snapshot(client)
-    assert "step 3 is early" in refused(Code.OUT_OF_RANGE, client.push, 0, 3, 0, 1, ONES)
+    assert "step 3 is early" in refused(Code.OUT_OF_RANGE, client.push, 0, 3, 0, 1, ONES, reason=Reason.EARLY)
     assert snapshot(client) == before
     assert list(client.status().waiting_for) == []
 
@@ -326,7 +346,8 @@ def test_sync_barrier_timeout_is_deadline_exceeded_naming_the_missing_worker(ps,
     client.register(1, 2, name="host-b:77")
     client.initialize(0, W0, SGD)
     before = snapshot(client)
-    details = refused(Code.DEADLINE_EXCEEDED, client.push, 0, 0, 0, 1, ONES, timeout=10)
+    details = refused(Code.DEADLINE_EXCEEDED, client.push, 0, 0, 0, 1, ONES, timeout=10,
+                      reason=Reason.BARRIER_TIMEOUT)
     assert "worker(s) 1 (host-b:77)" in details
     assert "pushed: 0 (host-a:10)" in details
     assert "parameters unchanged at version 0" in details
@@ -477,7 +498,7 @@ def test_async_push_without_examples_is_invalid_argument(ps, snapshot):
     client.register(0, 1)
     client.initialize(0, W0, SGD)
     before = snapshot(client)
-    assert "batch_size 0" in refused(Code.INVALID_ARGUMENT, client.push, 0, 0, 0, 0, ONES)
+    assert "batch_size 0" in refused(Code.INVALID_ARGUMENT, client.push, 0, 0, 0, 0, ONES, reason=Reason.INVALID)
     assert snapshot(client) == before
 
 
@@ -534,7 +555,7 @@ def test_leave_marks_the_worker_left(ps):
 
 def test_leave_from_unregistered_worker_is_failed_precondition(ps):
     _, client = ps(num_workers=2)
-    assert "worker 1 is not registered" in refused(Code.FAILED_PRECONDITION, client.leave, 1)
+    assert "worker 1 is not registered" in refused(Code.FAILED_PRECONDITION, client.leave, 1, reason=Reason.NOT_REGISTERED)
 
 
 @pytest.mark.parametrize("service", ["", "tfps.v1.ParameterServer"])
@@ -571,7 +592,7 @@ def test_unexpected_exception_in_a_handler_is_internal_not_unknown(ps, monkeypat
         raise ZeroDivisionError("boom")
 
     monkeypatch.setattr(running.core, "status", broken)
-    details = refused(Code.INTERNAL, client.status)
+    details = refused(Code.INTERNAL, client.status, reason=Reason.UNSPECIFIED)
     assert "internal error in Status: ZeroDivisionError: boom" in details
     monkeypatch.undo()
     assert client.status().num_workers == 1  # the server keeps serving

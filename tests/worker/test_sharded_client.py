@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from protos import tfps_pb2 as pb
+from ps_common.reasons import Reason
 from ps_common.settings import ConfigError
 from worker.client import PSClientError, PushReply, Registration
 from worker.sharded_client import (PUSH_RULES, REGISTRATION_RULES, STATUS_RULES, WORKER_RULES, ShardedClient,
@@ -59,7 +60,8 @@ class FakeShard:
         if self.fail:
             raise self.fail
         if self.values is None:
-            raise PSClientError("Pull", self.address, grpc.StatusCode.FAILED_PRECONDITION, "variables not initialized")
+            raise PSClientError("Pull", self.address, grpc.StatusCode.FAILED_PRECONDITION, "variables not initialized",
+                                Reason.NOT_INITIALIZED)
         return self.version, {n: self.values[n].copy() for n in (names or self.values)}
 
     def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None, metrics=None,
