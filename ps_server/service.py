@@ -517,9 +517,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if plan is not None else None)
         if created:
             log.info(
-                "initialized %d variables (%d parameters) by worker %d, optimizer %s",
+                "initialized %d variables (%d parameters) by worker %d, optimizer: %s",
                 len(variables), sum(v.size for v in variables.values()), request.worker_id,
-                self.core.store.optimizer_spec.as_dict(),
+                self.core.store.optimizer_spec.describe(),
             )
         return pb.InitializeResponse(created=created, version=version)
 
