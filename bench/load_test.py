@@ -33,6 +33,11 @@ under SGD with learning rate 1 from zeros. What it checks:
   count of answered pushes equals the server's count, and the server's
   resident memory (VmRSS, sampled from /proc) shows no growth trend after the
   warm-up.
+- both, measured and reported, held to nothing: an operator's Status and Health every
+  half second from the bench's own process (``ControlProbe``), each call's p50, p99,
+  max and failures side by side, the probe's own wake-up lag, and the CPU seconds the
+  server's threads ran and waited for a CPU meanwhile (``thread_times``): whether a slow
+  answer is the server's or the machine's.
 
 Exact in float32 up to 2**24 applied pushes per element; the run refuses
 nothing, but flags a run that went past that. Exit status: 0 when every check
@@ -162,35 +167,70 @@ class RssSampler(threading.Thread):
 
 class ControlProbe(threading.Thread):
     """Status and a health check every half second while the load runs, each with a 10 s
-    deadline: the calls an operator makes while workers wait at a barrier."""
+    deadline: the calls an operator makes while workers wait at a barrier. It runs in the
+    bench's own process, apart from the client processes, on a channel of its own; each
+    call's latency is kept by kind (Status runs a handler on the server's threads, Health
+    is answered on its event loop), and so is how late this thread itself woke for each
+    period (``wake_lag``): when that is as long as the calls, the machine's CPUs, not the
+    server, are what the probe waited for."""
+
+    CALLS = ("Status", "Health")
 
     def __init__(self, address: str, period: float = 0.5):
         super().__init__(name="control-probe", daemon=True)
         self.address, self.period = address, period
-        self.times: list[float] = []
-        self.failed = 0
+        self.times: dict[str, list[float]] = {name: [] for name in self.CALLS}
+        self.failures: dict[str, list[str]] = {name: [] for name in self.CALLS}
+        self.wake_lag: list[float] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
         with PSClient(self.address, timeout=10.0) as client:
-            while not self._halt.wait(self.period):
-                for call in (client.status, lambda: client.health(timeout=10.0)):
+            calls = {"Status": client.status, "Health": lambda: client.health(timeout=10.0)}
+            due = time.perf_counter() + self.period
+            while not self._halt.wait(max(0.0, due - time.perf_counter())):
+                self.wake_lag.append(time.perf_counter() - due)
+                for name, call in calls.items():
                     started = time.perf_counter()
                     try:
                         call()
-                        self.times.append(time.perf_counter() - started)
-                    except Exception:
-                        self.failed += 1
+                        self.times[name].append(time.perf_counter() - started)
+                    except Exception as e:
+                        self.failures[name].append(f"{type(e).__name__}: {e}"[:200])
+                due = max(due + self.period, time.perf_counter())
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=15)
+        self.join(timeout=25)
 
     def summary(self) -> dict:
-        times = sorted(self.times)
-        ms = lambda x: round(1e3 * x, 1)  # noqa: E731
-        return {"calls": len(times) + self.failed, "failed": self.failed,
-                "p50_ms": ms(times[len(times) // 2]) if times else None, "max_ms": ms(times[-1]) if times else None}
+        def figures(xs: list[float]) -> dict:
+            return {"p50_ms": _percentile_ms(xs, 50), "p99_ms": _percentile_ms(xs, 99),
+                    "max_ms": round(max(xs) * 1e3, 2) if xs else None}
+        out = {name: {"calls": len(self.times[name]) + len(self.failures[name]),
+                      "failed": len(self.failures[name]), **figures(self.times[name]),
+                      "failure_samples": self.failures[name][:3]} for name in self.CALLS}
+        out["wake_lag"] = figures(self.wake_lag)
+        return out
+
+
+def thread_times(pid: int, since: dict | None = None) -> dict:
+    """Seconds a process's threads spent on a CPU, and runnable but waiting for one (summed
+    over its threads, from /proc/<pid>/task/*/schedstat), ``since`` an earlier answer: the
+    waiting is what the rest of the machine's load (here the client processes) costs it."""
+    ran, waited = (-since["ran_s"], -since["waited_for_cpu_s"]) if since else (0.0, 0.0)
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            ran, waited = ran + int(fields[0]) / 1e9, waited + int(fields[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended
+    return {"ran_s": round(ran, 2), "waited_for_cpu_s": round(waited, 2)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -413,92 +453,11 @@ def _collect(results, procs: list, timeout: float) -> list[dict]:
     return tallies
 
 
-def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str = "locked") -> dict:
-    n = opts.clients
-    threads = opts.threads  # 0: the server's default pool
-    server = Server(mode, n, workdir, threads, async_apply)
-    sampler = RssSampler(server.pid)
-    sampler.start()
-    ctx = mp.get_context("spawn")  # never fork a process that has grpc threads
-    procs: list = []
-    try:
-        with PSClient(server.address, timeout=CALL_TIMEOUT) as admin:
-            admin.wait_ready(60)
-            # The chief's job: initialize. Worker 0 registers again below; that is allowed.
-            admin.register(0, n, name="load-init")
-            admin.initialize(0, {k: np.zeros(s, np.float32) for k, s in VARIABLES.items()}, SGD_LR1)
-            time.sleep(0.5)  # let the start sample see the initialized server
-            sampler.sample()
-
-            shared = _Shared(ctx, n + 1)
-            results = ctx.Queue()
-            args = {"mode": mode, "address": server.address, "clients": n, "pull_every": opts.pull_every}
-            nprocs = max(1, min(opts.procs, n))
-            groups = [list(range(n))[p::nprocs] for p in range(nprocs)]
-            procs = [ctx.Process(target=client_process, args=(g, args, shared, results), daemon=True)
-                     for g in groups]
-            for p in procs:
-                p.start()
-            shared.start.wait(timeout=300)  # every worker registered
-            t_start = time.monotonic()
-            load_before = os.getloadavg()[0]
-            cpu_start = cpu_seconds(server.pid)
-            probe = ControlProbe(server.address)  # Status and Health, answered while workers wait
-            probe.start()
-            time.sleep(opts.seconds)
-            probe.stop()
-            if mode == "sync":
-                with shared.round_lock:
-                    shared.stop_round.value = shared.max_started.value + 1
-                    stop_round = shared.stop_round.value
-            else:
-                shared.stop.set()
-                stop_round = None
-            tallies = _collect(results, procs, timeout=BARRIER_TIMEOUT + 2 * CALL_TIMEOUT)
-            t_end = time.monotonic()
-            cpu_end = cpu_seconds(server.pid)
-            load_after = os.getloadavg()[0]
-            for p in procs:
-                p.join(timeout=30)
-            time.sleep(1.0)
-            sampler.sample()  # idle, after the load
-            status = admin.status()
-            version, values = admin.pull()
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        sampler.stop()
-        exit_code = server.stop()
-
-    elapsed = t_end - t_start
-    pushes = sum(t["pushes"] for t in tallies)
-    pulls = sum(t["pulls"] for t in tallies)
-    errors = [e for t in tallies for e in t["errors"]]
-    push_lat = [x for t in tallies for x in t["push_latency"]]
-    pull_lat = [x for t in tallies for x in t["pull_latency"]]
-    elements = sum(int(np.prod(s, dtype=np.int64)) for s in VARIABLES.values())
-    result = {
-        "mode": mode, "async_apply": async_apply if mode != "sync" else None,
-        "label": mode if mode == "sync" else f"{mode} {async_apply}", "clients": n, "client_procs": len(procs), "server_threads": threads,
-        "seconds": opts.seconds, "elapsed_s": round(elapsed, 2), "pull_every": opts.pull_every,
-        "variables": {k: list(s) for k, s in VARIABLES.items()}, "elements": elements,
-        "pushes": pushes, "pulls": pulls, "pushes_per_s": round(pushes / elapsed, 1),
-        "mib_pushed_per_s": round(pushes * elements * 4 / elapsed / 2**20, 1),
-        "push_p50_ms": _percentile_ms(push_lat, 50), "push_p99_ms": _percentile_ms(push_lat, 99),
-        "pull_p50_ms": _percentile_ms(pull_lat, 50), "pull_p99_ms": _percentile_ms(pull_lat, 99),
-        "errors": len(errors), "error_samples": errors[:10],
-        "server_cpu_percent": round(100 * (cpu_end - cpu_start) / elapsed, 1),
-        "client_cpu_percent": round(100 * sum(t["cpu_s"] for t in tallies) / elapsed, 1),
-        "loadavg_1m": [round(load_before, 2), round(load_after, 2)],  # other work on the machine skews figures
-        "server_exit_code": exit_code, "server_cpu_s": round(cpu_end - cpu_start, 2),
-        "server_version": version, "server_pushes_applied": status.pushes_applied,
-        "server_pushes_replayed": status.pushes_replayed, "server_pushes_dropped": status.pushes_dropped,
-        "server_max_staleness": status.max_staleness, "server_mean_staleness": round(status.mean_staleness, 2),
-        "memory": memory_summary(sampler.samples, t_start, t_end, min(max(2.0, 0.2 * opts.seconds), opts.seconds / 2)),
-        "server_threads_peak": sampler.peak_threads,
-        "control_calls": probe.summary(),
-    }
+def _checks(result: dict, errors: list[str], status, version: int, values: dict, stop_round: int | None,
+            tallies: list[dict]) -> dict[str, bool]:
+    """What a run must show, by mode (the module's docstring); adds the figures behind them to ``result``."""
+    mode, n, async_apply, elements = result["mode"], result["clients"], result["async_apply"], result["elements"]
+    pushes = result["pushes"]
     checks: dict[str, bool] = {
         "zero_errors": not errors,
         "client_pushes_equal_server_count": pushes == status.pushes_applied,
@@ -507,7 +466,7 @@ def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str
     if mode == "sync":
         expected = sync_expected(stop_round, n)
         wrong = sum(int(np.count_nonzero(v != np.float32(expected))) for v in values.values())
-        result.update(rounds=stop_round, rounds_per_s=round(stop_round / elapsed, 2),
+        result.update(rounds=stop_round, rounds_per_s=round(stop_round / result["elapsed_s"], 2),
                       expected_value=expected, elements_wrong=wrong,
                       worker_rounds_min=min(r for t in tallies for r in t["rounds"]),
                       worker_rounds_max=max(r for t in tallies for r in t["rounds"]))
@@ -533,8 +492,108 @@ def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str
             checks["zero_lost_updates"] = lost == 0 and extra == 0
         checks["version_counts_pushes"] = version == applied
         checks["within_float32_exact_range"] = applied <= EXACT_LIMIT
-    result["checks"] = checks
-    result["ok"] = all(checks.values())
+    return checks
+
+
+def _start_clients(ctx, mode: str, address: str, opts: argparse.Namespace, shared: _Shared, results) -> list:
+    """The client processes, started: ``--clients`` workers as threads of ``--procs`` processes."""
+    n = opts.clients
+    args = {"mode": mode, "address": address, "clients": n, "pull_every": opts.pull_every}
+    nprocs = max(1, min(opts.procs, n))
+    procs = [ctx.Process(target=client_process, args=(list(range(n))[p::nprocs], args, shared, results), daemon=True)
+             for p in range(nprocs)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _stop_load(mode: str, shared: _Shared) -> int | None:
+    """Tell the workers to stop: sync, after the rounds already started (returned); async, now."""
+    if mode != "sync":
+        shared.stop.set()
+        return None
+    with shared.round_lock:
+        shared.stop_round.value = shared.max_started.value + 1
+        return shared.stop_round.value
+
+
+def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str = "locked") -> dict:
+    n = opts.clients
+    threads = opts.threads  # 0: the server's default pool
+    server = Server(mode, n, workdir, threads, async_apply)
+    sampler = RssSampler(server.pid)
+    sampler.start()
+    ctx = mp.get_context("spawn")  # never fork a process that has grpc threads
+    procs: list = []
+    try:
+        with PSClient(server.address, timeout=CALL_TIMEOUT) as admin:
+            admin.wait_ready(60)
+            # The chief's job: initialize. Worker 0 registers again below; that is allowed.
+            admin.register(0, n, name="load-init")
+            admin.initialize(0, {k: np.zeros(s, np.float32) for k, s in VARIABLES.items()}, SGD_LR1)
+            time.sleep(0.5)  # let the start sample see the initialized server
+            sampler.sample()
+
+            shared, results = _Shared(ctx, n + 1), ctx.Queue()
+            procs = _start_clients(ctx, mode, server.address, opts, shared, results)
+            shared.start.wait(timeout=300)  # every worker registered
+            t_start = time.monotonic()
+            load_before = os.getloadavg()[0]
+            cpu_start = cpu_seconds(server.pid)
+            threads_start = thread_times(server.pid)
+            probe = ControlProbe(server.address)  # Status and Health, answered while workers wait
+            probe.start()
+            time.sleep(opts.seconds)
+            probe.stop()
+            server_threads = thread_times(server.pid, since=threads_start)
+            stop_round = _stop_load(mode, shared)
+            tallies = _collect(results, procs, timeout=BARRIER_TIMEOUT + 2 * CALL_TIMEOUT)
+            t_end = time.monotonic()
+            cpu_end = cpu_seconds(server.pid)
+            load_after = os.getloadavg()[0]
+            for p in procs:
+                p.join(timeout=30)
+            time.sleep(1.0)
+            sampler.sample()  # idle, after the load
+            status = admin.status()
+            version, values = admin.pull()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        sampler.stop()
+        exit_code = server.stop()
+
+    elapsed = t_end - t_start
+    pushes = sum(t["pushes"] for t in tallies)
+    pulls = sum(t["pulls"] for t in tallies)
+    errors = [e for t in tallies for e in t["errors"]]
+    push_lat, pull_lat = ([x for t in tallies for x in t[k]] for k in ("push_latency", "pull_latency"))
+    elements = sum(int(np.prod(s, dtype=np.int64)) for s in VARIABLES.values())
+    result = {
+        "mode": mode, "async_apply": async_apply if mode != "sync" else None,
+        "label": mode if mode == "sync" else f"{mode} {async_apply}", "clients": n, "client_procs": len(procs), "server_threads": threads,
+        "seconds": opts.seconds, "elapsed_s": round(elapsed, 2), "pull_every": opts.pull_every,
+        "variables": {k: list(s) for k, s in VARIABLES.items()}, "elements": elements,
+        "pushes": pushes, "pulls": pulls, "pushes_per_s": round(pushes / elapsed, 1),
+        "mib_pushed_per_s": round(pushes * elements * 4 / elapsed / 2**20, 1),
+        "push_p50_ms": _percentile_ms(push_lat, 50), "push_p99_ms": _percentile_ms(push_lat, 99),
+        "pull_p50_ms": _percentile_ms(pull_lat, 50), "pull_p99_ms": _percentile_ms(pull_lat, 99),
+        "errors": len(errors), "error_samples": errors[:10],
+        "server_cpu_percent": round(100 * (cpu_end - cpu_start) / elapsed, 1),
+        "client_cpu_percent": round(100 * sum(t["cpu_s"] for t in tallies) / elapsed, 1),
+        "loadavg_1m": [round(load_before, 2), round(load_after, 2)],  # other work on the machine skews figures
+        "server_exit_code": exit_code, "server_cpu_s": round(cpu_end - cpu_start, 2),
+        "server_version": version, "server_pushes_applied": status.pushes_applied,
+        "server_pushes_replayed": status.pushes_replayed, "server_pushes_dropped": status.pushes_dropped,
+        "server_max_staleness": status.max_staleness, "server_mean_staleness": round(status.mean_staleness, 2),
+        "memory": memory_summary(sampler.samples, t_start, t_end, min(max(2.0, 0.2 * opts.seconds), opts.seconds / 2)),
+        "server_threads_peak": sampler.peak_threads,
+        "control_calls": probe.summary(),
+        "server_thread_times": server_threads,  # while the probe ran: on a CPU, and waiting for one
+    }
+    result["checks"] = _checks(result, errors, status, version, values, stop_round, tallies)
+    result["ok"] = all(result["checks"].values())
     if not result["ok"]:
         result["server_log_tail"] = server.log_tail()
     return result
@@ -570,8 +629,11 @@ def print_table(results: list[dict]) -> None:
         ("lost fraction", lambda r: r.get("lost_fraction", "-")),
         ("RSS start/peak/end MiB", lambda r: "{start_mib} / {peak_mib} / {end_mib}".format(**r["memory"])),
         ("server threads (peak)", lambda r: str(r.get("server_threads_peak", "-"))),
-        ("Status+Health during load", lambda r: "{calls} calls, {failed} failed, p50/max {p50_ms} / {max_ms} ms".format(
-            **r["control_calls"]) if r.get("control_calls") else "-"),
+        *((f"{name} p50/p99/max ms, failed", lambda r, name=name: "{p50_ms} / {p99_ms} / {max_ms}, {failed} of {calls}"
+           .format(**r["control_calls"][name])) for name in ControlProbe.CALLS),
+        ("probe's wake-up lag p50/max ms", lambda r: "{p50_ms} / {max_ms}".format(**r["control_calls"]["wake_lag"])),
+        ("server threads on / waiting for CPU s", lambda r: "{ran_s} / {waited_for_cpu_s}".format(
+            **r["server_thread_times"])),
         ("RSS post-warm-up MiB", lambda r: r["memory"]["post_warmup_mib"]),
         ("RSS slope MiB/min", lambda r: r["memory"]["slope_mib_per_min"]),
         ("memory bounded", lambda r: r["memory"]["bounded"]),
@@ -584,6 +646,9 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         for e in r["error_samples"]:
             print(f"[{r['label']}] error: {e}")
+        for name in ControlProbe.CALLS:
+            for e in r["control_calls"][name]["failure_samples"]:
+                print(f"[{r['label']}] {name} failed: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,9 @@ broadcast) awaits a ``core.modes.Ticket`` and holds no thread; the work of a cal
 pull) runs on a fixed pool of ``pool_threads`` threads (for a small store on the loop
 itself: ``service.INLINE_BYTES``), and every handler that never waits is the plain
 synchronous one run there (``grpc.aio``'s migration pool). The thread count does not
-grow with the workers.
+grow with the workers. An operator's Status runs on a thread of its own, ``control``,
+never queued behind the pushes' and pulls' work on the pool (the health check is
+answered on the loop itself).
 
 ``LoopServer`` gives ``RunningServer`` the calls of a ``grpc.Server`` (start, stop,
 ports) from any thread; the loop runs on the thread "ps-aio".
@@ -38,6 +40,7 @@ from ps_server.core.modes import Ticket
 class LoopServer:
     def __init__(self, options, interceptors, pool_threads: int):
         self.pool = futures.ThreadPoolExecutor(max_workers=pool_threads, thread_name_prefix="ps-rpc")
+        self.control = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-control")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="ps-aio", daemon=True)
         self._thread.start()
@@ -86,6 +89,7 @@ class LoopServer:
         if not self._thread.is_alive():
             self.loop.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.control.shutdown(wait=False, cancel_futures=True)
 
 
 async def settled(ticket: Ticket) -> Any:

@@ -192,7 +192,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         pool_threads=config.pool_threads,
     )
     servicer = ParameterServerServicer(core, allow_shm=config.shm)
-    servicer.pool = server.pool
+    servicer.pool, servicer.control = server.pool, server.control
     serve_metrics = bool(config.metrics_port) if metrics_port is None else True
     metrics = Metrics(core) if serve_metrics else None
     add_to_server(servicer, server, traffic=metrics)

@@ -428,6 +428,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.receiving = AsyncBudget(RECEIVE_BYTES)
         self.sending = AsyncBudget(SEND_BYTES)  # PullStream replies in flight
         self.pool = None  # the server's thread pool (ps_server.aio.LoopServer.pool): the work of a call
+        self.control = None  # its thread for Status (LoopServer.control); None: the loop's default executor
         self.allow_shm = allow_shm
         self.segments = shm.SegmentCache()  # the workers' shared-memory segments, mapped
         self._store_bytes: int | None = None  # the store's values' bytes, once initialized (_inline)
@@ -536,9 +537,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             if plan is not None else None)
         if created:
             log.info(
-                "initialized %d variables (%d parameters) by worker %d, optimizer %s",
+                "initialized %d variables (%d parameters) by worker %d, optimizer: %s",
                 len(variables), sum(v.size for v in variables.values()), request.worker_id,
-                self.core.store.optimizer_spec.as_dict(),
+                self.core.store.optimizer_spec.describe(),
             )
         return pb.InitializeResponse(created=created, version=version)
 
@@ -852,6 +853,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                   request.timeout_s)
         return pb.BroadcastResponse(value=await settled(ticket))
 
-    @_handled
-    def Status(self, request, context):
-        return status_to_wire(self.core.status(), time.monotonic())
+    @_handled_async
+    async def Status(self, request, context):
+        # Off the pool, where the pushes' and pulls' work queues (a sync round of 1,024 ends in
+        # 1,024 pulls' encodes): an operator's call waits behind none of it.
+        return await asyncio.get_running_loop().run_in_executor(
+            self.control, lambda: status_to_wire(self.core.status(), time.monotonic()))

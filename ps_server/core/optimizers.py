@@ -195,6 +195,21 @@ class OptimizerSpec:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self) -> str:
+        """One line for a log: the name, the learning rate (or its schedule), and only the
+        fields this optimizer takes that differ from its Keras default: ``adam learning_rate=0.001``,
+        ``sgd learning_rate=0.1 momentum=0.9``."""
+        takes = OPTIMIZER_DEFAULTS.get(self.name, {})
+        schedule = self.learning_rate_schedule
+        if isinstance(schedule, dict):
+            arguments = ", ".join(f"{k}={v!r}" for k, v in schedule.get("config", {}).items())
+            rate = f"learning_rate_schedule={schedule.get('class_name', '?')}({arguments})"
+        else:
+            rate = f"learning_rate={self.learning_rate!r}"
+        changed = [f"{f}={getattr(self, f)!r}" for f, default in takes.items()
+                   if f != "learning_rate" and getattr(self, f) != default]
+        return " ".join([self.name, rate, *changed])
+
     @classmethod
     def from_dict(cls, d: dict) -> "OptimizerSpec":
         """From ``as_dict`` (a checkpoint's header); fields it lacks (an older one) take their defaults."""

@@ -86,3 +86,19 @@ def test_server_memory_stays_bounded_under_load(load, mode):
 
 def test_load_test_exits_zero_when_every_check_holds(load):
     assert load["_exit"] == 0, load["_output"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_status_and_health_are_measured_side_by_side_under_load(load, mode):
+    """The bench reports each control call's latencies and failures, the probe's own wake-up
+    lag and the server's threads' CPU time (issue 27); a call may only fail by its deadline."""
+    r = load[mode]
+    probe = r["control_calls"]
+    for name in ("Status", "Health"):
+        calls = probe[name]
+        assert calls["calls"] > 0 and calls["calls"] == probe["Status"]["calls"], probe
+        if calls["calls"] > calls["failed"]:
+            assert 0 < calls["p50_ms"] <= calls["p99_ms"] <= calls["max_ms"], calls
+        assert all("DEADLINE_EXCEEDED" in f for f in calls["failure_samples"]), calls
+    assert probe["wake_lag"]["p50_ms"] is not None and probe["wake_lag"]["p50_ms"] >= 0
+    assert r["server_thread_times"]["ran_s"] > 0 and r["server_thread_times"]["waited_for_cpu_s"] >= 0

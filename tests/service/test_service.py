@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import codec
 from protos import tfps_pb2 as pb
+from ps_common.names import optimizer_fields
 from ps_common.reasons import Reason
 from ps_server.core import errors
 from ps_server.service import status_code_for
@@ -126,6 +127,20 @@ def test_repeated_identical_initialize_is_harmless_and_keeps_trained_values(ps, 
     version, values = client.pull()
     assert version == 1
     np.testing.assert_array_equal(values["w"], W0["w"] - 0.5)
+
+
+def test_initialize_logs_the_optimizer_as_one_line_of_its_own_fields_that_were_changed(ps, caplog):
+    """The server's INFO line names the optimizer, its learning rate and only the fields of
+    that optimizer off their Keras defaults, never another optimizer's fields (issue 27)."""
+    _, client = ps(mode="sync", num_workers=1)
+    client.register(0, 1)
+    # Every field, as a worker sends it (worker.config): rmsprop's rho too, which adam ignores.
+    adam = optimizer_fields("adam", learning_rate=0.01, beta_1=0.9, beta_2=0.98, rho=0.5)
+    with caplog.at_level(logging.INFO, logger="ps_server.service"):
+        assert client.initialize(0, W0, adam) is True
+    lines = [r.getMessage() for r in caplog.records if r.name == "ps_server.service" and "initialized" in r.getMessage()]
+    assert lines == ["initialized 2 variables (9 parameters) by worker 0, optimizer: adam learning_rate=0.01 "
+                     "beta_2=0.98"]
 
 
 @pytest.mark.parametrize(

@@ -115,3 +115,25 @@ def test_the_servers_threads_do_not_grow_with_the_workers_waiting(ps, connect, b
     # Threads of the two servers' pools (this process runs both, one after the other): at
     # most the pool and the loop, however many workers wait.
     assert counts[64] <= ServerConfig().pool_threads + 1, counts
+
+
+def test_status_and_health_answer_while_every_pool_thread_is_busy(ps, wait_until):
+    """The pool is where the pushes' and pulls' work queues (at the end of a sync round of
+    1,024 workers: their pulls' encodes, issue 27). Status runs on a thread of its own and
+    Health on the event loop, so both answer while every pool thread is taken and more
+    work waits behind them."""
+    running, chief = ps(mode="sync", num_workers=2, threads=2)
+    chief.register(0, 2)
+    chief.initialize(0, W0, SGD)
+    release = threading.Event()
+    busy = [running.server.pool.submit(release.wait, 60) for _ in range(2 + 4)]  # both threads, and a queue
+    probe = PSClient(running.address, timeout=PROMPT)
+    try:
+        wait_until(lambda: sum(f.running() for f in busy) == 2, timeout=10, what="both pool threads taken")
+        status = probe.status()
+        assert status.initialized and status.num_workers == 2 and status.num_variables == 1
+        assert probe.health(timeout=PROMPT) == "SERVING"
+        assert not any(f.done() for f in busy)  # the pool stayed full while they answered
+    finally:
+        release.set()
+        probe.close()
