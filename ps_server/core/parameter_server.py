@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ps_common.names import MODES
+from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, REPLACEMENT_TIMEOUT, STALENESS,
+                                 server_settings_conflict)
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core import hogwild
@@ -128,42 +129,28 @@ class ParameterServer:
         self,
         mode: str,
         num_workers: int,
-        barrier_timeout: float = 60.0,
-        lease_timeout: float = 10.0,
+        barrier_timeout: float = BARRIER_TIMEOUT,
+        lease_timeout: float = LEASE_TIMEOUT,
         dead_worker_policy: str = "abort",
-        replacement_timeout: float = 60.0,
+        replacement_timeout: float = REPLACEMENT_TIMEOUT,
         replicas_to_aggregate: int = 0,
         allow_nonfinite: bool = False,
-        staleness_bound: int = 0,
+        staleness_bound: int = STALENESS,
         stale_policy: str = "none",
-        max_staleness: int = 0,
+        max_staleness: int = MAX_STALENESS,
         sparse_updates: str = "exact",
         clock=time.monotonic,
         async_apply: str = "locked",
         elastic_min_workers: int = 0,
         micro_batches: int = 0,
     ):
-        if mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
-        if stale_policy != "none" and mode == "sync":
-            raise InvalidArgument("a stale-gradient policy applies to async and ssp modes; sync has no stale gradients")
-        if async_apply != "locked" and mode == "sync":
-            raise InvalidArgument(f"async_apply {async_apply!r} applies to async and ssp modes; sync applies each "
-                                  "round at once")
+        conflict = server_settings_conflict(mode, num_workers, stale_policy, async_apply, elastic_min_workers,
+                                            micro_batches, replicas_to_aggregate)
+        if conflict:
+            raise InvalidArgument(conflict)
         # Elastic sync (``core.elastic_mode``): from elastic_min_workers up to num_workers
         # workers, each global batch cut into micro_batches (default num_workers).
         self.elastic = elastic_min_workers > 0
-        if self.elastic:
-            if mode != "sync":
-                raise InvalidArgument("elastic training is a sync mode's; async and ssp take workers as they come")
-            if replicas_to_aggregate:
-                raise InvalidArgument("elastic sync trains every round on its whole batch: no backup workers "
-                                      "(replicas_to_aggregate)")
-            if elastic_min_workers > num_workers:
-                raise InvalidArgument(f"elastic_min_workers {elastic_min_workers} is above num_workers "
-                                      f"{num_workers} (the most workers the job takes)")
-        elif micro_batches:
-            raise InvalidArgument("micro_batches apply to elastic sync only")
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
         self.mode_name = mode
         self.async_apply = async_apply
