@@ -96,3 +96,17 @@ def test_a_rule_between_server_settings_refuses_alike_in_the_config_and_the_core
     with pytest.raises(InvalidArgument) as refused_by_core:
         ParameterServer(num_workers=4, **settings)
     assert str(refused_by_config.value) == str(refused_by_core.value)
+
+
+def test_a_default_the_docs_state_for_a_flag_is_the_configurations():
+    """``--checkpoint-interval`` seconds (default 30), as docs/checkpoints.md says it."""
+    from pathlib import Path
+
+    fields = {f.name: f.default for cls in (ServerConfig, WorkerConfig) for f in dataclasses.fields(cls)}
+    stated = re.compile(r"`--([a-z-]+)(?: [A-Z]+)?`[^`(.]*?\(default ([^)\s,;:]+)")
+    root = Path(__file__).resolve().parents[1]
+    found = [(path.name, flag.replace("-", "_"), value) for path in [root / "README.md", *(root / "docs").glob("*.md")]
+             for flag, value in stated.findall(path.read_text())]
+    checked = [(doc, name, value) for doc, name, value in found if name in fields]
+    assert len(checked) >= 3
+    assert [(doc, name, value) for doc, name, value in checked if not _stated_equals(value, fields[name])] == []
