@@ -27,7 +27,7 @@ from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_PO
 from ps_server.core.sparse import SPARSE_UPDATES
 
 from protos.wire import check_max_message_mb, max_message_bytes
-from ps_common.settings import ConfigError, resolve, setting
+from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,6 @@ class ServerConfig:
             raise ConfigError(f"--barrier-timeout must be > 0 seconds, got {self.barrier_timeout}")
         if self.threads and self.threads < 2:
             raise ConfigError(f"--threads must be >= 2 (one call's work beside another's), got {self.threads}")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not self.lease_timeout > 0:
             raise ConfigError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}")
         if self.dead_worker_policy not in DEAD_WORKER_POLICIES:
@@ -143,12 +141,9 @@ class ServerConfig:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be in 1..65535 (or 0 for no metrics), got {self.metrics_port}")
+        check_shared_fields(self)
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"--metrics-port {self.metrics_port} is the gRPC --port; give it another")
         check_max_message_mb(self.max_message_mb)

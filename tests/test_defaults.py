@@ -110,3 +110,13 @@ def test_a_default_the_docs_state_for_a_flag_is_the_configurations():
     checked = [(doc, name, value) for doc, name, value in found if name in fields]
     assert len(checked) >= 3
     assert [(doc, name, value) for doc, name, value in checked if not _stated_equals(value, fields[name])] == []
+
+
+@pytest.mark.parametrize("settings", [dict(log_level="LOUD"), dict(metrics_port=70000),
+                                      dict(tls_cert_file="c.pem"), dict(tls_key_file="k.pem")])
+def test_a_field_both_processes_have_is_refused_alike_by_each(settings):
+    with pytest.raises(ConfigError) as refused_by_server:
+        ServerConfig(**settings).validate()
+    with pytest.raises(ConfigError) as refused_by_worker:
+        WorkerConfig(**({"tls_ca_file": "ca.pem"} if "tls_cert_file" in settings else {}), **settings).validate()
+    assert str(refused_by_server.value) == str(refused_by_worker.value)

@@ -32,7 +32,7 @@ import os
 
 from ps_common import defaults as d
 from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS, optimizer_fields
-from ps_common.settings import ConfigError, resolve, setting
+from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
 from protos.stream import WIRE_DTYPES
 from protos.wire import check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
@@ -175,8 +175,7 @@ class WorkerConfig:
             raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"--progress must be auto, bar, lines or off, got {self.progress!r}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be a port number (0: off), got {self.metrics_port}")
+        check_shared_fields(self)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.epochs < 1 and self.steps < 1:
@@ -199,8 +198,6 @@ class WorkerConfig:
             raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
         if self.heartbeat_interval < 0 or self.reconnect_timeout <= 0:
             raise ConfigError("--heartbeat-interval must be >= 0 and --reconnect-timeout > 0")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("--tls-cert-file and --tls-key-file (client certificate) go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ConfigError("a client certificate (--tls-cert-file) needs --tls-ca-file")
         if self.save_model and not self.save_model.endswith((".keras", ".h5")):
@@ -214,8 +211,6 @@ class WorkerConfig:
         if any(s < 1 for s in steps):
             raise ConfigError(f"--snapshot-steps counts steps from 1, got {self.snapshot_steps!r}")
         self._validate_knobs()
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         check_max_message_mb(self.max_message_mb)
         return self
 
