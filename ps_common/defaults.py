@@ -59,5 +59,6 @@ def server_settings_conflict(mode: str, num_workers: int, stale_gradient_policy:
         return (f"--elastic-min-workers {elastic_min_workers} is above --num-workers {num_workers} "
                 "(the most workers the job takes)")
     if replicas_to_aggregate:
-        return "--elastic-min-workers trains every round on its whole batch: no backup workers (--replicas-to-aggregate)"
+        return ("--elastic-min-workers trains every round on its whole batch: no backup workers "
+                "(--replicas-to-aggregate)")
     return None

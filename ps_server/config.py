@@ -166,7 +166,8 @@ class ServerConfig:
         p.add_argument("--mode", choices=MODES, help="sync (barrier per step), async (apply on arrival) or ssp "
                        "(apply on arrival, nobody more than --staleness steps ahead of the slowest)")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
-        p.add_argument("--barrier-timeout", type=float, help=f"seconds a sync round may wait for its last push (default {d.BARRIER_TIMEOUT:g})")
+        p.add_argument("--barrier-timeout", type=float,
+                       help=f"seconds a sync round may wait for its last push (default {d.BARRIER_TIMEOUT:g})")
         p.add_argument("--threads", type=int, help="threads that do the calls' work; waiting calls hold none "
                                                    f"(default max({d.MIN_THREADS}, {d.THREADS_PER_CPU} x CPUs))")
         p.add_argument("--port-file", help="write the bound port to this file once serving")
@@ -177,10 +178,12 @@ class ServerConfig:
         p.add_argument("--print-config", action="store_true", default=None,
                        help="print the resolved configuration (flags, environment, TF_CONFIG) as JSON and exit")
         g = p.add_argument_group("faults")
-        g.add_argument("--lease-timeout", type=float, help=f"seconds without a heartbeat before a worker is dead (default {d.LEASE_TIMEOUT:g})")
+        g.add_argument("--lease-timeout", type=float,
+                       help=f"seconds without a heartbeat before a worker is dead (default {d.LEASE_TIMEOUT:g})")
         g.add_argument("--dead-worker-policy", choices=DEAD_WORKER_POLICIES,
                        help="sync: abort the round (default), wait for a replacement, or shrink to the live workers")
-        g.add_argument("--replacement-timeout", type=float, help=f"policy wait: seconds to wait for a replacement (default {d.REPLACEMENT_TIMEOUT:g})")
+        g.add_argument("--replacement-timeout", type=float,
+                       help=f"policy wait: seconds to wait for a replacement (default {d.REPLACEMENT_TIMEOUT:g})")
         g.add_argument("--replicas-to-aggregate", type=int,
                        help="sync backup workers: finish each round with the first K pushes (default: all)")
         g.add_argument("--allow-nonfinite", action=argparse.BooleanOptionalAction,
@@ -210,31 +213,7 @@ class ServerConfig:
                        "table otherwise; lazy steps only the touched rows and their slots for every optimizer (TF "
                        "Addons' LazyAdam; not Keras' result); dense always steps the whole table "
                        "(environment TFPS_SPARSE_UPDATES)")
-        g = p.add_argument_group("transport")
-        g.add_argument("--shm", action=argparse.BooleanOptionalAction,
-                       help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
-                       "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC; "
-                       "environment TFPS_SERVER_SHM)")
-        g.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; workers need "
-                       f"the same (default {d.MAX_MESSAGE_MB:g})")
-        g.add_argument("--reflection", action=argparse.BooleanOptionalAction,
-                       help="gRPC server reflection, for grpcurl and grpc_cli; behind the bearer token like every "
-                       "call but the health check (default: on; --no-reflection turns it off)")
-        g = p.add_argument_group("checkpoints")
-        g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
-        g.add_argument("--checkpoint-interval", type=float, help=f"seconds between checkpoints (default {d.CHECKPOINT_INTERVAL:g})")
-        g.add_argument("--checkpoint-keep", type=int, help=f"how many checkpoints to keep (default {d.CHECKPOINT_KEEP})")
-        g = p.add_argument_group("security")
-        g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS "
-                       "(environment TFPS_SERVER_TLS_CERT_FILE)")
-        g.add_argument("--tls-key-file", help="server private key (PEM) (environment TFPS_SERVER_TLS_KEY_FILE)")
-        g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
-        g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
-                       "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
-        g = p.add_argument_group("metrics")
-        g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
-                       "(plain HTTP, no token; default 0: off; environment TFPS_SERVER_METRICS_PORT)")
-        g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
+        _add_transport_flags(p)
         return p
 
     @classmethod
@@ -246,3 +225,35 @@ class ServerConfig:
     def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "ServerConfig":
         environ = os.environ if environ is None else environ
         return resolve(cls, args, environ, role="ps").validate()
+
+
+
+def _add_transport_flags(p: argparse.ArgumentParser) -> None:
+    """ps-server's transport, checkpoint, security and metrics flags."""
+    g = p.add_argument_group("transport")
+    g.add_argument("--shm", action=argparse.BooleanOptionalAction,
+                   help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
+                   "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC; "
+                   "environment TFPS_SERVER_SHM)")
+    g.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; workers need "
+                   f"the same (default {d.MAX_MESSAGE_MB:g})")
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction,
+                   help="gRPC server reflection, for grpcurl and grpc_cli; behind the bearer token like every "
+                   "call but the health check (default: on; --no-reflection turns it off)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
+    g.add_argument("--checkpoint-interval", type=float,
+                   help=f"seconds between checkpoints (default {d.CHECKPOINT_INTERVAL:g})")
+    g.add_argument("--checkpoint-keep", type=int,
+                   help=f"how many checkpoints to keep (default {d.CHECKPOINT_KEEP})")
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS "
+                   "(environment TFPS_SERVER_TLS_CERT_FILE)")
+    g.add_argument("--tls-key-file", help="server private key (PEM) (environment TFPS_SERVER_TLS_KEY_FILE)")
+    g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
+    g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
+                   "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                   "(plain HTTP, no token; default 0: off; environment TFPS_SERVER_METRICS_PORT)")
+    g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")

@@ -294,19 +294,23 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                         "index; none: the function made this worker's own batches (it takes a context argument)")
     p.add_argument("--epochs", type=int, help=f"passes over the training data (default {d.EPOCHS})")
     p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
-    p.add_argument("--global-batch-size", type=int, help=f"examples per step over all workers (default {d.GLOBAL_BATCH_SIZE})")
+    p.add_argument("--global-batch-size", type=int,
+                   help=f"examples per step over all workers (default {d.GLOBAL_BATCH_SIZE})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="the Keras optimizer the server applies: "
                    f"{', '.join(OPTIMIZERS)} (default adam); a Keras program's own: tfps.keras")
     p.add_argument("--learning-rate", type=float, help="default: the optimizer's Keras default ("
-                   f"{OPTIMIZER_DEFAULTS['adam']['learning_rate']:g} for adam, {OPTIMIZER_DEFAULTS['sgd']['learning_rate']:g} for sgd)")
+                   f"{OPTIMIZER_DEFAULTS['adam']['learning_rate']:g} for adam, "
+                   f"{OPTIMIZER_DEFAULTS['sgd']['learning_rate']:g} for sgd)")
     p.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
     p.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
     p.add_argument("--log-every", type=int, help=f"progress line every this many steps (default {d.LOG_EVERY})")
     p.add_argument("--eval-every", type=int, help="chief: every K steps evaluate the pulled parameters on the "
                    "test set, recorded in --history-json (default 0: off)")
-    p.add_argument("--connect-timeout", type=float, help=f"seconds to wait for the server (default {d.CONNECT_TIMEOUT:g})")
-    p.add_argument("--init-timeout", type=float, help=f"seconds to wait for the chief's initialization (default {d.INIT_TIMEOUT:g})")
+    p.add_argument("--connect-timeout", type=float,
+                   help=f"seconds to wait for the server (default {d.CONNECT_TIMEOUT:g})")
+    p.add_argument("--init-timeout", type=float,
+                   help=f"seconds to wait for the chief's initialization (default {d.INIT_TIMEOUT:g})")
     p.add_argument("--final-wait", type=float,
                    help=f"async and ssp chief: seconds to wait for the others to finish (default {d.FINAL_WAIT:g})")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
@@ -337,8 +341,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (step time, examples/s, pull/push "
                    "time) on this port (default 0: off; environment TFPS_WORKER_METRICS_PORT)")
     p.add_argument("--metrics-host", help=f"address the metrics endpoint binds to (default {d.HOST})")
-    p.add_argument("--heartbeat-interval", type=float, help=f"seconds between heartbeats (default: lease timeout / {d.HEARTBEATS_PER_LEASE})")
-    p.add_argument("--reconnect-timeout", type=float, help=f"seconds to keep retrying a lost server (default {d.RECONNECT_TIMEOUT:g})")
+    p.add_argument("--heartbeat-interval", type=float,
+                   help=f"seconds between heartbeats (default: lease timeout / {d.HEARTBEATS_PER_LEASE})")
+    p.add_argument("--reconnect-timeout", type=float,
+                   help=f"seconds to keep retrying a lost server (default {d.RECONNECT_TIMEOUT:g})")
     p.add_argument("--tls-ca-file", help="CA (PEM) that signed the server certificate; enables TLS")
     p.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS "
                    "(environment TFPS_WORKER_TLS_CERT_FILE)")
@@ -346,6 +352,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    "(environment TFPS_WORKER_TLS_KEY_FILE)")
     p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
     p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
+    _add_knob_flags(p)
+
+
+def _add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """The experiment knobs (worker.knobs): training flags, which ps-launch forwards too."""
     k = p.add_argument_group("experiment knobs", "conditions to compare the modes under (each sleeps; "
                              "the history records how long)")
     k.add_argument("--slowdown", type=float, help="this worker computes F times slower: after a step's "
