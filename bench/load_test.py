@@ -586,7 +586,7 @@ def run_mode(mode: str, opts: argparse.Namespace, workdir: str, async_apply: str
         "server_exit_code": exit_code, "server_cpu_s": round(cpu_end - cpu_start, 2),
         "server_version": version, "server_pushes_applied": status.pushes_applied,
         "server_pushes_replayed": status.pushes_replayed, "server_pushes_dropped": status.pushes_dropped,
-        "server_max_staleness": status.max_staleness, "server_mean_staleness": round(status.mean_staleness, 2),
+        "server_max_staleness": status.max_staleness_seen, "server_mean_staleness": round(status.mean_staleness, 2),
         "memory": memory_summary(sampler.samples, t_start, t_end, min(max(2.0, 0.2 * opts.seconds), opts.seconds / 2)),
         "server_threads_peak": sampler.peak_threads,
         "control_calls": probe.summary(),

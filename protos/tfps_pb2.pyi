@@ -444,7 +444,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ..., work_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled", "optimizer_iterations", "learning_rate_now", "epoch_examples", "num_examples", "tasks_total", "tasks_done", "tasks_held", "tasks_queued", "membership", "membership_dropped")
+    __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness_seen", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness", "max_ahead", "stale_gradient_policy", "max_staleness", "pushes_scaled", "optimizer_iterations", "learning_rate_now", "epoch_examples", "num_examples", "tasks_total", "tasks_done", "tasks_held", "tasks_queued", "membership", "membership_dropped")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -455,7 +455,7 @@ class StatusResponse(_message.Message):
     PUSHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
-    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_SEEN_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     NUM_VARIABLES_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -472,10 +472,10 @@ class StatusResponse(_message.Message):
     ACTIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AGE_S_FIELD_NUMBER: _ClassVar[int]
-    STALENESS_BOUND_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
-    DROP_STALENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    STALE_GRADIENT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_SCALED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_NOW_FIELD_NUMBER: _ClassVar[int]
@@ -497,7 +497,7 @@ class StatusResponse(_message.Message):
     pushes_applied: int
     examples_applied: int
     mean_staleness: float
-    max_staleness: int
+    max_staleness_seen: int
     optimizer: OptimizerConfig
     num_variables: int
     num_parameters: int
@@ -514,10 +514,10 @@ class StatusResponse(_message.Message):
     active_workers: _containers.RepeatedScalarFieldContainer[int]
     last_checkpoint_version: int
     checkpoint_age_s: float
-    staleness_bound: int
+    staleness: int
     max_ahead: int
-    stale_policy: str
-    drop_staleness_above: int
+    stale_gradient_policy: str
+    max_staleness: int
     pushes_scaled: int
     optimizer_iterations: int
     learning_rate_now: float
@@ -529,7 +529,7 @@ class StatusResponse(_message.Message):
     tasks_queued: int
     membership: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
     membership_dropped: int
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness_bound: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_policy: _Optional[str] = ..., drop_staleness_above: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ..., epoch_examples: _Optional[_Iterable[int]] = ..., num_examples: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_held: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., membership: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., membership_dropped: _Optional[int] = ...) -> None: ...
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., waiting_for: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., examples_applied: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness_seen: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., num_variables: _Optional[int] = ..., num_parameters: _Optional[int] = ..., uptime_s: _Optional[float] = ..., rounds_timed_out: _Optional[int] = ..., last_loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., pushes_dropped: _Optional[int] = ..., pushes_replayed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., dead_worker_policy: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., active_workers: _Optional[_Iterable[int]] = ..., last_checkpoint_version: _Optional[int] = ..., checkpoint_age_s: _Optional[float] = ..., staleness: _Optional[int] = ..., max_ahead: _Optional[int] = ..., stale_gradient_policy: _Optional[str] = ..., max_staleness: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., optimizer_iterations: _Optional[int] = ..., learning_rate_now: _Optional[float] = ..., epoch_examples: _Optional[_Iterable[int]] = ..., num_examples: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_held: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., membership: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., membership_dropped: _Optional[int] = ...) -> None: ...
 
 class MembershipEvent(_message.Message):
     __slots__ = ("wall_time", "round", "version", "event", "worker_id", "worker_name")

@@ -6,7 +6,7 @@
 One setting, the largest message, raises gRPC's 4 MiB default on the client and
 the server alike, so a payload one side can send the other can receive. It is the
 ``max_message_mb`` field of both processes' configurations (``--max-message-mb``,
-``TFPS_MAX_MESSAGE_MB``, default 1024), and each passes it in:
+``TFPS_MAX_MESSAGE_MB``, default ``ps_common.defaults.MAX_MESSAGE_MB``), and each passes it in:
 
     wire.server_options(config.max_message_bytes)      # ps_server.server
     wire.client_options(config.max_message_bytes)
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ps_common.defaults import MAX_MESSAGE_MB
 from ps_common.names import MODES
 
 SERVICE_NAME = "tfps.v1.ParameterServer"
@@ -44,10 +45,6 @@ def mode_from_wire(value: int) -> str:
 
 # gRPC lengths are signed 32-bit: 2 GiB - 1 is the ceiling.
 _GRPC_CEILING = 2**31 - 1
-
-
-DEFAULT_MAX_MESSAGE_MB = 1024.0
-
 
 _process_max_message_mb: float | None = None  # use_max_message_mb; None: from the environment
 
@@ -84,7 +81,7 @@ def check_max_message_mb(mb: float) -> None:
 class _TransportSetting:
     """The one transport setting both processes share, for callers without a configuration."""
 
-    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB
+    max_message_mb: float = MAX_MESSAGE_MB
 
     @classmethod
     def from_environment(cls) -> "_TransportSetting":

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ps_common.defaults import LEASE_TIMEOUT
+
 
 @dataclasses.dataclass(frozen=True)
 class Registration:
@@ -30,7 +32,7 @@ class Registration:
     version: int
     barrier_timeout: float  # sync: how long a push may wait at the barrier (s)
     round: int = 0  # sync: the round the server is collecting; a (re)joining worker starts there
-    lease_timeout: float = 10.0  # a worker silent this long is declared dead (s)
+    lease_timeout: float = LEASE_TIMEOUT  # a worker silent this long is declared dead (s)
     incarnation: str = ""  # changes every time a server process starts
     # Sync: restored from a checkpoint, no push taken since: the first push sets the round
     round_restored: bool = False

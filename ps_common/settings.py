@@ -196,6 +196,20 @@ def resolve(cls: type[T], args: argparse.Namespace | None, environ: Mapping[str,
     return cls(**values)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def check_shared_fields(config) -> None:
+    """ConfigError unless the fields ps-server and ps-worker both have (--log-level,
+    --metrics-port, --tls-cert-file with --tls-key-file) are valid: one rule for both."""
+    if config.log_level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    if not 0 <= config.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be in 1..65535 (or 0 for no metrics), got {config.metrics_port}")
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        raise ConfigError("--tls-cert-file and --tls-key-file go together (a certificate and its key)")
+
+
 def command_config(cls: type[T], argv: list[str] | None, prog: str) -> T:
     """The resolved configuration of command ``prog`` (``ps-server``, ``ps-worker``) from
     ``argv``: ``cls.parser()`` parses it, ``cls.from_namespace`` resolves it. A bad setting

@@ -22,33 +22,34 @@ import argparse
 import dataclasses
 import os
 
+from ps_common import defaults as d
 from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
 from ps_server.core.sparse import SPARSE_UPDATES
 
-from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
-from ps_common.settings import ConfigError, resolve, setting
+from protos.wire import check_max_message_mb, max_message_bytes
+from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
+    host: str = d.HOST
+    port: int = d.PORT
     mode: str = "sync"
     num_workers: int = 1
-    barrier_timeout: float = 60.0
+    barrier_timeout: float = d.BARRIER_TIMEOUT
     threads: int = 0  # 0: the default, see pool_threads
     port_file: str = ""
     log_level: str = "INFO"
     # Liveness: a worker silent for lease_timeout seconds is dead.
-    lease_timeout: float = 10.0
+    lease_timeout: float = d.LEASE_TIMEOUT
     dead_worker_policy: str = "abort"  # sync: abort | wait | shrink
-    replacement_timeout: float = 60.0  # policy "wait": how long a dead worker's index may stay empty
+    replacement_timeout: float = d.REPLACEMENT_TIMEOUT  # policy "wait": how long a dead worker's index may stay empty
     replicas_to_aggregate: int = 0  # sync backup workers: finish a round with the first K pushes (0: all)
     allow_nonfinite: bool = False
     # Bounded staleness (mode ssp) and stale gradients (async, ssp).
-    staleness: int = 3  # ssp: S, how many steps a worker may run ahead of the slowest
+    staleness: int = d.STALENESS  # ssp: S, how many steps a worker may run ahead of the slowest
     stale_gradient_policy: str = "none"  # none | drop | scale
-    max_staleness: int = 8  # policy drop: drop pushes staler than this many versions
+    max_staleness: int = d.MAX_STALENESS  # policy drop: drop pushes staler than this many versions
     # Async and ssp: locked (a lock per variable, copy-on-write, no lost update) or hogwild
     # (in place, no lock, lost updates possible; ps_server/core/async_mode.py).
     async_apply: str = "locked"
@@ -69,8 +70,8 @@ class ServerConfig:
     exit_when_done: bool = False
     # Checkpoints.
     checkpoint_dir: str = ""
-    checkpoint_interval: float = 30.0
-    checkpoint_keep: int = 3
+    checkpoint_interval: float = d.CHECKPOINT_INTERVAL
+    checkpoint_keep: int = d.CHECKPOINT_KEEP
     # Security: paths to PEM files. The bearer token never comes from a flag (it would
     # show in `ps`): TFPS_AUTH_TOKEN in the environment, or --auth-token-file.
     tls_cert_file: str = setting("", env="TFPS_SERVER_TLS_CERT_FILE", old_env="TFPS_TLS_CERT_FILE")
@@ -84,7 +85,7 @@ class ServerConfig:
     # behind the bearer token like every call but the health check.
     reflection: bool = True
     # The largest message either way, in MiB (protos.wire); workers must use the same.
-    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB
+    max_message_mb: float = d.MAX_MESSAGE_MB
 
     @property
     def pool_threads(self) -> int:
@@ -92,15 +93,13 @@ class ServerConfig:
         # health checks and status calls beside them.
         # The threads that do the calls' work (ps_server.aio): a worker waiting at a barrier
         # holds none, so the pool does not grow with the workers.
-        return self.threads or max(8, 4 * (os.cpu_count() or 1))
+        return self.threads or max(d.MIN_THREADS, d.THREADS_PER_CPU * (os.cpu_count() or 1))
 
     @property
     def max_message_bytes(self) -> int:
         return max_message_bytes(self.max_message_mb)
 
     def validate(self) -> "ServerConfig":
-        if self.mode not in MODES:
-            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if not 0 <= self.port <= 65535:
@@ -109,8 +108,6 @@ class ServerConfig:
             raise ConfigError(f"--barrier-timeout must be > 0 seconds, got {self.barrier_timeout}")
         if self.threads and self.threads < 2:
             raise ConfigError(f"--threads must be >= 2 (one call's work beside another's), got {self.threads}")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not self.lease_timeout > 0:
             raise ConfigError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout}")
         if self.dead_worker_policy not in DEAD_WORKER_POLICIES:
@@ -126,13 +123,8 @@ class ServerConfig:
         if self.stale_gradient_policy not in STALE_POLICIES:
             raise ConfigError(f"--stale-gradient-policy must be one of {', '.join(STALE_POLICIES)}, "
                               f"got {self.stale_gradient_policy!r}")
-        if self.stale_gradient_policy != "none" and self.mode == "sync":
-            raise ConfigError("--stale-gradient-policy applies to --mode async and ssp; sync has no stale gradients")
         if self.async_apply not in ASYNC_APPLIES:
             raise ConfigError(f"--async-apply must be one of {', '.join(ASYNC_APPLIES)}, got {self.async_apply!r}")
-        if self.async_apply != "locked" and self.mode == "sync":
-            raise ConfigError(f"--async-apply {self.async_apply} applies to --mode async and ssp; sync applies "
-                              "each round at once")
         if self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if self.sparse_updates not in SPARSE_UPDATES:
@@ -140,28 +132,18 @@ class ServerConfig:
                               f"got {self.sparse_updates!r}")
         if self.elastic_min_workers < 0 or self.micro_batches < 0:
             raise ConfigError("--elastic-min-workers and --micro-batches must be >= 0")
-        if self.elastic_min_workers:
-            if self.mode != "sync":
-                raise ConfigError("--elastic-min-workers applies to --mode sync (async and ssp take workers as "
-                                  "they come)")
-            if self.elastic_min_workers > self.num_workers:
-                raise ConfigError(f"--elastic-min-workers {self.elastic_min_workers} is above --num-workers "
-                                  f"{self.num_workers} (the most workers the job takes)")
-            if self.replicas_to_aggregate:
-                raise ConfigError("--elastic-min-workers trains every round on its whole batch: no "
-                                  "--replicas-to-aggregate")
-        elif self.micro_batches:
-            raise ConfigError("--micro-batches applies to elastic sync (--elastic-min-workers)")
+        conflict = d.server_settings_conflict(self.mode, self.num_workers, self.stale_gradient_policy,
+                                              self.async_apply, self.elastic_min_workers, self.micro_batches,
+                                              self.replicas_to_aggregate)
+        if conflict:
+            raise ConfigError(conflict)
         if not self.checkpoint_interval > 0:
             raise ConfigError(f"--checkpoint-interval must be > 0 seconds, got {self.checkpoint_interval}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be in 1..65535 (or 0 for no metrics), got {self.metrics_port}")
+        check_shared_fields(self)
         if self.metrics_port and self.metrics_port == self.port:
             raise ConfigError(f"--metrics-port {self.metrics_port} is the gRPC --port; give it another")
         check_max_message_mb(self.max_message_mb)
@@ -179,14 +161,15 @@ class ServerConfig:
             description="tfps parameter server: stores variables, aggregates gradients (sync) "
             "or applies them on arrival (async, ssp). Every flag falls back to TFPS_<FLAG> in the environment.",
         )
-        p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
-        p.add_argument("--port", type=int, help="port to bind; 0 picks a free one (default 50051)")
+        p.add_argument("--host", help=f"address to bind (default {d.HOST}; 0.0.0.0 for all interfaces)")
+        p.add_argument("--port", type=int, help=f"port to bind; 0 picks a free one (default {d.PORT})")
         p.add_argument("--mode", choices=MODES, help="sync (barrier per step), async (apply on arrival) or ssp "
                        "(apply on arrival, nobody more than --staleness steps ahead of the slowest)")
         p.add_argument("--num-workers", type=int, help="how many workers train (default 1)")
-        p.add_argument("--barrier-timeout", type=float, help="seconds a sync round may wait for its last push (default 60)")
+        p.add_argument("--barrier-timeout", type=float,
+                       help=f"seconds a sync round may wait for its last push (default {d.BARRIER_TIMEOUT:g})")
         p.add_argument("--threads", type=int, help="threads that do the calls' work; waiting calls hold none "
-                                                   "(default max(8, 4 x CPUs))")
+                                                   f"(default max({d.MIN_THREADS}, {d.THREADS_PER_CPU} x CPUs))")
         p.add_argument("--port-file", help="write the bound port to this file once serving")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
         p.add_argument("--exit-when-done", action=argparse.BooleanOptionalAction,
@@ -195,22 +178,24 @@ class ServerConfig:
         p.add_argument("--print-config", action="store_true", default=None,
                        help="print the resolved configuration (flags, environment, TF_CONFIG) as JSON and exit")
         g = p.add_argument_group("faults")
-        g.add_argument("--lease-timeout", type=float, help="seconds without a heartbeat before a worker is dead (default 10)")
+        g.add_argument("--lease-timeout", type=float,
+                       help=f"seconds without a heartbeat before a worker is dead (default {d.LEASE_TIMEOUT:g})")
         g.add_argument("--dead-worker-policy", choices=DEAD_WORKER_POLICIES,
                        help="sync: abort the round (default), wait for a replacement, or shrink to the live workers")
-        g.add_argument("--replacement-timeout", type=float, help="policy wait: seconds to wait for a replacement (default 60)")
+        g.add_argument("--replacement-timeout", type=float,
+                       help=f"policy wait: seconds to wait for a replacement (default {d.REPLACEMENT_TIMEOUT:g})")
         g.add_argument("--replicas-to-aggregate", type=int,
                        help="sync backup workers: finish each round with the first K pushes (default: all)")
         g.add_argument("--allow-nonfinite", action=argparse.BooleanOptionalAction,
                        help="accept NaN/Inf gradients (default: rejected)")
         g = p.add_argument_group("staleness")
         g.add_argument("--staleness", type=int, help="ssp: how many steps a worker may run ahead of the slowest "
-                       "(default 3; 0 is lockstep)")
+                       f"(default {d.STALENESS}; 0 is lockstep)")
         g.add_argument("--stale-gradient-policy", choices=STALE_POLICIES,
                        help="async/ssp: none (default), drop pushes staler than --max-staleness versions, or "
                        "scale their learning rate by 1/(1+staleness)")
-        g.add_argument("--max-staleness", type=int, help="policy drop: the staleness above which a push is dropped "
-                       "(default 8)")
+        g.add_argument("--max-staleness", type=int, help=f"policy drop: the staleness above which a push is dropped "
+                       f"(default {d.MAX_STALENESS})")
         g.add_argument("--async-apply", choices=ASYNC_APPLIES,
                        help="async/ssp: locked (default: a lock per variable, copy-on-write, no update lost) or "
                        "hogwild (in place under no lock: pushes race, an update may be lost, a pull may see a "
@@ -228,31 +213,7 @@ class ServerConfig:
                        "table otherwise; lazy steps only the touched rows and their slots for every optimizer (TF "
                        "Addons' LazyAdam; not Keras' result); dense always steps the whole table "
                        "(environment TFPS_SPARSE_UPDATES)")
-        g = p.add_argument_group("transport")
-        g.add_argument("--shm", action=argparse.BooleanOptionalAction,
-                       help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
-                       "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC; "
-                       "environment TFPS_SERVER_SHM)")
-        g.add_argument("--max-message-mb", type=float, help="largest message either way, in MiB; workers need "
-                       "the same (default 1024)")
-        g.add_argument("--reflection", action=argparse.BooleanOptionalAction,
-                       help="gRPC server reflection, for grpcurl and grpc_cli; behind the bearer token like every "
-                       "call but the health check (default: on; --no-reflection turns it off)")
-        g = p.add_argument_group("checkpoints")
-        g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
-        g.add_argument("--checkpoint-interval", type=float, help="seconds between checkpoints (default 30)")
-        g.add_argument("--checkpoint-keep", type=int, help="how many checkpoints to keep (default 3)")
-        g = p.add_argument_group("security")
-        g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS "
-                       "(environment TFPS_SERVER_TLS_CERT_FILE)")
-        g.add_argument("--tls-key-file", help="server private key (PEM) (environment TFPS_SERVER_TLS_KEY_FILE)")
-        g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
-        g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
-                       "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
-        g = p.add_argument_group("metrics")
-        g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
-                       "(plain HTTP, no token; default 0: off; environment TFPS_SERVER_METRICS_PORT)")
-        g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
+        _add_transport_flags(p)
         return p
 
     @classmethod
@@ -264,3 +225,35 @@ class ServerConfig:
     def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "ServerConfig":
         environ = os.environ if environ is None else environ
         return resolve(cls, args, environ, role="ps").validate()
+
+
+
+def _add_transport_flags(p: argparse.ArgumentParser) -> None:
+    """ps-server's transport, checkpoint, security and metrics flags."""
+    g = p.add_argument_group("transport")
+    g.add_argument("--shm", action=argparse.BooleanOptionalAction,
+                   help="let workers on this host that ask for it (PSClient(shm=True)) pass tensors through "
+                   "shared memory in /dev/shm (default: on; --no-shm makes them stream over gRPC; "
+                   "environment TFPS_SERVER_SHM)")
+    g.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; workers need "
+                   f"the same (default {d.MAX_MESSAGE_MB:g})")
+    g.add_argument("--reflection", action=argparse.BooleanOptionalAction,
+                   help="gRPC server reflection, for grpcurl and grpc_cli; behind the bearer token like every "
+                   "call but the health check (default: on; --no-reflection turns it off)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", help="write checkpoints here and restore the newest valid one at start")
+    g.add_argument("--checkpoint-interval", type=float,
+                   help=f"seconds between checkpoints (default {d.CHECKPOINT_INTERVAL:g})")
+    g.add_argument("--checkpoint-keep", type=int,
+                   help=f"how many checkpoints to keep (default {d.CHECKPOINT_KEEP})")
+    g = p.add_argument_group("security")
+    g.add_argument("--tls-cert-file", help="server certificate (PEM); enables TLS "
+                   "(environment TFPS_SERVER_TLS_CERT_FILE)")
+    g.add_argument("--tls-key-file", help="server private key (PEM) (environment TFPS_SERVER_TLS_KEY_FILE)")
+    g.add_argument("--tls-client-ca-file", help="CA (PEM) that signs client certificates; enables mutual TLS")
+    g.add_argument("--auth-token-file", help="file holding the bearer token clients must send "
+                   "(or TFPS_AUTH_TOKEN in the environment; never a flag)")
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                   "(plain HTTP, no token; default 0: off; environment TFPS_SERVER_METRICS_PORT)")
+    g.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")

@@ -35,7 +35,7 @@ Read from the status at each scrape:
   (registered, neither dead nor finished), ``tfps_dead_workers``, ``tfps_finished_workers``,
   ``tfps_barrier_waiting_for_workers``, ``tfps_initialized``, ``tfps_parameters``,
   ``tfps_last_loss``, ``tfps_uptime_seconds``, ``tfps_max_ahead_steps`` (ssp only), and
-  ``tfps_info`` (1, labels mode, stale_policy, dead_worker_policy, incarnation);
+  ``tfps_info`` (1, labels mode, stale_gradient_policy, dead_worker_policy, incarnation);
 - ``tfps_checkpoint_age_seconds``, ``tfps_last_checkpoint_version``: the last checkpoint
   written or restored; absent while there is none;
 - per worker (label ``worker``, its index): ``tfps_worker_wait_seconds`` and
@@ -191,8 +191,8 @@ class StatusCollector:
         yield _staleness_histogram(core.stats.staleness_histogram())
 
         info = GaugeMetricFamily("tfps_info", "This server: 1, with its settings as labels",
-                                 labels=["mode", "stale_policy", "dead_worker_policy", "incarnation"])
-        info.add_metric([s.mode, s.stale_policy, s.dead_worker_policy, s.incarnation], 1)
+                                 labels=["mode", "stale_gradient_policy", "dead_worker_policy", "incarnation"])
+        info.add_metric([s.mode, s.stale_gradient_policy, s.dead_worker_policy, s.incarnation], 1)
         yield info
         alive = [w for w in s.workers if not w.dead and not w.left]
         yield gauge("tfps_initialized", "1 once the variables are initialized", int(s.initialized))

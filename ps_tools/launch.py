@@ -207,20 +207,6 @@ _SERVER_SET_BY_LAUNCH = ("help", "print_config", "host", "port", "port_file", "n
 # --shm (servers accept shared memory by default), and the TLS files, which ps-launch refuses.
 _FOR_BOTH = ("log_level", "auth_token_file", "metrics_host", "max_message_mb", "metrics_port")
 _WORKERS_ONLY = ("shm", "tls_cert_file", "tls_key_file")
-
-
-def _non_negative_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {raw!r}")
-    return value
-
-
-# Stricter at the launcher than at the server, which says the same once it has started.
-_LAUNCH_TYPES = {"staleness": _non_negative_int, "max_staleness": _non_negative_int}
 _TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "tls_client_ca_file")
 
 # With a `--` command: the workers' settings ps-launch passes on, as the variables WorkerConfig reads
@@ -260,13 +246,14 @@ def parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",  # --elastic MIN:MAX below replaces ps-worker's --elastic (it sets that itself)
     )
     p.add_argument("--workers", type=int, default=2,
-                   help="number of worker processes (default 2); with --elastic, how many start")
+                   help="number of worker processes (default %(default)s); with --elastic, how many start")
     p.add_argument("--num-ps", type=int, default=1,
-                   help="server shards: the variables are spread over this many ps-server processes (default 1)")
+                   help="server shards: the variables are spread over this many ps-server processes (default %(default)s)")
     p.add_argument("--metrics-json", help="write the run's metrics here")
     p.add_argument("--save-model", help="the chief saves the trained model here as a Keras file (.keras)")
     p.add_argument("--save-weights", help="the chief saves the final parameters here (.npz)")
-    p.add_argument("--server-start-timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
+    p.add_argument("--server-start-timeout", type=float, default=60.0,
+                   help="seconds to wait for the server (default %(default)g)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration of every server and worker as JSON and exit")
     p.add_argument("--worker-args", nargs=2, action="append", metavar=("I", "ARGS"), default=[],
@@ -309,8 +296,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse.BooleanOptionalAction):
             g.add_argument(action.option_strings[0], action=argparse.BooleanOptionalAction, **kwargs)
         elif type(action) is argparse._StoreAction:
-            kind = _LAUNCH_TYPES.get(action.dest, action.type)
-            g.add_argument(*action.option_strings, type=kind, choices=action.choices, metavar=action.metavar,
+            g.add_argument(*action.option_strings, type=action.type, choices=action.choices, metavar=action.metavar,
                            **kwargs)
         else:
             raise TypeError(f"ps-launch cannot pass on ps-server's {action.option_strings} ({type(action).__name__})")

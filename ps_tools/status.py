@@ -40,7 +40,7 @@ def render(address: str, s, history: int = 0) -> str:
         lines.append(f"  barrier of round {s.round} waits for: "
                      + ", ".join(_who(s, w) for w in s.waiting_for))
     elif mode == "ssp" and s.waiting_for and len(alive) > 1:
-        lines.append(f"  slowest (the staleness bound {s.staleness_bound} holds the others to it): "
+        lines.append(f"  slowest (the staleness bound {s.staleness} holds the others to it): "
                      + ", ".join(_who(s, w) for w in s.waiting_for))
     else:
         lines.append("  nobody is waited for")
@@ -52,14 +52,14 @@ def render(address: str, s, history: int = 0) -> str:
     if s.rounds_aborted or s.rounds_timed_out:
         extra.append(f"rounds aborted {s.rounds_aborted}, timed out {s.rounds_timed_out}")
     if mode == "ssp":
-        extra.append(f"max ahead {s.max_ahead} of bound {s.staleness_bound}")
-    if s.stale_policy and s.stale_policy != "none":
-        extra.append(f"stale policy {s.stale_policy}"
-                     + (f" (drops staleness above {s.drop_staleness_above})" if s.stale_policy == "drop" else ""))
+        extra.append(f"max ahead {s.max_ahead} of bound {s.staleness}")
+    if s.stale_gradient_policy and s.stale_gradient_policy != "none":
+        extra.append(f"stale policy {s.stale_gradient_policy}" + (f" (drops staleness above {s.max_staleness})"
+                                                                  if s.stale_gradient_policy == "drop" else ""))
     checkpoint = (f"checkpoint v{s.last_checkpoint_version} {s.checkpoint_age_s:.0f} s ago"
                   if s.last_checkpoint_version >= 0 else "no checkpoint")
     lines.append(f"  applied {s.pushes_applied} pushes, {s.examples_applied} examples; staleness mean "
-                 f"{s.mean_staleness:.2f} max {s.max_staleness}; {checkpoint}"
+                 f"{s.mean_staleness:.2f} max {s.max_staleness_seen}; {checkpoint}"
                  + (f"; {'; '.join(extra)}" if extra else ""))
     lines += data_lines(s)
     lines.append(f"  {'worker':>6}  {'state':<9} {'last step':>9} {'lease age':>9} {'pushes':>7} "

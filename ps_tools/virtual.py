@@ -160,7 +160,7 @@ def mode_options(mode: str, workers: int) -> dict:
     if mode == "async":
         return {"mode": "async"}
     if mode.startswith("ssp") and mode[3:].isdigit():
-        return {"mode": "ssp", "staleness_bound": int(mode[3:])}
+        return {"mode": "ssp", "staleness": int(mode[3:])}
     if mode == "backup" or (mode.startswith("backup") and mode[6:].isdigit() and int(mode[6:]) > 0):
         spare = int(mode[6:] or 1)  # backupK: each round takes the first N - K pushes
         if workers <= spare:
@@ -685,7 +685,7 @@ class Simulation:
             "examples": status.examples_applied,
             "examples_per_s": status.examples_applied / duration if duration > 0 else 0.0,
             "staleness": {str(k): v for k, v in sorted(ps.stats.staleness_histogram().items())},
-            "mean_staleness": status.mean_staleness, "max_staleness": status.max_staleness,
+            "mean_staleness": status.mean_staleness, "max_staleness": status.max_staleness_seen,
             "dropped": ps.stats.dropped, "max_ahead": self.max_ahead,
             "diverged": state.get("diverged"),  # None, or the refused push that ended the run
             "server_busy": server["busy_s"] / duration if duration > 0 else 0.0,

@@ -85,7 +85,8 @@ def test_every_import_points_from_a_side_to_the_shared_layer_never_across():
 
 # The server's core is plain Python and NumPy: of the shared layer it reads only the pure
 # modules (no gRPC, protobuf or environment behind them).
-CORE_MAY_USE = {"ps_common.batches", "ps_common.names", "ps_common.reasons", "ps_common.records", "ps_common.sparse"}
+CORE_MAY_USE = {"ps_common.batches", "ps_common.defaults", "ps_common.names", "ps_common.reasons", "ps_common.records",
+                "ps_common.sparse"}
 
 
 def test_the_core_uses_only_the_pure_shared_modules():

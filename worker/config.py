@@ -30,10 +30,11 @@ import dataclasses
 import math
 import os
 
+from ps_common import defaults as d
 from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS, optimizer_fields
-from ps_common.settings import ConfigError, resolve, setting
+from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
 from protos.stream import WIRE_DTYPES
-from protos.wire import DEFAULT_MAX_MESSAGE_MB, check_max_message_mb, max_message_bytes
+from protos.wire import check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
 from worker.model import MODELS
 
@@ -51,21 +52,21 @@ def _index(raw: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    ps: str = "127.0.0.1:50051"
+    ps: str = d.PS_ADDRESS
     worker_index: int = setting(0, parse=_index)  # TFPS_WORKER_INDEX=auto too
     num_workers: int = 1
     dataset: str = "digits"
     model: str = "cnn"
     train_examples: int = 0  # built-in data: train on this many (a fixed stratified subset); 0: all
-    epochs: int = 3
+    epochs: int = d.EPOCHS
     steps: int = 0  # 0: epochs * steps per epoch
-    global_batch_size: int = 64
+    global_batch_size: int = d.GLOBAL_BATCH_SIZE
     optimizer: str = "adam"
     learning_rate: float = 0.0  # 0: the optimizer's Keras default
     momentum: float = 0.0
     nesterov: bool = False
     seed: int = 0
-    log_every: int = 10
+    log_every: int = d.LOG_EVERY
     result_json: str = ""
     save_weights: str = ""
     save_model: str = ""  # chief: the trained model as a Keras file (.keras or .h5)
@@ -73,17 +74,17 @@ class WorkerConfig:
     history_json: str = ""
     snapshot_steps: str = ""  # e.g. "1,20": chief saves the pulled parameters after these steps
     snapshot_dir: str = ""
-    heartbeat_interval: float = 0.0  # 0: a third of the server's lease timeout
-    reconnect_timeout: float = 120.0  # how long to keep retrying a lost server before giving up
+    heartbeat_interval: float = 0.0  # 0: the server's lease timeout / d.HEARTBEATS_PER_LEASE
+    reconnect_timeout: float = d.RECONNECT_TIMEOUT  # how long to keep retrying a lost server before giving up
     # Security (see ps-server): server CA, optional client certificate, token from file or TFPS_AUTH_TOKEN.
     tls_ca_file: str = ""
     tls_cert_file: str = setting("", env="TFPS_WORKER_TLS_CERT_FILE", old_env="TFPS_TLS_CERT_FILE")
     tls_key_file: str = setting("", env="TFPS_WORKER_TLS_KEY_FILE", old_env="TFPS_TLS_KEY_FILE")
     tls_server_name: str = ""  # override the name checked against the server certificate
     auth_token_file: str = ""
-    connect_timeout: float = 60.0
-    init_timeout: float = 120.0
-    final_wait: float = 600.0
+    connect_timeout: float = d.CONNECT_TIMEOUT
+    init_timeout: float = d.INIT_TIMEOUT
+    final_wait: float = d.FINAL_WAIT
     deterministic: bool = True
     intra_op_threads: int = 0
     log_level: str = "INFO"
@@ -95,7 +96,7 @@ class WorkerConfig:
     # Elastic sync (ps-server --elastic-min-workers): the server deals each round's
     # micro-batches (worker.elastic); built-in models and data only, one server.
     elastic: bool = False
-    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
+    max_message_mb: float = d.MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
     slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
     bandwidth_mbps: float = 0.0  # each push sleeps its bytes / (X * 1e6 / 8) first; 0: unlimited
@@ -108,7 +109,7 @@ class WorkerConfig:
     progress: str = "auto"  # auto (a bar on a terminal, lines otherwise), bar, lines, off
     logdir: str = ""  # TensorBoard summaries under logdir/worker<i>; "": none
     metrics_port: int = setting(0, env="TFPS_WORKER_METRICS_PORT", old_env="TFPS_METRICS_PORT")  # 0: off
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = d.HOST
 
     @property
     def is_chief(self) -> bool:
@@ -174,8 +175,7 @@ class WorkerConfig:
             raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"--progress must be auto, bar, lines or off, got {self.progress!r}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be a port number (0: off), got {self.metrics_port}")
+        check_shared_fields(self)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.epochs < 1 and self.steps < 1:
@@ -198,8 +198,6 @@ class WorkerConfig:
             raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
         if self.heartbeat_interval < 0 or self.reconnect_timeout <= 0:
             raise ConfigError("--heartbeat-interval must be >= 0 and --reconnect-timeout > 0")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("--tls-cert-file and --tls-key-file (client certificate) go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ConfigError("a client certificate (--tls-cert-file) needs --tls-ca-file")
         if self.save_model and not self.save_model.endswith((".keras", ".h5")):
@@ -213,8 +211,6 @@ class WorkerConfig:
         if any(s < 1 for s in steps):
             raise ConfigError(f"--snapshot-steps counts steps from 1, got {self.snapshot_steps!r}")
         self._validate_knobs()
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         check_max_message_mb(self.max_message_mb)
         return self
 
@@ -242,7 +238,7 @@ class WorkerConfig:
             "of each global batch, pushes them. Every flag falls back to TFPS_<FLAG> in the environment.",
         )
         add_training_flags(p)
-        p.add_argument("--ps", help="parameter server HOST:PORT (default 127.0.0.1:50051), or several "
+        p.add_argument("--ps", help=f"parameter server HOST:PORT (default {d.PS_ADDRESS}), or several "
                        "server shards as HOST:PORT,HOST:PORT,... (every worker lists the same shards)")
         p.add_argument("--worker-index", type=_index, help="this worker's index, 0 is the chief (default 0); "
                        "auto: the server assigns the lowest free one")
@@ -296,22 +292,27 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-sharding", choices=("batch", "none"),
                    help="with --dataset module:function: batch (default) splits every global batch by worker "
                         "index; none: the function made this worker's own batches (it takes a context argument)")
-    p.add_argument("--epochs", type=int, help="passes over the training data (default 3)")
+    p.add_argument("--epochs", type=int, help=f"passes over the training data (default {d.EPOCHS})")
     p.add_argument("--steps", type=int, help="stop after this many global steps (default: all epochs)")
-    p.add_argument("--global-batch-size", type=int, help="examples per step over all workers (default 64)")
+    p.add_argument("--global-batch-size", type=int,
+                   help=f"examples per step over all workers (default {d.GLOBAL_BATCH_SIZE})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="the Keras optimizer the server applies: "
                    f"{', '.join(OPTIMIZERS)} (default adam); a Keras program's own: tfps.keras")
-    p.add_argument("--learning-rate", type=float, help="default: 0.001 for adam, 0.01 for sgd")
+    p.add_argument("--learning-rate", type=float, help="default: the optimizer's Keras default ("
+                   f"{OPTIMIZER_DEFAULTS['adam']['learning_rate']:g} for adam, "
+                   f"{OPTIMIZER_DEFAULTS['sgd']['learning_rate']:g} for sgd)")
     p.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
     p.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
-    p.add_argument("--log-every", type=int, help="progress line every this many steps (default 10)")
+    p.add_argument("--log-every", type=int, help=f"progress line every this many steps (default {d.LOG_EVERY})")
     p.add_argument("--eval-every", type=int, help="chief: every K steps evaluate the pulled parameters on the "
                    "test set, recorded in --history-json (default 0: off)")
-    p.add_argument("--connect-timeout", type=float, help="seconds to wait for the server (default 60)")
-    p.add_argument("--init-timeout", type=float, help="seconds to wait for the chief's initialization (default 120)")
+    p.add_argument("--connect-timeout", type=float,
+                   help=f"seconds to wait for the server (default {d.CONNECT_TIMEOUT:g})")
+    p.add_argument("--init-timeout", type=float,
+                   help=f"seconds to wait for the chief's initialization (default {d.INIT_TIMEOUT:g})")
     p.add_argument("--final-wait", type=float,
-                   help="async and ssp chief: seconds to wait for the others to finish (default 600)")
+                   help=f"async and ssp chief: seconds to wait for the others to finish (default {d.FINAL_WAIT:g})")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="oneDNN off and op determinism on, for bitwise reproducible gradients (default on)")
     p.add_argument("--intra-op-threads", type=int, help="TensorFlow intra-op threads (default: TensorFlow's)")
@@ -330,8 +331,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="sync: a streamed push gets each variable's new value back as soon as the server has "
                         "it, while the rest still goes out, so the link works both ways at once (PushPull; "
                         "the same bits; default on)")
-    p.add_argument("--max-message-mb", type=float, help="largest message either way, in MiB; as the server's "
-                   "(default 1024)")
+    p.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; as the server's "
+                   f"(default {d.MAX_MESSAGE_MB:g})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "off"),
                    help="a progress bar on a terminal, plain log lines otherwise (auto, the default), or force one")
@@ -339,9 +340,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    "DIR/worker<index>")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (step time, examples/s, pull/push "
                    "time) on this port (default 0: off; environment TFPS_WORKER_METRICS_PORT)")
-    p.add_argument("--metrics-host", help="address the metrics endpoint binds to (default 127.0.0.1)")
-    p.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats (default: lease timeout / 3)")
-    p.add_argument("--reconnect-timeout", type=float, help="seconds to keep retrying a lost server (default 120)")
+    p.add_argument("--metrics-host", help=f"address the metrics endpoint binds to (default {d.HOST})")
+    p.add_argument("--heartbeat-interval", type=float,
+                   help=f"seconds between heartbeats (default: lease timeout / {d.HEARTBEATS_PER_LEASE})")
+    p.add_argument("--reconnect-timeout", type=float,
+                   help=f"seconds to keep retrying a lost server (default {d.RECONNECT_TIMEOUT:g})")
     p.add_argument("--tls-ca-file", help="CA (PEM) that signed the server certificate; enables TLS")
     p.add_argument("--tls-cert-file", help="client certificate (PEM) for mutual TLS "
                    "(environment TFPS_WORKER_TLS_CERT_FILE)")
@@ -349,6 +352,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    "(environment TFPS_WORKER_TLS_KEY_FILE)")
     p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
     p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
+    _add_knob_flags(p)
+
+
+def _add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """The experiment knobs (worker.knobs): training flags, which ps-launch forwards too."""
     k = p.add_argument_group("experiment knobs", "conditions to compare the modes under (each sleeps; "
                              "the history records how long)")
     k.add_argument("--slowdown", type=float, help="this worker computes F times slower: after a step's "

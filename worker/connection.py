@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 
 from ps_common import security
+from ps_common.defaults import HEARTBEATS_PER_LEASE
 from ps_common.reasons import Reason
 from worker.client import PSClient, PSClientError, PushReply, Registration
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
@@ -289,7 +290,7 @@ class Heartbeat:
 
     def __init__(self, conn: Connection):
         self.conn = conn
-        self.interval = conn.config.heartbeat_interval or max(0.1, conn.registration.lease_timeout / 3)
+        self.interval = conn.config.heartbeat_interval or max(0.1, conn.registration.lease_timeout / HEARTBEATS_PER_LEASE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()

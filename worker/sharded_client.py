@@ -450,7 +450,7 @@ STATUS_RULES: dict[str, Callable] = {
     "pushes_applied": min,
     "examples_applied": min,
     "mean_staleness": max,
-    "max_staleness": max,
+    "max_staleness_seen": max,
     "optimizer": first,
     "num_variables": sum,  # pieces: each shard holds its own
     "num_parameters": sum,
@@ -467,10 +467,10 @@ STATUS_RULES: dict[str, Callable] = {
     "active_workers": union_sorted,
     "last_checkpoint_version": min,
     "checkpoint_age_s": max,
-    "staleness_bound": first,  # every shard runs with the same flags
+    "staleness": first,  # every shard runs with the same flags
     "max_ahead": max,
-    "stale_policy": first,
-    "drop_staleness_above": first,
+    "stale_gradient_policy": first,
+    "max_staleness": first,
     "pushes_scaled": max,
     "optimizer_iterations": min,  # the updates every shard has made
     "learning_rate_now": first,  # every shard steps the same schedule at the same count

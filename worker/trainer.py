@@ -285,7 +285,7 @@ class TrainingLoop:
             "examples": int(status.examples_applied),
             "examples_per_s": status.examples_applied / train_s if train_s > 0 else 0.0,
             "mean_staleness": status.mean_staleness,
-            "max_staleness": int(status.max_staleness),
+            "max_staleness": int(status.max_staleness_seen),
         }
         log.info("final: %s, training loss %.4f at version %d", _scores_text(scores), train["final_loss"], version)
         print(f"test_accuracy={test_acc:.4f}", flush=True)

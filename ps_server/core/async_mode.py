@@ -105,6 +105,7 @@ from typing import Callable
 
 import numpy as np
 
+from ps_common.defaults import MAX_STALENESS
 from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
@@ -117,7 +118,7 @@ class AsyncMode:
     name = "async"
 
     def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
-                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = 0,
+                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = MAX_STALENESS,
                  apply: str = "locked"):
         if apply not in ASYNC_APPLIES:
             raise InvalidArgument(f"apply must be one of {ASYNC_APPLIES}, got {apply!r}")

@@ -81,6 +81,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import ModeStatus
@@ -539,7 +540,7 @@ def latest_valid(directory: str, lazy: bool = False) -> tuple[ServerState, str] 
     return None
 
 
-def write_checkpoint(directory: str, state: ServerState, keep: int = 3) -> str:
+def write_checkpoint(directory: str, state: ServerState, keep: int = CHECKPOINT_KEEP) -> str:
     """Write ``state`` atomically as ``directory/ckpt-<version>.tfps``; keep the ``keep`` newest.
 
     Returns the path. A file of the same version is replaced (atomically).

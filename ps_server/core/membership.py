@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.defaults import LEASE_TIMEOUT
 from ps_common.reasons import Reason
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
 
@@ -97,7 +98,7 @@ def _average(mean: float, sample: float, n: int) -> float:
 
 
 class Membership:
-    def __init__(self, num_workers: int, lease_timeout: float = 10.0,
+    def __init__(self, num_workers: int, lease_timeout: float = LEASE_TIMEOUT,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  history_limit: int = HISTORY_LIMIT):
         if num_workers < 1:

@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ps_common.names import MODES
+from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, REPLACEMENT_TIMEOUT, STALENESS,
+                                 server_settings_conflict)
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core import hogwild
@@ -75,7 +76,7 @@ class Status:
     pushes_applied: int
     examples_applied: int
     mean_staleness: float
-    max_staleness: int
+    max_staleness_seen: int  # observed; the bound (--max-staleness) is max_staleness
     optimizer: OptimizerSpec | None
     num_variables: int
     num_parameters: int
@@ -92,9 +93,9 @@ class Status:
     active_workers: tuple[int, ...] = ()
     last_checkpoint_version: int = -1  # -1: none written or restored by this process
     checkpoint_age_s: float = -1.0  # seconds since that checkpoint was written or restored
-    staleness_bound: int = -1  # ssp: S; -1 in the other modes
-    stale_policy: str = "none"
-    drop_staleness_above: int = 0  # policy drop: pushes staler than this are dropped
+    staleness: int = -1  # ssp: S (--staleness); -1 in the other modes
+    stale_gradient_policy: str = "none"
+    max_staleness: int = 0  # policy drop: pushes staler than this are dropped (--max-staleness)
     pushes_scaled: int = 0
     max_ahead: int = 0  # ssp: the most steps an applied push was ahead of the slowest worker
     optimizer_iterations: int = 0  # the optimizer steps every trainable variable has had (Keras' iterations)
@@ -128,42 +129,28 @@ class ParameterServer:
         self,
         mode: str,
         num_workers: int,
-        barrier_timeout: float = 60.0,
-        lease_timeout: float = 10.0,
+        barrier_timeout: float = BARRIER_TIMEOUT,
+        lease_timeout: float = LEASE_TIMEOUT,
         dead_worker_policy: str = "abort",
-        replacement_timeout: float = 60.0,
+        replacement_timeout: float = REPLACEMENT_TIMEOUT,
         replicas_to_aggregate: int = 0,
         allow_nonfinite: bool = False,
-        staleness_bound: int = 0,
-        stale_policy: str = "none",
-        max_staleness: int = 0,
+        staleness: int = STALENESS,
+        stale_gradient_policy: str = "none",
+        max_staleness: int = MAX_STALENESS,
         sparse_updates: str = "exact",
         clock=time.monotonic,
         async_apply: str = "locked",
         elastic_min_workers: int = 0,
         micro_batches: int = 0,
     ):
-        if mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
-        if stale_policy != "none" and mode == "sync":
-            raise InvalidArgument("a stale-gradient policy applies to async and ssp modes; sync has no stale gradients")
-        if async_apply != "locked" and mode == "sync":
-            raise InvalidArgument(f"async_apply {async_apply!r} applies to async and ssp modes; sync applies each "
-                                  "round at once")
+        conflict = server_settings_conflict(mode, num_workers, stale_gradient_policy, async_apply, elastic_min_workers,
+                                            micro_batches, replicas_to_aggregate)
+        if conflict:
+            raise InvalidArgument(conflict)
         # Elastic sync (``core.elastic_mode``): from elastic_min_workers up to num_workers
         # workers, each global batch cut into micro_batches (default num_workers).
         self.elastic = elastic_min_workers > 0
-        if self.elastic:
-            if mode != "sync":
-                raise InvalidArgument("elastic training is a sync mode's; async and ssp take workers as they come")
-            if replicas_to_aggregate:
-                raise InvalidArgument("elastic sync trains every round on its whole batch: no backup workers "
-                                      "(replicas_to_aggregate)")
-            if elastic_min_workers > num_workers:
-                raise InvalidArgument(f"elastic_min_workers {elastic_min_workers} is above num_workers "
-                                      f"{num_workers} (the most workers the job takes)")
-        elif micro_batches:
-            raise InvalidArgument("micro_batches apply to elastic sync only")
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
         self.mode_name = mode
         self.async_apply = async_apply
@@ -171,8 +158,8 @@ class ParameterServer:
         self.barrier_timeout = barrier_timeout
         self.dead_worker_policy = dead_worker_policy
         self.replicas_to_aggregate = replicas_to_aggregate
-        self.staleness_bound = staleness_bound if mode == "ssp" else -1
-        self.stale_policy, self.max_staleness = stale_policy, max_staleness
+        self.staleness = staleness if mode == "ssp" else -1
+        self.stale_gradient_policy, self.max_staleness = stale_gradient_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
         self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.tasks)
@@ -191,12 +178,12 @@ class ParameterServer:
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,
                                  replicas_to_aggregate=replicas_to_aggregate, allow_nonfinite=allow_nonfinite)
         elif mode == "ssp":
-            self.mode = SSPMode(self.store, self.members, staleness_bound, barrier_timeout, self.stats,
-                                allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
+            self.mode = SSPMode(self.store, self.members, staleness, barrier_timeout, self.stats,
+                                allow_nonfinite=allow_nonfinite, stale_policy=stale_gradient_policy,
                                 max_staleness=max_staleness, clock=clock, apply=async_apply)
         else:
             self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite,
-                                  stale_policy=stale_policy, max_staleness=max_staleness, apply=async_apply)
+                                  stale_policy=stale_gradient_policy, max_staleness=max_staleness, apply=async_apply)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
         rec = self.members.register(worker_index, claimed_num_workers, name, at=self._position())
@@ -701,7 +688,7 @@ class ParameterServer:
             pushes_applied=self.stats.pushes_applied,
             examples_applied=self.stats.examples_applied,
             mean_staleness=mean_s,
-            max_staleness=max_s,
+            max_staleness_seen=max_s,
             optimizer=self.store.optimizer_spec,
             num_variables=len(specs),
             num_parameters=self.store.num_parameters(),
@@ -718,9 +705,9 @@ class ParameterServer:
             active_workers=mode_status.active_workers,
             last_checkpoint_version=self._checkpoint[0] if self._checkpoint else -1,
             checkpoint_age_s=time.monotonic() - self._checkpoint[1] if self._checkpoint else -1.0,
-            staleness_bound=self.staleness_bound,
-            stale_policy=self.stale_policy,
-            drop_staleness_above=self.max_staleness,
+            staleness=self.staleness,
+            stale_gradient_policy=self.stale_gradient_policy,
+            max_staleness=self.max_staleness,
             pushes_scaled=self.stats.scaled,
             max_ahead=mode_status.max_ahead,
             optimizer_iterations=self.store.optimizer_iterations() if self.store.initialized else 0,

@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Callable
 
+from ps_common.defaults import BARRIER_TIMEOUT, MAX_STALENESS
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError
 from ps_server.core.membership import Membership
@@ -64,8 +65,8 @@ class SSPMode(AsyncMode):
     name = "ssp"
 
     def __init__(self, store: VariableStore, members: Membership, staleness_bound: int,
-                 barrier_timeout: float = 60.0, stats: Stats | None = None, allow_nonfinite: bool = False,
-                 stale_policy: str = "none", max_staleness: int = 0, clock: Callable[[], float] = time.monotonic,
+                 barrier_timeout: float = BARRIER_TIMEOUT, stats: Stats | None = None, allow_nonfinite: bool = False,
+                 stale_policy: str = "none", max_staleness: int = MAX_STALENESS, clock: Callable[[], float] = time.monotonic,
                  apply: str = "locked"):
         if staleness_bound < 0:
             raise InvalidArgument(f"the staleness bound must be >= 0, got {staleness_bound}")

@@ -69,6 +69,7 @@ from typing import Callable
 
 import numpy as np
 
+from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES
 from ps_common.reasons import Reason
 from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
@@ -96,7 +97,7 @@ class SyncMode:
         stats: Stats | None = None,
         clock: Callable[[], float] = time.monotonic,
         policy: str = "abort",
-        replacement_timeout: float = 60.0,
+        replacement_timeout: float = REPLACEMENT_TIMEOUT,
         replicas_to_aggregate: int = 0,
         allow_nonfinite: bool = False,
     ):

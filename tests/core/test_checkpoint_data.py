@@ -37,7 +37,7 @@ def counts(indices, n) -> dict[str, np.ndarray]:
 
 def task_server(mode="async", plan=PLAN, num_workers=3, **kwargs) -> ParameterServer:
     if mode == "ssp":
-        kwargs.setdefault("staleness_bound", 1000)
+        kwargs.setdefault("staleness", 1000)
     return ParameterServer(mode, num_workers=num_workers, lease_timeout=5.0, clock=Clock(), **kwargs)
 
 

@@ -37,7 +37,7 @@ def test_elastic_settings_that_cannot_work_are_refused_in_one_line():
     for kwargs, match in [
         (dict(mode="async"), "a sync mode's"),
         (dict(replicas_to_aggregate=1), "no backup workers"),
-        (dict(elastic_min_workers=5), "above num_workers 4"),
+        (dict(elastic_min_workers=5), "above --num-workers 4"),
         (dict(elastic_min_workers=0, micro_batches=4), "elastic sync only"),
     ]:
         options = {"mode": "sync", "num_workers": 4, "elastic_min_workers": 2, **kwargs}

@@ -155,9 +155,9 @@ def test_negative_bound_is_refused():
 
 
 def test_parameter_server_runs_ssp_and_reports_the_bound():
-    ps = ParameterServer("ssp", 2, staleness_bound=4)
-    assert ps.status().staleness_bound == 4 and ps.status().mode == "ssp"
-    assert ParameterServer("async", 2).status().staleness_bound == -1
+    ps = ParameterServer("ssp", 2, staleness=4)
+    assert ps.status().staleness == 4 and ps.status().mode == "ssp"
+    assert ParameterServer("async", 2).status().staleness == -1
 
 
 # -- stale-gradient policies (async and ssp) -------------------------------------------------
@@ -199,18 +199,18 @@ def test_stale_policies_are_checked():
     with pytest.raises(InvalidArgument, match="stale_policy must be one of"):
         async_mode("ignore")
     with pytest.raises(InvalidArgument, match="sync has no stale gradients"):
-        ParameterServer("sync", 2, stale_policy="drop")
+        ParameterServer("sync", 2, stale_gradient_policy="drop")
 
 
 def test_after_a_restore_the_clocks_start_from_the_workers_restored_last_steps():
-    ps = ParameterServer("ssp", 2, staleness_bound=1)
+    ps = ParameterServer("ssp", 2, staleness=1)
     for w in range(2):
         ps.register(w, 2)
     ps.initialize(0, {"w": np.zeros(4, np.float32)}, OptimizerSpec("sgd", learning_rate=0.5))
     for step in range(3):
         for w in range(2):
             ps.push(Push(worker_id=w, step=step, base_version=ps.store.version, batch_size=1, gradients=GRAD))
-    again = ParameterServer("ssp", 2, staleness_bound=1)
+    again = ParameterServer("ssp", 2, staleness=1)
     again.restore(ps.checkpoint_state())
     assert again.status().round == 3  # both clocks at 3, from membership's restored last steps
     for w in range(2):

@@ -21,7 +21,7 @@ PLAN = DataPlan(num_examples=EXAMPLES, global_batch_size=16, seed=5, epochs=3)
 def server(clock, mode="async", **kwargs):
     options = dict(num_workers=4, lease_timeout=5.0, clock=clock)  # ssp: S ahead of workers not yet joined too
     if mode == "ssp":
-        options["staleness_bound"] = 3
+        options["staleness"] = 3
     ps = ParameterServer(mode, **{**options, **kwargs})
     return ps
 

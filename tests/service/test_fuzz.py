@@ -122,7 +122,7 @@ class Target:
             "values": {n: (a.dtype.str, a.shape, a.tobytes()) for n, a in values.items()},
             "counters": (s.initialized, s.version, s.round, tuple(s.waiting_for), s.pushes_applied,
                          s.examples_applied, s.pushes_dropped, s.pushes_replayed, s.rounds_aborted,
-                         s.rounds_timed_out, s.max_staleness, tuple(s.active_workers),
+                         s.rounds_timed_out, s.max_staleness_seen, tuple(s.active_workers),
                          s.optimizer.SerializeToString(deterministic=True)),
             "workers": {w.worker_id: (w.worker_name, w.last_step, w.left, w.pushes, w.dead, w.dropped)
                         for w in s.workers},

@@ -104,7 +104,7 @@ def test_sync_rounds_and_pushes_equal_the_pushes_done_and_every_worker_is_live(s
     assert m.value("tfps_num_workers") == 2
     assert m.value("tfps_live_workers") == 2 and m.value("tfps_dead_workers") == 0
     assert m.value("tfps_initialized") == 1
-    assert m.value("tfps_info", mode="sync", stale_policy="none", dead_worker_policy="abort",
+    assert m.value("tfps_info", mode="sync", stale_gradient_policy="none", dead_worker_policy="abort",
                    incarnation=running.core.incarnation) == 1
     for counter in ("dropped", "replayed", "scaled"):
         assert m.value(f"tfps_pushes_{counter}_total") == 0
@@ -193,7 +193,7 @@ def test_ssp_reports_how_far_ahead_a_push_ran(served):
     m = Scrape(running.metrics_port)
     assert m.value("tfps_max_ahead_steps") == 0  # alone, a worker is never ahead of itself
     assert m.value("tfps_round") == 3  # the slowest clock
-    assert m.value("tfps_info", mode="ssp", stale_policy="none", dead_worker_policy="",
+    assert m.value("tfps_info", mode="ssp", stale_gradient_policy="none", dead_worker_policy="",
                    incarnation=running.core.incarnation) == 1
 
 

@@ -84,7 +84,7 @@ def test_a_malformed_metric_in_a_push_reply_is_a_codec_error():
 
 
 def test_the_status_on_the_wire_carries_every_core_field_with_ages_taken_at_the_call():
-    core = ParameterServer("ssp", 2, staleness_bound=2, stale_policy="drop", max_staleness=4)
+    core = ParameterServer("ssp", 2, staleness=2, stale_gradient_policy="drop", max_staleness=4)
     core.register(0, 2, "w0")
     s = core.status()
     record = s.workers[0]
@@ -101,7 +101,7 @@ def test_the_status_on_the_wire_carries_every_core_field_with_ages_taken_at_the_
             assert list(value) == list(want), f.name
         else:
             assert value == pytest.approx(want, nan_ok=True) if isinstance(want, float) else value == want, f.name
-    assert (msg.staleness_bound, msg.stale_policy, msg.drop_staleness_above) == (2, "drop", 4)
+    assert (msg.staleness, msg.stale_gradient_policy, msg.max_staleness) == (2, "drop", 4)
     assert [service.MEMBERSHIP_EVENT.from_wire(e) for e in msg.membership] == list(s.membership)
     assert [(e.event, e.worker_id, e.worker_name) for e in msg.membership] == [("joined", 0, "w0")]
 
@@ -119,7 +119,7 @@ def test_the_server_s_own_clock_readings_stay_local():
 
 
 def test_a_registration_states_the_same_facts_as_the_status_it_is_read_from():
-    core = ParameterServer("ssp", 2, barrier_timeout=7.0, lease_timeout=4.0, staleness_bound=1)
+    core = ParameterServer("ssp", 2, barrier_timeout=7.0, lease_timeout=4.0, staleness=1)
     reg = core.register(1, 2, "w1")
     s = core.status()
     assert (reg.worker_id, reg.barrier_timeout, reg.shm) == (1, 7.0, False)

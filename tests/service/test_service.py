@@ -414,7 +414,7 @@ def test_async_push_applies_immediately_and_reports_staleness(ps, connect):
     status = c0.status()
     assert status.mode == pb.ASYNC
     assert (status.pushes_applied, status.examples_applied) == (2, 8)
-    assert (status.mean_staleness, status.max_staleness) == (0.5, 1)
+    assert (status.mean_staleness, status.max_staleness_seen) == (0.5, 1)
     assert status.last_loss == 3.0
     assert list(status.waiting_for) == []
 
@@ -546,7 +546,7 @@ def test_status_names_the_worker_that_has_not_pushed_while_another_waits(ps, con
         (0, 0, 1, False), (1, 0, 1, False)]
     assert all(0 <= w.last_seen_age_s < 30 for w in status.workers)
     assert (status.pushes_applied, status.examples_applied) == (2, 8)
-    assert (status.mean_staleness, status.max_staleness, status.rounds_timed_out) == (0.0, 0, 0)
+    assert (status.mean_staleness, status.max_staleness_seen, status.rounds_timed_out) == (0.0, 0, 0)
     assert status.last_loss == pytest.approx(5 / 8 * 2.0 + 3 / 8 * 4.0)
     assert (status.num_variables, status.num_parameters) == (2, 9)
     assert (status.optimizer.name, status.optimizer.learning_rate) == ("sgd", 0.5)

@@ -58,16 +58,16 @@ def trained(shards):
 def test_each_shard_reports_the_staleness_settings_and_counters(trained):
     per_shard, _ = trained
     for s in per_shard:
-        assert (s.staleness_bound, s.stale_policy, s.drop_staleness_above) == (3, "scale", 5)
+        assert (s.staleness, s.stale_gradient_policy, s.max_staleness) == (3, "scale", 5)
     assert [s.pushes_scaled for s in per_shard] == [2, 1]  # the direct push reached shard 0 alone
     assert per_shard[0].max_ahead >= 1
 
 
 def test_the_combined_status_carries_every_field_the_drift_dropped_by_its_rule(trained):
     per_shard, combined = trained
-    for name in ("staleness_bound", "max_ahead", "stale_policy", "drop_staleness_above", "pushes_scaled"):
+    for name in ("staleness", "max_ahead", "stale_gradient_policy", "max_staleness", "pushes_scaled"):
         assert getattr(combined, name) == STATUS_RULES[name]([getattr(s, name) for s in per_shard]), name
-    assert (combined.staleness_bound, combined.stale_policy, combined.drop_staleness_above) == (3, "scale", 5)
+    assert (combined.staleness, combined.stale_gradient_policy, combined.max_staleness) == (3, "scale", 5)
     assert combined.pushes_scaled == 2 and combined.max_ahead == max(s.max_ahead for s in per_shard) >= 1
     for w in combined.workers:
         records = [next(x for x in s.workers if x.worker_id == w.worker_id) for s in per_shard]

@@ -134,5 +134,5 @@ def test_staleness_flags_reach_every_server_only_when_given():
                                                      "--max-staleness", "5"]
     plain = launch.server_argv(parse("--mode", "ssp"), 0, "/tmp/port")
     assert not {"--staleness", "--stale-gradient-policy", "--max-staleness"} & set(plain)
-    with pytest.raises(SystemExit):
-        parse("--staleness", "-1")
+    with pytest.raises(launch.LaunchError, match="ps-server: --staleness must be >= 0"):  # before anything starts
+        launch.resolved(parse("--staleness", "-1"), {}, {}, workers=False)

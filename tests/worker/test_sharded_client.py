@@ -353,12 +353,12 @@ def test_every_registration_and_push_reply_field_has_exactly_one_combine_rule(re
 
 
 def test_combined_status_keeps_the_staleness_settings_and_takes_the_largest_counters_and_times():
-    a = pb.StatusResponse(mode=pb.SSP, staleness_bound=3, max_ahead=2, stale_policy="drop", drop_staleness_above=5,
+    a = pb.StatusResponse(mode=pb.SSP, staleness=3, max_ahead=2, stale_gradient_policy="drop", max_staleness=5,
                           pushes_scaled=4, workers=[pb.WorkerStatus(worker_id=0, work_s=0.5, wait_s=0.1, pushes=3)])
-    b = pb.StatusResponse(mode=pb.SSP, staleness_bound=3, max_ahead=1, stale_policy="drop", drop_staleness_above=5,
+    b = pb.StatusResponse(mode=pb.SSP, staleness=3, max_ahead=1, stale_gradient_policy="drop", max_staleness=5,
                           pushes_scaled=6, workers=[pb.WorkerStatus(worker_id=0, work_s=0.2, wait_s=0.3, pushes=3)])
     s = combine_statuses([a, b])
-    assert (s.staleness_bound, s.max_ahead, s.stale_policy, s.drop_staleness_above, s.pushes_scaled) \
+    assert (s.staleness, s.max_ahead, s.stale_gradient_policy, s.max_staleness, s.pushes_scaled) \
         == (3, 2, "drop", 5, 6)
     assert [(w.work_s, w.wait_s) for w in s.workers] == [(0.5, 0.3)]
 
