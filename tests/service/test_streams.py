@@ -251,7 +251,8 @@ def test_an_unknown_wire_dtype_is_refused_when_the_client_is_made():
 def test_a_pull_error_names_the_call_and_keeps_the_servers_explanation(ps):
     running, client = ps(mode="async", num_workers=1)
     client.register(0, 1)
-    with pytest.raises(PSClientError, match="Pull to .* FAILED_PRECONDITION: variables are not initialized"):
+    said = r"Pull to .* FAILED_PRECONDITION \(not-initialized\): variables are not initialized"  # code (reason): text
+    with pytest.raises(PSClientError, match=said):
         client.pull(0)
 
 
