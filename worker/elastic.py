@@ -38,19 +38,16 @@ had not delivered to the live workers, so nothing is lost or computed twice, and
 round waits for its lease to run out. A push of it still in flight either arrived
 first (delivered) or is refused (its micro-batch went to another).
 
-The handler only sets a flag (``SigtermFlag``); the loop acts on it between calls. An
-exception raised from a handler surfaces wherever the main thread happens to be, and
-inside TensorFlow or Keras that is their ``traceback_utils`` wrapping it into a failure
-(seen: a worker stopped in its gradient step exited 1 and was declared dead). So the
-loop checks the flag before it asks for work, before each micro-batch and after each
-call; what may block for long (registering and joining, ``Work``, a push waiting for
-its round or ssp's bound) runs in a thread of its own while the main thread watches the
-flag, and the knobs' pauses sleep in short slices. A computation under way finishes
-first (one micro-batch's gradient). This holds from the loop's start until its last
-round is done (a worker stopped before it registered has nothing to leave); a rejoin
-(``Connection.rejoin``) runs to its end first, within ``--reconnect-timeout``; in
-``finish`` SIGTERM ends it as usual. It writes no ``--history-json``. Only in the
-main thread (where signals arrive); a loop run in another keeps SIGTERM as it is.
+The handler only sets a flag (``SigtermFlag``), which the loop checks between calls: an
+exception raised from a handler surfaces wherever the main thread is, and inside
+TensorFlow that was a failure (a worker stopped in its gradient step exited 1 through
+``traceback_utils`` and was declared dead). A gradient under way is finished first;
+what may block (registering and joining, ``Work``, a push waiting for its round or
+ssp's bound, a ``--pause-for``) ends within 50 ms. This holds from the loop's start
+until its last round is done (a worker stopped before it registered has nothing to
+leave); a rejoin runs to its end first (``--reconnect-timeout``); in ``finish`` SIGTERM
+ends it as usual. It writes no ``--history-json``. Only in the main thread (where
+signals arrive); a loop run in another keeps SIGTERM as it is.
 """
 
 from __future__ import annotations
@@ -77,11 +74,10 @@ class Stopped(Exception):
 
 
 class SigtermFlag:
-    """SIGTERM's handler (``signal.signal(SIGTERM, flag)``) and the loop's ways of heeding it.
-
-    The handler sets ``asked`` and nothing else: no lock (the main thread may hold the one
-    it would take), no exception (module docstring). ``check`` raises ``Stopped`` once it is
-    set; ``sleep`` and ``wait_for`` end within ``POLL_S`` of it."""
+    """SIGTERM's handler (``signal.signal(SIGTERM, flag)``) sets ``asked``, and nothing else:
+    no exception (module docstring), no lock (the main thread may hold the one it would
+    take). ``check`` raises ``Stopped`` once it is set; ``sleep`` and ``wait_for`` end within
+    ``POLL_S`` of it."""
 
     POLL_S = 0.05
 
