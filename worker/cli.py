@@ -5,8 +5,11 @@
 
 Bad flags, an unreachable server or a mismatched configuration (a bad
 ``TF_CONFIG`` included) give a one-line error and a non-zero exit (2 for
-configuration, 1 for a failed run), not a traceback. The resolved configuration
-is logged at DEBUG; other libraries log only their warnings (``ps_common.logs``).
+configuration, 1 for a failed run), not a traceback. With ``--elastic``, SIGTERM
+makes it leave the job and exit 143 (``ps_common.procs.LEFT_JOB_STATUS``,
+``worker.elastic``), which ``ps-launch`` tells from a worker that ended without
+leaving. The resolved configuration is logged at DEBUG; other libraries log only
+their warnings (``ps_common.logs``).
 """
 
 from __future__ import annotations

@@ -31,14 +31,21 @@ record: every example is applied exactly once per epoch. The job ends when the s
 says every task is applied; the chief then evaluates at once.
 
 SIGTERM (``ps-launch`` scaling a job down, an operator, a scheduler) makes a worker
-leave the job at once, wherever it is: whatever it computes or waits for is
-abandoned, it tells the server ``Leave`` (over a fresh channel: the interrupted
-call's may be mid-use), and ``ps-worker`` exits with 143 (128 + SIGTERM). The server
-moves the micro-batches it had not delivered to the live workers, so nothing is
-lost or computed twice, and no round waits for its lease to run out. A push of
-it still in flight either arrived first (delivered) or is refused (its micro-batch
-went to another). This holds from the loop's start (a worker stopped before it
-registered has nothing to leave) until its last round is done; in ``finish`` SIGTERM
+leave the job at once: it tells the server ``Leave`` (over a fresh channel: a call it
+abandoned may still be using the old one), and ``ps-worker`` exits with 143 (128 +
+SIGTERM, ``ps_common.procs.LEFT_JOB_STATUS``). The server moves the micro-batches it
+had not delivered to the live workers, so nothing is lost or computed twice, and no
+round waits for its lease to run out. A push of it still in flight either arrived
+first (delivered) or is refused (its micro-batch went to another).
+
+The handler only sets a flag (``SigtermFlag``), which the loop checks between calls: an
+exception raised from a handler surfaces wherever the main thread is, and inside
+TensorFlow that was a failure (a worker stopped in its gradient step exited 1 through
+``traceback_utils`` and was declared dead). A gradient under way is finished first;
+what may block (registering and joining, ``Work``, a push waiting for its round or
+ssp's bound, a ``--pause-for``) ends within 50 ms. This holds from the loop's start
+until its last round is done (a worker stopped before it registered has nothing to
+leave); a rejoin runs to its end first (``--reconnect-timeout``); in ``finish`` SIGTERM
 ends it as usual. It writes no ``--history-json``. Only in the main thread (where
 signals arrive); a loop run in another keeps SIGTERM as it is.
 """
@@ -62,23 +69,56 @@ from worker.trainer import TrainingLoop
 log = logging.getLogger("worker")
 
 
-class Stopped(BaseException):
-    """SIGTERM while training: this worker left the job (module docstring). A BaseException,
-    as KeyboardInterrupt is: raised wherever the signal lands, no ``except Exception`` on
-    the way (TensorFlow's AutoGraph has some) may swallow it."""
+class Stopped(Exception):
+    """SIGTERM while training: this worker left the job (module docstring). Raised by the
+    loop itself, where it checks the flag, never by the signal handler."""
 
 
-_STOP = threading.Event()  # set by SIGTERM, and checked between micro-batches should the raise get lost
+class SigtermFlag:
+    """SIGTERM's handler (``signal.signal(SIGTERM, flag)``) sets ``asked``, and nothing else:
+    no exception (module docstring), no lock (the main thread may hold the one it would
+    take). ``check`` raises ``Stopped`` once it is set; ``sleep`` and ``wait_for`` end within
+    ``POLL_S`` of it."""
 
+    POLL_S = 0.05
 
-def _on_sigterm(signum, frame):
-    _STOP.set()
-    raise Stopped("SIGTERM")
+    def __init__(self):
+        self.asked = False
 
+    def __call__(self, signum, frame) -> None:
+        self.asked = True
 
-def _stop_if_asked() -> None:
-    if _STOP.is_set():
-        raise Stopped("SIGTERM")
+    def check(self) -> None:
+        if self.asked:
+            raise Stopped("SIGTERM")
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep(seconds)``, cut short by SIGTERM (the knobs' sleep: a pause)."""
+        deadline = time.monotonic() + seconds
+        while not self.asked and time.monotonic() < deadline:
+            time.sleep(min(self.POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def wait_for(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)``'s result (or its exception), computed in a daemon thread
+        while this one watches the flag: ``Stopped`` as soon as it is set. The call is then
+        abandoned; closing the connection (``train`` does) cancels its RPC."""
+        self.check()
+        outcome = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = call(*args, **kwargs)
+            except BaseException as e:  # handed to the caller's thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name="elastic-call", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            self.check()
+            thread.join(self.POLL_S)
+        if "error" in outcome:
+            raise outcome.pop("error")
+        return outcome["result"]
 
 
 class ElasticLoop(TrainingLoop):
@@ -87,22 +127,24 @@ class ElasticLoop(TrainingLoop):
     dealt = True  # the server deals the data: the chief waits for nobody before evaluating
     WAIT_S = 0.2  # async and ssp: every task handed out, some not done: ask again after this
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop = SigtermFlag()  # SIGTERM's, while run trains (module docstring)
+        self.knobs.sleep = self.stop.sleep  # --pause-for ends at SIGTERM
+
     def run(self) -> dict:
         task = self.task
         # Signals reach the main thread only; a loop run from another one keeps SIGTERM as it is.
         catch = threading.current_thread() is threading.main_thread()
-        _STOP.clear()
-        previous = signal.signal(signal.SIGTERM, _on_sigterm) if catch else None
+        previous = signal.signal(signal.SIGTERM, self.stop) if catch else None
         try:
-            self.start()  # registers, then (_before_join) sets the data plan for the server's mode
+            self.stop.wait_for(self.start)  # registers, then (_before_join) sets the data plan; joins
             self.t0 = time.monotonic()
             if self.conn.registration.mode == "sync":
                 self._rounds()
             else:
                 self._tasks()
         except Stopped:
-            if catch:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the Leave short
             raise Stopped(self._leave_now()) from None
         finally:
             if catch:
@@ -116,6 +158,7 @@ class ElasticLoop(TrainingLoop):
         the job; async and ssp, tasks of ``--global-batch-size / --num-workers`` examples for
         ``--epochs`` epochs (``_tasks``)."""
         config, task = self.config, self.task
+        self.stop.check()  # stopped while it registered: it leaves without joining
         if registration.mode == "sync":
             self.conn.data_plan = {"num_examples": task.num_examples,
                                    "global_batch_size": config.global_batch_size, "seed": config.seed}
@@ -157,16 +200,17 @@ class ElasticLoop(TrainingLoop):
 
     def _one_task(self) -> bool:
         task, client, me = self.task, self.conn.client, self.conn.worker_id
-        _stop_if_asked()
-        offer = client.work(me)
+        self.stop.check()
+        offer = client.work(me)  # at once
         if not offer.sizes:
             if offer.finished:
                 return False
-            time.sleep(self.WAIT_S)  # the last tasks are held by others; one may come back
+            self.stop.sleep(self.WAIT_S)  # the last tasks are held by others; one may come back
             return True
         knob_s = self.knobs.before_step(self.conn.step) + self.knobs.before_pull()
         started = time.monotonic()
         version = self.conn.pull()
+        self.stop.check()
         indices = global_batch(task.num_examples, self.batch, self.config.seed, offer.round)
         computing = time.monotonic()
         loss, grads = self.compute(*task.examples(indices), len(indices))
@@ -174,7 +218,7 @@ class ElasticLoop(TrainingLoop):
         step = self.conn.step
         self.conn.step += 1  # never the same step twice: the mode answers a repeated step from its record
         pushing = time.monotonic()
-        reply = client.push_task(me, step, version, offer.round, len(indices), grads, loss)
+        reply = self.stop.wait_for(client.push_task, me, step, version, offer.round, len(indices), grads, loss)
         record = {"step": step, "task": offer.round, "loss": loss, "batch_size": len(indices),
                   "base_version": version, "version": reply.version, "staleness": reply.staleness,
                   "dropped": reply.dropped, "t": time.monotonic() - self.t0, "pull_s": computing - started,
@@ -203,8 +247,7 @@ class ElasticLoop(TrainingLoop):
     def _one_round(self) -> bool:
         """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
         task, client, me = self.task, self.conn.client, self.conn.worker_id
-        _stop_if_asked()
-        work = client.work(me, timeout=self.conn.registration.barrier_timeout + client.timeout)
+        work = self.stop.wait_for(client.work, me, timeout=self.conn.registration.barrier_timeout + client.timeout)
         if work.round >= task.total_steps:
             return False
         version = self.conn.pull()
@@ -219,13 +262,13 @@ class ElasticLoop(TrainingLoop):
         todo, sizes, losses = list(work.micro_batches), [], []
         reply = None
         while todo:
-            _stop_if_asked()
+            self.stop.check()
             m = todo.pop(0)
             batch = micro_batches(task.global_batch(work.round), work.parts)[m]
             computing = time.monotonic()
             loss, grads = self.compute(*task.examples(batch), len(batch))
             compute_s += time.monotonic() - computing
-            reply, more = client.push_micro(me, work.round, m, len(batch), grads, loss)
+            reply, more = self.stop.wait_for(client.push_micro, me, work.round, m, len(batch), grads, loss)
             sizes.append(len(batch))
             losses.append(loss)
             if more is not None and more.round == work.round:
