@@ -163,10 +163,12 @@ class Ticket:
     def wait(self, timeout: float | None = None) -> bool:
         return self._settled.wait(timeout)
 
-    def result(self) -> Any:
-        """The result, or the exception raised (a copy: each waiter its own traceback)."""
-        if not self._settled.is_set():
-            raise RuntimeError("the ticket is not settled yet")
+    def result(self, timeout: float | None = 0.0) -> Any:
+        """The result, or the exception raised (a copy: each waiter its own traceback),
+        waiting up to ``timeout`` seconds for it (None: no limit; 0, the default: not at
+        all); TimeoutError when it is not settled by then."""
+        if not self._settled.wait(timeout):
+            raise TimeoutError(f"the ticket is not settled yet (waited {timeout:g} s)")
         if isinstance(self._outcome, BaseException):
             raise copy.copy(self._outcome)
         return self._outcome
