@@ -2,7 +2,7 @@
 
     mode = AsyncMode(store, members)                    # apply="locked", the default
     mode = AsyncMode(store, members, apply="hogwild")   # ps-server --async-apply hogwild
-    result = mode.push(push)     # returns once this gradient is applied
+    result = mode.submit(push).result()   # settled at once: the gradient is applied
 
 There is no barrier and no global lock. How a push is applied is ``apply``;
 what "lock-free" means under each, exactly:
@@ -112,7 +112,6 @@ from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 
-
 class AsyncMode:
     name = "async"
 
@@ -141,15 +140,15 @@ class AsyncMode:
         # queue): a checkpoint between the two would hold an update whose task is not done.
         self.applying: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
-    def push(self, push: Push) -> PushResult:
-        started = time.perf_counter()
-        result = self._push(push)
-        self.stats.pushed(time.perf_counter() - started)
-        return result
-
     def submit(self, push: Push, consumed=None) -> Ticket:
-        """``push`` as a settled ticket: an async push never waits for another (``core.modes``)."""
-        return Ticket.of(lambda: self.push(push))
+        """Apply ``push`` (or answer it from the record) here: a settled ticket, as an async
+        push never waits for another (``core.modes``)."""
+        def timed() -> PushResult:
+            started = time.perf_counter()
+            result = self._push(push)
+            self.stats.pushed(time.perf_counter() - started)
+            return result
+        return Ticket.of(timed)
 
     def expire_overdue(self) -> None:
         """Nothing waits in async mode."""

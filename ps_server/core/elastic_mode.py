@@ -172,11 +172,6 @@ class ElasticSyncMode:
                 consumed()
         return ticket
 
-    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> ElasticReply:
-        ticket = self.submit(push, consumed)
-        ticket.wait()
-        return ticket.result()
-
     def expire_overdue(self) -> None:
         with self._lock:
             now = self._clock()

@@ -1,22 +1,20 @@
 """The interface every consistency mode implements, and what a push returns.
 
     mode = SyncMode(store, members, num_workers=2, barrier_timeout=60.0)
-    result = mode.push(Push(worker_id=0, step=0, base_version=0, batch_size=32,
-                            gradients={...}, loss=0.7))
-
-    ticket = mode.submit(push)   # the same, without blocking: a Ticket
+    ticket = mode.submit(Push(worker_id=0, step=0, base_version=0, batch_size=32,
+                              gradients={...}, loss=0.7))
     ticket.add_done_callback(lambda t: print(t.result()))
+    result = ticket.result(timeout=60.0)   # or wait for it (tests, tools)
 
-One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``) behind this interface;
-all of them share the store and its optimizer.
+One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``, ``elastic_mode``)
+behind ``Mode``; all of them share the store and its optimizer.
 
-``push`` blocks the calling thread while the push waits (a sync barrier, the SSP
-bound). ``submit`` never waits: it does the push's work (checks, fold, apply) in the
-calling thread and returns a ``Ticket`` that the mode settles later, from whichever
-thread ends the wait (the push that fills the round, a death, ``expire_overdue``). A
-server on an event loop (``ps_server.server``) therefore holds no thread for a waiting
-worker; it calls ``expire_overdue`` a few times a second so that waits still end in
-time.
+``submit`` is the one way in, and it never waits: it does the push's work (checks,
+fold, apply) in the calling thread and returns a ``Ticket`` that the mode settles
+later, from whichever thread ends the wait (the push that fills the round, a death,
+``expire_overdue``). A server on an event loop (``ps_server.server``) therefore holds
+no thread for a waiting worker; it calls ``expire_overdue`` a few times a second so
+that waits still end in time.
 """
 
 from __future__ import annotations
@@ -160,9 +158,6 @@ class Ticket:
                 return
         fn(self)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._settled.wait(timeout)
-
     def result(self, timeout: float | None = 0.0) -> Any:
         """The result, or the exception raised (a copy: each waiter its own traceback),
         waiting up to ``timeout`` seconds for it (None: no limit; 0, the default: not at
@@ -176,8 +171,6 @@ class Ticket:
 
 class Mode(Protocol):
     name: str
-
-    def push(self, push: Push) -> PushResult: ...
 
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket: ...
 

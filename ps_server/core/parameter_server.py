@@ -6,8 +6,9 @@
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
     version, changed = ps.pull(since=version)     # only variables updated after it
-    ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
-                 metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+    ticket = ps.submit(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
+                            metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+    result = ticket.result(timeout=60.0)   # settled once the push is answered (a sync round)
     ps.broadcast(0, "epoch-1", b"stop", timeout=30.0)   # chief posts; others: ps.broadcast(1, "epoch-1", None, 30.0)
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
     ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
@@ -368,29 +369,13 @@ class ParameterServer:
     def offer(self, spec, worker_id: int, name: str, block: int, gradient: np.ndarray) -> None:
         self.mode.offer(spec, worker_id, name, block, gradient)
 
-    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
-        """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
-        (``core.sparse``): they are checked here, before the mode sees them, and made dense
-        unless their rows alone are stepped (``--sparse-updates``). ``consumed`` (sync mode)
-        is called once the push's gradient arrays are no longer needed, possibly long before
-        the round's outcome (``SyncMode.push``)."""
-        self.members.require(push.worker_id)
-        arrived = self._clock()
-        record = self._task_begin(push)
-        if record is not None:
-            return record
-        push, consumed = self._dense(push, consumed)
-        try:
-            result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
-        except PSError:
-            self._task_refused(push.worker_id, push.task)
-            raise
-        self._recorded(push.worker_id, push.step, arrived, result)
-        return result
-
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
-        """``push`` without blocking (``core.modes``): the push's work is done here, its wait
-        (a sync round, the SSP bound) is a ticket that the mode settles later."""
+        """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a
+        sync round, the SSP bound) is the ticket, which the mode settles later (``core.modes``).
+        Gradients may be ``SparseRows`` (``core.sparse``): they are checked here, before the
+        mode sees them, and made dense unless their rows alone are stepped (``--sparse-updates``).
+        ``consumed`` is called once the push's gradient arrays are no longer needed, possibly
+        long before the round's outcome (``SyncMode.submit``)."""
         try:
             self.members.require(push.worker_id)
             arrived = self._clock()
