@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ps_common.records import PushReply
 from ps_server.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from ps_server.core.cursor import Cursor, EpochLedger
     from ps_server.core.store import StoreState
 
 
@@ -169,28 +170,85 @@ class Ticket:
         return self._outcome
 
 
-class Mode(Protocol):
-    name: str
+class Mode:
+    """What the server (``ParameterServer``) needs from a mode, and gives it.
 
-    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket: ...
+    A mode is built with the store, the membership and the stats it shares with the
+    server; everything else reaches it through these calls. What a mode does not
+    support keeps the default here (no speculation, no dealt data, no restored round).
+    """
+
+    name: str  # ps_common.names.MODES (elastic sync is "sync")
+    stats: Stats
+    # Pushes are answered by whole rounds of every worker's (sync, elastic sync): a
+    # dead-worker policy applies, and the values after a round stay current until the
+    # worker pushes again unless backup workers let a round go on without it.
+    rounds: bool = False
+    # How the mode deals a data plan (``core.cursor.DataPlan``), as ``DataState.kind``:
+    # "tasks" (async, ssp: ``deal_tasks``), "elastic" (elastic sync's micro-batches:
+    # ``set_cursor``, ``work``) or "" (none: the workers read their own shards).
+    data_plan: str = ""
+    cursor: "Cursor | None" = None  # elastic sync: the job's data plan, once known
+    ledger: "EpochLedger | None" = None  # elastic sync: every example's epoch, once the plan is known
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
+        """Take ``push``; the ticket its answer settles. Never waits. ``consumed`` is called
+        once the mode no longer needs the push's gradient arrays."""
+        raise NotImplementedError
 
     def expire_overdue(self) -> None:
         """End every wait whose time is up (``submit``'s tickets have no thread watching)."""
-        ...
 
-    def status(self) -> ModeStatus: ...
+    def status(self) -> ModeStatus:
+        raise NotImplementedError
 
-    def workers_died(self, worker_ids: list[int]) -> None: ...
+    def workers_died(self, worker_ids: list[int]) -> None:
+        """The lease check declared these workers dead."""
 
-    def worker_joined(self, worker_id: int) -> None: ...
+    def worker_joined(self, worker_id: int) -> None:
+        """A worker registered (or registered again)."""
+
+    def worker_left(self, worker_id: int) -> None:
+        """A worker finished and said so (``ParameterServer.leave``)."""
 
     def export_state(self) -> tuple["StoreState", ModeStatus]:
         """The store's snapshot and the mode's status, consistent with each other (checkpoints)."""
-        ...
+        raise NotImplementedError
+
+    def export_round(self) -> tuple["StoreState", ModeStatus, tuple | None, dict]:
+        """``export_state``, the ledger's state (None without one) and ``Stats.export``."""
+        state, status = self.export_state()
+        return state, status, None, self.stats.export()
 
     def restore(self, status: ModeStatus) -> None:
         """Start again from a checkpoint: at ``status.round``, nothing pending, its counters."""
-        ...
+        raise NotImplementedError
+
+    def round_restored(self) -> bool:
+        """Restored from a checkpoint and no push taken since (sync's ``RoundBook``)."""
+        return False
+
+    def deal_tasks(self, applying: Callable[[], ContextManager], applied: Callable[[Push, PushResult], None]) -> None:
+        """``data_plan`` "tasks" (``core.tasks``): hold ``applying()`` around each push's apply,
+        and call ``applied(push, result)`` under it once the push was applied or dropped."""
+        raise NotImplementedError(f"{self.name} mode deals no tasks")
+
+    def set_cursor(self, cursor: "Cursor", ledger: "EpochLedger | None" = None) -> None:
+        """``data_plan`` "elastic": the job's data plan (and a checkpoint's ledger)."""
+        raise NotImplementedError(f"{self.name} mode deals no micro-batches")
+
+    def work(self, worker_id: int) -> Ticket:
+        """``data_plan`` "elastic": a ticket for this worker's micro-batches."""
+        raise NotImplementedError(f"{self.name} mode deals no micro-batches")
+
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+                sparse: bool = False):
+        """The speculation (``core.overlap``) a streamed push joins; None: not speculated."""
+        return None
+
+    def offer(self, spec, worker_id: int, name: str, block: int, gradient) -> None:
+        """A block of a push's gradient, for a speculation ``overlap`` returned."""
+        raise NotImplementedError(f"{self.name} mode speculates no rounds")
 
 
 class Stats:

@@ -78,15 +78,19 @@ class SSPMode(AsyncMode):
         self._now = clock
         self._lock = threading.Lock()  # guards _clocks, records, max_ahead, _waiting
         self._clocks = [0] * members.num_workers
-        # Workers that come and go (the server hands out tasks, ``core.tasks``): only the
+        # Workers that come and go (the server hands out tasks, ``deal_tasks``): only the
         # workers registered and live take part, and one that joins starts at the slowest
         # of them, not at 0 (it would hold every other back until it caught up).
-        self.elastic = False
+        self._elastic = False
         self.records: collections.deque[SSPRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self.max_ahead = 0
         # submit()'s pushes waiting for the bound: (ticket, worker, step to start, clock needed,
         # deadline, the push's result)
         self._waiting: list[tuple[Ticket, int, int, int, float, PushResult]] = []
+
+    def deal_tasks(self, applying, applied) -> None:
+        super().deal_tasks(applying, applied)
+        self._elastic = True
 
     def _participants(self) -> list[int]:
         """Indexes not left and not dead. Also raises each clock to what membership
@@ -96,7 +100,7 @@ class SSPMode(AsyncMode):
             for r in records:
                 self._clocks[r.worker_id] = max(self._clocks[r.worker_id], r.last_step + 1)
         gone = {r.worker_id for r in records if r.left or r.dead}
-        if self.elastic:
+        if self._elastic:
             return sorted(r.worker_id for r in records if r.worker_id not in gone)
         return [w for w in range(self.members.num_workers) if w not in gone]
 
@@ -180,7 +184,7 @@ class SSPMode(AsyncMode):
 
     def worker_joined(self, worker_id: int) -> None:
         """Elastic: a worker joining (or rejoining) starts at the slowest live one's clock."""
-        if not self.elastic:
+        if not self._elastic:
             return
         others = [w for w in self._participants() if w != worker_id]
         with self._lock:

@@ -72,14 +72,15 @@ from ps_common.names import DEAD_WORKER_POLICIES
 from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
 
-class SyncMode:
+class SyncMode(Mode):
     name = "sync"
+    rounds = True
 
     def __init__(
         self,
