@@ -45,7 +45,7 @@ def main() -> None:
         nonlocal step
         rows = np.sort(rng.choice(args.rows, size=args.touch, replace=False)).astype(np.int64)
         grad = rng.standard_normal((args.touch, args.dim)).astype(np.float32)
-        ps.push(Push(0, step, ps.store.version, 1, {"emb": SparseRows(rows, grad)}))
+        ps.submit(Push(0, step, ps.store.version, 1, {"emb": SparseRows(rows, grad)})).result()
         step += 1
 
     push()  # the table turns row-wise

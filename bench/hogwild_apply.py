@@ -56,7 +56,8 @@ def run_once(spec: OptimizerSpec, apply: str, threads: int, pushes: int) -> dict
     def worker(w: int) -> None:
         go.wait()
         for step in range(pushes):
-            mode.push(Push(worker_id=w, step=step, base_version=store.version, batch_size=1, gradients=grads))
+            mode.submit(Push(worker_id=w, step=step, base_version=store.version, batch_size=1,
+                             gradients=grads)).result()
 
     pool = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
     for t in pool:

@@ -652,7 +652,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """Sync without backup workers: no round completes without every active worker,
         so the values after a worker's round are current until it pushes again."""
         core = self.core
-        return core.mode_name == "sync" and core.replicas_to_aggregate in (0, core.num_workers)
+        return core.mode.rounds and core.replicas_to_aggregate in (0, core.num_workers)
 
     @_handled_async
     async def PushStream(self, request_iterator, context):

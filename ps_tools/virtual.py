@@ -484,7 +484,7 @@ class Simulation:
         for i in range(n):
             ps.register(i, n)
         ps.initialize(0, w.initial, OptimizerSpec(**w.worker_config.optimizer_spec()))
-        syncish = ps.mode_name == "sync"
+        syncish = ps.mode.rounds
         # The sync shortcut (worker.transports.SyncShortcut): without backup workers, a push
         # of a model that fits one message asks for the round's values with its reply, and
         # the next step starts from them without a pull.

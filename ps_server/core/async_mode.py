@@ -2,7 +2,7 @@
 
     mode = AsyncMode(store, members)                    # apply="locked", the default
     mode = AsyncMode(store, members, apply="hogwild")   # ps-server --async-apply hogwild
-    result = mode.push(push)     # returns once this gradient is applied
+    result = mode.submit(push).result()   # settled at once: the gradient is applied
 
 There is no barrier and no global lock. How a push is applied is ``apply``;
 what "lock-free" means under each, exactly:
@@ -109,13 +109,13 @@ from ps_common.defaults import MAX_STALENESS
 from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 
-
-class AsyncMode:
+class AsyncMode(Mode):
     name = "async"
+    data_plan = "tasks"
 
     def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
                  allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = MAX_STALENESS,
@@ -135,22 +135,26 @@ class AsyncMode:
         self.apply = apply
         self._worker_locks = [threading.Lock() for _ in range(members.num_workers)]
         self._last: dict[int, tuple[int, PushResult]] = {}  # worker -> (last applied step, its answer)
-        # Called with (push, result) once a push was applied or dropped, under that worker's
-        # lock (the task queue's bookkeeping, ``ParameterServer``); must not block.
-        self.on_applied: Callable[[Push, PushResult], None] | None = None
-        # Held around a push's apply and its on_applied (``tasks.TaskGate.applying``, with a task
-        # queue): a checkpoint between the two would hold an update whose task is not done.
-        self.applying: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # deal_tasks: ``applied`` is called with (push, result) once a push was applied or
+        # dropped, under that worker's lock (the task queue's bookkeeping); ``applying`` is
+        # held around a push's apply and that call (``tasks.TaskGate.applying``): a checkpoint
+        # between the two would hold an update whose task is not done.
+        self._applied: Callable[[Push, PushResult], None] | None = None
+        self._applying: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
-    def push(self, push: Push) -> PushResult:
-        started = time.perf_counter()
-        result = self._push(push)
-        self.stats.pushed(time.perf_counter() - started)
-        return result
+    def deal_tasks(self, applying: Callable[[], contextlib.AbstractContextManager],
+                   applied: Callable[[Push, PushResult], None]) -> None:
+        self._applying, self._applied = applying, applied
 
     def submit(self, push: Push, consumed=None) -> Ticket:
-        """``push`` as a settled ticket: an async push never waits for another (``core.modes``)."""
-        return Ticket.of(lambda: self.push(push))
+        """Apply ``push`` (or answer it from the record) here: a settled ticket, as an async
+        push never waits for another (``core.modes``)."""
+        def timed() -> PushResult:
+            started = time.perf_counter()
+            result = self._push(push)
+            self.stats.pushed(time.perf_counter() - started)
+            return result
+        return Ticket.of(timed)
 
     def expire_overdue(self) -> None:
         """Nothing waits in async mode."""
@@ -167,11 +171,11 @@ class AsyncMode:
                 return dataclasses.replace(last[1], replayed=True)
             if last is not None and push.step < last[0]:
                 raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; step {push.step} is older")
-            with self.applying():
+            with self._applying():
                 result = self._apply(push)
                 self._last[push.worker_id] = (push.step, result)
-                if self.on_applied is not None:  # before ssp's wait for the bound, which may time out
-                    self.on_applied(push, result)
+                if self._applied is not None:  # before ssp's wait for the bound, which may time out
+                    self._applied(push, result)
             return result
 
     def _apply(self, push: Push) -> PushResult:

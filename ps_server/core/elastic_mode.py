@@ -8,7 +8,7 @@
     reply = mode.submit(Push(..., step=work.round, micro_batch=m, batch_size=work.sizes[i])).result()
     # ElasticReply(result=None, work=Work(...)): go on with this work (yours, or a dead worker's)
     # ElasticReply(result=PushResult(...), work=None): the round completed; pull, then ``work`` again
-    mode.workers_died([w])                       # lease expired or left: its undelivered part moves
+    mode.workers_died([w])                       # lease expired (or worker_left): its undelivered part moves
 
 The data cursor belongs to the cluster (``core.cursor``): round ``r`` trains on
 global batch ``r`` of the seeded sequence, cut into the cursor's fixed
@@ -55,7 +55,7 @@ from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
                                    WorkerDead)
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.rounds import ROUNDS_REMEMBERED
 from ps_server.core.store import StoreState, VariableStore
 
@@ -77,8 +77,10 @@ class ElasticReply:
     work: Work | None = None
 
 
-class ElasticSyncMode:
+class ElasticSyncMode(Mode):
     name = "sync"
+    rounds = True
+    data_plan = "elastic"
 
     def __init__(self, store: VariableStore, members: Membership, cursor: Cursor | None, min_workers: int,
                  barrier_timeout: float, stats: Stats | None = None,
@@ -145,6 +147,9 @@ class ElasticSyncMode:
                 if self._work is not None:
                     self._hand_out(self._work.lost(w))
 
+    def worker_left(self, worker_id: int) -> None:
+        self.workers_died([worker_id])  # what it had not delivered goes to the others
+
     # -- the worker's calls ---------------------------------------------------------
     def work(self, worker_id: int) -> Ticket:
         """A ticket for ``worker_id``'s micro-batches: at once when it has some in the current
@@ -173,11 +178,6 @@ class ElasticSyncMode:
             if consumed is not None:
                 consumed()
         return ticket
-
-    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> ElasticReply:
-        ticket = self.submit(push, consumed)
-        ticket.wait()
-        return ticket.result()
 
     def expire_overdue(self) -> None:
         with self._lock:

@@ -1,22 +1,20 @@
 """The interface every consistency mode implements, and what a push returns.
 
     mode = SyncMode(store, members, num_workers=2, barrier_timeout=60.0)
-    result = mode.push(Push(worker_id=0, step=0, base_version=0, batch_size=32,
-                            gradients={...}, loss=0.7))
-
-    ticket = mode.submit(push)   # the same, without blocking: a Ticket
+    ticket = mode.submit(Push(worker_id=0, step=0, base_version=0, batch_size=32,
+                              gradients={...}, loss=0.7))
     ticket.add_done_callback(lambda t: print(t.result()))
+    result = ticket.result(timeout=60.0)   # or wait for it (tests, tools)
 
-One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``) behind this interface;
-all of them share the store and its optimizer.
+One module per mode (``sync_mode``, ``async_mode``, ``ssp_mode``, ``elastic_mode``)
+behind ``Mode``; all of them share the store and its optimizer.
 
-``push`` blocks the calling thread while the push waits (a sync barrier, the SSP
-bound). ``submit`` never waits: it does the push's work (checks, fold, apply) in the
-calling thread and returns a ``Ticket`` that the mode settles later, from whichever
-thread ends the wait (the push that fills the round, a death, ``expire_overdue``). A
-server on an event loop (``ps_server.server``) therefore holds no thread for a waiting
-worker; it calls ``expire_overdue`` a few times a second so that waits still end in
-time.
+``submit`` is the one way in, and it never waits: it does the push's work (checks,
+fold, apply) in the calling thread and returns a ``Ticket`` that the mode settles
+later, from whichever thread ends the wait (the push that fills the round, a death,
+``expire_overdue``). A server on an event loop (``ps_server.server``) therefore holds
+no thread for a waiting worker; it calls ``expire_overdue`` a few times a second so
+that waits still end in time.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import copy
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import numpy as np
 
@@ -33,6 +31,7 @@ from ps_common.records import PushReply
 from ps_server.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from ps_server.core.cursor import Cursor, EpochLedger
     from ps_server.core.store import StoreState
 
 
@@ -160,42 +159,96 @@ class Ticket:
                 return
         fn(self)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._settled.wait(timeout)
-
-    def result(self) -> Any:
-        """The result, or the exception raised (a copy: each waiter its own traceback)."""
-        if not self._settled.is_set():
-            raise RuntimeError("the ticket is not settled yet")
+    def result(self, timeout: float | None = 0.0) -> Any:
+        """The result, or the exception raised (a copy: each waiter its own traceback),
+        waiting up to ``timeout`` seconds for it (None: no limit; 0, the default: not at
+        all); TimeoutError when it is not settled by then."""
+        if not self._settled.wait(timeout):
+            raise TimeoutError(f"the ticket is not settled yet (waited {timeout:g} s)")
         if isinstance(self._outcome, BaseException):
             raise copy.copy(self._outcome)
         return self._outcome
 
 
-class Mode(Protocol):
-    name: str
+class Mode:
+    """What the server (``ParameterServer``) needs from a mode, and gives it.
 
-    def push(self, push: Push) -> PushResult: ...
+    A mode is built with the store, the membership and the stats it shares with the
+    server; everything else reaches it through these calls. What a mode does not
+    support keeps the default here (no speculation, no dealt data, no restored round).
+    """
 
-    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket: ...
+    name: str  # ps_common.names.MODES (elastic sync is "sync")
+    stats: Stats
+    # Pushes are answered by whole rounds of every worker's (sync, elastic sync): a
+    # dead-worker policy applies, and the values after a round stay current until the
+    # worker pushes again unless backup workers let a round go on without it.
+    rounds: bool = False
+    # How the mode deals a data plan (``core.cursor.DataPlan``), as ``DataState.kind``:
+    # "tasks" (async, ssp: ``deal_tasks``), "elastic" (elastic sync's micro-batches:
+    # ``set_cursor``, ``work``) or "" (none: the workers read their own shards).
+    data_plan: str = ""
+    cursor: "Cursor | None" = None  # elastic sync: the job's data plan, once known
+    ledger: "EpochLedger | None" = None  # elastic sync: every example's epoch, once the plan is known
+
+    def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
+        """Take ``push``; the ticket its answer settles. Never waits. ``consumed`` is called
+        once the mode no longer needs the push's gradient arrays."""
+        raise NotImplementedError
 
     def expire_overdue(self) -> None:
         """End every wait whose time is up (``submit``'s tickets have no thread watching)."""
-        ...
 
-    def status(self) -> ModeStatus: ...
+    def status(self) -> ModeStatus:
+        raise NotImplementedError
 
-    def workers_died(self, worker_ids: list[int]) -> None: ...
+    def workers_died(self, worker_ids: list[int]) -> None:
+        """The lease check declared these workers dead."""
 
-    def worker_joined(self, worker_id: int) -> None: ...
+    def worker_joined(self, worker_id: int) -> None:
+        """A worker registered (or registered again)."""
+
+    def worker_left(self, worker_id: int) -> None:
+        """A worker finished and said so (``ParameterServer.leave``)."""
 
     def export_state(self) -> tuple["StoreState", ModeStatus]:
         """The store's snapshot and the mode's status, consistent with each other (checkpoints)."""
-        ...
+        raise NotImplementedError
+
+    def export_round(self) -> tuple["StoreState", ModeStatus, tuple | None, dict]:
+        """``export_state``, the ledger's state (None without one) and ``Stats.export``."""
+        state, status = self.export_state()
+        return state, status, None, self.stats.export()
 
     def restore(self, status: ModeStatus) -> None:
         """Start again from a checkpoint: at ``status.round``, nothing pending, its counters."""
-        ...
+        raise NotImplementedError
+
+    def round_restored(self) -> bool:
+        """Restored from a checkpoint and no push taken since (sync's ``RoundBook``)."""
+        return False
+
+    def deal_tasks(self, applying: Callable[[], ContextManager], applied: Callable[[Push, PushResult], None]) -> None:
+        """``data_plan`` "tasks" (``core.tasks``): hold ``applying()`` around each push's apply,
+        and call ``applied(push, result)`` under it once the push was applied or dropped."""
+        raise NotImplementedError(f"{self.name} mode deals no tasks")
+
+    def set_cursor(self, cursor: "Cursor", ledger: "EpochLedger | None" = None) -> None:
+        """``data_plan`` "elastic": the job's data plan (and a checkpoint's ledger)."""
+        raise NotImplementedError(f"{self.name} mode deals no micro-batches")
+
+    def work(self, worker_id: int) -> Ticket:
+        """``data_plan`` "elastic": a ticket for this worker's micro-batches."""
+        raise NotImplementedError(f"{self.name} mode deals no micro-batches")
+
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+                sparse: bool = False):
+        """The speculation (``core.overlap``) a streamed push joins; None: not speculated."""
+        return None
+
+    def offer(self, spec, worker_id: int, name: str, block: int, gradient) -> None:
+        """A block of a push's gradient, for a speculation ``overlap`` returned."""
+        raise NotImplementedError(f"{self.name} mode speculates no rounds")
 
 
 class Stats:

@@ -6,8 +6,9 @@
     ps.initialize({"w": w0}, OptimizerSpec("sgd", learning_rate=0.1))
     version, values = ps.pull()
     version, changed = ps.pull(since=version)     # only variables updated after it
-    ps.push(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
-                 metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+    ticket = ps.submit(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
+                            metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+    result = ticket.result(timeout=60.0)   # settled once the push is answered (a sync round)
     ps.broadcast(0, "epoch-1", b"stop", timeout=30.0)   # chief posts; others: ps.broadcast(1, "epoch-1", None, 30.0)
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
     ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
@@ -152,7 +153,6 @@ class ParameterServer:
         # workers, each global batch cut into micro_batches (default num_workers).
         self.elastic = elastic_min_workers > 0
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
-        self.mode_name = mode
         self.async_apply = async_apply
         self.num_workers = num_workers
         self.barrier_timeout = barrier_timeout
@@ -192,9 +192,8 @@ class ParameterServer:
         # incarnation, ...), read once from there, plus its id and the barrier timeout.
         status = self.status()
         shared = {f.name: getattr(status, f.name) for f in _REGISTRATION_FROM_STATUS}
-        restored = getattr(self.mode, "round_restored", None)
         return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout,
-                            round_restored=bool(restored and restored()), **shared)
+                            round_restored=self.mode.round_restored(), **shared)
 
     def _position(self) -> tuple[int, int]:
         """(round, version) now, for the membership history. Takes the mode's lock: never call
@@ -254,16 +253,13 @@ class ParameterServer:
     def _use_tasks(self, tasks: TaskQueue) -> None:
         """Deal the job's data as ``tasks``: each push of one is applied and recorded done
         inside the gate (``checkpoint_state``)."""
-        self.mode.applying = self._gate.applying
-        self.mode.on_applied = self._task_applied
-        if self.mode_name == "ssp":
-            self.mode.elastic = True  # only live registered workers bound; joiners start at the slowest
+        self.mode.deal_tasks(self._gate.applying, self._task_applied)
         self.tasks = tasks
 
     def _tasks_of(self, plan: "DataPlan | None") -> TaskQueue | None:
         """Async and ssp: the task queue a data plan makes (refusing one that conflicts with
         the job's), checked before anything is stored."""
-        if self.mode_name == "sync":
+        if self.mode.data_plan != "tasks":
             return None
         if plan is None:
             if self.tasks is not None:
@@ -290,8 +286,8 @@ class ParameterServer:
         return f"{t.num_examples} examples, batches of {t.batch_size}, seed {t.seed}, {t.epochs} epoch(s)"
 
     def _cursor_of(self, plan: "DataPlan | None") -> Cursor | None:
-        if not self.elastic:
-            if plan is not None and self.mode_name == "sync":
+        if self.mode.data_plan != "elastic":
+            if plan is not None and not self.mode.data_plan:
                 raise InvalidArgument("a sync data plan is for elastic sync (ps-server --elastic-min-workers: "
                                       "the server deals the batches); this server's workers read their own shards")
             return None
@@ -309,8 +305,8 @@ class ParameterServer:
             ticket = Ticket()
             ticket.settle(TaskOffer(task, task is None and self.tasks.finished))
             return ticket
-        if not self.elastic:
-            why = ("its chief initialized it without a data plan" if self.mode_name != "sync"
+        if self.mode.data_plan != "elastic":
+            why = ("its chief initialized it without a data plan" if self.mode.data_plan == "tasks"
                    else "it is not elastic")
             raise InvalidArgument(f"work is dealt by elastic sync, or by async and ssp with a data plan; "
                                   f"this server's workers compute their own shards ({why})")
@@ -348,36 +344,20 @@ class ParameterServer:
         """Sync: the speculation (``core.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
         its bytes come); None in other modes, or when its round is not speculated."""
-        if self.mode_name != "sync" or self.elastic or not self.store.initialized:
+        if not self.store.initialized:
             return None
         return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse)
 
     def offer(self, spec, worker_id: int, name: str, block: int, gradient: np.ndarray) -> None:
         self.mode.offer(spec, worker_id, name, block, gradient)
 
-    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
-        """Apply (or, in sync mode, contribute) one push. Gradients may be ``SparseRows``
-        (``core.sparse``): they are checked here, before the mode sees them, and made dense
-        unless their rows alone are stepped (``--sparse-updates``). ``consumed`` (sync mode)
-        is called once the push's gradient arrays are no longer needed, possibly long before
-        the round's outcome (``SyncMode.push``)."""
-        self.members.require(push.worker_id)
-        arrived = self._clock()
-        record = self._task_begin(push)
-        if record is not None:
-            return record
-        push, consumed = self._dense(push, consumed)
-        try:
-            result = self.mode.push(push, consumed) if self.mode_name == "sync" else self.mode.push(push)
-        except PSError:
-            self._task_refused(push.worker_id, push.task)
-            raise
-        self._recorded(push.worker_id, push.step, arrived, result)
-        return result
-
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
-        """``push`` without blocking (``core.modes``): the push's work is done here, its wait
-        (a sync round, the SSP bound) is a ticket that the mode settles later."""
+        """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a
+        sync round, the SSP bound) is the ticket, which the mode settles later (``core.modes``).
+        Gradients may be ``SparseRows`` (``core.sparse``): they are checked here, before the
+        mode sees them, and made dense unless their rows alone are stepped (``--sparse-updates``).
+        ``consumed`` is called once the push's gradient arrays are no longer needed, possibly
+        long before the round's outcome (``SyncMode.submit``)."""
         try:
             self.members.require(push.worker_id)
             arrived = self._clock()
@@ -490,8 +470,7 @@ class ParameterServer:
 
     def leave(self, worker_id: int) -> None:
         self.members.leave(worker_id, at=self._position())
-        if self.elastic:  # what it had not delivered goes to the others
-            self.mode.workers_died([worker_id])
+        self.mode.worker_left(worker_id)
         if self.tasks is not None:
             self._tasks_back(worker_id, self.tasks.lost(worker_id), "it left")
 
@@ -562,17 +541,12 @@ class ParameterServer:
         """
         if not self.store.initialized:
             return None
-        ledger = None
         gate = self._gate.still() if self.tasks is not None else contextlib.nullcontext()
-        with gate:
-            if self.elastic:
-                store_state, mode_status, ledger, stats = self.mode.export_round()
-            else:
-                store_state, mode_status = self.mode.export_state()
-                stats = self.stats.export()  # with tasks under the gate: counts the pushes the values hold
+        with gate:  # with tasks, the stats under the gate too: they count the pushes the values hold
+            store_state, mode_status, ledger, stats = self.mode.export_round()
             tasks = self.tasks.state() if self.tasks is not None else None
         return ServerState(
-            mode=self.mode_name,
+            mode=self.mode.name,
             num_workers=self.num_workers,
             **_store_part(store_state),
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
@@ -603,7 +577,7 @@ class ParameterServer:
             return None
         where = "start this server with the checkpoint's flags, or use another --checkpoint-dir"
         if data.kind == "tasks":
-            if self.mode_name == "sync":
+            if self.mode.data_plan != "tasks":
                 raise ConfigMismatch(f"the checkpoint deals its data as async/ssp tasks ({data.describe()}); this "
                                      f"server runs sync: {where}")
             try:
@@ -615,7 +589,7 @@ class ParameterServer:
             except InvalidArgument as e:
                 raise ConfigMismatch(f"the checkpoint's tasks do not fit its own plan ({data.describe()}): {e}") \
                     from None
-        if not self.elastic:
+        if self.mode.data_plan != "elastic":
             raise ConfigMismatch(f"the checkpoint was written by an elastic sync server ({data.describe()}); this "
                                  f"server is not elastic (--elastic-min-workers): {where}")
         if data.micro_batches != self.micro_batches:
@@ -650,10 +624,10 @@ class ParameterServer:
         here without --elastic-min-workers, other micro-batches) is
         ConfigMismatch, and changes nothing.
         """
-        if state.mode != self.mode_name or state.num_workers != self.num_workers:
+        if state.mode != self.mode.name or state.num_workers != self.num_workers:
             raise ConfigMismatch(
                 f"the checkpoint was written by a {state.mode} server with {state.num_workers} worker(s); "
-                f"this server runs {self.mode_name} with {self.num_workers}: start it with --mode {state.mode} "
+                f"this server runs {self.mode.name} with {self.num_workers}: start it with --mode {state.mode} "
                 f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
             )
         if self.async_apply == "hogwild":
@@ -678,7 +652,7 @@ class ParameterServer:
         mean_s, max_s = self.stats.staleness_summary()
         specs = self.store.specs()
         return Status(
-            mode=self.mode_name,
+            mode=self.mode.name,
             num_workers=self.num_workers,
             initialized=self.store.initialized,
             version=self.store.version,
@@ -699,7 +673,7 @@ class ParameterServer:
             pushes_dropped=self.stats.dropped,
             pushes_replayed=self.stats.replayed,
             rounds_aborted=mode_status.rounds_aborted,
-            dead_worker_policy=self.dead_worker_policy if self.mode_name == "sync" else "",
+            dead_worker_policy=self.dead_worker_policy if self.mode.rounds else "",
             replicas_to_aggregate=self.replicas_to_aggregate,
             lease_timeout=self.members.lease_timeout,
             active_workers=mode_status.active_workers,
@@ -724,7 +698,7 @@ class ParameterServer:
             return dict(epoch_examples=tuple(t.examples_done(e) for e in range(min(ts.epoch + 1, t.epochs))),
                         num_examples=t.num_examples, tasks_total=ts.total, tasks_done=ts.done,
                         tasks_held=ts.held, tasks_queued=ts.queued)
-        ledger = getattr(self.mode, "ledger", None) if self.elastic else None
+        ledger = self.mode.ledger
         if ledger is None:
             return {}
         epochs = ledger.epochs()

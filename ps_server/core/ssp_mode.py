@@ -1,7 +1,7 @@
 """Stale synchronous parallel (SSP): async apply, but nobody runs more than S steps ahead.
 
     mode = SSPMode(store, members, staleness_bound=2, barrier_timeout=60.0)
-    result = mode.push(push)   # applied on arrival; returns once the worker may start its next step
+    ticket = mode.submit(push)   # applied on arrival; settled once the worker may start its next step
 
 Each push is applied the moment it arrives, exactly as in ``async_mode`` (the
 same apply, ``"locked"`` or ``"hogwild"``, same exactly-once record, same
@@ -9,7 +9,8 @@ stale-gradient policies). What
 SSP adds is a bound on how far the workers drift apart. A worker's *clock* is the
 number of steps it completed (its last applied step + 1). A worker may start step
 t only when every participating worker's clock is at least t - S; the reply to
-its push of step t - 1 is held until then, and it pulls only after that reply. So:
+its push of step t - 1 (its ticket) is held until then, and it pulls only after
+that reply. So:
 
 - S = 0 is lockstep (bulk synchronous): step t starts once everyone finished
   step t - 1, and its pull sees all of their updates. Unlike ``sync`` mode the
@@ -24,9 +25,10 @@ one races ahead before the cluster is complete; a dead worker stops holding
 the others back (its replacement rejoins with its own step, and may then be
 behind by more than S until it catches up).
 
-A wait longer than ``barrier_timeout`` raises ``BarrierTimeout`` naming the
-workers that hold it; the push itself was applied (a retry is answered from
-the record and waits again).
+A wait longer than ``barrier_timeout`` ends (at ``expire_overdue``) in
+``BarrierTimeout`` naming the workers that hold it; the push itself was applied
+(a retry is answered from the record and waits again). A death or a departure
+releases the waits it held at the next ``expire_overdue`` or push.
 
 The server's own record of the bound: for every applied push, how many steps
 its worker was ahead of the slowest participating clock at that moment
@@ -75,27 +77,31 @@ class SSPMode(AsyncMode):
         self.staleness_bound = staleness_bound
         self.barrier_timeout = barrier_timeout
         self._now = clock
-        self._cond = threading.Condition()  # guards _clocks, records, max_ahead
+        self._lock = threading.Lock()  # guards _clocks, records, max_ahead, _waiting
         self._clocks = [0] * members.num_workers
-        # Workers that come and go (the server hands out tasks, ``core.tasks``): only the
+        # Workers that come and go (the server hands out tasks, ``deal_tasks``): only the
         # workers registered and live take part, and one that joins starts at the slowest
         # of them, not at 0 (it would hold every other back until it caught up).
-        self.elastic = False
+        self._elastic = False
         self.records: collections.deque[SSPRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self.max_ahead = 0
         # submit()'s pushes waiting for the bound: (ticket, worker, step to start, clock needed,
         # deadline, the push's result)
         self._waiting: list[tuple[Ticket, int, int, int, float, PushResult]] = []
 
+    def deal_tasks(self, applying, applied) -> None:
+        super().deal_tasks(applying, applied)
+        self._elastic = True
+
     def _participants(self) -> list[int]:
         """Indexes not left and not dead. Also raises each clock to what membership
         recorded (after a restart from a checkpoint, the workers' restored last steps)."""
         records = self.members.snapshot()
-        with self._cond:
+        with self._lock:
             for r in records:
                 self._clocks[r.worker_id] = max(self._clocks[r.worker_id], r.last_step + 1)
         gone = {r.worker_id for r in records if r.left or r.dead}
-        if self.elastic:
+        if self._elastic:
             return sorted(r.worker_id for r in records if r.worker_id not in gone)
         return [w for w in range(self.members.num_workers) if w not in gone]
 
@@ -103,29 +109,28 @@ class SSPMode(AsyncMode):
         return min((self._clocks[w] for w in participants), default=UNBOUNDED)
 
     def _apply(self, push: Push) -> PushResult:
-        # Runs under the pushing worker's lock (AsyncMode.push), for a step not applied before.
+        # Runs under the pushing worker's lock (AsyncMode._push), for a step not applied before.
         participants = self._participants()
-        with self._cond:
+        with self._lock:
             slowest = self._slowest(participants)
             ahead = max(0, push.step - slowest) if slowest != UNBOUNDED else 0
             self.records.append(SSPRecord(push.worker_id, push.step, slowest, ahead))
             self.max_ahead = max(self.max_ahead, ahead)
         result = super()._apply(push)
-        with self._cond:
+        with self._lock:
             self._clocks[push.worker_id] = max(self._clocks[push.worker_id], push.step + 1)
-            self._cond.notify_all()
         self._release_waiting()
         return result
 
     def submit(self, push: Push, consumed=None) -> Ticket:
-        """``push`` without blocking (``core.modes``): applied (or answered from the record)
-        here; the ticket is settled once the worker may start its next step, or with
-        ``BarrierTimeout`` by ``expire_overdue``."""
+        """Apply ``push`` (or answer it from the record) here (``core.modes``); the ticket is
+        settled once the worker may start its next step, or with ``BarrierTimeout`` by
+        ``expire_overdue``."""
         started = time.perf_counter()
         ticket = Ticket()
         ticket.add_done_callback(lambda _: self.stats.pushed(time.perf_counter() - started))
         try:
-            result = AsyncMode._push(self, push)
+            result = self._push(push)  # applied, or answered from the record
         except PSError as e:
             ticket.settle(e)
             return ticket
@@ -133,7 +138,7 @@ class SSPMode(AsyncMode):
         if need <= 0:
             ticket.settle(result)
             return ticket
-        with self._cond:
+        with self._lock:
             self._waiting.append((ticket, push.worker_id, push.step + 1, need, self._now() + self.barrier_timeout,
                                   result))
         self._release_waiting()
@@ -148,7 +153,7 @@ class SSPMode(AsyncMode):
             return
         participants = self._participants()
         now, settled = self._now(), []
-        with self._cond:
+        with self._lock:
             keep = []
             for entry in self._waiting:
                 ticket, worker_id, step, need, deadline, result = entry
@@ -170,32 +175,9 @@ class SSPMode(AsyncMode):
             f"{self.staleness_bound}); waited {self.barrier_timeout:g} s. Its push of step "
             f"{step - 1} was applied", missing=tuple(behind))
 
-    def _push(self, push: Push) -> PushResult:
-        # AsyncMode.push times this whole call, the wait for the bound included (Stats.on_push).
-        result = super()._push(push)  # applied, or answered from the record
-        self._wait_to_start(push.worker_id, push.step + 1)
-        return result
-
-    def _wait_to_start(self, worker_id: int, step: int) -> None:
-        """Block until ``worker_id`` may start ``step``: every participant's clock >= step - S."""
-        need = step - self.staleness_bound
-        if need <= 0:
-            return
-        deadline = self._now() + self.barrier_timeout
-        with self._cond:
-            while True:
-                participants = self._participants()  # deaths and departures release waiters
-                behind = [w for w in participants if self._clocks[w] < need and w != worker_id]
-                if not behind:
-                    return
-                left = deadline - self._now()
-                if left <= 0:
-                    raise self._timeout(worker_id, step, need, behind)
-                self._cond.wait(timeout=min(0.25, left))
-
     def status(self) -> ModeStatus:
         participants = self._participants()
-        with self._cond:
+        with self._lock:
             slowest = self._slowest(participants)
             waiting = tuple(w for w in participants if self._clocks[w] == slowest) if participants else ()
             return ModeStatus(round=slowest if slowest != UNBOUNDED else 0, waiting_for=waiting,
@@ -203,19 +185,16 @@ class SSPMode(AsyncMode):
 
     def worker_joined(self, worker_id: int) -> None:
         """Elastic: a worker joining (or rejoining) starts at the slowest live one's clock."""
-        if not self.elastic:
+        if not self._elastic:
             return
         others = [w for w in self._participants() if w != worker_id]
-        with self._cond:
+        with self._lock:
             slowest = self._slowest(others)
             if slowest != UNBOUNDED:
                 self._clocks[worker_id] = max(self._clocks[worker_id], slowest)
-            self._cond.notify_all()
         self._release_waiting()
 
     def workers_died(self, worker_ids: list[int]) -> None:
-        with self._cond:
-            self._cond.notify_all()
         self._release_waiting()
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
@@ -225,5 +204,5 @@ class SSPMode(AsyncMode):
         """As async: forget each worker's last step. The clocks start again from the
         restored membership's last steps (see ``_participants``)."""
         super().restore(status)
-        with self._cond:
+        with self._lock:
             self._clocks = [0] * self.members.num_workers

@@ -1,7 +1,7 @@
 """Synchronous mode: one barrier per step.
 
     mode = SyncMode(store, members, num_workers=2, barrier_timeout=60.0)
-    result = mode.push(push)     # blocks until the round completes
+    ticket = mode.submit(push)   # settled once the round completes (or ends otherwise)
 
 Round ``r`` waits until each active worker has pushed step ``r`` (or, with
 backup workers, until the first ``replicas_to_aggregate`` pushes arrived). Each
@@ -53,15 +53,14 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   applied with.
 
 Threading: ``RoundBook`` is the deterministic core; this class owns the one
-lock around it and the condition ``_round_ended`` (a generation ended:
-completed or aborted, or the set of dead workers changed). The aggregation and
-apply run under the lock: no push of the next round can arrive before it ends
-anyway. Nothing here does network I/O.
+lock around it. Each generation (a round, until completed or aborted) keeps its
+waiting tickets apart, so a fast worker's push of the next round never settles
+the last one's. The aggregation and apply run under the lock: no push of the
+next round can arrive before it ends anyway. Nothing here does network I/O.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 import time
@@ -75,18 +74,15 @@ from ps_common.reasons import Reason
 from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
 from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
 
-# How many ended generations keep their outcome for waiters that wake late.
-_OUTCOMES_KEPT = 8
-
-
-class SyncMode:
+class SyncMode(Mode):
     name = "sync"
+    rounds = True
 
     def __init__(
         self,
@@ -114,9 +110,7 @@ class SyncMode:
         self.stats = stats or Stats()
         self._clock = clock
         self._lock = threading.Lock()
-        self._round_ended = threading.Condition(self._lock)
         self._book = RoundBook(num_workers, start_round=store.version, quorum=replicas_to_aggregate)
-        self._outcomes: dict[int, PushResult | PSError] = {}
         self._results: dict[int, PushResult] = {}  # completed round -> its answer, for replays
         self._dropped: set[tuple[int, int]] = set()  # (worker, round) answered dropped, recent rounds
         self._dead_since: dict[int, float] = {}  # dead workers still expected (abort/wait policies)
@@ -128,27 +122,11 @@ class SyncMode:
         self._tickets: dict[int, list[Ticket]] = {}  # generation -> submit()'s waiting pushes
 
     # -- pushes ------------------------------------------------------------------
-    def push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
-        """Contribute ``push`` and wait for its round's outcome. ``consumed`` is called once
-        the round no longer needs the push's gradient arrays (folded into the round's sum),
-        before the wait: a caller may reuse their memory from then on."""
-        started = time.perf_counter()  # real seconds for Stats.on_push, whatever the injected clock
-        result = self._push(push, consumed)
-        self.stats.pushed(time.perf_counter() - started)
-        return result
-
-    def _push(self, push: Push, consumed: Callable[[], None] | None = None) -> PushResult:
-        push.validate()
-        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
-        with self._lock:
-            entered = self._enter(push, consumed)
-            if isinstance(entered, PushResult):
-                return entered
-            return self._wait(entered, push.step)
-
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
-        """``push`` without blocking (``core.modes``): the ticket is settled with the round's
-        outcome by whoever ends it; a round out of time ends at ``expire_overdue``."""
+        """Contribute ``push`` (``core.modes``): the ticket is settled with the round's outcome
+        by whoever ends it; a round out of time ends at ``expire_overdue``. ``consumed`` is
+        called once the round no longer needs the push's gradient arrays (folded into the
+        round's sum), before the round ends: a caller may reuse their memory from then on."""
         started = time.perf_counter()
         ticket = Ticket()
         ticket.add_done_callback(lambda _: self.stats.pushed(time.perf_counter() - started))
@@ -167,8 +145,7 @@ class SyncMode:
         return ticket
 
     def expire_overdue(self) -> None:
-        """End the current round if it ran out of time (``_deadline``): what a blocked waiter
-        does for itself, for the tickets of ``submit``."""
+        """End the current round if it ran out of time (``_deadline``)."""
         with self._lock:
             if self._book.pushed() and self._tickets.get(self._book.generation) \
                     and self._clock() >= self._deadline():
@@ -302,20 +279,6 @@ class SyncMode:
                     f"worker {push.worker_id} sets the learning rate, but the optimizer's learning rate is a "
                     "schedule (the server evaluates it at its update count); nothing applied")
 
-    def _wait(self, generation: int, step: int) -> PushResult:
-        """Wait, lock held, until this generation ends; return or raise its outcome."""
-        while self._book.generation == generation:
-            deadline = self._deadline()
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                self._expire_round(step)
-                break
-            self._round_ended.wait(remaining)
-        outcome = self._outcomes[generation]
-        if isinstance(outcome, PSError):
-            raise copy.copy(outcome)  # each waiter gets its own instance (and traceback)
-        return outcome
-
     def _deadline(self) -> float:
         started = self._round_started if self._round_started is not None else self._clock()
         deadline = started + self.barrier_timeout
@@ -427,14 +390,10 @@ class SyncMode:
             if not spec.confirmed:
                 spec.settle(confirmed=False)  # aborted, timed out, refused: nothing speculated is kept
             self._speculation = None
-        self._outcomes[generation] = outcome
         for ticket in self._tickets.pop(generation, ()):
             ticket.settle(outcome)  # its callbacks only hand the outcome on; they do not block
         self._sum = RoundSum()  # the next generation folds its own
-        for old in [g for g in self._outcomes if g <= generation - _OUTCOMES_KEPT]:
-            del self._outcomes[old]
         self._round_started = None
-        self._round_ended.notify_all()
 
     # -- membership ----------------------------------------------------------------
     def workers_died(self, worker_ids: list[int]) -> None:
@@ -457,7 +416,6 @@ class SyncMode:
                 dead = self._blocking_dead()
                 if dead and self._book.pushed():
                     self._abort_for_dead(dead, "the round was aborted")
-            self._round_ended.notify_all()  # waiters recompute their deadlines
 
     def worker_joined(self, worker_id: int) -> None:
         """A worker (re)registered: it is expected in rounds again."""
@@ -469,7 +427,6 @@ class SyncMode:
                 # timeout to pull and push, not what is left of the first push's.
                 self._round_started = max(self._round_started, self._clock())
             self._book.activate(worker_id)
-            self._round_ended.notify_all()
 
     # -- checkpoints ---------------------------------------------------------------
     def export_state(self) -> tuple[StoreState, ModeStatus]:
@@ -494,7 +451,6 @@ class SyncMode:
             if self._speculation is not None:
                 self._speculation.settle(confirmed=False)
                 self._speculation = None
-            self._outcomes.clear()
             self._sum = RoundSum()
             self._results.clear()
             self._dropped.clear()
@@ -502,7 +458,6 @@ class SyncMode:
             self._round_started = None
             self._rounds_timed_out = status.rounds_timed_out
             self._rounds_aborted = status.rounds_aborted
-            self._round_ended.notify_all()
 
     # -- status --------------------------------------------------------------------
     @property

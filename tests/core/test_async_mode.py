@@ -81,7 +81,8 @@ def test_concurrent_pushes_lose_no_update_tear_no_array_and_count_every_version(
         go.wait(JOIN)
         for step in range(PUSHES):
             base = store.version
-            results.append((base, mode.push(Push(worker, step, base, batch_size=worker + 1, gradients=grads))))
+            ticket = mode.submit(Push(worker, step, base, batch_size=worker + 1, gradients=grads))
+            results.append((base, ticket.result(JOIN)))
         return results
 
     def read_until_done():
@@ -138,7 +139,7 @@ def test_each_push_of_one_worker_sees_its_own_previous_push(tight_switching):
     def push_and_pull(worker):
         last = 0
         for step in range(100):
-            result = mode.push(Push(worker, step, store.version, 1, constant_gradients(worker)))
+            result = mode.submit(Push(worker, step, store.version, 1, constant_gradients(worker))).result(JOIN)
             version, _ = store.read()
             assert version >= result.version > last
             last = result.version
@@ -153,7 +154,7 @@ def test_each_push_of_one_worker_sees_its_own_previous_push(tight_switching):
 
 def test_a_push_is_one_sgd_step_applied_before_it_returns():
     mode, store = make()
-    result = mode.push(Push(0, 0, 0, 1, constant_gradients(1)))  # gradients 2, 4, 6
+    result = mode.submit(Push(0, 0, 0, 1, constant_gradients(1))).result(JOIN)  # gradients 2, 4, 6
     assert (result.version, result.staleness, result.contributors) == (1, 0, 1)
     version, values = store.read()
     assert version == 1
@@ -164,7 +165,7 @@ def test_a_push_is_one_sgd_step_applied_before_it_returns():
 def test_staleness_is_the_version_at_apply_minus_the_base_version():
     mode, _ = make()
     g = constant_gradients(0)
-    got = [mode.push(Push(0, s, base, 1, g)) for s, base in enumerate([0, 0, 0, 3, 1])]
+    got = [mode.submit(Push(0, s, base, 1, g)).result(JOIN) for s, base in enumerate([0, 0, 0, 3, 1])]
     assert [(r.version, r.staleness) for r in got] == [(1, 0), (2, 1), (3, 2), (4, 0), (5, 3)]
     assert mode.stats.staleness_counts == {0: 2, 1: 1, 2: 1, 3: 1}
     assert mode.stats.staleness_summary() == (6 / 5, 3)
@@ -172,10 +173,10 @@ def test_staleness_is_the_version_at_apply_minus_the_base_version():
 
 def test_base_version_from_the_future_is_rejected_and_changes_nothing():
     mode, _ = make()
-    mode.push(Push(0, 0, 0, 1, constant_gradients(0)))
+    mode.submit(Push(0, 0, 0, 1, constant_gradients(0))).result(JOIN)
     before = snapshot(mode)
     with pytest.raises(InvalidArgument, match="worker 2 claims base_version 2, but the server is only at version 1"):
-        mode.push(Push(2, 0, 2, 1, constant_gradients(2)))
+        mode.submit(Push(2, 0, 2, 1, constant_gradients(2))).result(JOIN)
     assert snapshot(mode) == before
 
 
@@ -205,10 +206,10 @@ def bad(**over):
 )
 def test_rejected_push_changes_nothing(push, error, message):
     mode, _ = make()
-    mode.push(Push(1, 0, 0, 1, constant_gradients(1)))
+    mode.submit(Push(1, 0, 0, 1, constant_gradients(1))).result(JOIN)
     before = snapshot(mode)
     with pytest.raises(error, match=re.escape(message)):
-        mode.push(push)
+        mode.submit(push).result(JOIN)
     assert snapshot(mode) == before
 
 
@@ -218,7 +219,7 @@ def test_push_of_an_unregistered_worker_is_rejected_and_changes_nothing():
     ps.initialize(0, uniform_variables(), OptimizerSpec("sgd", learning_rate=LR))
     before = ps.pull()
     with pytest.raises(UnknownWorker, match="worker 1 is not registered"):
-        ps.push(Push(1, 0, 0, 1, constant_gradients(1)))
+        ps.submit(Push(1, 0, 0, 1, constant_gradients(1))).result(JOIN)
     after = ps.pull()
     assert after[0] == before[0] == 0
     assert all(after[1][n].tobytes() == before[1][n].tobytes() for n in SHAPES)
@@ -231,7 +232,7 @@ def test_gradient_in_non_native_byte_order_is_applied_whole_not_half():
     mode, store = make()
     g = constant_gradients(0)
     g["c"] = g["c"].astype(g["c"].dtype.newbyteorder("S"))
-    assert mode.push(Push(0, 0, 0, 1, g)).version == 1
+    assert mode.submit(Push(0, 0, 0, 1, g)).result(JOIN).version == 1
     _, values = store.read()
     for name, (shape, dtype) in SHAPES.items():
         np.testing.assert_array_equal(values[name], np.full(shape, START - LR * SCALE[name], dtype))
@@ -239,14 +240,14 @@ def test_gradient_in_non_native_byte_order_is_applied_whole_not_half():
 
 def test_async_mode_has_no_rounds():
     mode, _ = make()
-    mode.push(Push(3, 41, 0, 1, constant_gradients(3)))  # any step is accepted: there is no barrier
+    mode.submit(Push(3, 41, 0, 1, constant_gradients(3))).result(JOIN)  # any step is accepted: there is no barrier
     status = mode.status()
     assert (status.round, status.waiting_for, status.rounds_timed_out, status.rounds_aborted) == (0, (), 0, 0)
 
 
 def test_push_returns_without_waiting_for_other_workers():
     mode, _ = make()
-    t = start(lambda: mode.push(Push(0, 0, 0, 1, constant_gradients(0))))  # worker 1 never pushes
+    t = start(lambda: mode.submit(Push(0, 0, 0, 1, constant_gradients(0))).result(JOIN))  # worker 1 never pushes
     finish(t, timeout=5.0)
     assert t.error is None and t.result.version == 1
 
@@ -258,7 +259,7 @@ def test_global_clipnorm_clips_a_push_by_the_norm_of_all_its_gradients():
     store.initialize({"a": np.array([1.0], np.float32), "b": np.array([2.0], np.float32)},
                      OptimizerSpec("sgd", learning_rate=1.0, global_clipnorm=1.0))
     mode = AsyncMode(store, Membership(1))
-    mode.push(Push(0, 0, 0, 1, {"a": np.array([3.0], np.float32), "b": np.array([4.0], np.float32)}))
+    mode.submit(Push(0, 0, 0, 1, {"a": np.array([3.0], np.float32), "b": np.array([4.0], np.float32)})).result(JOIN)
     _, values = store.read()
     np.testing.assert_allclose(values["a"], [1.0 - 0.6], rtol=1e-6)
     np.testing.assert_allclose(values["b"], [2.0 - 0.8], rtol=1e-6)

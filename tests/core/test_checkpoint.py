@@ -36,7 +36,7 @@ from ps_server.core.modes import ModeStatus, Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import StoreState, VariableStore
-from tests.core.threads import finish, start, wait_until
+from tests.core.threads import JOIN, finish, start, wait_until
 
 BATCH = (3, 5)  # unequal shards: the batch-weighted mean matters
 SHAPES = {"dense/kernel": ((4, 3), np.float32), "dense/bias": ((3,), np.float32),
@@ -84,7 +84,8 @@ def train_sync(ps: ParameterServer, first: int, last: int) -> None:
     """Rounds first..last-1, both workers pushing in threads."""
     for step in range(first, last):
         version, _ = ps.pull()
-        workers = [start(lambda w=w: ps.push(Push(w, step, version, BATCH[w], gradients(step, w), loss=1.0)))
+        workers = [start(lambda w=w: ps.submit(Push(w, step, version, BATCH[w], gradients(step, w),
+                                                    loss=1.0)).result(JOIN))
                    for w in range(2)]
         finish(*workers)
         for w in workers:
@@ -94,7 +95,7 @@ def train_sync(ps: ParameterServer, first: int, last: int) -> None:
 def train_async(ps: ParameterServer, first: int, last: int) -> None:
     for step in range(first, last):
         version, _ = ps.pull()
-        ps.push(Push(0, step, version, 4, gradients(step, 0), loss=1.0))
+        ps.submit(Push(0, step, version, 4, gradients(step, 0), loss=1.0)).result(JOIN)
 
 
 def assert_same_state(a: ServerState, b: ServerState) -> None:
@@ -325,14 +326,14 @@ def test_async_restore_forgets_last_steps_so_a_resumed_worker_can_repeat_them(tm
     train_async(first, 2, 5)  # lost: the worker will push steps 2..4 again
     restarted = ParameterServer("async", 1)
     restarted.restore(state)
-    result = restarted.push(Push(0, 2, 2, 4, gradients(2, 0)))
+    result = restarted.submit(Push(0, 2, 2, 4, gradients(2, 0))).result(JOIN)
     assert (result.version, result.replayed) == (3, False)
 
 
 def test_sync_restore_starts_the_round_book_at_the_restored_round_with_nothing_pending(tmp_path):
     first = started(OPTIMIZERS["sgd"])
     train_sync(first, 0, 2)
-    waiting = start(lambda: first.push(Push(0, 2, 2, BATCH[0], gradients(2, 0))))
+    waiting = start(lambda: first.submit(Push(0, 2, 2, BATCH[0], gradients(2, 0))).result(JOIN))
     wait_until(lambda: first.status().waiting_for == (1,))
     state = first.checkpoint_state()  # taken while worker 0 waits in round 2
     assert state.round == 2 and state.version == 2
@@ -342,22 +343,22 @@ def test_sync_restore_starts_the_round_book_at_the_restored_round_with_nothing_p
     assert restarted.status().round == 2 and restarted.status().waiting_for == ()
     assert restarted.register(1).round_restored and restarted.register(0).round_restored
     with pytest.raises(StaleRound):
-        restarted.push(Push(1, 1, 2, BATCH[1], gradients(1, 1)))
+        restarted.submit(Push(1, 1, 2, BATCH[1], gradients(1, 1))).result(JOIN)
     # Worker 0's push of round 2 is not carried over. The first push taken may name a
     # later round (another shard's, which kept its rounds): the book collects that one.
-    alone = start(lambda: restarted.push(Push(1, 4, 2, BATCH[1], gradients(2, 1))))
+    alone = start(lambda: restarted.submit(Push(1, 4, 2, BATCH[1], gradients(2, 1))).result(JOIN))
     wait_until(lambda: restarted.status().waiting_for == (0,))
     assert restarted.status().round == 4 and restarted.store.version == 2
     assert not restarted.register(0).round_restored
     with pytest.raises(FutureRound):  # only the first push sets the round
-        restarted.push(Push(0, 5, 2, BATCH[0], gradients(2, 0)))
+        restarted.submit(Push(0, 5, 2, BATCH[0], gradients(2, 0))).result(JOIN)
     with pytest.raises(StaleRound):
-        restarted.push(Push(0, 2, 2, BATCH[0], gradients(2, 0)))
-    restarted.push(Push(0, 4, 2, BATCH[0], gradients(2, 0)))
+        restarted.submit(Push(0, 2, 2, BATCH[0], gradients(2, 0))).result(JOIN)
+    restarted.submit(Push(0, 4, 2, BATCH[0], gradients(2, 0))).result(JOIN)
     finish(alone)
     assert alone.error is None and restarted.store.version == 3 and restarted.status().round == 5
     # Let the first server's waiter go (its round completes there) before the test ends.
-    first.push(Push(1, 2, 2, BATCH[1], gradients(2, 1)))
+    first.submit(Push(1, 2, 2, BATCH[1], gradients(2, 1))).result(JOIN)
     finish(waiting)
 
 
@@ -421,7 +422,7 @@ def test_async_snapshot_has_every_variable_whole_and_its_version_is_a_lower_boun
 
     def run(w):
         for step in range(pushes):
-            ps.push(Push(w, step, ps.store.version, 1, ones))
+            ps.submit(Push(w, step, ps.store.version, 1, ones)).result(JOIN)
 
     threads = [start(lambda w=w: run(w)) for w in range(workers)]
     snapshots = 0

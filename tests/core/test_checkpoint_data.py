@@ -26,6 +26,7 @@ from ps_server.core.tasks import TaskGate, TaskQueue
 from tests.core import test_elastic_server as elastic
 from tests.core.test_checkpoint import _rewrite_header
 from tests.core.test_elastic_mode import Clock
+from tests.core.threads import JOIN
 
 SGD = OptimizerSpec("sgd", learning_rate=1.0)
 PLAN = DataPlan(num_examples=90, global_batch_size=16, seed=5, epochs=2)  # 6 tasks an epoch, 12 in all
@@ -65,12 +66,12 @@ def through_a_file(tmp_path, ps) -> checkpoint.ServerState:
 def test_a_task_job_restored_mid_epoch_hands_out_only_the_tasks_not_done_and_applies_each_once(tmp_path, mode):
     ps = task_job(mode)
     for step in range(4):  # worker 0 does tasks 0..3
-        ps.push(task_push(ps, 0, ps.work(0).result().task, step))
+        ps.submit(task_push(ps, 0, ps.work(0).result().task, step)).result(JOIN)
     held = ps.work(1).result().task  # task 4: handed out, never pushed
     late = task_push(ps, 1, held, 0)
     done = ps.work(2).result().task  # task 5 (the epoch's last, 10 examples): done; its reply is lost, the push comes again after the restart
     retry = task_push(ps, 2, done, 0)
-    first = ps.push(retry)
+    first = ps.submit(retry).result(JOIN)
 
     back = through_a_file(tmp_path, ps)
     assert back.data.kind == "tasks" and back.data.describe() == "90 examples, batches of 16, seed 5, 2 epoch(s) of tasks"
@@ -86,7 +87,7 @@ def test_a_task_job_restored_mid_epoch_hands_out_only_the_tasks_not_done_and_app
         fresh.initialize(0, {"w": np.zeros(90)}, SGD, data_plan=DataPlan(90, 16, 6, 2))
     assert fresh.status().epoch_examples == (4 * 16 + 10,) and fresh.status().tasks_done == 5
 
-    again = fresh.push(retry)  # answered from the restored record, not applied
+    again = fresh.submit(retry).result(JOIN)  # answered from the restored record, not applied
     assert again.replayed and again.version == first.version and fresh.store.version == 5
 
     taken, steps = [], {0: 10, 1: 10, 2: 10}
@@ -94,8 +95,8 @@ def test_a_task_job_restored_mid_epoch_hands_out_only_the_tasks_not_done_and_app
         taken.append(task.task_id)
         if task.task_id == held.task_id:
             with pytest.raises(InvalidArgument, match="held by worker 0"):
-                fresh.push(late)  # worker 1 held it before the restart; it holds nothing now
-        fresh.push(task_push(fresh, 0, task, steps[0]))
+                fresh.submit(late).result(JOIN)  # worker 1 held it before the restart; it holds nothing now
+        fresh.submit(task_push(fresh, 0, task, steps[0])).result(JOIN)
         steps[0] += 1
     assert taken == [4, 6, 7, 8, 9, 10, 11]  # the held one again, then the rest; no done one
     status = fresh.status()
@@ -180,7 +181,7 @@ def test_checkpoints_taken_between_concurrent_pushes_hold_exactly_the_updates_of
         try:
             step = 0
             while (task := ps.work(w).result().task) is not None:
-                ps.push(task_push(ps, w, task, step))
+                ps.submit(task_push(ps, w, task, step)).result(JOIN)
                 step += 1
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
@@ -219,12 +220,12 @@ def test_a_checkpoint_s_counters_hold_exactly_its_done_tasks_though_a_push_comes
     task is done again after a restart, and pushes_applied ends one over the tasks."""
     ps = task_job()
     for step in range(2):
-        ps.push(task_push(ps, 0, ps.work(0).result().task, step))
+        ps.submit(task_push(ps, 0, ps.work(0).result().task, step)).result(JOIN)
     coming = task_push(ps, 1, ps.work(1).result().task, 0)
     export, pushers = ps.stats.export, []
 
     def export_as_a_push_comes():
-        pusher = threading.Thread(target=ps.push, args=(coming,))
+        pusher = threading.Thread(target=ps.submit, args=(coming,))
         pushers.append(pusher)
         pusher.start()
         pusher.join(0.5)  # under the gate the push waits for the checkpoint; after it, it is applied now
@@ -308,7 +309,7 @@ def test_a_checkpoint_whose_plan_does_not_fit_this_server_is_refused_and_changes
 
 def test_a_checkpoint_written_before_the_data_plan_reads_as_no_plan():
     ps = task_job()
-    ps.push(task_push(ps, 0, ps.work(0).result().task, 0))
+    ps.submit(task_push(ps, 0, ps.work(0).result().task, 0)).result(JOIN)
 
     def as_before(header):
         header.pop("data")

@@ -11,6 +11,7 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import CLASSES, EXAMPLES, FEATURES, gradient
 from tests.core.test_elastic_mode import Clock
+from tests.core.threads import JOIN
 
 PLAN = DataPlan(num_examples=EXAMPLES, global_batch_size=16, seed=5)
 ADAM = OptimizerSpec("adam", learning_rate=0.05)
@@ -139,7 +140,7 @@ def test_the_status_shows_who_joined_left_and_died_at_which_round():
             work = ps.work(w).result()
             tickets = [ps.submit(push(ps, w, work, i)) for i in range(len(work.micro_batches))]
         for t in tickets:
-            t.wait()
+            t.result(JOIN)
     ps.register(2, 4)  # joins during round 2
     ps.leave(1)
     clock.now += 6  # worker 2 and 0 silent past the lease

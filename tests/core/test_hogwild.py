@@ -90,7 +90,8 @@ def test_one_push_at_a_time_is_bit_identical_to_the_locked_apply(name, dtype):
         grads = {n: rng.normal(size=s).astype(dtype) for n, s in shapes.items()}
         base = max(0, step - step % 3)  # some pushes stale: the "scale" policy's lr_scale < 1
         for mode in modes.values():
-            mode.push(Push(worker_id=step % 2, step=step // 2, base_version=base, batch_size=1, gradients=grads))
+            mode.submit(Push(worker_id=step % 2, step=step // 2, base_version=base, batch_size=1,
+                             gradients=grads)).result(JOIN)
     locked, hogwild = (m.export_state()[0] for m in (modes["locked"], modes["hogwild"]))
     assert hogwild.version == locked.version == 12
     for n in shapes:
@@ -108,7 +109,7 @@ def test_ssp_mode_takes_the_hogwild_apply_too():
     store.initialize(zeros(), SGD_LR1)
     mode = SSPMode(store, Membership(1), staleness_bound=2, apply="hogwild")
     for step in range(5):
-        mode.push(push(0, step, ones(), base_version=step))
+        mode.submit(push(0, step, ones(), base_version=step)).result(JOIN)
     assert all(np.all(v == -5) for v in store.read()[1].values())
 
 
@@ -130,7 +131,8 @@ def test_concurrent_pushes_count_every_push_once_and_keep_every_element_a_whole_
     def push_many(worker):
         grads = ones()
         go.wait(JOIN)
-        replies = [mode.push(push(worker, step, grads, base_version=store.version)) for step in range(PUSHES)]
+        replies = [mode.submit(push(worker, step, grads, base_version=store.version)).result(JOIN)
+                   for step in range(PUSHES)]
         return replies
 
     def read_and_snapshot():
@@ -180,7 +182,7 @@ def test_concurrent_pushes_count_every_push_once_and_keep_every_element_a_whole_
 def test_one_worker_pushing_alone_loses_nothing_every_element_is_exactly_minus_the_pushes():
     mode, store = make()
     for step in range(50):
-        mode.push(push(0, step, ones(), base_version=store.version))
+        mode.submit(push(0, step, ones(), base_version=store.version)).result(JOIN)
     version, values = store.read()
     assert version == mode.stats.pushes_applied == 50
     assert all(np.all(a == -50) for a in values.values())
@@ -203,7 +205,7 @@ def test_concurrent_pushes_keep_every_value_and_slot_finite_and_the_second_momen
         rng = np.random.default_rng(worker)
         for step in range(40):
             grads = {n: (rng.normal(size=s) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for n, s in SHAPES.items()}
-            mode.push(push(worker, step, grads, base_version=store.version))
+            mode.submit(push(worker, step, grads, base_version=store.version)).result(JOIN)
 
     pushers = [start(lambda w=w: push_many(w)) for w in range(THREADS)]
     finish(*pushers)
@@ -231,21 +233,21 @@ def snapshot(mode, store):
 ])
 def test_a_refused_push_writes_nothing(bad, message):
     mode, store = make()
-    mode.push(push(0, 0, ones()))
+    mode.submit(push(0, 0, ones())).result(JOIN)
     before = snapshot(mode, store)
     with pytest.raises(InvalidArgument, match=message):
-        mode.push(push(0, 1, {**ones(), **bad}, base_version=1))
+        mode.submit(push(0, 1, {**ones(), **bad}, base_version=1)).result(JOIN)
     assert snapshot(mode, store) == before
 
 
 def test_a_replayed_push_is_answered_from_the_record_and_an_older_one_refused():
     mode, store = make()
-    first = mode.push(push(0, 0, ones()))
-    again = mode.push(push(0, 0, ones()))
+    first = mode.submit(push(0, 0, ones())).result(JOIN)
+    again = mode.submit(push(0, 0, ones())).result(JOIN)
     assert again.replayed and again.version == first.version == 1
-    mode.push(push(0, 1, ones(), base_version=1))
+    mode.submit(push(0, 1, ones(), base_version=1)).result(JOIN)
     with pytest.raises(StaleRound):
-        mode.push(push(0, 0, ones()))
+        mode.submit(push(0, 0, ones())).result(JOIN)
     assert store.version == mode.stats.pushes_applied == 2 and mode.stats.replayed == 1
     assert all(np.all(a == -2) for a in store.read()[1].values())
 
@@ -267,7 +269,7 @@ def test_an_optimizer_hogwild_cannot_run_is_refused_at_initialize_in_one_line_na
     # A store initialized some other way: the push is refused before any variable is written.
     mode, store = make(spec=spec)
     with pytest.raises(InvalidArgument, match=named):
-        mode.push(push(0, 0, ones()))
+        mode.submit(push(0, 0, ones())).result(JOIN)
     assert store.version == 0 and all(np.all(a == 0) for a in store.read()[1].values())
 
 
@@ -283,20 +285,20 @@ def test_hogwild_is_refused_in_sync_mode_and_an_unknown_apply_everywhere():
 def test_pulls_get_read_only_views_and_arrays_pulled_before_the_first_step_keep_their_values():
     mode, store = make()
     _, before = store.read()
-    mode.push(push(0, 0, ones()))
+    mode.submit(push(0, 0, ones())).result(JOIN)
     _, after = store.read()
     assert all(np.all(a == 0) for a in before.values())  # copied once into writable arrays, not written
     assert all(not a.flags.writeable and np.all(a == -1) for a in after.values())
-    mode.push(push(0, 1, ones(), base_version=1))
+    mode.submit(push(0, 1, ones(), base_version=1)).result(JOIN)
     assert all(np.all(a == -2) for a in after.values())  # in place: the same arrays, changed under the reader
 
 
 def test_read_since_a_version_returns_every_variable_written_after_it():
     mode, store = make()
-    mode.push(push(0, 0, ones()))
+    mode.submit(push(0, 0, ones())).result(JOIN)
     version, _ = store.read()
     assert store.read(since=version)[1] == {}
-    mode.push(push(0, 1, ones(), base_version=version))
+    mode.submit(push(0, 1, ones(), base_version=version)).result(JOIN)
     assert sorted(store.read(since=version)[1]) == sorted(SHAPES)
 
 
@@ -308,7 +310,7 @@ def test_a_checkpoint_written_while_pushes_race_is_whole_and_restores_into_a_hog
 
     def push_many(worker):
         for step in range(PUSHES):
-            ps.push(push(worker, step, ones(), base_version=ps.store.version))
+            ps.submit(push(worker, step, ones(), base_version=ps.store.version)).result(JOIN)
 
     pushers = [start(lambda w=w: push_many(w)) for w in range(THREADS)]
     paths = [checkpoint.write_checkpoint(str(tmp_path), ps.checkpoint_state(), keep=10) for _ in range(3)]
@@ -324,7 +326,7 @@ def test_a_checkpoint_written_while_pushes_race_is_whole_and_restores_into_a_hog
     restored = ParameterServer(mode="async", num_workers=THREADS, async_apply="hogwild")
     restored.restore(final)
     restored.register(0, THREADS)
-    restored.push(push(0, PUSHES, ones(), base_version=restored.store.version))
+    restored.submit(push(0, PUSHES, ones(), base_version=restored.store.version)).result(JOIN)
     _, values = restored.store.read()
     for n, a in values.items():
         assert np.array_equal(a, final.values[n] - 1)

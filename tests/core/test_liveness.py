@@ -55,8 +55,8 @@ def server(num_workers=3, policy="abort", clock=None, barrier_timeout=JOIN, leas
 
 
 def push(ps, worker, size, step=0, base=None, grad=None):
-    return ps.push(Push(worker_id=worker, step=step, base_version=step if base is None else base,
-                        batch_size=size, gradients={"w": G[worker] if grad is None else grad}))
+    return ps.submit(Push(worker_id=worker, step=step, base_version=step if base is None else base,
+                          batch_size=size, gradients={"w": G[worker] if grad is None else grad})).result(JOIN)
 
 
 def in_thread(ps, worker, size, step=0, **kwargs):
@@ -326,10 +326,10 @@ def test_wait_policy_without_a_replacement_aborts_replacement_timeout_after_the_
     t0 = in_thread(ps, 0, 1)
     wait_until(lambda: ps.status().waiting_for == (1,))
     declare_dead(ps, clock, dead=[1], alive=[0], at=0.15)
-    clock.now = 0.6  # past the barrier timeout, before 0.15 + 0.5
+    declare_dead(ps, clock, dead=[], alive=[0], at=0.6)  # past the barrier timeout, before 0.15 + 0.5
     t0.join(0.4)
     assert t0.is_alive(), t0.error
-    clock.now = 0.66
+    declare_dead(ps, clock, dead=[], alive=[0], at=0.66)
     finish(t0, timeout=PROMPT)
     assert isinstance(t0.error, WorkerDead), t0.error
     assert t0.error.dead == (1,)
@@ -496,7 +496,8 @@ def async_mode():
 
 
 def async_push(mode, step, worker=0, base=0, grad=G[0]):
-    return mode.push(Push(worker_id=worker, step=step, base_version=base, batch_size=1, gradients={"w": grad}))
+    return mode.submit(Push(worker_id=worker, step=step, base_version=base, batch_size=1,
+                            gradients={"w": grad})).result(JOIN)
 
 
 def test_async_same_worker_and_step_twice_is_applied_once_and_the_second_is_replayed():

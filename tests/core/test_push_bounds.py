@@ -20,6 +20,7 @@ from ps_server.core.modes import MAX_BATCH_SIZE, MAX_STEP, Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from ps_server.core.sync_mode import SyncMode
+from tests.core.threads import JOIN
 
 INT64_MAX = 2**63 - 1
 W0 = {"w": np.array([1.0, 2.0], np.float32)}
@@ -48,14 +49,14 @@ def test_async_push_of_a_step_at_or_above_the_bound_is_refused_and_changes_nothi
     mode = AsyncMode(s, Membership(1))
     before = state(s)
     with pytest.raises(InvalidArgument, match=f"step must be < {MAX_STEP}, got {step}"):
-        mode.push(Push(0, step, 0, 1, G))
+        mode.submit(Push(0, step, 0, 1, G)).result(JOIN)
     assert state(s) == before
-    assert mode.push(Push(0, 0, 0, 1, G)).version == 1  # the worker is not stuck
+    assert mode.submit(Push(0, 0, 0, 1, G)).result(JOIN).version == 1  # the worker is not stuck
 
 
 def test_async_push_of_the_largest_step_is_applied_and_answers_an_int64_next_step():
     mode = AsyncMode(store(), Membership(1))
-    result = mode.push(Push(0, MAX_STEP - 1, 0, 1, G))
+    result = mode.submit(Push(0, MAX_STEP - 1, 0, 1, G)).result(JOIN)
     assert (result.version, result.next_step) == (1, INT64_MAX)
 
 
@@ -66,7 +67,7 @@ def test_push_of_a_batch_above_the_bound_is_refused_and_changes_nothing(make):
     mode = make(s)
     before = state(s)
     with pytest.raises(InvalidArgument, match=f"batch_size must be <= {MAX_BATCH_SIZE}, got {MAX_BATCH_SIZE + 1}"):
-        mode.push(Push(0, 0, 0, MAX_BATCH_SIZE + 1, G))
+        mode.submit(Push(0, 0, 0, MAX_BATCH_SIZE + 1, G)).result(JOIN)
     assert state(s) == before
-    assert mode.push(Push(0, 0, 0, MAX_BATCH_SIZE, G)).version == 1
+    assert mode.submit(Push(0, 0, 0, MAX_BATCH_SIZE, G)).result(JOIN).version == 1
     assert mode.stats.examples_applied == MAX_BATCH_SIZE

@@ -43,8 +43,8 @@ def make(num_workers=3, lr=0.5, quorum=0, mode="sync", **kwargs):
 
 
 def push(mode, worker, step=0, metrics=None, rate=0.0, base=None):
-    return mode.push(Push(worker_id=worker, step=step, base_version=step if base is None else base, batch_size=1,
-                          gradients=GRAD, metrics=metrics or {}, set_learning_rate=rate))
+    return mode.submit(Push(worker_id=worker, step=step, base_version=step if base is None else base, batch_size=1,
+                            gradients=GRAD, metrics=metrics or {}, set_learning_rate=rate)).result(JOIN)
 
 
 def values(store):

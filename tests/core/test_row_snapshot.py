@@ -27,7 +27,7 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.sparse import SparseRows, densify
 from ps_server.core.store import SnapshotArray, VariableStore
-from tests.core.threads import finish, start
+from tests.core.threads import JOIN, finish, start
 
 ROWS, DIM = 64, 4
 # (sparse_updates, optimizer): "exact" steps rows alone for Adagrad; "lazy" for Adam (two slots).
@@ -88,14 +88,14 @@ def test_a_checkpoint_written_while_pushes_write_its_rows_is_the_table_as_of_its
     ps = server(mode, case)
     rng = np.random.default_rng(1)
     for step in range(3):
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng))).result(JOIN)
     assert "emb" in ps.store.row_wise()
     state, expected = snapshot_and_copy(ps)
     steps = iter(range(3, 10_000))
 
     def one_push():
         step = next(steps)
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng, dense=step % 7 == 0)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng, dense=step % 7 == 0))).result(JOIN)
 
     f = Pushing(one_push)
     checkpoint.write_to(f, state)
@@ -108,7 +108,7 @@ def test_a_checkpoint_written_while_pushes_write_its_rows_is_the_table_as_of_its
 def test_a_checkpoint_written_while_threads_push_is_the_table_as_of_its_version(monkeypatch, tight_switching):
     monkeypatch.setattr(checkpoint, "_CHUNK", 2 * DIM * 4)
     ps = server("async", "lazy-adam", workers=2)
-    ps.push(Push(0, 0, 0, 1, push_of(np.random.default_rng(2))))
+    ps.submit(Push(0, 0, 0, 1, push_of(np.random.default_rng(2)))).result(JOIN)
     at_snapshot = []
     begin = store_module.RowSnapshot.__init__
 
@@ -121,7 +121,7 @@ def test_a_checkpoint_written_while_threads_push_is_the_table_as_of_its_version(
     def pusher(worker: int) -> None:
         rng = np.random.default_rng(10 + worker)
         for step in range(1, 150):
-            ps.push(Push(worker, step, ps.store.version, 1, push_of(rng)))
+            ps.submit(Push(worker, step, ps.store.version, 1, push_of(rng))).result(JOIN)
 
     threads = [start(lambda w=w: pusher(w)) for w in range(2)]
     written = 0
@@ -142,17 +142,17 @@ def test_a_checkpoint_written_while_threads_push_is_the_table_as_of_its_version(
 def test_two_snapshots_open_at_once_each_hold_their_own_version():
     ps = server("async", "lazy-adam")
     rng = np.random.default_rng(3)
-    ps.push(Push(0, 0, 0, 1, push_of(rng)))
+    ps.submit(Push(0, 0, 0, 1, push_of(rng))).result(JOIN)
     first, first_expected = snapshot_and_copy(ps)
     for step in range(1, 4):
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng))).result(JOIN)
     second, second_expected = snapshot_and_copy(ps)
     for step in range(4, 8):
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng))).result(JOIN)
     assert len(ps.store._vars["emb"].undo_logs) == 2
     assert encode(second) == encode(second_expected)
     second.release()
-    ps.push(Push(0, 8, ps.store.version, 1, push_of(rng)))  # the first one still saves
+    ps.submit(Push(0, 8, ps.store.version, 1, push_of(rng))).result(JOIN)  # the first one still saves
     assert encode(first) == encode(first_expected)
     first.release()
     assert ps.store._vars["emb"].undo_logs == []
@@ -161,18 +161,18 @@ def test_two_snapshots_open_at_once_each_hold_their_own_version():
 def test_a_released_snapshot_refuses_to_be_read_and_an_abandoned_one_is_dropped():
     ps = server("async", "exact-adagrad")
     rng = np.random.default_rng(4)
-    ps.push(Push(0, 0, 0, 1, push_of(rng)))
+    ps.submit(Push(0, 0, 0, 1, push_of(rng))).result(JOIN)
     state = ps.checkpoint_state()
     state.release()
     state.release()  # idempotent
     with pytest.raises(InvalidArgument, match="released"):
         encode(state)
     abandoned = ps.checkpoint_state()
-    ps.push(Push(0, 1, 1, 1, push_of(rng)))
+    ps.submit(Push(0, 1, 1, 1, push_of(rng))).result(JOIN)
     var = ps.store._vars["emb"]
     assert len(var.undo_logs) == 1 and var.undo_logs[0].blocks
     del abandoned  # its last reference: released at once (no cycle to wait for the collector)
-    ps.push(Push(0, 2, 2, 1, push_of(rng)))  # its next step lets the abandoned log go
+    ps.submit(Push(0, 2, 2, 1, push_of(rng))).result(JOIN)  # its next step lets the abandoned log go
     assert var.undo_logs == []
 
 
@@ -180,7 +180,7 @@ def test_a_live_snapshot_restores_into_a_new_store():
     ps = server("sync", "lazy-adam")
     rng = np.random.default_rng(5)
     for step in range(3):
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng))).result(JOIN)
     state, expected = snapshot_and_copy(ps)
     restored = VariableStore(sparse_updates="lazy")
     restored.restore_state(store_module.StoreState(**{f.name: getattr(state, f.name)
@@ -201,7 +201,7 @@ def big_server() -> ParameterServer:
     ps.register(0, 1)
     ps.initialize(0, {"emb": np.ones((BIG_ROWS, BIG_DIM), np.float32)}, OptimizerSpec("adam", learning_rate=0.01))
     rows = np.arange(0, BIG_ROWS, 97, dtype=np.int64)
-    ps.push(Push(0, 0, 0, 1, {"emb": SparseRows(rows, np.ones((len(rows), BIG_DIM), np.float32))}))
+    ps.submit(Push(0, 0, 0, 1, {"emb": SparseRows(rows, np.ones((len(rows), BIG_DIM), np.float32))})).result(JOIN)
     return ps
 
 
@@ -253,8 +253,8 @@ def test_a_checkpoint_of_a_row_wise_table_costs_the_rows_written_meanwhile_once_
     def one_push():  # 512 rows a push, the same ones again now and then
         rows = rng.choice(BIG_ROWS // 4, size=512, replace=False).astype(np.int64)
         touched.update(rows.tolist())
-        ps.push(Push(0, next(steps), ps.store.version, 1,
-                     {"emb": SparseRows(rows, rng.standard_normal((512, BIG_DIM)).astype(np.float32))}))
+        ps.submit(Push(0, next(steps), ps.store.version, 1,
+                       {"emb": SparseRows(rows, rng.standard_normal((512, BIG_DIM)).astype(np.float32))})).result(JOIN)
 
     peak, state = checkpoint_peak(ps, tmp_path, during=one_push)
     snapshot = state.values["emb"].snapshot
@@ -273,12 +273,12 @@ def test_a_checkpoint_of_a_row_wise_table_costs_the_rows_written_meanwhile_once_
 def test_a_whole_step_of_a_row_wise_table_ends_the_saving_and_the_snapshot_keeps_the_replaced_arrays():
     ps = server("async", "exact-adagrad")
     rng = np.random.default_rng(7)
-    ps.push(Push(0, 0, 0, 1, push_of(rng)))
+    ps.submit(Push(0, 0, 0, 1, push_of(rng))).result(JOIN)
     state, expected = snapshot_and_copy(ps)
     var = ps.store._vars["emb"]
-    ps.push(Push(0, 1, 1, 1, push_of(rng)))
-    ps.push(Push(0, 2, 2, 1, push_of(rng, dense=True)))  # new arrays: nothing writes the old ones
+    ps.submit(Push(0, 1, 1, 1, push_of(rng))).result(JOIN)
+    ps.submit(Push(0, 2, 2, 1, push_of(rng, dense=True))).result(JOIN)  # new arrays: nothing writes the old ones
     assert var.undo_logs == []
-    ps.push(Push(0, 3, 3, 1, push_of(rng)))
+    ps.submit(Push(0, 3, 3, 1, push_of(rng))).result(JOIN)
     assert encode(state) == encode(expected)
     state.release()

@@ -24,6 +24,7 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.sparse import SparseRows, combine, densify, row_wise
 from ps_server.core.store import VariableStore
+from tests.core.threads import JOIN
 
 ROWS, DIM = 50, 4
 SGD = OptimizerSpec("sgd", learning_rate=0.1)
@@ -57,11 +58,11 @@ def _ps(mode: str, spec: OptimizerSpec, workers: int = 1, sparse_updates: str = 
 
 
 def _sync_round(ps: ParameterServer, pushes: list[dict], step: int, sizes=(3, 1)) -> None:
-    threads = [threading.Thread(target=ps.push, args=(Push(w, step, ps.store.version, sizes[w], g),))
+    threads = [threading.Thread(target=ps.submit, args=(Push(w, step, ps.store.version, sizes[w], g),))
                for w, g in enumerate(pushes[1:], 1)]
     for t in threads:
         t.start()
-    ps.push(Push(0, step, ps.store.version, sizes[0], pushes[0]))
+    ps.submit(Push(0, step, ps.store.version, sizes[0], pushes[0])).result(JOIN)
     for t in threads:
         t.join(5)
 
@@ -87,8 +88,8 @@ def test_an_exact_row_wise_async_step_is_the_dense_step_bit_for_bit(spec, repeat
     rows_ps, dense_ps = _ps("async", spec), _ps("async", spec, sparse_updates="dense")
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
     for step in range(6):
-        rows_ps.push(Push(0, step, rows_ps.store.version, 4, push_of(rng_a, repeats=repeats)))
-        dense_ps.push(Push(0, step, dense_ps.store.version, 4, push_of(rng_b, repeats=repeats)))
+        rows_ps.submit(Push(0, step, rows_ps.store.version, 4, push_of(rng_a, repeats=repeats))).result(JOIN)
+        dense_ps.submit(Push(0, step, dense_ps.store.version, 4, push_of(rng_b, repeats=repeats))).result(JOIN)
     assert rows_ps.store.row_wise() == {"emb"} and dense_ps.store.row_wise() == frozenset()
     _same(rows_ps.pull()[1], dense_ps.pull()[1])
     _same(rows_ps.checkpoint_state().states["emb"], dense_ps.checkpoint_state().states["emb"])
@@ -140,8 +141,8 @@ def test_exact_mode_steps_densely_where_a_zero_gradient_moves_a_row(spec, reason
     ps, dense_ps = _ps("async", spec), _ps("async", spec, sparse_updates="dense")
     rng_a, rng_b = np.random.default_rng(4), np.random.default_rng(4)
     for step in range(3):
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng_a)))
-        dense_ps.push(Push(0, step, dense_ps.store.version, 1, push_of(rng_b)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng_a))).result(JOIN)
+        dense_ps.submit(Push(0, step, dense_ps.store.version, 1, push_of(rng_b))).result(JOIN)
     assert ps.store.row_wise() == frozenset()
     _same(ps.pull()[1], dense_ps.pull()[1])
 
@@ -167,7 +168,7 @@ def test_lazy_adam_is_tf_addons_lazy_adam_and_leaves_untouched_rows_and_slots_al
     touched = np.zeros(ROWS, bool)
     for step in range(8):
         g = push_of(rng)
-        ps.push(Push(0, step, ps.store.version, 1, g))
+        ps.submit(Push(0, step, ps.store.version, 1, g)).result(JOIN)
         rows, values = combine(g["emb"])
         touched[rows] = True
         w, m, v = lazy_adam_reference(w, m, v, step + 1, rows, values.astype(np.float64))
@@ -198,7 +199,8 @@ def test_a_lazy_step_is_the_optimizer_on_the_touched_rows_alone(spec):
     state = opt.init_state(w[rows])
     for step in range(3):
         g = np.random.default_rng(step).standard_normal((3, DIM)).astype(np.float32)
-        ps.push(Push(0, step, ps.store.version, 1, {"emb": SparseRows(rows, g), "kernel": np.zeros((DIM, 2), np.float32)}))
+        ps.submit(Push(0, step, ps.store.version, 1, {"emb": SparseRows(rows, g),
+                                                      "kernel": np.zeros((DIM, 2), np.float32)})).result(JOIN)
         expected, state = opt.apply(w[rows] if step == 0 else expected, g, state)
     got = ps.pull()[1]["emb"]
     assert got[rows].tobytes() == expected.tobytes()
@@ -227,14 +229,14 @@ def test_an_unknown_sparse_updates_mode_is_refused():
 def test_a_row_wise_step_writes_in_place_and_never_changes_what_a_reader_holds():
     ps = _ps("async", SGD)
     rng = np.random.default_rng(6)
-    ps.push(Push(0, 0, 0, 1, push_of(rng)))
+    ps.submit(Push(0, 0, 0, 1, push_of(rng))).result(JOIN)
     held = ps.pull()[1]["emb"]
     kept = held.copy()
-    ps.push(Push(0, 1, 1, 1, push_of(rng)))
+    ps.submit(Push(0, 1, 1, 1, push_of(rng))).result(JOIN)
     assert held.tobytes() == kept.tobytes() and not held.flags.writeable
     var = ps.store._vars["emb"]
     value_before = var.value
-    ps.push(Push(0, 2, 2, 1, push_of(rng)))
+    ps.submit(Push(0, 2, 2, 1, push_of(rng))).result(JOIN)
     assert var.value is value_before  # the same array, written in place: no copy of the table
 
 
@@ -245,7 +247,7 @@ def test_read_rows_returns_exactly_the_rows_written_after_a_version(mode):
     written = {}
     for step in range(5):
         g = push_of(rng)
-        ps.push(Push(0, step, ps.store.version, 1, g))
+        ps.submit(Push(0, step, ps.store.version, 1, g)).result(JOIN)
         written[ps.store.version] = set(g["emb"].rows.tolist())
     version, values = ps.pull()
     for since in range(0, version + 1):
@@ -267,7 +269,7 @@ def test_an_old_version_beyond_the_log_is_answered_from_the_per_row_versions():
     rng = np.random.default_rng(8)
     history = []
     for step in range(40):  # 40 pushes of 8 rows: more than the 50-row table's worth of log
-        ps.push(Push(0, step, ps.store.version, 1, push_of(rng, repeats=False)))
+        ps.submit(Push(0, step, ps.store.version, 1, push_of(rng, repeats=False))).result(JOIN)
         history.append(ps.pull()[1]["emb"].copy())
     var = ps.store._vars["emb"]
     assert var.row_log_floor > 1  # the oldest entries were dropped
@@ -284,13 +286,13 @@ def test_an_old_version_beyond_the_log_is_answered_from_the_per_row_versions():
 def test_a_dense_gradient_for_a_row_wise_table_steps_it_whole_and_marks_every_row():
     ps, dense_ps = _ps("async", SGD), _ps("async", SGD, sparse_updates="dense")
     rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
-    ps.push(Push(0, 0, 0, 1, push_of(rng_a)))
-    dense_ps.push(Push(0, 0, 0, 1, push_of(rng_b)))
-    ps.push(Push(0, 1, 1, 1, push_of(rng_a, dense=True)))
-    dense_ps.push(Push(0, 1, 1, 1, push_of(rng_b, dense=True)))
+    ps.submit(Push(0, 0, 0, 1, push_of(rng_a))).result(JOIN)
+    dense_ps.submit(Push(0, 0, 0, 1, push_of(rng_b))).result(JOIN)
+    ps.submit(Push(0, 1, 1, 1, push_of(rng_a, dense=True))).result(JOIN)
+    dense_ps.submit(Push(0, 1, 1, 1, push_of(rng_b, dense=True))).result(JOIN)
     assert ps.pull_rows(since=1)[2]["emb"].tolist() == list(range(ROWS))
-    ps.push(Push(0, 2, 2, 1, push_of(rng_a)))
-    dense_ps.push(Push(0, 2, 2, 1, push_of(rng_b)))
+    ps.submit(Push(0, 2, 2, 1, push_of(rng_a))).result(JOIN)
+    dense_ps.submit(Push(0, 2, 2, 1, push_of(rng_b))).result(JOIN)
     _same(ps.pull()[1], dense_ps.pull()[1])
 
 
@@ -298,17 +300,17 @@ def test_a_checkpoint_of_a_row_wise_table_does_not_move_with_it_and_restores_to_
     ps, twin = _ps("async", ADAGRAD), _ps("async", ADAGRAD)
     rng_a, rng_b = np.random.default_rng(10), np.random.default_rng(10)
     for step in range(3):
-        ps.push(Push(0, step, step, 1, push_of(rng_a)))
-        twin.push(Push(0, step, step, 1, push_of(rng_b)))
+        ps.submit(Push(0, step, step, 1, push_of(rng_a))).result(JOIN)
+        twin.submit(Push(0, step, step, 1, push_of(rng_b))).result(JOIN)
     state = ps.checkpoint_state()
     saved = np.asarray(state.values["emb"])
-    ps.push(Push(0, 3, 3, 1, push_of(rng_a)))
+    ps.submit(Push(0, 3, 3, 1, push_of(rng_a))).result(JOIN)
     assert np.asarray(state.values["emb"]).tobytes() == saved.tobytes()  # the snapshot did not move with the table
     restored = ParameterServer(mode="async", num_workers=1)
     restored.restore(decode(encode(state)))
     restored.register(0, 1)
-    restored.push(Push(0, 3, 3, 1, push_of(rng_b)))
-    twin.push(Push(0, 3, 3, 1, push_of(np.random.default_rng(10))))  # keep the twin's stream aligned
+    restored.submit(Push(0, 3, 3, 1, push_of(rng_b))).result(JOIN)
+    twin.submit(Push(0, 3, 3, 1, push_of(np.random.default_rng(10)))).result(JOIN)  # keep the twin's stream aligned
     _same(restored.pull()[1], ps.pull()[1])
 
 
@@ -321,7 +323,7 @@ def test_async_delta_pulls_during_concurrent_pushes_keep_a_copy_equal_to_the_ser
     def pusher(worker: int) -> None:
         rng = np.random.default_rng(worker)
         for step in range(60):
-            ps.push(Push(worker, step, ps.store.version, 1, push_of(rng)))
+            ps.submit(Push(worker, step, ps.store.version, 1, push_of(rng))).result(JOIN)
 
     threads = [threading.Thread(target=pusher, args=(w,)) for w in range(2)]
     for t in threads:
@@ -396,7 +398,7 @@ def test_keras_leaves_a_zero_gradient_row_bit_for_bit_unchanged_and_the_row_wise
         after = variable.numpy()
         untouched = np.setdiff1d(np.arange(ROWS), g.rows)
         assert after[untouched].tobytes() == before[untouched].tobytes(), f"step {step}: Keras moved a zero row"
-        ps.push(Push(0, step, ps.store.version, 1, {"emb": g, "kernel": np.zeros((DIM, 2), np.float32)}))
+        ps.submit(Push(0, step, ps.store.version, 1, {"emb": g, "kernel": np.zeros((DIM, 2), np.float32)})).result(JOIN)
     assert ps.store.row_wise() == {"emb"}
     ours = ps.pull()[1]["emb"]
     assert ours.tobytes() == variable.numpy().tobytes(), f"max diff {np.max(np.abs(ours - variable.numpy()))}"

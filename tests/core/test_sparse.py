@@ -15,6 +15,7 @@ from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.sparse import SparseRows, check, densify
+from tests.core.threads import JOIN
 
 SGD = OptimizerSpec("sgd", learning_rate=0.5)
 ADAM = OptimizerSpec("adam", learning_rate=0.1)
@@ -55,9 +56,10 @@ def test_a_sparse_push_applies_exactly_what_the_same_dense_push_applies():
     sparse_ps, dense_ps = _ps("async", 1, ADAM), _ps("async", 1, ADAM)
     bias = np.ones(2, np.float32)
     for _ in range(3):
-        sparse_ps.push(Push(0, 0, sparse_ps.store.version, 8, {"emb": SparseRows(rows, vals), "bias": bias}))
-        dense_ps.push(Push(0, 0, dense_ps.store.version, 8, {"emb": densify(SparseRows(rows, vals), (6, 2),
-                                                                                    np.float32), "bias": bias}))
+        sparse_ps.submit(Push(0, 0, sparse_ps.store.version, 8,
+                              {"emb": SparseRows(rows, vals), "bias": bias})).result(JOIN)
+        dense = densify(SparseRows(rows, vals), (6, 2), np.float32)
+        dense_ps.submit(Push(0, 0, dense_ps.store.version, 8, {"emb": dense, "bias": bias})).result(JOIN)
     _, a = sparse_ps.pull()
     _, b = dense_ps.pull()
     for name in a:
@@ -71,9 +73,9 @@ def test_a_sync_round_weights_sparse_and_dense_pushes_by_batch_share():
     g0 = SparseRows(np.array([1]), np.array([[4.0, 8.0]], np.float32))  # batch 3
     g1 = np.zeros((6, 2), np.float32)
     g1[2] = [1.0, 1.0]  # batch 1
-    t = threading.Thread(target=ps.push, args=(Push(0, 0, 0, 3, {"emb": g0, "bias": np.zeros(2, np.float32)}),))
+    t = threading.Thread(target=ps.submit, args=(Push(0, 0, 0, 3, {"emb": g0, "bias": np.zeros(2, np.float32)}),))
     t.start()
-    ps.push(Push(1, 0, 0, 1, {"emb": g1, "bias": np.zeros(2, np.float32)}))
+    ps.submit(Push(1, 0, 0, 1, {"emb": g1, "bias": np.zeros(2, np.float32)})).result(JOIN)
     t.join(5)
     _, values = ps.pull()
     expected = table()["emb"].copy()
@@ -86,11 +88,11 @@ def test_a_refused_sparse_push_changes_nothing():
     ps = _ps("async", 1)
     _, before = ps.pull()
     with pytest.raises(InvalidArgument, match="names row 9"):
-        ps.push(Push(0, 0, 0, 1, {"emb": SparseRows(np.array([9]), np.ones((1, 2), np.float32)),
-                                  "bias": np.zeros(2, np.float32)}))
+        ps.submit(Push(0, 0, 0, 1, {"emb": SparseRows(np.array([9]), np.ones((1, 2), np.float32)),
+                                    "bias": np.zeros(2, np.float32)})).result(JOIN)
     with pytest.raises(NotFound):
-        ps.push(Push(0, 0, 0, 1, {"nope": SparseRows(np.array([0]), np.ones((1, 2), np.float32)),
-                                  "bias": np.zeros(2, np.float32)}))
+        ps.submit(Push(0, 0, 0, 1, {"nope": SparseRows(np.array([0]), np.ones((1, 2), np.float32)),
+                                    "bias": np.zeros(2, np.float32)})).result(JOIN)
     version, after = ps.pull()
     assert version == 0
     for name in before:
@@ -115,9 +117,9 @@ def test_a_sync_round_sets_a_non_trainable_variable_to_the_batch_weighted_mean_o
     pulled = table()["bias"]
     new0, new1 = np.array([1.0, 2.0], np.float32), np.array([3.0, 6.0], np.float32)
     zero = np.zeros((6, 2), np.float32)
-    t = threading.Thread(target=ps.push, args=(Push(0, 0, 0, 1, {"emb": zero, "bias": new0 - pulled}),))
+    t = threading.Thread(target=ps.submit, args=(Push(0, 0, 0, 1, {"emb": zero, "bias": new0 - pulled}),))
     t.start()
-    ps.push(Push(1, 0, 0, 3, {"emb": zero, "bias": new1 - pulled}))
+    ps.submit(Push(1, 0, 0, 3, {"emb": zero, "bias": new1 - pulled})).result(JOIN)
     t.join(5)
     _, values = ps.pull()
     np.testing.assert_allclose(values["bias"], 0.25 * new0 + 0.75 * new1, rtol=0, atol=1e-7)
@@ -126,8 +128,9 @@ def test_a_sync_round_sets_a_non_trainable_variable_to_the_batch_weighted_mean_o
 
 def test_an_async_push_adds_its_change_to_a_non_trainable_variable():
     ps = _ps("async", 1, SGD, non_trainable=["bias"])
-    ps.push(Push(0, 0, 0, 1, {"emb": np.zeros((6, 2), np.float32), "bias": np.array([0.5, -1], np.float32)}))
-    ps.push(Push(0, 1, 1, 1, {"emb": np.zeros((6, 2), np.float32), "bias": np.array([0.5, -1], np.float32)}))
+    for step in range(2):
+        ps.submit(Push(0, step, step, 1, {"emb": np.zeros((6, 2), np.float32),
+                                          "bias": np.array([0.5, -1], np.float32)})).result(JOIN)
     _, values = ps.pull()
     np.testing.assert_array_equal(values["bias"], [1.0, -2.0])
 
@@ -149,7 +152,8 @@ def test_a_checkpoint_keeps_which_variables_are_non_trainable():
     fresh.restore(state)
     assert fresh.store.non_trainable() == {"bias"}
     fresh.register(0, 1)
-    fresh.push(Push(0, 0, 0, 1, {"emb": np.zeros((6, 2), np.float32), "bias": np.array([2, 3], np.float32)}))
+    fresh.submit(Push(0, 0, 0, 1, {"emb": np.zeros((6, 2), np.float32),
+                                   "bias": np.array([2, 3], np.float32)})).result(JOIN)
     np.testing.assert_array_equal(fresh.pull()[1]["bias"], [2, 3])
 
 

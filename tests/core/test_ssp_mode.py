@@ -22,7 +22,7 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
-from tests.core.threads import FakeClock
+from tests.core.threads import FakeClock, JOIN, ticking
 
 GRAD = {"w": np.ones(4, np.float32)}
 
@@ -37,7 +37,10 @@ def cluster(n, bound, barrier_timeout=30.0, members=None, **kwargs):
 
 
 def push(mode, worker, step, base_version=0):
-    return mode.push(Push(worker_id=worker, step=step, base_version=base_version, batch_size=1, gradients=GRAD))
+    """A worker's push, answered once it may start its next step: the mode's waits end as in
+    the server, at its ticker's ``expire_overdue`` or at another worker's push."""
+    return ticking(mode.submit(Push(worker_id=worker, step=step, base_version=base_version, batch_size=1,
+                                    gradients=GRAD)), mode.expire_overdue)
 
 
 def run_workers(store, mode, n, steps, delays, seed=0):
@@ -209,12 +212,13 @@ def test_after_a_restore_the_clocks_start_from_the_workers_restored_last_steps()
     ps.initialize(0, {"w": np.zeros(4, np.float32)}, OptimizerSpec("sgd", learning_rate=0.5))
     for step in range(3):
         for w in range(2):
-            ps.push(Push(worker_id=w, step=step, base_version=ps.store.version, batch_size=1, gradients=GRAD))
+            ps.submit(Push(worker_id=w, step=step, base_version=ps.store.version, batch_size=1,
+                           gradients=GRAD)).result(JOIN)
     again = ParameterServer("ssp", 2, staleness=1)
     again.restore(ps.checkpoint_state())
     assert again.status().round == 3  # both clocks at 3, from membership's restored last steps
     for w in range(2):
         again.register(w, 2)
     # Worker 0 resumes at step 3 at once (nobody is behind); no 'ahead' jump from empty clocks.
-    again.push(Push(worker_id=0, step=3, base_version=again.store.version, batch_size=1, gradients=GRAD))
+    again.submit(Push(worker_id=0, step=3, base_version=again.store.version, batch_size=1, gradients=GRAD)).result(JOIN)
     assert again.status().max_ahead == 0

@@ -31,36 +31,10 @@ from ps_server.core.modes import Push
 from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
-from tests.core.threads import FakeClock, JOIN, finish, start, wait_until
+from tests.core.threads import FakeClock, JOIN, finish, start, ticking, wait_until
 from ps_server.core.sync_mode import SyncMode
 
 
-
-
-class HeldAfterWakeup(threading.Condition):
-    """A condition whose chosen threads, once woken, wait at a gate before retaking the lock.
-
-    It opens, on purpose, the window in which a fast worker starts the next
-    round (or a new generation of the same round) before the waiters of the
-    last one have looked at the book again.
-    """
-
-    def __init__(self, lock):
-        super().__init__(lock)
-        self.gate = threading.Event()
-        self.held: set[int] = set()
-        self.at_gate = threading.Semaphore(0)
-        self._plain_acquire_restore = self._acquire_restore
-        self._acquire_restore = self._held_acquire_restore
-
-    def hold_me(self):
-        self.held.add(threading.get_ident())
-
-    def _held_acquire_restore(self, state):
-        if threading.get_ident() in self.held:
-            self.at_gate.release()
-            self.gate.wait(JOIN)
-        self._plain_acquire_restore(state)
 
 
 def f32(*xs):
@@ -87,14 +61,18 @@ def make(num_workers=3, barrier_timeout=JOIN, clock=time.monotonic, variables=W0
     return SyncMode(store, members, num_workers, barrier_timeout, clock=clock), store
 
 
-def push(mode, worker, step=0, grads=None, size=None, base=None):
-    return mode.push(Push(
+def push_of(worker, step=0, grads=None, size=None, base=None):
+    return Push(
         worker_id=worker,
         step=step,
         base_version=step if base is None else base,
         batch_size=SIZES[worker] if size is None else size,
         gradients=GRADS[worker] if grads is None else grads,
-    ))
+    )
+
+
+def push(mode, worker, step=0, grads=None, size=None, base=None):
+    return mode.submit(push_of(worker, step, grads, size, base)).result(JOIN)
 
 
 def snapshot(store):
@@ -119,7 +97,7 @@ def test_round_applies_w_minus_lr_times_batch_weighted_mean_and_all_get_the_new_
         ps.register(w, 3)
     ps.initialize(0, W0, OptimizerSpec("sgd", learning_rate=LR))
     workers = [
-        start(lambda w=w: ps.push(Push(w, 0, 0, SIZES[w], GRADS[w], loss=float(w))))
+        start(lambda w=w: ps.submit(Push(w, 0, 0, SIZES[w], GRADS[w], loss=float(w))).result(JOIN))
         for w in range(3)
     ]
     finish(*workers)
@@ -193,8 +171,8 @@ def test_a_waiting_push_holds_no_gradient_once_folded():
     # Memory that does not grow with the workers: the round keeps its sum, not the pushes.
     mode, _ = make()
     folded = []
-    t = start(lambda: mode.push(Push(worker_id=1, step=0, base_version=0, batch_size=1, gradients=GRADS[1]),
-                                consumed=lambda: folded.append(1)))
+    t = start(lambda: mode.submit(Push(worker_id=1, step=0, base_version=0, batch_size=1, gradients=GRADS[1]),
+                                consumed=lambda: folded.append(1)).result(JOIN))
     wait_until(lambda: mode.status().waiting_for == (0, 2))
     assert folded == [1]
     assert all(not p.gradients for p in mode._book.peek())
@@ -309,7 +287,7 @@ def test_invalid_push_is_rejected_before_it_joins_the_round(kwargs, message):
 def test_worker_id_outside_the_cluster_is_rejected():
     mode, _ = make()
     with pytest.raises(InvalidArgument, match=r"worker id 3 is outside 0\.\.2"):
-        mode.push(Push(3, 0, 0, 1, GRADS[0]))
+        mode.submit(Push(3, 0, 0, 1, GRADS[0])).result(JOIN)
     assert mode.status().waiting_for == ()
 
 
@@ -318,14 +296,14 @@ def test_push_of_an_unregistered_worker_is_rejected_by_the_server():
     ps.register(0, 3)
     ps.initialize(0, W0, OptimizerSpec("sgd", learning_rate=LR))
     with pytest.raises(UnknownWorker, match="worker 1 is not registered"):
-        ps.push(Push(1, 0, 0, 1, GRADS[1]))
+        ps.submit(Push(1, 0, 0, 1, GRADS[1])).result(JOIN)
     assert ps.status().waiting_for == ()
 
 
 def test_push_before_initialization_is_rejected():
     mode = SyncMode(VariableStore(), Membership(1), 1, JOIN)
     with pytest.raises(NotInitialized):
-        mode.push(Push(0, 0, 0, 1, {"w": f32(1)}))
+        mode.submit(Push(0, 0, 0, 1, {"w": f32(1)})).result(JOIN)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0])
@@ -361,6 +339,7 @@ def test_barrier_timeout_names_the_missing_worker_and_changes_nothing():
     t2 = start(lambda: push(mode, 2))
     wait_until(lambda: mode.status().waiting_for == (1,))
     clock.now = 0.3
+    mode.expire_overdue()  # the server's ticker
     finish(t0, t2)
     for t in (t0, t2):
         assert isinstance(t.error, BarrierTimeout)
@@ -378,7 +357,8 @@ def test_barrier_timeout_lists_every_missing_worker_on_the_real_clock():
     mode, _ = make(barrier_timeout=0.3)
     t0 = time.monotonic()
     with pytest.raises(BarrierTimeout, match=r"waiting for worker\(s\) 0, 2; pushed: 1;") as e:
-        push(mode, 1)
+        ticking(mode.submit(Push(worker_id=1, step=0, base_version=0, batch_size=1, gradients=GRADS[1])),
+                mode.expire_overdue)
     assert time.monotonic() - t0 >= 0.3
     assert e.value.missing == (0, 2)
 
@@ -391,6 +371,7 @@ def test_after_a_barrier_timeout_every_worker_may_push_the_same_step_again():
     t1 = start(lambda: push(mode, 1, grads=huge))
     wait_until(lambda: mode.status().waiting_for == (2,))
     clock.now = 0.3
+    mode.expire_overdue()
     finish(t0, t1)
     assert isinstance(t0.error, BarrierTimeout) and isinstance(t1.error, BarrierTimeout)
     assert complete_round(mode).version == 1  # the clock stands still: no second timeout
@@ -406,6 +387,7 @@ def test_round_times_out_barrier_timeout_after_its_first_push_not_its_last():
     t1 = start(lambda: push(mode, 1))  # its own deadline would be 0.5
     wait_until(lambda: mode.status().waiting_for == (2,))
     clock.now = 0.31  # past the first push's deadline, before the second's
+    mode.expire_overdue()
     finish(t0, t1)
     assert isinstance(t0.error, BarrierTimeout) and isinstance(t1.error, BarrierTimeout)
     assert t0.error.missing == t1.error.missing == (2,)
@@ -417,30 +399,16 @@ def test_round_times_out_barrier_timeout_after_its_first_push_not_its_last():
 
 def test_fast_worker_pushing_the_next_round_does_not_disturb_the_waiters_of_the_last():
     mode, store = make()
-    cond = mode._round_ended = HeldAfterWakeup(mode._lock)
-
-    def held_push(w):
-        cond.hold_me()
-        return push(mode, w)
-
-    t0, t1 = start(lambda: held_push(0)), start(lambda: held_push(1))
-    wait_until(lambda: mode.status().waiting_for == (2,))
+    t0, t1 = mode.submit(push_of(0)), mode.submit(push_of(1))
     assert push(mode, 2).version == 1
-    for _ in range(2):  # both waiters were woken and are held before looking again
-        assert cond.at_gate.acquire(timeout=JOIN)
-    fast = start(lambda: push(mode, 2, step=1))  # the fast worker is already in round 1
-    wait_until(lambda: (mode.status().round, mode.status().waiting_for) == (1, (0, 1)))
-    cond.gate.set()
-    finish(t0, t1)
-    assert t0.error is None and t1.error is None
-    assert t0.result.version == t1.result.version == 1  # round 0's answer, not round 1's
-    fast.join(0.1)
-    assert fast.is_alive()  # round 0's wake-up did not release round 1
-    t0b = start(lambda: push(mode, 0, step=1))
-    wait_until(lambda: mode.status().waiting_for == (1,))
+    fast = mode.submit(push_of(2, step=1))  # the fast worker is already in round 1, as
+    assert (mode.status().round, mode.status().waiting_for) == (1, (0, 1))  # 0 and 1 are answered
+    assert t0.result(JOIN).version == t1.result(JOIN).version == 1  # round 0's answer, not round 1's
+    assert not fast.done()  # round 0's end did not release round 1
+    t0b = mode.submit(push_of(0, step=1))
+    assert mode.status().waiting_for == (1,)
     assert push(mode, 1, step=1).version == 2
-    finish(t0b, fast)
-    assert fast.result.version == t0b.result.version == 2
+    assert fast.result(JOIN).version == t0b.result(JOIN).version == 2
     # Two identical rounds: the mean step is applied twice.
     assert_values(store, {"w": f32(1 - 2, 2 - 2, 3 - 3, 4 - 0), "b": np.array([10.0 - 2.0])})
 
@@ -448,33 +416,23 @@ def test_fast_worker_pushing_the_next_round_does_not_disturb_the_waiters_of_the_
 def test_waiter_of_a_timed_out_round_fails_even_when_the_same_round_has_restarted():
     clock = FakeClock()
     mode, store = make(barrier_timeout=0.3, clock=clock)
-    cond = mode._round_ended = HeldAfterWakeup(mode._lock)
-
-    def held_push(w):
-        cond.hold_me()
-        return push(mode, w)
-
-    t0 = start(lambda: push(mode, 0))
-    wait_until(lambda: mode.status().waiting_for == (1, 2))
-    t1 = start(lambda: held_push(1))
-    wait_until(lambda: mode.status().waiting_for == (2,))
-    clock.now = 1.0  # worker 0's deadline has passed: it aborts generation 0
-    finish(t0)
-    assert isinstance(t0.error, BarrierTimeout)
-    assert cond.at_gate.acquire(timeout=JOIN)  # worker 1 was woken and is held
-    # Round 0 starts over (same number, new generation) before worker 1 looks again.
-    t2 = start(lambda: push(mode, 2))
-    wait_until(lambda: mode.status().waiting_for == (0, 1))
-    cond.gate.set()
-    finish(t1)
-    assert isinstance(t1.error, BarrierTimeout) and t1.error.missing == (2,)
-    t2.join(0.1)
-    assert t2.is_alive()  # worker 2 waits for the new generation of round 0
-    t0b = start(lambda: push(mode, 0))
-    wait_until(lambda: mode.status().waiting_for == (1,))
+    t0 = mode.submit(push_of(0))
+    t1 = mode.submit(push_of(1))
+    clock.now = 1.0  # worker 0's deadline has passed: the ticker aborts generation 0
+    mode.expire_overdue()
+    with pytest.raises(BarrierTimeout):
+        t0.result()
+    # Round 0 starts over (same number, new generation) before worker 1 looks at its ticket.
+    t2 = mode.submit(push_of(2))
+    assert mode.status().waiting_for == (0, 1)
+    with pytest.raises(BarrierTimeout) as e:
+        t1.result()
+    assert e.value.missing == (2,)
+    assert not t2.done()  # worker 2 waits for the new generation of round 0
+    t0b = mode.submit(push_of(0))
+    assert mode.status().waiting_for == (1,)
     assert push(mode, 1).version == 1
-    finish(t0b, t2)
-    assert t2.result.version == t0b.result.version == 1
+    assert t2.result(JOIN).version == t0b.result(JOIN).version == 1
     assert_values(store, AFTER_ONE_ROUND)
 
 
@@ -525,7 +483,8 @@ def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(t
         for step in range(ROUNDS):
             version, values = store.read()
             pulled.append((version, {n: a.tobytes() for n, a in values.items()}))
-            result = mode.push(Push(worker, step, version, batch_size(worker, step), gradient(worker, step, values)))
+            push = Push(worker, step, version, batch_size(worker, step), gradient(worker, step, values))
+            result = mode.submit(push).result(JOIN)
             assert result.version == step + 1
         return pulled
 

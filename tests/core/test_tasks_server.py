@@ -14,6 +14,7 @@ from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import EXAMPLES, gradient
 from tests.core.test_elastic_mode import Clock
 from tests.core.test_elastic_server import ADAM, zeros
+from tests.core.threads import JOIN
 
 PLAN = DataPlan(num_examples=EXAMPLES, global_batch_size=16, seed=5, epochs=3)
 
@@ -57,7 +58,7 @@ def test_each_task_is_applied_once_and_counted_per_epoch_in_status(mode):
     assert status.num_examples == EXAMPLES and status.epoch_examples == (0,)
     step = 0
     while (task := take(ps, 0)) is not None:
-        result = ps.push(push_of(ps, 0, task, step))
+        result = ps.submit(push_of(ps, 0, task, step)).result(JOIN)
         assert not result.replayed
         step += 1
     status = ps.status()
@@ -72,15 +73,15 @@ def test_a_retried_push_of_a_done_task_is_answered_from_the_record_and_applied_o
     ps = started(clock)
     task = take(ps, 1)
     p = push_of(ps, 1, task)
-    first = ps.push(p)
-    again = ps.push(p)
+    first = ps.submit(p).result(JOIN)
+    again = ps.submit(p).result(JOIN)
     assert again.replayed and again.version == first.version
     ticket = ps.submit(p)  # the same through the non-blocking path
     assert ticket.result().replayed
     status = ps.status()
     assert status.pushes_applied == 1 and status.tasks_done == 1 and status.epoch_examples == (task.size,)
     with pytest.raises(InvalidArgument, match="already done by worker 1"):
-        ps.push(push_of(ps, 2, task))  # another worker's push of it: refused, nothing applied
+        ps.submit(push_of(ps, 2, task)).result(JOIN)  # another worker's push of it: refused, nothing applied
     assert ps.status().pushes_applied == 1
 
 
@@ -89,16 +90,16 @@ def test_pushes_that_do_not_fit_the_tasks_are_refused_and_lose_nothing():
     ps = started(clock)
     task = take(ps, 1)
     with pytest.raises(InvalidArgument, match="does not hold task"):
-        ps.push(push_of(ps, 2, task))  # not the holder
+        ps.submit(push_of(ps, 2, task)).result(JOIN)  # not the holder
     no_task = push_of(ps, 1, task)
     with pytest.raises(InvalidArgument, match="dealt as tasks"):
-        ps.push(Push(no_task.worker_id, 0, no_task.base_version, no_task.batch_size, no_task.gradients))
+        ps.submit(Push(no_task.worker_id, 0, no_task.base_version, no_task.batch_size, no_task.gradients)).result(JOIN)
     with pytest.raises(InvalidArgument, match=f"task {task.task_id} holds {task.size} examples"):
-        ps.push(push_of(ps, 1, task, batch_size=task.size - 1))
+        ps.submit(push_of(ps, 1, task, batch_size=task.size - 1)).result(JOIN)
     assert ps.status().tasks_queued == 1  # the refused push's task went back ...
     again = take(ps, 2)
     assert again.task_id == task.task_id  # ... and is handed out first
-    ps.push(push_of(ps, 2, again))
+    ps.submit(push_of(ps, 2, again)).result(JOIN)
     assert ps.status().pushes_applied == 1 and ps.status().epoch_examples == (task.size,)
 
 
@@ -117,10 +118,10 @@ def test_a_dead_or_leaving_workers_tasks_go_back_and_its_late_push_is_refused():
     assert status.tasks_queued == 2 and status.tasks_held == 0
     assert [take(ps, 0).task_id, take(ps, 0).task_id] == sorted([held.task_id, left.task_id])
     with pytest.raises(UnknownWorker, match="declared dead"):  # it must register again
-        ps.push(late)
+        ps.submit(late).result(JOIN)
     ps.register(1, 4)
     with pytest.raises(InvalidArgument, match="held by worker 0"):
-        ps.push(late)
+        ps.submit(late).result(JOIN)
     assert ps.status().pushes_applied == 0
 
 
@@ -210,7 +211,7 @@ def test_deaths_joins_and_retries_at_random_apply_every_example_exactly_once_per
         waiting[w] = (ps.submit(p), p)
         settled()
         if w not in waiting and rng.random() < 0.2:
-            assert ps.push(p).replayed  # a retry after a lost reply
+            assert ps.submit(p).result(JOIN).replayed  # a retry after a lost reply
     settled()
     for w, (ticket, p) in waiting.items():  # ssp: applied, waiting for the bound still
         assert ps.tasks.record(p.task).worker_id == w

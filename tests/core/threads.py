@@ -32,6 +32,17 @@ def finish(*workers, timeout=JOIN):
         assert not w.is_alive(), "a thread never finished (a push never returned?)"
 
 
+def ticking(ticket, tick, timeout=JOIN, every=0.005):
+    """The ticket's result, calling ``tick()`` every few ms until it is settled: what the
+    server's ticker does (``ParameterServer.tick``, a mode's ``expire_overdue``)."""
+    deadline = time.monotonic() + timeout
+    while not ticket.done():
+        assert time.monotonic() < deadline, "a ticket was never settled"
+        tick()
+        time.sleep(every)
+    return ticket.result()
+
+
 def wait_until(condition, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not condition():

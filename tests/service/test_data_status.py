@@ -9,12 +9,13 @@ from ps_tools import status as ps_status
 from tests.core.test_cursor import EXAMPLES
 from tests.core.test_elastic_mode import Clock
 from tests.core.test_tasks_server import push_of, started, take
+from tests.core.threads import JOIN
 
 
 def test_the_tasks_and_the_epoch_counts_reach_the_wire_and_ps_status():
     clock = Clock()
     ps = started(clock)
-    ps.push(push_of(ps, 0, take(ps, 0)))
+    ps.submit(push_of(ps, 0, take(ps, 0))).result(JOIN)
     take(ps, 1)
     msg = service.status_to_wire(ps.status(), time.monotonic())
     assert list(msg.epoch_examples) == [16] and msg.num_examples == EXAMPLES
