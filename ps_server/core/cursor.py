@@ -217,8 +217,9 @@ class RoundWork:
 
 
 class EpochLedger:
-    """Which examples each epoch's completed rounds trained on; each at most once. An
-    epoch's bitmap is kept while it is in progress; a complete one is only listed."""
+    """Which examples each epoch trained on, each at most once: elastic sync's completed
+    rounds, and the task queue's applied tasks (``core.tasks``). An epoch's bitmap is kept
+    while it is in progress; a complete one is only listed."""
 
     def __init__(self, num_examples: int):
         if num_examples < 1:
@@ -226,6 +227,7 @@ class EpochLedger:
         self.num_examples = num_examples
         self._lock = threading.Lock()
         self._seen: dict[int, np.ndarray] = {}  # epoch in progress -> one bool per example
+        self._counts: dict[int, int] = {}  # epoch in progress -> its examples marked
         self._complete: set[int] = set()
 
     def fold(self, epoch: int, indices: np.ndarray) -> None:
@@ -245,19 +247,18 @@ class EpochLedger:
                 twice = np.union1d(indices[seen[indices]], _repeated(indices))
                 raise InvalidArgument(f"epoch {epoch}: example(s) {twice[:5].tolist()} would be trained on twice")
             seen[indices] = True
-            if seen.all():
+            count = self._counts.get(epoch, 0) + indices.size
+            if count == self.num_examples:
                 self._seen.pop(epoch, None)
+                self._counts.pop(epoch, None)
                 self._complete.add(epoch)
             else:
-                self._seen[epoch] = seen
+                self._seen[epoch], self._counts[epoch] = seen, count
 
     def count(self, epoch: int) -> int:
         """Examples trained on in ``epoch`` so far."""
         with self._lock:
-            if epoch in self._complete:
-                return self.num_examples
-            seen = self._seen.get(epoch)
-            return 0 if seen is None else int(seen.sum())
+            return self.num_examples if epoch in self._complete else self._counts.get(epoch, 0)
 
     def complete(self, epoch: int) -> bool:
         return self.count(epoch) == self.num_examples
@@ -289,7 +290,7 @@ class EpochLedger:
             if bits.all():
                 ledger._complete.add(int(e))
             elif bits.any():
-                ledger._seen[int(e)] = bits
+                ledger._seen[int(e)], ledger._counts[int(e)] = bits, int(bits.sum())
         return ledger
 
 

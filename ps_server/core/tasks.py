@@ -69,8 +69,9 @@ restarted server repeats no done batch and loses none (a worker's push for a tas
 held before the restart is refused: it holds nothing now; its retry of a done task is
 answered from the restored record).
 
-Thread-safe: one leaf lock guards everything; nothing is called under it but NumPy and
-``heapq``; the clock is read before it is taken. Pure Python and NumPy: no gRPC, no
+Thread-safe: one lock guards everything; nothing is called under it but NumPy, ``heapq``
+and the ledger of examples (``cursor.EpochLedger``, whose lock is a leaf); the clock is
+read before it is taken. Pure Python and NumPy: no gRPC, no
 TensorFlow. ``ParameterServer`` wires it into async and ssp (``AsyncMode.on_applied``);
 ``TaskGate`` below keeps a checkpoint's done tasks and its values of one moment.
 """
@@ -88,6 +89,7 @@ import numpy as np
 
 import ps_common.batches as batches
 from ps_common.reasons import Reason
+from ps_server.core.cursor import EpochLedger
 from ps_server.core.errors import InvalidArgument
 
 ORDERS_KEPT = 3  # epoch orders cached: near a boundary two epochs are in use, and a given-back one
@@ -131,42 +133,6 @@ class TaskStatus:
     num_examples: int
 
 
-class ExampleLedger:
-    """Which examples each epoch has done; each at most once. An epoch's bitmap exists from
-    its first batch until it is complete (then only "complete" is kept): memory for the
-    one or two epochs in progress, not for every epoch of the job."""
-
-    def __init__(self, num_examples: int, epochs: int):
-        self.num_examples, self.epochs = num_examples, epochs
-        self._seen: dict[int, np.ndarray] = {}  # epoch in progress -> one bool per example
-        self._count = [0] * epochs
-
-    def fold(self, epoch: int, indices: np.ndarray) -> None:
-        """Mark ``indices`` done in ``epoch``; InvalidArgument, nothing marked, if any already was."""
-        values, counts = np.unique(indices, return_counts=True)
-        if values.size == 0:
-            return
-        if self._count[epoch] == self.num_examples:
-            twice = values
-        else:
-            seen = self._seen.get(epoch)
-            if seen is None:
-                seen = np.zeros(self.num_examples, bool)
-            twice = np.union1d(values[counts > 1], values[seen[values]])
-        if twice.size:
-            raise InvalidArgument(f"epoch {epoch}: example(s) {twice[:5].tolist()} would be counted "
-                                  f"done twice (a bug: each batch is applied once)")
-        seen[values] = True
-        self._count[epoch] += int(values.size)
-        if self._count[epoch] == self.num_examples:
-            self._seen.pop(epoch, None)
-        else:
-            self._seen[epoch] = seen
-
-    def count(self, epoch: int) -> int:
-        return self._count[epoch]
-
-
 class TaskQueue:
     def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
                  clock: Callable[[], float] = time.monotonic):
@@ -180,7 +146,7 @@ class TaskQueue:
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
         self.total_tasks = self.epochs * self.steps_per_epoch
         self._clock = clock
-        self._lock = threading.Lock()  # guards everything below; leaf lock, nothing is called under it
+        self._lock = threading.Lock()  # guards everything below (module docstring)
         self._fresh = 0                          # the next task id never handed out
         self._queue: list[int] = []              # heap of given-back task ids
         self._queued: set[int] = set()
@@ -188,7 +154,7 @@ class TaskQueue:
         self._deadline: dict[int, float] = {}    # task id -> when its lease ends
         self._pinned: set[int] = set()           # held tasks whose push is being applied
         self._records: dict[int, TaskRecord] = {}
-        self._ledger = ExampleLedger(self.num_examples, self.epochs)
+        self._ledger = EpochLedger(self.num_examples)  # elastic sync's too: one rule, one count
         self._orders: dict[int, np.ndarray] = {}  # epoch -> its order, the few used last
 
     # -- the tasks ---------------------------------------------------------------------

@@ -104,6 +104,9 @@ def test_the_ledger_counts_each_example_once_per_epoch_and_refuses_a_second_time
         ledger.fold(0, np.array([6]))
     ledger.fold(0, np.array([3, 4, 5]))
     assert ledger.complete(0) and not ledger.complete(1) and ledger.epochs() == [0, 1]
+    assert 0 not in ledger._seen and ledger.count(1) == 1  # a complete epoch keeps no bitmap...
+    with pytest.raises(InvalidArgument, match=r"\[1\] would be trained on twice"):
+        ledger.fold(0, np.array([1]))  # ... and still its rule
 
 
 # -- training through the cursor ---------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from ps_common import batches
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.tasks import ExampleLedger, TaskQueue
+from ps_server.core.tasks import TaskQueue
 
 from tests.core import threads
 
@@ -188,22 +188,6 @@ def test_a_task_being_applied_is_not_handed_to_another_when_its_worker_is_lost_o
     assert q.take(1).task_id == other.task_id
 
 
-def test_the_ledger_refuses_an_example_done_twice():
-    ledger = ExampleLedger(num_examples=6, epochs=2)
-    ledger.fold(0, np.array([0, 1, 2]))
-    with pytest.raises(InvalidArgument, match=r"epoch 0: example\(s\) \[2\] would be counted done twice"):
-        ledger.fold(0, np.array([2, 3]))
-    with pytest.raises(InvalidArgument, match=r"\[4\]"):
-        ledger.fold(1, np.array([4, 4]))
-    assert ledger.count(0) == 3 and ledger.count(1) == 0  # a refusal marks nothing
-    ledger.fold(1, np.array([2, 3]))
-    assert ledger.count(1) == 2
-    ledger.fold(0, np.array([5, 4, 3]))  # epoch 0 complete: its bitmap is dropped, the rule kept
-    assert ledger.count(0) == 6 and 0 not in ledger._seen
-    with pytest.raises(InvalidArgument, match=r"\[1\] would be counted done twice"):
-        ledger.fold(0, np.array([1]))
-
-
 def test_a_checkpoint_listing_a_done_task_twice_trips_the_guard():
     q = queue()
     finish(q, 0)
@@ -211,7 +195,7 @@ def test_a_checkpoint_listing_a_done_task_twice_trips_the_guard():
     state["done_task_ids"] = np.array([0, 0])
     state["done_workers"] = np.array([0, 0])
     state["done_versions"] = np.array([0, 0])
-    with pytest.raises(InvalidArgument, match="counted done twice"):
+    with pytest.raises(InvalidArgument, match="would be trained on twice"):
         TaskQueue.restore(state, lease_timeout=10.0, clock=Clock())
 
 
