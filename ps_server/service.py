@@ -93,6 +93,19 @@ def _refused(name: str, e: Exception) -> grpc.StatusCode:
     return code
 
 
+# The most of a refusal's message a reply carries. The message travels as a header, and a
+# client refuses headers over 16 KiB in all: a barrier timeout naming 1024 workers came back
+# as RESOURCE_EXHAUSTED, not as itself. The log keeps the whole message.
+DETAILS_LIMIT = 2000
+
+
+def _details(e: Exception) -> str:
+    text = str(e)
+    if len(text) <= DETAILS_LIMIT:
+        return text
+    return f"{text[:DETAILS_LIMIT]} ... ({len(text) - DETAILS_LIMIT} more characters in the server's log)"
+
+
 def _reason_metadata(e: Exception) -> tuple[tuple[str, str], ...]:
     """The trailing metadata that carries ``e``'s reason to the client."""
     return ((REASON_KEY, reason_of(e).value),)
@@ -187,7 +200,7 @@ def _handled(method):
         except REFUSALS as e:
             code = _refused(method.__name__, e)
             context.set_trailing_metadata(_reason_metadata(e))
-            context.abort(code, str(e))
+            context.abort(code, _details(e))
         except Exception as e:  # a bug: say so, but never as UNKNOWN
             log.exception("%s failed unexpectedly", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(e).__name__}: {e}")
@@ -219,7 +232,7 @@ def _handled_async(method):
 async def _abort_for(name: str, e: Exception, context) -> None:
     """End the call with ``e``'s status from the error table (called in the except block)."""
     if isinstance(e, REFUSALS):
-        await context.abort(_refused(name, e), str(e), trailing_metadata=_reason_metadata(e))
+        await context.abort(_refused(name, e), _details(e), trailing_metadata=_reason_metadata(e))
     log.exception("%s failed unexpectedly", name)  # a bug: say so, but never as UNKNOWN
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}: {e}")
 

@@ -255,6 +255,17 @@ def test_pull_of_an_unknown_variable_is_not_found(ps):
     assert "'nope'" in refused(Code.NOT_FOUND, client.pull, 0, names=["b", "nope"], reason=Reason.NOT_FOUND)
 
 
+def test_a_refusal_too_long_for_a_header_comes_back_as_itself_cut_short(ps):
+    """A message over gRPC's 16 KiB of headers would reach the client as RESOURCE_EXHAUSTED
+    (a barrier timeout naming 1024 workers did): the reply carries its first 2000 characters."""
+    _, client = ps(num_workers=1)
+    client.register(0, 1)
+    client.initialize(0, W0, SGD)
+    details = refused(Code.NOT_FOUND, client.pull, 0, names=["x" * 20_000], reason=Reason.NOT_FOUND)
+    assert details.startswith("unknown variable(s): 'xxx") and len(details) < 2100
+    assert details.endswith("more characters in the server's log)")
+
+
 def test_pull_from_an_unregistered_worker_is_failed_precondition(ps):
     _, client = ps(num_workers=2)
     client.register(0, 2)
