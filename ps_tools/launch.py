@@ -872,6 +872,38 @@ class ElasticPool:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    command = getattr(args, "command", None) or []
+    extra = worker_extra_args(args)
+    env = child_environment()
+    _refuse_ambiguous(env)
+    server_config, worker_configs = resolved_for_script(args, env) if command else resolved(args, extra, env)
+    if server_config.tls_cert_file or any(w.tls_ca_file for w in worker_configs):
+        raise LaunchError(_NO_TLS + " (TLS is set in the environment)")
+    if args.print_config:
+        print_config(args, server_config, worker_configs)
+        return 0
+    if command:
+        return run_command(args, server_config, env)
+    chief = worker_configs[0]
+    elastic = getattr(args, "elastic_workers", None)
+    servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
+    elastic_text = ""
+    if elastic:
+        dealt = (f"{server_config.micro_batches or elastic[1]} micro-batches a round" if server_config.mode == "sync"
+                 else "the server's tasks")
+        elastic_text = f" (elastic {elastic[0]}:{elastic[1]}, {dealt})"
+    print(f"ps-launch: {server_config.mode}, {args.workers} workers{elastic_text} and {servers_text} on loopback, "
+          f"training {chief.model} on {chief.dataset}", flush=True)
+    outcome = _train(args, extra, env, elastic)
+    if isinstance(outcome, int):
+        return outcome
+    _report(args, server_config, elastic, *outcome)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse a combination ps-launch cannot run, before anything starts."""
     if args.workers < 1:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
     if args.num_ps < 1:
@@ -889,28 +921,12 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"{', '.join(refused)}: the built-in ps-worker's, not for a command after -- "
                               "(the command sets what it trains itself)")
         _check_command(command)
-    extra = worker_extra_args(args)
-    env = child_environment()
-    _refuse_ambiguous(env)
-    server_config, worker_configs = resolved_for_script(args, env) if command else resolved(args, extra, env)
-    if server_config.tls_cert_file or any(w.tls_ca_file for w in worker_configs):
-        raise LaunchError(_NO_TLS + " (TLS is set in the environment)")
-    if args.print_config:
-        print_config(args, server_config, worker_configs)
-        return 0
-    if command:
-        return run_command(args, server_config, env)
-    chief = worker_configs[0]
-    servers_text = "1 ps-server" if args.num_ps == 1 else f"{args.num_ps} ps-server shards"
-    elastic = getattr(args, "elastic_workers", None)
-    elastic_text = ""
-    if elastic:
-        dealt = (f"{server_config.micro_batches or elastic[1]} micro-batches a round" if server_config.mode == "sync"
-                 else "the server's tasks")
-        elastic_text = f" (elastic {elastic[0]}:{elastic[1]}, {dealt})"
-    print(f"ps-launch: {server_config.mode}, {args.workers} workers{elastic_text} and {servers_text} on loopback, "
-          f"training {chief.model} on {chief.dataset}", flush=True)
 
+
+def _train(args: argparse.Namespace, extra: dict, env: dict, elastic) -> int | tuple:
+    """Start the servers and the built-in workers, wait for them, stop them all: the exit
+    status if the job failed or was interrupted, else (the chief's result, wall seconds,
+    the shards' summary, the membership events)."""
     out_lock = threading.Lock()
     children: list[Child] = []
     shards: list[dict] = []
@@ -952,6 +968,12 @@ def run(args: argparse.Namespace) -> int:
                 result = json.load(f)
         except (OSError, ValueError) as e:
             raise LaunchError(f"the chief finished but wrote no metrics ({e})") from None
+    return result, wall_s, shards, membership
+
+
+def _report(args: argparse.Namespace, server_config: ServerConfig, elastic, result: dict, wall_s: float,
+            shards: list[dict], membership: list[dict]) -> None:
+    """The job's lines on stdout and its metrics in ``--metrics-json``."""
     metrics = {
         "mode": server_config.mode,
         "workers": args.workers,
@@ -994,7 +1016,6 @@ def run(args: argparse.Namespace) -> int:
         with open(tmp_path, "w") as f:
             json.dump(metrics, f, indent=2)
         os.replace(tmp_path, args.metrics_json)
-    return 0
 
 
 def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:

@@ -469,212 +469,240 @@ class Simulation:
             step += 1
 
     def run(self) -> dict:
-        from ps_server.core.errors import NonFinite
-        from ps_server.core.modes import Push
+        return _Run(self).go()
+
+
+class _Run:
+    """One ``Simulation.run``: the real core driven on virtual time by events, its state
+    and the handlers each event calls (a worker's pull, compute and push; the server's
+    queue of pulls, pushes and replies)."""
+
+    def __init__(self, sim: Simulation):
         from ps_server.core.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
         from worker.client import SMALL_BYTES
-        from worker.gradients import zeros
 
-        cfg, w, costs = self.cfg, self.w, self.costs
-        ev = Events()
-        n = cfg.workers
-        ps = ParameterServer(num_workers=n, barrier_timeout=1e9, lease_timeout=1e9, clock=lambda: ev.now,
-                             **mode_options(cfg.mode, n))
+        self.sim = sim
+        cfg, w = self.cfg, self.w = sim.cfg, sim.w
+        self.costs = sim.costs
+        self.ev = Events()
+        n = self.n = cfg.workers
+        ps = self.ps = ParameterServer(num_workers=n, barrier_timeout=1e9, lease_timeout=1e9,
+                                       clock=lambda: self.ev.now, **mode_options(cfg.mode, n))
         for i in range(n):
             ps.register(i, n)
         ps.initialize(0, w.initial, OptimizerSpec(**w.worker_config.optimizer_spec()))
-        syncish = ps.mode.rounds
+        self.syncish = ps.mode.rounds
         # The sync shortcut (worker.transports.SyncShortcut): without backup workers, a push
         # of a model that fits one message asks for the round's values with its reply, and
         # the next step starts from them without a pull.
-        shortcut = (syncish and mode_options(cfg.mode, n).get("replicas_to_aggregate", n) == n
-                    and w.pull_bytes <= SMALL_BYTES)
+        self.shortcut = (self.syncish and mode_options(cfg.mode, n).get("replicas_to_aggregate", n) == n
+                         and w.pull_bytes <= SMALL_BYTES)
         # Each shard's link carries 1/shards of every message; the shards' links in parallel
         # are one link of shards x the rate for equal parts.
-        server_in = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
-        server_out = SharedLink(ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
-        worker_cap = _rate(cfg.worker_mbps)
-        cpu = SharedLink(ev, cfg.cores) if cfg.cores > 0 else None
-
-        def busy(seconds: float, done: Callable[[], None]) -> None:
-            """``seconds`` of one core's work, then ``done``: on a machine of its own, or
-            sharing ``cfg.cores`` with every other process's work in flight."""
-            if cpu is None:
-                ev.at(ev.now + seconds, done)
-            else:
-                cpu.send(seconds, 1.0, done)
-        latency = cfg.latency_s
-        factors = [self._factors(i) for i in range(n)]
-        traced: list[set] = [set() for _ in range(n)]  # batch sizes each worker has traced for
-        queue: collections.deque = collections.deque()
-        server = {"busy": False, "busy_s": 0.0}
-        replies: list = []  # (worker, ticket) settled during the submit being processed
-        evals: list[dict] = []
+        self.server_in = SharedLink(self.ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
+        self.server_out = SharedLink(self.ev, _rate(cfg.server_mbps) * cfg.shards, window=cfg.window_bytes)
+        self.worker_cap = _rate(cfg.worker_mbps)
+        self.cpu = SharedLink(self.ev, cfg.cores) if cfg.cores > 0 else None
+        self.latency = cfg.latency_s
+        self.factors = [sim._factors(i) for i in range(n)]
+        self.traced: list[set] = [set() for _ in range(n)]  # batch sizes each worker has traced for
+        self.queue: collections.deque = collections.deque()
+        self.server = {"busy": False, "busy_s": 0.0}
+        self.replies: list = []  # (worker, ticket) settled during the submit being processed
+        self.evals: list[dict] = []
         # One sync round's examples apart, but at most about 400 evaluations in a run.
-        round_examples = max(n * cfg.batch, math.ceil(w.budget / 400))
-        first_eval = round_examples
+        self.round_examples = max(n * cfg.batch, math.ceil(w.budget / 400))
+        self.first_eval = self.round_examples
         if cfg.eval_every_rounds > 0:  # the real chief's grid: versions K-1, 2K-1, ... (its pulls)
-            round_examples = cfg.eval_every_rounds * n * cfg.batch
-            first_eval = (cfg.eval_every_rounds - 1) * n * cfg.batch or round_examples
-        state = {"next_eval": 0, "done": False, "active": n}
-        step_of = [0] * n
-        computes = [0.0] * n
-        waits = [0.0] * n
-        pushed_at = [0.0] * n
+            self.round_examples = cfg.eval_every_rounds * n * cfg.batch
+            self.first_eval = (cfg.eval_every_rounds - 1) * n * cfg.batch or self.round_examples
+        self.state = {"next_eval": 0, "done": False, "active": n}
+        self.step_of = [0] * n
+        self.computes = [0.0] * n
+        self.waits = [0.0] * n
+        self.pushed_at = [0.0] * n
+        self.job_steps = round(cfg.epochs * math.ceil(w.task.num_examples / (n * cfg.batch)))
 
-        def evaluate() -> None:
-            version, values = ps.pull()
-            scores = w.evaluate(values)
-            evals.append({"t": ev.now, "version": version, "examples": ps.stats.examples_applied,
-                          "test_accuracy": scores["test_accuracy"], "test_loss": scores["test_loss"]})
+    def busy(self, seconds: float, done: Callable[[], None]) -> None:
+        """``seconds`` of one core's work, then ``done``: on a machine of its own, or
+        sharing ``cfg.cores`` with every other process's work in flight."""
+        if self.cpu is None:
+            self.ev.at(self.ev.now + seconds, done)
+        else:
+            self.cpu.send(seconds, 1.0, done)
 
-        def maybe_evaluate() -> None:
-            while ps.stats.examples_applied >= state["next_eval"]:
-                evaluate()
-                state["next_eval"] += round_examples
-            if ps.stats.examples_applied >= w.budget and not cfg.job_in_steps:
-                state["done"] = True
+    def evaluate(self) -> None:
+        version, values = self.ps.pull()
+        scores = self.w.evaluate(values)
+        self.evals.append({"t": self.ev.now, "version": version, "examples": self.ps.stats.examples_applied,
+                           "test_accuracy": scores["test_accuracy"], "test_loss": scores["test_loss"]})
 
-        job_steps = round(cfg.epochs * math.ceil(w.task.num_examples / (n * cfg.batch)))
+    def maybe_evaluate(self) -> None:
+        while self.ps.stats.examples_applied >= self.state["next_eval"]:
+            self.evaluate()
+            self.state["next_eval"] += self.round_examples
+        if self.ps.stats.examples_applied >= self.w.budget and not self.cfg.job_in_steps:
+            self.state["done"] = True
 
-        def start_step(i: int, fresh: tuple | None = None) -> None:
-            if (step_of[i] >= job_steps if cfg.job_in_steps else
-                    state["done"] or ps.stats.examples_applied >= w.budget):
-                state["active"] -= 1
-                state["done"] = state["done"] or state["active"] == 0
-                return
-            if fresh is not None:  # the push's reply brought the values: no pull (the sync shortcut)
-                pulled(i, *fresh)
-                return
-            ev.at(ev.now + latency, lambda: pull_arrives(i))  # the pull request
+    # -- a worker: pull, compute, push ---------------------------------------------------
+    def start_step(self, i: int, fresh: tuple | None = None) -> None:
+        state = self.state
+        if (self.step_of[i] >= self.job_steps if self.cfg.job_in_steps else
+                state["done"] or self.ps.stats.examples_applied >= self.w.budget):
+            state["active"] -= 1
+            state["done"] = state["done"] or state["active"] == 0
+            return
+        if fresh is not None:  # the push's reply brought the values: no pull (the sync shortcut)
+            self.pulled(i, *fresh)
+            return
+        self.ev.at(self.ev.now + self.latency, lambda: self.pull_arrives(i))  # the pull request
 
-        def pull_arrives(i: int) -> None:
-            queue.append(("pull", i))
-            if not server["busy"]:
-                process()
+    def pull_arrives(self, i: int) -> None:
+        self.queue.append(("pull", i))
+        if not self.server["busy"]:
+            self.process()
 
-        def serve_pull(i: int) -> None:
-            version, values = ps.pull(i)
-            cost = costs.get("encode_s", 0.0)
-            server["busy_s"] += cost
+    def pulled(self, i: int, version: int, values: dict) -> None:
+        factor, extra = next(self.factors[i])
+        seconds = self.costs["compute_s"] * (factor + extra) + self.cfg.step_overhead_s
+        size = self.w.batch_size_of(self.step_of[i], i)
+        if size not in self.traced[i]:
+            if len(self.traced[i]) == 1:  # the second size traces once more, for any size (reduce_retracing)
+                seconds += self.cfg.retrace_s
+            self.traced[i].add(size)
+        self.computes[i] += seconds
+        self.busy(seconds, lambda: self.computed(i, version, values))
 
-            def end() -> None:
-                server_out.send(w.pull_bytes, worker_cap, lambda: ev.at(ev.now + latency,
-                                                                        lambda: pulled(i, version, values)))
-                server["busy"] = False
-                if queue:
-                    process()
-            busy(cost, end)
+    def computed(self, i: int, version: int, values: dict) -> None:
+        from ps_server.core.modes import Push
+        from worker.gradients import zeros
 
-        def pulled(i: int, version: int, values: dict) -> None:
-            factor, extra = next(factors[i])
-            seconds = costs["compute_s"] * (factor + extra) + cfg.step_overhead_s
-            size = w.batch_size_of(step_of[i], i)
-            if size not in traced[i]:
-                if len(traced[i]) == 1:  # the second size traces once more, for any size (reduce_retracing)
-                    seconds += cfg.retrace_s
-                traced[i].add(size)
-            computes[i] += seconds
-            busy(seconds, lambda: computed(i, version, values))
-
-        def computed(i: int, version: int, values: dict) -> None:
+        w, step_of = self.w, self.step_of
+        x, y, count = w.batch_of(step_of[i], i)
+        while not count and not self.syncish:  # async and ssp: an empty share of a short last batch is skipped
+            step_of[i] += 1
             x, y, count = w.batch_of(step_of[i], i)
-            while not count and not syncish:  # async and ssp: an empty share of a short last batch is skipped
-                step_of[i] += 1
-                x, y, count = w.batch_of(step_of[i], i)
-            if count:
-                loss, grads = w.gradient(values, x, y)
-            else:  # sync: an empty share is pushed with weight 0, as a real worker does
-                loss, grads = 0.0, zeros(values)
-            push = Push(worker_id=i, step=step_of[i], base_version=version, batch_size=count, gradients=grads,
-                        loss=loss)
-            ev.at(ev.now + latency, lambda: server_in.send(w.push_bytes, worker_cap, lambda: arrive(push)))
+        if count:
+            loss, grads = w.gradient(values, x, y)
+        else:  # sync: an empty share is pushed with weight 0, as a real worker does
+            loss, grads = 0.0, zeros(values)
+        push = Push(worker_id=i, step=step_of[i], base_version=version, batch_size=count, gradients=grads,
+                    loss=loss)
+        self.ev.at(self.ev.now + self.latency,
+                   lambda: self.server_in.send(w.push_bytes, self.worker_cap, lambda: self.arrive(push)))
 
-        def arrive(push) -> None:
-            queue.append(("push", push))
-            if not server["busy"]:
-                process()
+    def arrive(self, push) -> None:
+        self.queue.append(("push", push))
+        if not self.server["busy"]:
+            self.process()
 
-        def process() -> None:
-            kind, item = queue.popleft()
-            server["busy"] = True
-            if kind == "pull":
-                serve_pull(item)
-            elif kind == "reply":
-                serve_reply(*item)
-            else:
-                serve_push(item)
+    def replied(self, i: int, ticket, fresh: tuple | None = None) -> None:
+        from ps_server.core.errors import NonFinite
 
-        def serve_reply(i: int, ticket) -> None:
-            """The sync shortcut: a push's reply carrying the round's values, encoded for it."""
-            version, values = ps.pull(i)
-            cost = costs.get("encode_s", 0.0)
-            server["busy_s"] += cost
+        state = self.state
+        try:
+            result = ticket.result()  # any other refused push is a defect of the simulation: raise
+        except NonFinite as e:
+            # The training diverged: the server refused the gradient and applied nothing,
+            # and a real worker would stop with this error. The run ends here.
+            state["diverged"] = state.get("diverged") or f"worker {i} at step {self.step_of[i]}: {e}"
+            state["done"] = True
+            state["active"] -= 1
+            return
+        self.waits[i] += self.ev.now - self.pushed_at[i]
+        self.step_of[i] = result.next_step if self.syncish else self.step_of[i] + 1
+        self.start_step(i, fresh)
 
-            def end() -> None:
-                server_out.send(w.pull_bytes, worker_cap,
-                                lambda: ev.at(ev.now + latency, lambda: replied(i, ticket, (version, values))))
-                server["busy"] = False
-                if queue:
-                    process()
-            busy(cost, end)
+    # -- the server: one queue, one item at a time -----------------------------------------
+    def process(self) -> None:
+        kind, item = self.queue.popleft()
+        self.server["busy"] = True
+        if kind == "pull":
+            self.serve_pull(item)
+        elif kind == "reply":
+            self.serve_reply(*item)
+        else:
+            self.serve_push(item)
 
-        def serve_push(push) -> None:
-            pushed_at[push.worker_id] = ev.now
-            ticket = ps.submit(push)
-            ticket.add_done_callback(lambda t, i=push.worker_id: replies.append((i, t)))
-            if syncish:
-                cost = costs["fold_s"] + (costs["round_apply_s"] if ticket.done() else 0.0)
-            else:
-                cost = costs["apply_s"]
-            cost += costs.get("decode_s", 0.0)
-            server["busy_s"] += cost
-            settled, replies[:] = list(replies), []
+    def _served(self) -> None:
+        self.server["busy"] = False
+        if self.queue:
+            self.process()
 
-            def end() -> None:
-                maybe_evaluate()
-                for i, t in settled:
-                    if shortcut:
-                        queue.append(("reply", (i, t)))
-                    else:
-                        ev.at(ev.now + latency, lambda i=i, t=t: replied(i, t))
-                server["busy"] = False
-                if queue:
-                    process()
-            busy(cost, end)
+    def serve_pull(self, i: int) -> None:
+        version, values = self.ps.pull(i)
+        cost = self.costs.get("encode_s", 0.0)
+        self.server["busy_s"] += cost
 
-        def replied(i: int, ticket, fresh: tuple | None = None) -> None:
-            try:
-                result = ticket.result()  # any other refused push is a defect of the simulation: raise
-            except NonFinite as e:
-                # The training diverged: the server refused the gradient and applied nothing,
-                # and a real worker would stop with this error. The run ends here.
-                state["diverged"] = state.get("diverged") or f"worker {i} at step {step_of[i]}: {e}"
-                state["done"] = True
-                state["active"] -= 1
-                return
-            waits[i] += ev.now - pushed_at[i]
-            step_of[i] = result.next_step if syncish else step_of[i] + 1
-            start_step(i, fresh)
+        def end() -> None:
+            self.server_out.send(self.w.pull_bytes, self.worker_cap,
+                                 lambda: self.ev.at(self.ev.now + self.latency,
+                                                    lambda: self.pulled(i, version, values)))
+            self._served()
+        self.busy(cost, end)
 
+    def serve_reply(self, i: int, ticket) -> None:
+        """The sync shortcut: a push's reply carrying the round's values, encoded for it."""
+        version, values = self.ps.pull(i)
+        cost = self.costs.get("encode_s", 0.0)
+        self.server["busy_s"] += cost
+
+        def end() -> None:
+            self.server_out.send(self.w.pull_bytes, self.worker_cap,
+                                 lambda: self.ev.at(self.ev.now + self.latency,
+                                                    lambda: self.replied(i, ticket, (version, values))))
+            self._served()
+        self.busy(cost, end)
+
+    def serve_push(self, push) -> None:
+        costs, replies = self.costs, self.replies
+        self.pushed_at[push.worker_id] = self.ev.now
+        ticket = self.ps.submit(push)
+        ticket.add_done_callback(lambda t, i=push.worker_id: replies.append((i, t)))
+        if self.syncish:
+            cost = costs["fold_s"] + (costs["round_apply_s"] if ticket.done() else 0.0)
+        else:
+            cost = costs["apply_s"]
+        cost += costs.get("decode_s", 0.0)
+        self.server["busy_s"] += cost
+        settled, replies[:] = list(replies), []
+
+        def end() -> None:
+            self.maybe_evaluate()
+            for i, t in settled:
+                if self.shortcut:
+                    self.queue.append(("reply", (i, t)))
+                else:
+                    self.ev.at(self.ev.now + self.latency, lambda i=i, t=t: self.replied(i, t))
+            self._served()
+        self.busy(cost, end)
+
+    # -- the run -----------------------------------------------------------------------
+    def go(self) -> dict:
+        ev, ps, state = self.ev, self.ps, self.state
         wall0 = time.perf_counter()
-        evaluate()
-        state["next_eval"] = first_eval
-        for i in range(n):
-            ev.at(0.0, lambda i=i: start_step(i))
+        self.evaluate()
+        state["next_eval"] = self.first_eval
+        for i in range(self.n):
+            ev.at(0.0, lambda i=i: self.start_step(i))
         ev.run(until=lambda: state["done"] and ev.pending() == 0)
-        if not evals or evals[-1]["examples"] != ps.stats.examples_applied:
-            evaluate()
+        if not self.evals or self.evals[-1]["examples"] != ps.stats.examples_applied:
+            self.evaluate()
+        self.sim.final_values = ps.pull()[1]
+        self.sim.max_ahead = ps.mode.status().max_ahead
+        return self.summary(time.perf_counter() - wall0)
+
+    def summary(self, wall_s: float) -> dict:
+        cfg, w, ps, evals, n = self.cfg, self.w, self.ps, self.evals, self.n
         status = ps.status()
-        self.final_values = ps.pull()[1]
-        self.max_ahead = ps.mode.status().max_ahead
         reached = next((e for e in evals if e["test_accuracy"] >= cfg.target_accuracy), None)
         duration = max(e["t"] for e in evals)
+        share = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
         return {
             "mode": cfg.mode, "workers": n, "profile": cfg.profile, "seed": cfg.seed, "model": cfg.model,
             "dataset": cfg.dataset, "train_examples": w.task.num_examples, "batch": cfg.batch,
-            "virtual_s": duration, "wall_s": time.perf_counter() - wall0,
+            "virtual_s": duration, "wall_s": wall_s,
             "evals": evals, "final_accuracy": evals[-1]["test_accuracy"], "final_loss": evals[-1]["test_loss"],
             # The mean of the last 10 evaluations: small-batch SGD moves the test accuracy by
             # points from one evaluation to the next; the comparisons read this one.
@@ -683,16 +711,16 @@ class Simulation:
             "updates_to_target": reached["version"] if reached else None,
             "updates": status.version, "pushes": status.pushes_applied,
             "examples": status.examples_applied,
-            "examples_per_s": status.examples_applied / duration if duration > 0 else 0.0,
+            "examples_per_s": share(status.examples_applied),
             "staleness": {str(k): v for k, v in sorted(ps.stats.staleness_histogram().items())},
             "mean_staleness": status.mean_staleness, "max_staleness": status.max_staleness_seen,
-            "dropped": ps.stats.dropped, "max_ahead": self.max_ahead,
-            "diverged": state.get("diverged"),  # None, or the refused push that ended the run
-            "server_busy": server["busy_s"] / duration if duration > 0 else 0.0,
-            "link_in_busy": server_in.busy_s / duration if duration > 0 else 0.0,
-            "link_out_busy": server_out.busy_s / duration if duration > 0 else 0.0,
-            "compute_share": (sum(computes) / n) / duration if duration > 0 else 0.0,
-            "costs": dict(costs), "params": w.params, "pull_bytes": w.pull_bytes, "push_bytes": w.push_bytes,
+            "dropped": ps.stats.dropped, "max_ahead": self.sim.max_ahead,
+            "diverged": self.state.get("diverged"),  # None, or the refused push that ended the run
+            "server_busy": share(self.server["busy_s"]),
+            "link_in_busy": share(self.server_in.busy_s),
+            "link_out_busy": share(self.server_out.busy_s),
+            "compute_share": share(sum(self.computes) / n),
+            "costs": dict(self.costs), "params": w.params, "pull_bytes": w.pull_bytes, "push_bytes": w.push_bytes,
         }
 
 
