@@ -91,8 +91,11 @@ def restart(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     procs = Procs(tmp)
     try:
-        with messages_withheld():  # its tests are marked recovery; module-scoped, it starts first
-            yield _restart_scenario(procs, tmp)
+        # Its tests are marked recovery: the scenario runs with the refusals' text withheld
+        # (module-scoped, it starts before their own fixture), and only the scenario does.
+        with messages_withheld():
+            run = _restart_scenario(procs, tmp)
+        yield run
     finally:
         procs.stop_all()
 
