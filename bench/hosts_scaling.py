@@ -565,7 +565,7 @@ def print_report(report: dict) -> None:
         print(f"FAILED: {f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", default="100mbit", help="every host's link, each way, as tc writes it (default 100mbit)")
@@ -589,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--addresses", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--num-workers", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.child:
         return {"synth": synth_child, "raw-server": raw_server_child, "raw-worker": raw_worker_child}[args.child](args)

@@ -243,6 +243,34 @@ def _run_launch(argv: list[str], where: str, run_dir: str, timeout: float) -> di
         return json.load(f)
 
 
+def _choices(args: argparse.Namespace) -> tuple:
+    """What the flags choose: (scenarios, models, sizes, worker counts, modes, each scenario's
+    links, notes on the links); CompareError for a choice that cannot run. Fills in the
+    seeds and epochs ``--quick`` implies."""
+    names = list(SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown or not names:
+        raise CompareError(f"--scenario: unknown {unknown or args.scenario!r}; use {', '.join(SCENARIOS)} or all")
+    models, sizes, worker_counts = parse_axes(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        try:
+            mode_flags(m, worker_counts[0])
+        except ValueError as e:
+            raise CompareError(f"--modes: {e}") from None
+    if "backup" in modes and min(worker_counts) < 2:
+        raise CompareError("--modes backup needs --workers >= 2")
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    args.epochs = args.epochs or (6 if args.quick else 12)
+    if args.seeds < 1 or args.epochs < 1 or args.eval_every < 1:
+        raise CompareError("--seeds, --epochs and --eval-every must be >= 1")
+    try:
+        plan, notes = plan_links(args.links, names, SCENARIOS)
+    except LinksError as e:
+        raise CompareError(str(e)) from None
+    return names, models, sizes, worker_counts, modes, plan, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     if "--virtual" in (sys.argv[1:] if argv is None else argv):  # N simulated workers: ps_tools.virtual_compare
         from ps_tools.virtual_compare import main as virtual_main
@@ -250,27 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return virtual_main(argv)
     args = parser().parse_args(argv)
     try:
-        names = list(SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",") if s.strip()]
-        unknown = [s for s in names if s not in SCENARIOS]
-        if unknown or not names:
-            raise CompareError(f"--scenario: unknown {unknown or args.scenario!r}; use {', '.join(SCENARIOS)} or all")
-        models, sizes, worker_counts = parse_axes(args)
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        for m in modes:
-            try:
-                mode_flags(m, worker_counts[0])
-            except ValueError as e:
-                raise CompareError(f"--modes: {e}") from None
-        if "backup" in modes and min(worker_counts) < 2:
-            raise CompareError("--modes backup needs --workers >= 2")
-        args.seeds = args.seeds or (2 if args.quick else 3)
-        args.epochs = args.epochs or (6 if args.quick else 12)
-        if args.seeds < 1 or args.epochs < 1 or args.eval_every < 1:
-            raise CompareError("--seeds, --epochs and --eval-every must be >= 1")
-        try:
-            plan, notes = plan_links(args.links, names, SCENARIOS)
-        except LinksError as e:
-            raise CompareError(str(e)) from None
+        names, models, sizes, worker_counts, modes, plan, notes = _choices(args)
     except CompareError as e:
         print(f"ps-compare: error: {e}", file=sys.stderr)
         return 2

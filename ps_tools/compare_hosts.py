@@ -171,22 +171,7 @@ def _run_on_hosts(launch_argv: list[str], network: Network, run_dir: str, timeou
                 if i == 0:
                     argv += ["--result-json", result_file]
                 workers.append(start(hosts, names[i + 1], argv, f"worker{i}"))
-            deadline = time.monotonic() + timeout
-            while True:
-                codes = [w.poll() for w in workers]
-                bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
-                if bad:
-                    host = names[1 + workers.index(bad[0])]
-                    raise LinksError(f"{bad[0].label} exited with status {bad[0].returncode} on {host}; "
-                                     f"the end of its log:\n{tail(bad[0].label)}")
-                if server.poll() is not None:
-                    raise LinksError(f"ps-server exited with status {server.returncode} while training; "
-                                     f"the end of server.log:\n{tail('server')}")
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise LinksError(f"not finished within {timeout:g} s on emulated hosts; logs in {run_dir}")
-                time.sleep(0.1)
+            _wait_for_workers(workers, server, names, timeout, run_dir, tail)
             wall_s = time.monotonic() - started
             with open(result_file) as f:
                 result = json.load(f)
@@ -210,6 +195,27 @@ def _run_on_hosts(launch_argv: list[str], network: Network, run_dir: str, timeou
         with open(args.metrics_json, "w") as f:
             json.dump(metrics, f, indent=2)
     return metrics
+
+
+def _wait_for_workers(workers: list, server, names: list[str], timeout: float, run_dir: str, tail) -> None:
+    """Until every worker exited 0; LinksError, with the end of its log, for one that
+    failed, for the server ending first, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [w.poll() for w in workers]
+        bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        if bad:
+            host = names[1 + workers.index(bad[0])]
+            raise LinksError(f"{bad[0].label} exited with status {bad[0].returncode} on {host}; "
+                             f"the end of its log:\n{tail(bad[0].label)}")
+        if server.poll() is not None:
+            raise LinksError(f"ps-server exited with status {server.returncode} while training; "
+                             f"the end of server.log:\n{tail('server')}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise LinksError(f"not finished within {timeout:g} s on emulated hosts; logs in {run_dir}")
+        time.sleep(0.1)
 
 
 def _wait_serving(hosts, address: str, env: dict, timeout: float) -> None:

@@ -41,6 +41,34 @@ def _worker_flags(spec: RunSpec) -> list[str]:
     return flags
 
 
+def _worker_argv(spec: RunSpec, mode: str, i: int, address: str, tmp: str, snap: str, shm: bool) -> list[str]:
+    """Worker ``i``'s command line; the chief's also writes the result and the snapshots."""
+    argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
+            "--num-workers", str(spec.num_workers), *_worker_flags(spec), *(["--shm"] if shm else []),
+            "--history-json", os.path.join(tmp, f"history{i}.json")]
+    if i == 0:
+        argv += ["--result-json", os.path.join(tmp, "result.json"), "--snapshot-dir", snap]
+        if spec.initial_weights:
+            argv += ["--initial-weights", spec.initial_weights]
+        if mode == "sync":
+            argv += ["--snapshot-steps", "1"]
+    return argv
+
+
+def _outputs(spec: RunSpec, mode: str, tmp: str, snap: str) -> tuple:
+    """What the finished workers wrote: (the chief's result, every worker's steps, the final
+    weights, the weights after step 1 in sync, else None)."""
+    with open(os.path.join(tmp, "result.json")) as f:
+        chief = json.load(f)
+    histories = []
+    for i in range(spec.num_workers):
+        with open(os.path.join(tmp, f"history{i}.json")) as f:
+            histories.append(json.load(f)["steps"])
+    final = load_initial_weights(os.path.join(snap, "final.npz"))
+    step1 = load_initial_weights(os.path.join(snap, "step1.npz")) if mode == "sync" else None
+    return chief, histories, final, step1
+
+
 def run(spec: RunSpec, mode: str, timeout: float = 900.0, shm: bool = False) -> RunResult:
     """Train ``spec`` with one ps-server and ``spec.num_workers`` ps-worker processes;
     ``shm``: the workers ask for the same-host fast path (``ps-worker --shm``)."""
@@ -75,18 +103,8 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0, shm: bool = False) -> 
                 raise RunnerError(f"{e}:\n{log_tail(server)}") from None
             snap = os.path.join(tmp, "snap")
             os.makedirs(snap)
-            workers = []
-            for i in range(spec.num_workers):
-                argv = [sys.executable, "-m", "worker", "--ps", address, "--worker-index", str(i),
-                        "--num-workers", str(spec.num_workers), *_worker_flags(spec), *(["--shm"] if shm else []),
-                        "--history-json", os.path.join(tmp, f"history{i}.json")]
-                if i == 0:
-                    argv += ["--result-json", os.path.join(tmp, "result.json"), "--snapshot-dir", snap]
-                    if spec.initial_weights:
-                        argv += ["--initial-weights", spec.initial_weights]
-                    if mode == "sync":
-                        argv += ["--snapshot-steps", "1"]
-                workers.append(start(argv, f"worker{i}"))
+            workers = [start(_worker_argv(spec, mode, i, address, tmp, snap, shm), f"worker{i}")
+                       for i in range(spec.num_workers)]
             deadline = time.monotonic() + timeout
             for w in workers:
                 try:
@@ -95,14 +113,7 @@ def run(spec: RunSpec, mode: str, timeout: float = 900.0, shm: bool = False) -> 
                     raise RunnerError(f"{w.log_name} still running after {timeout:g} s") from None
                 if code != 0:
                     raise RunnerError(f"{w.log_name} exited with status {code}:\n{log_tail(w)}")
-            with open(os.path.join(tmp, "result.json")) as f:
-                chief = json.load(f)
-            histories = []
-            for i in range(spec.num_workers):
-                with open(os.path.join(tmp, f"history{i}.json")) as f:
-                    histories.append(json.load(f)["steps"])
-            final = load_initial_weights(os.path.join(snap, "final.npz"))
-            step1 = load_initial_weights(os.path.join(snap, "step1.npz")) if mode == "sync" else None
+            chief, histories, final, step1 = _outputs(spec, mode, tmp, snap)
         finally:
             for p in procs:
                 if p.poll() is None:

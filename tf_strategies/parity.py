@@ -254,6 +254,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _runner_report(o: Outcome, diffs: dict) -> dict:
+    """One runner's entry in the report: how it ended, its figures, its differences."""
+    figures = {} if o.result is None else {
+        "final_loss": o.result.losses[-1] if o.result.losses else None,
+        "test_accuracy": o.result.test_accuracy,
+        "steps_per_s": o.result.steps_per_s,
+        "examples": o.result.examples,
+        "wall_s": o.result.wall_s,
+        "steps": len(o.result.losses),
+        "notes": o.result.notes,
+        "losses": o.result.losses,
+    }
+    return {"status": o.status, "reason": o.reason, **figures, **diffs}
+
+
+def _print_checks(checks: list[dict]) -> None:
+    print("\nchecks:")
+    for c in checks:
+        verdict = "PASS" if c["ok"] else "FAIL"
+        value = _fmt(c["value"])
+        print(f"  {verdict}  {c['name']}: {value} (limit {_fmt(c['limit'])})"
+              + (f" {c['detail']}" if c["detail"] and not c["ok"] else ""))
+    if not checks:
+        print("  (no bound applies to the runners chosen)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.model:
@@ -312,37 +338,12 @@ def main(argv: list[str] | None = None) -> int:
             print_table(model, base, async_steps, outcomes, diffs)
             curves[model] = {n: _curve(o.result, base, r.sync) for r in runners
                              for n, o in [(r.name, outcomes[r.name])] if o.result is not None}
-            report["models"][model] = {
-                "runners": {
-                    n: {
-                        "status": o.status,
-                        "reason": o.reason,
-                        **({
-                            "final_loss": o.result.losses[-1] if o.result.losses else None,
-                            "test_accuracy": o.result.test_accuracy,
-                            "steps_per_s": o.result.steps_per_s,
-                            "examples": o.result.examples,
-                            "wall_s": o.result.wall_s,
-                            "steps": len(o.result.losses),
-                            "notes": o.result.notes,
-                            "losses": o.result.losses,
-                        } if o.result is not None else {}),
-                        **diffs.get(n, {}),
-                    }
-                    for n, o in outcomes.items()
-                },
-            }
+            report["models"][model] = {"runners": {n: _runner_report(o, diffs.get(n, {}))
+                                                   for n, o in outcomes.items()}}
             report["checks"] += [dataclasses.asdict(c) for c in checks]
     report["ok"] = all(c["ok"] for c in report["checks"])
     report["wall_s"] = time.monotonic() - started
-
-    print("\nchecks:")
-    for c in report["checks"]:
-        verdict = "PASS" if c["ok"] else "FAIL"
-        value = _fmt(c["value"])
-        print(f"  {verdict}  {c['name']}: {value} (limit {_fmt(c['limit'])})" + (f" {c['detail']}" if c["detail"] and not c["ok"] else ""))
-    if not report["checks"]:
-        print("  (no bound applies to the runners chosen)")
+    _print_checks(report["checks"])
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)

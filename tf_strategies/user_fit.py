@@ -208,9 +208,30 @@ def _batch_sizes(tf, ds) -> list[int]:
     return [int(tf.shape(tf.nest.flatten(b)[0])[0]) for b in ds]
 
 
-def run(args) -> dict:
-    started = time.perf_counter()
-    tf = _setup(args)
+def _write_initial(keras, tf, args, model_fn, dataset_fn) -> dict:
+    """--strategy init: the model's initial weights and what the runs will need of the data."""
+    model = model_fn()
+    _check_flavour(keras, model)
+    train, val = dataset_fn()
+    import numpy as np
+
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, "initial.npz"),
+             **{f"t{i}": np.asarray(v.numpy()) for i, v in enumerate(model.trainable_variables)},
+             **{f"n{i}": np.asarray(v.numpy()) for i, v in enumerate(model.non_trainable_variables)})
+    opt = model.optimizer
+    info = {"batch_sizes": _batch_sizes(tf, train), "val_batches": len(_batch_sizes(tf, val)),
+            "optimizer": type(opt).__name__,
+            "optimizer_config": json.loads(json.dumps(opt.get_config(), default=str)),
+            "trainable_variables": len(model.trainable_variables),
+            "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))}
+    with open(os.path.join(args.out, "dataset.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+def _strategy(tf, args) -> tuple:
+    """The ``--strategy`` to fit under, and a note saying what it is (None, "" for init)."""
     strategy, notes = None, ""
     if args.strategy == "mirrored":
         gpus = tf.config.list_physical_devices("GPU")
@@ -235,30 +256,20 @@ def run(args) -> dict:
 
         strategy = tfps.keras.Strategy()
         notes = f"tfps.keras.Strategy, {strategy.num_replicas_in_sync} workers"
+    return strategy, notes
+
+
+def run(args) -> dict:
+    started = time.perf_counter()
+    tf = _setup(args)
+    strategy, notes = _strategy(tf, args)  # MWMS's before any other op
     keras = _keras()
     keras.utils.set_random_seed(args.seed)
     model_fn = load_function(args.model)
     dataset_fn = load_function(args.dataset)
 
     if args.strategy == "init":
-        model = model_fn()
-        _check_flavour(keras, model)
-        train, val = dataset_fn()
-        import numpy as np
-
-        os.makedirs(args.out, exist_ok=True)
-        np.savez(os.path.join(args.out, "initial.npz"),
-                 **{f"t{i}": np.asarray(v.numpy()) for i, v in enumerate(model.trainable_variables)},
-                 **{f"n{i}": np.asarray(v.numpy()) for i, v in enumerate(model.non_trainable_variables)})
-        opt = model.optimizer
-        info = {"batch_sizes": _batch_sizes(tf, train), "val_batches": len(_batch_sizes(tf, val)),
-                "optimizer": type(opt).__name__,
-                "optimizer_config": json.loads(json.dumps(opt.get_config(), default=str)),
-                "trainable_variables": len(model.trainable_variables),
-                "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))}
-        with open(os.path.join(args.out, "dataset.json"), "w") as f:
-            json.dump(info, f, indent=2)
-        return info
+        return _write_initial(keras, tf, args, model_fn, dataset_fn)
 
     with strategy.scope():
         model = model_fn()
