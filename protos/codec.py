@@ -20,6 +20,7 @@ import numpy as np
 
 from protos import tfps_pb2 as pb
 from ps_common.reasons import Reason
+from ps_common.sparse import SparseRows
 
 
 class CodecError(ValueError):
@@ -118,3 +119,30 @@ def decode_many(msgs) -> dict[str, np.ndarray]:
             raise CodecError(f"tensor {name!r} appears twice in one message")
         out[name] = array
     return out
+
+
+# -- a push's gradients, as the server's core takes them -------------------------------------
+def sparse_names(metas) -> list[str]:
+    """The names of the sparse gradients among ``metas`` (Tensor or TensorMeta); rows on a
+    dense one are a CodecError."""
+    for m in metas:
+        if m.rows and not m.sparse:
+            raise CodecError(f"tensor {m.name!r}: rows given but sparse is not set")
+    return [m.name for m in metas if m.sparse]
+
+
+def as_gradients(gradients: dict[str, np.ndarray], metas, specs) -> dict:
+    """A push's decoded arrays as the core takes them: a float16 gradient of a float32
+    variable widened (bfloat16 ones already are, by the decoders), a sparse one
+    (``Tensor.sparse``) as ``SparseRows`` of its rows; every other as it came, for the store
+    to check. ``specs()``: the store's name -> (dtype, shape), asked only for float16."""
+    if any(g.dtype == np.float16 for g in gradients.values()):
+        variables = specs()
+        gradients = {name: g.astype(np.float32) if g.dtype == np.float16 and name in variables
+                     and variables[name][0] == np.float32 else g for name, g in gradients.items()}
+    names = sparse_names(metas)
+    if not names:
+        return gradients
+    rows = {m.name: np.asarray(m.rows, dtype=np.int64) for m in metas if m.sparse}
+    return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
+

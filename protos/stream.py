@@ -208,6 +208,15 @@ def widened(entries: Iterable[Entry], raw: dict[str, np.ndarray]) -> dict[str, n
     return {e.name: from_bfloat16(raw[e.name]) if e.bfloat16 else raw[e.name] for e in entries}
 
 
+def arriving(entries: Iterable[Entry], specs: dict) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of a push's gradients as the store will see them
+    (``codec.as_gradients``): bfloat16 always float32 (the decoders), float16 float32 for a
+    float32 variable; ``specs``: the store's name -> (dtype, shape)."""
+    widened = lambda e: e.bfloat16 or (e.code == pb.FLOAT16 and e.name in specs  # noqa: E731
+                                       and specs[e.name][0] == np.float32)
+    return {e.name: (np.dtype(np.float32) if widened(e) else e.dtype, e.shape) for e in entries}
+
+
 def metas(arrays: dict[str, tuple[int, np.ndarray]]) -> list[pb.TensorMeta]:
     """TensorMeta of each (code, wire array) in order."""
     return [pb.TensorMeta(name=n, dtype=code, shape=a.shape) for n, (code, a) in arrays.items()]

@@ -44,7 +44,6 @@ from ps_server.core.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.reasons import REASON_KEY, Reason, reason_of
-from ps_common.sparse import SparseRows
 from ps_server.aio import AsyncBudget, settled
 from ps_server.buffers import BufferPool
 
@@ -378,25 +377,6 @@ def _data(chunk, method: str) -> memoryview:
     return chunk
 
 
-def _sparse_names(metas) -> list[str]:
-    """The names of the sparse gradients among ``metas`` (Tensor or TensorMeta);
-    rows on a dense one are an error."""
-    for m in metas:
-        if m.rows and not m.sparse:
-            raise codec.CodecError(f"tensor {m.name!r}: rows given but sparse is not set")
-    return [m.name for m in metas if m.sparse]
-
-
-def _sparse(gradients: dict[str, np.ndarray], metas) -> dict:
-    """Sparse gradients (``Tensor.sparse``) as ``SparseRows`` of their rows, for the core to
-    check and make dense; the others as they are."""
-    names = _sparse_names(metas)
-    if not names:
-        return gradients
-    rows = {m.name: np.asarray(m.rows, dtype=np.int64) for m in metas if m.sparse}
-    return {n: SparseRows(rows[n], g) if n in rows else g for n, g in gradients.items()}
-
-
 # Bytes of streamed pushes the server receives at once (``ps_server.aio.AsyncBudget``):
 # at least two pushes (two cores keep busy copying them in), at least RECEIVE_BYTES. A sync
 # round speculated by PushPull holds every push whole (at most core.overlap.HELD_BYTES of
@@ -625,7 +605,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self._work(self._push_reply, request, result)
 
     def _submit_unary(self, request):
-        gradients = _sparse(self._widen_half(codec.decode_many(request.gradients)), request.gradients)
+        gradients = self._decoded(codec.decode_many(request.gradients), request.gradients)
         try:
             return self._submit_push(request, gradients)
         finally:  # a push waiting at the barrier keeps no bytes of its request (its arrays are views)
@@ -681,8 +661,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return self._stream_reply(await settled(ticket))
         loan = await self._lend(layout.nbytes, context)
         try:
-            loan.gradients = _sparse(self._widen_half(
-                await _received_async(layout, loan.buffer, request_iterator, "PushStream")), h.gradients)
+            loan.gradients = self._decoded(
+                await _received_async(layout, loan.buffer, request_iterator, "PushStream"), h.gradients)
             ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
             result = await settled(ticket)
         finally:  # the core keeps no reference to the gradients once its ticket is settled
@@ -695,8 +675,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return _reply_to_wire(result)
 
     def _check(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict) -> None:
-        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, self._widened(layout),
-                             sparse=_sparse_names(h.gradients), metrics=metrics,
+        self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, stream.arriving(layout.entries, self.core.store.specs()),
+                             sparse=codec.sparse_names(h.gradients), metrics=metrics,
                              set_learning_rate=h.set_learning_rate)
 
     @staticmethod
@@ -745,7 +725,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
         layout = stream.Layout.of(h.gradients)
         metrics = codec.decode_many(h.metrics)
-        sparse = _sparse_names(h.gradients)
+        sparse = codec.sparse_names(h.gradients)
         await self._work(self._check, h, layout, metrics)
         names = [e.name for e in layout.entries]
         spec = await self._work(self.core.overlap, h.worker_id, h.step, h.batch_size,
@@ -782,7 +762,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 arrays = await _received_async(layout, loan.buffer, request_iterator, "PushPull")
             else:
                 arrays = await self._received_offering(layout, loan.buffer, request_iterator, spec, h.worker_id)
-            loan.gradients = _sparse(self._widen_half(arrays), h.gradients)
+            loan.gradients = self._decoded(arrays, h.gradients)
             ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
             return await settled(ticket)
         finally:  # the core keeps no reference to the gradients once its ticket is settled
@@ -820,25 +800,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise codec.CodecError("PushStream: a push through shared memory (shm_name) carries no data messages")
         segment = self._segment(h.worker_id, "push", h.shm_name, writable=False)
         raw = shm.views(segment, layout.entries, list(h.shm_offsets))
-        gradients = _sparse(self._widen_half(stream.widened(layout.entries, raw)), h.gradients)
+        gradients = self._decoded(stream.widened(layout.entries, raw), h.gradients)
         return self.core.submit(self._push_of(h, gradients, metrics))
 
-    def _widen_half(self, gradients: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """float16 gradients of float32 variables widened (bfloat16 ones already are, by the
-        decoders); every other gradient as it came, for the store to check."""
-        if not any(g.dtype == np.float16 for g in gradients.values()):
-            return gradients
-        specs = self.core.store.specs()
-        return {name: g.astype(np.float32) if g.dtype == np.float16 and name in specs
-                and specs[name][0] == np.float32 else g for name, g in gradients.items()}
-
-    def _widened(self, layout: stream.Layout) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """name -> (dtype, shape) as the store will see it once widened: bfloat16 always
-        arrives as float32 (the decoders), float16 for a float32 variable (``_widen_half``)."""
-        specs = self.core.store.specs()
-        widened = lambda e: e.bfloat16 or (e.code == pb.FLOAT16 and e.name in specs  # noqa: E731
-                                           and specs[e.name][0] == np.float32)
-        return {e.name: (np.dtype(np.float32) if widened(e) else e.dtype, e.shape) for e in layout.entries}
+    def _decoded(self, gradients: dict[str, np.ndarray], metas) -> dict:
+        """A push's decoded gradients as the core takes them (``codec.as_gradients``)."""
+        return codec.as_gradients(gradients, metas, self.core.store.specs)
 
     @_handled
     def Leave(self, request, context):
