@@ -631,27 +631,21 @@ class _Run:
             self.process()
 
     def serve_pull(self, i: int) -> None:
-        version, values = self.ps.pull(i)
-        cost = self.costs.get("encode_s", 0.0)
-        self.server["busy_s"] += cost
-
-        def end() -> None:
-            self.server_out.send(self.w.pull_bytes, self.worker_cap,
-                                 lambda: self.ev.at(self.ev.now + self.latency,
-                                                    lambda: self.pulled(i, version, values)))
-            self._served()
-        self.busy(cost, end)
+        self._send_values(i, lambda version, values: self.pulled(i, version, values))
 
     def serve_reply(self, i: int, ticket) -> None:
         """The sync shortcut: a push's reply carrying the round's values, encoded for it."""
+        self._send_values(i, lambda version, values: self.replied(i, ticket, (version, values)))
+
+    def _send_values(self, i: int, then: Callable[[int, dict], None]) -> None:
+        """The values encoded for worker ``i`` and sent; ``then(version, values)`` once there."""
         version, values = self.ps.pull(i)
         cost = self.costs.get("encode_s", 0.0)
         self.server["busy_s"] += cost
 
         def end() -> None:
             self.server_out.send(self.w.pull_bytes, self.worker_cap,
-                                 lambda: self.ev.at(self.ev.now + self.latency,
-                                                    lambda: self.replied(i, ticket, (version, values))))
+                                 lambda: self.ev.at(self.ev.now + self.latency, lambda: then(version, values)))
             self._served()
         self.busy(cost, end)
 
