@@ -222,10 +222,10 @@ _BUILT_IN_LAUNCH_FLAGS = ("metrics_json", "save_model", "save_weights", "worker_
 _CLUSTER_FIELDS = ("ps", "worker_index", "num_workers")
 _AFTER_CHIEF_S = 5.0  # with a command: how long the other workers may run on once the chief exited
 _STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
-# A worker scaled down leaves the job (worker.elastic: the handler runs once the main
-# thread is back in Python, then Leave over a fresh channel). On a loaded machine that
-# took more than 5 s once: SIGKILL came first, no Leave, and the server declared it
-# dead 10 s later. SIGKILL is only for a worker that hangs.
+# A worker scaled down leaves the job (worker.elastic: SIGTERM sets a flag that the loop
+# checks between calls, then Leave over a fresh channel). On a loaded machine that took
+# more than 5 s once: SIGKILL came first, no Leave, and the server declared it dead 10 s
+# later. SIGKILL is only for a worker that hangs.
 _LEAVE_GRACE_S = 60.0
 
 
