@@ -35,7 +35,7 @@ from protos import wire  # noqa: E402
 from ps_server.core.async_mode import AsyncMode  # noqa: E402
 from ps_server.core.membership import Membership  # noqa: E402
 from ps_server.core.modes import Push  # noqa: E402
-from ps_server.core.optimizers import OptimizerSpec  # noqa: E402
+from ps_server.core.optim.optimizers import OptimizerSpec  # noqa: E402
 from ps_server.core.store import VariableStore  # noqa: E402
 
 VARIABLES = {"big/kernel": (512, 512), "dense/kernel": (256, 128), "dense/bias": (128,), "scale": ()}

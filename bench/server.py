@@ -13,7 +13,7 @@ on float32 arrays of each ``--sizes`` MiB:
   as in the server);
 - adam apply: ``VariableStore.apply_all`` of one gradient with Adam (Keras-exact,
   copy-on-write: new value and slots each step), fused into one pass where numba
-  is installed (``ps_server.core.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
+  is installed (``ps_server.core.optim.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
   step; ``bench/optimizer_step.py`` times both side by side).
 
 Throughput is gradient bytes in per second (k x size for aggregate k), the
@@ -83,7 +83,7 @@ def _measure_size(mib: int, reps: int) -> dict[str, float]:
     """The four take turns within each repetition, so a burst of other work on the
     machine slows all of them alike rather than one."""
     from ps_server.core.aggregation import weighted_mean
-    from ps_server.core.optimizers import OptimizerSpec
+    from ps_server.core.optim.optimizers import OptimizerSpec
     from ps_server.core.store import VariableStore
 
     n = mib * MIB // 4

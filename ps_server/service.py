@@ -40,7 +40,7 @@ from ps_server.core.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes import Push
 from ps_server.core.overlap import HELD_BYTES, NOT_YET
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.reasons import REASON_KEY, Reason, reason_of

@@ -367,7 +367,7 @@ class Workload:
         """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
         scratch servers of the real core with this model's gradients."""
         from ps_server.core.modes import Push
-        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
 
         x, y, n = self.batch_of(0, 0)
@@ -471,7 +471,7 @@ class Simulation:
     def run(self) -> dict:
         from ps_server.core.errors import NonFinite
         from ps_server.core.modes import Push
-        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
         from worker.client import SMALL_BYTES
         from worker.gradients import zeros

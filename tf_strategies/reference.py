@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from ps_server.core.aggregation import weighted_mean
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from worker.config import WorkerConfig, add_training_flags, training_flags
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch

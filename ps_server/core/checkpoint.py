@@ -85,7 +85,7 @@ from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import ModeStatus
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 
 log = logging.getLogger("ps_server.checkpoint")
 

@@ -131,8 +131,8 @@ from typing import Collection, Iterable, Mapping
 import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
-from ps_server.core import schedules, sparse
-from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
+from ps_server.core.optim import schedules, sparse
+from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec, make_optimizer
 from ps_common.sparse import SparseRows
 
 log = logging.getLogger("ps_server.core")
@@ -938,7 +938,7 @@ class VariableStore:
         ``_publish`` is otherwise taken only to count the step (``iterations``) and mark the
         variable changed, after its arrays are written, so ``read(since=...)`` never misses
         it. The caller checked the gradients and counts the push (``bump_version``)."""
-        from ps_server.core import hogwild  # the in-place arithmetic lives there
+        from ps_server.core.optim import hogwild  # the in-place arithmetic lives there
 
         self._require_initialized()
         optimizer = self._optimizer

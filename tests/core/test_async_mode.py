@@ -21,7 +21,7 @@ from ps_server.core.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument, NotFound, UnknownWorker
 from ps_server.core.membership import Membership
 from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
 from tests.core.threads import JOIN, finish, start

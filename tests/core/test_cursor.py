@@ -16,7 +16,7 @@ from ps_common import batches
 from ps_server.core.aggregation import RoundSum
 from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 
 

@@ -13,7 +13,7 @@ from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode, Work
 from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, StaleRound, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from tests.core.test_cursor import EXAMPLES, FEATURES, CLASSES, gradient
 

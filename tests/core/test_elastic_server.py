@@ -7,7 +7,7 @@ import pytest
 from ps_server.core.cursor import DataPlan
 from ps_server.core.errors import InvalidArgument, SpecConflict
 from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import CLASSES, EXAMPLES, FEATURES, gradient
 from tests.core.test_elastic_mode import Clock

@@ -18,7 +18,7 @@ from ps_server.core.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.membership import Membership
 from ps_server.core.modes import MAX_METRIC_BYTES, MAX_METRICS, Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
 from ps_server.core.sync_mode import SyncMode

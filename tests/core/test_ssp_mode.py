@@ -18,7 +18,7 @@ from ps_server.core.async_mode import AsyncMode
 from ps_server.core.errors import BarrierTimeout, InvalidArgument
 from ps_server.core.membership import Membership
 from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore

@@ -18,7 +18,7 @@ from ps_common.records import PushReply, Registration
 from ps_server import service
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes import PushResult
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status
 
 

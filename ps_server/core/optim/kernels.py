@@ -1,6 +1,6 @@
 """Fused optimizer steps: one pass over memory, the same bits as the NumPy steps.
 
-    from ps_server.core import kernels
+    from ps_server.core.optim import kernels
     fused = kernels.adam(w, g, m, v, None, one_minus_beta_1, one_minus_beta_2, alpha, epsilon)
     if fused is None:  # no numba, float16, a strided array, or TFPS_KERNELS=numpy
         ...  # the NumPy step

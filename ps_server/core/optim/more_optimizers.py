@@ -49,9 +49,9 @@ import math
 
 import numpy as np
 
-from ps_server.core import kernels
+from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
+from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
 
 
 def _via_float32(x, dtype):

@@ -78,7 +78,7 @@ import numpy as np
 
 from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
                              keras_optimizer_fields)
-from ps_server.core import kernels, schedules
+from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -636,7 +636,7 @@ def make_optimizer(spec: OptimizerSpec) -> Optimizer:
     if spec.name in mine:
         return mine[spec.name](spec)
     try:  # here, not at the top: more_optimizers imports this module
-        from ps_server.core import more_optimizers
+        from ps_server.core.optim import more_optimizers
     except ImportError:
         more_optimizers = None
     cls = getattr(more_optimizers, spec.name.capitalize(), None) if more_optimizers else None

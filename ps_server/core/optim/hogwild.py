@@ -42,9 +42,9 @@ from __future__ import annotations
 import numpy as np
 
 from ps_common.names import ASYNC_APPLIES
-from ps_server.core import schedules
+from ps_server.core.optim import schedules
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
+from ps_server.core.optim.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
 
 IN_PLACE = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 
