@@ -35,7 +35,7 @@ from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
-from ps_server.core.cursor import DataPlan
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes import Push

@@ -51,7 +51,7 @@ from typing import Callable
 
 from ps_common.reasons import Reason
 from ps_server.core.aggregation import RoundSum, weighted_loss
-from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
+from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
                                    WorkerDead)
 from ps_server.core.membership import Membership

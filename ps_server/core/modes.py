@@ -31,7 +31,7 @@ from ps_common.records import PushReply
 from ps_server.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ps_server.core.cursor import Cursor, EpochLedger
+    from ps_server.core.data.cursor import Cursor, EpochLedger
     from ps_server.core.store import StoreState
 
 

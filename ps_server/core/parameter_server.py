@@ -37,7 +37,7 @@ from ps_server.core.optim import hogwild
 from ps_server.core.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import DataState, ServerState
-from ps_server.core.cursor import Cursor, DataPlan, EpochLedger
+from ps_server.core.data.cursor import Cursor, DataPlan, EpochLedger
 from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
@@ -45,7 +45,7 @@ from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.ssp_mode import SSPMode
-from ps_server.core.tasks import Task, TaskGate, TaskQueue
+from ps_server.core.data.tasks import Task, TaskGate, TaskQueue
 from ps_server.core.sync_mode import SyncMode
 
 log = logging.getLogger("ps_server.core")

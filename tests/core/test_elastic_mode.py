@@ -8,7 +8,7 @@ for bit, and the ledger's count of every epoch with the dataset's size.
 import numpy as np
 import pytest
 
-from ps_server.core.cursor import Cursor
+from ps_server.core.data.cursor import Cursor
 from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode, Work
 from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, StaleRound, WorkerDead
 from ps_server.core.membership import Membership

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from ps_server.core.cursor import DataPlan
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import InvalidArgument, SpecConflict
 from ps_server.core.modes import Push
 from ps_server.core.optim.optimizers import OptimizerSpec

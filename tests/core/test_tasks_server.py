@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ps_common.batches import global_batch
-from ps_server.core.cursor import DataPlan
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, SpecConflict, UnknownWorker
 from ps_server.core.modes import Push
 from ps_server.core.parameter_server import ParameterServer
