@@ -366,7 +366,7 @@ class Workload:
     def measure_server(self, repeats: int = 5) -> tuple[float, float, float]:
         """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
         scratch servers of the real core with this model's gradients."""
-        from ps_server.core.modes import Push
+        from ps_server.core.modes.base import Push
         from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
 
@@ -470,7 +470,7 @@ class Simulation:
 
     def run(self) -> dict:
         from ps_server.core.errors import NonFinite
-        from ps_server.core.modes import Push
+        from ps_server.core.modes.base import Push
         from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
         from worker.client import SMALL_BYTES

@@ -84,7 +84,7 @@ import numpy as np
 from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
-from ps_server.core.modes import ModeStatus
+from ps_server.core.modes.base import ModeStatus
 from ps_server.core.optim.optimizers import OptimizerSpec
 
 log = logging.getLogger("ps_server.checkpoint")

@@ -34,19 +34,19 @@ from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, R
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core.optim import hogwild
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import DataState, ServerState
 from ps_server.core.data.cursor import Cursor, DataPlan, EpochLedger
-from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
+from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
-from ps_server.core.ssp_mode import SSPMode
+from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.data.tasks import Task, TaskGate, TaskQueue
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.sync_mode import SyncMode
 
 log = logging.getLogger("ps_server.core")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ps_common import batches
-from ps_server.core.aggregation import RoundSum
+from ps_server.core.modes.aggregation import RoundSum
 from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optim.optimizers import OptimizerSpec

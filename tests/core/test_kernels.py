@@ -268,7 +268,7 @@ def test_no_loop_is_compiled_with_a_fused_multiply_add(monkeypatch):
 
 @needs_numba
 def test_the_fused_fold_of_a_round_sum_gives_the_numpy_folds_levels_and_mean(monkeypatch):
-    from ps_server.core.aggregation import _Exact
+    from ps_server.core.modes.aggregation import _Exact
 
     rng = np.random.default_rng(5)
     pushes = [(rng.standard_normal(5000) * 10.0 ** rng.integers(-25, 25, size=5000)).astype(np.float32)

@@ -19,7 +19,7 @@ import pytest
 
 from ps_server.core.checkpoint import decode, encode
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.modes import Push
+from ps_server.core.modes.base import Push
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.optim.sparse import SparseRows, combine, densify, row_wise
@@ -109,7 +109,7 @@ def test_an_exact_row_wise_sync_round_is_the_dense_round_bit_for_bit(spec):
 
 
 def test_the_sparse_mean_of_a_round_is_the_dense_mean_on_every_row():
-    from ps_server.core.aggregation import weighted_mean
+    from ps_server.core.modes.aggregation import weighted_mean
     sparse_mean = weighted_mean  # a round of SparseRows stays sparse (aggregation.RoundSum)
     rng = np.random.default_rng(3)
     grads = [sparse_grad(rng, 12) for _ in range(3)]

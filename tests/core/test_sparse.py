@@ -11,7 +11,7 @@ import pytest
 
 from ps_server.core.checkpoint import decode, encode
 from ps_server.core.errors import InvalidArgument, NotFound, SpecConflict
-from ps_server.core.modes import Push
+from ps_server.core.modes.base import Push
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.optim.sparse import SparseRows, check, densify

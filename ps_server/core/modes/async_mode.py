@@ -109,7 +109,7 @@ from ps_common.defaults import MAX_STALENESS
 from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 

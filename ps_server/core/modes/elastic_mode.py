@@ -50,13 +50,13 @@ import time
 from typing import Callable
 
 from ps_common.reasons import Reason
-from ps_server.core.aggregation import RoundSum, weighted_loss
+from ps_server.core.modes.aggregation import RoundSum, weighted_loss
 from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
                                    WorkerDead)
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.rounds import ROUNDS_REMEMBERED
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.rounds import ROUNDS_REMEMBERED
 from ps_server.core.store import StoreState, VariableStore
 
 

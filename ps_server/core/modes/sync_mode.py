@@ -71,12 +71,12 @@ import numpy as np
 from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES
 from ps_common.reasons import Reason
-from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
+from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
-from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.overlap import HELD_BYTES, Speculation, blocks
+from ps_server.core.modes.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
 
