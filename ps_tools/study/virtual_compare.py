@@ -26,7 +26,7 @@ import shlex
 import sys
 import time
 
-from ps_tools.virtual import MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, mode_options
+from ps_tools.study.virtual import MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, mode_options
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,7 +103,7 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
         if not (rate > 0 and latency >= 0):
             raise VirtualError(f"--validate-hosts: the rate must be > 0 and the latency >= 0, got "
                                f"{args.validate_hosts!r}")
-        from ps_tools.compare import Network
+        from ps_tools.study.compare import Network
 
         args.validate_network = Network(rate_mbps=rate, latency_ms=latency)
     if args.cores is None:
@@ -457,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
               "target_accuracy": args.target_accuracy, "command": "ps-compare " + shlex.join(argv),
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
     if args.validate:
-        from ps_tools import virtual_validate
-        from ps_tools.compare import CompareError
+        from ps_tools.study import virtual_validate
+        from ps_tools.study.compare import CompareError
 
         args.worker_list, args.profile_list, args.mode_list = workers, profiles, modes
         args.command, args.epochs = config["command"], int(args.epochs)

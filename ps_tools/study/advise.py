@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"measurements": {**dataclasses.asdict(m), "straggler_ratio": m.straggler_ratio,
                             "comm_fraction": m.comm_fraction}, "advice": dataclasses.asdict(advice)}
     if args.predict:
-        from ps_tools import advise_predict
+        from ps_tools.study import advise_predict
 
         modes = [s.strip() for s in args.predict_modes.split(",") if s.strip()] if args.predict_modes else None
         try:

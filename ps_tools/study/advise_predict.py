@@ -41,7 +41,7 @@ import dataclasses
 import math
 import statistics
 
-from ps_tools.advise import Advice, AdviseError, Measurements
+from ps_tools.study.advise import Advice, AdviseError, Measurements
 
 DEFAULT_MBPS = 10_000.0
 
@@ -106,8 +106,8 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
             dataset: str | None = None, costs: dict | None = None, progress=print) -> Prediction:
     """``costs``: the server's seconds per apply, fold, round, decode and encode
     (``Simulation``); None: measured here, once."""
-    from ps_tools.virtual import SimConfig, VirtualError, mode_options
-    from ps_tools.virtual_compare import run_study, summarize, verdicts
+    from ps_tools.study.virtual import SimConfig, VirtualError, mode_options
+    from ps_tools.study.virtual_compare import run_study, summarize, verdicts
 
     if workers < 1:
         raise AdviseError(f"--predict-workers must be >= 1, got {workers}")
@@ -157,7 +157,7 @@ def decide(rows: list[dict], verdict: dict, rule: Advice, workers: int, target: 
     the most accurate at the end, if it leads them beyond the spread; else the rule's
     mode stands while it is among those (fast and accurate within the spread), and the
     fastest of them replaces it when it is not (the simulation shows it behind)."""
-    from ps_tools.compare import mode_flags
+    from ps_tools.study.compare import mode_flags
 
     by = {r["mode"]: r for r in rows}
 

@@ -51,9 +51,9 @@ import math
 import os
 import statistics
 
-from ps_tools import compare
-from ps_tools.report import spread, spread_test, summarize_run
-from ps_tools.virtual import SimConfig, Simulation, Workload
+from ps_tools.study import compare
+from ps_tools.study.report import spread, spread_test, summarize_run
+from ps_tools.study.virtual import SimConfig, Simulation, Workload
 
 SLOWDOWN = 3.0
 
@@ -268,7 +268,7 @@ def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    from ps_tools.virtual_compare import fits
+    from ps_tools.study.virtual_compare import fits
 
     rows, workload_of = [], {}
     total = len(args.profile_list) * sum(fits(m, n) for n in args.worker_list for m in args.mode_list) * args.seeds

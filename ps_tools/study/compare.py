@@ -45,9 +45,9 @@ import subprocess
 import sys
 import time
 
-from ps_tools.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
-from ps_tools.compare_hosts import run_on_hosts
-from ps_tools.report import write_report
+from ps_tools.study.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
+from ps_tools.study.compare_hosts import run_on_hosts
+from ps_tools.study.report import write_report
 from worker.model import MODELS
 
 LAST = -1  # the scenario knob goes to the last worker
@@ -245,7 +245,7 @@ def _run_launch(argv: list[str], where: str, run_dir: str, timeout: float) -> di
 
 def main(argv: list[str] | None = None) -> int:
     if "--virtual" in (sys.argv[1:] if argv is None else argv):  # N simulated workers: ps_tools.virtual_compare
-        from ps_tools.virtual_compare import main as virtual_main
+        from ps_tools.study.virtual_compare import main as virtual_main
 
         return virtual_main(argv)
     args = parser().parse_args(argv)
