@@ -149,7 +149,7 @@ class ParameterServer:
                                             micro_batches, replicas_to_aggregate)
         if conflict:
             raise InvalidArgument(conflict)
-        # Elastic sync (``core.elastic_mode``): from elastic_min_workers up to num_workers
+        # Elastic sync (``core.modes.elastic_mode``): from elastic_min_workers up to num_workers
         # workers, each global batch cut into micro_batches (default num_workers).
         self.elastic = elastic_min_workers > 0
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
@@ -162,10 +162,10 @@ class ParameterServer:
         self.stale_gradient_policy, self.max_staleness = stale_gradient_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
-        self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.tasks)
+        self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.data.tasks)
         self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
         self.members = Membership(num_workers, lease_timeout, clock=clock)
-        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
+        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.optim.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
@@ -341,7 +341,7 @@ class ParameterServer:
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
                 sparse: bool = False):
-        """Sync: the speculation (``core.overlap``) a streamed push joins, to ``offer`` its
+        """Sync: the speculation (``core.modes.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
         its bytes come); None in other modes, or when its round is not speculated."""
         if not self.store.initialized:
@@ -354,7 +354,7 @@ class ParameterServer:
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
         """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a
         sync round, the SSP bound) is the ticket, which the mode settles later (``core.modes``).
-        Gradients may be ``SparseRows`` (``core.sparse``): they are checked here, before the
+        Gradients may be ``SparseRows`` (``core.optim.sparse``): they are checked here, before the
         mode sees them, and made dense unless their rows alone are stepped (``--sparse-updates``).
         ``consumed`` is called once the push's gradient arrays are no longer needed, possibly
         long before the round's outcome (``SyncMode.submit``)."""

@@ -2,9 +2,9 @@
 
     ps-advise --predict --predict-workers 64 --link-mbps 1000 --launch -- --workers 3 --dataset digits
 
-The rules of ``ps_tools.advise`` read a step profile; they cannot say what 64 workers
+The rules of ``ps_tools.study.advise`` read a step profile; they cannot say what 64 workers
 would do, where an async gradient's staleness and a sync round's wait for the slowest
-grow with N. This runs the virtual-time comparison (``ps_tools.virtual``: the real server
+grow with N. This runs the virtual-time comparison (``ps_tools.study.virtual``: the real server
 core, real TensorFlow gradients, time from a model) for the user's N, with the profile
 measured here:
 
@@ -50,8 +50,8 @@ DEFAULT_MBPS = 10_000.0
 class Prediction:
     workers: int
     config: dict  # the SimConfig of the runs, but mode, seed
-    rows: list[dict]  # per mode: ps_tools.virtual_compare.summarize
-    verdict: dict  # ps_tools.virtual_compare.verdicts
+    rows: list[dict]  # per mode: ps_tools.study.virtual_compare.summarize
+    verdict: dict  # ps_tools.study.virtual_compare.verdicts
     decided_by: str  # "simulation" or "rule"
     advice: Advice
 

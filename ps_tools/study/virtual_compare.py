@@ -4,7 +4,7 @@
     ps-compare --virtual --workers 2,4,8,16,32,64,128,256 --profiles balanced,straggler,tail \\
         --seeds 3 --server-mbps 1000 --out report/
 
-Every (profile, N, mode, seed) is one run of ``ps_tools.virtual.Simulation`` (the job:
+Every (profile, N, mode, seed) is one run of ``ps_tools.study.virtual.Simulation`` (the job:
 ``--epochs`` of the training set, rounded down to whole sync rounds): the real
 server core and real TensorFlow gradients, time from a model of compute, links and the
 server (see that module). The compute and server costs are measured once per N here and
@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, help="runs per profile, N and mode, seeds 0..K-1 (default 3; --quick 1)")
     p.add_argument("--validate", action="store_true",
                    help="run each configuration for real too (ps-launch on this machine) and compare: "
-                   "ps_tools.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
+                   "ps_tools.study.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
     p.add_argument("--validate-hosts", metavar="MBPS,MS",
                    help="--validate: the real runs on emulated hosts (ps_tools.hosts, root), every host's link "
                    "shaped to MBPS Mbit/s with MS ms added each way; their twins get the same links")

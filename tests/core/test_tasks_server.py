@@ -1,5 +1,5 @@
 """ParameterServer in async and ssp with a data plan: batches handed out as tasks
-(``core.tasks``), each applied exactly once whoever dies, leaves, retries or joins."""
+(``core.data.tasks``), each applied exactly once whoever dies, leaves, retries or joins."""
 
 import random
 

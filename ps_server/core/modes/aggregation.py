@@ -150,7 +150,7 @@ class _Exact:
                 m = stop - start
                 h, xb, sb, tb = self.hi[start:stop], x[:m], s[:m], t[:m]
                 count = kernels.fold_exact(flat[start:stop], piece, self.hi, start, tb)
-                if count is not None:  # the fused pass (core.kernels): the same operations
+                if count is not None:  # the fused pass (core.optim.kernels): the same operations
                     if count:
                         self._kept(tb, start)
                     continue

@@ -5,7 +5,7 @@
     step_in_place(optimizer, value, grad, state, lr_scale, clip_scale)
 
 What ``ps-server --async-apply hogwild`` runs (``VariableStore.apply_in_place``,
-``core.async_mode``). The arithmetic is that of ``core.optimizers``, operation by
+``core.modes.async_mode``). The arithmetic is that of ``core.optim.optimizers``, operation by
 operation in the same order and dtype, so a step that no other step overlaps is
 bit-identical to the locked, copy-on-write one (``Optimizer.apply``;
 ``tests/core/test_hogwild.py`` checks every supported option). What differs is
