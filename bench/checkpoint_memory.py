@@ -20,8 +20,8 @@ import tracemalloc
 import numpy as np
 
 from ps_server.core import checkpoint
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_common.sparse import SparseRows
 

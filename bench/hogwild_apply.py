@@ -32,10 +32,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from ps_server.core.async_mode import AsyncMode  # noqa: E402
+from ps_server.core.modes.async_mode import AsyncMode  # noqa: E402
 from ps_server.core.membership import Membership  # noqa: E402
-from ps_server.core.modes import Push  # noqa: E402
-from ps_server.core.optimizers import OptimizerSpec  # noqa: E402
+from ps_server.core.modes.base import Push  # noqa: E402
+from ps_server.core.optim.optimizers import OptimizerSpec  # noqa: E402
 from ps_server.core.store import VariableStore  # noqa: E402
 
 VARIABLES = {"big/kernel": (512, 512), "dense/kernel": (256, 128), "dense/bias": (128,), "scale": ()}

@@ -4,7 +4,7 @@ hosts each send the same message to one server host at once, every round.
     sudo python bench/link_split.py --workers 2,4 --rate 20mbit --bytes 870000 --rounds 12
 
 What a sync round with backup workers gains depends on it: a round that takes the first
-N-1 pushes of N ends when the (N-1)-th is in. Virtual time (``ps_tools.virtual.SharedLink``)
+N-1 pushes of N ends when the (N-1)-th is in. Virtual time (``ps_tools.study.virtual.SharedLink``)
 shares a link among transfers in proportion to a window plus the bytes each sent, so
 transfers that start together share it equally and finish together; this measures what
 real TCP does through ``tc tbf`` (``ps_tools.hosts``: a network namespace per host, the

@@ -15,7 +15,7 @@ under SGD with learning rate 1 from zeros. What it checks:
   batch-weighted mean of ones, which is exactly 1 when the worker count is a
   power of two, so after R completed rounds every element is exactly -R and the
   server's version is R. (For other counts the expected value is a float32
-  replay of the documented arithmetic, ``ps_server.core.aggregation``.)
+  replay of the documented arithmetic, ``ps_server.core.modes.aggregation``.)
 - async: every worker pulls and pushes as fast as it can with increasing steps.
   The async module promises that every accepted gradient is applied to every
   variable exactly once, so with A = the server's ``pushes_applied`` every

@@ -7,7 +7,7 @@ For each ``--sizes`` MiB of float32 and each optimizer of ``--optimizers``
 ``Optimizer.apply`` (Keras-exact, copy-on-write: a new value and new slots each
 call) timed:
 
-- fused: ``ps_server.core.kernels``, one pass, one thread (the default);
+- fused: ``ps_server.core.optim.kernels``, one pass, one thread (the default);
 - fused 2t: the same with ``TFPS_KERNEL_THREADS=2``, a helper thread from
   ``kernels.THREAD_MIN_ELEMENTS`` elements (16 MiB) on;
 - numpy: ``kernels.ENABLED = False``, the NumPy ufunc per operation;
@@ -42,8 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
-from ps_server.core import kernels  # noqa: E402
-from ps_server.core.optimizers import OptimizerSpec, make_optimizer  # noqa: E402
+from ps_server.core.optim import kernels  # noqa: E402
+from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer  # noqa: E402
 
 MIB = 2**20
 SPECS = {

@@ -8,12 +8,12 @@ In-process (no network), for each allocator setting (glibc's default, and
 on float32 arrays of each ``--sizes`` MiB:
 
 - numpy add: ``acc += g`` (``np.add(acc, g, out=acc)``), the bandwidth to beat;
-- aggregate k: ``ps_server.core.aggregation.weighted_mean`` of k = 2 and 8
+- aggregate k: ``ps_server.core.modes.aggregation.weighted_mean`` of k = 2 and 8
   pushes, the sync round's batch-weighted mean (a fresh result array each call,
   as in the server);
 - adam apply: ``VariableStore.apply_all`` of one gradient with Adam (Keras-exact,
   copy-on-write: new value and slots each step), fused into one pass where numba
-  is installed (``ps_server.core.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
+  is installed (``ps_server.core.optim.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
   step; ``bench/optimizer_step.py`` times both side by side).
 
 Throughput is gradient bytes in per second (k x size for aggregate k), the
@@ -82,8 +82,8 @@ def measure_inprocess(sizes: list[int], reps: int) -> dict:
 def _measure_size(mib: int, reps: int) -> dict[str, float]:
     """The four take turns within each repetition, so a burst of other work on the
     machine slows all of them alike rather than one."""
-    from ps_server.core.aggregation import weighted_mean
-    from ps_server.core.optimizers import OptimizerSpec
+    from ps_server.core.modes.aggregation import weighted_mean
+    from ps_server.core.optim.optimizers import OptimizerSpec
     from ps_server.core.store import VariableStore
 
     n = mib * MIB // 4

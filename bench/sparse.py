@@ -58,8 +58,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ps_server.core.optimizers import OptimizerSpec  # noqa: E402
-from ps_server.core.sparse import SparseRows, densify  # noqa: E402
+from ps_server.core.optim.optimizers import OptimizerSpec  # noqa: E402
+from ps_server.core.optim.sparse import SparseRows, densify  # noqa: E402
 from ps_common.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 from tf_strategies.isolation import free_ports  # noqa: E402
 from worker.client import PSClient  # noqa: E402

@@ -96,7 +96,7 @@ PUSH_REPLY = Conversion(
     PushReply, pb.PushResponse,
     to_wire={"metrics": metrics_to_wire}, from_wire={"metrics": metrics_from_wire},
     # the sync shortcut's values (PushRequest.return_values); elastic sync's next work, set by the
-    # service while a round goes on (ps_server.core.elastic_mode.ElasticReply)
+    # service while a round goes on (ps_server.core.modes.elastic_mode.ElasticReply)
     wire_only={"variables", "incarnation", "assignment"},
 )
 

@@ -15,7 +15,7 @@ longer when it does not divide (``np.array_split``, as MirroredStrategy splits a
 batch), so the parts in order are exactly the batch.
 
 Shared by the workers (``worker.data``), which read their examples, and the
-server's core (``ps_server.core.cursor``), which decides who computes which part
+server's core (``ps_server.core.data.cursor``), which decides who computes which part
 of a round when workers come and go.
 """
 

@@ -26,7 +26,7 @@ MODES = ("sync", "async", "ssp")
 STALE_POLICIES = ("none", "drop", "scale")
 
 # Async and ssp: how a push is applied. "locked": each variable's step under its own lock,
-# copy-on-write (no lost update); "hogwild": in place under no lock (ps_server/core/hogwild.py).
+# copy-on-write (no lost update); "hogwild": in place under no lock (ps_server/core/optim/hogwild.py).
 ASYNC_APPLIES = ("locked", "hogwild")
 
 # Sync: what a round does when a worker it waits for is declared dead.
@@ -71,7 +71,7 @@ UNUSED_FIELD_VALUES["learning_rate_schedule"] = None
 # Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
 NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency")
 
-# Keras' learning-rate schedules the server evaluates (ps_server/core/schedules.py), by
+# Keras' learning-rate schedules the server evaluates (ps_server/core/optim/schedules.py), by
 # class name; a serialized one of them names this module.
 LEARNING_RATE_SCHEDULES = ("ExponentialDecay", "PiecewiseConstantDecay", "PolynomialDecay",
                            "InverseTimeDecay", "CosineDecay", "CosineDecayRestarts")

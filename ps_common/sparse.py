@@ -7,7 +7,7 @@ TensorFlow gives their gradient as ``tf.IndexedSlices``; a worker pushes those
 rows and their indices instead of the whole table (``PushRequest`` tensors with
 ``sparse`` set). The type is shared: the worker builds it, the client sends it,
 and the server's core checks it and steps only those rows, or makes it dense
-(``ps_server.core.sparse``, ``--sparse-updates``). Plain NumPy.
+(``ps_server.core.optim.sparse``, ``--sparse-updates``). Plain NumPy.
 """
 
 from __future__ import annotations

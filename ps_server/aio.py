@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import grpc
 
-from ps_server.core.modes import Ticket
+from ps_server.core.modes.base import Ticket
 
 
 class LoopServer:

@@ -24,7 +24,7 @@ import os
 
 from ps_common import defaults as d
 from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
-from ps_server.core.sparse import SPARSE_UPDATES
+from ps_server.core.optim.sparse import SPARSE_UPDATES
 
 from protos.wire import check_max_message_mb, max_message_bytes
 from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
@@ -51,12 +51,12 @@ class ServerConfig:
     stale_gradient_policy: str = "none"  # none | drop | scale
     max_staleness: int = d.MAX_STALENESS  # policy drop: drop pushes staler than this many versions
     # Async and ssp: locked (a lock per variable, copy-on-write, no lost update) or hogwild
-    # (in place, no lock, lost updates possible; ps_server/core/async_mode.py).
+    # (in place, no lock, lost updates possible; ps_server/core/modes/async_mode.py).
     async_apply: str = "locked"
-    # Sparse gradients (ps_server/core/sparse.py): step only the touched rows where that is exact
+    # Sparse gradients (ps_server/core/optim/sparse.py): step only the touched rows where that is exact
     # (exact: SGD, Adagrad; the others densely), always (lazy: TF Addons' LazyAdam), or never (dense).
     sparse_updates: str = "exact"
-    # Elastic sync (ps_server/core/elastic_mode.py): > 0, rounds start with this many workers
+    # Elastic sync (ps_server/core/modes/elastic_mode.py): > 0, rounds start with this many workers
     # and take up to --num-workers, joining and leaving at any time; each global batch is
     # cut into micro_batches (0: --num-workers) that the server deals out to ps-worker
     # --elastic (in progress: built-in models and data, one server; docs/elastic.md).

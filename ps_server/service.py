@@ -35,12 +35,12 @@ from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.core import broadcast, errors
-from ps_server.core.cursor import DataPlan
-from ps_server.core.elastic_mode import ElasticReply, Work
+from ps_server.core.data.cursor import DataPlan
+from ps_server.core.modes.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
-from ps_server.core.modes import Push
-from ps_server.core.overlap import HELD_BYTES, NOT_YET
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.modes.overlap import HELD_BYTES, NOT_YET
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
 from ps_common.reasons import REASON_KEY, Reason, reason_of

@@ -10,7 +10,7 @@ Rules checked:
   ``ps_common``, any import statement, one inside a function too) comes from the
   base dependencies or what they require, except in the modules of
   ``OPTIONAL_EXTRAS``, which fall back to the base without their extra (numba for
-  ``ps_server/core/kernels.py``, tested by ``tests/core/test_kernels.py``);
+  ``ps_server/core/optim/kernels.py``, tested by ``tests/core/test_kernels.py``);
   scikit-learn, TensorFlow and matplotlib are not among them;
 - scikit-learn, which only the workers' built-in data uses, comes with the ``cpu``
   and the ``gpu`` extra alike, and every third-party module the worker imports comes
@@ -38,7 +38,7 @@ WORKER_ONLY = ("tensorflow", "keras", "sklearn", "scipy", "matplotlib")
 # a developer's tool, never imported by a server.
 NOT_RUN_BY_A_SERVER = {"protos/generate.py"}
 # Server modules that import an optional extra's packages and run without them.
-OPTIONAL_EXTRAS = {"ps_server/core/kernels.py": "fast"}
+OPTIONAL_EXTRAS = {"ps_server/core/optim/kernels.py": "fast"}
 
 CHECK = """
 import importlib, pkgutil, sys

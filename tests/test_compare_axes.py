@@ -4,7 +4,7 @@
 
 The runs here are made by hand (a chief's history with one evaluation, the launch
 metrics), so every number the report derives can be checked: the rule is
-|mean_a - mean_b| > 2 * sqrt(sd_a^2/n_a + sd_b^2/n_b) (``ps_tools.report``).
+|mean_a - mean_b| > 2 * sqrt(sd_a^2/n_a + sd_b^2/n_b) (``ps_tools.study.report``).
 """
 
 import json
@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from ps_tools import compare, report
-from ps_tools.compare import SCENARIOS, launch_argv, main, run_args
+from ps_tools.study import compare, report
+from ps_tools.study.compare import SCENARIOS, launch_argv, main, run_args
 
 
 def hand_run(mode, seed, t_reach, final_acc, scenario="balanced", model="cnn", train_examples=0, workers=3):

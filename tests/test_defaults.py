@@ -14,12 +14,12 @@ from ps_common.settings import ConfigError
 from protos import wire
 from ps_server.config import ServerConfig
 from ps_server.core import checkpoint
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.membership import Membership
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.ssp_mode import SSPMode
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.ssp_mode import SSPMode
+from ps_server.core.modes.sync_mode import SyncMode
 from worker.config import WorkerConfig
 
 # "(default 60)", "default 0: off", "(default cnn)"; not "(default: all)", which describes.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ps_server.core import checkpoint
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 
 
 class Var:

@@ -11,6 +11,13 @@
 
 Every import statement counts, also one inside a function. Benchmarks (``bench/``)
 and tests may import anything.
+
+Inside two packages the arrows point one way too (``CORE_RULES``, ``TOOLS_RULES``; each
+sub-package's ``__init__`` docstring says the same in words):
+
+    ps_server/core/   errors <- optim, data, membership <- store <- modes <- broadcast,
+                      checkpoint <- parameter_server
+    ps_tools/         the operator's commands <- study
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -98,6 +106,114 @@ def test_the_core_uses_only_the_pure_shared_modules():
                     and not any(module == m or module.startswith(m + ".") for m in CORE_MAY_USE):
                 wrong.append(f"{path.relative_to(ROOT).as_posix()}:{line} imports {module}")
     assert wrong == []
+
+
+# Inside the core: what each part (a sub-package, or a module beside them) may import of the
+# others. A part always reads itself. A new module of the core must be given a row here.
+CORE_RULES = {
+    "errors": set(),
+    "optim": {"errors"},  # the maths of one update: no store, no mode, no round
+    "data": {"errors"},  # which examples a push trains on: indices, no gradient
+    "membership": {"errors"},
+    "store": {"errors", "optim"},
+    "modes": {"errors", "optim", "store", "membership", "data"},
+    "broadcast": {"errors", "modes"},  # its waits are the modes' tickets
+    "checkpoint": {"errors", "optim", "membership", "modes"},
+    "parameter_server": {"errors", "optim", "data", "membership", "store", "modes", "broadcast", "checkpoint"},
+}
+# Inside ps_tools: the study tools run the operator's commands; the commands do not know them.
+TOOLS_RULES = {"operators": {"operators"}, "study": {"operators", "study"}}
+
+
+def _core_part(parts: tuple[str, ...]) -> str:
+    """The part of ``ps_server/core/`` that a path or a dotted module below it is in."""
+    return parts[0].removesuffix(".py")
+
+
+def _tools_part(parts: tuple[str, ...]) -> str:
+    return "study" if parts[0] == "study" else "operators"
+
+
+INNER = {("ps_server", "core"): (CORE_RULES, _core_part), ("ps_tools",): (TOOLS_RULES, _tools_part)}
+
+
+def inner_wrong_arrows() -> list[str]:
+    """Imports between the parts of the core, or of ps_tools, that their rule table forbids."""
+    wrong = []
+    for package, (rules, part_of) in INNER.items():
+        folder = ROOT.joinpath(*package)
+        for path in sorted(folder.rglob("*.py")):
+            inner = path.relative_to(folder).parts
+            if inner == ("__init__.py",) or "__pycache__" in inner:
+                continue
+            part = part_of(inner)
+            if part not in rules:
+                wrong.append(f"{path.relative_to(ROOT).as_posix()} is in no part of the rule table")
+                continue
+            for line, module in imported_modules(path):
+                names = tuple(module.split("."))
+                if names[: len(package)] != package or len(names) == len(package):
+                    continue
+                target = part_of(names[len(package):])
+                if target != part and target not in rules[part]:
+                    wrong.append(f"{path.relative_to(ROOT).as_posix()}:{line} imports {module}")
+    return sorted(set(wrong))
+
+
+def test_the_parts_of_the_core_and_of_ps_tools_import_only_what_their_rule_table_allows():
+    assert inner_wrong_arrows() == []
+
+
+@pytest.mark.parametrize("rules", [CORE_RULES, TOOLS_RULES], ids=["core", "ps_tools"])
+def test_the_rule_tables_have_no_circle(rules):
+    """Every part can be placed above all it may import: a circle has no such order."""
+    placed: list[str] = []
+    while len(placed) < len(rules):
+        ready = [p for p in rules if p not in placed and rules[p] - {p} <= set(placed)]
+        assert ready, f"a circle among {sorted(set(rules) - set(placed))}"
+        placed += ready
+
+
+def test_every_part_of_the_table_exists_and_each_sub_package_says_what_it_owns_and_may_import():
+    core = ROOT / "ps_server" / "core"
+    for part in CORE_RULES:
+        assert (core / f"{part}.py").is_file() or (core / part / "__init__.py").is_file(), part
+    for folder in [*(p for p in core.iterdir() if p.is_dir()), ROOT / "ps_tools" / "study"]:
+        if folder.name == "__pycache__":
+            continue
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        assert "Owns" in doc and "May import" in doc, folder.relative_to(ROOT).as_posix()
+
+
+def test_every_console_script_names_a_function_that_exists():
+    """pyproject's entry points follow the modules they name (ps-compare is ps_tools.study.compare)."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    code = "import importlib\n" + "".join(
+        f"assert callable(getattr(importlib.import_module({t.split(':')[0]!r}), {t.split(':')[1]!r})), {t!r}\n"
+        for t in scripts.values())
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_inner_check_sees_a_wrong_arrow(tmp_path, monkeypatch):
+    """The inner rules can fail: the maths reading the store, a command reading a study
+    tool, and a module the table does not place are each reported."""
+    (tmp_path / "ps_server" / "core" / "optim").mkdir(parents=True)
+    (tmp_path / "ps_server" / "core" / "optim" / "bad.py").write_text("from ps_server.core.store import VariableStore\n")
+    (tmp_path / "ps_server" / "core" / "stray.py").write_text("")
+    (tmp_path / "ps_server" / "core" / "modes").mkdir()
+    (tmp_path / "ps_server" / "core" / "modes" / "fine.py").write_text(
+        "from ps_server.core import store\nfrom ps_server.core.optim import kernels\n")
+    (tmp_path / "ps_tools").mkdir()
+    (tmp_path / "ps_tools" / "launch.py").write_text("def f():\n    from ps_tools.study import compare\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert inner_wrong_arrows() == [
+        "ps_server/core/optim/bad.py:1 imports ps_server.core.store",
+        "ps_server/core/optim/bad.py:1 imports ps_server.core.store.VariableStore",
+        "ps_server/core/stray.py is in no part of the rule table",
+        "ps_tools/launch.py:2 imports ps_tools.study",
+        "ps_tools/launch.py:2 imports ps_tools.study.compare",
+    ]
 
 
 def test_the_check_sees_a_wrong_arrow(tmp_path, monkeypatch):

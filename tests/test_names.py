@@ -45,7 +45,7 @@ def test_every_optimizer_has_a_keras_class_and_every_argument_a_wire_field():
 
 
 def test_the_shared_schedule_names_are_the_ones_the_server_evaluates():
-    from ps_server.core import schedules
+    from ps_server.core.optim import schedules
 
     assert LEARNING_RATE_SCHEDULES == schedules.SCHEDULES and SCHEDULES_MODULE == schedules.KERAS_MODULE
 

@@ -157,7 +157,8 @@ def _parser_built_in(main) -> argparse.ArgumentParser:
 
 def _parsers() -> dict:
     from ps_server.config import ServerConfig
-    from ps_tools import advise, compare, export, launch, slurm, status
+    from ps_tools import export, launch, slurm, status
+    from ps_tools.study import advise, compare
     from tf_strategies import parity
     from worker.config import WorkerConfig
 
@@ -207,8 +208,8 @@ def bad_command_lines(text: str) -> list[str]:
             wrong.append(f"{shown}: no command {name}")
             return
         p = parsers[name]()
-        if name == "ps-compare" and "--virtual" in args:  # its own parser (ps_tools.virtual_compare)
-            from ps_tools import virtual_compare
+        if name == "ps-compare" and "--virtual" in args:  # its own parser (ps_tools.study.virtual_compare)
+            from ps_tools.study import virtual_compare
 
             p = virtual_compare.parser()
 

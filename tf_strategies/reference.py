@@ -6,7 +6,7 @@
 ``sharded``: for each step, one process computes each worker's shard gradient
 with the workers' own gradient path (``worker.gradients.Gradients`` with the
 built-in models' loss, ``worker.model.loss``),
-combines them with the server's own aggregation (``ps_server.core.aggregation``)
+combines them with the server's own aggregation (``ps_server.core.modes.aggregation``)
 and applies the server's own optimizer through a ``VariableStore``. A sync
 parameter-server run with the same data, seed and TensorFlow settings must be
 bit-identical to it: the only thing the server adds is the network.
@@ -23,8 +23,8 @@ import sys
 
 import numpy as np
 
-from ps_server.core.aggregation import weighted_mean
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.aggregation import weighted_mean
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from worker.config import WorkerConfig, add_training_flags, training_flags
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch

@@ -2,21 +2,21 @@
 
     from ps_server.core.parameter_server import ParameterServer
 
-Plain Python and NumPy only (``tests/core/test_core_imports.py`` proves it):
+Plain Python and NumPy only (``tests/core/test_core_imports.py`` proves it). By concern,
+each part importing only those listed before it (``tests/test_layers.py``, ``CORE_RULES``):
 
-- ``parameter_server``: the one object the gRPC service drives;
-- ``store``: the variables, their optimizer state and the version (copy-on-write);
-- ``optimizers``: server-side SGD and Adam, exactly what Keras 3 computes;
-- ``modes``: the interface every consistency mode implements, and what a push returns;
-- ``sync_mode``: one barrier per step, over ``rounds`` (the deterministic
-  bookkeeping of sync rounds) and ``aggregation`` (how a round combines gradients);
-- ``async_mode``: every push applied on arrival;
-- ``ssp_mode``: applied on arrival, nobody more than S steps ahead of the slowest;
+- ``errors``: the exceptions the core raises;
+- ``optim/``: the maths of one update: the optimizers, schedules, fused kernels, sparse
+  rows and the hogwild in-place step;
+- ``data/``: the data dealing: the data plan, elastic sync's micro-batches, leased tasks,
+  the epoch ledger;
 - ``membership``: registered workers, their leases and what each last did;
-- ``sparse``: sparse embedding gradients checked, then stepped on their rows alone or made dense
-  (``--sparse-updates``), and a sync round's mean of them;
+- ``store``: the variables, their optimizer state and the version (copy-on-write);
+- ``modes/``: the ``Mode`` interface and one module per consistency mode (sync, with its
+  rounds, aggregation and overlap; async; ssp; elastic);
+- ``broadcast``: the chief's decisions, posted once, awaited by the others;
 - ``checkpoint``: the checkpoint file, written atomically, checked on restore;
-- ``errors``: the exceptions the core raises.
+- ``parameter_server``: the one object the gRPC service drives, over all of the above.
 
 The gRPC layer lives in ``ps_server.service``; its one error table turns these
 errors into status codes.

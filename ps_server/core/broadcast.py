@@ -38,7 +38,7 @@ from typing import Callable
 
 from ps_common.reasons import Reason
 from ps_server.core.errors import InvalidArgument, PSError
-from ps_server.core.modes import Ticket
+from ps_server.core.modes.base import Ticket
 
 KEYS_KEPT = 1000
 MAX_KEY_CHARS = 256

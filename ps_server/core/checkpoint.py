@@ -84,8 +84,8 @@ import numpy as np
 from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
-from ps_server.core.modes import ModeStatus
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import ModeStatus
+from ps_server.core.optim.optimizers import OptimizerSpec
 
 log = logging.getLogger("ps_server.checkpoint")
 
@@ -111,10 +111,10 @@ def _no_ids() -> np.ndarray:
 class DataState:
     """A data plan and how far the job got through it (``ServerState.data``).
 
-    ``kind`` "tasks" (async and ssp, ``core.tasks``): ``epochs`` is the job's, and the
+    ``kind`` "tasks" (async and ssp, ``core.data.tasks``): ``epochs`` is the job's, and the
     done tasks are ``done_task_ids`` with the worker whose push did each and the version
     it was applied at (``TaskQueue.state``); tasks not done, held ones included, are
-    handed out again after a restore. "elastic" (elastic sync, ``core.cursor``): the
+    handed out again after a restore. "elastic" (elastic sync, ``core.data.cursor``): the
     cursor's ``micro_batches``; ``epochs_complete`` are the epochs whose every example
     a completed round trained on, and ``epochs_seen[e]`` the examples epoch ``e`` in
     progress has trained on, one bit per example in index order (``np.packbits``).

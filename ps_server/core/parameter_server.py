@@ -33,20 +33,20 @@ from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, R
                                  server_settings_conflict)
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
-from ps_server.core import hogwild
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.optim import hogwild
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import DataState, ServerState
-from ps_server.core.cursor import Cursor, DataPlan, EpochLedger
-from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode
+from ps_server.core.data.cursor import Cursor, DataPlan, EpochLedger
+from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
-from ps_server.core.ssp_mode import SSPMode
-from ps_server.core.tasks import Task, TaskGate, TaskQueue
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.ssp_mode import SSPMode
+from ps_server.core.data.tasks import Task, TaskGate, TaskQueue
+from ps_server.core.modes.sync_mode import SyncMode
 
 log = logging.getLogger("ps_server.core")
 
@@ -149,7 +149,7 @@ class ParameterServer:
                                             micro_batches, replicas_to_aggregate)
         if conflict:
             raise InvalidArgument(conflict)
-        # Elastic sync (``core.elastic_mode``): from elastic_min_workers up to num_workers
+        # Elastic sync (``core.modes.elastic_mode``): from elastic_min_workers up to num_workers
         # workers, each global batch cut into micro_batches (default num_workers).
         self.elastic = elastic_min_workers > 0
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
@@ -162,10 +162,10 @@ class ParameterServer:
         self.stale_gradient_policy, self.max_staleness = stale_gradient_policy, max_staleness
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
-        self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.tasks)
+        self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.data.tasks)
         self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
         self.members = Membership(num_workers, lease_timeout, clock=clock)
-        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.sparse
+        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.optim.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         self._started = time.monotonic()
@@ -341,7 +341,7 @@ class ParameterServer:
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
                 sparse: bool = False):
-        """Sync: the speculation (``core.overlap``) a streamed push joins, to ``offer`` its
+        """Sync: the speculation (``core.modes.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
         its bytes come); None in other modes, or when its round is not speculated."""
         if not self.store.initialized:
@@ -354,7 +354,7 @@ class ParameterServer:
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
         """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a
         sync round, the SSP bound) is the ticket, which the mode settles later (``core.modes``).
-        Gradients may be ``SparseRows`` (``core.sparse``): they are checked here, before the
+        Gradients may be ``SparseRows`` (``core.optim.sparse``): they are checked here, before the
         mode sees them, and made dense unless their rows alone are stepped (``--sparse-updates``).
         ``consumed`` is called once the push's gradient arrays are no longer needed, possibly
         long before the round's outcome (``SyncMode.submit``)."""

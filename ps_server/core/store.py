@@ -26,7 +26,7 @@ are marked read-only to enforce it). That is what lets pulls serialize outside
 any lock.
 
 Row-wise variables (embedding tables). A variable becomes row-wise the first time
-a sparse gradient (``SparseRows``) arrives for it that ``core.sparse.row_wise``
+a sparse gradient (``SparseRows``) arrives for it that ``core.optim.sparse.row_wise``
 says may be stepped on its rows alone (``VariableStore(sparse_updates=...)``,
 ``--sparse-updates``). From then on it is *not* copy-on-write: a step gathers the
 touched rows and their slots, computes (``Optimizer.apply_rows``) and writes them
@@ -131,8 +131,8 @@ from typing import Collection, Iterable, Mapping
 import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
-from ps_server.core import schedules, sparse
-from ps_server.core.optimizers import Optimizer, OptimizerSpec, make_optimizer
+from ps_server.core.optim import schedules, sparse
+from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec, make_optimizer
 from ps_common.sparse import SparseRows
 
 log = logging.getLogger("ps_server.core")
@@ -401,7 +401,7 @@ def release_snapshots(values: Mapping[str, object], states: Mapping[str, Mapping
 
 class VariableStore:
     def __init__(self, sparse_updates: str = "exact") -> None:
-        """``sparse_updates`` (``core.sparse.SPARSE_UPDATES``, ``--sparse-updates``): how a
+        """``sparse_updates`` (``core.optim.sparse.SPARSE_UPDATES``, ``--sparse-updates``): how a
         sparse gradient is applied: only its rows where that is exact (default), only its
         rows always (``lazy``), or made dense."""
         if sparse_updates not in sparse.SPARSE_UPDATES:
@@ -585,7 +585,7 @@ class VariableStore:
     # -- gradients ---------------------------------------------------------------
     def check_gradients(self, grads: Mapping[str, "np.ndarray | SparseRows"], allow_nonfinite: bool = False) -> None:
         """Raise unless grads has exactly one finite array per variable, of its shape and dtype
-        (a ``SparseRows``: rows of the variable, ``core.sparse.check``).
+        (a ``SparseRows``: rows of the variable, ``core.optim.sparse.check``).
 
         ``allow_nonfinite`` lets NaN and Inf through (they are rejected by default).
         """
@@ -603,7 +603,7 @@ class VariableStore:
                              sparse: Collection[str] = ()) -> None:
         """Raise unless ``specs`` (name -> (dtype, shape)) names every variable once with
         its shape and dtype: what a streamed push checks before any data arrives. A name
-        in ``sparse`` is a sparse gradient (``core.sparse``): its shape is (rows, *the
+        in ``sparse`` is a sparse gradient (``core.optim.sparse``): its shape is (rows, *the
         variable's shape[1:]), its rows are checked with the values."""
         self._require_initialized()
         unknown = [n for n in specs if n not in self._vars]
@@ -627,13 +627,13 @@ class VariableStore:
 
     def densify(self, grads: Mapping[str, "np.ndarray | SparseRows"]) -> dict[str, np.ndarray]:
         """``grads`` with every ``SparseRows`` checked against its variable and scattered
-        into a dense array (``core.sparse``); dense gradients pass as they are, for
+        into a dense array (``core.optim.sparse``); dense gradients pass as they are, for
         ``check_gradients``. Raises before anything is applied."""
         return self.prepare(grads, keep_sparse=False)
 
     def prepare(self, grads: Mapping[str, "np.ndarray | SparseRows"], keep_sparse: bool = True) -> dict:
         """``grads`` as the modes take them: every ``SparseRows`` checked against its variable,
-        kept as it is where its rows alone are stepped (``core.sparse.row_wise``, and
+        kept as it is where its rows alone are stepped (``core.optim.sparse.row_wise``, and
         ``keep_sparse``), else made dense; dense gradients pass as they are, for
         ``check_gradients``. Raises before anything is applied."""
         self._require_initialized()
@@ -672,7 +672,7 @@ class VariableStore:
         """(new value, new optimizer state) of rows ``r0:r1`` of one variable (None: all of
         it) for their ``grad``, changing nothing: those rows' bits of what ``apply_all``
         computes in a step without ``global_clipnorm`` (every optimizer here is elementwise
-        but for ``clipnorm``, whose callers pass None). The sync overlap (``core.overlap``)
+        but for ``clipnorm``, whose callers pass None). The sync overlap (``core.modes.overlap``)
         computes a round block by block this way, then ``publish`` makes it the step."""
         self._require_initialized()
         if self._optimizer.spec.global_clipnorm is not None:
@@ -926,7 +926,7 @@ class VariableStore:
             raise NotInitialized("variables are not initialized yet: the chief (worker 0) initializes them")
 
     def apply_in_place(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
-        """One push of ``--async-apply hogwild`` (``core.hogwild``, ``core.async_mode``): as
+        """One push of ``--async-apply hogwild`` (``core.optim.hogwild``, ``core.modes.async_mode``): as
         ``apply_push``, variable by variable in name order, but each step is written into the
         stored arrays themselves and no lock is held while any array is read or written.
 
@@ -938,7 +938,7 @@ class VariableStore:
         ``_publish`` is otherwise taken only to count the step (``iterations``) and mark the
         variable changed, after its arrays are written, so ``read(since=...)`` never misses
         it. The caller checked the gradients and counts the push (``bump_version``)."""
-        from ps_server.core import hogwild  # the in-place arithmetic lives there
+        from ps_server.core.optim import hogwild  # the in-place arithmetic lives there
 
         self._require_initialized()
         optimizer = self._optimizer

@@ -57,7 +57,7 @@ def test_server_reports_inprocess_bandwidths_and_load_with_one_and_two_servers(t
 
 
 def test_optimizer_step_reports_fused_and_numpy_bandwidths_of_every_optimizer(tmp_path):
-    from ps_server.core import kernels
+    from ps_server.core.optim import kernels
 
     report = run_bench("optimizer_step.py", "--sizes", "1", "--reps", "1", "--optimizers", "sgd,adam",
                        out=tmp_path / "optimizer_step.json", timeout=180)

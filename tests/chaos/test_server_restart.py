@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from ps_server.core.checkpoint import latest_valid, list_checkpoints
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from tests.cluster.conftest import Procs, read_log, wait_exit
 from tests.withheld import messages_withheld
 from worker.client import PSClient

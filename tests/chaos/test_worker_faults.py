@@ -4,7 +4,7 @@
 
 Each test starts a ps-server and ps-workers on 127.0.0.1 (synthetic data, the
 MLP, a lease of a few seconds, heartbeats every 0.3 s), injects one fault and
-checks the outcome the dead-worker policy promises (``ps_server.core.sync_mode``):
+checks the outcome the dead-worker policy promises (``ps_server.core.modes.sync_mode``):
 
 - ``abort``: "ends the round at once with WorkerDead for every waiter";
 - ``wait``: "keeps the round open until a replacement registers with that index";

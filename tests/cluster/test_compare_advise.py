@@ -15,14 +15,14 @@ import sys
 import pytest
 
 from tests.cluster.conftest import read_log, wait_exit
-from ps_tools.advise import STRAGGLER_RATIO
+from ps_tools.study.advise import STRAGGLER_RATIO
 from worker.client import PSClient
 
 pytestmark = pytest.mark.cluster
 
 
 def advise(*argv, timeout=600):
-    run = subprocess.run([sys.executable, "-m", "ps_tools.advise", *argv], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "ps_tools.study.advise", *argv], capture_output=True, text=True,
                          timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
@@ -31,7 +31,7 @@ def advise(*argv, timeout=600):
 @pytest.mark.slow  # ~41 s: every scenario trained; the ps-advise tests here stay in the default tier
 def test_ps_compare_writes_a_complete_report(tmp_path):
     out = tmp_path / "report"
-    run = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--scenario", "straggler", "--modes", "sync,ssp1",
+    run = subprocess.run([sys.executable, "-m", "ps_tools.study.compare", "--scenario", "straggler", "--modes", "sync,ssp1",
                           "--seeds", "2", "--workers", "2", "--steps", "6", "--eval-every", "3",
                           "--dataset", "synthetic", "--target-accuracy", "0.05", "--out", str(out)],
                          capture_output=True, text=True, timeout=900)
@@ -84,7 +84,7 @@ def test_ps_advise_reads_a_running_sync_cluster_and_finds_its_straggler(procs, t
             import time
 
             time.sleep(0.2)
-    # --predict: the measured profile simulated at 6 workers (ps_tools.advise_predict)
+    # --predict: the measured profile simulated at 6 workers (ps_tools.study.advise_predict)
     out = advise("--ps", address, "--window", "2", "--json-out", str(tmp_path / "a.json"), "--predict",
                  "--predict-workers", "6", "--predict-epochs", "1", "--predict-modes", "sync,async,backup",
                  "--link-mbps", "1000")

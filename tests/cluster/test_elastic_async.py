@@ -3,7 +3,7 @@ and still every example applied exactly once per epoch, no batch twice.
 
 A ps-server in async mode and ps-workers with --elastic, three epochs of digits: the chief
 sends a data plan with the epochs and the server hands out the batches as tasks
-(``ps_server/core/tasks.py``). At a seeded random point worker 2 is SIGKILLed (its held
+(``ps_server/core/data/tasks.py``). At a seeded random point worker 2 is SIGKILLed (its held
 task goes back when its lease runs out), workers 0 and 1 are SIGSTOPped (their leases run
 out too: declared dead, their tasks go back) and a new worker 3 starts; once worker 3 has
 pushed, 0 and 1 are continued: they find themselves declared dead, rejoin, and the pushes

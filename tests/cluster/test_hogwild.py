@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/cluster/test_hogwild.py
 
-The rule (``ps_server/core/async_mode.py``, hogwild): pushes are written in place
+The rule (``ps_server/core/modes/async_mode.py``, hogwild): pushes are written in place
 under no lock and may overwrite each other's element updates, yet every push is
 counted once in the version and ``pushes_applied``; training still converges. Two
 ps-workers train the tutorial CNN on digits with Adam (the workers' default) and

@@ -3,7 +3,7 @@
     python -m pytest -q -m '' tests/cluster/test_launch_elastic_async.py
 
 ``ps-launch --mode async --elastic 2:3``: two workers on two epochs of digits, handed out
-as tasks by the server (``ps_server/core/tasks.py``); ``--scale-at 15:3`` adds a third at
+as tasks by the server (``ps_server/core/data/tasks.py``); ``--scale-at 15:3`` adds a third at
 version 15 (both first workers pause at their step 10 for 25 s, so the job is surely
 running when it is ready), then SIGUSR2 stops it again once it registered (SIGTERM: it
 leaves the job, a task it held goes back). The run exits 0 and the server counted every example of each epoch

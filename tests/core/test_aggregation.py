@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.aggregation: the batch-weighted mean of a sync round.
+"""Tests of ps_server.core.modes.aggregation: the batch-weighted mean of a sync round.
 
     python -m pytest tests/core/test_aggregation.py -q
 
@@ -13,7 +13,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ps_server.core.aggregation import RoundSum, _round_exact, batch_weights, weighted_loss, weighted_mean
+from ps_server.core.modes.aggregation import RoundSum, _round_exact, batch_weights, weighted_loss, weighted_mean
 from ps_server.core.errors import InvalidArgument
 
 

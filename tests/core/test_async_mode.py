@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.async_mode: the guarantees its docstring gives, stress-tested.
+"""Tests of ps_server.core.modes.async_mode: the guarantees its docstring gives, stress-tested.
 
     python -m pytest tests/core/test_async_mode.py -q
 
@@ -17,11 +17,11 @@ import threading
 import numpy as np
 import pytest
 
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument, NotFound, UnknownWorker
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
 from tests.core.threads import JOIN, finish, start

@@ -32,8 +32,8 @@ from ps_server.core.checkpoint import (
     write_checkpoint,
 )
 from ps_server.core.errors import ConfigMismatch, FutureRound, InvalidArgument, SpecConflict, StaleRound
-from ps_server.core.modes import ModeStatus, Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import ModeStatus, Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import StoreState, VariableStore
 from tests.core.threads import JOIN, finish, start, wait_until

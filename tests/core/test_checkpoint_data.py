@@ -17,12 +17,12 @@ import pytest
 
 from ps_server.core import checkpoint
 from ps_server.core.checkpoint import read_checkpoint, write_checkpoint
-from ps_server.core.cursor import DataPlan, EpochLedger
+from ps_server.core.data.cursor import DataPlan, EpochLedger
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, SpecConflict
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.tasks import TaskGate, TaskQueue
+from ps_server.core.data.tasks import TaskGate, TaskQueue
 from tests.core import test_elastic_server as elastic
 from tests.core.test_checkpoint import _rewrite_header
 from tests.core.test_elastic_mode import Clock

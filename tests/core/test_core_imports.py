@@ -27,7 +27,7 @@ assert not loaded, "loaded: " + ", ".join(loaded)
     [
         "import ps_server",
         "import ps_server, ps_server.core.parameter_server",
-        "import ps_server.core.store, ps_server.core.sync_mode, ps_server.core.async_mode",
+        "import ps_server.core.store, ps_server.core.modes.sync_mode, ps_server.core.modes.async_mode",
     ],
 )
 def test_importing_the_core_loads_neither_tensorflow_nor_grpc_nor_protobuf(imports):

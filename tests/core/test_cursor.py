@@ -1,4 +1,4 @@
-"""core.cursor: the cluster's data cursor for sync rounds, and why workers coming and going
+"""core.data.cursor: the cluster's data cursor for sync rounds, and why workers coming and going
 change no bit of the result.
 
 The last tests train a small model in NumPy round by round, the store's own Adam step on
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from ps_common import batches
-from ps_server.core.aggregation import RoundSum
-from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
+from ps_server.core.modes.aggregation import RoundSum
+from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 
 

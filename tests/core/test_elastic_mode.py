@@ -1,4 +1,4 @@
-"""core.elastic_mode: sync rounds whose workers come and go, through the mode's own tickets.
+"""core.modes.elastic_mode: sync rounds whose workers come and go, through the mode's own tickets.
 
 The last test drives simulated workers through ``work``/``submit`` with deaths and joins at
 random moments (seeded) and compares the final parameters with the undisturbed run's, bit
@@ -8,12 +8,12 @@ for bit, and the ledger's count of every epoch with the dataset's size.
 import numpy as np
 import pytest
 
-from ps_server.core.cursor import Cursor
-from ps_server.core.elastic_mode import ElasticReply, ElasticSyncMode, Work
+from ps_server.core.data.cursor import Cursor
+from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode, Work
 from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, StaleRound, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from tests.core.test_cursor import EXAMPLES, FEATURES, CLASSES, gradient
 

@@ -1,13 +1,13 @@
 """ParameterServer with elastic sync: registration, leases, leaving and the data plan drive
-``core.elastic_mode`` (the service and the worker come next)."""
+``core.modes.elastic_mode`` (the service and the worker come next)."""
 
 import numpy as np
 import pytest
 
-from ps_server.core.cursor import DataPlan
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import InvalidArgument, SpecConflict
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import CLASSES, EXAMPLES, FEATURES, gradient
 from tests.core.test_elastic_mode import Clock

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from ps_server.core import checkpoint
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.ssp_mode import SSPMode
+from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
 from tests.core.threads import JOIN, finish, start
 

@@ -3,7 +3,7 @@
     python -m pytest tests/core/test_kernels.py -q
 
 Each fused-path test runs ``Optimizer.apply`` twice on the same data (random, or NaN,
-inf and overflowing values), once with ``ps_server.core.kernels`` and once with
+inf and overflowing values), once with ``ps_server.core.optim.kernels`` and once with
 ``kernels.ENABLED = False`` (the NumPy ufuncs, which ``test_optimizers.py`` and
 ``test_more_optimizers.py`` check against Keras), and compares every value and slot
 bit for bit. They are skipped where numba is not installed (the ``fast`` extra, part
@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-from ps_server.core import kernels
-from ps_server.core.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim import kernels
+from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
 
 try:
     import numba  # noqa: F401
@@ -204,8 +204,8 @@ FALLBACK = """
 import sys
 {setup}
 import numpy as np
-from ps_server.core import kernels
-from ps_server.core.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim import kernels
+from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
 assert not kernels.available()
 opt = make_optimizer(OptimizerSpec("adam", 1e-3, amsgrad=True))
 w = np.linspace(-1, 1, 11, dtype=np.float32)
@@ -268,7 +268,7 @@ def test_no_loop_is_compiled_with_a_fused_multiply_add(monkeypatch):
 
 @needs_numba
 def test_the_fused_fold_of_a_round_sum_gives_the_numpy_folds_levels_and_mean(monkeypatch):
-    from ps_server.core.aggregation import _Exact
+    from ps_server.core.modes.aggregation import _Exact
 
     rng = np.random.default_rng(5)
     pushes = [(rng.standard_normal(5000) * 10.0 ** rng.integers(-25, 25, size=5000)).astype(np.float32)

@@ -19,11 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import StaleRound, UnknownWorker, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
 from tests.core.threads import FakeClock, JOIN, finish, start, wait_until

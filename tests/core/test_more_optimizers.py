@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.more_optimizers: Adamax, Nadam, Ftrl and Lion against Keras.
+"""Tests of ps_server.core.optim.more_optimizers: Adamax, Nadam, Ftrl and Lion against Keras.
 
     python -m pytest tests/core/test_more_optimizers.py -q
 
@@ -19,7 +19,7 @@ import pytest
 
 from ps_common import names
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.more_optimizers import Adamax, Ftrl, Lion, Nadam, _tf_pow
+from ps_server.core.optim.more_optimizers import Adamax, Ftrl, Lion, Nadam, _tf_pow
 
 CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion}
 KERAS_NAMES = {"adamax": "Adamax", "nadam": "Nadam", "ftrl": "Ftrl", "lion": "Lion"}
@@ -108,7 +108,7 @@ def keras_kwargs(keras, case: dict) -> dict:
 def make_spec(name: str, **kwargs):
     """The project's OptimizerSpec once it knows ``name``; until then ``_Spec``."""
     if name in names.OPTIMIZERS:
-        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.optim.optimizers import OptimizerSpec
 
         return OptimizerSpec(name, **kwargs)
     return _Spec(name, **kwargs)
@@ -268,7 +268,7 @@ def test_lion_takes_beta_1_of_one_as_keras_does():
 
 def test_importing_more_optimizers_loads_neither_tensorflow_nor_grpc():
     code = (
-        "import sys, ps_server.core.more_optimizers\n"
+        "import sys, ps_server.core.optim.more_optimizers\n"
         "bad = sorted(m for m in ('tensorflow', 'keras', 'grpc') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.optimizers: the rules by hand, and parity with Keras.
+"""Tests of ps_server.core.optim.optimizers: the rules by hand, and parity with Keras.
 
     python -m pytest tests/core/test_optimizers.py -q
 
@@ -20,7 +20,7 @@ import pytest
 
 from ps_common.names import KERAS_OPTIMIZER_CLASSES, OPTIMIZER_DEFAULTS
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
 
 KERAS_CLASS = {name: cls for cls, name in KERAS_OPTIMIZER_CLASSES.items()}
 
@@ -329,7 +329,7 @@ def test_spec_from_dict_rejects_unknown_fields():
 
 def test_importing_optimizers_loads_neither_tensorflow_nor_grpc():
     code = (
-        "import sys, ps_server.core.optimizers\n"
+        "import sys, ps_server.core.optim.optimizers\n"
         "bad = sorted(m for m in ('tensorflow', 'keras', 'grpc') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )
@@ -441,7 +441,7 @@ def test_a_learning_rate_schedule_matches_eager_keras_bit_for_bit(keras, schedul
     assert_like_keras(ours_apply(spec, init, grads), keras_apply(keras, optimizer, init, grads))
 
 
-MORE = ("Adamax", "Nadam", "Ftrl", "Lion")  # ps_server/core/more_optimizers.py
+MORE = ("Adamax", "Nadam", "Ftrl", "Lion")  # ps_server/core/optim/more_optimizers.py
 
 
 @pytest.mark.parametrize("class_name,option", [(c, o) for c in MORE for o in OPTIONS])
@@ -521,7 +521,7 @@ def test_the_norms_add_as_tensorflow_adds_so_clipping_is_bit_identical_too(keras
 def test_tf_sum_adds_in_tensorflow_s_order(keras):
     import tensorflow as tf
 
-    from ps_server.core.optimizers import tf_sum
+    from ps_server.core.optim.optimizers import tf_sum
 
     rng = np.random.default_rng(4)
     other_order = 0

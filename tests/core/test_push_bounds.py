@@ -13,13 +13,13 @@ worker was stale; two pushes of batch size 2**62 broke every Status call.
 import numpy as np
 import pytest
 
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.membership import Membership
-from ps_server.core.modes import MAX_BATCH_SIZE, MAX_STEP, Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import MAX_BATCH_SIZE, MAX_STEP, Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.sync_mode import SyncMode
 from tests.core.threads import JOIN
 
 INT64_MAX = 2**63 - 1

@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.rounds: the deterministic sync bookkeeping, exhaustively.
+"""Tests of ps_server.core.modes.rounds: the deterministic sync bookkeeping, exhaustively.
 
     python -m pytest tests/core/test_rounds.py -q
 
@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from ps_server.core.errors import DuplicatePush, FutureRound, InvalidArgument, StaleRound
-from ps_server.core.rounds import RoundBook
+from ps_server.core.modes.rounds import RoundBook
 
 
 def state(book):

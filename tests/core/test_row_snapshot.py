@@ -22,10 +22,10 @@ import pytest
 from ps_server.core import checkpoint, store as store_module
 from ps_server.core.checkpoint import decode, encode
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.sparse import SparseRows, densify
+from ps_server.core.optim.sparse import SparseRows, densify
 from ps_server.core.store import SnapshotArray, VariableStore
 from tests.core.threads import JOIN, finish, start
 

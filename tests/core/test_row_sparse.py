@@ -1,8 +1,8 @@
-"""Row-sparse updates and pulls (store, core.sparse): plain NumPy, no sockets.
+"""Row-sparse updates and pulls (store, core.optim.sparse): plain NumPy, no sockets.
 
     python -m pytest tests/core/test_row_sparse.py -q
 
-The rules checked, from ``ps_server.core.sparse`` and ``ps_server.core.store``:
+The rules checked, from ``ps_server.core.optim.sparse`` and ``ps_server.core.store``:
 - "exact": where a zero gradient leaves a row bit for bit unchanged (plain SGD,
   Adagrad), only the touched rows are stepped, and the result is the dense step's
   bit for bit; every other optimizer is stepped densely.
@@ -19,10 +19,10 @@ import pytest
 
 from ps_server.core.checkpoint import decode, encode
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.sparse import SparseRows, combine, densify, row_wise
+from ps_server.core.optim.sparse import SparseRows, combine, densify, row_wise
 from ps_server.core.store import VariableStore
 from tests.core.threads import JOIN
 
@@ -109,7 +109,7 @@ def test_an_exact_row_wise_sync_round_is_the_dense_round_bit_for_bit(spec):
 
 
 def test_the_sparse_mean_of_a_round_is_the_dense_mean_on_every_row():
-    from ps_server.core.aggregation import weighted_mean
+    from ps_server.core.modes.aggregation import weighted_mean
     sparse_mean = weighted_mean  # a round of SparseRows stays sparse (aggregation.RoundSum)
     rng = np.random.default_rng(3)
     grads = [sparse_grad(rng, 12) for _ in range(3)]
@@ -192,7 +192,7 @@ def test_a_lazy_step_is_the_optimizer_on_the_touched_rows_alone(spec):
     """Each optimizer steps the touched rows exactly as it steps a variable made of them
     (AdamW's weight decay included: the touched rows only, as TF Addons' sparse decay)."""
     ps = _ps("async", spec, sparse_updates="lazy")
-    from ps_server.core.optimizers import make_optimizer
+    from ps_server.core.optim.optimizers import make_optimizer
     opt = make_optimizer(spec)
     rows = np.array([3, 9, 17], np.int64)
     w = table()["emb"]

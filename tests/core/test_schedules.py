@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.schedules: parity with Keras' schedules, and refusals.
+"""Tests of ps_server.core.optim.schedules: parity with Keras' schedules, and refusals.
 
     python -m pytest tests/core/test_schedules.py -q
 
@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from ps_server.core import schedules
+from ps_server.core.optim import schedules
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.schedules import SCHEDULES, learning_rate, validate
+from ps_server.core.optim.schedules import SCHEDULES, learning_rate, validate
 
 GRAPH_BOUND = 1e-6  # of the schedule's largest value, inside tf.function; see the module docstring
 STEPS = list(range(201)) + [1000, 4999, 5000, 10**5, 10**6, 2**24 + 1, 10**9]
@@ -293,7 +293,7 @@ def test_a_step_where_keras_gives_nan_is_refused_not_applied():
 
 def test_importing_schedules_loads_neither_tensorflow_nor_grpc_nor_protobuf():
     code = (
-        "import sys, ps_server.core.schedules\n"
+        "import sys, ps_server.core.optim.schedules\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'grpc')"
         " or m.startswith('google.protobuf'))\n"
         "assert not bad, bad\n"

@@ -1,4 +1,4 @@
-"""Sparse gradients (core.sparse) and non-trainable variables (store): plain NumPy, no sockets.
+"""Sparse gradients (core.optim.sparse) and non-trainable variables (store): plain NumPy, no sockets.
 
 Expected values are computed by hand: an SGD step with learning rate lr on a
 gradient g gives w - lr * g, and a sync round weights each push by its batch share.
@@ -11,10 +11,10 @@ import pytest
 
 from ps_server.core.checkpoint import decode, encode
 from ps_server.core.errors import InvalidArgument, NotFound, SpecConflict
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.sparse import SparseRows, check, densify
+from ps_server.core.optim.sparse import SparseRows, check, densify
 from tests.core.threads import JOIN
 
 SGD = OptimizerSpec("sgd", learning_rate=0.5)

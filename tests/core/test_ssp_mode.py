@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.ssp_mode (bounded staleness) and the async stale-gradient policies.
+"""Tests of ps_server.core.modes.ssp_mode (bounded staleness) and the async stale-gradient policies.
 
     python -m pytest tests/core/test_ssp_mode.py -q
 
@@ -14,13 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import BarrierTimeout, InvalidArgument
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.ssp_mode import SSPMode
+from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
 from tests.core.threads import FakeClock, JOIN, ticking
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 
 SGD = OptimizerSpec("sgd", learning_rate=0.5)

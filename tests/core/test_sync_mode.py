@@ -1,4 +1,4 @@
-"""Tests of ps_server.core.sync_mode: the barrier, with real threads.
+"""Tests of ps_server.core.modes.sync_mode: the barrier, with real threads.
 
     python -m pytest tests/core/test_sync_mode.py -q
 
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.core.aggregation import _round_exact
+from ps_server.core.modes.aggregation import _round_exact
 from ps_server.core.errors import (
     BarrierTimeout,
     FutureRound,
@@ -27,12 +27,12 @@ from ps_server.core.errors import (
     UnknownWorker,
 )
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from ps_server.core.store import VariableStore
 from tests.core.threads import FakeClock, JOIN, finish, start, ticking, wait_until
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.sync_mode import SyncMode
 
 
 
@@ -462,7 +462,7 @@ def sequential(w0, lr):
         grads = [gradient(k, step, w) for k in range(N)]
         sizes = [batch_size(k, step) for k in range(N)]
         total = sum(sizes)
-        for name in w:  # the exact weighted mean, in rationals, rounded once (core.aggregation)
+        for name in w:  # the exact weighted mean, in rationals, rounded once (core.modes.aggregation)
             mean = np.array([_round_exact(sum(Fraction(b) * Fraction(float(g[name].flat[i]))
                                               for g, b in zip(grads, sizes)) / total, np.dtype(np.float32))
                              for i in range(w[name].size)], np.float32).reshape(w[name].shape)

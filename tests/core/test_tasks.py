@@ -1,4 +1,4 @@
-"""core.tasks: exactly-once data for async and ssp training (issue 17, item 3).
+"""core.data.tasks: exactly-once data for async and ssp training (issue 17, item 3).
 
 "A batch is done when its push is applied; a batch whose worker dies (lease) or whose
 push is refused goes back to the queue; a retried push of a done batch is answered from
@@ -14,7 +14,7 @@ import pytest
 
 from ps_common import batches
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.tasks import TaskQueue
+from ps_server.core.data.tasks import TaskQueue
 
 from tests.core import threads
 

@@ -1,5 +1,5 @@
 """ParameterServer in async and ssp with a data plan: batches handed out as tasks
-(``core.tasks``), each applied exactly once whoever dies, leaves, retries or joins."""
+(``core.data.tasks``), each applied exactly once whoever dies, leaves, retries or joins."""
 
 import random
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from ps_common.batches import global_batch
-from ps_server.core.cursor import DataPlan
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, SpecConflict, UnknownWorker
-from ps_server.core.modes import Push
+from ps_server.core.modes.base import Push
 from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import EXAMPLES, gradient
 from tests.core.test_elastic_mode import Clock

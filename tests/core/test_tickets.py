@@ -15,12 +15,12 @@ import pytest
 from ps_server.core.broadcast import Broadcasts, BroadcastTimeout
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Push, Ticket
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import Push, Ticket
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
-from ps_server.core.ssp_mode import SSPMode
+from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.store import VariableStore
-from ps_server.core.sync_mode import SyncMode
+from ps_server.core.modes.sync_mode import SyncMode
 from tests.core.threads import FakeClock
 
 

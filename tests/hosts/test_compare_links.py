@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from ps_tools import compare, compare_hosts
-from ps_tools.compare import SCENARIOS, main, scenario_worker_args
-from ps_tools.compare_hosts import LinksError, plan_links
+from ps_tools.study import compare, compare_hosts
+from ps_tools.study.compare import SCENARIOS, main, scenario_worker_args
+from ps_tools.study.compare_hosts import LinksError, plan_links
 from ps_tools.hosts import unavailable
 
 EMULATED = "emulated hosts: tc tbf 20 Mbit/s per host, 5 ms each way by relay"
@@ -31,7 +31,7 @@ def test_a_short_comparison_on_emulated_and_sleep_links_names_each_and_compares_
     if why:
         pytest.skip(why)
     out = tmp_path / "report"
-    run = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--scenario", "bandwidth", "--links", "both",
+    run = subprocess.run([sys.executable, "-m", "ps_tools.study.compare", "--scenario", "bandwidth", "--links", "both",
                           "--modes", "sync,async", "--seeds", "1", "--workers", "2", "--steps", "4",
                           "--eval-every", "2", "--dataset", "synthetic", "--target-accuracy", "0.05",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)

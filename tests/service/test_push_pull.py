@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/service/test_push_pull.py
 
-``ps_server.core.overlap``: each variable is speculated once every participant's
+``ps_server.core.modes.overlap``: each variable is speculated once every participant's
 gradient for it is in; the round keeps the speculation only if it was computed from
 exactly the round's pushes, and then the values are those an apply of the whole round
 gives, bit for bit. Otherwise the round is applied whole and the worker pulls.
@@ -145,7 +145,7 @@ def test_a_non_trainable_variable_is_speculated_whole_and_keeps_its_state(ps, bg
 
 
 def test_blocks_cover_every_row_once_and_a_norm_or_a_scalar_keeps_a_variable_whole():
-    from ps_server.core.overlap import BLOCK_BYTES, blocks
+    from ps_server.core.modes.overlap import BLOCK_BYTES, blocks
 
     cut = blocks((1000, 300), 4)
     assert cut[0][0] == 0 and cut[-1][1] == 1000 and all(a[1] == b[0] for a, b in zip(cut, cut[1:]))

@@ -17,8 +17,8 @@ from protos import tfps_pb2 as pb
 from ps_common.records import PushReply, Registration
 from ps_server import service
 from ps_server.core.membership import WorkerRecord
-from ps_server.core.modes import PushResult
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.modes.base import PushResult
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status
 
 
@@ -73,7 +73,7 @@ def test_a_push_reply_comes_back_from_the_wire_as_it_left():
 
 def test_the_sync_shortcut_s_values_and_elastic_work_are_the_only_wire_only_push_reply_fields():
     # The service sets them itself: the values (return_values) and, while an elastic round
-    # goes on, the work to do next (ps_server.core.elastic_mode.ElasticReply).
+    # goes on, the work to do next (ps_server.core.modes.elastic_mode.ElasticReply).
     assert convert.PUSH_REPLY.wire_only == {"variables", "incarnation", "assignment"}
 
 

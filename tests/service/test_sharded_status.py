@@ -15,7 +15,8 @@ import pytest
 
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
-from ps_tools import advise, status as ps_status
+from ps_tools import status as ps_status
+from ps_tools.study import advise
 from worker.client import PSClient
 from worker.sharded_client import STATUS_RULES, WORKER_RULES, ShardedClient
 

@@ -13,8 +13,8 @@ import pytest
 
 from protos import tfps_pb2 as pb
 from ps_server.config import ServerConfig
-from ps_server.core.optimizers import OptimizerSpec
-from ps_server.core.sparse import SparseRows, densify
+from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.optim.sparse import SparseRows, densify
 from ps_server.server import build_server
 from worker.client import PSClient, PSClientError
 

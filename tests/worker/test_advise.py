@@ -1,11 +1,11 @@
-"""ps-advise's rules (ps_tools.advise.decide) on hand-made measurements: each rule and its boundary.
+"""ps-advise's rules (ps_tools.study.advise.decide) on hand-made measurements: each rule and its boundary.
 
     python -m pytest -q tests/worker/test_advise.py
 """
 
 import pytest
 
-from ps_tools.advise import COMM_FRACTION, STRAGGLER_RATIO, Measurements, WorkerTimes, decide, report
+from ps_tools.study.advise import COMM_FRACTION, STRAGGLER_RATIO, Measurements, WorkerTimes, decide, report
 
 
 def measured(works, comm_share=0.1):
@@ -52,7 +52,7 @@ def test_report_shows_the_numbers_and_the_rule():
 
 @pytest.mark.parametrize("argv", [[], ["--ps", "a:1", "--launch", "--workers", "2"]])
 def test_exactly_one_of_ps_and_launch(argv, capsys):
-    from ps_tools.advise import main
+    from ps_tools.study.advise import main
 
     assert main(argv) == 2
     assert "give either --ps" in capsys.readouterr().err

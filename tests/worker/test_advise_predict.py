@@ -1,4 +1,4 @@
-"""``ps-advise --predict`` (ps_tools.advise_predict): a measured step profile simulated at N
+"""``ps-advise --predict`` (ps_tools.study.advise_predict): a measured step profile simulated at N
 workers in virtual time, and the decision between the simulation and the rule.
 
     python -m pytest -q tests/worker/test_advise_predict.py
@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from ps_tools import advise_predict
-from ps_tools.advise import AdviseError, Measurements, WorkerTimes, decide
-from ps_tools.compare import mode_flags
-from ps_tools.virtual import SimConfig, Simulation, VirtualError, Workload
+from ps_tools.study import advise_predict
+from ps_tools.study.advise import AdviseError, Measurements, WorkerTimes, decide
+from ps_tools.study.compare import mode_flags
+from ps_tools.study.virtual import SimConfig, Simulation, VirtualError, Workload
 
 FREE = {"apply_s": 0.0, "fold_s": 0.0, "round_apply_s": 0.0, "decode_s": 0.0, "encode_s": 0.0}
 LAUNCH = ["--workers", "3", "--model", "tiny", "--dataset", "digits", "--train-examples", "256", "--epochs", "2",
@@ -95,7 +95,7 @@ def row(mode, t, acc, t_sd=0.01, acc_sd=0.005, seeds=2):
 
 
 def test_the_decision_goes_by_time_then_accuracy_then_the_rule_unless_the_simulation_shows_it_behind():
-    from ps_tools.virtual_compare import verdicts
+    from ps_tools.study.virtual_compare import verdicts
 
     def decided(*rows, rule_mode="async"):
         rows = [dict(r, profile="measured", workers=8) for r in rows]

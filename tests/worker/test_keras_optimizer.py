@@ -13,7 +13,7 @@ import os
 import pytest
 
 from protos import tfps_pb2 as pb
-from ps_server.core.optimizers import OptimizerSpec
+from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.service import optimizer_from_wire
 from worker.keras_optimizer import spec_fields
 

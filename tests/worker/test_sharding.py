@@ -204,7 +204,7 @@ def test_values_that_do_not_fit_the_placement_are_refused():
 
 
 def test_a_sparse_gradient_of_a_sliced_variable_reaches_each_shard_as_its_own_rows_renumbered():
-    from ps_server.core.sparse import SparseRows, densify
+    from ps_server.core.optim.sparse import SparseRows, densify
 
     specs = {"emb": ((10, 4), np.dtype(np.float32)), "b": ((4,), np.dtype(np.float32))}
     p = plan(specs, num_shards=2, min_slice_bytes=1)

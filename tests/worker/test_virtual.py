@@ -1,4 +1,4 @@
-"""Virtual time (ps_tools.virtual): the link and event model by hand, and runs of the real
+"""Virtual time (ps_tools.study.virtual): the link and event model by hand, and runs of the real
 server core with real gradients whose times and staleness follow from fixed costs."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from ps_tools.virtual import Events, SharedLink, SimConfig, Simulation, VirtualError, Workload, fair_rates
+from ps_tools.study.virtual import Events, SharedLink, SimConfig, Simulation, VirtualError, Workload, fair_rates
 
 # Fixed costs (not measured): the times below follow from them exactly, whatever the machine.
 COMPUTE = 0.010
@@ -193,7 +193,7 @@ def test_bad_configurations_are_refused(workload):
 def test_ps_compare_virtual_64_workers_quick(tmp_path):
     """The acceptance: ps-compare --virtual --workers 64 --quick writes its report."""
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", "--workers", "64", "--quick",
+    done = subprocess.run([sys.executable, "-m", "ps_tools.study.compare", "--virtual", "--workers", "64", "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -216,13 +216,13 @@ def test_ps_compare_virtual_refuses_bad_flags(tmp_path):
     for flags, words in ((["--profiles", "storm"], "--profiles"), (["--workers", "1", "--modes", "backup"],
                                                                    "at least 2"),
                          (["--workers", "0"], "--workers"), (["--model", "huge"], "--model")):
-        done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", *flags, "--out",
+        done = subprocess.run([sys.executable, "-m", "ps_tools.study.compare", "--virtual", *flags, "--out",
                                str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and words in done.stderr and "ps-compare: error:" in done.stderr, done.stderr
 
 
 def test_the_chen_comparison_says_which_half_held():
-    from ps_tools.virtual_compare import chen_comparison
+    from ps_tools.study.virtual_compare import chen_comparison
 
     def row(mode, times, accs):
         mean = lambda v: sum(v) / len(v)
@@ -243,7 +243,7 @@ def test_the_chen_comparison_says_which_half_held():
 
 
 def test_the_real_runs_costs_and_time_to_target_are_read_from_histories():
-    from ps_tools.virtual_validate import measured, real_time_to_target
+    from ps_tools.study.virtual_validate import measured, real_time_to_target
 
     def step(i, t):
         return {"step": i, "t": t, "pull_s": 0.001, "compute_s": 0.004, "push_s": 0.003, "knob_s": 0.0}
@@ -263,7 +263,7 @@ def test_the_real_runs_costs_and_time_to_target_are_read_from_histories():
 
 
 def test_the_rankings_hold_virtual_time_to_the_pairs_the_real_seeds_decide():
-    from ps_tools.virtual_validate import rankings, validation_lines
+    from ps_tools.study.virtual_validate import rankings, validation_lines
 
     def row(mode, seed, real, virtual):
         return {"profile": "balanced", "workers": 3, "mode": mode, "seed": seed, "real_time_to_target": real,
@@ -302,7 +302,7 @@ def test_validation_against_real_runs_writes_the_table(tmp_path):
     trains the same job as the real one (same data, same rounds), so its final accuracy is
     the real run's; the table holds both times and their residual."""
     out = tmp_path / "v"
-    done = subprocess.run([sys.executable, "-m", "ps_tools.compare", "--virtual", "--validate", "--workers", "2",
+    done = subprocess.run([sys.executable, "-m", "ps_tools.study.compare", "--virtual", "--validate", "--workers", "2",
                            "--profiles", "balanced", "--modes", "sync,async", "--seeds", "1", "--epochs", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -50,7 +50,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_server.core import kernels
+from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
 
 Contribution = tuple[int, Mapping[str, np.ndarray]]  # (batch_size, gradients by name)
@@ -150,7 +150,7 @@ class _Exact:
                 m = stop - start
                 h, xb, sb, tb = self.hi[start:stop], x[:m], s[:m], t[:m]
                 count = kernels.fold_exact(flat[start:stop], piece, self.hi, start, tb)
-                if count is not None:  # the fused pass (core.kernels): the same operations
+                if count is not None:  # the fused pass (core.optim.kernels): the same operations
                     if count:
                         self._kept(tb, start)
                     continue
@@ -311,7 +311,7 @@ class RoundSum:
         round was dense, else their exact mean over the union of their rows, a SparseRows
         whose rows hold the bits of the dense mean's (rows of zeros elsewhere)."""
         from ps_common.sparse import SparseRows
-        from ps_server.core import sparse
+        from ps_server.core.optim import sparse
 
         if name in self._exact or name in self._held:
             like = self._exact[name] if name in self._exact else None

@@ -71,12 +71,12 @@ import numpy as np
 from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES
 from ps_common.reasons import Reason
-from ps_server.core.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
+from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.overlap import HELD_BYTES, Speculation, blocks
-from ps_server.core.rounds import ROUNDS_REMEMBERED, RoundBook
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.overlap import HELD_BYTES, Speculation, blocks
+from ps_server.core.modes.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
 
@@ -117,7 +117,7 @@ class SyncMode(Mode):
         self._round_started: float | None = None
         self._rounds_timed_out = 0
         self._rounds_aborted = 0
-        self._speculation: Speculation | None = None  # the current round's (core.overlap)
+        self._speculation: Speculation | None = None  # the current round's (core.modes.overlap)
         self._sum = RoundSum()  # the current round's pushes, folded (a fresh one each generation)
         self._tickets: dict[int, list[Ticket]] = {}  # generation -> submit()'s waiting pushes
 
@@ -188,7 +188,7 @@ class SyncMode(Mode):
     def _fold(self, push: Push) -> Push:
         """What the round keeps of a new push, lock held: the push without its gradients,
         folded into the round's sum; or, when the push joined the round's speculation
-        (``core.overlap``, which confirms by the arrays' identity), the push whole. A fold
+        (``core.modes.overlap``, which confirms by the arrays' identity), the push whole. A fold
         that fails half-way (no memory) aborts the round: its sum can no longer be trusted."""
         spec = self._speculation
         if spec is not None and spec.generation == self._book.generation and push.worker_id in spec.sizes:
@@ -204,11 +204,11 @@ class SyncMode(Mode):
             raise
         return dataclasses.replace(push, gradients={})
 
-    # -- overlap: new values while the round still arrives (core.overlap) --------------------
+    # -- overlap: new values while the round still arrives (core.modes.overlap) --------------------
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
                 sparse: bool = False) -> Speculation | None:
         """The speculation a streamed push joins, or None when its round is not speculated
-        (``core.overlap``; the push itself then goes on as any other). ``gradients``: the
+        (``core.modes.overlap``; the push itself then goes on as any other). ``gradients``: the
         push's {name: (dtype, shape)} in the order its bytes come."""
         spec_of_optimizer = self.store.optimizer_spec
         if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
@@ -297,7 +297,7 @@ class SyncMode(Mode):
         previous = None
         speculation = self._speculation if self._speculation is not None \
             and self._speculation.generation == generation and not rates else None
-        kept = speculation.confirm(pushes) if speculation is not None else None  # core.overlap
+        kept = speculation.confirm(pushes) if speculation is not None else None  # core.modes.overlap
         try:
             # Every variable speculated from exactly these pushes: those values are the round's.
             mean = None

@@ -1,14 +1,14 @@
 """Fused optimizer steps: one pass over memory, the same bits as the NumPy steps.
 
-    from ps_server.core import kernels
+    from ps_server.core.optim import kernels
     fused = kernels.adam(w, g, m, v, None, one_minus_beta_1, one_minus_beta_2, alpha, epsilon)
     if fused is None:  # no numba, float16, a strided array, or TFPS_KERNELS=numpy
         ...  # the NumPy step
     else:
         new_w, new_m, new_v, new_v_hat = fused
 
-The ``_step`` methods of ``ps_server.core.optimizers`` (SGD, Adam/AdamW, Adagrad,
-RMSprop) and ``ps_server.core.more_optimizers`` (Adamax, Nadam, Lion; not Ftrl,
+The ``_step`` methods of ``ps_server.core.optim.optimizers`` (SGD, Adam/AdamW, Adagrad,
+RMSprop) and ``ps_server.core.optim.more_optimizers`` (Adamax, Nadam, Lion; not Ftrl,
 whose power has no exact twin here) call these first
 and run their NumPy ufuncs only when the answer is None. A NumPy step is one
 ufunc per operation, each a full pass over memory (an Adam step is ten); a

@@ -4,7 +4,7 @@
     ps-compare --virtual --workers 2,4,8,16,32,64,128,256 --profiles balanced,straggler,tail \\
         --seeds 3 --server-mbps 1000 --out report/
 
-Every (profile, N, mode, seed) is one run of ``ps_tools.virtual.Simulation`` (the job:
+Every (profile, N, mode, seed) is one run of ``ps_tools.study.virtual.Simulation`` (the job:
 ``--epochs`` of the training set, rounded down to whole sync rounds): the real
 server core and real TensorFlow gradients, time from a model of compute, links and the
 server (see that module). The compute and server costs are measured once per N here and
@@ -26,7 +26,7 @@ import shlex
 import sys
 import time
 
-from ps_tools.virtual import MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, mode_options
+from ps_tools.study.virtual import MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, mode_options
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, help="runs per profile, N and mode, seeds 0..K-1 (default 3; --quick 1)")
     p.add_argument("--validate", action="store_true",
                    help="run each configuration for real too (ps-launch on this machine) and compare: "
-                   "ps_tools.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
+                   "ps_tools.study.virtual_validate (defaults then: --workers 2,3,4, --dataset digits, --batch 32)")
     p.add_argument("--validate-hosts", metavar="MBPS,MS",
                    help="--validate: the real runs on emulated hosts (ps_tools.hosts, root), every host's link "
                    "shaped to MBPS Mbit/s with MS ms added each way; their twins get the same links")
@@ -103,7 +103,7 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
         if not (rate > 0 and latency >= 0):
             raise VirtualError(f"--validate-hosts: the rate must be > 0 and the latency >= 0, got "
                                f"{args.validate_hosts!r}")
-        from ps_tools.compare import Network
+        from ps_tools.study.compare import Network
 
         args.validate_network = Network(rate_mbps=rate, latency_ms=latency)
     if args.cores is None:
@@ -457,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
               "target_accuracy": args.target_accuracy, "command": "ps-compare " + shlex.join(argv),
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
     if args.validate:
-        from ps_tools import virtual_validate
-        from ps_tools.compare import CompareError
+        from ps_tools.study import virtual_validate
+        from ps_tools.study.compare import CompareError
 
         args.worker_list, args.profile_list, args.mode_list = workers, profiles, modes
         args.command, args.epochs = config["command"], int(args.epochs)

@@ -10,7 +10,7 @@
     # ElasticReply(result=PushResult(...), work=None): the round completed; pull, then ``work`` again
     mode.workers_died([w])                       # lease expired (or worker_left): its undelivered part moves
 
-The data cursor belongs to the cluster (``core.cursor``): round ``r`` trains on
+The data cursor belongs to the cluster (``core.data.cursor``): round ``r`` trains on
 global batch ``r`` of the seeded sequence, cut into the cursor's fixed
 micro-batches, dealt to the workers live when the round starts. A worker pushes
 one gradient per micro-batch (``Push.micro_batch``, its ``batch_size`` that
@@ -18,7 +18,7 @@ micro-batch's examples), computed on the round's parameters (``work.round`` is t
 version it pulls). Each is folded into the round's exact sum (``RoundSum``, keyed
 by micro-batch) as it arrives. A push is answered at once while its worker has
 micro-batches left to compute (``ElasticReply.work``); its last one waits for the
-round, or for work moved to it from a worker that died: ``core.cursor`` explains
+round, or for work moved to it from a worker that died: ``core.data.cursor`` explains
 why the round's result then has the same bits whoever computed what.
 
 - The first round starts when ``min_workers`` have joined; later rounds start
@@ -50,13 +50,13 @@ import time
 from typing import Callable
 
 from ps_common.reasons import Reason
-from ps_server.core.aggregation import RoundSum, weighted_loss
-from ps_server.core.cursor import Cursor, EpochLedger, RoundWork
+from ps_server.core.modes.aggregation import RoundSum, weighted_loss
+from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
                                    WorkerDead)
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.rounds import ROUNDS_REMEMBERED
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.rounds import ROUNDS_REMEMBERED
 from ps_server.core.store import StoreState, VariableStore
 
 

@@ -2,9 +2,9 @@
 
     ps-advise --predict --predict-workers 64 --link-mbps 1000 --launch -- --workers 3 --dataset digits
 
-The rules of ``ps_tools.advise`` read a step profile; they cannot say what 64 workers
+The rules of ``ps_tools.study.advise`` read a step profile; they cannot say what 64 workers
 would do, where an async gradient's staleness and a sync round's wait for the slowest
-grow with N. This runs the virtual-time comparison (``ps_tools.virtual``: the real server
+grow with N. This runs the virtual-time comparison (``ps_tools.study.virtual``: the real server
 core, real TensorFlow gradients, time from a model) for the user's N, with the profile
 measured here:
 
@@ -41,7 +41,7 @@ import dataclasses
 import math
 import statistics
 
-from ps_tools.advise import Advice, AdviseError, Measurements
+from ps_tools.study.advise import Advice, AdviseError, Measurements
 
 DEFAULT_MBPS = 10_000.0
 
@@ -50,8 +50,8 @@ DEFAULT_MBPS = 10_000.0
 class Prediction:
     workers: int
     config: dict  # the SimConfig of the runs, but mode, seed
-    rows: list[dict]  # per mode: ps_tools.virtual_compare.summarize
-    verdict: dict  # ps_tools.virtual_compare.verdicts
+    rows: list[dict]  # per mode: ps_tools.study.virtual_compare.summarize
+    verdict: dict  # ps_tools.study.virtual_compare.verdicts
     decided_by: str  # "simulation" or "rule"
     advice: Advice
 
@@ -106,8 +106,8 @@ def predict(m: Measurements, rule: Advice, workers: int, *, launch_args: list[st
             dataset: str | None = None, costs: dict | None = None, progress=print) -> Prediction:
     """``costs``: the server's seconds per apply, fold, round, decode and encode
     (``Simulation``); None: measured here, once."""
-    from ps_tools.virtual import SimConfig, VirtualError, mode_options
-    from ps_tools.virtual_compare import run_study, summarize, verdicts
+    from ps_tools.study.virtual import SimConfig, VirtualError, mode_options
+    from ps_tools.study.virtual_compare import run_study, summarize, verdicts
 
     if workers < 1:
         raise AdviseError(f"--predict-workers must be >= 1, got {workers}")
@@ -157,7 +157,7 @@ def decide(rows: list[dict], verdict: dict, rule: Advice, workers: int, target: 
     the most accurate at the end, if it leads them beyond the spread; else the rule's
     mode stands while it is among those (fast and accurate within the spread), and the
     fastest of them replaces it when it is not (the simulation shows it behind)."""
-    from ps_tools.compare import mode_flags
+    from ps_tools.study.compare import mode_flags
 
     by = {r["mode"]: r for r in rows}
 

@@ -10,10 +10,10 @@ processes on this machine) with the scenario's experiment knobs (``--slowdown``,
 evaluating the test accuracy every few steps. A scenario with a network (bandwidth:
 a rate and a latency on every link) runs, per ``--links``, on emulated hosts (the
 same processes in network namespaces of their own, every link shaped with tc, the
-latency by a relay in the server's host: ``ps_tools.compare_hosts``) or on loopback
+latency by a relay in the server's host: ``ps_tools.study.compare_hosts``) or on loopback
 with the sleep knobs ``--bandwidth-mbps`` and ``--added-latency-ms``; ``auto``
 (default) emulates where the machine can, ``both`` runs each such scenario both ways.
-``ps_tools.report`` turns the runs into report.json, report.md and PNG plots:
+``ps_tools.study.report`` turns the runs into report.json, report.md and PNG plots:
 loss and accuracy against wall time and against updates, time to the target
 accuracy, final accuracy, examples/s, staleness, and the spread of each across
 seeds (the stability of a mode, measured), and says per scenario how its links
@@ -26,7 +26,7 @@ size of the training set, ``ps-worker --train-examples``; 0: all of it) and
 count x mode x seed; a comparison group is one scenario (and link kind), model,
 size and worker count, and the report says for each pair of modes in a group
 whether the difference of their means exceeds the spread across seeds
-(``ps_tools.report.significance``).
+(``ps_tools.study.report.significance``).
 
 Modes (``--modes``): ``sync``; ``async``; ``ssp1`` and ``ssp4`` (``--mode ssp
 --staleness 1`` and ``4``); ``backup`` (sync finishing each round with the first
@@ -45,9 +45,9 @@ import subprocess
 import sys
 import time
 
-from ps_tools.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
-from ps_tools.compare_hosts import run_on_hosts
-from ps_tools.report import write_report
+from ps_tools.study.compare_hosts import LINK_CHOICES, LinksError, Network, describe, launch_command_text, plan_links
+from ps_tools.study.compare_hosts import run_on_hosts
+from ps_tools.study.report import write_report
 from worker.model import MODELS
 
 LAST = -1  # the scenario knob goes to the last worker
@@ -272,8 +272,8 @@ def _choices(args: argparse.Namespace) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--virtual" in (sys.argv[1:] if argv is None else argv):  # N simulated workers: ps_tools.virtual_compare
-        from ps_tools.virtual_compare import main as virtual_main
+    if "--virtual" in (sys.argv[1:] if argv is None else argv):  # N simulated workers: ps_tools.study.virtual_compare
+        from ps_tools.study.virtual_compare import main as virtual_main
 
         return virtual_main(argv)
     args = parser().parse_args(argv)

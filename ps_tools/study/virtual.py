@@ -366,8 +366,8 @@ class Workload:
     def measure_server(self, repeats: int = 5) -> tuple[float, float, float]:
         """(async apply, sync fold, sync round's optimizer step) in seconds, medians, timed on
         scratch servers of the real core with this model's gradients."""
-        from ps_server.core.modes import Push
-        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.modes.base import Push
+        from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
 
         x, y, n = self.batch_of(0, 0)
@@ -478,7 +478,7 @@ class _Run:
     queue of pulls, pushes and replies)."""
 
     def __init__(self, sim: Simulation):
-        from ps_server.core.optimizers import OptimizerSpec
+        from ps_server.core.optim.optimizers import OptimizerSpec
         from ps_server.core.parameter_server import ParameterServer
         from worker.client import SMALL_BYTES
 
@@ -575,7 +575,7 @@ class _Run:
         self.busy(seconds, lambda: self.computed(i, version, values))
 
     def computed(self, i: int, version: int, values: dict) -> None:
-        from ps_server.core.modes import Push
+        from ps_server.core.modes.base import Push
         from worker.gradients import zeros
 
         w, step_of = self.w, self.step_of

@@ -51,7 +51,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_server.core.aggregation import RoundSum
+from ps_server.core.modes.aggregation import RoundSum
 from ps_server.core.errors import PSError
 
 BLOCK_BYTES = 512 << 10

@@ -7,14 +7,14 @@
 
 The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 ``AdamW`` (Adam with Keras' weight decay, default 0.004), ``Adagrad``,
-``RMSprop`` (momentum, centered), and from ``ps_server.core.more_optimizers``
+``RMSprop`` (momentum, centered), and from ``ps_server.core.optim.more_optimizers``
 ``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion``. Options of every one, as Keras'
 ``BaseOptimizer.apply`` runs them on one update: the gradient clipped
 (``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
 optimizer's step, then ``use_ema`` (an ``ema`` slot: the moving average, and every
 ``ema_overwrite_frequency`` updates the variable overwritten with it). The learning
-rate is a constant or one of Keras' schedules (``ps_server.core.schedules``),
+rate is a constant or one of Keras' schedules (``ps_server.core.optim.schedules``),
 evaluated at the variable's update count before the update, as Keras evaluates it
 at ``optimizer.iterations``.
 
@@ -36,7 +36,7 @@ threads, as many as the machine has: there our norm is within an ulp or so of it
 Known limits, on TensorFlow's side:
 - inside a compiled step (``tf.function``, as ``model.fit`` runs it) a schedule's
   value differs from eager Keras' by at most 6.2e-7 of its largest value
-  (Grappler and XLA rewrite it; ``ps_server.core.schedules``), and under XLA
+  (Grappler and XLA rewrite it; ``ps_server.core.optim.schedules``), and under XLA
   (``jit_compile=True``, ``model.fit``'s default) TensorFlow fuses ``a*b - c`` into
   one FMA, so it drifts from eager Keras (and from us) by about 1 unit in the last
   place per step;
@@ -78,7 +78,7 @@ import numpy as np
 
 from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
                              keras_optimizer_fields)
-from ps_server.core import kernels, schedules
+from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -466,7 +466,7 @@ class Optimizer:
         back (``VariableStore``). Every step here is elementwise once its scalars are fixed,
         so these are those rows' bits of ``apply`` on the whole variable with zeros
         elsewhere; the exceptions need the whole variable (``clipnorm``,
-        ``global_clipnorm``, ``use_ema``: ``core.sparse.row_wise``) and are not for here."""
+        ``global_clipnorm``, ``use_ema``: ``core.optim.sparse.row_wise``) and are not for here."""
         _check_float_array("variable", value)
         if not value.shape:
             raise InvalidArgument("apply_rows needs a variable with rows; this one is 0-d")
@@ -504,7 +504,7 @@ class SGD(Optimizer):
     def _step(self, w, g, state, iterations, c):
         # The same IEEE operations as the formulas above, in as few fresh arrays as
         # possible (``out=`` into temporaries): a fresh array is fresh pages to fault in;
-        # first, the same operations fused into one pass (ps_server.core.kernels).
+        # first, the same operations fused into one pass (ps_server.core.optim.kernels).
         if not self.slot_names:
             fused = kernels.sgd(w, g, c["lr"])
             if fused is not None:
@@ -636,7 +636,7 @@ def make_optimizer(spec: OptimizerSpec) -> Optimizer:
     if spec.name in mine:
         return mine[spec.name](spec)
     try:  # here, not at the top: more_optimizers imports this module
-        from ps_server.core import more_optimizers
+        from ps_server.core.optim import more_optimizers
     except ImportError:
         more_optimizers = None
     cls = getattr(more_optimizers, spec.name.capitalize(), None) if more_optimizers else None

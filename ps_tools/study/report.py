@@ -2,7 +2,7 @@
 
     paths = write_report(out_dir, config, runs)   # report.json, report.md, plot-*.png, staleness-*.png
 
-A run is what ``ps_tools.compare.run_one`` returns: the launch metrics and every
+A run is what ``ps_tools.study.compare.run_one`` returns: the launch metrics and every
 worker's history (per step: t, loss, version, staleness, dropped; the chief's
 "evals": test accuracy every few steps). From each run: the final test
 accuracy, the time and the number of updates (server versions) until the
@@ -12,7 +12,7 @@ standard deviation of each over the seeds; the deviation is the mode's stability
 
 Each run says how its network was made (``links``: "loopback" for a scenario
 without one, "sleep" for the sleep knobs, "emulated" for emulated hosts; see
-``ps_tools.compare_hosts``). Where a scenario ran with more than one kind
+``ps_tools.study.compare_hosts``). Where a scenario ran with more than one kind
 (``ps-compare --links both``), each kind has its own table, plots
 (``plot-<scenario>-<kind>.png``) and findings, and ``compare_links`` says how the
 conclusions differ: the fastest mode to the target under each, and each mode's

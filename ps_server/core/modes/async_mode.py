@@ -26,7 +26,7 @@ what "lock-free" means under each, exactly:
   because it is checked before any variable is touched.
 
 ``apply="hogwild"``: no lock around any arithmetic, updates in place
-(Hogwild!, Niu et al. 2011; the arithmetic is ``core.hogwild``'s).
+(Hogwild!, Niu et al. 2011; the arithmetic is ``core.optim.hogwild``'s).
 
 - What may interleave: everything the locked apply allows, and also the element
   updates of concurrent pushes to the same variable. Each push writes its step
@@ -38,7 +38,7 @@ what "lock-free" means under each, exactly:
   its elements may reflect different sets of pushes. Optimizer slots (momentum,
   Adam's m and v) race the same way, and the step index of Adam's bias
   correction or of a learning-rate schedule may be the same for two concurrent
-  pushes (``core.hogwild``).
+  pushes (``core.optim.hogwild``).
 - What is still guaranteed: every accepted push is counted once in the version
   and in ``pushes_applied``, and each variable's ``iterations`` counts every
   step once; no push is applied twice (the exactly-once record below); a replay
@@ -64,7 +64,7 @@ what "lock-free" means under each, exactly:
 - Optimizers: sgd (plain, momentum, Nesterov), adam (amsgrad), adamw, adagrad,
   rmsprop (momentum; not centered), with clipping, weight decay and schedules.
   Another one, centered rmsprop or ``use_ema`` is refused at initialize with
-  one line naming it (``core.hogwild.check_supported``).
+  one line naming it (``core.optim.hogwild.check_supported``).
 - The only locks a hogwild push takes: its worker's own (below), the store's
   ``_publish`` for a few integer assignments per variable (its step count and
   change stamp, as ``bump_version`` takes it for the version), and the stats'.
@@ -109,7 +109,7 @@ from ps_common.defaults import MAX_STALENESS
 from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
-from ps_server.core.modes import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 

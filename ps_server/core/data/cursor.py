@@ -56,7 +56,7 @@ from ps_server.core.errors import InvalidArgument
 class DataPlan:
     """What the server must know of the job's data to deal its rounds (the chief sends it).
     Async and ssp: ``global_batch_size`` is each task's batch (one push's examples) and
-    ``epochs`` how many passes the job makes (``core.tasks``); elastic sync's rounds go on
+    ``epochs`` how many passes the job makes (``core.data.tasks``); elastic sync's rounds go on
     while workers ask (``epochs`` 0)."""
 
     num_examples: int
@@ -218,7 +218,7 @@ class RoundWork:
 
 class EpochLedger:
     """Which examples each epoch trained on, each at most once: elastic sync's completed
-    rounds, and the task queue's applied tasks (``core.tasks``). An epoch's bitmap is kept
+    rounds, and the task queue's applied tasks (``core.data.tasks``). An epoch's bitmap is kept
     while it is in progress; a complete one is only listed."""
 
     def __init__(self, num_examples: int):

@@ -45,10 +45,10 @@ import time
 from typing import Callable
 
 from ps_common.defaults import BARRIER_TIMEOUT, MAX_STALENESS
-from ps_server.core.async_mode import AsyncMode
+from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError
 from ps_server.core.membership import Membership
-from ps_server.core.modes import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.store import StoreState, VariableStore
 
 RECORDS_KEPT = 100_000

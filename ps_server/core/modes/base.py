@@ -31,7 +31,7 @@ from ps_common.records import PushReply
 from ps_server.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ps_server.core.cursor import Cursor, EpochLedger
+    from ps_server.core.data.cursor import Cursor, EpochLedger
     from ps_server.core.store import StoreState
 
 
@@ -56,10 +56,10 @@ class Push:
     # > 0: the optimizer's constant learning rate from this push's update on (sync: its
     # round's); 0: unchanged.
     set_learning_rate: float = 0.0
-    # Elastic sync (``core.elastic_mode``): the micro-batch of the round this gradient is
-    # for (``core.cursor``); -1 elsewhere.
+    # Elastic sync (``core.modes.elastic_mode``): the micro-batch of the round this gradient is
+    # for (``core.data.cursor``); -1 elsewhere.
     micro_batch: int = -1
-    # Async and ssp with a data plan (``core.tasks``): the task (batch) this gradient is
+    # Async and ssp with a data plan (``core.data.tasks``): the task (batch) this gradient is
     # of, which this worker holds; -1 elsewhere.
     task: int = -1
 
@@ -184,7 +184,7 @@ class Mode:
     # dead-worker policy applies, and the values after a round stay current until the
     # worker pushes again unless backup workers let a round go on without it.
     rounds: bool = False
-    # How the mode deals a data plan (``core.cursor.DataPlan``), as ``DataState.kind``:
+    # How the mode deals a data plan (``core.data.cursor.DataPlan``), as ``DataState.kind``:
     # "tasks" (async, ssp: ``deal_tasks``), "elastic" (elastic sync's micro-batches:
     # ``set_cursor``, ``work``) or "" (none: the workers read their own shards).
     data_plan: str = ""
@@ -229,7 +229,7 @@ class Mode:
         return False
 
     def deal_tasks(self, applying: Callable[[], ContextManager], applied: Callable[[Push, PushResult], None]) -> None:
-        """``data_plan`` "tasks" (``core.tasks``): hold ``applying()`` around each push's apply,
+        """``data_plan`` "tasks" (``core.data.tasks``): hold ``applying()`` around each push's apply,
         and call ``applied(push, result)`` under it once the push was applied or dropped."""
         raise NotImplementedError(f"{self.name} mode deals no tasks")
 
@@ -243,7 +243,7 @@ class Mode:
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
                 sparse: bool = False):
-        """The speculation (``core.overlap``) a streamed push joins; None: not speculated."""
+        """The speculation (``core.modes.overlap``) a streamed push joins; None: not speculated."""
         return None
 
     def offer(self, spec, worker_id: int, name: str, block: int, gradient) -> None:

@@ -1,6 +1,6 @@
 """More server-side optimizers that compute exactly what Keras 3 computes.
 
-``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion`` are ``ps_server.core.optimizers.Optimizer``
+``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion`` are ``ps_server.core.optim.optimizers.Optimizer``
 subclasses (``make_optimizer`` finds them here by name) and follow its method: each
 step repeats the Keras 3.15 ``update_step`` (TensorFlow 2.21 CPU backend) operation by
 operation, in Keras' order, every intermediate in the variable's dtype, and rounds
@@ -49,9 +49,9 @@ import math
 
 import numpy as np
 
-from ps_server.core import kernels
+from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
+from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
 
 
 def _via_float32(x, dtype):

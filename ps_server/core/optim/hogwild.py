@@ -5,7 +5,7 @@
     step_in_place(optimizer, value, grad, state, lr_scale, clip_scale)
 
 What ``ps-server --async-apply hogwild`` runs (``VariableStore.apply_in_place``,
-``core.async_mode``). The arithmetic is that of ``core.optimizers``, operation by
+``core.modes.async_mode``). The arithmetic is that of ``core.optim.optimizers``, operation by
 operation in the same order and dtype, so a step that no other step overlaps is
 bit-identical to the locked, copy-on-write one (``Optimizer.apply``;
 ``tests/core/test_hogwild.py`` checks every supported option). What differs is
@@ -42,9 +42,9 @@ from __future__ import annotations
 import numpy as np
 
 from ps_common.names import ASYNC_APPLIES
-from ps_server.core import schedules
+from ps_server.core.optim import schedules
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
+from ps_server.core.optim.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
 
 IN_PLACE = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 

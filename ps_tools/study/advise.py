@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-steps", type=int, default=20, help="launch: steps of the probe run (default 20)")
     p.add_argument("--timeout", type=float, default=600.0, help="launch: seconds the probe may take (default 600)")
     p.add_argument("--json-out", help="also write the measurements and the advice here")
-    g = p.add_argument_group("prediction (ps_tools.advise_predict): the measured profile in virtual time")
+    g = p.add_argument_group("prediction (ps_tools.study.advise_predict): the measured profile in virtual time")
     g.add_argument("--predict", action="store_true",
                    help="simulate the measured cluster at --predict-workers and decide by time to accuracy")
     g.add_argument("--predict-workers", type=int, help="N to predict for (default: the workers measured)")
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"measurements": {**dataclasses.asdict(m), "straggler_ratio": m.straggler_ratio,
                             "comm_fraction": m.comm_fraction}, "advice": dataclasses.asdict(advice)}
     if args.predict:
-        from ps_tools import advise_predict
+        from ps_tools.study import advise_predict
 
         modes = [s.strip() for s in args.predict_modes.split(",") if s.strip()] if args.predict_modes else None
         try:

@@ -89,7 +89,7 @@ import numpy as np
 
 import ps_common.batches as batches
 from ps_common.reasons import Reason
-from ps_server.core.cursor import EpochLedger
+from ps_server.core.data.cursor import EpochLedger
 from ps_server.core.errors import InvalidArgument
 
 ORDERS_KEPT = 3  # epoch orders cached: near a boundary two epochs are in use, and a given-back one

@@ -3,9 +3,9 @@
     ps-compare --virtual --validate --workers 2,3,4 --profiles balanced,straggler --modes sync,async --out v/
 
 For every (profile, N, mode, seed) it runs the real training (``ps-launch``: one server
-and N worker processes on this machine, through ``ps_tools.compare.run_one``, the
+and N worker processes on this machine, through ``ps_tools.study.compare.run_one``, the
 straggler by ``--slowdown``), reads the workers' histories, and runs the same job in
-virtual time (``ps_tools.virtual``) with what the real run measured:
+virtual time (``ps_tools.study.virtual``) with what the real run measured:
 
 - ``compute_s``: the median of every worker's per-step ``compute_cpu_s`` (the CPU time
   of its gradient; without the first step, which traces); the profile's factor (the
@@ -15,7 +15,7 @@ virtual time (``ps_tools.virtual``) with what the real run measured:
   on loopback, where bytes cost next to nothing; the fast ones waited least for a core):
   the per-call cost of gRPC here;
 - with ``--validate-hosts MBPS,MS`` the real runs are on emulated hosts
-  (``ps_tools.compare_hosts``: a network namespace per process on a bridge, every host's
+  (``ps_tools.study.compare_hosts``: a network namespace per process on a bridge, every host's
   link shaped with ``tc tbf`` at MBPS, MS added each way by the relay before the server),
   and the twin gets each worker's link and the server's (shared by all) at MBPS and a
   one-way latency of MS plus the per-call cost: half of what the fast pulls took beyond
@@ -51,9 +51,9 @@ import math
 import os
 import statistics
 
-from ps_tools import compare
-from ps_tools.report import spread, spread_test, summarize_run
-from ps_tools.virtual import SimConfig, Simulation, Workload
+from ps_tools.study import compare
+from ps_tools.study.report import spread, spread_test, summarize_run
+from ps_tools.study.virtual import SimConfig, Simulation, Workload
 
 SLOWDOWN = 3.0
 
@@ -268,7 +268,7 @@ def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    from ps_tools.virtual_compare import fits
+    from ps_tools.study.virtual_compare import fits
 
     rows, workload_of = [], {}
     total = len(args.profile_list) * sum(fits(m, n) for n in args.worker_list for m in args.mode_list) * args.seeds
