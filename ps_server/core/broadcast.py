@@ -1,14 +1,14 @@
 """The chief's decisions, posted under a key and read by every other worker.
 
     board = Broadcasts(timeout_limit=60.0)
-    board.post("epoch-3", b"stop")              # the chief (worker 0): returns at once
-    value = board.wait_for("epoch-3", 30.0)     # any other worker: blocks until posted
+    board.post("epoch-3", b"stop")                          # the chief (worker 0): returns at once
+    value = board.submit_wait("epoch-3", 30.0).result(30)   # any other worker: settled once posted
 
 What a Keras ``model.fit`` on several workers agrees on at each epoch's end:
 whether to stop (an ``EarlyStopping`` on the chief) and the next learning rate
 (a ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief), so that
 every worker stops at the same epoch and trains with the chief's choice.
-``ParameterServer.broadcast`` decides who posts: worker 0 posts, the others wait.
+``ParameterServer.submit_broadcast`` decides who posts: worker 0 posts, the others wait.
 
 Guarantees:
 - a key holds one value for good: posting it again with the same value is
@@ -17,15 +17,15 @@ Guarantees:
 - a reader gets exactly the bytes the chief posted, however long before or after
   its own call the post came (within the keys kept, below);
 - every wait is bounded: at most ``timeout_limit`` seconds (the server's barrier
-  timeout), after which ``BroadcastTimeout`` says which key was not posted;
+  timeout), after which ``expire_overdue`` (the server's ticker) settles it with
+  ``BroadcastTimeout``, which says which key was not posted;
 - the last ``KEYS_KEPT`` keys are kept, the oldest posted dropped first: a worker
   that asks for a key dropped long ago waits (and times out) as for one never
   posted.
 
 Threading: ``Board`` is the deterministic core (no threads, no clock);
-``Broadcasts`` owns the one lock around it and the condition ``_posted`` (a key
-was posted), as ``sync_mode.SyncMode`` wraps ``rounds.RoundBook``. Nothing here
-does network I/O.
+``Broadcasts`` owns the one lock around it and the tickets waiting for a key, as
+``sync_mode.SyncMode`` wraps ``rounds.RoundBook``. Nothing here blocks or does network I/O.
 """
 
 from __future__ import annotations
@@ -110,15 +110,13 @@ class Broadcasts:
         self.timeout_limit = timeout_limit
         self._clock = clock
         self._board = Board(keep)
-        self._lock = threading.Lock()  # guards _board; leaf lock, nothing is called under it
-        self._posted = threading.Condition(self._lock)  # a key was posted
+        self._lock = threading.Lock()  # guards _board and _tickets; leaf lock, nothing is called under it
         self._tickets: list[tuple[str, float, float, Ticket]] = []  # (key, deadline, timeout, ticket)
 
     def post(self, key: str, value: bytes) -> bytes:
         """Post (the chief); returns the value, at once."""
         with self._lock:
-            if self._board.post(key, value):
-                self._posted.notify_all()
+            self._board.post(key, value)
             ready = [t for t in self._tickets if self._board.get(t[0]) is not None]
             self._tickets = [t for t in self._tickets if t not in ready]
             values = [self._board.get(t[0]) for t in ready]
@@ -127,8 +125,9 @@ class Broadcasts:
         return bytes(value)
 
     def submit_wait(self, key: str, timeout: float) -> Ticket:
-        """``wait_for`` without blocking: a ticket settled when the key is posted, or with
-        ``BroadcastTimeout`` by ``expire_overdue`` once the timeout has passed."""
+        """A ticket settled with the value posted under ``key`` (at once if it is), or with
+        ``BroadcastTimeout`` by ``expire_overdue`` once ``timeout`` seconds (at most
+        ``timeout_limit``; 0: do not wait) have passed."""
         ticket = Ticket()
         try:
             timeout = self._checked(timeout)
@@ -160,21 +159,6 @@ class Broadcasts:
             f"broadcast key {key!r} was not posted by the chief (worker 0) within {timeout:g} s "
             f"(the server waits at most its barrier timeout, {self.timeout_limit:g} s): is the "
             "chief still running, and does it post this key?")
-
-    def wait_for(self, key: str, timeout: float) -> bytes:
-        """The value posted under ``key``, waiting for it up to ``timeout`` seconds (at most
-        ``timeout_limit``; 0: do not wait). ``BroadcastTimeout`` when it is not posted by then."""
-        timeout = self._checked(timeout)
-        deadline = self._clock() + timeout
-        with self._lock:
-            while True:
-                value = self._board.get(key)
-                if value is not None:
-                    return value
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    raise self._timeout(key, timeout)
-                self._posted.wait(remaining)
 
     def __len__(self) -> int:
         with self._lock:

@@ -9,7 +9,7 @@
     ticket = ps.submit(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
                             metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
     result = ticket.result(timeout=60.0)   # settled once the push is answered (a sync round)
-    ps.broadcast(0, "epoch-1", b"stop", timeout=30.0)   # chief posts; others: ps.broadcast(1, "epoch-1", None, 30.0)
+    ps.submit_broadcast(0, "epoch-1", b"stop", 30.0)   # the chief posts; another worker's ticket: once posted
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
     ParameterServer(mode="sync", num_workers=2).restore(state)   # carries on where ps was
 
@@ -474,20 +474,13 @@ class ParameterServer:
         if self.tasks is not None:
             self._tasks_back(worker_id, self.tasks.lost(worker_id), "it left")
 
-    def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
-        """The chief's (worker 0's) value under ``key``. The chief posts ``value`` and is
-        answered at once; any other registered worker waits until the chief posted
-        ``key`` (its own ``value`` is ignored), at most ``timeout`` seconds and never more
-        than the barrier timeout, then BroadcastTimeout (``core.broadcast``)."""
-        self.members.require(worker_id)
-        if worker_id == 0:
-            return self.broadcasts.post(key, value or b"")
-        return self.broadcasts.wait_for(key, timeout)
-
     def submit_broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> Ticket:
-        """``broadcast`` without blocking: a ticket (``core.broadcast.Broadcasts.submit_wait``)."""
+        """The chief's (worker 0's) value under ``key``, as a ticket. The chief posts ``value``
+        and is answered at once; any other registered worker's ticket is settled once the
+        chief posted ``key`` (its own ``value`` is ignored), or with BroadcastTimeout after
+        ``timeout`` seconds, never more than the barrier timeout (``core.broadcast``)."""
         if worker_id == 0:
-            return Ticket.of(lambda: self.broadcast(worker_id, key, value, timeout))
+            return Ticket.of(lambda: self.members.require(0) or self.broadcasts.post(key, value or b""))
         try:
             self.members.require(worker_id)
         except PSError as e:

@@ -2,19 +2,16 @@
 
     python -m pytest tests/core/test_broadcast.py -q
 
-Each test checks one sentence of the module docstring; the waiting ones use real
-threads, joined with a timeout.
+Each test checks one sentence of the module docstring; a wait is a ticket, its timeout
+moved by a fake clock (one test, the real one) and ended by ``expire_overdue``.
 """
-
-import threading
-import time
 
 import pytest
 
 from ps_server.core.broadcast import Board, BroadcastConflict, Broadcasts, BroadcastTimeout, KEYS_KEPT
 from ps_server.core.errors import InvalidArgument, UnknownWorker
 from ps_server.core.parameter_server import ParameterServer
-from tests.core.threads import finish, start, wait_until
+from tests.core.threads import FakeClock, ticking
 
 
 # -- the board: plain and deterministic ----------------------------------------------------
@@ -51,54 +48,68 @@ def test_a_bad_key_is_refused(key, says):
         Board().post(key, b"")
 
 
-# -- waiting ---------------------------------------------------------------------------------
+# -- waiting: a ticket, settled by the post or, past its timeout, by the ticker ---------------
 
 
 def test_a_waiter_gets_the_chief_s_value_once_it_is_posted():
     board = Broadcasts(timeout_limit=30.0)
-    waiter = start(lambda: board.wait_for("epoch-2", 30.0))
-    time.sleep(0.05)
-    assert waiter.is_alive()  # nothing posted yet
+    waiting = board.submit_wait("epoch-2", 30.0)
+    assert not waiting.done()  # nothing posted yet
     board.post("epoch-2", b"\x00lr=0.01")
-    finish(waiter, timeout=10.0)
-    assert waiter.error is None and waiter.result == b"\x00lr=0.01"
+    assert waiting.result() == b"\x00lr=0.01"
 
 
 def test_a_value_posted_before_the_wait_is_answered_at_once():
     board = Broadcasts(timeout_limit=30.0)
     board.post("k", b"v")
-    assert board.wait_for("k", 0.0) == b"v"
+    assert board.submit_wait("k", 0.0).result() == b"v"
 
 
 def test_a_wait_ends_after_its_timeout_naming_the_key():
-    board = Broadcasts(timeout_limit=30.0)
-    started = time.monotonic()
+    clock = FakeClock()
+    board = Broadcasts(timeout_limit=30.0, clock=clock)
+    waiting = board.submit_wait("epoch-9", 0.2)
+    clock.now = 0.19
+    board.expire_overdue()
+    assert not waiting.done()
+    clock.now = 0.2
+    board.expire_overdue()
     with pytest.raises(BroadcastTimeout, match="'epoch-9' was not posted by the chief .* within 0.2 s"):
-        board.wait_for("epoch-9", 0.2)
-    assert 0.2 <= time.monotonic() - started < 5.0
+        waiting.result()
 
 
 def test_a_wait_is_never_longer_than_the_limit():
-    board = Broadcasts(timeout_limit=0.2)
-    started = time.monotonic()
+    clock = FakeClock()
+    board = Broadcasts(timeout_limit=0.2, clock=clock)
+    waiting = board.submit_wait("k", 3600.0)
+    clock.now = 0.2
+    board.expire_overdue()
     with pytest.raises(BroadcastTimeout, match="at most its barrier timeout, 0.2 s"):
-        board.wait_for("k", 3600.0)
-    assert time.monotonic() - started < 5.0
+        waiting.result()
+
+
+def test_a_wait_of_zero_seconds_for_a_key_not_posted_times_out_at_once():
+    with pytest.raises(BroadcastTimeout, match="'k' was not posted"):
+        Broadcasts(timeout_limit=30.0).submit_wait("k", 0.0).result()
 
 
 @pytest.mark.parametrize("timeout", [-1.0, float("nan")])
 def test_a_bad_timeout_is_refused(timeout):
     with pytest.raises(InvalidArgument, match="timeout"):
-        Broadcasts(timeout_limit=1.0).wait_for("k", timeout)
+        Broadcasts(timeout_limit=1.0).submit_wait("k", timeout).result()
 
 
 def test_many_waiters_are_all_released_by_one_post():
     board = Broadcasts(timeout_limit=30.0)
-    waiters = [start(lambda: board.wait_for("k", 30.0)) for _ in range(8)]
-    time.sleep(0.05)
+    waiting = [board.submit_wait("k", 30.0) for _ in range(8)]
     board.post("k", b"v")
-    finish(*waiters, timeout=10.0)
-    assert [w.result for w in waiters] == [b"v"] * 8
+    assert [w.result() for w in waiting] == [b"v"] * 8
+
+
+def test_a_waiter_on_the_real_clock_is_settled_by_the_ticker():
+    board = Broadcasts(timeout_limit=30.0)
+    with pytest.raises(BroadcastTimeout, match="within 0.05 s"):
+        ticking(board.submit_wait("k", 0.05), board.expire_overdue)
 
 
 # -- through the parameter server -------------------------------------------------------------
@@ -108,20 +119,18 @@ def test_worker_zero_posts_and_the_others_wait_for_its_value_ignoring_their_own(
     ps = ParameterServer("sync", 3, barrier_timeout=30.0)
     for w in range(3):
         ps.register(w, 3)
-    other = start(lambda: ps.broadcast(2, "stop", b"mine", 30.0))
-    time.sleep(0.05)
-    assert other.is_alive()
-    assert ps.broadcast(0, "stop", b"yes", 0.0) == b"yes"
-    finish(other, timeout=10.0)
-    assert other.result == b"yes"
-    assert ps.broadcast(1, "stop", None, 0.0) == b"yes"
+    other = ps.submit_broadcast(2, "stop", b"mine", 30.0)
+    assert not other.done()
+    assert ps.submit_broadcast(0, "stop", b"yes", 0.0).result() == b"yes"
+    assert other.result() == b"yes"
+    assert ps.submit_broadcast(1, "stop", None, 0.0).result() == b"yes"
 
 
 def test_an_unregistered_worker_cannot_broadcast():
     ps = ParameterServer("async", 2)
     ps.register(0, 2)
     with pytest.raises(UnknownWorker):
-        ps.broadcast(1, "k", None, 1.0)
+        ps.submit_broadcast(1, "k", None, 1.0).result()
     with pytest.raises(UnknownWorker):
-        ps.broadcast(5, "k", b"v", 1.0)
+        ps.submit_broadcast(5, "k", b"v", 1.0).result()
     assert len(ps.broadcasts) == 0
