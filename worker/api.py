@@ -143,6 +143,7 @@ class Session:
         ``model.trainable_variables`` order, or a dict by variable path; ``None`` or a
         missing variable counts as zero; ``tf.IndexedSlices`` travel as rows), with the
         change this step made to the non-trainable variables. Returns the server's reply."""
+        from worker.connection import Work
         from worker.gradients import as_pushed, trainable
 
         if self.version < 0:
@@ -153,7 +154,7 @@ class Session:
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
         payload = as_pushed(self.model, gradients, self.connection.pulled)
-        return self.connection.push(payload, float(loss), int(batch_size))
+        return self.connection.push(payload, Work(self.step, int(batch_size)), float(loss))
 
     def wrap(self, tape, batch_size: int) -> "PushingGradientTape":
         """``tape`` whose ``gradient(loss, sources)`` also pushes (module docstring)."""

@@ -298,6 +298,7 @@ class _Attached:
         """One step on the next global batch (module docstring): compute, push, pull."""
         import keras
 
+        from worker.connection import Work
         from worker.gradients import as_pushed, zeros
 
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
@@ -322,8 +323,8 @@ class _Attached:
         metric_variables = _metric_variables(model)
         before.update({v.path: np.zeros(v.shape, v.dtype) for v in metric_variables if v.path not in before})
         changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in metric_variables}
-        reply = conn.push(payload, loss if np.isfinite(loss) else 0.0, pushed, metrics=changes if conn.sync else None,
-                          set_learning_rate=self._new_learning_rate())
+        reply = conn.push(payload, Work(conn.step, pushed), loss if np.isfinite(loss) else 0.0,
+                          metrics=changes if conn.sync else None, set_learning_rate=self._new_learning_rate())
         if conn.sync and reply.metrics:
             for v in metric_variables:
                 v.assign(before[v.path] + reply.metrics[v.path])
