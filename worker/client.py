@@ -307,8 +307,9 @@ class PSClient:
         of round ``step`` (elastic sync), answered by a ``MicroReply``; ``task`` (async and
         ssp with a data plan: an ``Assignment`` of ``work``), a retry of one already applied
         answered from the server's record (``replayed``)."""
-        arrays = self._wire_arrays(gradients)
         try:
+            arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
+                      for n, g in gradients.items()}
             metric_tensors = [codec.encode(n, np.asarray(m)) for n, m in (metrics or {}).items()]
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -317,18 +318,14 @@ class PSClient:
                                 metrics=metric_tensors, set_learning_rate=float(set_learning_rate),
                                 micro_batch=micro_batch, task=task)
         reply = self._send(outgoing, timeout)
-        record = self._reply_record(reply)
+        try:
+            record = convert.PUSH_REPLY.from_wire(reply)
+        except codec.CodecError as e:
+            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
         if micro_batch < 0:
             return record
         more = reply.assignment if reply.HasField("assignment") else None
         return MicroReply(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)}, more=more)
-
-    def _wire_arrays(self, gradients: Mapping) -> dict[str, tuple[int, np.ndarray]]:
-        try:
-            return {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
-                    for n, g in gradients.items()}
-        except codec.CodecError as e:
-            raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
         """Elastic sync: this worker's micro-batches (round, micro_batches, sizes, parts); waits
@@ -357,12 +354,6 @@ class PSClient:
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
         return reply
-
-    def _reply_record(self, reply: pb.PushResponse) -> PushReply:
-        try:
-            return convert.PUSH_REPLY.from_wire(reply)
-        except codec.CodecError as e:
-            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
 
     def _push_pull(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None:
         """A sync push as PushPull; None (nothing sent) from a server without it. Confirmed

@@ -84,20 +84,16 @@ def recoverable(e: PSClientError) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """What one push is of: ``batch_size`` examples ``x, y`` of ``step`` (this worker's own
-    shard's; sync: the round), unless the server dealt them: micro-batch ``micro_batch`` of
-    round ``step`` (elastic sync) or leased task ``task`` (async and ssp with a data plan)."""
+    """What one push is of: ``batch_size`` examples (``examples``: ``x, y``) of ``step`` (this
+    worker's own shard's; sync: the round), unless the server dealt them: micro-batch
+    ``micro_batch`` of round ``step`` (elastic sync) or leased task ``task`` (async and ssp
+    with a data plan)."""
 
     step: int
     batch_size: int
-    x: object = None
-    y: object = None
+    examples: tuple = ()
     micro_batch: int = -1
     task: int = -1
-
-    @property
-    def dealt(self) -> bool:
-        return self.micro_batch >= 0 or self.task >= 0
 
 
 class Connection:
@@ -192,15 +188,15 @@ class Connection:
         dropped push skipping ahead); past a task before it is sent (the mode answers a step
         pushed twice from its record); a micro-batch's is the round's to move. ``metrics`` and
         ``set_learning_rate`` as in ``PSClient.push``."""
+        dealt = work.micro_batch >= 0 or work.task >= 0  # waits the client's timeout, then asks again
         if work.task >= 0:
             self.step = work.step + 1
-        # dealt work waits at most the client's timeout; then the loop asks the server again
-        timeout = None if work.dealt else self.registration.barrier_timeout + 30.0 if self.sync else 120.0
+        timeout = None if dealt else self.registration.barrier_timeout + 30.0 if self.sync else 120.0
         reply = self.client.push(self.worker_id, work.step, self.version, work.batch_size, payload, loss,
                                  timeout=timeout, metrics=metrics, set_learning_rate=set_learning_rate,
                                  micro_batch=work.micro_batch, task=work.task)
         self.seen = max(self.seen, reply.version)
-        if not work.dealt:
+        if not dealt:
             self.step = max(reply.next_step, work.step + 1) if self.sync else work.step + 1
         return reply
 

@@ -168,10 +168,8 @@ def rounds(loop) -> None:
 
 
 def tasks(loop) -> None:
-    """Async and ssp: the server hands out the job's batches as tasks (``core.tasks``);
-    each is applied exactly once, whoever dies or joins. A push of a task taken away
-    meanwhile (its lease ran out) is refused and dropped; the job ends when the server
-    says every task is applied."""
+    """Async and ssp: the job's batches as tasks (``core.tasks``), until every one is applied;
+    a push of a task taken away meanwhile (its lease ran out) is refused and dropped."""
     _take(loop, _one_task, _task_taken_away)
 
 
@@ -201,7 +199,7 @@ def _one_task(loop) -> bool:
         loop.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
         return True
     indices = global_batch(task.num_examples, loop.batch, loop.config.seed, offer.round)
-    row, _ = loop.one_step(Work(conn.step, len(indices), *task.examples(indices), task=offer.round))
+    row, _ = loop.one_step(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
     loop.record(row)
     return True
 
@@ -245,7 +243,7 @@ def _compute_round(loop, work) -> None:
     while todo:
         m = todo.pop(0)
         batch = micro_batches(task.global_batch(work.round), work.parts)[m]
-        row, reply = loop.one_step(Work(work.round, len(batch), *task.examples(batch), micro_batch=m), pull=False)
+        row, reply = loop.one_step(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:
             todo = list(reply.more.micro_batches)  # the rest of ours, or a dead worker's part

@@ -14,7 +14,7 @@ the server deals (``worker.elastic``: micro-batches of its rounds, leased tasks)
 One step (``one_step``, for every kind of work): pull the parameters (and the
 server's version) into the model, compute the mean loss and its gradients on the
 work's examples under one tape (``worker.gradients``), push them with the work
-(``Connection.push``), and make its history row (``history_row``). In sync mode
+(``Connection.push``), and make its history row (``Step``). In sync mode
 the push returns when the whole round is applied; in async mode as soon as this
 gradient is; in ssp mode (bounded staleness) the same, unless this worker is too
 far ahead of the slowest, when the reply waits. A failure the worker can ride out
@@ -53,6 +53,7 @@ the faults ridden out, and the final scores; the rest of the start-up at DEBUG.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -142,10 +143,8 @@ class TrainingLoop:
         self.evals: list[dict] = []  # the chief's --eval-every scores
         self.t0 = 0.0  # when training started (time.monotonic)
         self.stop = elastic.SigtermFlag()  # SIGTERM's, while an --elastic loop trains (worker.elastic)
-        # what may block, as SIGTERM allows
-        self.call = self.stop.wait_for if config.elastic else lambda call, *args, **kwargs: call(*args, **kwargs)
-        if config.elastic:
-            self.knobs.sleep = self.stop.sleep  # --pause-for ends at SIGTERM
+        self.one_step = Step(self.conn, self.compute, self.knobs, self.stop if config.elastic else None)
+        self.call = self.one_step.call  # what may block, as SIGTERM allows
 
     @property
     def config(self) -> WorkerConfig:
@@ -157,7 +156,7 @@ class TrainingLoop:
         --elastic what the server deals: ``worker.elastic``), finish."""
         with elastic.leaving_at_sigterm(self) if self.config.elastic else contextlib.nullcontext():
             self.call(self.start)  # --elastic: registers, sets the data plan and joins as SIGTERM allows
-            self.t0 = time.monotonic()
+            self.t0 = self.one_step.t0 = time.monotonic()
             if not self.config.elastic:
                 self.own_shard()
             else:
@@ -191,7 +190,7 @@ class TrainingLoop:
             step = self.conn.step
             x, y, n = self.batches.get(step)
             try:
-                row, _ = self.one_step(Work(step, n, x, y))
+                row, _ = self.one_step(Work(step, n, (x, y)))
             except PSClientError as e:
                 if not recoverable(e):
                     raise
@@ -201,41 +200,19 @@ class TrainingLoop:
             if self.config.is_chief:
                 self._after_step(step, row["base_version"])
 
-    # -- one step: pull, compute, push
-    def one_step(self, work: Work, pull: bool = True) -> tuple[dict, PushReply]:
-        """Pull (unless the model holds the round's parameters already), compute ``work``'s
-        gradients under one tape, push them with the work: (its history row, the reply)."""
-        # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
-        knob_s = self.knobs.before_step(work.step) + self.knobs.before_pull() if pull else 0.0
-        pull_start = time.monotonic()
-        version = self.conn.pull() if pull else self.conn.version
-        self.stop.check()  # a gradient under way is finished first, none is started (worker.elastic)
-        compute_start, cpu_start = time.monotonic(), time.process_time()
-        loss, grads = self.compute(work.x, work.y, work.batch_size)
-        compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
-        knob_s += self.knobs.after_compute(compute_s)
-        push_bytes = payload_nbytes(grads, self.config.grad_wire_dtype)
-        knob_s += self.knobs.before_push(push_bytes)
-        push_start = time.monotonic()
-        reply = self.call(self.conn.push, grads, work, loss)
-        step_end = time.monotonic()
-        return history_row(work, loss, version, reply, t=step_end - self.t0, pull_s=compute_start - pull_start,
-                           compute_s=compute_s, compute_cpu_s=compute_cpu_s, push_s=step_end - push_start,
-                           knob_s=knob_s, push_bytes=push_bytes), reply
-
     def record(self, row: dict) -> None:
         self.history.append(row)
         self.observer.step(row)
 
-    def compute(self, x, y, n: int) -> tuple[float, dict]:
-        """(mean loss, payload) of this worker's ``n`` examples against the parameters pulled;
-        a worker a tiny last batch left nothing pushes zeros (weight 0 in the round)."""
-        if not n:
-            return 0.0, zeros(self.conn.pulled)
+    def compute(self, work: Work) -> tuple[float, dict | None]:
+        """(mean loss, payload) of ``work``'s examples against the parameters pulled; no
+        payload for a worker a tiny last batch left nothing."""
+        if not work.batch_size:
+            return 0.0, None
         import tensorflow as tf
 
         with tf.device(self.device):
-            return self.gradients(x, y, self.conn.pulled)
+            return self.gradients(*work.examples, self.conn.pulled)
 
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""
@@ -313,14 +290,47 @@ class TrainingLoop:
         return result
 
 
-def history_row(work: Work, loss: float, version: int, reply: PushReply, **timing) -> dict:
-    """One --history-json row (module docstring): the work, its loss, the versions before and
-    after, and the step's timing, whichever work it was (a task's row names the task)."""
-    row = {"step": work.step, "loss": loss, "batch_size": work.batch_size, "base_version": version,
-           "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped, **timing}
-    if work.task >= 0:
-        row["task"] = work.task
-    return row
+class Step:
+    """The one worker step (module docstring): ``step(work)`` pulls (unless ``pull=False``),
+    computes under one tape (``compute(work)``: ``TrainingLoop.compute``) and ``push``es: the
+    payload (None: zeros, of weight 0) with its work, timed, as one history row; returns (the
+    row, the reply). The Keras step and ``Session.push`` call ``push`` with their own tape's.
+    ``stop`` (--elastic): SIGTERM's flag, checked before the tape and watched while pushing."""
+
+    def __init__(self, conn: Connection, compute=None, knobs: Knobs | None = None, stop=None):
+        self.conn, self.compute, self.knobs = conn, compute, knobs or Knobs.from_config(conn.config)
+        self.check = stop.check if stop else lambda: None
+        self.call = stop.wait_for if stop else lambda call, *args, **kwargs: call(*args, **kwargs)
+        if stop:
+            self.knobs.sleep = stop.sleep  # --pause-for ends at SIGTERM
+        self.t0 = time.monotonic()  # what the rows' t counts from
+
+    def __call__(self, work: Work, pull: bool = True) -> tuple[dict, PushReply]:
+        # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
+        knob_s = self.knobs.before_step(work.step) + self.knobs.before_pull() if pull else 0.0
+        pull_start = time.monotonic()
+        if pull:
+            self.conn.pull()
+        self.check()  # a gradient under way is finished first, none is started (worker.elastic)
+        compute_start, cpu_start = time.monotonic(), time.process_time()
+        loss, payload = self.compute(work)
+        compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
+        return self.push(work, loss, payload, pull_s=compute_start - pull_start, compute_s=compute_s,
+                         compute_cpu_s=compute_cpu_s, knob_s=knob_s + self.knobs.after_compute(compute_s))
+
+    def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rate: float = 0.0,
+             knob_s: float = 0.0, **timing) -> tuple[dict, PushReply]:
+        if payload is None:
+            payload, work = zeros(self.conn.pulled), dataclasses.replace(work, batch_size=0)
+        push_bytes = payload_nbytes(payload, self.conn.config.grad_wire_dtype)
+        knob_s += self.knobs.before_push(push_bytes)
+        version, push_start = self.conn.version, time.monotonic()
+        reply = self.call(self.conn.push, payload, work, loss, metrics=metrics, set_learning_rate=set_learning_rate)
+        end = time.monotonic()
+        row = {"step": work.step, "loss": loss, "batch_size": work.batch_size, "base_version": version,
+               "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped, "t": end - self.t0,
+               **timing, "push_s": end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
+        return ({**row, "task": work.task} if work.task >= 0 else row), reply
 
 
 def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:
