@@ -96,9 +96,11 @@ class Session:
 
     def __init__(self, model, **flags):
         from worker.connection import Connection
+        from worker.trainer import Step
 
         self.model = model
         self.connection = Connection(make_config(**flags), model)
+        self.stepper = Step(self.connection)  # the one step's push (worker.trainer)
         try:
             self.connection.register()
             self.connection.join()
@@ -143,6 +145,7 @@ class Session:
         ``model.trainable_variables`` order, or a dict by variable path; ``None`` or a
         missing variable counts as zero; ``tf.IndexedSlices`` travel as rows), with the
         change this step made to the non-trainable variables. Returns the server's reply."""
+        from worker.connection import Work
         from worker.gradients import as_pushed, trainable
 
         if self.version < 0:
@@ -153,7 +156,7 @@ class Session:
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
         payload = as_pushed(self.model, gradients, self.connection.pulled)
-        return self.connection.push(payload, float(loss), int(batch_size))
+        return self.stepper.push(Work(self.step, int(batch_size)), float(loss), payload)[1]
 
     def wrap(self, tape, batch_size: int) -> "PushingGradientTape":
         """``tape`` whose ``gradient(loss, sources)`` also pushes (module docstring)."""

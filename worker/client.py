@@ -45,6 +45,7 @@ server's own explanation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -64,7 +65,7 @@ from ps_common.sparse import SparseRows
 from worker.transports import (OutgoingPush, PSClientError, PullCache, SharedMemory, Streams, SyncShortcut,
                                Unary)
 
-__all__ = ["PSClient", "PSClientError", "PushReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
+__all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES", "pull_when_initialized"]
 
 log = logging.getLogger("worker.client")
@@ -95,6 +96,15 @@ SERVICE_CONFIG = json.dumps(
 # memory on, the limit is SMALL_SHM_BYTES.
 SMALL_BYTES = 1 << 20
 SMALL_SHM_BYTES = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroReply(PushReply):
+    """The reply to a micro-batch's push (elastic sync): ``more`` is the work to do next
+    while the round goes on (this worker's rest, or a dead worker's part); None once the
+    round completed, when the fields are the round's answer."""
+
+    more: pb.Assignment | None = None
 
 
 class PSClient:
@@ -282,18 +292,10 @@ class PSClient:
             self.shared_memory.expect_pull(values)
         return header.version, values
 
-    def push(
-        self,
-        worker_id: int,
-        step: int,
-        base_version: int,
-        batch_size: int,
-        gradients: Mapping[str, np.ndarray],
-        loss: float = 0.0,
-        timeout: float | None = None,
-        metrics: Mapping[str, np.ndarray] | None = None,
-        set_learning_rate: float = 0.0,
-    ) -> PushReply:
+    def push(self, worker_id: int, step: int, base_version: int, batch_size: int,
+             gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
+             micro_batch: int = -1, task: int = -1) -> PushReply:
         """Unary, streamed, or through shared memory; either way applied once or refused whole.
 
         A gradient may be a ``SparseRows`` (an embedding's): only its rows travel.
@@ -301,45 +303,29 @@ class PSClient:
         order; the reply's ``metrics`` is that sum ({name: array}), the same for every
         worker of the round. ``set_learning_rate`` > 0: the optimizer's constant learning
         rate from this push's update on (sync: its round's). The reply's ``learning_rate``
-        is the rate the optimizer used for this update."""
-        arrays = self._wire_arrays(gradients)
+        is the rate the optimizer used for this update. Work the server dealt: ``micro_batch``
+        of round ``step`` (elastic sync), answered by a ``MicroReply``; ``task`` (async and
+        ssp with a data plan: an ``Assignment`` of ``work``), a retry of one already applied
+        answered from the server's record (``replayed``)."""
         try:
+            arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
+                      for n, g in gradients.items()}
             metric_tensors = [codec.encode(n, np.asarray(m)) for n, m in (metrics or {}).items()]
         except codec.CodecError as e:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rows = {n: np.asarray(g.rows, dtype=np.int64) for n, g in gradients.items() if isinstance(g, SparseRows)}
         outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, arrays, rows,
-                                metrics=metric_tensors, set_learning_rate=float(set_learning_rate))
-        return self._reply_record(self._send(outgoing, timeout))
-
-    def push_micro(self, worker_id: int, round_: int, micro_batch: int, batch_size: int,
-                   gradients: Mapping[str, np.ndarray], loss: float = 0.0,
-                   timeout: float | None = None) -> tuple[PushReply, pb.Assignment | None]:
-        """Elastic sync: the gradient of one micro-batch of round ``round_`` (computed on the
-        parameters of version ``round_``). Returns the reply and, while the round goes on, the
-        work to do next (this worker's rest, or a dead worker's part); None once the round
-        completed (the reply is its answer, with the new parameters where the shortcut asks)."""
-        outgoing = OutgoingPush(worker_id, round_, round_, batch_size, loss, self._wire_arrays(gradients), {},
-                                micro_batch=micro_batch)
+                                metrics=metric_tensors, set_learning_rate=float(set_learning_rate),
+                                micro_batch=micro_batch, task=task)
         reply = self._send(outgoing, timeout)
-        return self._reply_record(reply), (reply.assignment if reply.HasField("assignment") else None)
-
-    def push_task(self, worker_id: int, step: int, base_version: int, task: int, batch_size: int,
-                  gradients: Mapping[str, np.ndarray], loss: float = 0.0,
-                  timeout: float | None = None) -> PushReply:
-        """Async and ssp with a data plan: the gradient of ``task`` (an ``Assignment`` of
-        ``work``; ``batch_size`` its examples), computed on the parameters of ``base_version``.
-        A retry of a push already applied is answered from the server's record (``replayed``)."""
-        outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, self._wire_arrays(gradients), {},
-                                task=task)
-        return self._reply_record(self._send(outgoing, timeout))
-
-    def _wire_arrays(self, gradients: Mapping) -> dict[str, tuple[int, np.ndarray]]:
         try:
-            return {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
-                    for n, g in gradients.items()}
+            record = convert.PUSH_REPLY.from_wire(reply)
         except codec.CodecError as e:
-            raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
+        if micro_batch < 0:
+            return record
+        more = reply.assignment if reply.HasField("assignment") else None
+        return MicroReply(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)}, more=more)
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
         """Elastic sync: this worker's micro-batches (round, micro_batches, sizes, parts); waits
@@ -368,12 +354,6 @@ class PSClient:
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
         return reply
-
-    def _reply_record(self, reply: pb.PushResponse) -> PushReply:
-        try:
-            return convert.PUSH_REPLY.from_wire(reply)
-        except codec.CodecError as e:
-            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
 
     def _push_pull(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None:
         """A sync push as PushPull; None (nothing sent) from a server without it. Confirmed

@@ -4,7 +4,7 @@
     conn.register()                         # an index, the server's mode, where to start
     conn.join()                             # chief: initialize the server; others: wait and check
     version = conn.pull()                   # the server's parameters into the model
-    reply = conn.push(payload, loss, n)     # worker.gradients' payload; conn.step moves on
+    reply = conn.push(payload, Work(conn.step, n), loss)  # gradients' payload; step moves on
     conn.leave(); conn.close()
 
 Every way of training on tfps goes through one of these: the ``ps-worker`` loop
@@ -80,6 +80,20 @@ REJOIN = frozenset({Reason.NOT_REGISTERED, Reason.DECLARED_DEAD, Reason.NOT_INIT
 def recoverable(e: PSClientError) -> bool:
     """Whether ``rejoin`` can ride out ``e`` (``REJOIN``)."""
     return e.code == grpc.StatusCode.UNAVAILABLE or e.reason in REJOIN
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one push is of: ``batch_size`` examples (``examples``: ``x, y``) of ``step`` (this
+    worker's own shard's; sync: the round), unless the server dealt them: micro-batch
+    ``micro_batch`` of round ``step`` (elastic sync) or leased task ``task`` (async and ssp
+    with a data plan)."""
+
+    step: int
+    batch_size: int
+    examples: tuple = ()
+    micro_batch: int = -1
+    task: int = -1
 
 
 class Connection:
@@ -167,18 +181,23 @@ class Connection:
         self.seen = max(self.seen, version)
         return version
 
-    def push(self, payload: Mapping, loss: float, batch_size: int, metrics: Mapping[str, np.ndarray] | None = None,
-             set_learning_rate: float = 0.0) -> PushReply:
-        """Push ``payload`` (``worker.gradients.as_pushed``) of ``batch_size`` examples, computed
-        from the last pull, for ``step``; then ``step`` is the next one (sync: the server says
-        which, a dropped push skipping ahead). ``metrics`` (sync: summed over the round, the
-        sum in ``reply.metrics``) and ``set_learning_rate`` (> 0: the optimizer's constant
-        learning rate from this update on) as in ``PSClient.push``."""
-        timeout = self.registration.barrier_timeout + 30.0 if self.sync else 120.0
-        reply = self.client.push(self.worker_id, self.step, self.version, batch_size, payload, loss,
-                                 timeout=timeout, metrics=metrics, set_learning_rate=set_learning_rate)
+    def push(self, payload: Mapping, work: Work, loss: float = 0.0, *,
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> PushReply:
+        """Push ``payload`` (``worker.gradients.as_pushed``) of ``work``, computed from the last
+        pull. ``step`` moves on: past own work once pushed (sync: to where the server says, a
+        dropped push skipping ahead); past a task before it is sent (the mode answers a step
+        pushed twice from its record); a micro-batch's is the round's to move. ``metrics`` and
+        ``set_learning_rate`` as in ``PSClient.push``."""
+        dealt = work.micro_batch >= 0 or work.task >= 0  # waits the client's timeout, then asks again
+        if work.task >= 0:
+            self.step = work.step + 1
+        timeout = None if dealt else self.registration.barrier_timeout + 30.0 if self.sync else 120.0
+        reply = self.client.push(self.worker_id, work.step, self.version, work.batch_size, payload, loss,
+                                 timeout=timeout, metrics=metrics, set_learning_rate=set_learning_rate,
+                                 micro_batch=work.micro_batch, task=work.task)
         self.seen = max(self.seen, reply.version)
-        self.step = max(reply.next_step, self.step + 1) if self.sync else self.step + 1
+        if not dealt:
+            self.step = max(reply.next_step, work.step + 1) if self.sync else work.step + 1
         return reply
 
     def broadcast(self, key: str, value: bytes | None, timeout: float) -> bytes:
@@ -308,4 +327,4 @@ class Heartbeat:
         self._thread.join(timeout=5.0)
 
 
-__all__ = ["Connection", "Heartbeat", "TrainingError", "connect", "recoverable"]
+__all__ = ["Connection", "Heartbeat", "TrainingError", "Work", "connect", "recoverable"]

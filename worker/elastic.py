@@ -1,4 +1,4 @@
-"""The worker's loop when the server deals the data: elastic sync's rounds, async and ssp's tasks.
+"""The work when the server deals the data: elastic sync's micro-batches, async and ssp's tasks.
 
     ps-server --mode sync --num-workers 4 --elastic-min-workers 2 --micro-batches 4
     ps-worker --elastic --worker-index 0 --num-workers 4 ...     # any number of these, at any time
@@ -6,13 +6,14 @@
 Against ``ps-server --elastic-min-workers`` (``ps_server/core/elastic_mode.py``) the
 data cursor is the server's: every round it deals the fixed micro-batches of that
 round's global batch (``ps_common.batches``) to the workers live at its start. So a
-worker does not own a shard. Each round it asks for its work (``Work``), pulls the
-parameters of that round's version, and for each micro-batch dealt to it computes the
-mean loss and gradient of those examples alone (one ``GradientTape`` per micro-batch,
-``worker.gradients``) and pushes it (``PSClient.push_micro``). The reply either names
-the work to do next (its own rest, or the part of a worker that died) or is the round's
-answer. A worker may join at any time and may die at any time: its undelivered part is
-computed by another, and the round's result has the same bits (``core.cursor``).
+worker does not own a shard. Each round it asks for its work (the ``Work`` RPC), pulls
+the parameters of that round's version, and takes each micro-batch dealt to it through
+the loop's one step (``worker.trainer.TrainingLoop.one_step``: the mean loss and gradient
+of those examples alone under one tape, pushed naming the micro-batch). The reply either
+names the work to do next (its own rest, or the part of a worker that died) or is the
+round's answer; the round makes one history row. A worker may join at any time and may
+die at any time: its undelivered part is computed by another, and the round's result has
+the same bits (``core.cursor``).
 
 The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
 Initialize. The job ends at the last step: a worker dealt work of a round at or past
@@ -52,10 +53,12 @@ signals arrive); a loop run in another keeps SIGTERM as it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
+from typing import Iterator
 
 import grpc
 
@@ -63,8 +66,7 @@ from ps_common.batches import global_batch, micro_batches
 from ps_common.reasons import Reason
 from worker.client import PSClientError
 from worker.config import ConfigError
-from worker.connection import connect, recoverable
-from worker.trainer import TrainingLoop
+from worker.connection import Work, connect, recoverable
 
 log = logging.getLogger("worker")
 
@@ -121,166 +123,136 @@ class SigtermFlag:
         return outcome["result"]
 
 
-class ElasticLoop(TrainingLoop):
-    """``TrainingLoop`` whose steps are the server's rounds, computed micro-batch by micro-batch."""
+WAIT_S = 0.2  # async and ssp: every task handed out, some not done: ask again after this
 
-    dealt = True  # the server deals the data: the chief waits for nobody before evaluating
-    WAIT_S = 0.2  # async and ssp: every task handed out, some not done: ask again after this
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stop = SigtermFlag()  # SIGTERM's, while run trains (module docstring)
-        self.knobs.sleep = self.stop.sleep  # --pause-for ends at SIGTERM
+@contextlib.contextmanager
+def leaving_at_sigterm(loop) -> Iterator[None]:
+    """SIGTERM sets ``loop.stop`` while the body trains (only in the main thread, where
+    signals arrive); ``Stopped`` leaves the job at once (``leave_now``)."""
+    catch = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, loop.stop) if catch else None
+    try:
+        yield
+    except Stopped:
+        raise Stopped(leave_now(loop)) from None
+    finally:
+        if catch:
+            signal.signal(signal.SIGTERM, previous)
 
-    def run(self) -> dict:
-        task = self.task
-        # Signals reach the main thread only; a loop run from another one keeps SIGTERM as it is.
-        catch = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, self.stop) if catch else None
+
+def set_data_plan(loop, registration) -> None:
+    """The chief's data plan, which the server deals from: sync, the global batches of
+    the job; async and ssp, tasks of ``--global-batch-size / --num-workers`` examples for
+    ``--epochs`` epochs (``tasks``)."""
+    config, task, conn = loop.config, loop.task, loop.conn
+    loop.stop.check()  # stopped while it registered: it leaves without joining
+    if registration.mode == "sync":
+        conn.data_plan = {"num_examples": task.num_examples,
+                          "global_batch_size": config.global_batch_size, "seed": config.seed}
+        return
+    if config.steps:
+        raise ConfigError(f"--steps {config.steps}: async and ssp with --elastic train on the server's "
+                          f"tasks for whole epochs; say --epochs")
+    loop.batch = max(1, config.global_batch_size // config.num_workers)
+    conn.step = max(conn.step, registration.round)  # ssp: the slowest live worker's clock
+    conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": loop.batch,
+                      "seed": config.seed, "epochs": config.epochs}
+
+
+def rounds(loop) -> None:
+    """Elastic sync: the server's rounds, each computed micro-batch by micro-batch, until
+    a worker is dealt a round at or past the last step."""
+    _take(loop, _one_round, _ask_again)
+    loop.conn.step = loop.task.total_steps
+
+
+def tasks(loop) -> None:
+    """Async and ssp: the job's batches as tasks (``core.tasks``), until every one is applied;
+    a push of a task taken away meanwhile (its lease ran out) is refused and dropped."""
+    _take(loop, _one_task, _task_taken_away)
+
+
+def _take(loop, one, passing) -> None:
+    """``one(loop)`` until it says the job is done. After a refusal ``passing`` lets pass
+    (asked first) it goes on; after one the worker can ride out (this worker declared dead,
+    a lease missed, the server restarted) it rejoins first."""
+    while True:
         try:
-            self.stop.wait_for(self.start)  # registers, then (_before_join) sets the data plan; joins
-            self.t0 = time.monotonic()
-            if self.conn.registration.mode == "sync":
-                self._rounds()
-            else:
-                self._tasks()
-        except Stopped:
-            raise Stopped(self._leave_now()) from None
-        finally:
-            if catch:
-                signal.signal(signal.SIGTERM, previous)
-        if self.conn.registration.mode == "sync":
-            self.conn.step = task.total_steps
-        return self.finish()
-
-    def _before_join(self, registration) -> None:
-        """The chief's data plan, which the server deals from: sync, the global batches of
-        the job; async and ssp, tasks of ``--global-batch-size / --num-workers`` examples for
-        ``--epochs`` epochs (``_tasks``)."""
-        config, task = self.config, self.task
-        self.stop.check()  # stopped while it registered: it leaves without joining
-        if registration.mode == "sync":
-            self.conn.data_plan = {"num_examples": task.num_examples,
-                                   "global_batch_size": config.global_batch_size, "seed": config.seed}
-            return
-        if config.steps:
-            raise ConfigError(f"--steps {config.steps}: async and ssp with --elastic train on the server's "
-                              f"tasks for whole epochs; say --epochs")
-        self.batch = max(1, config.global_batch_size // config.num_workers)
-        self.conn.step = max(self.conn.step, registration.round)  # ssp: the slowest live worker's clock
-        self.conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": self.batch,
-                               "seed": config.seed, "epochs": config.epochs}
-
-    def _rounds(self) -> None:
-        while True:
-            try:
-                if not self._one_round():
-                    return
-            except PSClientError as e:
-                if _ask_again(e):
-                    continue
-                if not _rejoin_for(e):  # this worker was declared dead (a lease missed), or the server restarted
-                    raise
-                self.conn.rejoin(e)
-
-    def _tasks(self) -> None:
-        """Async and ssp: the server hands out the job's batches as tasks (``core.tasks``);
-        each is applied exactly once, whoever dies or joins. A push of a task taken away
-        meanwhile (its lease ran out) is refused and dropped; the job ends when the server
-        says every task is applied."""
-        while True:
-            try:
-                if not self._one_task():
-                    return
-            except PSClientError as e:
-                if _rejoin_for(e):
-                    self.conn.rejoin(e)
-                elif not _task_taken_away(e):
-                    raise
-
-    def _one_task(self) -> bool:
-        task, client, me = self.task, self.conn.client, self.conn.worker_id
-        self.stop.check()
-        offer = client.work(me)  # at once
-        if not offer.sizes:
-            if offer.finished:
-                return False
-            self.stop.sleep(self.WAIT_S)  # the last tasks are held by others; one may come back
-            return True
-        knob_s = self.knobs.before_step(self.conn.step) + self.knobs.before_pull()
-        started = time.monotonic()
-        version = self.conn.pull()
-        self.stop.check()
-        indices = global_batch(task.num_examples, self.batch, self.config.seed, offer.round)
-        computing = time.monotonic()
-        loss, grads = self.compute(*task.examples(indices), len(indices))
-        compute_s = time.monotonic() - computing
-        step = self.conn.step
-        self.conn.step += 1  # never the same step twice: the mode answers a repeated step from its record
-        pushing = time.monotonic()
-        reply = self.stop.wait_for(client.push_task, me, step, version, offer.round, len(indices), grads, loss)
-        record = {"step": step, "task": offer.round, "loss": loss, "batch_size": len(indices),
-                  "base_version": version, "version": reply.version, "staleness": reply.staleness,
-                  "dropped": reply.dropped, "t": time.monotonic() - self.t0, "pull_s": computing - started,
-                  "compute_s": compute_s, "push_s": time.monotonic() - pushing, "knob_s": knob_s}
-        self.history.append(record)
-        self.observer.step(record)
-        return True
-
-    def _leave_now(self) -> str:
-        """After SIGTERM: Leave over a fresh connection; what happened, in words."""
-        reg = self.conn.registration
-        if reg is None:
-            return "stopped by SIGTERM before it registered"
-        me = reg.worker_id
-        try:
-            with connect(self.config) as client:
-                client.leave(me)
+            if not one(loop):
+                return
         except PSClientError as e:
-            log.warning("stopped by SIGTERM; Leave failed (%s): the server declares worker %d dead once its "
-                        "lease runs out", e, me)
-            return f"stopped by SIGTERM at step {self.conn.step}; Leave failed: {e}"
-        log.info("stopped by SIGTERM: left the job at step %d; the server deals the rest to the others",
-                 self.conn.step)
-        return f"stopped by SIGTERM: left the job at step {self.conn.step}"
+            if passing(e):
+                continue
+            if not (recoverable(e) or e.reason is Reason.NOT_JOINED):
+                raise
+            loop.conn.rejoin(e)
 
-    def _one_round(self) -> bool:
-        """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
-        task, client, me = self.task, self.conn.client, self.conn.worker_id
-        work = self.stop.wait_for(client.work, me, timeout=self.conn.registration.barrier_timeout + client.timeout)
-        if work.round >= task.total_steps:
+
+def _one_task(loop) -> bool:
+    conn, task = loop.conn, loop.task
+    loop.stop.check()
+    offer = conn.client.work(conn.worker_id)  # at once
+    if not offer.sizes:
+        if offer.finished:
             return False
-        version = self.conn.pull()
-        if version == work.round:  # else: dealt for a round that ended meanwhile: ask again
-            self._compute_round(work, version)
+        loop.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
         return True
+    indices = global_batch(task.num_examples, loop.batch, loop.config.seed, offer.round)
+    row, _ = loop.one_step(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
+    loop.record(row)
+    return True
 
-    def _compute_round(self, work, version: int) -> None:
-        task, client, me = self.task, self.conn.client, self.conn.worker_id
-        knob_s = self.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
-        started, compute_s = time.monotonic(), 0.0
-        todo, sizes, losses = list(work.micro_batches), [], []
-        reply = None
-        while todo:
-            self.stop.check()
-            m = todo.pop(0)
-            batch = micro_batches(task.global_batch(work.round), work.parts)[m]
-            computing = time.monotonic()
-            loss, grads = self.compute(*task.examples(batch), len(batch))
-            compute_s += time.monotonic() - computing
-            reply, more = self.stop.wait_for(client.push_micro, me, work.round, m, len(batch), grads, loss)
-            sizes.append(len(batch))
-            losses.append(loss)
-            if more is not None and more.round == work.round:
-                todo = list(more.micro_batches)  # the rest of ours, or a dead worker's part
-        push_s = time.monotonic() - started - compute_s
-        record = {"step": work.round, "loss": sum(l * n for l, n in zip(losses, sizes)) / max(sum(sizes), 1),
-                  "batch_size": sum(sizes), "micro_batches": len(sizes), "base_version": version,
-                  "version": reply.version, "staleness": 0, "dropped": False, "t": time.monotonic() - self.t0,
-                  "pull_s": 0.0, "compute_s": compute_s, "push_s": push_s, "knob_s": knob_s}
-        self.history.append(record)
-        self.observer.step(record)
-        self.conn.step = work.round + 1
+
+def leave_now(loop) -> str:
+    """After SIGTERM: Leave over a fresh connection; what happened, in words."""
+    reg, step = loop.conn.registration, loop.conn.step
+    if reg is None:
+        return "stopped by SIGTERM before it registered"
+    me = reg.worker_id
+    try:
+        with connect(loop.config) as client:
+            client.leave(me)
+    except PSClientError as e:
+        log.warning("stopped by SIGTERM; Leave failed (%s): the server declares worker %d dead once its "
+                    "lease runs out", e, me)
+        return f"stopped by SIGTERM at step {step}; Leave failed: {e}"
+    log.info("stopped by SIGTERM: left the job at step %d; the server deals the rest to the others", step)
+    return f"stopped by SIGTERM: left the job at step {step}"
+
+
+def _one_round(loop) -> bool:
+    """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
+    conn = loop.conn
+    work = loop.call(conn.client.work, conn.worker_id,
+                     timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    if work.round >= loop.task.total_steps:
+        return False
+    version = conn.pull()
+    if version == work.round:  # else: dealt for a round that ended meanwhile: ask again
+        _compute_round(loop, work)
+    return True
+
+
+def _compute_round(loop, work) -> None:
+    """Each micro-batch dealt (and any the replies add) through the loop's one step; one
+    history row for the round."""
+    task = loop.task
+    knob_s = loop.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
+    started, todo, rows = time.monotonic(), list(work.micro_batches), []
+    while todo:
+        m = todo.pop(0)
+        batch = micro_batches(task.global_batch(work.round), work.parts)[m]
+        row, reply = loop.one_step(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
+        rows.append(row)
+        if reply.more is not None and reply.more.round == work.round:
+            todo = list(reply.more.micro_batches)  # the rest of ours, or a dead worker's part
+    total = {k: sum(r[k] for r in rows) for k in ("batch_size", "compute_s", "compute_cpu_s", "knob_s", "push_bytes")}
+    loss = sum(r["loss"] * r["batch_size"] for r in rows) / max(total["batch_size"], 1)
+    loop.record({**rows[-1], **total, "loss": loss, "micro_batches": len(rows), "staleness": 0, "dropped": False,
+                 "pull_s": 0.0, "push_s": time.monotonic() - started - total["compute_s"],
+                 "knob_s": knob_s + total["knob_s"]})
+    loop.conn.step = work.round + 1
 
 
 def _task_taken_away(e: PSClientError) -> bool:
@@ -289,12 +261,8 @@ def _task_taken_away(e: PSClientError) -> bool:
     return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.TASK_NOT_HELD, Reason.TASK_DONE)
 
 
-def _rejoin_for(e: PSClientError) -> bool:
-    return recoverable(e) or e.reason is Reason.NOT_JOINED
-
-
 def _ask_again(e: PSClientError) -> bool:
     """A round that ended without this push (a late one), has not started (an early one) or
-    timed out: the next ``Work`` says what now. Asked before ``_rejoin_for``: a sync worker
+    timed out: the next ``Work`` says what now. Asked before a rejoin: a sync worker
     rejoins for a late or early push, an elastic one only asks again."""
     return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.LATE, Reason.EARLY)

@@ -226,7 +226,7 @@ class _Attached:
 
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
-        self.compute = None
+        self.compute = self.stepper = None  # the tape's tf.function; the one step (worker.trainer.Step)
         self.sent_learning_rate: float | None = None
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
@@ -258,7 +258,10 @@ class _Attached:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
+        from worker.trainer import Step
+
         self.strategy.connect(model)
+        self.stepper = Step(self.strategy.connection)
         self._trace()
         model.train_function = self.train_function
         return model.train_function
@@ -298,7 +301,8 @@ class _Attached:
         """One step on the next global batch (module docstring): compute, push, pull."""
         import keras
 
-        from worker.gradients import as_pushed, zeros
+        from worker.connection import Work
+        from worker.gradients import as_pushed
 
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -306,24 +310,21 @@ class _Attached:
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
         n = _batch_size(x)
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
-        loss, payload, pushed = 0.0, None, n
+        loss, payload = 0.0, None  # a tiny last batch left this worker nothing, or a non-finite loss: weight 0
         if n:
-            loss, grads, finite = self.compute(x, y, sample_weight)
-            loss = float(loss) if bool(finite) else float("nan")
+            loss_t, grads, finite = self.compute(x, y, sample_weight)
             if bool(finite):
-                variables = model.trainable_variables
-                payload = as_pushed(model, {v.path: g for v, g in zip(variables, grads)}, conn.pulled)
+                grads = {v.path: g for v, g in zip(model.trainable_variables, grads)}
+                loss, payload = float(loss_t), as_pushed(model, grads, conn.pulled)
             else:  # logged (TerminateOnNaN sees it, in sync mode on every worker), never pushed
                 log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                             strategy.worker_index, conn.step)
-        if payload is None:  # a tiny last batch left this worker nothing, or a non-finite loss: weight 0
-            loss, payload, pushed = (loss if n else 0.0), zeros(conn.pulled), 0
         # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
         metric_variables = _metric_variables(model)
         before.update({v.path: np.zeros(v.shape, v.dtype) for v in metric_variables if v.path not in before})
         changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in metric_variables}
-        reply = conn.push(payload, loss if np.isfinite(loss) else 0.0, pushed, metrics=changes if conn.sync else None,
-                          set_learning_rate=self._new_learning_rate())
+        _, reply = self.stepper.push(Work(conn.step, n), loss, payload, metrics=changes if conn.sync else None,
+                                     set_learning_rate=self._new_learning_rate())
         if conn.sync and reply.metrics:
             for v in metric_variables:
                 v.assign(before[v.path] + reply.metrics[v.path])

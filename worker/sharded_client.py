@@ -303,25 +303,19 @@ class ShardedClient:
                     self._pulled.popitem(last=False)
         return version, values
 
-    def push(
-        self,
-        worker_id: int,
-        step: int,
-        base_version: int,
-        batch_size: int,
-        gradients: Mapping[str, np.ndarray],
-        loss: float = 0.0,
-        timeout: float | None = None,
-        metrics: Mapping[str, np.ndarray] | None = None,
-        set_learning_rate: float = 0.0,
-    ) -> PushReply:
+    def push(self, worker_id: int, step: int, base_version: int, batch_size: int,
+             gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
+             micro_batch: int = -1, task: int = -1) -> PushReply:
         """Each shard gets its pieces of the gradients, its own base version and
         (sync) its own round; the replies are combined as the module says.
         ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
-        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``)."""
+        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``).
+        A server-dealt push (``micro_batch``, ``task``) is refused: a data plan is one server's."""
         placement = self.placement
-        if placement is None:
+        if placement is None or micro_batch >= 0 or task >= 0:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
+                              "a push of dealt work goes to one server, not shards" if placement else
                               "no placement yet: initialize or pull before the first push")
         try:
             per_shard = placement.split(gradients)

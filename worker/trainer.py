@@ -6,20 +6,21 @@
 (``worker.connection``: registration, step, the version pulled, the newest
 version seen, the lease heartbeat), the task (``worker.task``: model and data),
 the one gradient path (``worker.gradients``), the history and the evals.
-``run`` reads top to bottom: ``start`` (register, join), then ``one_step``
-until the last step, then ``finish``.
+``run`` reads top to bottom: ``start`` (register, join), then each work item
+through ``one_step`` until the last step, then ``finish``. The work is this
+worker's shard of each global batch (``own_shard``) or, with ``--elastic``, what
+the server deals (``worker.elastic``: micro-batches of its rounds, leased tasks).
 
-One step: pull the parameters (and the server's version) into the model,
-compute the mean loss and its gradients on this worker's shard of the global
-batch, push them with the step, the version they were computed from and the
-shard size. In sync mode the push returns when the whole round is applied; in
-async mode as soon as this gradient is; in ssp mode (bounded staleness) the
-same, unless this worker is too far ahead of the slowest, when the reply waits.
-A failure the worker can ride out (the server restarting, this worker declared
-dead) makes it rejoin and resume where the server says. The experiment knobs
-(``worker.knobs``: slowdown, bandwidth, latency, a pause) sleep around those
-phases. Pull, compute and push are separate methods on purpose: a Keras
-``train_step`` can call the same three.
+One step (``one_step``, for every kind of work): pull the parameters (and the
+server's version) into the model, compute the mean loss and its gradients on the
+work's examples under one tape (``worker.gradients``), push them with the work
+(``Connection.push``), and make its history row (``Step``). In sync mode
+the push returns when the whole round is applied; in async mode as soon as this
+gradient is; in ssp mode (bounded staleness) the same, unless this worker is too
+far ahead of the slowest, when the reply waits. A failure the worker can ride out
+(the server restarting, this worker declared dead) makes it rejoin and resume
+where the server says. The experiment knobs (``worker.knobs``: slowdown,
+bandwidth, latency, a pause) sleep around those phases.
 
 With ``--history-json`` every step is recorded: loss, batch size, the version
 pulled and the one after the push, staleness, whether it was dropped, and its
@@ -51,6 +52,8 @@ the faults ridden out, and the final scores; the rest of the start-up at DEBUG.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -58,10 +61,11 @@ import time
 
 import numpy as np
 
+from worker import elastic
 from worker import task as tasks
-from worker.client import PSClientError
+from worker.client import PSClientError, PushReply
 from worker.config import ConfigError, WorkerConfig
-from worker.connection import Connection, TrainingError, recoverable
+from worker.connection import Connection, TrainingError, Work, recoverable
 from worker.gradients import Gradients, non_trainable, trainable, zeros
 from worker.knobs import Knobs, payload_nbytes
 from worker.observe import Observer
@@ -114,15 +118,10 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
     if observer.metrics_port:
         log.debug("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
     try:
-        if config.elastic:
-            from worker.elastic import ElasticLoop
-
-            if not isinstance(task, tasks.BuiltinTask):
-                raise ConfigError("--elastic trains the built-in models and data (examples drawn by index) "
-                                  "for now; not your own model or tf.data pipeline")
-            loop = ElasticLoop(config, task, model, observer, device)
-        else:
-            loop = TrainingLoop(config, task, model, observer, device)
+        if config.elastic and not isinstance(task, tasks.BuiltinTask):
+            raise ConfigError("--elastic trains the built-in models and data (examples drawn by index) "
+                              "for now; not your own model or tf.data pipeline")
+        loop = TrainingLoop(config, task, model, observer, device)
         try:
             return loop.run()
         finally:
@@ -134,8 +133,6 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
 class TrainingLoop:
     """One worker's training: its state is the fields set here (module docstring)."""
 
-    dealt = False  # the server deals the data (worker.elastic): every batch is done when the loop ends
-
     def __init__(self, config: WorkerConfig, task: Task, model, observer: Observer, device: str = "/CPU:0"):
         self.task, self.model, self.observer, self.device = task, model, observer, device
         self.conn = Connection(config, model)  # registration, step, version pulled and seen, heartbeat
@@ -145,6 +142,9 @@ class TrainingLoop:
         self.history: list[dict] = []  # one record per step pushed (--history-json)
         self.evals: list[dict] = []  # the chief's --eval-every scores
         self.t0 = 0.0  # when training started (time.monotonic)
+        self.stop = elastic.SigtermFlag()  # SIGTERM's, while an --elastic loop trains (worker.elastic)
+        self.one_step = Step(self.conn, self.compute, self.knobs, self.stop if config.elastic else None)
+        self.call = self.one_step.call  # what may block, as SIGTERM allows
 
     @property
     def config(self) -> WorkerConfig:
@@ -152,10 +152,15 @@ class TrainingLoop:
         return self.conn.config
 
     def run(self) -> dict:
-        self.start()
-        self.t0 = time.monotonic()
-        while self.conn.step < self.task.total_steps:
-            self.one_step()
+        """Start, take the work where the registration says (this worker's own shard; with
+        --elastic what the server deals: ``worker.elastic``), finish."""
+        with elastic.leaving_at_sigterm(self) if self.config.elastic else contextlib.nullcontext():
+            self.call(self.start)  # --elastic: registers, sets the data plan and joins as SIGTERM allows
+            self.t0 = self.one_step.t0 = time.monotonic()
+            if not self.config.elastic:
+                self.own_shard()
+            else:
+                (elastic.rounds if self.conn.sync else elastic.tasks)(self)
         return self.finish()
 
     # -- start
@@ -173,57 +178,41 @@ class TrainingLoop:
             extras.append(f"metrics on http://{self.config.metrics_host}:{self.observer.metrics_port}/metrics")
         log.info("%s; computes on %s (TensorFlow %s); %s, %d steps%s", self.conn.describe(), self.device,
                  tf.__version__, self.task.name, self.task.total_steps, "".join(f"; {e}" for e in extras))
-        self._before_join(reg)
+        if self.config.elastic:
+            elastic.set_data_plan(self, reg)
         self.conn.join()
         self.batches = self.task.batches(self.config.worker_index, self.config.num_workers)
 
-    def _before_join(self, registration) -> None:
-        """What a loop sets once it knows the server (its mode), before it joins: nothing here."""
+    def own_shard(self) -> None:
+        """Each step this worker's shard of the global batch; on a failure the worker can
+        ride out, rejoin (the step is then where the server says) and record nothing."""
+        while self.conn.step < self.task.total_steps:
+            step = self.conn.step
+            x, y, n = self.batches.get(step)
+            try:
+                row, _ = self.one_step(Work(step, n, (x, y)))
+            except PSClientError as e:
+                if not recoverable(e):
+                    raise
+                self.conn.rejoin(e)
+                continue
+            self.record(row)
+            if self.config.is_chief:
+                self._after_step(step, row["base_version"])
 
-    # -- one step: pull, compute, push
-    def one_step(self) -> None:
-        """Compute and push step ``conn.step``; on a failure the worker can ride out, rejoin
-        (the step is then where the server says) and record nothing."""
-        step = self.conn.step
-        x, y, n = self.batches.get(step)
-        # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
-        knob_s = self.knobs.before_step(step)
-        try:
-            knob_s += self.knobs.before_pull()
-            pull_start = time.monotonic()
-            version = self.conn.pull()
-            compute_start, cpu_start = time.monotonic(), time.process_time()
-            loss, grads = self.compute(x, y, n)
-            compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
-            knob_s += self.knobs.after_compute(compute_s)
-            push_bytes = payload_nbytes(grads, self.config.grad_wire_dtype)
-            knob_s += self.knobs.before_push(push_bytes)
-            push_start = time.monotonic()
-            reply = self.conn.push(grads, loss, n)
-            step_end = time.monotonic()
-        except PSClientError as e:
-            if not recoverable(e):
-                raise
-            self.conn.rejoin(e)
-            return
-        record = {"step": step, "loss": loss, "batch_size": n, "base_version": version,
-                  "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped,
-                  "t": step_end - self.t0, "pull_s": compute_start - pull_start, "compute_s": compute_s,
-                  "compute_cpu_s": compute_cpu_s, "push_s": step_end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
-        self.history.append(record)
-        self.observer.step(record)
-        if self.config.is_chief:
-            self._after_step(step, version)
+    def record(self, row: dict) -> None:
+        self.history.append(row)
+        self.observer.step(row)
 
-    def compute(self, x, y, n: int) -> tuple[float, dict]:
-        """(mean loss, payload) of this worker's ``n`` examples against the parameters pulled;
-        a worker a tiny last batch left nothing pushes zeros (weight 0 in the round)."""
-        if not n:
-            return 0.0, zeros(self.conn.pulled)
+    def compute(self, work: Work) -> tuple[float, dict | None]:
+        """(mean loss, payload) of ``work``'s examples against the parameters pulled; no
+        payload for a worker a tiny last batch left nothing."""
+        if not work.batch_size:
+            return 0.0, None
         import tensorflow as tf
 
         with tf.device(self.device):
-            return self.gradients(x, y, self.conn.pulled)
+            return self.gradients(*work.examples, self.conn.pulled)
 
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""
@@ -262,7 +251,7 @@ class TrainingLoop:
         from worker import model as models
 
         config, reg, model, task = self.config, self.conn.registration, self.model, self.task
-        if reg.mode != "sync" and not self.dealt:  # async, ssp: nobody waits at a barrier, so wait for the others
+        if reg.mode != "sync" and not config.elastic:  # async, ssp: nobody waits at a barrier, so wait for the others
             _wait_for_others(config, self.conn.client)
         version = self.conn.pull()
         values = self.conn.pulled
@@ -299,6 +288,49 @@ class TrainingLoop:
         if config.snapshot_dir:
             models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
         return result
+
+
+class Step:
+    """The one worker step (module docstring): ``step(work)`` pulls (unless ``pull=False``),
+    computes under one tape (``compute(work)``: ``TrainingLoop.compute``) and ``push``es: the
+    payload (None: zeros, of weight 0) with its work, timed, as one history row; returns (the
+    row, the reply). The Keras step and ``Session.push`` call ``push`` with their own tape's.
+    ``stop`` (--elastic): SIGTERM's flag, checked before the tape and watched while pushing."""
+
+    def __init__(self, conn: Connection, compute=None, knobs: Knobs | None = None, stop=None):
+        self.conn, self.compute, self.knobs = conn, compute, knobs or Knobs.from_config(conn.config)
+        self.check = stop.check if stop else lambda: None
+        self.call = stop.wait_for if stop else lambda call, *args, **kwargs: call(*args, **kwargs)
+        if stop:
+            self.knobs.sleep = stop.sleep  # --pause-for ends at SIGTERM
+        self.t0 = time.monotonic()  # what the rows' t counts from
+
+    def __call__(self, work: Work, pull: bool = True) -> tuple[dict, PushReply]:
+        # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
+        knob_s = self.knobs.before_step(work.step) + self.knobs.before_pull() if pull else 0.0
+        pull_start = time.monotonic()
+        if pull:
+            self.conn.pull()
+        self.check()  # a gradient under way is finished first, none is started (worker.elastic)
+        compute_start, cpu_start = time.monotonic(), time.process_time()
+        loss, payload = self.compute(work)
+        compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
+        return self.push(work, loss, payload, pull_s=compute_start - pull_start, compute_s=compute_s,
+                         compute_cpu_s=compute_cpu_s, knob_s=knob_s + self.knobs.after_compute(compute_s))
+
+    def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rate: float = 0.0,
+             knob_s: float = 0.0, **timing) -> tuple[dict, PushReply]:
+        if payload is None:
+            payload, work = zeros(self.conn.pulled), dataclasses.replace(work, batch_size=0)
+        push_bytes = payload_nbytes(payload, self.conn.config.grad_wire_dtype)
+        knob_s += self.knobs.before_push(push_bytes)
+        version, push_start = self.conn.version, time.monotonic()
+        reply = self.call(self.conn.push, payload, work, loss, metrics=metrics, set_learning_rate=set_learning_rate)
+        end = time.monotonic()
+        row = {"step": work.step, "loss": loss, "batch_size": work.batch_size, "base_version": version,
+               "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped, "t": end - self.t0,
+               **timing, "push_s": end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
+        return ({**row, "task": work.task} if work.task >= 0 else row), reply
 
 
 def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:

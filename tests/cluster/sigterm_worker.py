@@ -53,10 +53,10 @@ POINTS = {
     # deep in its first call, which traces it: TensorFlow's C++ calling back into Python
     "trace": (gradients.Gradients, "__call__", 1, "tf:3000", (), None),
     "to-numpy": (gradients, "to_pushable", 5, "tf", (), None),  # a gradient turned into NumPy
-    "before-push": (PSClient, "push_micro", 3, "now", (), None),
+    "before-push": (PSClient, "push", 3, "now", (), None),
     # sent, waiting for the round's answer, which needs the micro-batch of the chief, held
     # as this worker pulls for the same round (as a rule before the chief delivered it)
-    "push-wait": (PSClient, "push_micro", 3, "during", (), (connection.Connection, "pull", 3)),
+    "push-wait": (PSClient, "push", 3, "during", (), (connection.Connection, "pull", 3)),
     "pause": (knobs.Knobs, "before_step", 1, "during", ("--pause-at-step", "1", "--pause-for", "600"), None),
 }
 

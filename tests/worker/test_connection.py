@@ -19,7 +19,7 @@ import pytest
 
 from ps_common.settings import ConfigError
 from worker.config import WorkerConfig
-from worker.connection import Connection
+from worker.connection import Connection, Work
 from tests.core.threads import finish, start
 
 
@@ -85,7 +85,7 @@ def test_push_carries_metrics_and_a_learning_rate_to_the_server(connections):
     (conn,) = connections("sync", 1)
     conn.join()
     conn.pull()
-    reply = conn.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, 0.5, 8,
+    reply = conn.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, Work(conn.step, 8), 0.5,
                       metrics={"acc/total": np.array([3.0], np.float32)}, set_learning_rate=0.25)
     assert reply.learning_rate == 0.25 and reply.metrics["acc/total"].tolist() == [3.0]
     conn.pull()
