@@ -36,7 +36,7 @@ def _start(c, cluster, ps_hosts, worker_hosts, server_flags=(), worker_flags=(),
     return servers, workers
 
 
-@pytest.mark.parametrize("mode,epochs", [("sync", 3), ("async", 3)])
+@pytest.mark.parametrize("mode,epochs", [("sync", 3), ("async", 6)])
 def test_one_ps_host_and_three_worker_hosts_train_digits_to_90_percent(host_cluster, tmp_path, mode, epochs):
     c = host_cluster([PS, *WORKERS], rate="1gbit")
     result = tmp_path / "result.json"
