@@ -656,7 +656,7 @@ class ParameterServer:
             examples_applied=self.stats.examples_applied,
             mean_staleness=mean_s,
             max_staleness_seen=max_s,
-            optimizer=self.store.optimizer_spec,
+            optimizer=self.store.initialized_spec,  # the rate set since: learning_rate_now
             num_variables=len(specs),
             num_parameters=self.store.num_parameters(),
             uptime_s=time.monotonic() - self._started,

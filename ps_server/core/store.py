@@ -429,6 +429,15 @@ class VariableStore:
     def optimizer_spec(self) -> OptimizerSpec | None:
         return self._optimizer.spec if self._optimizer else None
 
+    @property
+    def initialized_spec(self) -> OptimizerSpec | None:
+        """The optimizer as ``initialize`` gave it: what a worker joining later must match,
+        whatever learning rate ``set_learning_rate`` gave it since (``current_learning_rate``)."""
+        spec = self.optimizer_spec
+        if spec is not None and self._initial_learning_rate is not None:
+            spec = dataclasses.replace(spec, learning_rate=self._initial_learning_rate)
+        return spec
+
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}
 
@@ -518,9 +527,7 @@ class VariableStore:
         if non_trainable != mine_nt:
             problems.append(f"non-trainable variables are stored as {sorted(mine_nt)}, new spec says "
                             f"{sorted(non_trainable)}")
-        stored = self._optimizer.spec
-        if self._initial_learning_rate is not None:  # set_learning_rate changed it since
-            stored = dataclasses.replace(stored, learning_rate=self._initial_learning_rate)
+        stored = self.initialized_spec
         if spec != stored:
             problems.append(f"optimizer is stored as {stored.as_dict()}, new spec says {spec.as_dict()}")
         if problems:

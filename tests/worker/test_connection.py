@@ -81,6 +81,18 @@ def test_a_worker_whose_given_optimizer_differs_from_the_server_s_is_refused(con
         other.join()
 
 
+def test_a_worker_joining_after_the_chief_set_a_learning_rate_checks_against_the_initial_one(connections):
+    """tfps.keras: ReduceLROnPlateau on the chief sets the server's rate; a worker that joins
+    later (async: nobody waits for it) was compiled with the initial rate and must not be refused."""
+    chief, other = connections("async", 2)
+    chief.join()
+    chief.pull()
+    chief.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, Work(chief.step, 8), 0.5, set_learning_rate=0.0625)
+    other.join()  # no complaint: the optimizer is the one the chief initialized
+    status = other.client.status()
+    assert (status.optimizer.learning_rate, status.learning_rate_now) == (0.125, 0.0625)
+
+
 def test_push_carries_metrics_and_a_learning_rate_to_the_server(connections):
     (conn,) = connections("sync", 1)
     conn.join()
