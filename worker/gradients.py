@@ -58,31 +58,56 @@ def set_values(model, values: Mapping[str, np.ndarray]) -> None:
 
 class Gradients:
     """The mean loss and its gradients of ``model`` on a batch, as pushed (module docstring).
+    ``loss`` None: the model's compiled loss (``tfps.keras``: ``model._compute_loss``, sample
+    weights and regularization included), whose loss tracker and metrics the tape's function
+    updates too, and a step whose loss or gradients are not finite gives no payload.
 
     The tape runs in one ``tf.function``, traced on the first call; the same inputs
     give the same bits in every process with the same TensorFlow settings."""
 
-    def __init__(self, model, loss: Callable):
+    def __init__(self, model, loss: Callable | None = None):
         import tensorflow as tf
 
         self.model, self.loss = model, loss
         self.variables = trainable(model)
 
         @tf.function(reduce_retracing=True)
-        def tape(x, y):
+        def tape(x, y, sample_weight=None):
             with tf.GradientTape() as t:
-                mean = tf.reduce_mean(loss(y, model(x, training=True)))
-                if model.losses:  # regularization; known when tracing
-                    mean += tf.add_n(model.losses)
-            return mean, t.gradient(mean, self.variables)
+                if loss is None:
+                    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+                    mean = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                else:
+                    mean = tf.reduce_mean(loss(y, model(x, training=True)))
+                    if model.losses:  # regularization; known when tracing
+                        mean += tf.add_n(model.losses)
+            grads = t.gradient(mean, self.variables)
+            if loss is not None:
+                return mean, grads, True
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices)
+                                                                     else g)) for g in grads if g is not None]
+                                   + [tf.math.is_finite(mean)])
+            _compiled_metrics(model, x, y, y_pred, sample_weight, tf.where(finite, mean, tf.constant(float("nan"), mean.dtype)))
+            return mean, grads, finite
 
         self.tape = tape
 
-    def __call__(self, x, y, pulled: Mapping[str, np.ndarray]) -> tuple[float, dict]:
+    def __call__(self, x, y, pulled: Mapping[str, np.ndarray], sample_weight=None) -> tuple[float, dict | None]:
         """(mean loss, ``{path: as pushed}``) on ``x, y``; ``pulled`` are the values the model
         held before this forward pass (what the non-trainable changes are measured from)."""
-        loss, grads = self.tape(x, y)
+        loss, grads, finite = self.tape(x, y, sample_weight)
+        if not bool(finite):
+            return float(loss), None
         return float(loss), as_pushed(self.model, dict(zip((v.path for v in self.variables), grads)), pulled)
+
+
+def _compiled_metrics(model, x, y, y_pred, sample_weight, loss) -> None:
+    """The compiled loss tracker (by examples: a step not finite counts as NaN) and metrics."""
+    import tensorflow as tf
+    from keras.src import tree
+
+    model._loss_tracker.update_state(loss, sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray]) -> dict:

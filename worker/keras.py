@@ -18,7 +18,7 @@ only the train step. Each step takes the next global batch of the dataset (every
 reads the same batches), keeps this worker's contiguous part of it (the first workers
 take one more example when the batch does not divide, as ``ps-worker`` does; with
 ``Strategy(batches="per_worker")`` the dataset is already this worker's and is used
-whole), computes the compiled loss and its gradients with one ``tf.GradientTape``,
+whole), computes the compiled loss and its gradients under the one tape (``worker.gradients``),
 pushes them, and loads the server's parameters. The optimizer, its options and its
 learning-rate schedule are the compiled ``model.optimizer``'s, run on the server
 (``worker.keras_optimizer``): the local optimizer never steps. On the first ``fit`` the
@@ -226,7 +226,8 @@ class _Attached:
 
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
-        self.compute = self.stepper = None  # the tape's tf.function; the one step (worker.trainer.Step)
+        self.gradients = self.stepper = None  # the one tape (worker.gradients); the one step (worker.trainer)
+        self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
@@ -258,38 +259,14 @@ class _Attached:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
+        from worker.gradients import Gradients
         from worker.trainer import Step
 
         self.strategy.connect(model)
-        self.stepper = Step(self.strategy.connection)
-        self._trace()
+        self.gradients = Gradients(model)  # the compiled loss and metrics, under the one tape
+        self.stepper = Step(self.strategy.connection, self.compute)
         model.train_function = self.train_function
         return model.train_function
-
-    def _trace(self) -> None:
-        import tensorflow as tf
-
-        model = self.model
-        variables = list(model.trainable_variables)
-
-        @tf.function(reduce_retracing=True)
-        def compute(x, y, sample_weight):
-            from keras.src import tree
-
-            with tf.GradientTape() as tape:
-                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-                loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            grads = tape.gradient(loss, variables)
-            values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in values] + [tf.math.is_finite(loss)])
-            # A step whose gradients are not finite is logged with a NaN loss, whatever the loss was.
-            model._loss_tracker.update_state(
-                tf.where(finite, loss, tf.constant(float("nan"), loss.dtype)),
-                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            return loss, grads, finite
-
-        self.compute = compute
 
     def train_function(self, iterator):
         logs = None
@@ -298,40 +275,42 @@ class _Attached:
         return logs
 
     def step(self, data) -> dict:
-        """One step on the next global batch (module docstring): compute, push, pull."""
+        """One step on the next global batch (module docstring): the one step (``Step``), then a pull."""
         import keras
 
         from worker.connection import Work
-        from worker.gradients import as_pushed
 
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if strategy.batches == "global":
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
-        n = _batch_size(x)
-        before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
-        loss, payload = 0.0, None  # a tiny last batch left this worker nothing, or a non-finite loss: weight 0
-        if n:
-            loss_t, grads, finite = self.compute(x, y, sample_weight)
-            if bool(finite):
-                grads = {v.path: g for v, g in zip(model.trainable_variables, grads)}
-                loss, payload = float(loss_t), as_pushed(model, grads, conn.pulled)
-            else:  # logged (TerminateOnNaN sees it, in sync mode on every worker), never pushed
-                log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
-                            strategy.worker_index, conn.step)
-        # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
-        metric_variables = _metric_variables(model)
-        before.update({v.path: np.zeros(v.shape, v.dtype) for v in metric_variables if v.path not in before})
-        changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in metric_variables}
-        _, reply = self.stepper.push(Work(conn.step, n), loss, payload, metrics=changes if conn.sync else None,
-                                     set_learning_rate=self._new_learning_rate())
+        self.metrics_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        _, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
         if conn.sync and reply.metrics:
-            for v in metric_variables:
-                v.assign(before[v.path] + reply.metrics[v.path])
+            for v in _metric_variables(model):
+                v.assign(self.metrics_before[v.path] + reply.metrics[v.path])
         self.learning_rates.append(float(reply.learning_rate))
         conn.pull()
         model.optimizer.iterations.assign(max(0, int(conn.version)))
         return model.get_metrics_result()
+
+    def compute(self, work) -> tuple[float, dict | None, dict]:
+        """The step's loss and payload (none for a tiny last batch that left this worker nothing,
+        or a loss or gradient not finite: weight 0), and what its push carries besides: the
+        change the step made to every metric's state (sync) and the chief's new learning rate."""
+        model, conn = self.model, self.strategy.connection
+        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2]) if work.batch_size \
+            else (0.0, None)
+        if work.batch_size and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
+            log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
+                        self.strategy.worker_index, conn.step)
+            loss = 0.0
+        # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
+        before = self.metrics_before
+        before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model) if v.path not in before})
+        changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in _metric_variables(model)}
+        return loss, payload, {"metrics": changes if conn.sync else None,
+                               "set_learning_rate": self._new_learning_rate()}
 
     def _new_learning_rate(self) -> float:
         """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""

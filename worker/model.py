@@ -69,65 +69,20 @@ def build_model(name: str = "cnn", seed: int = 0):
     import keras
 
     keras.utils.set_random_seed(seed)
-    if name == "tiny":
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(10, activation="softmax"),
-            ],
-            name="tiny",
-        )
-    elif name == "deepcnn":
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.MaxPooling2D(2),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.MaxPooling2D(2),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10, activation="softmax"),
-            ],
-            name="deepcnn",
-        )
-    elif name == "cnn":
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.Flatten(),
-                keras.layers.Dense(10, activation="softmax"),
-            ],
-            name="cnn",
-        )
-    elif name == "mlp":
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(1024, activation="relu"),
-                keras.layers.Dense(128, activation="relu"),
-                keras.layers.Dense(10, activation="softmax"),
-            ],
-            name="mlp",
-        )
-    elif name == "mlp25m":
-        model = keras.Sequential(
-            [
-                keras.Input(shape=(28, 28, 1)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(8192, activation="relu"),
-                keras.layers.Dense(2304, activation="relu"),
-                keras.layers.Dense(10, activation="softmax"),
-            ],
-            name="mlp25m",
-        )
-    else:
+    relu, layers = "relu", keras.layers
+    hidden = {  # what each model has between its 28x28x1 input and its 10-way softmax
+        "tiny": lambda: [layers.Flatten()],
+        "deepcnn": lambda: [layers.Conv2D(16, 3, activation=relu), layers.Conv2D(16, 3, activation=relu),
+                            layers.MaxPooling2D(2), layers.Conv2D(32, 3, activation=relu), layers.MaxPooling2D(2),
+                            layers.Flatten(), layers.Dense(64, activation=relu)],
+        "cnn": lambda: [layers.Conv2D(32, 3, activation=relu), layers.Flatten()],
+        "mlp": lambda: [layers.Flatten(), layers.Dense(1024, activation=relu), layers.Dense(128, activation=relu)],
+        "mlp25m": lambda: [layers.Flatten(), layers.Dense(8192, activation=relu), layers.Dense(2304, activation=relu)],
+    }
+    if name not in hidden:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return model
+    return keras.Sequential([keras.Input(shape=(28, 28, 1)), *hidden[name](), layers.Dense(10, activation="softmax")],
+                            name=name)
 
 
 def variable_names(model) -> list[str]:

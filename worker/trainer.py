@@ -292,9 +292,10 @@ class TrainingLoop:
 
 class Step:
     """The one worker step (module docstring): ``step(work)`` pulls (unless ``pull=False``),
-    computes under one tape (``compute(work)``: ``TrainingLoop.compute``) and ``push``es: the
-    payload (None: zeros, of weight 0) with its work, timed, as one history row; returns (the
-    row, the reply). The Keras step and ``Session.push`` call ``push`` with their own tape's.
+    computes under the one tape (``compute(work)``: ``TrainingLoop.compute``, the Keras step's
+    ``compute``; both ``worker.gradients``; a third item is what the push carries besides) and
+    ``push``es: the payload (None: zeros, of weight 0) with its work, timed, as one history row;
+    returns (the row, the reply). ``Session.push`` calls ``push`` with the gradients of your tape.
     ``stop`` (--elastic): SIGTERM's flag, checked before the tape and watched while pushing."""
 
     def __init__(self, conn: Connection, compute=None, knobs: Knobs | None = None, stop=None):
@@ -313,10 +314,11 @@ class Step:
             self.conn.pull()
         self.check()  # a gradient under way is finished first, none is started (worker.elastic)
         compute_start, cpu_start = time.monotonic(), time.process_time()
-        loss, payload = self.compute(work)
+        loss, payload, *carries = self.compute(work)
         compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
-        return self.push(work, loss, payload, pull_s=compute_start - pull_start, compute_s=compute_s,
-                         compute_cpu_s=compute_cpu_s, knob_s=knob_s + self.knobs.after_compute(compute_s))
+        return self.push(work, loss, payload, **(carries[0] if carries else {}), pull_s=compute_start - pull_start,
+                         compute_s=compute_s, compute_cpu_s=compute_cpu_s,
+                         knob_s=knob_s + self.knobs.after_compute(compute_s))
 
     def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rate: float = 0.0,
              knob_s: float = 0.0, **timing) -> tuple[dict, PushReply]:
