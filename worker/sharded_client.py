@@ -49,7 +49,9 @@ again from its record), so every worker resumes at the same round, whichever
 registers first, and the lost steps are not applied again on the shards that
 kept them. Shards with backup workers
 (``--replicas-to-aggregate`` below the worker count) are refused: each would
-drop different workers' gradients.
+drop different workers' gradients. So is an optimizer option that would see only a
+shard's part of the model (``global_clipnorm``, a per-variable norm of a variable cut in
+slices: ``worker.sharding.coupling``), at the chief's ``initialize``.
 
 **Failures.** A call waits for every shard's answer (each call has its
 deadline), then raises the first ``PSClientError`` to arrive: its ``call`` and
@@ -242,6 +244,9 @@ class ShardedClient:
                     f"--ps lists {self.num_shards} servers but the model makes only {len(placement.pieces)} "
                     f"pieces (variables and slices): {', '.join(self.addresses[s] for s in empty)} would hold "
                     f"nothing; list at most {len(placement.pieces)} servers")
+        refusal = sharding.coupling(placement, optimizer)
+        if refusal:
+            raise ConfigError(refusal)
         try:
             per_shard = placement.split(variables)
         except sharding.ShardingError as e:

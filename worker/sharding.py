@@ -286,6 +286,26 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
     return Placement(num_shards, variables, tuple(pieces))
 
 
+def coupling(placement: Placement, optimizer: Mapping) -> str | None:
+    """Why ``optimizer`` (the server's fields: ``ps_common.names.optimizer_fields``, None as 0)
+    would not compute on ``placement`` what it computes on one server, or None. Each shard steps
+    its own pieces with its own optimizer, so an option that reads more than one element at a
+    time sees only the shard's part: ``global_clipnorm`` the norm of the shard's gradients, a
+    per-variable norm (``clipnorm``, Lamb's trust ratio, Adafactor's row and column means) the
+    norm of one slice. Such a combination is refused, in one line, before any training."""
+    n = placement.num_shards
+    if n > 1 and optimizer.get("global_clipnorm"):
+        return (f"global_clipnorm cannot run on {n} server shards: each shard would clip by the norm of its own "
+                "variables, not the whole model's; use one server, or clipnorm or clipvalue")
+    per_variable = [what for what in ("clipnorm",) if optimizer.get(what)] + \
+        [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor") if optimizer.get("name") == name.lower()]
+    cut = [p.variable for p in placement.pieces if p.parts > 1 and p.part == 0]
+    if per_variable and cut:
+        return (f"{per_variable[0]} cannot run with {cut[0]!r} cut in slices over {n} server shards: each would "
+                "use the norm of its own rows; keep every variable whole (a larger min_slice_bytes) or use one server")
+    return None
+
+
 def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
     """The placement that the shards' contents describe.
 

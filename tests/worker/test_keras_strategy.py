@@ -42,6 +42,15 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     assert strategy.models == []
 
 
+def test_global_clipnorm_over_two_server_shards_is_refused_at_compile():
+    """Each shard would clip by the norm of its own variables (worker.sharding.coupling)."""
+    strategy = Strategy(ps="127.0.0.1:1,127.0.0.1:2")
+    with pytest.raises(ValueError, match="global_clipnorm cannot run on 2 server shards"), strategy.scope():
+        small_model().compile(optimizer=keras.optimizers.AdamW(global_clipnorm=1.0), loss="mse")
+    with Strategy(ps="127.0.0.1:1").scope():  # one server computes it exactly
+        small_model().compile(optimizer=keras.optimizers.AdamW(global_clipnorm=1.0), loss="mse")
+
+
 def test_a_model_with_its_own_train_step_is_refused():
     class Custom(keras.Model):
         def train_step(self, data):

@@ -116,6 +116,14 @@ def test_initialize_sends_each_shard_its_pieces_and_pull_joins_them_bit_exactly(
     assert client.initialize(0, VALUES, SGD) is False  # repeating it is harmless
 
 
+def test_global_clipnorm_over_several_shards_is_refused_before_any_shard_holds_a_value():
+    shards, client = cluster()
+    client.register(0, 2)
+    with pytest.raises(ConfigError, match="global_clipnorm cannot run on 2 server shards"):
+        client.initialize(0, VALUES, {**SGD, "global_clipnorm": 1.0})
+    assert all(not s.values for s in shards)
+
+
 def test_a_worker_that_did_not_initialize_learns_the_placement_from_the_shards():
     shards, chief = cluster()
     chief.register(0, 2)
