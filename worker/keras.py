@@ -283,24 +283,50 @@ class _Attached:
         return logs
 
     def step(self, data) -> dict:
-        """One step on the next global batch (module docstring): the one step (``Step``), then a pull."""
+        """One step on the next global batch (module docstring): the one step (``Step``), then a
+        pull. A failure ``ps-worker`` rides out (the server restarting, this worker declared
+        dead: ``worker.connection.recoverable``) is ridden out alike: rejoin, load the server's
+        parameters, undo the batch's metric updates and train on it again at the step the
+        server gives (sync: its round; a round a restored checkpoint lost is then trained on
+        this batch, where ``ps-worker`` reads that round's batch again)."""
         import keras
 
-        from worker.connection import Work
+        from worker.client import PSClientError
+        from worker.connection import Work, recoverable
 
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if strategy.batches == "global":
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
         self.metrics_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
-        _, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
+        while True:
+            try:
+                _, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
+                break
+            except PSClientError as e:
+                if not recoverable(e):
+                    raise
+                for v in _metric_variables(model):
+                    v.assign(self.metrics_before.get(v.path, np.zeros(v.shape, v.dtype)))
+                self._rejoin(e)
         if conn.sync and reply.metrics:
             for v in _metric_variables(model):
                 v.assign(self.metrics_before[v.path] + reply.metrics[v.path])
         self.learning_rates.append(float(reply.learning_rate))
-        conn.pull()
+        try:
+            conn.pull()
+        except PSClientError as e:
+            if not recoverable(e):
+                raise
+            self._rejoin(e)
         model.optimizer.iterations.assign(max(0, int(conn.version)))
         return model.get_metrics_result()
+
+    def _rejoin(self, error) -> None:
+        """Register again (within --reconnect-timeout) and load the server's parameters."""
+        conn = self.strategy.connection
+        conn.rejoin(error)
+        conn.pull()
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """The step's loss and payload (none for a tiny last batch that left this worker nothing,

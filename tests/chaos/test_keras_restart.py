@@ -1,0 +1,68 @@
+"""``model.fit`` on tfps rides out a server restart, as ``ps-worker`` does.
+
+    pytest -q tests/chaos/test_keras_restart.py
+
+Issue 28: "A worker whose server restarts, or whose link is cut, rides it out as
+``ps-worker`` does." Two sync workers run the user's program (``keras_program.py``)
+against a ps-server that checkpoints every 0.5 s; once it has applied a few rounds
+the server is SIGKILLed and started again on the same port from its checkpoints.
+Both fits end, each worker says where it resumed, and in sync mode every worker ends
+with the same evaluation and predictions (the same parameters).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.chaos.test_server_restart import free_port, read_log, start_server
+from tests.cluster.test_keras_fit import fit
+from worker.client import PSClient, PSClientError
+
+pytestmark = [pytest.mark.chaos, pytest.mark.cluster]
+
+KILL_AT_VERSION = 10  # of 69 rounds (3 epochs of 23)
+
+
+def restart_at(procs, server, port: int, ckpt_dir, version: int, done: threading.Event,
+               finished: threading.Event) -> None:
+    """Kill ``server`` once it reached ``version`` (and a checkpoint was written), start it again,
+    and stay until ``finished``: the new server dies with the thread that started it (PDEATHSIG)."""
+    with PSClient(f"127.0.0.1:{port}") as client:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if client.status().version >= version:
+                    break
+            except PSClientError:
+                pass  # not initialized yet
+            time.sleep(0.05)
+    time.sleep(0.6)  # one checkpoint interval: the restored state is at most that old
+    server.kill()
+    server.wait()
+    start_server(procs, port, ckpt_dir, "ps-restarted")
+    done.set()
+    finished.wait(600)
+
+
+@pytest.mark.recovery
+def test_keras_fit_rides_out_a_server_restart_and_every_worker_ends_with_the_same_parameters(procs, tmp_path):
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    server = start_server(procs, port, ckpt, "ps")
+    restarted, finished = threading.Event(), threading.Event()
+    killer = threading.Thread(target=restart_at, args=(procs, server, port, ckpt, KILL_AT_VERSION, restarted,
+                                                       finished), daemon=True)
+    killer.start()
+    try:
+        records = fit(procs, tmp_path, "sync", "--epochs", "3", address=f"127.0.0.1:{port}")
+    finally:
+        finished.set()
+        killer.join(60)
+    assert restarted.is_set(), read_log(server)[-2000:]
+    logs = [p.read_text() for p in sorted(tmp_path.glob("keras-worker*.log"))]
+    assert all("the server restarted" in log and "resuming at round" in log for log in logs), "\n".join(log[-2000:] for log in logs)
+    assert len(records) == 2 and records[0]["evaluate"] == records[1]["evaluate"]
+    assert records[0]["predict"] == records[1]["predict"]
+    assert records[0]["evaluate"]["accuracy"] > 0.8
