@@ -6,7 +6,9 @@
 Owns:
 
 - ``compare`` and ``report``: runs of ``ps-launch`` per mode, scenario and seed, and the report
-  with its significance; ``compare_hosts``: the same runs on emulated hosts (``ps_tools.hosts``);
+  with its significance; ``compare_runs``: one such run (the scenarios, the modes' flags),
+  below ``compare`` and ``virtual_validate``; ``compare_hosts``: the same runs on emulated
+  hosts (``ps_tools.hosts``);
 - ``virtual``, ``virtual_compare`` and ``virtual_validate`` (``ps-compare --virtual``): N
   simulated workers in virtual time, driving the real core; the report against N; the real
   runs it is checked against;

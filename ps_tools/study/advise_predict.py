@@ -157,7 +157,7 @@ def decide(rows: list[dict], verdict: dict, rule: Advice, workers: int, target: 
     the most accurate at the end, if it leads them beyond the spread; else the rule's
     mode stands while it is among those (fast and accurate within the spread), and the
     fastest of them replaces it when it is not (the simulation shows it behind)."""
-    from ps_tools.study.compare import mode_flags
+    from ps_tools.study.compare_runs import mode_flags
 
     by = {r["mode"]: r for r in rows}
 
