@@ -5,7 +5,8 @@
 
 ``names`` (modes, policies, optimizers and their defaults), ``records`` (the
 registration and the push reply, as both sides hold them), ``settings`` (the one
-resolver: flags, then ``TFPS_*``, then ``TF_CONFIG``), ``tf_config``, ``security``
+resolver: flags, then ``TFPS_*``, then ``TF_CONFIG``; its ``ConfigError`` is defined in
+``errors``, below it and the ``tf_config`` and ``slurm`` it reads), ``tf_config``, ``security``
 (TLS and the bearer token), ``sparse`` (the sparse-rows type of an embedding
 gradient), ``procs`` (starting children that die with their parent) and ``logs``
 (one logging set-up: tfps at its level, other libraries from WARNING).

@@ -34,7 +34,8 @@ one name on purpose.
   (the chief is worker 0); ``num_workers`` as above.
 
 A ``TF_CONFIG`` that cannot be read raises ``ConfigError`` like any other bad
-setting.
+setting. ``ConfigError`` is defined in ``ps_common.errors``, below this module and
+the two it reads the cluster from; import it from here or from there.
 
 ``TFPS_CLUSTER`` says where the cluster description comes from: unset, empty or
 ``tf_config``, from ``TF_CONFIG`` as above; ``slurm``, from the Slurm environment
@@ -53,6 +54,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Mapping, TypeVar
 
+from ps_common.errors import ConfigError
+
 T = TypeVar("T")
 
 log = logging.getLogger("ps_common.settings")
@@ -61,10 +64,6 @@ PREFIX = "TFPS_"
 ROLES = ("ps", "worker")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is shown to the user as is."""
 
 
 def setting(default: Any, *, env: str | None = None, old_env: str | None = None,

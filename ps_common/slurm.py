@@ -40,7 +40,7 @@ import shutil
 import subprocess
 from typing import Callable, Mapping
 
-from ps_common.settings import ConfigError
+from ps_common.errors import ConfigError
 
 DEFAULT_PORT_BASE = 8888  # SlurmClusterResolver's port_base
 NUM_PS_ENV = "TFPS_SLURM_NUM_PS"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ps_common.settings import ConfigError
+from ps_common.errors import ConfigError
 
 
 class TFConfigError(ConfigError):

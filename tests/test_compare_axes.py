@@ -13,7 +13,8 @@ import math
 import pytest
 
 from ps_tools.study import compare, report
-from ps_tools.study.compare import SCENARIOS, launch_argv, main, run_args
+from ps_tools.study.compare import SCENARIOS, main, run_args
+from ps_tools.study.compare_runs import launch_argv
 
 
 def hand_run(mode, seed, t_reach, final_acc, scenario="balanced", model="cnn", train_examples=0, workers=3):

@@ -18,6 +18,9 @@ sub-package's ``__init__`` docstring says the same in words):
     ps_server/core/   errors <- optim, data, membership <- store <- modes <- broadcast,
                       checkpoint <- parameter_server
     ps_tools/         the operator's commands <- study
+
+Between the files of ``ps_common`` and of ``ps_tools`` there is no import circle at all
+(``NO_FILE_CIRCLES``): a name two files share lives in the one below both.
 """
 
 from __future__ import annotations
@@ -193,6 +196,61 @@ def test_every_console_script_names_a_function_that_exists():
         for t in scripts.values())
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# Between the files of these packages no import circle at all, not even through an import
+# inside a function: each file's names come from files below it.
+NO_FILE_CIRCLES = ("ps_common", "ps_tools")
+
+
+def _file_of(module: str) -> pathlib.Path | None:
+    """The module file (not a package's ``__init__``) that a dotted import names, if ours."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        path = ROOT.joinpath(*parts[:end]).with_suffix(".py")
+        if path.is_file():
+            return path
+    return None
+
+
+def file_circles() -> list[str]:
+    """Each import circle between the files of a ``NO_FILE_CIRCLES`` package, as
+    "a.py -> b.py -> a.py" (a package's ``__init__``, docstrings here, is left out)."""
+    circles = []
+    for top in NO_FILE_CIRCLES:
+        files = sorted(p for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts and p.stem != "__init__")
+        arrows = {p: sorted({f for _, m in imported_modules(p) if m.split(".")[0] == top
+                             and (f := _file_of(m)) is not None and f != p}) for p in files}
+        done: set = set()
+        for start in files:  # a circle is reported once, from its first file in path order
+            stack = [(start, [start])]
+            while stack:
+                here, path = stack.pop()
+                for there in arrows.get(here, []):
+                    if there == start:
+                        circles.append(" -> ".join(q.relative_to(ROOT).as_posix() for q in [*path, start]))
+                    elif there not in path and there not in done and there > start:
+                        stack.append((there, [*path, there]))
+            done.add(start)
+    return circles
+
+
+def test_no_import_circle_between_the_files_of_ps_common_or_ps_tools():
+    assert file_circles() == []
+
+
+def test_the_circle_check_sees_a_circle_through_an_import_inside_a_function(tmp_path, monkeypatch):
+    (tmp_path / "ps_common").mkdir()
+    (tmp_path / "ps_common" / "a.py").write_text("from ps_common.b import B\n")
+    (tmp_path / "ps_common" / "b.py").write_text("def f():\n    from ps_common import a\n")
+    (tmp_path / "ps_common" / "c.py").write_text("from ps_common.a import A\n")  # into the circle, not in it
+    (tmp_path / "ps_tools" / "study").mkdir(parents=True)
+    (tmp_path / "ps_tools" / "study" / "x.py").write_text("from ps_tools.study import y\n")
+    (tmp_path / "ps_tools" / "study" / "y.py").write_text("from ps_tools.launch import parser\n")
+    (tmp_path / "ps_tools" / "launch.py").write_text("from ps_tools.study.x import X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert file_circles() == ["ps_common/a.py -> ps_common/b.py -> ps_common/a.py",
+                              "ps_tools/launch.py -> ps_tools/study/x.py -> ps_tools/study/y.py -> ps_tools/launch.py"]
 
 
 def test_the_inner_check_sees_a_wrong_arrow(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
     ps-advise --predict --predict-workers 64 --link-mbps 1000 --launch -- --workers 3 --dataset digits
 
-The rules of ``ps_tools.study.advise`` read a step profile; they cannot say what 64 workers
+The rules of ``ps_tools.study.advise_rules`` read a step profile; they cannot say what 64 workers
 would do, where an async gradient's staleness and a sync round's wait for the slowest
 grow with N. This runs the virtual-time comparison (``ps_tools.study.virtual``: the real server
 core, real TensorFlow gradients, time from a model) for the user's N, with the profile
@@ -41,7 +41,7 @@ import dataclasses
 import math
 import statistics
 
-from ps_tools.study.advise import Advice, AdviseError, Measurements
+from ps_tools.study.advise_rules import Advice, AdviseError, Measurements
 
 DEFAULT_MBPS = 10_000.0
 
@@ -157,7 +157,7 @@ def decide(rows: list[dict], verdict: dict, rule: Advice, workers: int, target: 
     the most accurate at the end, if it leads them beyond the spread; else the rule's
     mode stands while it is among those (fast and accurate within the spread), and the
     fastest of them replaces it when it is not (the simulation shows it behind)."""
-    from ps_tools.study.compare import mode_flags
+    from ps_tools.study.compare_runs import mode_flags
 
     by = {r["mode"]: r for r in rows}
 

@@ -2,7 +2,7 @@
 
     paths = write_report(out_dir, config, runs)   # report.json, report.md, plot-*.png, staleness-*.png
 
-A run is what ``ps_tools.study.compare.run_one`` returns: the launch metrics and every
+A run is what ``ps_tools.study.compare_runs.run_one`` returns: the launch metrics and every
 worker's history (per step: t, loss, version, staleness, dropped; the chief's
 "evals": test accuracy every few steps). From each run: the final test
 accuracy, the time and the number of updates (server versions) until the

@@ -170,6 +170,15 @@ def mode_options(mode: str, workers: int) -> dict:
                        "(K backup workers)")
 
 
+def fits(mode: str, n: int) -> bool:
+    """Whether ``mode`` can run with ``n`` workers (backup needs more than its K)."""
+    try:
+        mode_options(mode, n)
+    except VirtualError:
+        return False
+    return True
+
+
 # -- the event queue and the links --------------------------------------------------------
 class Events:
     """Callbacks in virtual-time order; equal times in the order they were scheduled."""

@@ -26,7 +26,8 @@ import shlex
 import sys
 import time
 
-from ps_tools.study.virtual import MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, mode_options
+from ps_tools.study.virtual import (MODES, PROFILES, SimConfig, Simulation, VirtualError, Workload, fits,
+                                    mode_options)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,7 +104,7 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
         if not (rate > 0 and latency >= 0):
             raise VirtualError(f"--validate-hosts: the rate must be > 0 and the latency >= 0, got "
                                f"{args.validate_hosts!r}")
-        from ps_tools.study.compare import Network
+        from ps_tools.study.compare_hosts import Network
 
         args.validate_network = Network(rate_mbps=rate, latency_ms=latency)
     if args.cores is None:
@@ -146,14 +147,6 @@ def configure(args) -> tuple[list[int], list[str], list[str], SimConfig]:
                      whole_rounds=True)
     base.check()
     return workers, profiles, modes, base
-
-
-def fits(mode: str, n: int) -> bool:
-    try:
-        mode_options(mode, n)
-    except VirtualError:
-        return False
-    return True
 
 
 def run_study(workers: list[int], profiles: list[str], modes: list[str], seeds: int, base: SimConfig,
@@ -458,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": f"{platform.node() or 'this machine'}: {os.cpu_count()} cores, {platform.platform()}"}
     if args.validate:
         from ps_tools.study import virtual_validate
-        from ps_tools.study.compare import CompareError
+        from ps_tools.study.compare_runs import CompareError
 
         args.worker_list, args.profile_list, args.mode_list = workers, profiles, modes
         args.command, args.epochs = config["command"], int(args.epochs)

@@ -3,7 +3,7 @@
     ps-compare --virtual --validate --workers 2,3,4 --profiles balanced,straggler --modes sync,async --out v/
 
 For every (profile, N, mode, seed) it runs the real training (``ps-launch``: one server
-and N worker processes on this machine, through ``ps_tools.study.compare.run_one``, the
+and N worker processes on this machine, through ``ps_tools.study.compare_runs.run_one``, the
 straggler by ``--slowdown``), reads the workers' histories, and runs the same job in
 virtual time (``ps_tools.study.virtual``) with what the real run measured:
 
@@ -51,20 +51,20 @@ import math
 import os
 import statistics
 
-from ps_tools.study import compare
+from ps_tools.study import compare_runs
 from ps_tools.study.report import spread, spread_test, summarize_run
-from ps_tools.study.virtual import SimConfig, Simulation, Workload
+from ps_tools.study.virtual import SimConfig, Simulation, Workload, fits
 
 SLOWDOWN = 3.0
 
 
-def scenario(profile: str, optimizer: str, learning_rate: float) -> compare.Scenario:
-    knobs = {compare.ALL: f"--optimizer {optimizer} --learning-rate {learning_rate:g}"}
+def scenario(profile: str, optimizer: str, learning_rate: float) -> compare_runs.Scenario:
+    knobs = {compare_runs.ALL: f"--optimizer {optimizer} --learning-rate {learning_rate:g}"}
     if profile == "straggler":
-        knobs[compare.LAST] = f"--slowdown {SLOWDOWN:g}"
+        knobs[compare_runs.LAST] = f"--slowdown {SLOWDOWN:g}"
     elif profile != "balanced":
         raise ValueError(f"--validate runs the balanced and straggler profiles, not {profile!r}")
-    return compare.Scenario(profile, f"{profile} (real run)", knobs)
+    return compare_runs.Scenario(profile, f"{profile} (real run)", knobs)
 
 
 def measured(histories: list[dict]) -> dict:
@@ -74,7 +74,7 @@ def measured(histories: list[dict]) -> dict:
     chief evaluated left out of the overhead."""
     steps = [s for h in histories for s in h.get("steps", [])[1:]]
     if not steps:
-        raise compare.CompareError("the real run's histories hold no steps past the first")
+        raise compare_runs.CompareError("the real run's histories hold no steps past the first")
     evaluated = {e["step"] for e in histories[0].get("evals", [])}
     overheads = []
     for k, h in enumerate(histories):
@@ -120,7 +120,7 @@ def validate_one(args, profile: str, n: int, mode: str, seed: int, out: str, wor
     where = scenario(profile, args.optimizer, args.learning_rate)
     if network is not None:
         where = dataclasses.replace(where, network=network)
-    real = compare.run_one(real_args, where, mode, seed, run_dir, links="emulated" if network else "sleep")
+    real = compare_runs.run_one(real_args, where, mode, seed, run_dir, links="emulated" if network else "sleep")
     summary = summarize_run(real, args.target_accuracy)
     costs = measured(real["histories"])
     summary["time_to_target_s"] = real_time_to_target(real["histories"], args.target_accuracy)
@@ -268,8 +268,6 @@ def validation_lines(rows: list[dict], ranks: list[dict], target: float) -> list
 
 def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    from ps_tools.study.virtual_compare import fits
-
     rows, workload_of = [], {}
     total = len(args.profile_list) * sum(fits(m, n) for n in args.worker_list for m in args.mode_list) * args.seeds
     for profile in args.profile_list:

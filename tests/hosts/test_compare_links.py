@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from ps_tools.study import compare, compare_hosts
-from ps_tools.study.compare import SCENARIOS, main, scenario_worker_args
+from ps_tools.study.compare import SCENARIOS, main
 from ps_tools.study.compare_hosts import LinksError, plan_links
+from ps_tools.study.compare_runs import scenario_worker_args
 from ps_tools.hosts import unavailable
 
 EMULATED = "emulated hosts: tc tbf 20 Mbit/s per host, 5 ms each way by relay"

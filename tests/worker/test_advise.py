@@ -1,11 +1,12 @@
-"""ps-advise's rules (ps_tools.study.advise.decide) on hand-made measurements: each rule and its boundary.
+"""ps-advise's rules (ps_tools.study.advise_rules.decide) on hand-made measurements: each rule and its boundary.
 
     python -m pytest -q tests/worker/test_advise.py
 """
 
 import pytest
 
-from ps_tools.study.advise import COMM_FRACTION, STRAGGLER_RATIO, Measurements, WorkerTimes, decide, report
+from ps_tools.study.advise import report
+from ps_tools.study.advise_rules import COMM_FRACTION, STRAGGLER_RATIO, Measurements, WorkerTimes, decide
 
 
 def measured(works, comm_share=0.1):

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from ps_tools.study import advise_predict
-from ps_tools.study.advise import AdviseError, Measurements, WorkerTimes, decide
+from ps_tools.study.advise_rules import AdviseError, Measurements, WorkerTimes, decide
 from ps_tools.study.compare import mode_flags
 from ps_tools.study.virtual import SimConfig, Simulation, VirtualError, Workload
 
