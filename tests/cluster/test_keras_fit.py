@@ -37,7 +37,7 @@ STEPS = 23  # 1437 examples in global batches of 64
 
 def tf_config(address: str, index: int, workers: int) -> str:
     # Worker addresses are placeholders: tfps workers do not listen.
-    return json.dumps({"cluster": {"ps": [address], "worker": [f"127.0.0.1:{20000 + i}" for i in range(workers)]},
+    return json.dumps({"cluster": {"ps": address.split(","), "worker": [f"127.0.0.1:{20000 + i}" for i in range(workers)]},
                        "task": {"type": "worker", "index": index}})
 
 
@@ -119,6 +119,18 @@ def test_sync_fit_logs_the_global_batch_metrics_the_same_on_every_worker_and_the
     saved = keras.saving.load_model(out / "model.keras")
     np.testing.assert_allclose(saved.predict(_probe(), verbose=0), np.array(a["predict"]), atol=1e-6)
     assert a["seen_epochs"] == [0, 1, 2] and a["seen_batches"] == 3 * STEPS
+
+
+def test_sync_fit_over_two_server_shards_gives_one_server_s_numbers_bit_for_bit(procs, tmp_path):
+    """Each shard steps its own variables with the same optimizer (SGD with momentum here):
+    the loss, the metrics, the final parameters are one server's, to the bit."""
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = fit(procs, tmp_path / "one", "sync", "--epochs", "1")
+    shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))
+    two = fit(procs, tmp_path / "two", "sync", "--epochs", "1", address=shards)
+    assert one[0]["history"] == two[0]["history"] == two[1]["history"]
+    assert one[0]["predict"] == two[0]["predict"] and one[0]["evaluate"] == two[1]["evaluate"]
+    assert two[0]["version"] == STEPS
 
 
 def _probe():
