@@ -19,10 +19,10 @@ import pytest
 
 from ps_common import names
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.more_optimizers import Adamax, Ftrl, Lion, Nadam, _tf_pow
+from ps_server.core.optim.more_optimizers import Adadelta, Adamax, Ftrl, Lion, Nadam, _tf_pow
 
-CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion}
-KERAS_NAMES = {"adamax": "Adamax", "nadam": "Nadam", "ftrl": "Ftrl", "lion": "Lion"}
+CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta}
+KERAS_NAMES = {"adamax": "Adamax", "nadam": "Nadam", "ftrl": "Ftrl", "lion": "Lion", "adadelta": "Adadelta"}
 # The spec attributes each class reads: Keras' constructor arguments of the same names.
 HYPERPARAMETERS = {
     "adamax": ("learning_rate", "beta_1", "beta_2", "epsilon"),
@@ -31,6 +31,7 @@ HYPERPARAMETERS = {
     "ftrl": ("learning_rate", "learning_rate_power", "initial_accumulator_value",
              "l1_regularization_strength", "l2_regularization_strength",
              "l2_shrinkage_regularization_strength", "beta"),
+    "adadelta": ("learning_rate", "rho", "epsilon"),
 }
 # The Keras slots, by our slot names (Keras' private lists, one entry per variable).
 KERAS_SLOTS = {
@@ -38,6 +39,7 @@ KERAS_SLOTS = {
     "nadam": {"m": "_momentums", "v": "_velocities"},
     "lion": {"m": "_momentums"},
     "ftrl": {"accumulator": "_accumulators", "linear": "_linears"},
+    "adadelta": {"accumulated_grad": "_accumulated_grads", "accumulated_delta_var": "_accumulated_delta_vars"},
 }
 
 SHAPES = [(3, 4), (5,), (), (37, 9)]  # (37, 9): 41 whole AVX packets of float32 and a tail
@@ -60,6 +62,8 @@ PARITY_CASES = {
         name="ftrl", learning_rate=0.2, learning_rate_power=-1.0, initial_accumulator_value=0.0,
         l1_regularization_strength=0.05,
     ),
+    "adadelta": dict(name="adadelta"),
+    "adadelta_unusual": dict(name="adadelta", learning_rate=1.0, rho=0.8765, epsilon=3e-6),
 }
 
 

@@ -38,6 +38,7 @@ def optimizers(keras):
         O.Nadam(learning_rate=S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])),
         O.Ftrl(l1_regularization_strength=0.01, beta=0.1),
         O.Lion(learning_rate=S.ExponentialDecay(1e-4, 100, 0.9, staircase=True)),
+        O.Adadelta(rho=0.9, clipnorm=1.0),
     ]
 
 
@@ -78,7 +79,7 @@ def refusals(keras):
     wd = O.AdamW()
     wd.exclude_from_weight_decay(var_names=["bias"])
     return [
-        (O.Adadelta(), "optimizer Adadelta cannot run on the server"),
+        (O.Muon(), "optimizer Muon cannot run on the server"),
         (MyAdam(), r"optimizer tests\.worker\.test_keras_optimizer\.MyAdam cannot run on the server"),
         (type("Adam", (O.Adam,), {"__module__": "my_program"})(), "optimizer my_program.Adam cannot run"),
         (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server"),

@@ -613,4 +613,40 @@ def _eigen_pow(x: np.ndarray, y: np.floating) -> np.ndarray:
         return np.where((x == 1) | (y == 0), t(1), result).astype(x.dtype)
 
 
-OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion}
+class Adadelta(_KerasOptimizer):
+    """``keras.optimizers.Adadelta``: a = rho a + (1 - rho) g^2; d = -(sqrt(b + eps) g) / sqrt(a + eps);
+    b = rho b + (1 - rho) d^2; w += lr d."""
+
+    slot_names = ("accumulated_grad", "accumulated_delta_var")
+
+    def _validate(self, spec):
+        # Keras checks neither; OptimizerSpec.validate holds rho to [0, 1) and epsilon to >= 0.
+        _hyper(spec, "rho")
+        _hyper(spec, "epsilon")
+
+    def _more_constants(self, spec, dtype):
+        return {  # Python floats as operands of ops: converted directly
+            "ad_rho": _direct(spec.rho, dtype),
+            "ad_one_minus_rho": _direct(1 - spec.rho, dtype),  # 1 - rho, by Python
+            "ad_epsilon": _direct(spec.epsilon, dtype),
+        }
+
+    def _step(self, w, g, state, iterations, c):
+        rho, one_minus_rho, epsilon = c["ad_rho"], c["ad_one_minus_rho"], c["ad_epsilon"]
+        accumulated_grad = np.multiply(state["accumulated_grad"], rho)
+        np.add(accumulated_grad, np.multiply(np.square(g), one_minus_rho), out=accumulated_grad)
+        rms_delta = np.add(state["accumulated_delta_var"], epsilon)  # rms(x) = sqrt(x + eps)
+        np.sqrt(rms_delta, out=rms_delta)
+        delta = np.multiply(rms_delta, g, out=rms_delta)
+        rms_grad = np.add(accumulated_grad, epsilon)
+        np.sqrt(rms_grad, out=rms_grad)
+        np.divide(delta, rms_grad, out=delta)
+        np.negative(delta, out=delta)
+        accumulated_delta = np.multiply(state["accumulated_delta_var"], rho)
+        np.add(accumulated_delta, np.multiply(np.square(delta), one_minus_rho, out=rms_grad), out=accumulated_delta)
+        step = np.multiply(delta, c["lr"], out=delta)  # assign_add(w, lr * delta)
+        return np.add(w, step, out=step), {"accumulated_grad": accumulated_grad,
+                                          "accumulated_delta_var": accumulated_delta}
+
+
+OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta}
