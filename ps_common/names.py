@@ -53,13 +53,14 @@ OPTIMIZER_DEFAULTS: dict[str, dict] = {
              "l2_shrinkage_regularization_strength": 0.0, "beta": 0.0, **_OPTIONS},
     "lion": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.99, **_OPTIONS},
     "adadelta": {"learning_rate": 0.001, "rho": 0.95, "epsilon": 1e-7, **_OPTIONS},
+    "lamb": {**_ADAM, **_OPTIONS},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 # The Keras class of each (``type(model.optimizer).__name__``).
 KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
                            "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
-                           "Lion": "lion", "Adadelta": "adadelta"}
+                           "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb"}
 
 # A field an optimizer does not take holds this (the first optimizer's default that has it),
 # so that two specs of one optimizer are equal exactly when the maths is.

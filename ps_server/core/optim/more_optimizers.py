@@ -51,7 +51,7 @@ import numpy as np
 
 from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
+from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow, tf_sum
 
 
 def _via_float32(x, dtype):
@@ -649,4 +649,49 @@ class Adadelta(_KerasOptimizer):
                                           "accumulated_delta_var": accumulated_delta}
 
 
-OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta}
+class Lamb(_KerasOptimizer):
+    """``keras.optimizers.Lamb``: Adam's moments, update = m_hat / (sqrt(v_hat) + eps), and
+    w -= (ratio lr) update, the trust ratio ||w|| / ||update|| of the whole variable (1 where
+    either norm is 0)."""
+
+    slot_names = ("m", "v")
+
+    def _validate(self, spec):
+        _check_adam_like(spec)
+
+    def _more_constants(self, spec, dtype):
+        return {
+            "lamb_beta_1": _via_float32(spec.beta_1, dtype),  # ops.cast(self.beta_1, dtype), for the power
+            "lamb_beta_2": _via_float32(spec.beta_2, dtype),
+            "lamb_one_minus_beta_1": _direct(1 - spec.beta_1, dtype),  # 1 - self.beta_1, by Python
+            "lamb_one_minus_beta_2": _direct(1 - spec.beta_2, dtype),
+            "lamb_epsilon": _direct(spec.epsilon, dtype),
+            "lamb_two": _direct(2, dtype),  # ops.power(x, 2)
+        }
+
+    def _step(self, w, g, state, iterations, c):
+        one = c["one"]
+        local_step = _local_step(iterations + 1, w.dtype)
+        beta_1_power = _scalar_pow(c["lamb_beta_1"], local_step)
+        beta_2_power = _scalar_pow(c["lamb_beta_2"], local_step)
+        m = np.subtract(g, state["m"])
+        np.multiply(m, c["lamb_one_minus_beta_1"], out=m)
+        np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
+        v = np.square(g)
+        np.subtract(v, state["v"], out=v)
+        np.multiply(v, c["lamb_one_minus_beta_2"], out=v)
+        np.add(state["v"], v, out=v)
+        update = np.divide(m, one - beta_1_power)  # m_t_hat
+        v_sqrt = np.divide(v, one - beta_2_power)
+        np.sqrt(v_sqrt, out=v_sqrt)
+        np.add(v_sqrt, c["lamb_epsilon"], out=v_sqrt)
+        np.divide(update, v_sqrt, out=update)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            w_norm = np.sqrt(tf_sum(_tf_pow(w, c["lamb_two"]).ravel()))  # sqrt(sum(power(w, 2)))
+            g_norm = np.sqrt(tf_sum(_tf_pow(update, c["lamb_two"]).ravel()))
+            ratio = w_norm / g_norm if w_norm > 0 and g_norm > 0 else one
+        np.multiply(update, ratio * c["lr"], out=update)  # ratio * lr * update
+        return np.subtract(w, update, out=update), {"m": m, "v": v}
+
+
+OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb}
