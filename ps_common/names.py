@@ -54,13 +54,16 @@ OPTIMIZER_DEFAULTS: dict[str, dict] = {
     "lion": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.99, **_OPTIONS},
     "adadelta": {"learning_rate": 0.001, "rho": 0.95, "epsilon": 1e-7, **_OPTIONS},
     "lamb": {**_ADAM, **_OPTIONS},
+    "adafactor": {"learning_rate": 0.001, "beta_2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3,
+                  "clip_threshold": 1.0, "relative_step": True, **_OPTIONS},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 # The Keras class of each (``type(model.optimizer).__name__``).
 KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
                            "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
-                           "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb"}
+                           "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
+                           "Adafactor": "adafactor"}
 
 # A field an optimizer does not take holds this (the first optimizer's default that has it),
 # so that two specs of one optimizer are equal exactly when the maths is.

@@ -51,7 +51,7 @@ import numpy as np
 
 from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow, tf_sum
+from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow, tf_sum, tf_sum_range
 
 
 def _via_float32(x, dtype):
@@ -694,4 +694,105 @@ class Lamb(_KerasOptimizer):
         return np.subtract(w, update, out=update), {"m": m, "v": v}
 
 
-OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb}
+class Adafactor(_KerasOptimizer):
+    """``keras.optimizers.Adafactor``: a variable of 2 or more dimensions keeps its second moment
+    factored over its last two axes (``r``: the mean over the last, ``c``: over the one before,
+    each a state entry of its own shape); one of fewer keeps it whole (slot ``v``). The step
+    is scaled by max(epsilon_2, rms(w)) min(lr, 1 / sqrt(t)) and clipped by rms(update) /
+    clip_threshold. ``relative_step`` changes nothing Keras computes: its min(lr, 1 / sqrt(t))
+    is taken again in every step either way."""
+
+    slot_names = ("v",)
+
+    def _validate(self, spec):
+        for name in ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold"):
+            _hyper(spec, name)  # Keras checks none of them
+
+    def _more_constants(self, spec, dtype):
+        return {
+            "af_epsilon_1": _direct(spec.epsilon_1, dtype),  # ops.add(square(g), self.epsilon_1)
+            "af_epsilon_2": _via_float32(spec.epsilon_2, dtype),  # ops.cast(self.epsilon_2, dtype)
+            "af_beta_2_decay": _direct(spec.beta_2_decay, dtype),  # ops.power(local_step, self.beta_2_decay)
+            "af_clip_threshold": _direct(spec.clip_threshold, dtype),
+        }
+
+    def init_state(self, value):
+        state = super().init_state(value)
+        if value.ndim >= 2:  # Keras' add_variable: zeros
+            state["r"] = np.zeros(value.shape[:-1], value.dtype)
+            state["c"] = np.zeros(value.shape[:-2] + value.shape[-1:], value.dtype)
+        return state
+
+    def _step(self, w, g, state, iterations, c):
+        one = c["one"]
+        local_step = _local_step(iterations + 1, w.dtype)
+        rho_t = np.minimum(c["lr"], one / np.sqrt(local_step))
+        alpha_t = np.maximum(c["af_epsilon_2"], _rms(w)) * rho_t
+        regulated_grad_square = np.square(g)
+        np.add(regulated_grad_square, c["af_epsilon_1"], out=regulated_grad_square)
+        beta_2_t = one - _scalar_pow(local_step, c["af_beta_2_decay"])
+        slots = {}
+        if w.ndim >= 2:
+            for name, axis in (("r", -1), ("c", -2)):
+                moment = state.get(name)
+                want = w.shape[:-1] if axis == -1 else w.shape[:-2] + w.shape[-1:]
+                if not isinstance(moment, np.ndarray) or moment.shape != want or moment.dtype != w.dtype:
+                    raise InvalidArgument(f"state {name!r} of adafactor must be {w.dtype}{list(want)}")
+                mean = _tf_mean(regulated_grad_square, axis).reshape(want)
+                slots[name] = beta_2_t * moment + (one - beta_2_t) * mean
+            r = slots["r"] / _tf_mean(slots["r"], -1)
+            v = r[..., np.newaxis] * np.expand_dims(slots["c"], -2)
+        else:
+            v = np.multiply(state["v"], beta_2_t)
+            np.add(v, np.multiply(regulated_grad_square, one - beta_2_t), out=v)
+        u_t = np.divide(g, np.sqrt(v))
+        np.divide(u_t, np.maximum(one, _rms(u_t) / c["af_clip_threshold"]), out=u_t)  # u_t_hat
+        np.multiply(u_t, alpha_t, out=u_t)
+        return np.subtract(w, u_t, out=u_t), {**slots, "v": v}
+
+
+def _tf_mean(x: np.ndarray, axis: int | None) -> np.ndarray:
+    """``ops.mean(x, axis, keepdims=True)`` (``axis`` None, -1 or -2) as Keras' TensorFlow backend
+    computes it: float16 in float32 (Keras casts), TensorFlow's sum divided by the count, cast back.
+    The sum over the last axis (or all) is Eigen's (``tf_sum_range``); over the one before,
+    ``_tf_sum_columns``."""
+    y = x.astype(np.float32) if x.dtype == np.float16 else x
+    if axis == -2:
+        sums = _tf_sum_columns(y)
+        count = x.shape[-2]
+    else:
+        rows = y.reshape(-1, y.shape[-1] if axis == -1 and y.ndim else y.size)
+        sums = np.array([tf_sum_range(row, 0, row.size) for row in rows], y.dtype)
+        sums = sums.reshape(x.shape[:-1] + (1,) if axis == -1 else (1,) * x.ndim)
+        count = rows.shape[1]
+    return (sums / y.dtype.type(count)).astype(x.dtype)
+
+
+def _tf_sum_columns(y: np.ndarray) -> np.ndarray:
+    """``reduce_sum(y, axis=-2, keepdims=True)`` of a float32/float64 ``y`` (rows R, columns C) in
+    Eigen's order. The outputs (batch, column), row-major, go by AVX packets (8 float32 or 4
+    float64) from the first; a packet that lies within one batch's columns is summed as a packet,
+    over R >= 16 rows with four accumulators (rows j, j+1, j+2, j+3) folded as ((a0 + a1) + a2) + a3,
+    then the last R % 4 rows added in order (measured against TensorFlow 2.21); every other output (a packet across two batches, the
+    last outputs after the last whole packet, or R < 16) adds its rows in order."""
+    rows, columns = y.shape[-2], y.shape[-1]
+    in_order = np.add.accumulate(y, axis=-2)[..., -1:, :]
+    lanes = 32 // y.dtype.itemsize
+    if rows < 16:
+        return in_order
+    whole = rows // 4 * 4
+    a0, a1, a2, a3 = (np.add.accumulate(y[..., k:whole:4, :], axis=-2)[..., -1:, :] for k in range(4))
+    packed = ((a0 + a1) + a2) + a3
+    for j in range(whole, rows):
+        packed = packed + y[..., j:j + 1, :]
+    start = np.arange(in_order.size) // lanes * lanes  # each output's packet
+    by_packet = (start + lanes <= in_order.size) & (start % columns + lanes - 1 < columns)
+    return np.where(by_packet.reshape(in_order.shape), packed, in_order)
+
+
+def _rms(x: np.ndarray) -> np.floating:
+    """Adafactor's ``_rms``: ``sqrt(mean(square(x)))``, in x's dtype."""
+    return np.sqrt(_tf_mean(np.square(x), None).reshape(()))[()]
+
+
+OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb, "adafactor": Adafactor}
