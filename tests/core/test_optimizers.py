@@ -464,7 +464,7 @@ def test_from_keras_reads_every_argument_of_the_keras_config(keras):
 
 
 @pytest.mark.parametrize("class_name,config,message", [
-    ("Adadelta", {}, "optimizer Adadelta cannot run on the server"),
+    ("Muon", {}, "optimizer Muon cannot run on the server: it orthogonalizes"),
     ("LossScaleOptimizer", {}, "optimizer LossScaleOptimizer cannot run on the server"),
     ("SGD", {"loss_scale_factor": 128.0}, "SGD with loss_scale_factor=128.0 cannot run on the server"),
     ("Adam", {"gradient_accumulation_steps": 4}, "Adam with gradient_accumulation_steps=4 cannot run"),

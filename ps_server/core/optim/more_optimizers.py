@@ -1,6 +1,6 @@
 """More server-side optimizers that compute exactly what Keras 3 computes.
 
-``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion`` are ``ps_server.core.optim.optimizers.Optimizer``
+``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor`` are ``ps_server.core.optim.optimizers.Optimizer``
 subclasses (``make_optimizer`` finds them here by name) and follow its method: each
 step repeats the Keras 3.15 ``update_step`` (TensorFlow 2.21 CPU backend) operation by
 operation, in Keras' order, every intermediate in the variable's dtype, and rounds
@@ -17,7 +17,12 @@ each hyperparameter the way Keras hands it to its op:
 
 Guarantee, checked by ``tests/core/test_more_optimizers.py`` against eager Keras
 (``opt.apply(grads, variables)``) after 20 updates: variables and slots bit-identical
-for float32, float64 and float16. Ftrl's ``ops.power`` is the one op NumPy has no twin
+for float32, float64 and float16, except Lamb's float16 variables: its trust ratio sums
+float16 squares (``ops.sum``), which TensorFlow adds in an order and precision ``tf_sum``
+does not reproduce, so they are within one unit in the last place of the variable's
+largest element (measured). Lamb's norms and Adafactor's means are TensorFlow's sums in
+Eigen's order (``tf_sum``, ``_tf_mean``), so both need the whole variable: a sparse
+gradient is made dense for them (``core.optim.sparse``). Ftrl's ``ops.power`` is the one op NumPy has no twin
 for: TensorFlow's CPU ``Pow`` is Eigen's polynomial pow on whole AVX packets and the
 C library's on the tail, so ``_tf_pow`` reproduces both (for the x86-64 pip wheel of
 TensorFlow, built for AVX without FMA; a build with FMA, or ARM, rounds Eigen's pow
@@ -31,7 +36,11 @@ Hyperparameters are read from the spec by Keras' own argument names:
 - Lion: learning_rate, beta_1, beta_2 (Keras' defaults 0.001, 0.9, 0.99);
 - Ftrl: learning_rate, learning_rate_power, initial_accumulator_value,
   l1_regularization_strength, l2_regularization_strength,
-  l2_shrinkage_regularization_strength, beta.
+  l2_shrinkage_regularization_strength, beta;
+- Adadelta: learning_rate, rho, epsilon; Lamb: learning_rate, beta_1, beta_2, epsilon;
+- Adafactor: learning_rate, beta_2_decay, epsilon_1, epsilon_2, clip_threshold,
+  relative_step (its state holds ``r`` and ``c``, shaped as Keras', for a variable of
+  two or more dimensions).
 
 Nadam's ``u_product`` (one Keras variable for the whole optimizer, multiplied once per
 ``apply``, in the first variable's dtype) is kept per variable in the state as

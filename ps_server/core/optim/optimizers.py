@@ -8,7 +8,7 @@
 The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 ``AdamW`` (Adam with Keras' weight decay, default 0.004), ``Adagrad``,
 ``RMSprop`` (momentum, centered), and from ``ps_server.core.optim.more_optimizers``
-``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion``. Options of every one, as Keras'
+``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor``. Options of every one, as Keras'
 ``BaseOptimizer.apply`` runs them on one update: the gradient clipped
 (``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
