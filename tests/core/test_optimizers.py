@@ -246,7 +246,7 @@ def test_state_missing_a_slot_is_rejected():
 @pytest.mark.parametrize(
     "fields,message",
     [
-        (dict(name="lamb"), "optimizer name must be one of sgd, adam, adamw, .*; got 'lamb'"),
+        (dict(name="shampoo"), "optimizer name must be one of sgd, adam, adamw, .*; got 'shampoo'"),
         (dict(name="sgd", learning_rate=0.0), "learning_rate must be > 0; got 0.0"),
         (dict(name="sgd", learning_rate=-0.1), "learning_rate must be > 0; got -0.1"),
         (dict(name="sgd", learning_rate=float("nan")), "learning_rate must be a finite number; got nan"),
