@@ -52,13 +52,31 @@ OPTIMIZER_DEFAULTS: dict[str, dict] = {
              "l1_regularization_strength": 0.0, "l2_regularization_strength": 0.0,
              "l2_shrinkage_regularization_strength": 0.0, "beta": 0.0, **_OPTIONS},
     "lion": {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.99, **_OPTIONS},
+    "adadelta": {"learning_rate": 0.001, "rho": 0.95, "epsilon": 1e-7, **_OPTIONS},
+    "lamb": {**_ADAM, **_OPTIONS},
+    "adafactor": {"learning_rate": 0.001, "beta_2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3,
+                  "clip_threshold": 1.0, "relative_step": True, **_OPTIONS},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
 # The Keras class of each (``type(model.optimizer).__name__``).
 KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
                            "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
-                           "Lion": "lion"}
+                           "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
+                           "Adafactor": "adafactor"}
+
+# The classes of keras.optimizers the server does not run, each with why (one line; the
+# worker refuses them at compile, the server on initialization: keras_optimizer_fields).
+REFUSED_KERAS_OPTIMIZERS = {
+    "Optimizer": "it is the abstract base of Keras' optimizers, with no update of its own",
+    "LossScaleOptimizer": "it scales the loss for mixed precision around another optimizer, whose steps it may "
+                          "skip; the server steps every push (compile the inner optimizer)",
+    "MultiOptimizer": "it steps each variable with an optimizer of its own; the server runs one for all",
+    "Muon": "it orthogonalizes each matrix's update with Newton-Schulz matrix products, not reproduced here, and "
+            "picks Muon or AdamW per variable by layer name, which the server does not see",
+    "ScheduleFreeAdamW": "it trains at an interpolation of two sequences and swaps in the averaged one for "
+                         "evaluation (finalize_variable_values), which the server does not do",
+}
 
 # A field an optimizer does not take holds this (the first optimizer's default that has it),
 # so that two specs of one optimizer are equal exactly when the maths is.
@@ -124,6 +142,8 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
     own schedules (``LEARNING_RATE_SCHEDULES``; the server checks its config in full).
     """
     name = KERAS_OPTIMIZER_CLASSES.get(class_name)
+    if class_name in REFUSED_KERAS_OPTIMIZERS:
+        raise ValueError(f"optimizer {class_name} cannot run on the server: {REFUSED_KERAS_OPTIMIZERS[class_name]}")
     if name is None:
         raise ValueError(f"optimizer {class_name} cannot run on the server; it runs "
                          f"{', '.join(KERAS_OPTIMIZER_CLASSES)} of keras.optimizers")

@@ -13,6 +13,7 @@ import os
 import pytest
 
 from protos import tfps_pb2 as pb
+from ps_common import names
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.service import optimizer_from_wire
 from worker.keras_optimizer import spec_fields
@@ -38,6 +39,9 @@ def optimizers(keras):
         O.Nadam(learning_rate=S.PiecewiseConstantDecay([10, 20], [0.1, 0.01, 0.001])),
         O.Ftrl(l1_regularization_strength=0.01, beta=0.1),
         O.Lion(learning_rate=S.ExponentialDecay(1e-4, 100, 0.9, staircase=True)),
+        O.Adadelta(rho=0.9, clipnorm=1.0),
+        O.Lamb(beta_1=0.8, weight_decay=0.01),
+        O.Adafactor(clip_threshold=0.5, relative_step=False, epsilon_2=0.002),
     ]
 
 
@@ -78,16 +82,34 @@ def refusals(keras):
     wd = O.AdamW()
     wd.exclude_from_weight_decay(var_names=["bias"])
     return [
-        (O.Adadelta(), "optimizer Adadelta cannot run on the server"),
+        (O.Muon(), "optimizer Muon cannot run on the server: it orthogonalizes"),
         (MyAdam(), r"optimizer tests\.worker\.test_keras_optimizer\.MyAdam cannot run on the server"),
         (type("Adam", (O.Adam,), {"__module__": "my_program"})(), "optimizer my_program.Adam cannot run"),
-        (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server"),
+        (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server: it scales"),
+        (O.MultiOptimizer(O.OptimizerMap(O.SGD())), "optimizer MultiOptimizer cannot run on the server: it steps"),
+        (O.ScheduleFreeAdamW(), "optimizer ScheduleFreeAdamW cannot run on the server: it trains"),
         (O.SGD(loss_scale_factor=128.0), "SGD with loss_scale_factor=128.0 cannot run on the server"),
         (O.Adam(gradient_accumulation_steps=4), "Adam with gradient_accumulation_steps=4 cannot run"),
         (O.Adam(use_ema=True), "use_ema=True and ema_overwrite_frequency=None cannot run on the server"),
         (O.SGD(learning_rate=MySchedule()), "learning-rate schedule MySchedule .* cannot run on the server"),
         (wd, "AdamW with exclude_from_weight_decay cannot run on the server"),
     ]
+
+
+def test_every_keras_optimizer_is_run_by_the_server_or_refused_with_a_reason(keras):
+    """A Keras release that adds an optimizer fails here until the server runs it
+    (KERAS_OPTIMIZER_CLASSES) or refuses it with a reason (REFUSED_KERAS_OPTIMIZERS)."""
+    O = keras.optimizers
+    classes = {n for n in dir(O) if isinstance(getattr(O, n), type) and issubclass(getattr(O, n), O.Optimizer)}
+    run, refused = set(names.KERAS_OPTIMIZER_CLASSES), set(names.REFUSED_KERAS_OPTIMIZERS)
+    assert not run & refused
+    assert classes - run - refused == set(), "neither run nor refused"
+    assert {"Adadelta", "Lamb", "Adafactor"} <= run
+    for class_name, reason in names.REFUSED_KERAS_OPTIMIZERS.items():
+        with pytest.raises(ValueError) as e:
+            names.keras_optimizer_fields(class_name, {})
+        assert str(e.value) == f"optimizer {class_name} cannot run on the server: {reason}"
+        assert "\n" not in reason
 
 
 def test_what_the_server_cannot_run_is_refused_in_one_line_naming_it(keras):

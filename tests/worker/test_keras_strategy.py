@@ -30,7 +30,7 @@ def test_scope_attaches_a_model_compiled_inside_and_puts_compile_back():
 
 
 @pytest.mark.parametrize("optimizer, named", [
-    (keras.optimizers.Adadelta(), "Adadelta"),
+    (keras.optimizers.Muon(), "Muon"),
     (keras.optimizers.SGD(loss_scale_factor=128.0), "loss_scale_factor"),
     (keras.optimizers.Adam(gradient_accumulation_steps=2), "gradient_accumulation_steps"),
     (keras.optimizers.Adam(use_ema=True), "ema_overwrite_frequency"),

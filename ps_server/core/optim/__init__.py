@@ -4,7 +4,7 @@
 
 Owns:
 
-- ``optimizers`` and ``more_optimizers``: the nine Keras optimizers with their options,
+- ``optimizers`` and ``more_optimizers``: the twelve Keras optimizers with their options,
   Keras-exact; ``schedules``: Keras' learning-rate schedules at the update count;
 - ``kernels``: one-pass optimizer steps and a round's fold, with numba, NumPy otherwise,
   same bits;

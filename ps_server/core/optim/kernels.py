@@ -9,7 +9,7 @@
 
 The ``_step`` methods of ``ps_server.core.optim.optimizers`` (SGD, Adam/AdamW, Adagrad,
 RMSprop) and ``ps_server.core.optim.more_optimizers`` (Adamax, Nadam, Lion; not Ftrl,
-whose power has no exact twin here) call these first
+whose power has no exact twin here, nor Adadelta, Lamb and Adafactor, not fused yet) call these first
 and run their NumPy ufuncs only when the answer is None. A NumPy step is one
 ufunc per operation, each a full pass over memory (an Adam step is ten); a
 kernel here reads each input once and writes each output once, in one loop

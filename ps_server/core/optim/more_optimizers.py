@@ -1,6 +1,6 @@
 """More server-side optimizers that compute exactly what Keras 3 computes.
 
-``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion`` are ``ps_server.core.optim.optimizers.Optimizer``
+``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor`` are ``ps_server.core.optim.optimizers.Optimizer``
 subclasses (``make_optimizer`` finds them here by name) and follow its method: each
 step repeats the Keras 3.15 ``update_step`` (TensorFlow 2.21 CPU backend) operation by
 operation, in Keras' order, every intermediate in the variable's dtype, and rounds
@@ -17,7 +17,12 @@ each hyperparameter the way Keras hands it to its op:
 
 Guarantee, checked by ``tests/core/test_more_optimizers.py`` against eager Keras
 (``opt.apply(grads, variables)``) after 20 updates: variables and slots bit-identical
-for float32, float64 and float16. Ftrl's ``ops.power`` is the one op NumPy has no twin
+for float32, float64 and float16, except Lamb's float16 variables: its trust ratio sums
+float16 squares (``ops.sum``), which TensorFlow adds in an order and precision ``tf_sum``
+does not reproduce, so they are within one unit in the last place of the variable's
+largest element (measured). Lamb's norms and Adafactor's means are TensorFlow's sums in
+Eigen's order (``tf_sum``, ``_tf_mean``), so both need the whole variable: a sparse
+gradient is made dense for them (``core.optim.sparse``). Ftrl's ``ops.power`` is the one op NumPy has no twin
 for: TensorFlow's CPU ``Pow`` is Eigen's polynomial pow on whole AVX packets and the
 C library's on the tail, so ``_tf_pow`` reproduces both (for the x86-64 pip wheel of
 TensorFlow, built for AVX without FMA; a build with FMA, or ARM, rounds Eigen's pow
@@ -31,7 +36,11 @@ Hyperparameters are read from the spec by Keras' own argument names:
 - Lion: learning_rate, beta_1, beta_2 (Keras' defaults 0.001, 0.9, 0.99);
 - Ftrl: learning_rate, learning_rate_power, initial_accumulator_value,
   l1_regularization_strength, l2_regularization_strength,
-  l2_shrinkage_regularization_strength, beta.
+  l2_shrinkage_regularization_strength, beta;
+- Adadelta: learning_rate, rho, epsilon; Lamb: learning_rate, beta_1, beta_2, epsilon;
+- Adafactor: learning_rate, beta_2_decay, epsilon_1, epsilon_2, clip_threshold,
+  relative_step (its state holds ``r`` and ``c``, shaped as Keras', for a variable of
+  two or more dimensions).
 
 Nadam's ``u_product`` (one Keras variable for the whole optimizer, multiplied once per
 ``apply``, in the first variable's dtype) is kept per variable in the state as
@@ -51,7 +60,7 @@ import numpy as np
 
 from ps_server.core.optim import kernels
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow
+from ps_server.core.optim.optimizers import FLOAT_DTYPES, Optimizer, _scalar_pow, tf_sum, tf_sum_range
 
 
 def _via_float32(x, dtype):
@@ -613,4 +622,186 @@ def _eigen_pow(x: np.ndarray, y: np.floating) -> np.ndarray:
         return np.where((x == 1) | (y == 0), t(1), result).astype(x.dtype)
 
 
-OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion}
+class Adadelta(_KerasOptimizer):
+    """``keras.optimizers.Adadelta``: a = rho a + (1 - rho) g^2; d = -(sqrt(b + eps) g) / sqrt(a + eps);
+    b = rho b + (1 - rho) d^2; w += lr d."""
+
+    slot_names = ("accumulated_grad", "accumulated_delta_var")
+
+    def _validate(self, spec):
+        # Keras checks neither; OptimizerSpec.validate holds rho to [0, 1) and epsilon to >= 0.
+        _hyper(spec, "rho")
+        _hyper(spec, "epsilon")
+
+    def _more_constants(self, spec, dtype):
+        return {  # Python floats as operands of ops: converted directly
+            "ad_rho": _direct(spec.rho, dtype),
+            "ad_one_minus_rho": _direct(1 - spec.rho, dtype),  # 1 - rho, by Python
+            "ad_epsilon": _direct(spec.epsilon, dtype),
+        }
+
+    def _step(self, w, g, state, iterations, c):
+        rho, one_minus_rho, epsilon = c["ad_rho"], c["ad_one_minus_rho"], c["ad_epsilon"]
+        accumulated_grad = np.multiply(state["accumulated_grad"], rho)
+        np.add(accumulated_grad, np.multiply(np.square(g), one_minus_rho), out=accumulated_grad)
+        rms_delta = np.add(state["accumulated_delta_var"], epsilon)  # rms(x) = sqrt(x + eps)
+        np.sqrt(rms_delta, out=rms_delta)
+        delta = np.multiply(rms_delta, g, out=rms_delta)
+        rms_grad = np.add(accumulated_grad, epsilon)
+        np.sqrt(rms_grad, out=rms_grad)
+        np.divide(delta, rms_grad, out=delta)
+        np.negative(delta, out=delta)
+        accumulated_delta = np.multiply(state["accumulated_delta_var"], rho)
+        np.add(accumulated_delta, np.multiply(np.square(delta), one_minus_rho, out=rms_grad), out=accumulated_delta)
+        step = np.multiply(delta, c["lr"], out=delta)  # assign_add(w, lr * delta)
+        return np.add(w, step, out=step), {"accumulated_grad": accumulated_grad,
+                                          "accumulated_delta_var": accumulated_delta}
+
+
+class Lamb(_KerasOptimizer):
+    """``keras.optimizers.Lamb``: Adam's moments, update = m_hat / (sqrt(v_hat) + eps), and
+    w -= (ratio lr) update, the trust ratio ||w|| / ||update|| of the whole variable (1 where
+    either norm is 0)."""
+
+    slot_names = ("m", "v")
+
+    def _validate(self, spec):
+        _check_adam_like(spec)
+
+    def _more_constants(self, spec, dtype):
+        return {
+            "lamb_beta_1": _via_float32(spec.beta_1, dtype),  # ops.cast(self.beta_1, dtype), for the power
+            "lamb_beta_2": _via_float32(spec.beta_2, dtype),
+            "lamb_one_minus_beta_1": _direct(1 - spec.beta_1, dtype),  # 1 - self.beta_1, by Python
+            "lamb_one_minus_beta_2": _direct(1 - spec.beta_2, dtype),
+            "lamb_epsilon": _direct(spec.epsilon, dtype),
+            "lamb_two": _direct(2, dtype),  # ops.power(x, 2)
+        }
+
+    def _step(self, w, g, state, iterations, c):
+        one = c["one"]
+        local_step = _local_step(iterations + 1, w.dtype)
+        beta_1_power = _scalar_pow(c["lamb_beta_1"], local_step)
+        beta_2_power = _scalar_pow(c["lamb_beta_2"], local_step)
+        m = np.subtract(g, state["m"])
+        np.multiply(m, c["lamb_one_minus_beta_1"], out=m)
+        np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
+        v = np.square(g)
+        np.subtract(v, state["v"], out=v)
+        np.multiply(v, c["lamb_one_minus_beta_2"], out=v)
+        np.add(state["v"], v, out=v)
+        update = np.divide(m, one - beta_1_power)  # m_t_hat
+        v_sqrt = np.divide(v, one - beta_2_power)
+        np.sqrt(v_sqrt, out=v_sqrt)
+        np.add(v_sqrt, c["lamb_epsilon"], out=v_sqrt)
+        np.divide(update, v_sqrt, out=update)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            w_norm = np.sqrt(tf_sum(_tf_pow(w, c["lamb_two"]).ravel()))  # sqrt(sum(power(w, 2)))
+            g_norm = np.sqrt(tf_sum(_tf_pow(update, c["lamb_two"]).ravel()))
+            ratio = w_norm / g_norm if w_norm > 0 and g_norm > 0 else one
+        np.multiply(update, ratio * c["lr"], out=update)  # ratio * lr * update
+        return np.subtract(w, update, out=update), {"m": m, "v": v}
+
+
+class Adafactor(_KerasOptimizer):
+    """``keras.optimizers.Adafactor``: a variable of 2 or more dimensions keeps its second moment
+    factored over its last two axes (``r``: the mean over the last, ``c``: over the one before,
+    each a state entry of its own shape); one of fewer keeps it whole (slot ``v``). The step
+    is scaled by max(epsilon_2, rms(w)) min(lr, 1 / sqrt(t)) and clipped by rms(update) /
+    clip_threshold. ``relative_step`` changes nothing Keras computes: its min(lr, 1 / sqrt(t))
+    is taken again in every step either way."""
+
+    slot_names = ("v",)
+
+    def _validate(self, spec):
+        for name in ("beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold"):
+            _hyper(spec, name)  # Keras checks none of them
+
+    def _more_constants(self, spec, dtype):
+        return {
+            "af_epsilon_1": _direct(spec.epsilon_1, dtype),  # ops.add(square(g), self.epsilon_1)
+            "af_epsilon_2": _via_float32(spec.epsilon_2, dtype),  # ops.cast(self.epsilon_2, dtype)
+            "af_beta_2_decay": _direct(spec.beta_2_decay, dtype),  # ops.power(local_step, self.beta_2_decay)
+            "af_clip_threshold": _direct(spec.clip_threshold, dtype),
+        }
+
+    def init_state(self, value):
+        state = super().init_state(value)
+        if value.ndim >= 2:  # Keras' add_variable: zeros
+            state["r"] = np.zeros(value.shape[:-1], value.dtype)
+            state["c"] = np.zeros(value.shape[:-2] + value.shape[-1:], value.dtype)
+        return state
+
+    def _step(self, w, g, state, iterations, c):
+        one = c["one"]
+        local_step = _local_step(iterations + 1, w.dtype)
+        rho_t = np.minimum(c["lr"], one / np.sqrt(local_step))
+        alpha_t = np.maximum(c["af_epsilon_2"], _rms(w)) * rho_t
+        regulated_grad_square = np.square(g)
+        np.add(regulated_grad_square, c["af_epsilon_1"], out=regulated_grad_square)
+        beta_2_t = one - _scalar_pow(local_step, c["af_beta_2_decay"])
+        slots = {}
+        if w.ndim >= 2:
+            for name, axis in (("r", -1), ("c", -2)):
+                moment = state.get(name)
+                want = w.shape[:-1] if axis == -1 else w.shape[:-2] + w.shape[-1:]
+                if not isinstance(moment, np.ndarray) or moment.shape != want or moment.dtype != w.dtype:
+                    raise InvalidArgument(f"state {name!r} of adafactor must be {w.dtype}{list(want)}")
+                mean = _tf_mean(regulated_grad_square, axis).reshape(want)
+                slots[name] = beta_2_t * moment + (one - beta_2_t) * mean
+            r = slots["r"] / _tf_mean(slots["r"], -1)
+            v = r[..., np.newaxis] * np.expand_dims(slots["c"], -2)
+        else:
+            v = np.multiply(state["v"], beta_2_t)
+            np.add(v, np.multiply(regulated_grad_square, one - beta_2_t), out=v)
+        u_t = np.divide(g, np.sqrt(v))
+        np.divide(u_t, np.maximum(one, _rms(u_t) / c["af_clip_threshold"]), out=u_t)  # u_t_hat
+        np.multiply(u_t, alpha_t, out=u_t)
+        return np.subtract(w, u_t, out=u_t), {**slots, "v": v}
+
+
+def _tf_mean(x: np.ndarray, axis: int | None) -> np.ndarray:
+    """``ops.mean(x, axis, keepdims=True)`` (``axis`` None, -1 or -2) as Keras' TensorFlow backend
+    computes it: float16 in float32 (Keras casts), TensorFlow's sum divided by the count, cast back.
+    The sum over the last axis (or all) is Eigen's (``tf_sum_range``); over the one before,
+    ``_tf_sum_columns``."""
+    y = x.astype(np.float32) if x.dtype == np.float16 else x
+    if axis == -2:
+        sums = _tf_sum_columns(y)
+        count = x.shape[-2]
+    else:
+        rows = y.reshape(-1, y.shape[-1] if axis == -1 and y.ndim else y.size)
+        sums = np.array([tf_sum_range(row, 0, row.size) for row in rows], y.dtype)
+        sums = sums.reshape(x.shape[:-1] + (1,) if axis == -1 else (1,) * x.ndim)
+        count = rows.shape[1]
+    return (sums / y.dtype.type(count)).astype(x.dtype)
+
+
+def _tf_sum_columns(y: np.ndarray) -> np.ndarray:
+    """``reduce_sum(y, axis=-2, keepdims=True)`` of a float32/float64 ``y`` (rows R, columns C) in
+    Eigen's order. The outputs (batch, column), row-major, go by AVX packets (8 float32 or 4
+    float64) from the first; a packet that lies within one batch's columns is summed as a packet,
+    over R >= 16 rows with four accumulators (rows j, j+1, j+2, j+3) folded as ((a0 + a1) + a2) + a3,
+    then the last R % 4 rows added in order (measured against TensorFlow 2.21); every other output (a packet across two batches, the
+    last outputs after the last whole packet, or R < 16) adds its rows in order."""
+    rows, columns = y.shape[-2], y.shape[-1]
+    in_order = np.add.accumulate(y, axis=-2)[..., -1:, :]
+    lanes = 32 // y.dtype.itemsize
+    if rows < 16:
+        return in_order
+    whole = rows // 4 * 4
+    a0, a1, a2, a3 = (np.add.accumulate(y[..., k:whole:4, :], axis=-2)[..., -1:, :] for k in range(4))
+    packed = ((a0 + a1) + a2) + a3
+    for j in range(whole, rows):
+        packed = packed + y[..., j:j + 1, :]
+    start = np.arange(in_order.size) // lanes * lanes  # each output's packet
+    by_packet = (start + lanes <= in_order.size) & (start % columns + lanes - 1 < columns)
+    return np.where(by_packet.reshape(in_order.shape), packed, in_order)
+
+
+def _rms(x: np.ndarray) -> np.floating:
+    """Adafactor's ``_rms``: ``sqrt(mean(square(x)))``, in x's dtype."""
+    return np.sqrt(_tf_mean(np.square(x), None).reshape(()))[()]
+
+
+OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb, "adafactor": Adafactor}

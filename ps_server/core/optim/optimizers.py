@@ -8,7 +8,7 @@
 The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 ``AdamW`` (Adam with Keras' weight decay, default 0.004), ``Adagrad``,
 ``RMSprop`` (momentum, centered), and from ``ps_server.core.optim.more_optimizers``
-``Adamax``, ``Nadam``, ``Ftrl`` and ``Lion``. Options of every one, as Keras'
+``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor``. Options of every one, as Keras'
 ``BaseOptimizer.apply`` runs them on one update: the gradient clipped
 (``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
@@ -99,12 +99,12 @@ class OptimizerSpec:
     learning_rate: float | None = None  # constant; unused with a schedule
     momentum: float | None = None  # sgd, rmsprop
     nesterov: bool | None = None  # sgd
-    beta_1: float | None = None  # adam, adamw, adamax, nadam, lion
+    beta_1: float | None = None  # adam, adamw, adamax, nadam, lion, lamb
     beta_2: float | None = None
-    epsilon: float | None = None  # adam, adamw, adagrad, rmsprop, adamax, nadam
+    epsilon: float | None = None  # adam, adamw, adagrad, rmsprop, adamax, nadam, adadelta, lamb
     learning_rate_schedule: dict | None = None  # keras.optimizers.schedules.serialize(...)
     amsgrad: bool | None = None  # adam, adamw
-    rho: float | None = None  # rmsprop
+    rho: float | None = None  # rmsprop, adadelta
     centered: bool | None = None  # rmsprop
     initial_accumulator_value: float | None = None  # adagrad, ftrl
     learning_rate_power: float | None = None  # ftrl
@@ -119,6 +119,11 @@ class OptimizerSpec:
     use_ema: bool | None = None
     ema_momentum: float | None = None
     ema_overwrite_frequency: int | None = None
+    beta_2_decay: float | None = None  # adafactor
+    epsilon_1: float | None = None
+    epsilon_2: float | None = None
+    clip_threshold: float | None = None
+    relative_step: bool | None = None
 
     def __post_init__(self):
         takes = OPTIMIZER_DEFAULTS.get(self.name)
@@ -452,7 +457,8 @@ class Optimizer:
             slots["ema"] = ema
             if (iterations + 1) % spec.ema_overwrite_frequency == 0:
                 new_value = ema.copy()
-        slots = {name: x.reshape(shape) for name, x in slots.items()}
+        # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
+        slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 
     def apply_rows(self, value: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict,

@@ -27,7 +27,8 @@ rows and their indices instead of the whole table (``PushRequest`` tensors with
   Not what Keras computes; opt-in. ``weight_decay`` then decays the touched rows
   only (TF Addons' ``DecoupledWeightDecayExtension`` on a sparse gradient does
   the same). ``clipnorm``, ``global_clipnorm`` and ``use_ema`` need the whole
-  variable: refused at initialization (``lazy_refusal``).
+  variable, as do Lamb (its trust ratio) and Adafactor (its RMS and factored
+  moments): refused at initialization (``lazy_refusal``).
 - ``dense``: every sparse gradient is made dense on arrival and stepped as the
   whole table (what tfps did before; for comparisons).
 
@@ -130,6 +131,10 @@ def _needs_whole_variable(spec) -> str | None:
         return "global_clipnorm takes the norm of every gradient of the update"
     if spec.use_ema:
         return "use_ema averages every row of the variable"
+    if spec.name == "lamb":
+        return "lamb's trust ratio takes the norms of the whole variable and its update"
+    if spec.name == "adafactor":
+        return "adafactor scales by the RMS of the whole variable and factors its moments over rows and columns"
     return None
 
 
