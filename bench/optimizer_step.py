@@ -43,7 +43,8 @@ sys.path.insert(0, ROOT)
 
 from protos import wire  # noqa: E402
 from ps_server.core.optim import kernels  # noqa: E402
-from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer  # noqa: E402
+from ps_server.core.optim.optimizers import OptimizerSpec  # noqa: E402
+from ps_server.core.optim.registry import make_optimizer  # noqa: E402
 
 MIB = 2**20
 SPECS = {

@@ -200,7 +200,7 @@ def test_every_console_script_names_a_function_that_exists():
 
 # Between the files of these packages no import circle at all, not even through an import
 # inside a function: each file's names come from files below it.
-NO_FILE_CIRCLES = ("ps_common", "ps_tools")
+NO_FILE_CIRCLES = ("ps_common", "ps_tools", "ps_server", "worker", "protos", "tfps", "tf_strategies")
 
 
 def _file_of(module: str) -> pathlib.Path | None:
@@ -235,7 +235,7 @@ def file_circles() -> list[str]:
     return circles
 
 
-def test_no_import_circle_between_the_files_of_ps_common_or_ps_tools():
+def test_no_import_circle_between_the_files_of_a_package():
     assert file_circles() == []
 
 

@@ -132,7 +132,8 @@ import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
 from ps_server.core.optim import schedules, sparse
-from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec, make_optimizer
+from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec
+from ps_server.core.optim.registry import make_optimizer
 from ps_common.sparse import SparseRows
 
 log = logging.getLogger("ps_server.core")

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from ps_server.core.optim import kernels
-from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.optim.registry import make_optimizer
 
 try:
     import numba  # noqa: F401
@@ -205,7 +206,8 @@ import sys
 {setup}
 import numpy as np
 from ps_server.core.optim import kernels
-from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.optim.registry import make_optimizer
 assert not kernels.available()
 opt = make_optimizer(OptimizerSpec("adam", 1e-3, amsgrad=True))
 w = np.linspace(-1, 1, 11, dtype=np.float32)

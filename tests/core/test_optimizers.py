@@ -20,7 +20,8 @@ import pytest
 
 from ps_common.names import KERAS_OPTIMIZER_CLASSES, OPTIMIZER_DEFAULTS
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
+from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.optim.registry import make_optimizer
 
 KERAS_CLASS = {name: cls for cls, name in KERAS_OPTIMIZER_CLASSES.items()}
 

@@ -192,7 +192,7 @@ def test_a_lazy_step_is_the_optimizer_on_the_touched_rows_alone(spec):
     """Each optimizer steps the touched rows exactly as it steps a variable made of them
     (AdamW's weight decay included: the touched rows only, as TF Addons' sparse decay)."""
     ps = _ps("async", spec, sparse_updates="lazy")
-    from ps_server.core.optim.optimizers import make_optimizer
+    from ps_server.core.optim.registry import make_optimizer
     opt = make_optimizer(spec)
     rows = np.array([3, 9, 17], np.int64)
     w = table()["emb"]

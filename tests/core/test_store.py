@@ -126,7 +126,7 @@ def test_spec_conflict_names_every_difference_up_to_five():
         ({"": np.zeros(1, np.float32)}, SGD, "variable names must be non-empty"),
         ({"i": np.zeros(2, np.int32)}, SGD, "variable 'i' has dtype int32; only floating variables train"),
         ({"w": np.zeros(2, np.float32)}, OptimizerSpec("sgd", learning_rate=-1.0), "learning_rate must be > 0"),
-        ({"w": np.zeros(2, np.float32)}, OptimizerSpec("lamb"), "optimizer name must be one of"),
+        ({"w": np.zeros(2, np.float32)}, OptimizerSpec("shampoo"), "optimizer name must be one of"),
     ],
     ids=["empty", "empty_name", "int_dtype", "bad_learning_rate", "unknown_optimizer"],
 )

@@ -184,7 +184,7 @@ def test_initialize_from_unregistered_worker_is_failed_precondition(ps):
     [
         ({"steps": np.zeros(2, np.int64)}, SGD, "only floating variables train"),
         ({}, SGD, "at least one variable"),
-        (W0, {"name": "adadelta", "learning_rate": 0.1}, "optimizer name"),
+        (W0, {"name": "shampoo", "learning_rate": 0.1}, "optimizer name"),
         (W0, {"name": "sgd", "learning_rate": -1.0}, "learning_rate must be > 0"),
         (W0, {"name": "sgd", "learning_rate": 0.1, "momentum": 1.5}, "momentum must be in [0, 1)"),
     ],

@@ -1,11 +1,13 @@
 """The maths of one update: what a step computes from a value, a gradient and a state.
 
-    from ps_server.core.optim.optimizers import OptimizerSpec, make_optimizer
+    from ps_server.core.optim.optimizers import OptimizerSpec
+    from ps_server.core.optim.registry import make_optimizer
 
 Owns:
 
 - ``optimizers`` and ``more_optimizers``: the twelve Keras optimizers with their options,
-  Keras-exact; ``schedules``: Keras' learning-rate schedules at the update count;
+  Keras-exact (``registry.make_optimizer`` makes one by name); ``schedules``: Keras'
+  learning-rate schedules at the update count;
 - ``kernels``: one-pass optimizer steps and a round's fold, with numba, NumPy otherwise,
   same bits;
 - ``sparse``: embedding gradients as rows, stepped row-wise or made dense

@@ -1,7 +1,7 @@
 """More server-side optimizers that compute exactly what Keras 3 computes.
 
 ``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor`` are ``ps_server.core.optim.optimizers.Optimizer``
-subclasses (``make_optimizer`` finds them here by name) and follow its method: each
+subclasses (``ps_server.core.optim.registry.make_optimizer`` makes them by name) and follow its method: each
 step repeats the Keras 3.15 ``update_step`` (TensorFlow 2.21 CPU backend) operation by
 operation, in Keras' order, every intermediate in the variable's dtype, and rounds
 each hyperparameter the way Keras hands it to its op:
@@ -802,6 +802,3 @@ def _tf_sum_columns(y: np.ndarray) -> np.ndarray:
 def _rms(x: np.ndarray) -> np.floating:
     """Adafactor's ``_rms``: ``sqrt(mean(square(x)))``, in x's dtype."""
     return np.sqrt(_tf_mean(np.square(x), None).reshape(()))[()]
-
-
-OPTIMIZER_CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb, "adafactor": Adafactor}

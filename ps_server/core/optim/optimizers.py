@@ -1,7 +1,7 @@
 """Server-side optimizers that compute exactly what Keras 3 computes.
 
     spec = OptimizerSpec.from_keras(type(opt).__name__, opt.get_config())  # or OptimizerSpec("adam", 1e-3)
-    opt = make_optimizer(spec)
+    opt = make_optimizer(spec)                 # ps_server.core.optim.registry
     state = opt.init_state(value)
     value, state = opt.apply(value, grad, state)
 
@@ -633,22 +633,6 @@ class RMSprop(Optimizer):
             slots["momentum"] = m
             return np.subtract(w, m, out=increment), slots
         return np.subtract(w, increment, out=increment), slots
-
-
-def make_optimizer(spec: OptimizerSpec) -> Optimizer:
-    """The optimizer ``spec`` names; raises InvalidArgument for a bad spec."""
-    spec.validate()
-    mine = {"sgd": SGD, "adam": Adam, "adamw": Adam, "adagrad": Adagrad, "rmsprop": RMSprop}
-    if spec.name in mine:
-        return mine[spec.name](spec)
-    try:  # here, not at the top: more_optimizers imports this module
-        from ps_server.core.optim import more_optimizers
-    except ImportError:
-        more_optimizers = None
-    cls = getattr(more_optimizers, spec.name.capitalize(), None) if more_optimizers else None
-    if cls is None:
-        raise InvalidArgument(f"optimizer {spec.name} is not available on this server")
-    return cls(spec)
 
 
 def _check_float_array(what: str, x) -> None:
