@@ -18,7 +18,8 @@ What this process does, by ``--strategy``:
 
 - ``init``: builds the model once (no strategy) and writes ``DIR/initial.npz`` (its
   trainable then non-trainable variables, in order) and ``DIR/dataset.json`` (every
-  global batch's size, the optimizer's class and config, the metric names).
+  global batch's size, the optimizer's class and config, the metric names, and whether
+  the rule for a sparse gradient's repeated rows changes the step: ``sparse_rule``).
 - ``mirrored``: ``tf.distribute.MirroredStrategy`` over ``--replicas`` logical CPUs (the
   CPU is split before TensorFlow initialises; GPUs if there are that many).
 - ``mwms``: ``MultiWorkerMirroredStrategy`` from ``TF_CONFIG`` (one process per worker,
@@ -225,9 +226,46 @@ def _write_initial(keras, tf, args, model_fn, dataset_fn) -> dict:
             "optimizer_config": json.loads(json.dumps(opt.get_config(), default=str)),
             "trainable_variables": len(model.trainable_variables),
             "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))}
+    info["sparse_rule"] = sparse_rule(keras, tf, model, next(iter(train)))
     with open(os.path.join(args.out, "dataset.json"), "w") as f:
         json.dump(info, f, indent=2)
     return info
+
+
+RULE_MATTERS = 1e-3  # of the largest change a step makes: beyond rounding (Adam's is ~0.1-1 of it)
+
+
+def sparse_rule(keras, tf, model, batch) -> dict | None:
+    """Whether the two rules for repeated rows of a sparse gradient give this model and
+    optimizer different steps: tfps sums a row's occurrences before the optimizer step (as
+    TF1's optimizers and ElasticDL), Keras 3's TensorFlow backend applies the
+    ``tf.IndexedSlices`` as it is (``square(g)`` of each occurrence, then scattered). Measured
+    on ``batch``: one step of a fresh copy of the compiled optimizer on each variable whose
+    gradient repeats a row, once as the slices and once summed (made dense). None when no
+    gradient repeats a row or the two steps differ by at most ``RULE_MATTERS`` of the step
+    (the order of a sum); else the variables and the largest difference (docs/sparse.md,
+    "Repeated rows")."""
+    import numpy as np
+
+    x, y = batch[0], batch[1]
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True), training=True)
+    grads = tape.gradient(loss, model.trainable_variables)
+    repeated = [(v, g) for v, g in zip(model.trainable_variables, grads) if isinstance(g, tf.IndexedSlices)
+                and len(np.unique(g.indices.numpy())) < int(tf.size(g.indices))]
+    if not repeated:
+        return None
+    steps = []
+    for as_given in (True, False):
+        optimizer = type(model.optimizer).from_config(model.optimizer.get_config())
+        copies = [keras.Variable(np.asarray(v.numpy())) for v, _ in repeated]
+        optimizer.apply([g if as_given else tf.convert_to_tensor(g) for _, g in repeated], copies)
+        steps.append([np.asarray(c.numpy()) - np.asarray(v.numpy()) for c, (v, _) in zip(copies, repeated)])
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(*steps))
+    if diff <= RULE_MATTERS * max(float(np.max(np.abs(a))) for a in steps[1]):
+        return None  # the same step but for the order of a sum (SGD: ~1e-6 of it)
+    return {"variables": [v.path for v, _ in repeated], "optimizer": type(model.optimizer).__name__,
+            "step_difference": diff}
 
 
 def _strategy(tf, args) -> tuple:

@@ -168,3 +168,51 @@ def test_full_matrix(user_program):
         assert r["status"] in ("known-failing", "ok"), r
         if r["status"] == "known-failing":
             assert r["reason"] and f"{name} " in run.stdout and "KNOWN" in run.stdout
+
+
+def _embedding_model(keras, optimizer):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(pooled))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("optimizer, ids, named", [
+    ("adam", [[1, 1, 2, 3], [4, 5, 1, 2]], True),  # row 1 three times: Adam squares each occurrence
+    ("adamw", [[1, 1, 2, 3], [4, 5, 1, 2]], True),
+    ("sgd", [[1, 1, 2, 3], [4, 5, 1, 2]], False),  # linear in the gradient: the same step
+    ("adam", [[0, 1, 2, 3], [4, 5, 6, 7]], False),  # no row repeats
+])
+def test_the_init_process_names_the_sparse_rule_where_it_changes_the_step(optimizer, ids, named):
+    """"Make ps-parity detect the case and name it instead of reporting an unexplained difference."
+    Keras 3 itself is the judge: one step on the slices against one on them summed."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow import keras
+
+    from tf_strategies.user_fit import sparse_rule
+
+    model = _embedding_model(keras, optimizer)
+    rule = sparse_rule(keras, tf, model, (tf.constant(ids, tf.int32), tf.constant(np.array([0, 1]), tf.int64)))
+    if named:
+        assert rule["variables"] == [model.trainable_variables[0].path] and rule["step_difference"] > 1e-4
+        assert rule["optimizer"] == type(model.optimizer).__name__
+    else:
+        assert rule is None
+
+
+def test_a_named_sparse_rule_reports_the_sync_difference_without_gating_it():
+    import numpy as np
+
+    z = np.zeros(3, np.float32)
+    info = {"optimizer": "Adam", "batch_sizes": [48, 48], "epochs": 1,
+            "sparse_rule": {"variables": ["embedding/embeddings"], "optimizer": "Adam", "step_difference": 3e-3}}
+    outcomes = {"mirrored": _ok("mirrored", z, z), "tfps-sync": _ok("tfps-sync", z + 1e-2, z + 0.1)}
+    _, checks = user_parity.compare(info, 2, outcomes)
+    assert [c.name for c in checks] == ["tfps-sync vs mirrored, step 1", "tfps-sync vs mirrored, step 2"]
+    assert all(c.ok and not c.gated and "the sparse rule: embedding/embeddings repeat rows" in c.detail
+               for c in checks)
+    _, gated = user_parity.compare(dict(info, sparse_rule=None), 2, outcomes)
+    assert all(c.gated and not c.ok for c in gated)  # the same difference, unexplained, fails
