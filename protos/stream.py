@@ -233,7 +233,6 @@ class Assembler:
         self.layout = layout
         self.buffer = buffer
         self.received = 0
-        self._done = 0  # entries handed out by completed()
 
     def feed(self, chunk: memoryview) -> None:
         n = chunk.nbytes
@@ -241,24 +240,6 @@ class Assembler:
             raise codec.CodecError(f"the stream sent more than the {self.layout.nbytes} bytes its header announced")
         self.buffer[self.received:self.received + n] = np.frombuffer(chunk, np.uint8)
         self.received += n
-
-    def completed(self) -> dict[str, np.ndarray]:
-        """The tensors whose bytes have all arrived since the last call, in stream order,
-        as ``arrays`` gives them (a view into the buffer; bfloat16 widened to a new
-        float32 array): a receiver can use each before the stream ends."""
-        done, out = self._done, {}
-        entries = self.layout.entries
-        while done < len(entries) and entries[done].offset + entries[done].nbytes <= self.received:
-            e = entries[done]
-            try:
-                raw = np.frombuffer(self.buffer, e.dtype, count=math.prod(e.shape), offset=e.offset).reshape(e.shape)
-            except ValueError as err:
-                raise codec.CodecError(f"tensor {e.name!r}: shape {list(e.shape)} cannot be represented: {err}") \
-                    from None
-            out.update(widened([e], {e.name: raw}))
-            done += 1
-        self._done = done
-        return out
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every tensor, as a view into the buffer (bfloat16 widened to a new float32 array)."""
