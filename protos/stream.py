@@ -217,9 +217,11 @@ def arriving(entries: Iterable[Entry], specs: dict) -> dict[str, tuple[np.dtype,
     return {e.name: (np.dtype(np.float32) if widened(e) else e.dtype, e.shape) for e in entries}
 
 
-def metas(arrays: dict[str, tuple[int, np.ndarray]]) -> list[pb.TensorMeta]:
-    """TensorMeta of each (code, wire array) in order."""
-    return [pb.TensorMeta(name=n, dtype=code, shape=a.shape) for n, (code, a) in arrays.items()]
+def metas(arrays: dict[str, tuple[int, np.ndarray]], rows: dict[str, np.ndarray] | None = None) -> list[pb.TensorMeta]:
+    """TensorMeta of each (code, wire array) in order; one named in ``rows`` is sparse, those its rows."""
+    rows = rows or {}
+    return [pb.TensorMeta(name=n, dtype=code, shape=a.shape, sparse=n in rows,
+                          rows=rows[n].tolist() if n in rows else ()) for n, (code, a) in arrays.items()]
 
 
 class Assembler:

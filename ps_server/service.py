@@ -582,11 +582,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         went through the worker's shared-memory segment)."""
         version, values, rows = self._pull(request)
         wire = {name: stream.to_wire(a) for name, a in values.items()}
-        header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
-        for meta in header.variables:
-            if meta.name in rows:
-                meta.sparse = True
-                meta.rows.extend(rows[meta.name].tolist())
+        header = pb.PullHeader(version=version, incarnation=self.core.incarnation,
+                               variables=stream.metas(wire, rows))
         arrays = {name: a for name, (_, a) in wire.items()}
         if request.shm_name:
             segment = self._segment(request.worker_id, "pull", request.shm_name, writable=True)

@@ -98,14 +98,9 @@ class OutgoingPush:
                        for n, (code, a) in self.arrays.items()])
 
     def header(self) -> pb.PushHeader:
-        header = pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
-                               batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays),
-                               metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
-        for meta in header.gradients:
-            if meta.name in self.rows:
-                meta.sparse = True
-                meta.rows.extend(self.rows[meta.name].tolist())
-        return header
+        return pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
+                             batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays, self.rows),
+                             metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
 
     def buffers(self) -> list[np.ndarray]:
         return [a for _, a in self.arrays.values()]
