@@ -274,10 +274,6 @@ class _ShmRefused(Exception):
     """The fast path cannot serve this call; nothing was applied: repeat it over the stream."""
 
 
-def _refused(e: PSClientError) -> bool:
-    return e.reason is Reason.SHM_REFUSED
-
-
 class _Slot:
     """One of the client's segments (push or pull), lent to one call at a time (``lock``)."""
 
@@ -411,15 +407,28 @@ class SharedMemory:
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]] | None:
         """A PullStream that has the server write the values into the pull segment; None
         when shared memory does not serve it (then the caller streams)."""
-        slot = self._lend(self.pull_slot, request.worker_id)
-        if slot is None:
+        answer = self._serve(self.pull_slot, request.worker_id, lambda slot: self._pull_once(request, slot))
+        if answer is None:
+            request.ClearField("shm_name")
+        return answer
+
+    def _serve(self, slot: _Slot, worker_id: int, once):
+        """``once(slot)`` with the slot lent to it; None when shared memory does not serve the
+        call: off, the slot busy, or refused (nothing was applied: the caller streams it)."""
+        if self._lend(slot, worker_id) is None:
             return None
         try:
-            return self._pull_once(request, slot)
+            return once(slot)
         except _ShmRefused as e:
             self.fall_back(str(e))
-            request.ClearField("shm_name")
             return None
+        except PSClientError as e:
+            if e.reason is Reason.SHM_REFUSED:
+                self.fall_back(e.details)
+                return None
+            if e.code is not None and e.code not in HANDLER_DONE:
+                slot.close()  # the server may still be using it (a push waiting at the barrier)
+            raise
         finally:
             slot.lock.release()
             if not self.active:
@@ -438,14 +447,7 @@ class SharedMemory:
                 raise _ShmRefused("a shared-memory reply went on with data messages")
             return values
 
-        try:
-            header, values = self.streams.pull(request, read_segment=read)
-        except PSClientError as e:
-            if _refused(e):
-                raise _ShmRefused(e.details) from None
-            if e.code is not None and e.code not in HANDLER_DONE:
-                slot.close()  # the server may still write into it
-            raise
+        header, values = self.streams.pull(request, read_segment=read)
         if not header.shm and header.shm_bytes_needed > segment.size:
             slot.want = max(slot.want, header.shm_bytes_needed)  # the next pull gets a big enough one
         return header, values
@@ -454,18 +456,7 @@ class SharedMemory:
         """The gradients into the push segment, then the header alone; None when shared
         memory does not serve it (then the caller streams). The segment stays untouched
         until the reply (this call holds the slot): the server reads it in place."""
-        slot = self._lend(self.push_slot, outgoing.worker_id)
-        if slot is None:
-            return None
-        try:
-            return self._push_once(outgoing, slot, timeout)
-        except _ShmRefused as e:  # nothing was applied: stream it instead
-            self.fall_back(str(e))
-            return None
-        finally:
-            slot.lock.release()
-            if not self.active:
-                self.release_segments()
+        return self._serve(self.push_slot, outgoing.worker_id, lambda slot: self._push_once(outgoing, slot, timeout))
 
     def _push_once(self, outgoing: OutgoingPush, slot: _Slot, timeout: float) -> pb.PushResponse:
         arrays = outgoing.buffers()
@@ -479,14 +470,7 @@ class SharedMemory:
         header = outgoing.header()
         header.shm_name = segment.name
         header.shm_offsets.extend(offsets)
-        try:
-            return self.streams.push(outgoing, timeout, header=header)
-        except PSClientError as e:
-            if _refused(e):
-                raise _ShmRefused(e.details) from None
-            if e.code not in HANDLER_DONE:
-                slot.close()  # the server may still read it (a push waiting at the barrier)
-            raise
+        return self.streams.push(outgoing, timeout, header=header)
 
 
 class PullCache:
