@@ -253,7 +253,7 @@ def _handled_stream(method):
 
 
 async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
-    """``Speculation.wait`` awaited: the block's values, or None when they will not come."""
+    """``Speculation.peek`` awaited: the block's values, or None when they will not come."""
     loop = asyncio.get_running_loop()
     while True:
         changed = loop.create_future()
