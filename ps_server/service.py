@@ -272,16 +272,22 @@ async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
 
 
 async def _header(request_iterator, method: str, chunk_class=pb.PushChunk):
-    """``_stream_header`` of an async request stream."""
+    """The header a request stream must start with (a ``chunk_class``, PushChunk or
+    InitializeChunk, with a header and no data)."""
     first = None
     async for first in request_iterator:
         break
-    return _stream_header(iter(() if first is None else (first,)), method, chunk_class)
+    if isinstance(first, Malformed):
+        raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
+    if not isinstance(first, chunk_class) or not first.HasField("header") or first.data:
+        raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
+    return first.header
 
 
 async def _received_async(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str,
                           on_bytes=None) -> dict[str, np.ndarray]:
-    """``_received`` of an async request stream; ``on_bytes(received)`` after each message."""
+    """The arrays of a request stream's data messages, received into ``buffer``;
+    ``on_bytes(received)`` after each message."""
     assembler = stream.Assembler(layout, buffer)
     async for chunk in request_iterator:
         assembler.feed(_data(chunk, method))
@@ -351,17 +357,6 @@ def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
     """``s`` as a StatusResponse; worker ages are seconds from their last call to ``now``."""
     age = lambda last_seen: now - last_seen  # noqa: E731
     return STATUS.to_wire(s, workers=lambda records: [WORKER_STATUS.to_wire(w, last_seen=age) for w in records])
-
-
-def _stream_header(request_iterator, method: str, chunk_class=pb.PushChunk):
-    """The header a request stream must start with (a ``chunk_class``, PushChunk or
-    InitializeChunk, with a header and no data)."""
-    first = next(request_iterator, None)
-    if isinstance(first, Malformed):
-        raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
-    if not isinstance(first, chunk_class) or not first.HasField("header") or first.data:
-        raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
-    return first.header
 
 
 def _data(chunk, method: str) -> memoryview:
@@ -750,7 +745,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     async def _received_offering(self, layout: stream.Layout, buffer: np.ndarray, request_iterator, spec,
                                  worker_id: int) -> dict[str, np.ndarray]:
-        """``_received``, offering each block of each gradient to the round's speculation as
+        """``_received_async``, offering each block of each gradient to the round's speculation as
         soon as its bytes are in (the arrays are views of the buffer the bytes fill)."""
         pending, fulls = [], {}  # (the byte at which a block is complete, name, block, array)
         for e in layout.entries:
