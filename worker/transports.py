@@ -353,13 +353,6 @@ class SharedMemory:
         for slot in (self.push_slot, self.pull_slot):
             slot.close()
 
-    def _lend(self, slot: _Slot, worker_id: int) -> _Slot | None:
-        """The slot, locked, if this call may use shared memory; None: stream it. A slot
-        busy with another call of this client (a push waiting at a barrier) is not waited for."""
-        if not self.active or worker_id < 0 or not slot.lock.acquire(blocking=False):
-            return None
-        return slot
-
     # -- the probe, at register ----------------------------------------------------
     def hold_for_probe(self) -> list[_Slot]:
         """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
@@ -413,9 +406,10 @@ class SharedMemory:
         return answer
 
     def _serve(self, slot: _Slot, worker_id: int, once):
-        """``once(slot)`` with the slot lent to it; None when shared memory does not serve the
-        call: off, the slot busy, or refused (nothing was applied: the caller streams it)."""
-        if self._lend(slot, worker_id) is None:
+        """``once(slot)`` with the slot locked for it; None when shared memory does not serve the
+        call: off, the slot busy with another call of this client (a push waiting at a barrier:
+        not waited for), or refused (nothing was applied: the caller streams it)."""
+        if not self.active or worker_id < 0 or not slot.lock.acquire(blocking=False):
             return None
         try:
             return once(slot)
