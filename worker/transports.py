@@ -106,11 +106,8 @@ class OutgoingPush:
         return [a for _, a in self.arrays.values()]
 
     def _micro(self) -> dict:
-        """The optional fields of a server-dealt push: elastic sync's micro-batch, a task."""
-        fields = {"micro_batch": self.micro_batch} if self.micro_batch >= 0 else {}
-        if self.task >= 0:
-            fields["task"] = self.task
-        return fields
+        """The optional fields of a server-dealt push that are set: elastic sync's micro-batch, a task."""
+        return {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
 
 
 class Transport(Protocol):
