@@ -217,9 +217,11 @@ def arriving(entries: Iterable[Entry], specs: dict) -> dict[str, tuple[np.dtype,
     return {e.name: (np.dtype(np.float32) if widened(e) else e.dtype, e.shape) for e in entries}
 
 
-def metas(arrays: dict[str, tuple[int, np.ndarray]]) -> list[pb.TensorMeta]:
-    """TensorMeta of each (code, wire array) in order."""
-    return [pb.TensorMeta(name=n, dtype=code, shape=a.shape) for n, (code, a) in arrays.items()]
+def metas(arrays: dict[str, tuple[int, np.ndarray]], rows: dict[str, np.ndarray] | None = None) -> list[pb.TensorMeta]:
+    """TensorMeta of each (code, wire array) in order; one named in ``rows`` is sparse, those its rows."""
+    rows = rows or {}
+    return [pb.TensorMeta(name=n, dtype=code, shape=a.shape, sparse=n in rows,
+                          rows=rows[n].tolist() if n in rows else ()) for n, (code, a) in arrays.items()]
 
 
 class Assembler:
@@ -233,7 +235,6 @@ class Assembler:
         self.layout = layout
         self.buffer = buffer
         self.received = 0
-        self._done = 0  # entries handed out by completed()
 
     def feed(self, chunk: memoryview) -> None:
         n = chunk.nbytes
@@ -241,24 +242,6 @@ class Assembler:
             raise codec.CodecError(f"the stream sent more than the {self.layout.nbytes} bytes its header announced")
         self.buffer[self.received:self.received + n] = np.frombuffer(chunk, np.uint8)
         self.received += n
-
-    def completed(self) -> dict[str, np.ndarray]:
-        """The tensors whose bytes have all arrived since the last call, in stream order,
-        as ``arrays`` gives them (a view into the buffer; bfloat16 widened to a new
-        float32 array): a receiver can use each before the stream ends."""
-        done, out = self._done, {}
-        entries = self.layout.entries
-        while done < len(entries) and entries[done].offset + entries[done].nbytes <= self.received:
-            e = entries[done]
-            try:
-                raw = np.frombuffer(self.buffer, e.dtype, count=math.prod(e.shape), offset=e.offset).reshape(e.shape)
-            except ValueError as err:
-                raise codec.CodecError(f"tensor {e.name!r}: shape {list(e.shape)} cannot be represented: {err}") \
-                    from None
-            out.update(widened([e], {e.name: raw}))
-            done += 1
-        self._done = done
-        return out
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every tensor, as a view into the buffer (bfloat16 widened to a new float32 array)."""

@@ -253,7 +253,7 @@ def _handled_stream(method):
 
 
 async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
-    """``Speculation.wait`` awaited: the block's values, or None when they will not come."""
+    """``Speculation.peek`` awaited: the block's values, or None when they will not come."""
     loop = asyncio.get_running_loop()
     while True:
         changed = loop.create_future()
@@ -272,16 +272,22 @@ async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
 
 
 async def _header(request_iterator, method: str, chunk_class=pb.PushChunk):
-    """``_stream_header`` of an async request stream."""
+    """The header a request stream must start with (a ``chunk_class``, PushChunk or
+    InitializeChunk, with a header and no data)."""
     first = None
     async for first in request_iterator:
         break
-    return _stream_header(iter(() if first is None else (first,)), method, chunk_class)
+    if isinstance(first, Malformed):
+        raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
+    if not isinstance(first, chunk_class) or not first.HasField("header") or first.data:
+        raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
+    return first.header
 
 
 async def _received_async(layout: stream.Layout, buffer: np.ndarray, request_iterator, method: str,
                           on_bytes=None) -> dict[str, np.ndarray]:
-    """``_received`` of an async request stream; ``on_bytes(received)`` after each message."""
+    """The arrays of a request stream's data messages, received into ``buffer``;
+    ``on_bytes(received)`` after each message."""
     assembler = stream.Assembler(layout, buffer)
     async for chunk in request_iterator:
         assembler.feed(_data(chunk, method))
@@ -337,11 +343,6 @@ STATUS = convert.Conversion(
 CONVERSIONS = (*convert.CONVERSIONS, OPTIMIZER, WORKER_STATUS, MEMBERSHIP_EVENT, STATUS)
 
 
-def _reply_to_wire(result) -> pb.PushResponse:
-    """A push's answer (elastic sync's once its round completed: the round's)."""
-    return convert.PUSH_REPLY.to_wire(result.result if isinstance(result, ElasticReply) else result)
-
-
 def _assignment(work, parts: int) -> pb.Assignment:
     """Elastic sync's ``Work``, or async and ssp's ``TaskOffer``, as an Assignment."""
     if isinstance(work, TaskOffer):
@@ -356,17 +357,6 @@ def status_to_wire(s: Status, now: float) -> pb.StatusResponse:
     """``s`` as a StatusResponse; worker ages are seconds from their last call to ``now``."""
     age = lambda last_seen: now - last_seen  # noqa: E731
     return STATUS.to_wire(s, workers=lambda records: [WORKER_STATUS.to_wire(w, last_seen=age) for w in records])
-
-
-def _stream_header(request_iterator, method: str, chunk_class=pb.PushChunk):
-    """The header a request stream must start with (a ``chunk_class``, PushChunk or
-    InitializeChunk, with a header and no data)."""
-    first = next(request_iterator, None)
-    if isinstance(first, Malformed):
-        raise codec.CodecError(f"the stream's first message is not a valid {first.message_type}: {first.error}")
-    if not isinstance(first, chunk_class) or not first.HasField("header") or first.data:
-        raise codec.CodecError(f"{method}: the first message must carry the header, and no data")
-    return first.header
 
 
 def _data(chunk, method: str) -> memoryview:
@@ -582,11 +572,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         went through the worker's shared-memory segment)."""
         version, values, rows = self._pull(request)
         wire = {name: stream.to_wire(a) for name, a in values.items()}
-        header = pb.PullHeader(version=version, incarnation=self.core.incarnation, variables=stream.metas(wire))
-        for meta in header.variables:
-            if meta.name in rows:
-                meta.sparse = True
-                meta.rows.extend(rows[meta.name].tolist())
+        header = pb.PullHeader(version=version, incarnation=self.core.incarnation,
+                               variables=stream.metas(wire, rows))
         arrays = {name: a for name, (_, a) in wire.items()}
         if request.shm_name:
             segment = self._segment(request.worker_id, "pull", request.shm_name, writable=True)
@@ -607,34 +594,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _submit_unary(self, request):
         gradients = self._decoded(codec.decode_many(request.gradients), request.gradients)
         try:
-            return self._submit_push(request, gradients)
+            return self.core.submit(self._push_of(request, gradients, codec.decode_many(request.metrics)))
         finally:  # a push waiting at the barrier keeps no bytes of its request (its arrays are views)
             gradients.clear()
             request.ClearField("gradients")
 
-    def _submit_push(self, request, gradients):
-        return self.core.submit(
-            Push(
-                worker_id=request.worker_id,
-                step=request.step,
-                base_version=request.base_version,
-                batch_size=request.batch_size,
-                gradients=gradients,
-                loss=request.loss,
-                metrics=codec.decode_many(request.metrics),
-                set_learning_rate=request.set_learning_rate,
-                micro_batch=request.micro_batch if request.HasField("micro_batch") else -1,
-                task=request.task if request.HasField("task") else -1,
-            )
-        )
-
     def _push_reply(self, request, result) -> pb.PushResponse:
-        if isinstance(result, ElasticReply):
-            if result.result is None:
-                return self._elastic_reply(result)
-            result = result.result  # the round completed: its answer, and its values if asked
-        reply = convert.PUSH_REPLY.to_wire(result)
-        if request.return_values and self._values_stay_current() and not (result.dropped or result.replayed):
+        """``_stream_reply``, and the values after the push when asked and they stay current."""
+        reply = self._stream_reply(result)
+        result = result.result if isinstance(result, ElasticReply) else result  # None: the round goes on
+        if result is not None and request.return_values and self._values_stay_current() \
+                and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
             if version == result.version:
                 reply.variables.extend(codec.encode_many(values))
@@ -660,19 +630,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             ticket = await self._work(self._push_from_segment, h, layout, metrics, iter(rest))
             return self._stream_reply(await settled(ticket))
         loan = await self._lend(layout.nbytes, context)
+        received = _received_async(layout, loan.buffer, request_iterator, "PushStream")
+        return self._stream_reply(await self._submit_lent(h, metrics, loan, received))
+
+    async def _submit_lent(self, h: pb.PushHeader, metrics: dict, loan: "_Loan", received) -> object:
+        """The result of the push whose gradients ``received`` (awaited) reads into ``loan``'s
+        buffer; the loan given back once the core is done with them, or at the latest here."""
         try:
-            loan.gradients = self._decoded(
-                await _received_async(layout, loan.buffer, request_iterator, "PushStream"), h.gradients)
+            loan.gradients = self._decoded(await received, h.gradients)
             ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
-            result = await settled(ticket)
+            return await settled(ticket)
         finally:  # the core keeps no reference to the gradients once its ticket is settled
             loan.give_back()
-        return self._stream_reply(result)
 
     def _stream_reply(self, result) -> pb.PushResponse:
-        if isinstance(result, ElasticReply) and result.result is None:
-            return self._elastic_reply(result)
-        return _reply_to_wire(result)
+        """A push's answer (elastic sync's: the work to do next, or once its round completed the round's)."""
+        if isinstance(result, ElasticReply):
+            return self._elastic_reply(result) if result.result is None else convert.PUSH_REPLY.to_wire(result.result)
+        return convert.PUSH_REPLY.to_wire(result)
 
     def _check(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict) -> None:
         self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, stream.arriving(layout.entries, self.core.store.specs()),
@@ -680,7 +655,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                              set_learning_rate=h.set_learning_rate)
 
     @staticmethod
-    def _push_of(h: pb.PushHeader, gradients, metrics: dict) -> Push:
+    def _push_of(h: "pb.PushHeader | pb.PushRequest", gradients, metrics: dict) -> Push:
+        """The core's Push of a PushStream's header or a unary PushRequest (the same fields)."""
         return Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
                     gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate,
                     micro_batch=h.micro_batch if h.HasField("micro_batch") else -1,
@@ -757,22 +733,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 reading.cancel()
 
     async def _push_pull_read(self, h, layout, metrics, loan, request_iterator, spec):
+        if spec is None:
+            received = _received_async(layout, loan.buffer, request_iterator, "PushPull")
+        else:
+            received = self._received_offering(layout, loan.buffer, request_iterator, spec, h.worker_id)
         try:
-            if spec is None:
-                arrays = await _received_async(layout, loan.buffer, request_iterator, "PushPull")
-            else:
-                arrays = await self._received_offering(layout, loan.buffer, request_iterator, spec, h.worker_id)
-            loan.gradients = self._decoded(arrays, h.gradients)
-            ticket = await self._work(self.core.submit, self._push_of(h, loan.gradients, metrics), loan.give_back)
-            return await settled(ticket)
-        finally:  # the core keeps no reference to the gradients once its ticket is settled
-            loan.give_back()
+            return await self._submit_lent(h, metrics, loan, received)
+        finally:
             if spec is not None:
                 spec.wake()
 
     async def _received_offering(self, layout: stream.Layout, buffer: np.ndarray, request_iterator, spec,
                                  worker_id: int) -> dict[str, np.ndarray]:
-        """``_received``, offering each block of each gradient to the round's speculation as
+        """``_received_async``, offering each block of each gradient to the round's speculation as
         soon as its bytes are in (the arrays are views of the buffer the bytes fill)."""
         pending, fulls = [], {}  # (the byte at which a block is complete, name, block, array)
         for e in layout.entries:

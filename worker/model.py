@@ -85,10 +85,6 @@ def build_model(name: str = "cnn", seed: int = 0):
                             name=name)
 
 
-def variable_names(model) -> list[str]:
-    return [v.path for v in model.trainable_variables]
-
-
 def get_weights(model) -> dict[str, np.ndarray]:
     return {v.path: np.array(v.numpy()) for v in model.trainable_variables}
 

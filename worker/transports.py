@@ -98,24 +98,16 @@ class OutgoingPush:
                        for n, (code, a) in self.arrays.items()])
 
     def header(self) -> pb.PushHeader:
-        header = pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
-                               batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays),
-                               metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
-        for meta in header.gradients:
-            if meta.name in self.rows:
-                meta.sparse = True
-                meta.rows.extend(self.rows[meta.name].tolist())
-        return header
+        return pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
+                             batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays, self.rows),
+                             metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
 
     def buffers(self) -> list[np.ndarray]:
         return [a for _, a in self.arrays.values()]
 
     def _micro(self) -> dict:
-        """The optional fields of a server-dealt push: elastic sync's micro-batch, a task."""
-        fields = {"micro_batch": self.micro_batch} if self.micro_batch >= 0 else {}
-        if self.task >= 0:
-            fields["task"] = self.task
-        return fields
+        """The optional fields of a server-dealt push that are set: elastic sync's micro-batch, a task."""
+        return {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
 
 
 class Transport(Protocol):
@@ -279,10 +271,6 @@ class _ShmRefused(Exception):
     """The fast path cannot serve this call; nothing was applied: repeat it over the stream."""
 
 
-def _refused(e: PSClientError) -> bool:
-    return e.reason is Reason.SHM_REFUSED
-
-
 class _Slot:
     """One of the client's segments (push or pull), lent to one call at a time (``lock``)."""
 
@@ -362,13 +350,6 @@ class SharedMemory:
         for slot in (self.push_slot, self.pull_slot):
             slot.close()
 
-    def _lend(self, slot: _Slot, worker_id: int) -> _Slot | None:
-        """The slot, locked, if this call may use shared memory; None: stream it. A slot
-        busy with another call of this client (a push waiting at a barrier) is not waited for."""
-        if not self.active or worker_id < 0 or not slot.lock.acquire(blocking=False):
-            return None
-        return slot
-
     # -- the probe, at register ----------------------------------------------------
     def hold_for_probe(self) -> list[_Slot]:
         """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
@@ -416,15 +397,29 @@ class SharedMemory:
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]] | None:
         """A PullStream that has the server write the values into the pull segment; None
         when shared memory does not serve it (then the caller streams)."""
-        slot = self._lend(self.pull_slot, request.worker_id)
-        if slot is None:
+        answer = self._serve(self.pull_slot, request.worker_id, lambda slot: self._pull_once(request, slot))
+        if answer is None:
+            request.ClearField("shm_name")
+        return answer
+
+    def _serve(self, slot: _Slot, worker_id: int, once):
+        """``once(slot)`` with the slot locked for it; None when shared memory does not serve the
+        call: off, the slot busy with another call of this client (a push waiting at a barrier:
+        not waited for), or refused (nothing was applied: the caller streams it)."""
+        if not self.active or worker_id < 0 or not slot.lock.acquire(blocking=False):
             return None
         try:
-            return self._pull_once(request, slot)
+            return once(slot)
         except _ShmRefused as e:
             self.fall_back(str(e))
-            request.ClearField("shm_name")
             return None
+        except PSClientError as e:
+            if e.reason is Reason.SHM_REFUSED:
+                self.fall_back(e.details)
+                return None
+            if e.code is not None and e.code not in HANDLER_DONE:
+                slot.close()  # the server may still be using it (a push waiting at the barrier)
+            raise
         finally:
             slot.lock.release()
             if not self.active:
@@ -443,14 +438,7 @@ class SharedMemory:
                 raise _ShmRefused("a shared-memory reply went on with data messages")
             return values
 
-        try:
-            header, values = self.streams.pull(request, read_segment=read)
-        except PSClientError as e:
-            if _refused(e):
-                raise _ShmRefused(e.details) from None
-            if e.code is not None and e.code not in HANDLER_DONE:
-                slot.close()  # the server may still write into it
-            raise
+        header, values = self.streams.pull(request, read_segment=read)
         if not header.shm and header.shm_bytes_needed > segment.size:
             slot.want = max(slot.want, header.shm_bytes_needed)  # the next pull gets a big enough one
         return header, values
@@ -459,18 +447,7 @@ class SharedMemory:
         """The gradients into the push segment, then the header alone; None when shared
         memory does not serve it (then the caller streams). The segment stays untouched
         until the reply (this call holds the slot): the server reads it in place."""
-        slot = self._lend(self.push_slot, outgoing.worker_id)
-        if slot is None:
-            return None
-        try:
-            return self._push_once(outgoing, slot, timeout)
-        except _ShmRefused as e:  # nothing was applied: stream it instead
-            self.fall_back(str(e))
-            return None
-        finally:
-            slot.lock.release()
-            if not self.active:
-                self.release_segments()
+        return self._serve(self.push_slot, outgoing.worker_id, lambda slot: self._push_once(outgoing, slot, timeout))
 
     def _push_once(self, outgoing: OutgoingPush, slot: _Slot, timeout: float) -> pb.PushResponse:
         arrays = outgoing.buffers()
@@ -484,14 +461,7 @@ class SharedMemory:
         header = outgoing.header()
         header.shm_name = segment.name
         header.shm_offsets.extend(offsets)
-        try:
-            return self.streams.push(outgoing, timeout, header=header)
-        except PSClientError as e:
-            if _refused(e):
-                raise _ShmRefused(e.details) from None
-            if e.code not in HANDLER_DONE:
-                slot.close()  # the server may still read it (a push waiting at the barrier)
-            raise
+        return self.streams.push(outgoing, timeout, header=header)
 
 
 class PullCache:

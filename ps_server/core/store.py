@@ -633,12 +633,6 @@ class VariableStore:
             if np.dtype(dtype).newbyteorder("=") != value.dtype:
                 raise InvalidArgument(f"gradient for {name!r} has dtype {np.dtype(dtype)}, variable has {value.dtype}")
 
-    def densify(self, grads: Mapping[str, "np.ndarray | SparseRows"]) -> dict[str, np.ndarray]:
-        """``grads`` with every ``SparseRows`` checked against its variable and scattered
-        into a dense array (``core.optim.sparse``); dense gradients pass as they are, for
-        ``check_gradients``. Raises before anything is applied."""
-        return self.prepare(grads, keep_sparse=False)
-
     def prepare(self, grads: Mapping[str, "np.ndarray | SparseRows"], keep_sparse: bool = True) -> dict:
         """``grads`` as the modes take them: every ``SparseRows`` checked against its variable,
         kept as it is where its rows alone are stepped (``core.optim.sparse.row_wise``, and

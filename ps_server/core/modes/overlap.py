@@ -2,7 +2,7 @@
 
     spec = mode.overlap(worker_id, step, batch_size, names)       # a streamed push begins
     mode.offer(spec, worker_id, name, block, gradient)            # each block as it arrives
-    rows = spec.wait(name, block, push_done)                      # its new values, or None
+    rows = spec.peek(name, block, push_done)                      # its new values, None, or NOT_YET
     spec.confirmed                                                # after the round: kept?
 
 Without it, a sync round moves the server's link one way at a time: every
@@ -134,8 +134,7 @@ class Speculation:
             self._notify()
 
     def _notify(self) -> None:
-        """Wake the waiters and call the listeners (condition held)."""
-        self._cond.notify_all()
+        """Call the listeners (condition held)."""
         listeners, self._listeners = self._listeners, []
         for fn in listeners:
             fn()
@@ -146,7 +145,9 @@ class Speculation:
             self._listeners.append(fn)
 
     def peek(self, name: str, block: int, push_done: bool):
-        """``wait`` without waiting: the block's values, None, or NOT_YET."""
+        """The speculated new values of ``name``'s block once computed; None when they will
+        not be (failed, abandoned, or this worker's push ended without them); else NOT_YET
+        (``listen`` says when to look again)."""
         rows = self.layout[name][block]
         with self._cond:
             if name in self.failed:
@@ -157,21 +158,6 @@ class Speculation:
             if self.abandoned or (push_done and (name, block) not in self.computing):
                 return None
             return NOT_YET
-
-    def wait(self, name: str, block: int, push_done: threading.Event, poll: float = 0.25) -> np.ndarray | None:
-        """The speculated new values of ``name``'s block once computed; None when they will
-        not be (failed, abandoned, or this worker's push ended without them)."""
-        rows = self.layout[name][block]
-        with self._cond:
-            while True:
-                if name in self.failed:
-                    return None
-                if block in self.done[name]:
-                    value = self.partial[name][0]
-                    return value if rows is None else value[rows[0]:rows[1]]
-                if self.abandoned or (push_done.is_set() and (name, block) not in self.computing):
-                    return None
-                self._cond.wait(poll)
 
     def confirm(self, pushes: Sequence) -> dict[str, tuple[np.ndarray, dict]] | None:
         """{name: (value, state)} if every block of the round was speculated from exactly
@@ -195,7 +181,7 @@ class Speculation:
         return out
 
     def settle(self, confirmed: bool) -> None:
-        """The round ended: kept (``confirmed``) or not; wake every waiter."""
+        """The round ended: kept (``confirmed``) or not; tell every listener."""
         with self._cond:
             self.confirmed = confirmed
             self.abandoned = not confirmed
