@@ -42,7 +42,6 @@ from __future__ import annotations
 import numpy as np
 
 from ps_common.names import ASYNC_APPLIES
-from ps_server.core.optim import schedules
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optim.optimizers import Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop, SGD, _scalar_pow
 
@@ -102,7 +101,7 @@ def step_in_place(optimizer: Optimizer, w: np.ndarray, g: np.ndarray, state: dic
     if not w.shape:  # 0-d: step on shape [1] views, as Optimizer.apply does (they write through)
         w, g = w.reshape(1), g.reshape(1)
         slots = {name: s.reshape(1) for name, s in slots.items()}
-    c = _constants(optimizer, w.dtype, iterations, lr_scale)
+    c = optimizer.step_constants(w.dtype, iterations, lr_scale)
     with np.errstate(invalid="ignore", divide="ignore"):
         g = optimizer._clip(g, c, clip_scale)
     if spec.weight_decay is not None:  # w - w * wd * lr, as Optimizer.apply: its own in-place pass
@@ -119,25 +118,6 @@ def step_in_place(optimizer: Optimizer, w: np.ndarray, g: np.ndarray, state: dic
         _rmsprop(optimizer, w, g, slots, c)
     else:  # check_supported names the in-place ones; a new class there must come here too
         raise InvalidArgument(f"--async-apply hogwild has no in-place step for {type(optimizer).__name__}")
-
-
-def _constants(optimizer: Optimizer, dtype: np.dtype, iterations: int, lr_scale: float) -> dict:
-    """The step's constants in ``dtype``, the learning rate as ``Optimizer.apply`` takes it:
-    a schedule's at ``iterations``, times ``lr_scale``."""
-    c = optimizer._constants[dtype]
-    lr = c["lr"]
-    spec = optimizer.spec
-    if spec.learning_rate_schedule is not None:
-        at, scheduled = optimizer._scheduled  # one tuple, read and replaced whole: safe across threads
-        if at != iterations:
-            scheduled = schedules.learning_rate(spec.learning_rate_schedule, iterations)
-            optimizer._scheduled = (iterations, scheduled)
-        lr = scheduled.astype(dtype)
-    if lr_scale != 1.0:
-        if not 0.0 < lr_scale <= 1.0:
-            raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
-        lr = (lr * np.float64(lr_scale)).astype(dtype)
-    return c if lr is c["lr"] else {**c, "lr": lr}
 
 
 def _sgd(optimizer: SGD, w, g, slots, c) -> None:

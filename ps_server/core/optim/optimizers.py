@@ -401,6 +401,23 @@ class Optimizer:
             scale = c["global_clipnorm"] * np.minimum(c["one"] / norm, c["inverse_global_clipnorm"])
             return (scale + (norm - norm)).astype(dtype)
 
+    def step_constants(self, dtype: np.dtype, iterations: int, lr_scale: float = 1.0) -> dict:
+        """The step's constants in ``dtype``, with the learning rate the step takes: Keras'
+        schedule at ``iterations`` (before the step), times ``lr_scale``."""
+        c = self._constants[dtype]
+        lr = c["lr"]
+        if self.spec.learning_rate_schedule is not None:
+            at, scheduled = self._scheduled  # one tuple, read and replaced whole: safe across threads
+            if at != iterations:
+                scheduled = schedules.learning_rate(self.spec.learning_rate_schedule, iterations)
+                self._scheduled = (iterations, scheduled)
+            lr = scheduled.astype(dtype)
+        if lr_scale != 1.0:
+            if not 0.0 < lr_scale <= 1.0:
+                raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
+            lr = (lr * np.float64(lr_scale)).astype(dtype)
+        return c if lr is c["lr"] else {**c, "lr": lr}
+
     def apply(self, value: np.ndarray, grad: np.ndarray, state: dict,
               lr_scale: float = 1.0, clip_scale: np.floating | None = None) -> tuple[np.ndarray, dict]:
         """Pure: returns (new_value, new_state); never mutates `value`, `grad` or arrays in `state`.
@@ -427,25 +444,12 @@ class Optimizer:
             value, grad = value.reshape(1), grad.reshape(1)
             state = {name: state[name].reshape(1) for name in slot_names}
         dtype = value.dtype
-        c = self._constants[dtype]
-        lr = c["lr"]
-        if spec.learning_rate_schedule is not None:  # Keras: the schedule at iterations, before the step
-            at, scheduled = self._scheduled  # one tuple, read and replaced whole: safe across threads
-            if at != iterations:
-                scheduled = schedules.learning_rate(spec.learning_rate_schedule, iterations)
-                self._scheduled = (iterations, scheduled)
-            lr = scheduled.astype(dtype)
-        if lr_scale != 1.0:
-            if not 0.0 < lr_scale <= 1.0:
-                raise InvalidArgument(f"lr_scale must be in (0, 1], got {lr_scale!r}")
-            lr = (lr * np.float64(lr_scale)).astype(dtype)
-        if lr is not c["lr"]:
-            c = {**c, "lr": lr}
+        c = self.step_constants(dtype, iterations, lr_scale)
         with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
             grad = self._clip(grad, c, clip_scale)
         if spec.weight_decay is not None:  # TensorFlow's _apply_weight_decay: w.assign_sub(w * wd * lr)
             decay = np.multiply(value, c["weight_decay"])
-            np.multiply(decay, lr, out=decay)
+            np.multiply(decay, c["lr"], out=decay)
             value = np.subtract(value, decay, out=decay)
         new_value, slots = self._step(value, grad, state, iterations, c)
         if spec.use_ema:
