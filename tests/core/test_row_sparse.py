@@ -438,3 +438,14 @@ def test_a_sync_round_of_dense_pushes_for_a_row_wise_table_steps_it_whole_and_pu
     assert rows_ps.store.row_wise() == {"emb"}
     _same(rows_ps.pull()[1], dense_ps.pull()[1])
     assert rows_ps.pull_rows(since=1)[2]["emb"].tolist() == list(range(ROWS))  # round 2 wrote every row
+
+
+@pytest.mark.parametrize("name", ["lamb", "adafactor"])
+def test_lazy_mode_refuses_an_optimizer_that_needs_the_whole_variable_naming_it(name):
+    store = VariableStore("lazy")
+    with pytest.raises(InvalidArgument) as e:
+        store.initialize(table(), OptimizerSpec(name, learning_rate=0.01))
+    message = str(e.value)
+    assert f"but {name}'s" in message or f"but {name} " in message
+    assert "choose another optimizer, or run the server with --sparse-updates exact" in message
+    assert not store.initialized

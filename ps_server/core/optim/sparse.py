@@ -143,5 +143,6 @@ def lazy_refusal(spec) -> str | None:
     whole = _needs_whole_variable(spec)
     if whole is None:
         return None
-    return (f"--sparse-updates lazy steps only the rows a push touches, but {whole}: drop that option, or run "
+    drop = "choose another optimizer" if spec.name in ("lamb", "adafactor") else "drop that option"
+    return (f"--sparse-updates lazy steps only the rows a push touches, but {whole}: {drop}, or run "
             f"the server with --sparse-updates exact")
