@@ -113,6 +113,30 @@ def test_indexed_slices_become_rows_summed_once_each_and_dense_when_half_the_tab
     assert isinstance(dense, np.ndarray) and dense.shape == (10, 1) and dense.sum() == 5
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_session_step_is_the_same_in_every_mode_and_over_shards(server, mode, shards):
+    """One worker, one SGD step of a hand-written tape: w - lr * g, whatever the mode and
+    however many servers hold the variables (docs/combinations.md, Session's column)."""
+    import keras
+    import tensorflow as tf
+
+    address = ",".join(server(mode, 1).address for _ in range(shards))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    before = [np.array(v.numpy()) for v in model.trainable_variables]
+    x, y = np.array([[1.0, 2.0]], np.float32), np.zeros((1, 3), np.float32)
+    with api.Session(model, ps=address, optimizer="sgd", learning_rate=0.5) as session:
+        session.pull()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert session.push(grads, float(loss), batch_size=1).version == 1
+        session.pull()
+        for v, w, g in zip(model.trainable_variables, before, grads):
+            assert v.numpy().tobytes() == (w - np.float32(0.5) * g.numpy()).tobytes()
+
+
 def test_a_session_with_a_wrapped_tape_pushes_what_the_tape_computes(server):
     import keras
     import tensorflow as tf
