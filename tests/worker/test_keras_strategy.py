@@ -89,3 +89,25 @@ def test_each_worker_takes_its_contiguous_part_of_a_global_batch_the_first_ones_
 def test_elastic_is_refused_in_one_line_before_any_server():
     with pytest.raises(ValueError, match="tfps.keras does not train on data the server deals"):
         Strategy(ps="127.0.0.1:1", worker_index=0, num_workers=2, elastic=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mode):
+    """One worker's model.fit in this process against in-process servers: AdamW (with weight
+    decay) over two shards steps each variable as one server does, to the bit."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype(np.float32), rng.integers(0, 3, 96)
+    weights = []
+    for shards in (1, 2):
+        strategy = Strategy(ps=",".join(server(mode, 1).address for _ in range(shards)), num_workers=1)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = small_model()
+            model.compile(optimizer=keras.optimizers.AdamW(0.01), loss="sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        assert strategy.mode == mode and strategy.connection.version == 6  # 2 epochs of 3 steps, on the server
+        weights.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
+        strategy.close()
+    assert weights[0] == weights[1]
