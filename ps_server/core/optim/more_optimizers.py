@@ -86,6 +86,19 @@ def _local_step(iterations: int, dtype) -> np.floating:
         return np.array(iterations).astype(dtype)[()]
 
 
+def _moments(g, state, one_minus_beta_1, one_minus_beta_2):
+    """Nadam's and Lamb's new ``m`` and ``v``, as Keras writes them: ``assign_add(m, (g - m) *
+    (1 - beta_1))`` and ``assign_add(v, (g^2 - v) * (1 - beta_2))``, into new arrays."""
+    m = np.subtract(g, state["m"])
+    np.multiply(m, one_minus_beta_1, out=m)
+    np.add(state["m"], m, out=m)
+    v = np.square(g)
+    np.subtract(v, state["v"], out=v)
+    np.multiply(v, one_minus_beta_2, out=v)
+    np.add(state["v"], v, out=v)
+    return m, v
+
+
 class _KerasOptimizer(Optimizer):
     """Base of the four: the base class' checks and constants, plus our own per dtype."""
 
@@ -277,13 +290,7 @@ class Nadam(_KerasOptimizer):
                               c["na_epsilon"], c["lr"])
         if fused is not None:  # the operations below, in one pass
             return fused[0], {"m": fused[1], "v": fused[2]}
-        m = np.subtract(g, state["m"])
-        np.multiply(m, c["na_one_minus_beta_1"], out=m)
-        np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
-        v = np.square(g)
-        np.subtract(v, state["v"], out=v)
-        np.multiply(v, c["na_one_minus_beta_2"], out=v)
-        np.add(state["v"], v, out=v)  # assign_add(v, (g^2 - v) * (1 - beta_2))
+        m, v = _moments(g, state, c["na_one_minus_beta_1"], c["na_one_minus_beta_2"])
         # m_hat = (u_t_1 m) / (1 - u_product_t_1) + ((1 - u_t) g) / (1 - u_product_t)
         m_hat = np.multiply(m, u_t_1)
         np.divide(m_hat, one - u_product_t_1, out=m_hat)
@@ -683,13 +690,7 @@ class Lamb(_KerasOptimizer):
         local_step = _local_step(iterations + 1, w.dtype)
         beta_1_power = _scalar_pow(c["lamb_beta_1"], local_step)
         beta_2_power = _scalar_pow(c["lamb_beta_2"], local_step)
-        m = np.subtract(g, state["m"])
-        np.multiply(m, c["lamb_one_minus_beta_1"], out=m)
-        np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
-        v = np.square(g)
-        np.subtract(v, state["v"], out=v)
-        np.multiply(v, c["lamb_one_minus_beta_2"], out=v)
-        np.add(state["v"], v, out=v)
+        m, v = _moments(g, state, c["lamb_one_minus_beta_1"], c["lamb_one_minus_beta_2"])
         update = np.divide(m, one - beta_1_power)  # m_t_hat
         v_sqrt = np.divide(v, one - beta_2_power)
         np.sqrt(v_sqrt, out=v_sqrt)
