@@ -77,6 +77,9 @@ REJOIN = frozenset({Reason.NOT_REGISTERED, Reason.DECLARED_DEAD, Reason.NOT_INIT
                     Reason.EARLY, Reason.NOT_IN_ROUND, Reason.PULL_FIRST})
 
 
+POSTS_KEPT = 4  # the chief's broadcasts a restarted server is given again (a Keras fit posts two an epoch)
+
+
 def recoverable(e: PSClientError) -> bool:
     """Whether ``rejoin`` can ride out ``e`` (``REJOIN``)."""
     return e.code == grpc.StatusCode.UNAVAILABLE or e.reason in REJOIN
@@ -113,6 +116,7 @@ class Connection:
         self.version = -1  # the version the model holds: the last pull's
         self.pulled: dict[str, np.ndarray] = {}  # the values of the last pull
         self.seen = -1  # the newest server version this worker saw
+        self.posted: dict[str, bytes] = {}  # the chief's last broadcasts, posted again to a restarted server
         self.heartbeat: Heartbeat | None = None
         self.data_plan: dict | None = None  # elastic sync: the chief sends it with Initialize (worker.elastic)
 
@@ -208,6 +212,7 @@ class Connection:
         if self.config.is_chief:
             if value is None:
                 raise ValueError(f"the chief must post a value for broadcast key {key!r}")
+            self.posted = {**dict(list(self.posted.items())[-(POSTS_KEPT - 1):]), key: bytes(value)}
             return self.client.broadcast(self.worker_id, key, bytes(value), timeout)
         return self.client.broadcast(self.worker_id, key, None, timeout)
 
@@ -255,6 +260,8 @@ class Connection:
                         f"(this worker had seen version {self.seen})")
             log.warning("the server restarted (incarnation %s -> %s) at version %d%s", old.incarnation,
                         new.incarnation, new.version, lost)
+            for key, value in self.posted.items():  # a worker may wait for one the restart lost
+                self.client.broadcast(new.worker_id, key, value, self.client.timeout)
         self.registration, self.seen = new, new.version
         self.step = new.round if new.mode == "sync" else step
         log.info("worker %d rejoined: resuming at step %d", new.worker_id, self.step)

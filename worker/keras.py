@@ -205,10 +205,19 @@ class Strategy:
 
     def agree(self, key: str, value: dict) -> dict:
         """The chief's ``value`` under ``key``, on every worker (the server's ``Broadcast``)."""
+        from worker.client import PSClientError
+        from worker.connection import recoverable
+
         conn = self.connection
         timeout = max(60.0, conn.registration.barrier_timeout)
-        raw = conn.broadcast(key, json.dumps(value).encode() if self.is_chief else None, timeout)
-        return json.loads(raw.decode())
+        while True:
+            try:
+                raw = conn.broadcast(key, json.dumps(value).encode() if self.is_chief else None, timeout)
+                return json.loads(raw.decode())
+            except PSClientError as e:  # a lost server: as the step rides it out (``_Attached.step``)
+                if not recoverable(e):
+                    raise
+                conn.rejoin(e)
 
     def close(self) -> None:
         """Leave the cluster and disconnect (also at the process's exit)."""

@@ -117,3 +117,36 @@ def test_the_chief_broadcasts_and_another_worker_waits_for_its_value(connections
     assert waiting.error is None and waiting.result == b"stop"
     with pytest.raises(ValueError, match="the chief must post a value"):
         chief.broadcast("epoch-1", None, 1.0)
+
+
+def test_a_chief_rejoining_a_restarted_server_posts_its_last_broadcasts_again(server):
+    """A Keras fit's workers agree at each epoch's end (``broadcast``). A server that restarts
+    after the chief posted has lost the value; a worker that asks the new server must still
+    get it: the chief posts its last ones again when it finds the new incarnation."""
+    from ps_server.config import ServerConfig
+    from ps_server.server import build_server
+    import grpc
+
+    from worker.client import PSClientError
+
+    first = server("sync", 2)
+    chief, other = (Connection(WorkerConfig(ps=first.address, worker_index=w, num_workers=2, connect_timeout=10.0,
+                                            init_timeout=10.0, reconnect_timeout=10.0), Model(),
+                               optimizer_spec=KERAS_SGD) for w in range(2))
+    again = None
+    try:
+        for conn in (chief, other):
+            conn.register()
+        chief.join(), other.join()
+        assert chief.broadcast("fit/epoch0", b"go on", 10.0) == b"go on"
+        first.stop(grace=0.1)
+        again = build_server(ServerConfig(host="127.0.0.1", port=first.port, mode="sync", num_workers=2)).start()
+        lost = PSClientError("Push", first.address, grpc.StatusCode.UNAVAILABLE, "the server went away")
+        chief.rejoin(lost)  # the new server has no state: the chief initializes it again, and posts
+        other.rejoin(lost)
+        assert other.broadcast("fit/epoch0", None, 5.0) == b"go on"
+    finally:
+        for conn in (chief, other):
+            conn.close()
+        if again is not None:
+            again.stop(grace=0.1)
