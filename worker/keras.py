@@ -332,10 +332,12 @@ class _Attached:
         return model.get_metrics_result()
 
     def _rejoin(self, error) -> None:
-        """Register again (within --reconnect-timeout) and load the server's parameters."""
+        """Register again (within --reconnect-timeout) and load the server's parameters; the
+        chief's next push sends its learning rate again (a restarted server holds its checkpoint's)."""
         conn = self.strategy.connection
         conn.rejoin(error)
         conn.pull()
+        self.sent_learning_rate = None
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """The step's loss and payload (none for a tiny last batch that left this worker nothing,
