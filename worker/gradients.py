@@ -87,7 +87,8 @@ class Gradients:
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices)
                                                                      else g)) for g in grads if g is not None]
                                    + [tf.math.is_finite(mean)])
-            _compiled_metrics(model, x, y, y_pred, sample_weight, tf.where(finite, mean, tf.constant(float("nan"), mean.dtype)))
+            logged = tf.where(finite, mean, tf.constant(float("nan"), mean.dtype))  # a step not finite: NaN
+            _compiled_metrics(model, x, y, y_pred, sample_weight, logged)
             return mean, grads, finite
 
         self.tape = tape

@@ -297,8 +297,9 @@ def coupling(placement: Placement, optimizer: Mapping) -> str | None:
     if n > 1 and optimizer.get("global_clipnorm"):
         return (f"global_clipnorm cannot run on {n} server shards: each shard would clip by the norm of its own "
                 "variables, not the whole model's; use one server, or clipnorm or clipvalue")
-    per_variable = [what for what in ("clipnorm",) if optimizer.get(what)] + \
-        [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor") if optimizer.get("name") == name.lower()]
+    per_variable = ["clipnorm"] if optimizer.get("clipnorm") else []
+    per_variable += [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
+                     if optimizer.get("name") == name.lower()]
     cut = [p.variable for p in placement.pieces if p.parts > 1 and p.part == 0]
     if per_variable and cut:
         return (f"{per_variable[0]} cannot run with {cut[0]!r} cut in slices over {n} server shards: each would "
