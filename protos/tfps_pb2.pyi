@@ -158,32 +158,70 @@ class RegisterResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ..., round_restored: _Optional[bool] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan")
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLAN_FIELD_NUMBER: _ClassVar[int]
+    CLIP_GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     optimizer: OptimizerConfig
     variables: _containers.RepeatedCompositeFieldContainer[Tensor]
     non_trainable: _containers.RepeatedScalarFieldContainer[str]
     data_plan: DataPlan
-    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ...) -> None: ...
+    clip_group: ClipGroup
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ...) -> None: ...
+
+class ClipGroup(_message.Message):
+    __slots__ = ("shards", "shard", "order")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    shard: int
+    order: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClipNormRequest(_message.Message):
+    __slots__ = ("key", "shard", "names", "squares", "dtypes", "timeout_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SQUARES_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shard: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    squares: _containers.RepeatedScalarFieldContainer[float]
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., squares: _Optional[_Iterable[float]] = ..., dtypes: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ClipNormResponse(_message.Message):
+    __slots__ = ("scale", "dtype")
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    scale: float
+    dtype: str
+    def __init__(self, scale: _Optional[float] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class InitializeHeader(_message.Message):
-    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan")
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLAN_FIELD_NUMBER: _ClassVar[int]
+    CLIP_GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     optimizer: OptimizerConfig
     variables: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     non_trainable: _containers.RepeatedScalarFieldContainer[str]
     data_plan: DataPlan
-    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ...) -> None: ...
+    clip_group: ClipGroup
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
     __slots__ = ("num_examples", "global_batch_size", "seed", "epochs")

@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.BroadcastResponse.FromString,
                 _registered_method=True)
+        self.ClipNorm = channel.unary_unary(
+                '/tfps.v1.ParameterServer/ClipNorm',
+                request_serializer=protos_dot_tfps__pb2.ClipNormRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.ClipNormResponse.FromString,
+                _registered_method=True)
         self.Work = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Work',
                 request_serializer=protos_dot_tfps__pb2.WorkRequest.SerializeToString,
@@ -186,6 +191,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClipNorm(self, request, context):
+        """Shard 0 of a clip group: a shard's squares of an update; answered with the
+        update's global_clipnorm factor once every shard's are in (DEADLINE_EXCEEDED
+        when they are not within timeout_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Work(self, request, context):
         """Elastic sync: this worker's micro-batches, at once when it has some in the round
         being collected, else when it is given some (a dead worker's part, or the next
@@ -257,6 +271,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Broadcast,
                     request_deserializer=protos_dot_tfps__pb2.BroadcastRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.BroadcastResponse.SerializeToString,
+            ),
+            'ClipNorm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClipNorm,
+                    request_deserializer=protos_dot_tfps__pb2.ClipNormRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.ClipNormResponse.SerializeToString,
             ),
             'Work': grpc.unary_unary_rpc_method_handler(
                     servicer.Work,
@@ -588,6 +607,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/Broadcast',
             protos_dot_tfps__pb2.BroadcastRequest.SerializeToString,
             protos_dot_tfps__pb2.BroadcastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClipNorm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/ClipNorm',
+            protos_dot_tfps__pb2.ClipNormRequest.SerializeToString,
+            protos_dot_tfps__pb2.ClipNormResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import wire
+from ps_server import peers
 from ps_server.aio import LoopServer
 from ps_server.config import ConfigError, ServerConfig
 from ps_common import security
@@ -184,6 +185,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         micro_batches=config.micro_batches,
     )
     token = security.load_token(config.auth_token_file, os.environ)
+    core.clip_peer = peers.connector(config, token)  # global_clipnorm over shards: shard 0's norms
     credentials = security.server_credentials(config)
     server = LoopServer(
         options=wire.server_options(config.max_message_bytes, config.num_workers),

@@ -34,7 +34,9 @@ import numpy as np
 from protos import codec, convert, shm, stream, wire
 from protos import tfps_pb2 as pb
 from protos import tfps_pb2_grpc as pb_grpc
+from ps_server import peers
 from ps_server.core import broadcast, errors
+from ps_server.core.clip_group import ClipGroup, ClipTimeout
 from ps_server.core.data.cursor import DataPlan
 from ps_server.core.modes.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
@@ -426,8 +428,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _inline(self) -> bool:
         if self._store_bytes is None:  # a store's shapes never change once initialized
-            if not self.core.store.initialized:
-                return False
+            if not self.core.store.initialized or self.core.clip_group is not None:
+                return False  # a clip group's updates wait for the other shards: never on the loop
             self._store_bytes = self.core.store.nbytes()
         return self._store_bytes <= INLINE_BYTES
 
@@ -513,11 +515,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         fields but the variables' bytes), ``variables`` decoded from either; ``owned``: views
         of a buffer of ours, which the store keeps instead of copying."""
         plan = request.data_plan if request.HasField("data_plan") else None
+        group = request.clip_group if request.HasField("clip_group") else None
         created, version = self.core.initialize(
             request.worker_id, variables, optimizer_from_wire(request.optimizer),
             non_trainable=list(request.non_trainable), owned=owned,
             data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs)
-            if plan is not None else None)
+            if plan is not None else None,
+            clip_group=ClipGroup(tuple(group.shards), group.shard, tuple(group.order)) if group is not None else None)
         if created:
             log.info(
                 "initialized %d variables (%d parameters) by worker %d, optimizer: %s",
@@ -798,6 +802,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         Async and ssp with a data plan: a task, at once."""
         ticket = await self._work(self.core.work, request.worker_id)
         return _assignment(await settled(ticket), self.core.micro_batches)
+
+    @_handled_async
+    async def ClipNorm(self, request, context):
+        # Shard 0 of a clip group (core.clip_group): waits, holding no thread, for every
+        # shard's squares of the update, at most the caller's timeout.
+        ticket = self.core.clip_norm(request.key, request.shard, peers.squares_of(request))
+        try:
+            scale = await asyncio.wait_for(settled(ticket), max(0.0, min(request.timeout_s, self.core.barrier_timeout)))
+        except asyncio.TimeoutError:
+            self.core.norm_board.forget(request.key, request.shard)
+            raise ClipTimeout(f"global_clipnorm: not every shard brought its norm for {request.key} in time; "
+                              "nothing applied") from None
+        return pb.ClipNormResponse(scale=float(scale), dtype=np.asarray(scale).dtype.str)
 
     @_handled_async
     async def Broadcast(self, request, context):

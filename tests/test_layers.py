@@ -16,7 +16,7 @@ Inside two packages the arrows point one way too (``CORE_RULES``, ``TOOLS_RULES`
 sub-package's ``__init__`` docstring says the same in words):
 
     ps_server/core/   errors <- optim, data, membership <- store <- modes <- broadcast,
-                      checkpoint <- parameter_server
+                      clip_group <- checkpoint <- parameter_server
     ps_tools/         the operator's commands <- study
 
 Between the files of ``ps_common`` and of ``ps_tools`` there is no import circle at all
@@ -121,8 +121,10 @@ CORE_RULES = {
     "store": {"errors", "optim"},
     "modes": {"errors", "optim", "store", "membership", "data"},
     "broadcast": {"errors", "modes"},  # its waits are the modes' tickets
-    "checkpoint": {"errors", "optim", "membership", "modes"},
-    "parameter_server": {"errors", "optim", "data", "membership", "store", "modes", "broadcast", "checkpoint"},
+    "clip_group": {"errors", "modes"},  # global_clipnorm over shards: its waits are tickets too
+    "checkpoint": {"errors", "optim", "membership", "modes", "clip_group"},
+    "parameter_server": {"errors", "optim", "data", "membership", "store", "modes", "broadcast", "clip_group",
+                         "checkpoint"},
 }
 # Inside ps_tools: the study tools run the operator's commands; the commands do not know them.
 TOOLS_RULES = {"operators": {"operators"}, "study": {"operators", "study"}}

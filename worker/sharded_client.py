@@ -254,7 +254,11 @@ class ShardedClient:
         non_trainable = set(non_trainable)  # each shard is told which of its pieces they are
         of = {p.name: p.variable for p in placement.pieces}
         pieces = [{piece for piece in per_shard[i] if of[piece] in non_trainable} for i in range(self.num_shards)]
-        created = self._each(self._data, lambda i, c: c.initialize(worker_id, per_shard[i], optimizer, pieces[i]))
+        # global_clipnorm: the shards take one norm together (ps_server/core/clip_group.py).
+        group = ({"shards": list(self.addresses), "order": [p.name for p in placement.pieces]}
+                 if optimizer.get("global_clipnorm") else None)
+        created = self._each(self._data, lambda i, c: c.initialize(
+            worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i}))
         self._adopt(placement, "planned")
         return any(created.values())
 

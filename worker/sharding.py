@@ -289,15 +289,14 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
 def coupling(placement: Placement, optimizer: Mapping) -> str | None:
     """Why ``optimizer`` (the server's fields: ``ps_common.names.optimizer_fields``, None as 0)
     would not compute on ``placement`` what it computes on one server, or None. Each shard steps
-    its own pieces with its own optimizer, so an option that reads more than one element at a
-    time sees only the shard's part: ``global_clipnorm`` the norm of the shard's gradients, a
-    per-variable norm (``clipnorm``, Lamb's trust ratio, Adafactor's row and column means) the
-    norm of one slice. Such a combination is refused, in one line, before any training."""
+    its own pieces with its own optimizer, so a per-variable norm (``clipnorm``, Lamb's trust
+    ratio, Adafactor's row and column means) would be the norm of one slice. Such a combination
+    is refused, in one line, before any training. ``global_clipnorm`` takes one norm over every
+    shard (the shards' clip group, ``ps_server/core/clip_group.py``), of whole variables: a
+    variable cut in slices would add its squares in another order than one server, so it too
+    is refused with slices."""
     n = placement.num_shards
-    if n > 1 and optimizer.get("global_clipnorm"):
-        return (f"global_clipnorm cannot run on {n} server shards: each shard would clip by the norm of its own "
-                "variables, not the whole model's; use one server, or clipnorm or clipvalue")
-    per_variable = ["clipnorm"] if optimizer.get("clipnorm") else []
+    per_variable = [option for option in ("clipnorm", "global_clipnorm") if optimizer.get(option)]
     per_variable += [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
                      if optimizer.get("name") == name.lower()]
     cut = [p.variable for p in placement.pieces if p.parts > 1 and p.part == 0]

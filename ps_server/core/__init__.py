@@ -15,6 +15,8 @@ each part importing only those listed before it (``tests/test_layers.py``, ``COR
 - ``modes/``: the ``Mode`` interface and one module per consistency mode (sync, with its
   rounds, aggregation and overlap; async; ssp; elastic);
 - ``broadcast``: the chief's decisions, posted once, awaited by the others;
+- ``clip_group``: ``global_clipnorm`` over several shards: shard 0 gathers every shard's
+  squares of an update and gives each the one factor;
 - ``checkpoint``: the checkpoint file, written atomically, checked on restore;
 - ``parameter_server``: the one object the gRPC service drives, over all of the above.
 

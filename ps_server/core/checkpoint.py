@@ -39,6 +39,8 @@ arrays lie in the data section too, after the variables', each as ``{"dtype",
 versions (int64); for elastic sync one packed bitmap (uint8) per epoch in
 progress, complete epochs only listed. The format stays 1: the field is
 optional, and a tfps from before it reads such a file as one without a plan.
+``clip_group`` (optional too): the shards a sharded ``global_clipnorm`` takes its
+norm over (``core.clip_group``), so a restarted shard clips as before.
 Not saved, on purpose: pushes waiting in an unfinished sync round (workers
 push that round again), the answers kept for replaying lost replies (a retry
 from before the restart is judged against the restored round, or with tasks
@@ -85,6 +87,7 @@ from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
 from ps_server.core.modes.base import ModeStatus
+from ps_server.core.clip_group import ClipGroup
 from ps_server.core.optim.optimizers import OptimizerSpec
 
 log = logging.getLogger("ps_server.checkpoint")
@@ -168,6 +171,7 @@ class ServerState:
     incarnation: str = ""
     wall_time: float = 0.0
     data: DataState | None = None  # the data plan and its progress; None: no plan (or an older file)
+    clip_group: ClipGroup | None = None  # global_clipnorm over several shards (core.clip_group)
 
     @property
     def round(self) -> int:
@@ -288,6 +292,7 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         "incarnation": state.incarnation,
         "wall_time": state.wall_time,
         "data": None if state.data is None else _data_header(state.data, put),
+        "clip_group": None if state.clip_group is None else state.clip_group.as_dict(),
     }
     return header, arrays, offset
 
@@ -456,6 +461,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
             incarnation=str(header["incarnation"]),
             wall_time=float(header["wall_time"]),
             data=data,
+            clip_group=ClipGroup.from_dict(header["clip_group"]) if header.get("clip_group") else None,
         )
     except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
         raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None

@@ -37,6 +37,7 @@ from ps_server.core.optim import hogwild
 from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.broadcast import Broadcasts
 from ps_server.core.checkpoint import DataState, ServerState
+from ps_server.core.clip_group import ClipGroup, ClipTimeout, NormBoard
 from ps_server.core.data.cursor import Cursor, DataPlan, EpochLedger
 from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
@@ -168,6 +169,12 @@ class ParameterServer:
         self.store = VariableStore(sparse_updates)  # --sparse-updates: core.optim.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
+        # global_clipnorm over several shards: the group, shard 0's board, and how a shard
+        # asks shard 0 (set by the server layer: ``clip_peer(address)`` gives a function
+        # ``(key, shard, squares, timeout) -> factor``; None: in-process, shard 0 only).
+        self.clip_group: ClipGroup | None = None
+        self.norm_board: NormBoard | None = None
+        self.clip_peer = None
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if self.elastic:
@@ -228,7 +235,7 @@ class ParameterServer:
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                    non_trainable: Iterable[str] = (), owned: bool = False,
-                   data_plan: DataPlan | None = None) -> tuple[bool, int]:
+                   data_plan: DataPlan | None = None, clip_group: ClipGroup | None = None) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
         ``owned``: the arrays are given up to the store, not copied (``store.initialize``).
         ``data_plan``: elastic sync's (required there, refused elsewhere): the job's examples,
@@ -243,12 +250,58 @@ class ParameterServer:
         if cursor is not None and self.mode.cursor not in (None, cursor):
             raise SpecConflict(f"the job's data plan is {self.mode.cursor}; this initialize brings {cursor}")
         tasks = self._tasks_of(data_plan)
+        self._check_clip_group(clip_group, spec)
         created = self.store.initialize(variables, spec, frozenset(non_trainable), owned=owned)
+        if clip_group is not None:
+            self._use_clip_group(clip_group)
         if cursor is not None:
             self.mode.set_cursor(cursor)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
         return created, self.store.version
+
+    # -- global_clipnorm over several shards (core.clip_group) -------------------------------
+    def _check_clip_group(self, group: ClipGroup | None, spec: OptimizerSpec) -> None:
+        """Refuse, before anything is stored, a clip group this server cannot take."""
+        if group is None:
+            return
+        if spec.global_clipnorm is None:
+            raise InvalidArgument("a clip group is for global_clipnorm over several shards; this optimizer "
+                                  "does not clip globally")
+        if group.shard != 0 and self.clip_peer is None:
+            raise InvalidArgument("this server cannot reach shard 0 for the global norm (no peer connector)")
+        if self.clip_group not in (None, group):
+            raise SpecConflict(f"this shard clips with {self.clip_group}; this initialize brings {group}")
+
+    def _use_clip_group(self, group: ClipGroup) -> None:
+        """From now on every update's ``global_clipnorm`` factor is the group's (``clip_norm``)."""
+        if self.clip_group == group:
+            return
+        self.clip_group = group
+        self.norm_board = NormBoard(group, self.store.clip_scale_of) if group.shard == 0 else None
+        ask = self.clip_peer(group.shards[0]) if group.shard else self._ask_board
+        timeout = self.barrier_timeout
+
+        def across(key: str, squares: Mapping[str, np.floating]) -> np.floating:
+            return ask(key, group.shard, squares, timeout)
+        self.store.clip_across = across
+
+    def clip_norm(self, key: str, shard: int, squares: Mapping[str, np.floating]) -> Ticket:
+        """Shard ``shard``'s squares of update ``key`` (the ClipNorm call, on shard 0): the
+        ticket settles with the factor once every shard's are in (``NormBoard``)."""
+        if self.norm_board is None:
+            raise InvalidArgument("this server is not shard 0 of a clip group: it gathers no norms")
+        return self.norm_board.contribute(key, shard, squares)
+
+    def _ask_board(self, key: str, shard: int, squares: Mapping[str, np.floating], timeout: float) -> np.floating:
+        """Shard 0's own squares, waiting for the other shards' (lock-free: they come by RPC)."""
+        ticket = self.norm_board.contribute(key, shard, squares)
+        try:
+            return ticket.result(timeout)
+        except TimeoutError:
+            self.norm_board.forget(key, shard)
+            raise ClipTimeout(f"global_clipnorm: not every shard brought its gradients' norm for {key} within "
+                              f"{timeout:g} s; nothing applied") from None
 
     def _use_tasks(self, tasks: TaskQueue) -> None:
         """Deal the job's data as ``tasks``: each push of one is applied and recorded done
@@ -549,6 +602,7 @@ class ParameterServer:
             incarnation=self.incarnation,
             wall_time=time.time(),
             data=self._data_state(tasks, ledger),
+            clip_group=self.clip_group,
         )
 
     def _data_state(self, tasks: dict | None, ledger: tuple | None) -> DataState | None:
@@ -626,7 +680,11 @@ class ParameterServer:
         if self.async_apply == "hogwild":
             hogwild.check_supported(state.optimizer)
         data = self._restored_data(state.data)  # checked (and built) before anything changes
+        if state.clip_group is not None:
+            self._check_clip_group(state.clip_group, state.optimizer)
         self.store.restore_state(StoreState(**_store_part(state)))
+        if state.clip_group is not None:
+            self._use_clip_group(state.clip_group)
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         self.members.restore(list(state.members))

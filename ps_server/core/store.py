@@ -132,7 +132,7 @@ import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
 from ps_server.core.optim import schedules, sparse
-from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec
+from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec, squares
 from ps_server.core.optim.registry import make_optimizer
 from ps_common.sparse import SparseRows
 
@@ -416,6 +416,9 @@ class VariableStore:
         # The learning rate ``initialize`` was given, once ``set_learning_rate`` changed it:
         # a worker that initializes again (a restarted chief) still names the first one.
         self._initial_learning_rate: float | None = None
+        # With global_clipnorm over several shards (``core.clip_group``): ``clip_across(key,
+        # {name: squares})`` gives the factor of update ``key`` from every shard's squares.
+        self.clip_across = None
 
     # -- state ---------------------------------------------------------------
     @property
@@ -652,7 +655,7 @@ class VariableStore:
         return out
 
     # -- updates -----------------------------------------------------------------
-    def apply_all(self, grads: Mapping[str, "np.ndarray | SparseRows"]) -> int:
+    def apply_all(self, grads: Mapping[str, "np.ndarray | SparseRows"], key: str | None = None) -> int:
         """One optimizer step on every variable, published at once; returns the new version.
 
         Callers check the gradients first (``check_gradients``) and serialize
@@ -663,7 +666,7 @@ class VariableStore:
         new = {}
         optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rate)
         grads = {name: _native_gradient(g) for name, g in grads.items()}
-        clip_scale = self._global_clip_scale(optimizer, grads)
+        clip_scale = self._global_clip_scale(optimizer, grads, key)
         for name, g in grads.items():
             if not isinstance(g, SparseRows):
                 new[name] = self._step(self._vars[name], g, optimizer=optimizer, clip_scale=clip_scale)
@@ -719,25 +722,39 @@ class VariableStore:
                     self._vars[name].mark_rows(indices, self._version)
                 return self._version
 
-    def apply_push(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
+    def apply_push(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0, key: str | None = None) -> None:
         """One push of async/SSP mode: ``apply_one`` on each variable in name order, with
         ``global_clipnorm``'s factor taken once over the whole push (as Keras takes it over
         one update). The caller counts it in the version (``bump_version``) afterwards."""
         optimizer = self._optimizer
         grads = {name: _native_gradient(g) for name, g in grads.items()}
-        clip_scale = self._global_clip_scale(optimizer, grads)
+        clip_scale = self._global_clip_scale(optimizer, grads, key)
         for name in sorted(grads):
             self.apply_one(name, grads[name], lr_scale, clip_scale=clip_scale, optimizer=optimizer)
 
-    def global_clip_scale(self, grads: Mapping[str, np.ndarray]) -> float | None:
-        """With ``global_clipnorm``: the factor every gradient of the update ``grads`` (a
-        whole push or round) is clipped by, to hand to ``apply_one``; else None."""
+    def clip_scale_of(self, squared) -> np.floating | None:
+        """``Optimizer.clip_scale_of``: the factor from each gradient's squares, in order."""
         self._require_initialized()
-        return self._global_clip_scale(self._optimizer, {n: _native_gradient(g) for n, g in grads.items()})
+        return self._optimizer.clip_scale_of(squared)
 
-    def _global_clip_scale(self, optimizer: Optimizer, grads: Mapping[str, np.ndarray]):
-        # Keras takes the norm over the gradients of the trainable variables only.
-        return optimizer.global_clip_scale(g for name, g in grads.items() if not self._vars[name].non_trainable)
+    def global_clip_scale(self, grads: Mapping[str, np.ndarray], key: str | None = None) -> float | None:
+        """With ``global_clipnorm``: the factor every gradient of the update ``grads`` (a
+        whole push or round, named ``key`` for ``clip_across``) is clipped by, to hand to
+        ``apply_one``; else None."""
+        self._require_initialized()
+        return self._global_clip_scale(self._optimizer, {n: _native_gradient(g) for n, g in grads.items()}, key)
+
+    def _global_clip_scale(self, optimizer: Optimizer, grads: Mapping[str, np.ndarray], key: str | None = None):
+        # Keras takes the norm over the gradients of the trainable variables only, in the
+        # model's order (the order the variables were initialized in).
+        if optimizer.spec.global_clipnorm is None:
+            return None
+        trainable = [name for name in self._vars if name in grads and not self._vars[name].non_trainable]
+        if self.clip_across is None:
+            return optimizer.global_clip_scale(grads[name] for name in trainable)
+        if key is None:
+            raise InvalidArgument("global_clipnorm over several shards names each update (its round or push)")
+        return self.clip_across(key, {name: squares(np.asarray(grads[name])) for name in trainable})
 
     def apply_one(self, name: str, grad: "np.ndarray | SparseRows", lr_scale: float = 1.0, clip_scale=None,
                   optimizer: Optimizer | None = None) -> None:
@@ -927,7 +944,7 @@ class VariableStore:
         if self._optimizer is None:
             raise NotInitialized("variables are not initialized yet: the chief (worker 0) initializes them")
 
-    def apply_in_place(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0) -> None:
+    def apply_in_place(self, grads: Mapping[str, np.ndarray], lr_scale: float = 1.0, key: str | None = None) -> None:
         """One push of ``--async-apply hogwild`` (``core.optim.hogwild``, ``core.modes.async_mode``): as
         ``apply_push``, variable by variable in name order, but each step is written into the
         stored arrays themselves and no lock is held while any array is read or written.
@@ -946,7 +963,7 @@ class VariableStore:
         optimizer = self._optimizer
         hogwild.check_supported(optimizer.spec)  # before any variable is touched
         grads = {name: _native(g) for name, g in grads.items()}
-        clip_scale = self._global_clip_scale(optimizer, grads)
+        clip_scale = self._global_clip_scale(optimizer, grads, key)
         writable = self.__dict__.setdefault("_writable", {})  # name -> (published view, writable value, state)
         for name in sorted(grads):
             var = self._vars[name]

@@ -129,9 +129,9 @@ def test_no_push_of_a_round_is_answered_before_the_round_is_applied():
     applied = threading.Event()
     apply_all = store.apply_all
 
-    def slow_apply_all(grads):
+    def slow_apply_all(grads, key=None):
         time.sleep(0.05)  # widen the window in which an early answer would show
-        version = apply_all(grads)
+        version = apply_all(grads, key)
         applied.set()
         return version
 

@@ -42,15 +42,6 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     assert strategy.models == []
 
 
-def test_global_clipnorm_over_two_server_shards_is_refused_at_compile():
-    """Each shard would clip by the norm of its own variables (worker.sharding.coupling)."""
-    strategy = Strategy(ps="127.0.0.1:1,127.0.0.1:2")
-    with pytest.raises(ValueError, match="global_clipnorm cannot run on 2 server shards"), strategy.scope():
-        small_model().compile(optimizer=keras.optimizers.AdamW(global_clipnorm=1.0), loss="mse")
-    with Strategy(ps="127.0.0.1:1").scope():  # one server computes it exactly
-        small_model().compile(optimizer=keras.optimizers.AdamW(global_clipnorm=1.0), loss="mse")
-
-
 def test_a_model_with_its_own_train_step_is_refused():
     class Custom(keras.Model):
         def train_step(self, data):
@@ -92,9 +83,12 @@ def test_elastic_is_refused_in_one_line_before_any_server():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mode):
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mode, clip):
     """One worker's model.fit in this process against in-process servers: AdamW (with weight
-    decay) over two shards steps each variable as one server does, to the bit."""
+    decay) over two shards steps each variable as one server does, to the bit; with
+    ``global_clipnorm`` too (small enough to clip every step), whose norm the shards take
+    together (ps_server/core/clip_group.py)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -105,7 +99,8 @@ def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mod
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = small_model()
-            model.compile(optimizer=keras.optimizers.AdamW(0.01), loss="sparse_categorical_crossentropy")
+            model.compile(optimizer=keras.optimizers.AdamW(0.01, global_clipnorm=clip),
+                          loss="sparse_categorical_crossentropy")
         history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         assert strategy.mode == mode and strategy.connection.version == 6  # 2 epochs of 3 steps, on the server
         weights.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])

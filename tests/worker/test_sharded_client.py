@@ -50,10 +50,11 @@ class FakeShard:
                             round=self.round, lease_timeout=10.0, incarnation=self.incarnation,
                             round_restored=self.restored)
 
-    def initialize(self, worker_id, variables, optimizer, non_trainable=()):
+    def initialize(self, worker_id, variables, optimizer, non_trainable=(), clip_group=None):
         if self.values is not None:
             return False
         self.values = {n: np.array(a) for n, a in variables.items()}
+        self.clip_group = clip_group
         return True
 
     def pull(self, worker_id=-1, names=()):
@@ -116,12 +117,21 @@ def test_initialize_sends_each_shard_its_pieces_and_pull_joins_them_bit_exactly(
     assert client.initialize(0, VALUES, SGD) is False  # repeating it is harmless
 
 
-def test_global_clipnorm_over_several_shards_is_refused_before_any_shard_holds_a_value():
+def test_global_clipnorm_tells_every_shard_its_clip_group_and_refuses_a_sliced_variable():
+    """The shards take one norm together (ps_server/core/clip_group.py): each is told the
+    shards, its own index and every piece in the model's order; a variable in slices would
+    add its squares otherwise, and is refused before any shard holds a value."""
     shards, client = cluster()
     client.register(0, 2)
-    with pytest.raises(ConfigError, match="global_clipnorm cannot run on 2 server shards"):
+    with pytest.raises(ConfigError, match="global_clipnorm cannot run with 'dense/kernel' cut in slices"):
         client.initialize(0, VALUES, {**SGD, "global_clipnorm": 1.0})
     assert all(not s.values for s in shards)
+    shards = [FakeShard(f"h:{i}") for i in range(2)]
+    client = ShardedClient([s.address for s in shards], clients=shards, min_slice_bytes=10**9)
+    client.register(0, 2)
+    client.initialize(0, VALUES, {**SGD, "global_clipnorm": 1.0})
+    assert [s.clip_group for s in shards] == [{"shards": ["h:0", "h:1"], "shard": i, "order": list(VALUES)}
+                                              for i in range(2)]
 
 
 def test_a_worker_that_did_not_initialize_learns_the_placement_from_the_shards():

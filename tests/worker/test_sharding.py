@@ -219,7 +219,7 @@ def test_a_sparse_gradient_of_a_sliced_variable_reaches_each_shard_as_its_own_ro
 
 
 @pytest.mark.parametrize("optimizer, shards, refused", [
-    ({"name": "adamw", "global_clipnorm": 1.0}, 2, "global_clipnorm cannot run on 2 server shards"),
+    ({"name": "adamw", "global_clipnorm": 1.0}, 2, "global_clipnorm cannot run with 'cnn/dense/kernel' cut"),
     ({"name": "adamw", "global_clipnorm": 1.0}, 1, None),
     ({"name": "adam", "global_clipnorm": 0}, 2, None),  # the wire's "not set"
     ({"name": "sgd", "clipnorm": 1.0}, 2, "clipnorm cannot run with 'cnn/dense/kernel' cut in slices"),
@@ -228,8 +228,9 @@ def test_a_sparse_gradient_of_a_sliced_variable_reaches_each_shard_as_its_own_ro
     ({"name": "sgd", "clipvalue": 1.0}, 2, None),  # elementwise: the same on any placement
 ])
 def test_an_option_that_reads_across_pieces_is_refused_where_a_shard_would_see_only_its_part(optimizer, shards, refused):
-    """Each shard steps its own pieces: global clipping sees the shard's norm, a per-variable
-    norm the slice's (the dense kernel, 846 KiB, is cut at the default 256 KiB)."""
+    """Each shard steps its own pieces: a per-variable norm would be the slice's (the dense
+    kernel, 846 KiB, is cut at the default 256 KiB); global clipping, whose shards add their
+    squares together, needs whole variables to add them in one server's order."""
     reason = sharding.coupling(plan(CNN, shards), optimizer)
     assert (reason is None) if refused is None else refused in reason
 
@@ -238,3 +239,4 @@ def test_a_per_variable_norm_is_allowed_when_every_variable_stays_whole():
     whole = plan(CNN, 2, min_slice_bytes=10**9)
     assert all(p.parts == 1 for p in whole.pieces)
     assert sharding.coupling(whole, {"name": "sgd", "clipnorm": 1.0}) is None
+    assert sharding.coupling(whole, {"name": "adamw", "global_clipnorm": 1.0}) is None

@@ -197,10 +197,8 @@ class AsyncMode(Mode):
         started = time.perf_counter()
         # One optimizer for the whole push (its learning rate, global_clipnorm's factor over all
         # of it), variable by variable in name order: reproducible; correctness does not depend on it.
-        if self.apply == "hogwild":
-            self.store.apply_in_place(push.gradients, lr_scale)
-        else:
-            self.store.apply_push(push.gradients, lr_scale)
+        apply = self.store.apply_in_place if self.apply == "hogwild" else self.store.apply_push
+        apply(push.gradients, lr_scale, key=f"push {push.worker_id}:{push.step}")
         version = self.store.bump_version()
         self.stats.applied(time.perf_counter() - started)
         if lr_scale != 1.0:

@@ -284,7 +284,7 @@ class ElasticSyncMode(Mode):
         work, completed = self._work, self._round
         started = time.perf_counter()
         try:
-            version = self.store.apply_all(self._sum.mean())
+            version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
         except PSError as e:  # nothing applied (apply_all is all or nothing): the round starts over
             for tickets in self._pushes.values():
                 for t in tickets:

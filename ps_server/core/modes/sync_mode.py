@@ -311,7 +311,8 @@ class SyncMode(Mode):
                 previous = self.store.current_learning_rate()
                 self.store.set_learning_rate(rates[0])  # this round is applied with it
             learning_rate = self.store.current_learning_rate()
-            version = self.store.publish(kept) if kept is not None else self.store.apply_all(mean)
+            version = self.store.publish(kept) if kept is not None \
+                else self.store.apply_all(mean, key=f"round {self._book.round}")
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
             if previous is not None and self.store.current_learning_rate() != previous:
                 self.store.set_learning_rate(previous)  # the round left no trace: its rate neither

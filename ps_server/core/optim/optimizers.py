@@ -72,7 +72,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -285,8 +285,12 @@ def _constants(spec: OptimizerSpec, dtype: np.dtype) -> dict:
     return c
 
 
-def _sum_of_squares(g: np.ndarray) -> np.floating:
-    """``ops.sum(ops.square(g))``: the squares in g's dtype, added as TensorFlow adds them."""
+def squares(g: np.ndarray) -> np.floating:
+    """``ops.sum(ops.square(g))``: the squares in g's dtype, added as TensorFlow adds them
+    (a float16/32/64 gradient's; InvalidArgument for another dtype)."""
+    g = np.asarray(g)
+    if g.dtype not in FLOAT_DTYPES:
+        raise InvalidArgument(f"gradients must be float16/float32/float64; got {g.dtype}")
     return tf_sum(np.square(g).ravel())
 
 
@@ -382,22 +386,26 @@ class Optimizer:
 
     def global_clip_scale(self, grads: Iterable[np.ndarray]) -> np.floating | None:
         """With ``global_clipnorm``: the factor Keras' ``clip_by_global_norm`` multiplies every
-        gradient of one update by, from all of them (the trainable ones); else None.
-
-        ``clip_norm * min(1 / norm, 1 / clip_norm) + (norm - norm)``, in the gradients'
-        dtype, as Keras writes it (NaN for a non-finite norm, as Keras)."""
+        gradient of one update by, from all of them (the trainable ones, in the model's
+        order); else None (``clip_scale_of`` of their ``squares``)."""
         if self.spec.global_clipnorm is None:
             return None
-        grads = [np.asarray(g) for g in grads]
-        if not grads:
+        return self.clip_scale_of([squares(g) for g in grads])
+
+    def clip_scale_of(self, squared: Sequence[np.floating]) -> np.floating | None:
+        """``global_clip_scale`` from each gradient's ``squares``, in the model's order:
+        ``clip_norm * min(1 / norm, 1 / clip_norm) + (norm - norm)``, in the gradients'
+        dtype, as Keras writes it (NaN for a non-finite norm, as Keras). Several server
+        shards hand their squares to one (``core.clip_group``) and get this same factor."""
+        if self.spec.global_clipnorm is None or not squared:
             return None
-        dtype = np.result_type(*grads)
+        dtype = np.result_type(*(np.asarray(s).dtype for s in squared))
         if dtype not in FLOAT_DTYPES:
             raise InvalidArgument(f"gradients must be float16/float32/float64; got {dtype}")
         c = self._constants[dtype]
-        squared = np.array([_sum_of_squares(g) for g in grads]).astype(dtype)  # ops.stack
+        stacked = np.array(squared).astype(dtype)  # ops.stack
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            norm = np.sqrt(tf_sum(squared))
+            norm = np.sqrt(tf_sum(stacked))
             scale = c["global_clipnorm"] * np.minimum(c["one"] / norm, c["inverse_global_clipnorm"])
             return (scale + (norm - norm)).astype(dtype)
 
@@ -489,7 +497,7 @@ class Optimizer:
         """Keras' ``_clip_gradients`` for one variable (``clip_scale``: the global one)."""
         spec = self.spec
         if spec.clipnorm is not None:  # _clip_by_norm: g * clipnorm / max(norm, clipnorm), norm 0 if l2sum <= 0
-            l2sum = _sum_of_squares(g)
+            l2sum = squares(g)
             l2norm = np.sqrt(l2sum) if l2sum > 0 else l2sum
             clipped = np.multiply(g, c["clipnorm"])
             return np.divide(clipped, np.maximum(l2norm, c["clipnorm"]), out=clipped)

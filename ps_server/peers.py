@@ -1,0 +1,72 @@
+"""A server shard's line to shard 0 of its clip group (``core.clip_group``).
+
+    ask = connector(config, token)("10.0.0.1:50051")
+    scale = ask("round 7", 1, {"dense/kernel": np.float32(3.5)}, 60.0)
+
+With ``global_clipnorm`` and the model on several shards, every shard but 0 sends
+its squares of each update to shard 0 (``ClipNorm``) and steps with the factor it
+answers. The call carries this server's bearer token; under TLS it trusts this
+server's own certificate (the shards of one job share a certificate or its
+self-signed issuer) and presents it, for a shard 0 that asks clients for one.
+A call that fails raises ``ClipTimeout``: the update is not applied.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Mapping
+
+import grpc
+import numpy as np
+
+from ps_common import security
+from protos import tfps_pb2 as pb
+from protos import tfps_pb2_grpc as pb_grpc
+from ps_server.core.clip_group import ClipTimeout
+from ps_server.core.errors import InvalidArgument
+
+Ask = Callable[[str, int, Mapping[str, np.floating], float], np.floating]
+
+
+def connector(config, token: str | None) -> Callable[[str], Ask]:
+    """``address -> ask``: one channel per address, made at first use."""
+    lock, stubs = threading.Lock(), {}
+
+    def stub(address: str) -> pb_grpc.ParameterServerStub:
+        with lock:
+            if address not in stubs:
+                tls = config.tls_cert_file or None
+                channel = security.client_channel(address, ca_file=tls, cert_file=tls,
+                                                  key_file=config.tls_key_file or None if tls else None, token=token)
+                stubs[address] = pb_grpc.ParameterServerStub(channel)
+            return stubs[address]
+
+    def connect(address: str) -> Ask:
+        def ask(key: str, shard: int, squares: Mapping[str, np.floating], timeout: float) -> np.floating:
+            request = pb.ClipNormRequest(key=key, shard=shard, names=list(squares), timeout_s=timeout,
+                                         squares=[float(s) for s in squares.values()],
+                                         dtypes=[np.asarray(s).dtype.str for s in squares.values()])
+            try:
+                reply = stub(address).ClipNorm(request, timeout=timeout + 5.0)
+            except grpc.RpcError as e:
+                raise ClipTimeout(f"global_clipnorm: shard 0 ({address}) gave no factor for {key}: "
+                                  f"{e.code().name}: {e.details()}; nothing applied") from None
+            return np.dtype(reply.dtype).type(reply.scale)
+        return ask
+    return connect
+
+
+def squares_of(request) -> dict[str, np.floating]:
+    """A ClipNormRequest's squares, each back in its own dtype (exact: a double holds it)."""
+    if not len(request.names) == len(request.squares) == len(request.dtypes):
+        raise InvalidArgument("ClipNorm: names, squares and dtypes differ in number")
+    out = {}
+    for name, value, dtype in zip(request.names, request.squares, request.dtypes):
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind != "f":
+            raise InvalidArgument(f"ClipNorm: {name!r}'s squares come as {request.dtypes[len(out)]!r}, not a float")
+        out[name] = dtype.type(value)
+    return out
