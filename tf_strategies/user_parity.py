@@ -523,6 +523,13 @@ def plot(path: str, outcomes: dict[str, Outcome], title: str) -> None:
     plt.close(fig)
 
 
+def _title(args: argparse.Namespace, info: dict, workers: int) -> str:
+    sizes = info["batch_sizes"]
+    return (f"{args.model}: {info['optimizer']}, {info['parameters']} parameters, {workers} workers, "
+            f"{len(sizes)} global batches/epoch (last {sizes[-1]} of {sizes[0]}), {args.epochs} epochs, "
+            f"tfps --sparse-rule {args.sparse_rule}")
+
+
 def main_user(args: argparse.Namespace) -> int:
     """``ps-parity --model M --dataset D --workers N [--epochs E] [--runners ...]`` (parity.py's flags)."""
     if not args.dataset or ":" not in args.dataset:
@@ -569,9 +576,7 @@ def main_user(args: argparse.Namespace) -> int:
             print(f"ps-parity: {runner.name} {o.status} in {o.seconds:.1f} s" + (f": {o.reason}" if o.reason else ""),
                   file=sys.stderr, flush=True)
     diffs, checks = compare(info, workers, outcomes)
-    title = (f"{args.model}: {info['optimizer']}, {info['parameters']} parameters, {workers} workers, "
-             f"{len(sizes)} global batches/epoch (last {sizes[-1]} of {sizes[0]}), {args.epochs} epochs, "
-             f"tfps --sparse-rule {args.sparse_rule}")
+    title = _title(args, info, workers)
     print(f"\n== {title} ==")
     print(table(outcomes, diffs))
     report.update(
