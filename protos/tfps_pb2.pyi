@@ -128,7 +128,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ..., shm_push_name: _Optional[str] = ..., shm_pull_name: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s", "round", "lease_timeout_s", "incarnation", "shm_token", "shm_nonce", "shm_error", "round_restored")
+    __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s", "round", "lease_timeout_s", "incarnation", "shm_token", "shm_nonce", "shm_error", "round_restored", "sparse_rule")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class RegisterResponse(_message.Message):
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     SHM_ERROR_FIELD_NUMBER: _ClassVar[int]
     ROUND_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_RULE_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     num_workers: int
     worker_id: int
@@ -155,7 +156,8 @@ class RegisterResponse(_message.Message):
     shm_nonce: bytes
     shm_error: str
     round_restored: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ..., round_restored: _Optional[bool] = ...) -> None: ...
+    sparse_rule: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ..., round_restored: _Optional[bool] = ..., sparse_rule: _Optional[str] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
     __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")

@@ -62,3 +62,19 @@ def server_settings_conflict(mode: str, num_workers: int, stale_gradient_policy:
         return ("--elastic-min-workers trains every round on its whole batch: no backup workers "
                 "(--replicas-to-aggregate)")
     return None
+
+
+def sparse_rule_conflict(sparse_rule: str, async_apply: str, elastic_min_workers: int) -> str | None:
+    """Why ``--sparse-rule`` cannot go with these settings (one line), or None; raised as
+    ``server_settings_conflict``'s are."""
+    if sparse_rule not in ("sum", "keras"):
+        return f"--sparse-rule must be one of sum, keras, got {sparse_rule!r}"
+    if sparse_rule != "keras":
+        return None
+    if async_apply == "hogwild":
+        return ("--sparse-rule keras steps each occurrence of a row, but --async-apply hogwild adds a push's "
+                "rows up into a dense step; use --async-apply locked or --sparse-rule sum")
+    if elastic_min_workers:
+        return ("--sparse-rule keras is not defined for elastic sync's micro-batches (--elastic-min-workers); "
+                "use --sparse-rule sum")
+    return None

@@ -24,7 +24,7 @@ import os
 
 from ps_common import defaults as d
 from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_POLICIES
-from ps_server.core.optim.sparse import SPARSE_UPDATES
+from ps_server.core.optim.sparse import SPARSE_RULES, SPARSE_UPDATES
 
 from protos.wire import check_max_message_mb, max_message_bytes
 from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
@@ -56,6 +56,9 @@ class ServerConfig:
     # Sparse gradients (ps_server/core/optim/sparse.py): step only the touched rows where that is exact
     # (exact: SGD, Adagrad; the others densely), always (lazy: TF Addons' LazyAdam), or never (dense).
     sparse_updates: str = "exact"
+    # A row repeated in one sparse gradient: its occurrences summed first, the dense step (sum),
+    # or each applied as Keras 3 applies a tf.IndexedSlices, one-process model.fit's step (keras).
+    sparse_rule: str = "sum"
     # Elastic sync (ps_server/core/modes/elastic_mode.py): > 0, rounds start with this many workers
     # and take up to --num-workers, joining and leaving at any time; each global batch is
     # cut into micro_batches (0: --num-workers) that the server deals out to ps-worker
@@ -130,6 +133,9 @@ class ServerConfig:
         if self.sparse_updates not in SPARSE_UPDATES:
             raise ConfigError(f"--sparse-updates must be one of {', '.join(SPARSE_UPDATES)}, "
                               f"got {self.sparse_updates!r}")
+        conflict = d.sparse_rule_conflict(self.sparse_rule, self.async_apply, self.elastic_min_workers)
+        if conflict:
+            raise ConfigError(conflict)
         if self.elastic_min_workers < 0 or self.micro_batches < 0:
             raise ConfigError("--elastic-min-workers and --micro-batches must be >= 0")
         conflict = d.server_settings_conflict(self.mode, self.num_workers, self.stale_gradient_policy,
@@ -213,6 +219,11 @@ class ServerConfig:
                        "table otherwise; lazy steps only the touched rows and their slots for every optimizer (TF "
                        "Addons' LazyAdam; not Keras' result); dense always steps the whole table "
                        "(environment TFPS_SPARSE_UPDATES)")
+        g.add_argument("--sparse-rule", choices=SPARSE_RULES,
+                       help="a row that occurs several times in one sparse gradient (an id looked up twice in a "
+                       "batch): sum (default) sums its occurrences first, the dense gradient's step (TF1, ElasticDL); "
+                       "keras applies each occurrence as Keras 3 applies a tf.IndexedSlices, one-process model.fit's "
+                       "step (environment TFPS_SPARSE_RULE)")
         _add_transport_flags(p)
         return p
 

@@ -181,6 +181,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         max_staleness=config.max_staleness,
         async_apply=config.async_apply,
         sparse_updates=config.sparse_updates,
+        sparse_rule=config.sparse_rule,
         elastic_min_workers=config.elastic_min_workers,
         micro_batches=config.micro_batches,
     )

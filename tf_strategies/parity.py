@@ -241,6 +241,9 @@ def parser() -> argparse.ArgumentParser:
                    "model.fit (tf_strategies.user_parity; --dataset, --workers, --epochs, --runners apply)")
     p.add_argument("--workers", type=int, default=2, help="with --model: workers/replicas, 2 to 4 (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="with --model: epochs of model.fit (default 3)")
+    p.add_argument("--sparse-rule", choices=("sum", "keras"), default=os.environ.get("TFPS_SPARSE_RULE") or "sum",
+                   help="with --model: the tfps runners' ps-server --sparse-rule (docs/sparse.md; default "
+                   "TFPS_SPARSE_RULE, else sum)")
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--async-epochs", type=int, default=3, help="epochs of the async runners (default 3)")
     p.add_argument("--seed", type=int, default=0)

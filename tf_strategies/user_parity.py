@@ -46,9 +46,12 @@ failures fails):
 A sparse gradient (an ``Embedding``'s) that repeats a row within a batch, under an
 optimizer for which the two rules give different steps (Adam and its family; measured by
 the ``init`` process, ``user_fit.sparse_rule``), makes ``tfps-sync`` vs ``mirrored`` a
-difference by design: tfps sums the occurrences first, Keras 3 applies each. Those checks
-are then reported, not gated, and their detail names the rule, the variables and the
-difference of one step.
+difference by design under ``ps-server --sparse-rule sum`` (the default): tfps sums the
+occurrences first, Keras 3 applies each. Those checks are then reported, not gated, and
+their detail names the rule, the variables and the difference of one step. ``ps-parity
+--sparse-rule keras`` (default ``TFPS_SPARSE_RULE``) runs the tfps servers with Keras' rule:
+the checks are then gated as for any model, their detail naming the rule tfps ran; the
+report's title and ``model.tfps_sparse_rule`` name it either way.
 """
 
 from __future__ import annotations
@@ -356,6 +359,7 @@ def run_runner(runner: Runner, cfg: dict, work: str, timeout: float) -> Outcome:
                 raise RunnerFailed("tfps.keras is not importable here (the Keras integration is not installed)")
             argv = [sys.executable, "-m", "ps_tools.launch", "--mode", runner.mode, "--workers", str(cfg["workers"]),
                     "--", *_fit_argv(cfg, "tfps", out, cfg["workers"])]
+            env["TFPS_SPARSE_RULE"] = cfg.get("sparse_rule", "sum")  # the server's (ps-launch passes it on)
             chief_dir = out
         with open(log, "w") as f:
             try:
@@ -432,14 +436,7 @@ def compare(info: dict, workers: int, outcomes: dict[str, Outcome]) -> tuple[dic
                           "weight 1/N, tfps weighs them by shard size; reported, not gated")
                 checks.append(Check(f"{label}, step {steps}", d["final"], final_limit, True, gated=False,
                                     detail=detail))
-    rule = info.get("sparse_rule")
-    if rule:  # an expected difference, named: not the unexplained one the gate is for
-        note = (f"the sparse rule: {', '.join(rule['variables'])} repeat rows in a batch; tfps sums a row's "
-                f"occurrences before the optimizer step (TF1, ElasticDL), Keras 3 applies each occurrence "
-                f"({rule['optimizer']}: one step differs by {_fmt(rule['step_difference'])}); reported, not gated "
-                "(docs/sparse.md)")
-        checks = [dataclasses.replace(c, ok=True, gated=False, detail=note) if c.name.startswith("tfps-sync vs")
-                  else c for c in checks]
+    checks = _sparse_rule_checks(info, checks)
     if "tfps-async" in outcomes and "tfk-pss" in outcomes:
         label = "tfps-async vs tfk-pss val accuracy gap"
         a, b = outcomes["tfps-async"].result, outcomes["tfk-pss"].result
@@ -452,6 +449,28 @@ def compare(info: dict, workers: int, outcomes: dict[str, Outcome]) -> tuple[dic
             gap = abs(a["val_accuracy"] - b["val_accuracy"])
             checks.append(Check(label, gap, ACCURACY_GAP, gap <= ACCURACY_GAP))
     return diffs, checks
+
+
+def _sparse_rule_checks(info: dict, checks: list[Check]) -> list[Check]:
+    """The ``tfps-sync vs`` checks where a sparse gradient repeats rows (``info["sparse_rule"]``,
+    measured by the init process): with ``--sparse-rule sum`` an expected difference, named,
+    not gated; with ``keras`` tfps ran Keras' own rule, so the gate holds as for any model,
+    and the detail says so."""
+    rule, ran = info.get("sparse_rule"), info.get("tfps_sparse_rule", "sum")
+    if not rule:
+        return checks
+    variables = ", ".join(rule["variables"])
+    if ran == "keras":
+        note = (f"the sparse rule: {variables} repeat rows in a batch; tfps ran --sparse-rule keras, applying "
+                "each occurrence as Keras 3 does: gated (docs/sparse.md)")
+        return [dataclasses.replace(c, detail=f"{c.detail}; {note}" if c.detail else note)
+                if c.name.startswith("tfps-sync vs") else c for c in checks]
+    note = (f"the sparse rule: {variables} repeat rows in a batch; tfps ran --sparse-rule sum, summing a row's "
+            f"occurrences before the optimizer step (TF1, ElasticDL), Keras 3 applies each occurrence "
+            f"({rule['optimizer']}: one step differs by {_fmt(rule['step_difference'])}); reported, not gated; "
+            "ps-parity --sparse-rule keras runs Keras' rule (docs/sparse.md)")
+    return [dataclasses.replace(c, ok=True, gated=False, detail=note) if c.name.startswith("tfps-sync vs")
+            else c for c in checks]
 
 
 def _fmt(x: float | None) -> str:
@@ -504,6 +523,13 @@ def plot(path: str, outcomes: dict[str, Outcome], title: str) -> None:
     plt.close(fig)
 
 
+def _title(args: argparse.Namespace, info: dict, workers: int) -> str:
+    sizes = info["batch_sizes"]
+    return (f"{args.model}: {info['optimizer']}, {info['parameters']} parameters, {workers} workers, "
+            f"{len(sizes)} global batches/epoch (last {sizes[-1]} of {sizes[0]}), {args.epochs} epochs, "
+            f"tfps --sparse-rule {args.sparse_rule}")
+
+
 def main_user(args: argparse.Namespace) -> int:
     """``ps-parity --model M --dataset D --workers N [--epochs E] [--runners ...]`` (parity.py's flags)."""
     if not args.dataset or ":" not in args.dataset:
@@ -527,7 +553,7 @@ def main_user(args: argparse.Namespace) -> int:
     report: dict = {"config": {k: v for k, v in vars(args).items()}, "runners": {}, "checks": [], "ok": False}
     with tempfile.TemporaryDirectory(prefix="ps-parity-user-") as work:
         cfg = {"model": args.model, "dataset": args.dataset, "epochs": args.epochs, "workers": workers,
-               "seed": args.seed, "intra_op_threads": args.intra_op_threads,
+               "seed": args.seed, "intra_op_threads": args.intra_op_threads, "sparse_rule": args.sparse_rule,
                "initial_weights": os.path.join(work, "init", "initial.npz")}
         init_out = os.path.join(work, "init")
         argv = _fit_argv(cfg, "init", init_out, workers)
@@ -541,6 +567,7 @@ def main_user(args: argparse.Namespace) -> int:
         with open(os.path.join(init_out, "dataset.json")) as f:
             info = json.load(f)
         info["epochs"] = args.epochs
+        info["tfps_sparse_rule"] = args.sparse_rule
         sizes = info["batch_sizes"]
         outcomes: dict[str, Outcome] = {}
         for runner in runners:
@@ -549,13 +576,13 @@ def main_user(args: argparse.Namespace) -> int:
             print(f"ps-parity: {runner.name} {o.status} in {o.seconds:.1f} s" + (f": {o.reason}" if o.reason else ""),
                   file=sys.stderr, flush=True)
     diffs, checks = compare(info, workers, outcomes)
-    title = (f"{args.model}: {info['optimizer']}, {info['parameters']} parameters, {workers} workers, "
-             f"{len(sizes)} global batches/epoch (last {sizes[-1]} of {sizes[0]}), {args.epochs} epochs")
+    title = _title(args, info, workers)
     print(f"\n== {title} ==")
     print(table(outcomes, diffs))
     report.update(
         model={"optimizer": info["optimizer"], "optimizer_config": info["optimizer_config"],
-               "parameters": info["parameters"], "batch_sizes": sizes, "epochs": args.epochs, "workers": workers},
+               "parameters": info["parameters"], "batch_sizes": sizes, "epochs": args.epochs, "workers": workers,
+               "tfps_sparse_rule": args.sparse_rule, "repeated_rows": info.get("sparse_rule")},
         runners={n: {"status": o.status, "reason": o.reason, "seconds": o.seconds,
                      **({"final_loss": o.result["history"].get("loss", [None])[-1],
                          "val_accuracy": o.result["val_accuracy"], "val_loss": o.result["val_loss"],

@@ -22,7 +22,11 @@ mean of the workers' gradients, which equals MirroredStrategy's
   loss does not reach) as zeros;
 - an embedding lookup's gradient (``tf.IndexedSlices``) as ``SparseRows``: the
   rows it touched in increasing order, each once, repeats summed in their
-  original order; dense instead when half of the table or more is touched;
+  original order; dense instead when half of the table or more is touched. With
+  a server whose ``--sparse-rule`` is ``keras`` (``Registration.sparse_rule``, the
+  callers' ``sparse_rule``): its indices and values as TensorFlow gave them, every
+  occurrence in order, never summed nor made dense (the server applies each as
+  Keras does);
 - each floating non-trainable variable (BatchNorm's moving statistics): the
   change the forward pass made to it since ``pulled`` (the server adds it,
   ``ps_server.core.store``). Integer state (a dropout seed) stays in the worker.
@@ -93,13 +97,16 @@ class Gradients:
 
         self.tape = tape
 
-    def __call__(self, x, y, pulled: Mapping[str, np.ndarray], sample_weight=None) -> tuple[float, dict | None]:
+    def __call__(self, x, y, pulled: Mapping[str, np.ndarray], sample_weight=None,
+                 sparse_rule: str = "sum") -> tuple[float, dict | None]:
         """(mean loss, ``{path: as pushed}``) on ``x, y``; ``pulled`` are the values the model
-        held before this forward pass (what the non-trainable changes are measured from)."""
+        held before this forward pass (what the non-trainable changes are measured from);
+        ``sparse_rule``: the server's (module docstring)."""
         loss, grads, finite = self.tape(x, y, sample_weight)
         if not bool(finite):
             return float(loss), None
-        return float(loss), as_pushed(self.model, dict(zip((v.path for v in self.variables), grads)), pulled)
+        return float(loss), as_pushed(self.model, dict(zip((v.path for v in self.variables), grads)), pulled,
+                                      sparse_rule)
 
 
 def _compiled_metrics(model, x, y, y_pred, sample_weight, loss) -> None:
@@ -111,11 +118,11 @@ def _compiled_metrics(model, x, y, y_pred, sample_weight, loss) -> None:
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray]) -> dict:
+def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray], sparse_rule: str = "sum") -> dict:
     """``{path: as pushed}`` of every trainable variable of ``model`` (``grads`` by path; a
     missing one or ``None`` counts as zero) and every floating non-trainable one (its change
-    since ``pulled``)."""
-    out = {v.path: _one(grads.get(v.path), v) for v in trainable(model)}
+    since ``pulled``); ``sparse_rule``: the server's (module docstring)."""
+    out = {v.path: _one(grads.get(v.path), v, sparse_rule == "keras") for v in trainable(model)}
     out.update(changes(model, pulled))
     return out
 
@@ -130,21 +137,25 @@ def changes(model, pulled: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {v.path: np.asarray(v.numpy()) - pulled[v.path] for v in non_trainable(model)}
 
 
-def _one(g, variable):
+def _one(g, variable, occurrences: bool = False):
     if g is None:
         return np.zeros(variable.shape, np.dtype(variable.dtype))
-    return to_pushable(g, tuple(variable.shape))
+    return to_pushable(g, tuple(variable.shape), occurrences)
 
 
-def to_pushable(g, shape: tuple[int, ...]):
+def to_pushable(g, shape: tuple[int, ...], occurrences: bool = False):
     """One gradient of a variable of ``shape`` as pushed: a NumPy array, or for an
     ``IndexedSlices`` touching fewer than half the rows, ``SparseRows`` of the rows it
-    touched in increasing order, each once (repeats summed in their original order)."""
+    touched in increasing order, each once (repeats summed in their original order).
+    ``occurrences`` (``--sparse-rule keras``): an ``IndexedSlices`` as ``SparseRows`` of its
+    indices and values as they are, whatever it touches."""
     import tensorflow as tf
 
     if not isinstance(g, tf.IndexedSlices):
         return np.asarray(g)
     indices, values = g.indices.numpy().astype(np.int64), g.values.numpy()
+    if occurrences:
+        return SparseRows(indices, values)
     order = np.argsort(indices, kind="stable")
     rows, starts = np.unique(indices[order], return_index=True)
     summed = np.add.reduceat(values[order], starts, axis=0) if len(rows) else values[:0]

@@ -344,7 +344,8 @@ class _Attached:
         or a loss or gradient not finite: weight 0), and what its push carries besides: the
         change the step made to every metric's state (sync) and the chief's new learning rate."""
         model, conn = self.model, self.strategy.connection
-        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2]) if work.batch_size \
+        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
+                                       conn.registration.sparse_rule) if work.batch_size \
             else (0.0, None)
         if work.batch_size and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",

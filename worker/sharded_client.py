@@ -390,6 +390,7 @@ REGISTRATION_RULES: dict[str, Callable] = {
     "barrier_timeout": max,  # a push deadline above every shard's barrier
     "round": max,  # the newest round any shard collects (register resumes otherwise after a restore)
     "round_restored": any,
+    "sparse_rule": first,  # every shard is started alike (ps-launch); the first's rule is the job's
     "lease_timeout": min,  # heartbeat within the shortest lease
     "incarnation": joined,
     "shm": all,  # the fast path is on only if every shard's probe succeeded

@@ -212,7 +212,7 @@ class TrainingLoop:
         import tensorflow as tf
 
         with tf.device(self.device):
-            return self.gradients(*work.examples, self.conn.pulled)
+            return self.gradients(*work.examples, self.conn.pulled, sparse_rule=self.conn.registration.sparse_rule)
 
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""

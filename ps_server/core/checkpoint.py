@@ -401,8 +401,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
     if size != expected:
         kind = "truncated" if size < expected else "has trailing bytes"
         raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
-    digest = hashlib.sha256(prefix)
-    left = size - _PREFIX.size - _DIGEST_BYTES
+    digest, left = hashlib.sha256(prefix), size - _PREFIX.size - _DIGEST_BYTES
     buffer = memoryview(bytearray(min(_CHUNK, left)))  # one slice, read into again and again
     while left:
         n = f.readinto(buffer[:min(_CHUNK, left)])

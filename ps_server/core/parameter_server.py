@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, REPLACEMENT_TIMEOUT, STALENESS,
-                                 server_settings_conflict)
+                                 server_settings_conflict, sparse_rule_conflict)
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core.optim import hogwild
@@ -141,6 +141,7 @@ class ParameterServer:
         stale_gradient_policy: str = "none",
         max_staleness: int = MAX_STALENESS,
         sparse_updates: str = "exact",
+        sparse_rule: str = "sum",
         clock=time.monotonic,
         async_apply: str = "locked",
         elastic_min_workers: int = 0,
@@ -148,6 +149,7 @@ class ParameterServer:
     ):
         conflict = server_settings_conflict(mode, num_workers, stale_gradient_policy, async_apply, elastic_min_workers,
                                             micro_batches, replicas_to_aggregate)
+        conflict = conflict or sparse_rule_conflict(sparse_rule, async_apply, elastic_min_workers)
         if conflict:
             raise InvalidArgument(conflict)
         # Elastic sync (``core.modes.elastic_mode``): from elastic_min_workers up to num_workers
@@ -166,7 +168,7 @@ class ParameterServer:
         self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.data.tasks)
         self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
         self.members = Membership(num_workers, lease_timeout, clock=clock)
-        self.store = VariableStore(sparse_updates)  # --sparse-updates: core.optim.sparse
+        self.store = VariableStore(sparse_updates, sparse_rule)  # --sparse-updates, --sparse-rule: core.optim.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
         # global_clipnorm over several shards: the group, shard 0's board, and how a shard
@@ -200,7 +202,7 @@ class ParameterServer:
         status = self.status()
         shared = {f.name: getattr(status, f.name) for f in _REGISTRATION_FROM_STATUS}
         return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout,
-                            round_restored=self.mode.round_restored(), **shared)
+                            round_restored=self.mode.round_restored(), sparse_rule=self.store.sparse_rule, **shared)
 
     def _position(self) -> tuple[int, int]:
         """(round, version) now, for the membership history. Takes the mode's lock: never call

@@ -132,7 +132,7 @@ import numpy as np
 
 from ps_server.core.errors import InvalidArgument, NonFinite, NotFound, NotInitialized, SpecConflict
 from ps_server.core.optim import schedules, sparse
-from ps_server.core.optim.optimizers import Optimizer, OptimizerSpec, squares
+from ps_server.core.optim.optimizers import Occurrences, Optimizer, OptimizerSpec, slices_refusal, squares
 from ps_server.core.optim.registry import make_optimizer
 from ps_common.sparse import SparseRows
 
@@ -401,14 +401,19 @@ def release_snapshots(values: Mapping[str, object], states: Mapping[str, Mapping
 
 
 class VariableStore:
-    def __init__(self, sparse_updates: str = "exact") -> None:
+    def __init__(self, sparse_updates: str = "exact", sparse_rule: str = "sum") -> None:
         """``sparse_updates`` (``core.optim.sparse.SPARSE_UPDATES``, ``--sparse-updates``): how a
         sparse gradient is applied: only its rows where that is exact (default), only its
-        rows always (``lazy``), or made dense."""
+        rows always (``lazy``), or made dense. ``sparse_rule`` (``SPARSE_RULES``,
+        ``--sparse-rule``): a repeated row's occurrences summed first ("sum"), or each
+        applied as Keras 3 applies an ``IndexedSlices`` ("keras"; ``core.optim.sparse``)."""
         if sparse_updates not in sparse.SPARSE_UPDATES:
             raise InvalidArgument(f"sparse_updates must be one of {', '.join(sparse.SPARSE_UPDATES)}; "
                                   f"got {sparse_updates!r}")
+        if sparse_rule not in sparse.SPARSE_RULES:
+            raise InvalidArgument(f"sparse_rule must be one of {', '.join(sparse.SPARSE_RULES)}; got {sparse_rule!r}")
         self.sparse_updates = sparse_updates
+        self.sparse_rule = sparse_rule
         self._publish = threading.Lock()
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
@@ -499,6 +504,7 @@ class VariableStore:
 
     def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
         refusal = sparse.lazy_refusal(spec) if self.sparse_updates == "lazy" else None
+        refusal = refusal or (slices_refusal(spec) if self.sparse_rule == "keras" else None)
         if refusal:
             raise InvalidArgument(refusal)
 
@@ -507,6 +513,14 @@ class VariableStore:
         if var.non_trainable:
             return "it is not trainable"
         return sparse.row_wise(self._optimizer.spec, self.sparse_updates)
+
+    def _rows_alone(self, name: str, g) -> bool:
+        """Whether gradient ``g`` of ``name`` steps the variable's rows alone, in place. With
+        ``--sparse-rule keras`` a ``SparseRows`` stays sparse (``prepare``) even where the
+        whole variable is stepped: its occurrences are what that step needs."""
+        if not isinstance(g, SparseRows):
+            return False
+        return self.sparse_rule == "sum" or self._row_wise_reason(self._vars[name]) is None
 
     def row_wise(self) -> frozenset[str]:
         """The variables that are row-wise now (module docstring)."""
@@ -649,7 +663,8 @@ class VariableStore:
                 if var is None:
                     raise NotFound(f"gradient for unknown variable(s): {name!r}")
                 sparse.check(name, g, var.value.shape, var.value.dtype)
-                if not (keep_sparse and self._row_wise_reason(var) is None):
+                keras = self.sparse_rule == "keras" and not var.non_trainable
+                if not (keep_sparse and (keras or self._row_wise_reason(var) is None)):
                     g = sparse.densify(g, var.value.shape, var.value.dtype)
             out[name] = g
         return out
@@ -668,9 +683,9 @@ class VariableStore:
         grads = {name: _native_gradient(g) for name, g in grads.items()}
         clip_scale = self._global_clip_scale(optimizer, grads, key)
         for name, g in grads.items():
-            if not isinstance(g, SparseRows):
+            if not self._rows_alone(name, g):
                 new[name] = self._step(self._vars[name], g, optimizer=optimizer, clip_scale=clip_scale)
-        return self.publish(new, {n: g for n, g in grads.items() if isinstance(g, SparseRows)},
+        return self.publish(new, {n: g for n, g in grads.items() if self._rows_alone(n, g)},
                             optimizer=optimizer, clip_scale=clip_scale)
 
     def step_rows(self, name: str, rows: tuple[int, int] | None, grad: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -765,10 +780,11 @@ class VariableStore:
         alone, in place (module docstring)."""
         var = self._vars[name]
         grad = _native_gradient(grad)
-        if isinstance(grad, SparseRows):
+        rows_alone = self._rows_alone(name, grad)
+        if rows_alone:
             self._make_row_wise(var)
         with var.lock:
-            if isinstance(grad, SparseRows):
+            if rows_alone:
                 indices, value, state = self._step_rows(var, grad, lr_scale, optimizer, clip_scale)
                 _write_rows(var, indices, value, state)
                 with self._publish:
@@ -801,7 +817,11 @@ class VariableStore:
                    optimizer: Optimizer | None = None, clip_scale=None) -> tuple[np.ndarray, np.ndarray, dict]:
         """(rows, their new values, the new state with those rows of each slot) of one
         row-wise step, changing nothing. Lock held."""
-        indices, values = sparse.combine(grad)
+        if self.sparse_rule == "keras":  # the touched rows, each occurrence kept (Optimizer.apply_rows)
+            indices, positions = np.unique(np.asarray(grad.rows, dtype=np.intp), return_inverse=True)
+            values = Occurrences(positions.reshape(-1), grad.values)
+        else:
+            indices, values = sparse.combine(grad)
         value, state = (optimizer or self._optimizer).apply_rows(var.value, indices, values, var.state,
                                                                  lr_scale, clip_scale)
         return indices, value, state
@@ -812,6 +832,8 @@ class VariableStore:
         non-trainable variable its pushed change added (no learning rate, no state)."""
         if var.non_trainable:
             return (var.value + grad).astype(var.value.dtype, copy=False), var.state
+        if isinstance(grad, SparseRows):  # --sparse-rule keras, the whole variable stepped
+            grad = Occurrences(grad.rows, grad.values)
         return (optimizer or self._optimizer).apply(var.value, grad, var.state, lr_scale, clip_scale)
 
     # -- checkpoints -------------------------------------------------------------

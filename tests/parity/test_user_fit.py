@@ -214,5 +214,22 @@ def test_a_named_sparse_rule_reports_the_sync_difference_without_gating_it():
     assert [c.name for c in checks] == ["tfps-sync vs mirrored, step 1", "tfps-sync vs mirrored, step 2"]
     assert all(c.ok and not c.gated and "the sparse rule: embedding/embeddings repeat rows" in c.detail
                for c in checks)
+    assert all("tfps ran --sparse-rule sum" in c.detail for c in checks)
     _, gated = user_parity.compare(dict(info, sparse_rule=None), 2, outcomes)
     assert all(c.gated and not c.ok for c in gated)  # the same difference, unexplained, fails
+
+
+def test_under_sparse_rule_keras_the_sync_comparison_stays_gated_and_names_the_rule():
+    """tfps ran Keras' own rule (ps-parity --sparse-rule keras): a difference is not explained
+    by the rule any more, so the gate holds; the detail says which rule tfps ran."""
+    import numpy as np
+
+    z = np.zeros(3, np.float32)
+    info = {"optimizer": "Adam", "batch_sizes": [48, 48], "epochs": 1, "tfps_sparse_rule": "keras",
+            "sparse_rule": {"variables": ["embedding/embeddings"], "optimizer": "Adam", "step_difference": 3e-3}}
+    far = {"mirrored": _ok("mirrored", z, z), "tfps-sync": _ok("tfps-sync", z + 1e-2, z + 0.1)}
+    _, checks = user_parity.compare(info, 2, far)
+    assert all(c.gated and not c.ok and "tfps ran --sparse-rule keras" in c.detail for c in checks)
+    equal = {"mirrored": _ok("mirrored", z, z), "tfps-sync": _ok("tfps-sync", z, z)}
+    _, checks = user_parity.compare(info, 2, equal)
+    assert all(c.gated and c.ok for c in checks)

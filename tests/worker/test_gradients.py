@@ -20,8 +20,8 @@ def spy(monkeypatch):
     calls = []
     real = gradients.as_pushed
 
-    def as_pushed(model, grads, pulled):
-        out = real(model, grads, pulled)
+    def as_pushed(model, grads, pulled, sparse_rule="sum"):
+        out = real(model, grads, pulled, sparse_rule)
         calls.append((sorted(grads), out))
         return out
 
@@ -168,3 +168,17 @@ def test_a_worker_says_one_info_line_at_start_and_the_rest_of_the_start_at_debug
     debug = [r.getMessage() for r in caplog.records if r.name == "worker" and r.levelno == logging.DEBUG]
     assert any(m.startswith("computes on /CPU:0") for m in debug)
     assert any(m.startswith("initialized the server's variables") for m in debug)
+
+
+def test_under_rule_keras_an_indexed_slices_is_pushed_occurrence_by_occurrence_as_tensorflow_gave_it():
+    """--sparse-rule keras: every occurrence in order, none summed, never made dense (here
+    8 occurrences of a 4-row table would otherwise go dense); "sum" sums the repeats."""
+    import tensorflow as tf
+
+    rows = np.array([3, 1, 3, 0, 1, 3, 2, 2])
+    values = np.arange(16, dtype=np.float32).reshape(8, 2)
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(rows), tf.constant([4, 2]))
+    pushed = gradients.to_pushable(g, (4, 2), occurrences=True)
+    assert pushed.rows.tolist() == rows.tolist() and pushed.values.tobytes() == values.tobytes()
+    summed = gradients.to_pushable(g, (4, 2))
+    assert isinstance(summed, np.ndarray) and summed.tobytes() == tf.convert_to_tensor(g).numpy().tobytes()

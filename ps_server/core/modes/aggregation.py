@@ -258,7 +258,10 @@ class RoundSum:
     must carry the same names, shapes and dtypes (the store checks them first).
     Not thread-safe: the sync barrier's lock serializes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse_rule: str = "sum") -> None:
+        """``sparse_rule`` (``--sparse-rule``): "sum" folds sparse pushes into the mean of their
+        summed rows; "keras" keeps every occurrence (``_concatenated``)."""
+        self.sparse_rule = sparse_rule
         self._exact: dict[str, _Exact] = {}
         self._held: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # float64: (worker, b, g)
         # Sparse gradients (ps_common.sparse.SparseRows, an embedding's rows stepped row-wise):
@@ -320,6 +323,9 @@ class RoundSum:
                 dtype = like.dtype if like is not None else self._held[name][0][2].dtype
                 self.add_dense(worker, b, name, sparse.densify(g, shape, dtype))
             return
+        if self.sparse_rule == "keras":
+            self._sparse_means = {**self._sparse_means, name: self._concatenated(held)}
+            return
         combined = [(worker, b, *sparse.combine(g)) for worker, b, g in held]
         union = np.unique(np.concatenate([rows for _, _, rows, _ in combined]))
         values = combined[0][3]
@@ -342,6 +348,32 @@ class RoundSum:
                 shaped.append(full)
             mean = _weighted_sum(shaped, batch_weights([b for _, b, _, _ in ordered]))
         self._sparse_means = {**self._sparse_means, name: SparseRows(union, mean)}
+
+    def _concatenated(self, held: list):
+        """``--sparse-rule keras``: the round's gradient as the ``IndexedSlices`` of one step on
+        the global batch, whose examples are the workers' shards in worker-id order: every
+        push's occurrences in worker-id order, each value scaled by its push's batch weight
+        (``b * g / B``, exact and rounded once, as the dense mean; float64: ``g * (b / B)``).
+        A push of no examples adds none."""
+        from ps_common.sparse import SparseRows
+
+        rows, values = [], []
+        for _, b, g in sorted(held, key=lambda x: x[0]):
+            if not b:
+                continue
+            v = g.values.astype(g.values.dtype.newbyteorder("="), copy=False)
+            if v.dtype in _EXACT_DTYPES:
+                acc = _Exact(v.shape, v.dtype)
+                acc.add(v, b)
+                v = acc.mean(self.total)
+            else:
+                v = _weighted_sum([v], [b / self.total])
+            rows.append(np.asarray(g.rows, dtype=np.int64))
+            values.append(v)
+        g = held[0][2]
+        if not rows:
+            return SparseRows(np.zeros(0, np.int64), g.values[:0])
+        return SparseRows(np.concatenate(rows), np.concatenate(values))
 
     def add_dense(self, worker_id: int, batch_size: int, name: str, g: np.ndarray) -> None:
         """One variable's dense gradient of a push already counted (``add``)."""

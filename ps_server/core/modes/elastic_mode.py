@@ -101,7 +101,7 @@ class ElasticSyncMode(Mode):
         self._first_round = self._round  # where this server started (0, or a restored round)
         self._work: RoundWork | None = None
         self._started = 0.0
-        self._sum = RoundSum()
+        self._sum = RoundSum(self.store.sparse_rule)
         self._contributors: set[int] = set()
         self._losses: list[tuple[float, int]] = []
         self._pushes: dict[int, list[Ticket]] = {}   # worker -> its pushes waiting for the round
@@ -316,7 +316,7 @@ class ElasticSyncMode(Mode):
 
     def _reset_round(self) -> None:
         self._work = None
-        self._sum = RoundSum()
+        self._sum = RoundSum(self.store.sparse_rule)
         self._contributors = set()
         self._losses = []
 

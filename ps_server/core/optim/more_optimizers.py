@@ -86,13 +86,14 @@ def _local_step(iterations: int, dtype) -> np.floating:
         return np.array(iterations).astype(dtype)[()]
 
 
-def _moments(g, state, one_minus_beta_1, one_minus_beta_2):
+def _moments(g, state, one_minus_beta_1, one_minus_beta_2, squared=None):
     """Nadam's and Lamb's new ``m`` and ``v``, as Keras writes them: ``assign_add(m, (g - m) *
-    (1 - beta_1))`` and ``assign_add(v, (g^2 - v) * (1 - beta_2))``, into new arrays."""
+    (1 - beta_1))`` and ``assign_add(v, (g^2 - v) * (1 - beta_2))``, into new arrays
+    (``squared``, a new array: g^2 as given, for ``--sparse-rule keras``)."""
     m = np.subtract(g, state["m"])
     np.multiply(m, one_minus_beta_1, out=m)
     np.add(state["m"], m, out=m)
-    v = np.square(g)
+    v = np.square(g) if squared is None else squared
     np.subtract(v, state["v"], out=v)
     np.multiply(v, one_minus_beta_2, out=v)
     np.add(state["v"], v, out=v)
@@ -158,11 +159,19 @@ class Adamax(_KerasOptimizer):
                                c["ax_epsilon"], c["one"] - beta_1_power, c["lr"])
         if fused is not None:  # the operations below, in one pass
             return fused[0], {"m": fused[1], "u": fused[2]}
+        return self._moments_step(w, g, np.abs(g), state, beta_1_power, c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # g - m densifies the occurrences; maximum(beta_2 * u, abs(g)) densifies their |g|, summed
+        beta_1_power = _scalar_pow(c["ax_beta_1"], _local_step(iterations + 1, w.dtype))
+        return self._moments_step(w, occ.dense(), occ.dense(np.abs(occ.values)), state, beta_1_power, c)
+
+    def _moments_step(self, w, g, magnitude, state, beta_1_power, c):
         m = np.subtract(g, state["m"])
         np.multiply(m, c["ax_one_minus_beta_1"], out=m)
         np.add(state["m"], m, out=m)  # assign_add(m, (g - m) * (1 - beta_1))
         u = np.multiply(state["u"], c["ax_beta_2"])
-        np.maximum(u, np.abs(g), out=u)  # maximum(beta_2 * u, |g|)
+        np.maximum(u, magnitude, out=u)  # maximum(beta_2 * u, |g|)
         denominator = np.add(u, c["ax_epsilon"])
         np.multiply(denominator, c["one"] - beta_1_power, out=denominator)  # (1 - b1^t) * (u + eps)
         update = np.multiply(m, c["lr"])
@@ -196,15 +205,23 @@ class Lion(_KerasOptimizer):
                              c["lion_one_minus_beta_2"], c["lr"])
         if fused is not None:  # the operations below, in one pass
             return fused[0], {"m": fused[1]}
+        return self._scaled_step(w, np.multiply(g, c["lion_one_minus_beta_1"]),
+                                 np.multiply(g, c["lion_one_minus_beta_2"]), state, c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # g * (1 - beta) per occurrence, densified where added to the dense m * beta
+        return self._scaled_step(w, occ.dense(np.multiply(occ.values, c["lion_one_minus_beta_1"])),
+                                 occ.dense(np.multiply(occ.values, c["lion_one_minus_beta_2"])), state, c)
+
+    def _scaled_step(self, w, scaled_1, scaled_2, state, c):
+        """The step for ``g (1 - b1)`` and ``g (1 - b2)`` (new arrays, written into)."""
         direction = np.multiply(state["m"], c["lion_beta_1"])
-        scaled_g = np.multiply(g, c["lion_one_minus_beta_1"])
-        np.add(direction, scaled_g, out=direction)
+        np.add(direction, scaled_1, out=direction)
         np.sign(direction, out=direction)
         np.multiply(direction, c["lr"], out=direction)  # lr * sign(m b1 + g (1 - b1))
         new_w = np.subtract(w, direction, out=direction)
         m = np.multiply(state["m"], c["lion_beta_2"])
-        np.multiply(g, c["lion_one_minus_beta_2"], out=scaled_g)
-        np.add(m, scaled_g, out=m)  # m b2 + g (1 - b2)
+        np.add(m, scaled_2, out=m)  # m b2 + g (1 - b2)
         return new_w, {"m": m}
 
 
@@ -276,8 +293,8 @@ class Nadam(_KerasOptimizer):
         new_state["u_product"] = new_u_product
         return new_value, new_state
 
-    def _step(self, w, g, state, iterations, c):
-        dtype = w.dtype
+    def _scalars(self, dtype, iterations, c) -> tuple:
+        """(u_t, u_t_1, u_product_t, u_product_t_1, beta_2_power) of this step."""
         one, beta_1, half = c["one"], c["na_beta_1"], c["na_half"]
         with np.errstate(under="ignore"):
             u_t = beta_1 * (one - half * _scalar_pow(c["na_decay"], _local_step(iterations + 1, dtype)))
@@ -285,17 +302,38 @@ class Nadam(_KerasOptimizer):
             u_product_t = self._u_product_t
             u_product_t_1 = u_product_t * u_t_1
             beta_2_power = _scalar_pow(c["na_beta_2"], _local_step(iterations + 1, dtype))
+        return u_t, u_t_1, u_product_t, u_product_t_1, beta_2_power
+
+    def _step(self, w, g, state, iterations, c):
+        one = c["one"]
+        u_t, u_t_1, u_product_t, u_product_t_1, beta_2_power = scalars = self._scalars(w.dtype, iterations, c)
         fused = kernels.nadam(w, g, state["m"], state["v"], c["na_one_minus_beta_1"], c["na_one_minus_beta_2"],
                               u_t_1, one - u_product_t_1, one - u_t, one - u_product_t, one - beta_2_power,
                               c["na_epsilon"], c["lr"])
         if fused is not None:  # the operations below, in one pass
             return fused[0], {"m": fused[1], "v": fused[2]}
         m, v = _moments(g, state, c["na_one_minus_beta_1"], c["na_one_minus_beta_2"])
-        # m_hat = (u_t_1 m) / (1 - u_product_t_1) + ((1 - u_t) g) / (1 - u_product_t)
+        current = np.multiply(g, one - u_t)  # ((1 - u_t) g) / (1 - u_product_t)
+        np.divide(current, one - u_product_t, out=current)
+        return self._moments_step(w, m, v, current, scalars, c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # g - m and square(g) - v densify (the occurrences, their squares, summed); ((1 - u_t) g) /
+        # (1 - u_product_t) is taken per occurrence and densified where added to the dense m term.
+        one = c["one"]
+        u_t, _, u_product_t, _, _ = scalars = self._scalars(w.dtype, iterations, c)
+        m, v = _moments(occ.dense(), state, c["na_one_minus_beta_1"], c["na_one_minus_beta_2"],
+                        squared=occ.dense(np.square(occ.values)))
+        current = np.multiply(occ.values, one - u_t)
+        np.divide(current, one - u_product_t, out=current)
+        return self._moments_step(w, m, v, occ.dense(current), scalars, c)
+
+    def _moments_step(self, w, m, v, current, scalars, c):
+        one = c["one"]
+        _, u_t_1, _, u_product_t_1, beta_2_power = scalars
+        # m_hat = (u_t_1 m) / (1 - u_product_t_1) + current
         m_hat = np.multiply(m, u_t_1)
         np.divide(m_hat, one - u_product_t_1, out=m_hat)
-        current = np.multiply(g, one - u_t)
-        np.divide(current, one - u_product_t, out=current)
         np.add(m_hat, current, out=m_hat)
         # v_hat = v / (1 - beta_2^t); w -= (m_hat lr) / (sqrt(v_hat) + eps)
         denominator = np.divide(v, one - beta_2_power, out=current)
@@ -347,13 +385,21 @@ class Ftrl(_KerasOptimizer):
         return state
 
     def _step(self, w, g, state, iterations, c):
+        return self._squared_step(w, g, np.square(g), state, c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # g + shrinkage * w densifies the occurrences (summed); accum + square(g) their squares
+        return self._squared_step(w, occ.dense(), occ.dense(np.square(occ.values)), state, c)
+
+    def _squared_step(self, w, g, squared, state, c):
+        """The step for ``g`` and ``g^2`` given (``squared``, a new array, written into)."""
         lr, power = c["lr"], c["ftrl_power"]
         # l2_reg = self.l2 + self.beta / (2.0 * lr), Python floats converted to lr's dtype
         l2_reg = c["ftrl_l2"] + c["ftrl_beta"] / (c["ftrl_two"] * lr)
         accum = state["accumulator"]
         grad_to_use = np.multiply(w, c["ftrl_two_shrinkage"])
         np.add(g, grad_to_use, out=grad_to_use)  # g + (2 * l2_shrinkage) * w
-        new_accum = np.square(g)
+        new_accum = squared
         np.add(accum, new_accum, out=new_accum)  # accum + g^2
         new_accum_power = _tf_pow(new_accum, power)
         sigma = np.subtract(new_accum_power, _tf_pow(accum, power))

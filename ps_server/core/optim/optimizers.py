@@ -432,10 +432,16 @@ class Optimizer:
 
         ``lr_scale`` multiplies the learning rate of this one step (async/SSP stale-gradient
         policy "scale"); 1.0 computes exactly what Keras computes. ``clip_scale`` is this
-        update's ``global_clip_scale`` (required with ``global_clipnorm``)."""
+        update's ``global_clip_scale`` (required with ``global_clipnorm``). ``grad`` may be
+        ``Occurrences`` (``--sparse-rule keras``): the step Keras 3 takes for an ``IndexedSlices``."""
         _check_float_array("variable", value)
-        _check_float_array("gradient", grad)
-        _check_like("gradient", grad, value)
+        if isinstance(grad, Occurrences):
+            grad.check(value)
+            if spec_refusal := slices_refusal(self.spec):
+                raise InvalidArgument(spec_refusal)
+        else:
+            _check_float_array("gradient", grad)
+            _check_like("gradient", grad, value)
         spec = self.spec
         slot_names = (*self.slot_names, "ema") if spec.use_ema else self.slot_names
         missing = [k for k in (*slot_names, "iterations") if k not in state]
@@ -454,12 +460,15 @@ class Optimizer:
         dtype = value.dtype
         c = self.step_constants(dtype, iterations, lr_scale)
         with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
-            grad = self._clip(grad, c, clip_scale)
+            grad = grad.clipped(self._clip, c) if isinstance(grad, Occurrences) else self._clip(grad, c, clip_scale)
         if spec.weight_decay is not None:  # TensorFlow's _apply_weight_decay: w.assign_sub(w * wd * lr)
             decay = np.multiply(value, c["weight_decay"])
             np.multiply(decay, c["lr"], out=decay)
             value = np.subtract(value, decay, out=decay)
-        new_value, slots = self._step(value, grad, state, iterations, c)
+        if isinstance(grad, Occurrences):  # --sparse-rule keras
+            new_value, slots = self._slices_step(value, grad, state, iterations, c)
+        else:
+            new_value, slots = self._step(value, grad, state, iterations, c)
         if spec.use_ema:
             # average = momentum * average + (1 - momentum) * w, momentum 0 at the first step;
             # then every ema_overwrite_frequency steps w = average (Keras, iterations before +1).
@@ -484,7 +493,8 @@ class Optimizer:
         back (``VariableStore``). Every step here is elementwise once its scalars are fixed,
         so these are those rows' bits of ``apply`` on the whole variable with zeros
         elsewhere; the exceptions need the whole variable (``clipnorm``,
-        ``global_clipnorm``, ``use_ema``: ``core.optim.sparse.row_wise``) and are not for here."""
+        ``global_clipnorm``, ``use_ema``: ``core.optim.sparse.row_wise``) and are not for here.
+        ``grad`` may be ``Occurrences`` whose positions index ``rows``."""
         _check_float_array("variable", value)
         if not value.shape:
             raise InvalidArgument("apply_rows needs a variable with rows; this one is 0-d")
@@ -509,6 +519,11 @@ class Optimizer:
 
     def _step(self, w, g, state, iterations, c) -> tuple[np.ndarray, dict]:
         raise NotImplementedError
+
+    def _slices_step(self, w, occ: "Occurrences", state, iterations, c) -> tuple[np.ndarray, dict]:
+        """``_step`` for a gradient held as Keras holds an ``IndexedSlices`` (``Occurrences``)."""
+        raise InvalidArgument(f"--sparse-rule keras: Keras' step of {self.spec.name} for an IndexedSlices "
+                              f"gradient is not implemented here; run the server with --sparse-rule sum")
 
 
 class SGD(Optimizer):
@@ -542,6 +557,19 @@ class SGD(Optimizer):
             return np.add(w, ahead, out=ahead), {"momentum": m}
         return np.add(w, m, out=step), {"momentum": m}
 
+    def _slices_step(self, w, occ, state, iterations, c):
+        step = np.multiply(occ.values, c["lr"])  # g*lr, per occurrence
+        if not self.slot_names:
+            return occ.scatter_sub(w, step), {}  # assign_sub of slices: one occurrence after another
+        summed = occ.dense(step)  # m*mu - g*lr densifies g*lr
+        m = np.multiply(state["momentum"], c["momentum"])
+        np.subtract(m, summed, out=m)
+        if self.spec.nesterov:
+            ahead = np.multiply(m, c["momentum"])
+            np.subtract(ahead, summed, out=ahead)
+            return np.add(w, ahead, out=ahead), {"momentum": m}
+        return np.add(w, m), {"momentum": m}
+
 
 class Adam(Optimizer):
     """``keras.optimizers.Adam`` and ``AdamW`` (Adam with weight_decay, which ``apply``
@@ -552,22 +580,33 @@ class Adam(Optimizer):
         self.slot_names = ("m", "v", "v_hat") if spec.amsgrad else ("m", "v")
 
     def _step(self, w, g, state, iterations, c):
-        with np.errstate(over="ignore"):  # float16 step > 65504 is inf, as in Keras
-            local_step = np.array(iterations + 1).astype(w.dtype)[()]
-        beta_1_power = _scalar_pow(c["beta_1"], local_step)
-        beta_2_power = _scalar_pow(c["beta_2"], local_step)
-        alpha = c["lr"] * np.sqrt(c["one"] - beta_2_power) / (c["one"] - beta_1_power)
+        alpha = self._alpha(w.dtype, iterations, c)
         fused = kernels.adam(w, g, state["m"], state["v"], state["v_hat"] if self.spec.amsgrad else None,
                              c["one_minus_beta_1"], c["one_minus_beta_2"], alpha, c["epsilon"])
         if fused is not None:  # the operations below, in one pass
             new_w, m, v, v_hat = fused
             return new_w, ({"m": m, "v": v, "v_hat": v_hat} if self.spec.amsgrad else {"m": m, "v": v})
+        return self._moments_step(w, g, np.square(g), state, alpha, c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # g - m and square(g) - v densify: the occurrences summed, and their squares summed
+        return self._moments_step(w, occ.dense(), occ.dense(np.square(occ.values)), state,
+                                  self._alpha(w.dtype, iterations, c), c)
+
+    def _alpha(self, dtype, iterations, c):
+        with np.errstate(over="ignore"):  # float16 step > 65504 is inf, as in Keras
+            local_step = np.array(iterations + 1).astype(dtype)[()]
+        beta_1_power = _scalar_pow(c["beta_1"], local_step)
+        beta_2_power = _scalar_pow(c["beta_2"], local_step)
+        return c["lr"] * np.sqrt(c["one"] - beta_2_power) / (c["one"] - beta_1_power)
+
+    def _moments_step(self, w, g, squared, state, alpha, c):
         # m + (g - m) * (1 - beta_1); v + (g^2 - v) * (1 - beta_2); w - (m * alpha) / (sqrt(v) + eps),
-        # operation by operation as written, into reused temporaries (see SGD).
+        # operation by operation as written, into reused temporaries (see SGD). ``squared`` is g^2.
         m = np.subtract(g, state["m"])
         np.multiply(m, c["one_minus_beta_1"], out=m)
         np.add(state["m"], m, out=m)
-        v = np.square(g)
+        v = squared
         np.subtract(v, state["v"], out=v)
         np.multiply(v, c["one_minus_beta_2"], out=v)
         np.add(state["v"], v, out=v)
@@ -601,6 +640,16 @@ class Adagrad(Optimizer):
         update = np.multiply(g, c["lr"])
         np.divide(update, denominator, out=update)
         return np.subtract(w, update, out=update), {"accumulator": accumulator}
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # assign_add(acc, square(g)) scatters each occurrence's square; lr * g / sqrt(acc + eps)
+        # stays slices (the denominator's rows gathered), and assign_sub scatters them in turn.
+        accumulator = occ.scatter_add(state["accumulator"], np.square(occ.values))
+        denominator = np.add(accumulator, c["epsilon"])
+        np.sqrt(denominator, out=denominator)
+        update = np.multiply(occ.values, c["lr"])
+        np.divide(update, occ.gather(denominator), out=update)
+        return occ.scatter_sub(w, update), {"accumulator": accumulator}
 
 
 class RMSprop(Optimizer):
@@ -645,6 +694,105 @@ class RMSprop(Optimizer):
             slots["momentum"] = m
             return np.subtract(w, m, out=increment), slots
         return np.subtract(w, increment, out=increment), slots
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # rho*v + (1-rho)*square(g): the scaled squares per occurrence, densified when added;
+        # so (1-rho)*g for the centered average. lr*g / sqrt(denominator) stays slices (its rows
+        # gathered): momentum densifies it, else assign_sub scatters it occurrence by occurrence.
+        velocity = np.multiply(state["velocity"], c["rho"])
+        velocity += occ.dense(np.multiply(np.square(occ.values), c["one_minus_rho"]))
+        slots = {"velocity": velocity}
+        if self.spec.centered:
+            average = np.multiply(state["average_gradient"], c["rho"])
+            average += occ.dense(np.multiply(occ.values, c["one_minus_rho"]))
+            slots["average_gradient"] = average
+            denominator = np.subtract(velocity, np.square(average))
+            denominator += c["epsilon"]
+        else:
+            denominator = np.add(velocity, c["epsilon"])
+        np.sqrt(denominator, out=denominator)
+        increment = np.multiply(occ.values, c["lr"])
+        np.divide(increment, occ.gather(denominator), out=increment)
+        if "momentum" in self.slot_names:
+            m = np.multiply(state["momentum"], c["rms_momentum"])
+            m += occ.dense(increment)
+            slots["momentum"] = m
+            return np.subtract(w, m), slots
+        return occ.scatter_sub(w, increment), slots
+
+
+# The optimizers whose Keras step of an IndexedSlices gradient ``_slices_step`` repeats.
+SLICES_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "ftrl", "lion")
+
+
+def slices_refusal(spec: OptimizerSpec) -> str | None:
+    """Why ``--sparse-rule keras`` cannot run optimizer ``spec`` (one line), or None."""
+    if spec.name not in SLICES_OPTIMIZERS:
+        return (f"--sparse-rule keras: Keras' step of {spec.name} for an IndexedSlices gradient is not "
+                f"implemented here (only {', '.join(SLICES_OPTIMIZERS)}); run the server with --sparse-rule sum")
+    if spec.global_clipnorm is not None:
+        return ("--sparse-rule keras: global_clipnorm's norm of an IndexedSlices gradient is not implemented "
+                "here; drop global_clipnorm or run the server with --sparse-rule sum")
+    if spec.name == "adagrad" and spec.epsilon == 0 and spec.initial_accumulator_value == 0:
+        return ("--sparse-rule keras: Adagrad with epsilon 0 and initial_accumulator_value 0 divides by zero, "
+                "where Keras' IndexedSlices division takes another path; run the server with --sparse-rule sum")
+    return None
+
+
+class Occurrences:
+    """A gradient as Keras 3's TensorFlow backend holds a ``tf.IndexedSlices`` (``--sparse-rule
+    keras``): occurrence ``i`` adds ``values[i]`` to row ``positions[i]`` of the variable (or
+    of the rows ``apply_rows`` gathered); a row may occur several times and is not summed first.
+
+    The backend's ops on such a gradient, which each optimizer's ``_slices_step`` repeats:
+    an elementwise op with a scalar (``square``, ``abs``, ``g * lr``) works on each
+    occurrence (``values``); an op that mixes them with a dense slot densifies them first,
+    ``tf.convert_to_tensor``: from zeros, each occurrence added in order (``dense``); a
+    division by a dense array takes its rows at the occurrences (``gather``); and
+    ``assign_add``/``assign_sub`` of slices scatter them into the variable one occurrence
+    after another (``scatter_add``, ``scatter_sub``)."""
+
+    def __init__(self, positions: np.ndarray, values: np.ndarray):
+        self.positions = np.asarray(positions, dtype=np.intp)
+        self.values = values
+        self.rows = 0  # the block's row count: set by check()
+
+    def check(self, value: np.ndarray) -> None:
+        _check_float_array("gradient", self.values)
+        if not value.shape:
+            raise InvalidArgument("a sparse gradient needs a variable with rows; this one is 0-d")
+        if self.values.shape != (len(self.positions),) + value.shape[1:] or self.values.dtype != value.dtype:
+            raise InvalidArgument(f"sparse gradient is {self.values.dtype}{list(self.values.shape)} for "
+                                  f"{len(self.positions)} row(s) of a variable {value.dtype}{list(value.shape)}")
+        if len(self.positions) and (self.positions.min() < 0 or self.positions.max() >= value.shape[0]):
+            raise InvalidArgument(f"sparse gradient names a row outside 0..{value.shape[0] - 1}")
+        self.rows = value.shape[0]
+
+    def clipped(self, clip, c: dict) -> "Occurrences":
+        """``clipvalue`` and ``clipnorm`` as TensorFlow clips an ``IndexedSlices``: its values."""
+        out = Occurrences(self.positions, clip(self.values, c, None))
+        out.rows = self.rows
+        return out
+
+    def dense(self, values: np.ndarray | None = None) -> np.ndarray:
+        """``values`` (default: the gradient's own) densified: ``unsorted_segment_sum``."""
+        values = self.values if values is None else values
+        out = np.zeros((self.rows,) + values.shape[1:], values.dtype)
+        np.add.at(out, self.positions, values)
+        return out
+
+    def gather(self, x: np.ndarray) -> np.ndarray:
+        return np.take(x, self.positions, axis=0)
+
+    def scatter_add(self, x: np.ndarray, values: np.ndarray) -> np.ndarray:
+        out = x.copy()
+        np.add.at(out, self.positions, values)
+        return out
+
+    def scatter_sub(self, x: np.ndarray, values: np.ndarray) -> np.ndarray:
+        out = x.copy()
+        np.subtract.at(out, self.positions, values)
+        return out
 
 
 def _check_float_array(what: str, x) -> None:

@@ -32,6 +32,24 @@ rows and their indices instead of the whole table (``PushRequest`` tensors with
 - ``dense``: every sparse gradient is made dense on arrival and stepped as the
   whole table (what tfps did before; for comparisons).
 
+``--sparse-rule`` (``SPARSE_RULES``) says what a row that occurs several times in one
+sparse gradient gets (an id looked up twice in a batch):
+
+- ``sum`` (the default): its occurrences summed first (``combine``, in the order given,
+  as ``densify`` sums them), then one step with the sum: the dense gradient's step, bit
+  for bit; what TF1's optimizers and ElasticDL do.
+- ``keras``: each occurrence as Keras 3's TensorFlow backend applies a ``tf.IndexedSlices``
+  (``optimizers.Occurrences``; each optimizer's ``_slices_step``): an elementwise op such
+  as Adam's ``square(g)`` per occurrence, then added up where it meets a dense slot, and
+  ``assign_sub`` of slices occurrence after occurrence. So a repeated row's step is
+  one-process ``model.fit``'s, bit for bit. The worker then pushes every occurrence as
+  TensorFlow gave it (``worker.gradients``), and the whole variable is stepped unless
+  ``row_wise`` says its rows alone may be (the optimizers whose untouched rows stay as
+  they were: SGD without momentum, Adagrad; or ``lazy``). A sync round's gradient is the
+  global batch's: every push's occurrences in worker-id order, each scaled by its batch
+  weight (``aggregation.RoundSum``). ``optimizers.slices_refusal`` names what it refuses
+  at initialization (Adadelta, Lamb, Adafactor; ``global_clipnorm``).
+
 In a sync round the batch-weighted mean of sparse gradients stays sparse
 (``aggregation.RoundSum``): over the union of the workers' rows, exact and rounded
 once as the dense mean is, so each of those rows gets the bits the dense mean
@@ -49,6 +67,8 @@ from ps_server.core.errors import InvalidArgument
 
 # --sparse-updates: how a sparse gradient is applied (module docstring).
 SPARSE_UPDATES = ("exact", "lazy", "dense")
+# --sparse-rule: what a row that occurs several times in one sparse gradient gets (module docstring).
+SPARSE_RULES = ("sum", "keras")
 
 
 def check(name: str, g: SparseRows, shape: tuple[int, ...], dtype: np.dtype) -> None:
