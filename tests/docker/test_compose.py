@@ -74,7 +74,9 @@ def test_compose_up_trains_digits_to_90_percent_and_every_container_exits_cleanl
     assert abs(float(out.strip().splitlines()[-1]) - metrics["test_accuracy"]) < 1e-6, (out, metrics)
 
 
-@pytest.mark.parametrize("policy", ["shrink", "abort"])
+# abort is slow: the same policy's chaos test runs in the default tier (tests/chaos), and
+# shrink here proves the compose settings reach the server.
+@pytest.mark.parametrize("policy", ["shrink", pytest.param("abort", marks=pytest.mark.slow)])
 def test_killed_worker_gets_the_configured_policy(compose_project, policy):
     project = compose_project(TFPS_DEAD_WORKER_POLICY=policy, TFPS_LEASE_TIMEOUT=3, TFPS_EPOCHS=LONG_EPOCHS)
     project.up_detached()
@@ -164,6 +166,7 @@ def test_worker_cut_from_the_network_is_declared_dead_and_rejoins_when_reconnect
     assert metrics["test_accuracy"] >= 0.90, metrics
 
 
+@pytest.mark.slow  # shards are trained in the default tier by tests/cluster/test_shards.py
 def test_two_server_shards_train_digits_to_90_percent(compose_project):
     project = compose_project(files=("compose.yaml", "compose.shards.yaml"))
     project.compose("up", "--no-build", "--no-color", timeout=RUN_TIMEOUT)
