@@ -64,7 +64,7 @@ def squares_of(request) -> dict[str, np.floating]:
     for name, value, dtype in zip(request.names, request.squares, request.dtypes):
         try:
             dtype = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):
             dtype = None
         if dtype is None or dtype.kind != "f":
             raise InvalidArgument(f"ClipNorm: {name!r}'s squares come as {request.dtypes[len(out)]!r}, not a float")

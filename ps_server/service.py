@@ -809,7 +809,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # shard's squares of the update, at most the caller's timeout.
         ticket = self.core.clip_norm(request.key, request.shard, peers.squares_of(request))
         try:
-            scale = await asyncio.wait_for(settled(ticket), max(0.0, min(request.timeout_s, self.core.barrier_timeout)))
+            wait = request.timeout_s if math.isfinite(request.timeout_s) and request.timeout_s > 0 else 0.0
+            scale = await asyncio.wait_for(settled(ticket), min(wait, self.core.barrier_timeout))
         except asyncio.TimeoutError:
             self.core.norm_board.forget(request.key, request.shard)
             raise ClipTimeout(f"global_clipnorm: not every shard brought its norm for {request.key} in time; "

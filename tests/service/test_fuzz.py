@@ -88,6 +88,7 @@ REQUESTS = {
     "Status": pb.StatusRequest,
     "Broadcast": pb.BroadcastRequest,
     "Work": pb.WorkRequest,
+    "ClipNorm": pb.ClipNormRequest,
 }
 STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
@@ -293,6 +294,10 @@ STRATEGIES = {
                            value=st.binary(max_size=16),
                            timeout_s=st.sampled_from([0.0, 0.001, 0.01, -1.0, float("nan"), -float("inf")])),
     "Work": st.builds(pb.WorkRequest, worker_id=WORKER),  # these servers are not elastic: refused
+    # These servers are no clip group's shard 0: refused, whatever the squares.
+    "ClipNorm": st.builds(pb.ClipNormRequest, key=TEXT, shard=INT32, names=st.lists(NAMES, max_size=3),
+                          squares=st.lists(DOUBLES, max_size=3), dtypes=st.lists(TEXT, max_size=3),
+                          timeout_s=DOUBLES),
 }
 
 
@@ -352,6 +357,12 @@ def test_fuzzed_broadcast_is_answered_with_a_table_code_and_changes_nothing(targ
 @given(request=STRATEGIES["Work"])
 def test_fuzzed_work_is_answered_with_a_table_code_and_changes_nothing(target, request):
     fuzz(target, "Work", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["ClipNorm"])
+def test_fuzzed_clip_norm_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    fuzz(target, "ClipNorm", request)
 
 
 @FUZZ
