@@ -764,12 +764,22 @@ class VariableStore:
         # model's order (the order the variables were initialized in).
         if optimizer.spec.global_clipnorm is None:
             return None
-        trainable = [name for name in self._vars if name in grads and not self._vars[name].non_trainable]
+        trainable = {name: self._clipped_as(name, grads[name]) for name in self._vars
+                     if name in grads and not self._vars[name].non_trainable}
         if self.clip_across is None:
-            return optimizer.global_clip_scale(grads[name] for name in trainable)
+            return optimizer.global_clip_scale(trainable.values())
         if key is None:
             raise InvalidArgument("global_clipnorm over several shards names each update (its round or push)")
-        return self.clip_across(key, {name: squares(np.asarray(grads[name])) for name in trainable})
+        return self.clip_across(key, {name: squares(g) for name, g in trainable.items()})
+
+    def _clipped_as(self, name: str, g):
+        """The gradient as global clipping reads it: a sparse one (``--sparse-rule keras``
+        keeps its occurrences) as Keras reads an ``IndexedSlices``, ``Occurrences``."""
+        if not isinstance(g, SparseRows):
+            return g
+        occurrences = Occurrences(np.asarray(g.rows, dtype=np.intp), g.values)
+        occurrences.check(self._vars[name].value)
+        return occurrences
 
     def apply_one(self, name: str, grad: "np.ndarray | SparseRows", lr_scale: float = 1.0, clip_scale=None,
                   optimizer: Optimizer | None = None) -> None:

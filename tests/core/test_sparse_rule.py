@@ -41,6 +41,8 @@ CASES = {
     "sgd_momentum": ("SGD", dict(learning_rate=0.1, momentum=0.9)),
     "adam_amsgrad_clipvalue": ("Adam", dict(learning_rate=0.1, amsgrad=True, clipvalue=0.5)),
     "adagrad_clipnorm": ("Adagrad", dict(learning_rate=0.1, clipnorm=0.5)),
+    "adamw_global_clipnorm": ("AdamW", dict(learning_rate=0.1, global_clipnorm=0.5)),
+    "sgd_global_clipnorm": ("SGD", dict(learning_rate=0.1, global_clipnorm=0.5)),
 }
 
 
@@ -171,7 +173,6 @@ def test_rule_keras_steps_the_touched_rows_alone_where_untouched_rows_stay_as_th
 @pytest.mark.parametrize("spec, words", [
     (OptimizerSpec("adadelta", learning_rate=0.1), "adadelta"),
     (OptimizerSpec("lamb", learning_rate=0.1), "lamb"),
-    (OptimizerSpec("adam", learning_rate=0.1, global_clipnorm=1.0), "global_clipnorm"),
 ])
 def test_rule_keras_refuses_at_initialization_what_it_does_not_compute(spec, words):
     ps = ParameterServer(mode="async", num_workers=1, sparse_rule="keras")

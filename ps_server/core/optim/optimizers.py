@@ -285,9 +285,14 @@ def _constants(spec: OptimizerSpec, dtype: np.dtype) -> dict:
     return c
 
 
-def squares(g: np.ndarray) -> np.floating:
+def squares(g: "np.ndarray | Occurrences") -> np.floating:
     """``ops.sum(ops.square(g))``: the squares in g's dtype, added as TensorFlow adds them
-    (a float16/32/64 gradient's; InvalidArgument for another dtype)."""
+    (a float16/32/64 gradient's; InvalidArgument for another dtype). Of ``Occurrences``
+    (an ``IndexedSlices``, ``--sparse-rule keras``): each occurrence squared, densified
+    (a repeated row adds its occurrences' squares), then summed."""
+    if isinstance(g, Occurrences):
+        _check_float_array("gradient", g.values)
+        return tf_sum(g.dense(np.square(g.values)).ravel())
     g = np.asarray(g)
     if g.dtype not in FLOAT_DTYPES:
         raise InvalidArgument(f"gradients must be float16/float32/float64; got {g.dtype}")
@@ -439,6 +444,8 @@ class Optimizer:
             grad.check(value)
             if spec_refusal := slices_refusal(self.spec):
                 raise InvalidArgument(spec_refusal)
+            if self.spec.global_clipnorm is not None:  # Keras' ``v * scale`` makes the slices dense
+                grad = grad.dense()
         else:
             _check_float_array("gradient", grad)
             _check_like("gradient", grad, value)
@@ -730,9 +737,6 @@ def slices_refusal(spec: OptimizerSpec) -> str | None:
     if spec.name not in SLICES_OPTIMIZERS:
         return (f"--sparse-rule keras: Keras' step of {spec.name} for an IndexedSlices gradient is not "
                 f"implemented here (only {', '.join(SLICES_OPTIMIZERS)}); run the server with --sparse-rule sum")
-    if spec.global_clipnorm is not None:
-        return ("--sparse-rule keras: global_clipnorm's norm of an IndexedSlices gradient is not implemented "
-                "here; drop global_clipnorm or run the server with --sparse-rule sum")
     if spec.name == "adagrad" and spec.epsilon == 0 and spec.initial_accumulator_value == 0:
         return ("--sparse-rule keras: Adagrad with epsilon 0 and initial_accumulator_value 0 divides by zero, "
                 "where Keras' IndexedSlices division takes another path; run the server with --sparse-rule sum")

@@ -48,7 +48,7 @@ sparse gradient gets (an id looked up twice in a batch):
   they were: SGD without momentum, Adagrad; or ``lazy``). A sync round's gradient is the
   global batch's: every push's occurrences in worker-id order, each scaled by its batch
   weight (``aggregation.RoundSum``). ``optimizers.slices_refusal`` names what it refuses
-  at initialization (Adadelta, Lamb, Adafactor; ``global_clipnorm``).
+  at initialization (Adadelta, Lamb, Adafactor).
 
 In a sync round the batch-weighted mean of sparse gradients stays sparse
 (``aggregation.RoundSum``): over the union of the workers' rows, exact and rounded
