@@ -206,9 +206,11 @@ def _one_task(loop) -> bool:
 
 def leave_now(loop) -> str:
     """After SIGTERM: Leave over a fresh connection; what happened, in words."""
-    reg, step = loop.conn.registration, loop.conn.step
+    conn = loop.conn  # tfps.keras: None until its fit connects
+    reg = None if conn is None else conn.registration
     if reg is None:
         return "stopped by SIGTERM before it registered"
+    step = conn.step
     me = reg.worker_id
     try:
         with connect(loop.config) as client:
@@ -221,17 +223,46 @@ def leave_now(loop) -> str:
     return f"stopped by SIGTERM: left the job at step {step}"
 
 
+def round_at(loop, r: int) -> None:
+    """Elastic sync one round at a time (``tfps.keras``: a Keras step is round ``r``): this
+    worker's part of round ``r``, if the server deals it some; returns once it is done, or at
+    once when the cluster is past ``r`` (a worker that joined late skips to the cluster's
+    round). Work dealt for a later round is kept in ``loop.pending`` for that round's call.
+    Refusals and faults as in ``rounds``."""
+
+    def one(loop) -> bool:
+        if loop.conn.step > r:
+            return False
+        work, loop.pending = loop.pending or _ask(loop), None
+        if work.round > r:
+            loop.pending = work
+            return False
+        _compute_if_current(loop, work)
+        return True
+
+    _take(loop, one, _ask_again)
+
+
 def _one_round(loop) -> bool:
     """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
-    conn = loop.conn
-    work = loop.call(conn.client.work, conn.worker_id,
-                     timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    work = _ask(loop)
     if work.round >= loop.task.total_steps:
         return False
-    version = conn.pull()
-    if version == work.round:  # else: dealt for a round that ended meanwhile: ask again
-        _compute_round(loop, work)
+    _compute_if_current(loop, work)
     return True
+
+
+def _ask(loop):
+    """The server's next work for this worker (``Work``: waits until it deals some)."""
+    conn = loop.conn
+    return loop.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
+
+
+def _compute_if_current(loop, work) -> None:
+    """Pull, and compute ``work`` if the parameters are its round's; else it was dealt for a
+    round that ended meanwhile, and the next ``Work`` says what now."""
+    if loop.conn.pull() == work.round:
+        _compute_round(loop, work)
 
 
 def _compute_round(loop, work) -> None:
