@@ -312,6 +312,9 @@ class _Attached:
                 history = self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         except elastic.Stopped as e:
             print(f"tfps.keras: worker {self.strategy.worker_index} {e}", file=sys.stderr, flush=True)
+            conn, self.strategy.connection = self.strategy.connection, None  # it left: no second Leave at exit
+            if conn is not None:
+                conn.close()
             raise SystemExit(LEFT_JOB_STATUS) from None
         self._load()
         return history
@@ -347,6 +350,8 @@ class _Attached:
         r, self.next_round = self.next_round, self.next_round + 1
         elastic.round_at(self.loop, r)
         self._pull()
+        if not all(getattr(m, "built", True) for m in self.model.metrics):
+            return {}  # a worker that joined late and skipped its first steps has updated no metric yet
         return self.model.get_metrics_result()
 
     def step(self, data) -> dict:

@@ -71,11 +71,26 @@ def test_what_an_elastic_launch_cannot_do_is_refused_in_one_line(flags, message)
         launch.run(parse(*flags))
 
 
-def test_elastic_with_a_command_is_refused():
-    args = parse("--elastic", "2:4")
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_elastic_async_or_ssp_with_a_command_is_refused_naming_the_task_queue(mode):
+    """Elastic sync runs a tfps.keras command (tests/cluster/test_launch_elastic_keras.py); the
+    task queue of elastic async and ssp is not dealt to model.fit yet."""
+    args = parse("--elastic", "2:4", "--mode", mode)
     args.command = ["python", "train.py"]
-    with pytest.raises(launch.LaunchError, match="not a command after --"):
+    with pytest.raises(launch.LaunchError, match=f"--elastic --mode {mode} with a command after --: .*task queue"):
         launch.run(args)
+
+
+def test_an_elastic_command_gets_tf_config_for_every_index_and_the_elastic_setting():
+    import json
+
+    args = parse("--elastic", "2:3")
+    args.command = ["python", "train.py"]
+    env = launch.script_environment(args, 2, ["127.0.0.1:5"], ["127.0.0.1:7", "127.0.0.1:8", "127.0.0.1:9"], {})
+    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 2}
+    assert env["TFPS_ELASTIC"] == "true" and env["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    _, workers = launch.resolved_for_script(args, {})
+    assert [(w.worker_index, w.num_workers, w.elastic) for w in workers] == [(0, 3, True), (1, 3, True), (2, 3, True)]
 
 
 def test_worker_args_may_name_an_index_started_later():
