@@ -1,0 +1,76 @@
+"""A user's Keras program under ``ps-launch --elastic``: workers added and stopped mid-run, the undisturbed bits.
+
+    python -m pytest -q tests/cluster/test_launch_elastic_keras.py
+
+Real processes: ps-launch starts an elastic sync ps-server (``--elastic 2:3``: each
+round's global batch cut into 3 micro-batches) and one of the two examples as every
+worker (``tfps.keras.Strategy()``, told by ``TFPS_ELASTIC`` that the server deals the
+examples of its ``model.fit`` dataset). Each example runs twice: undisturbed with two
+workers; and with two workers, a third started at round 10 (every worker pauses 8 s
+at round 20, so that it has started TensorFlow and joins mid-run: a pause changes no
+bit) and stopped by SIGTERM at round 60 (``--scale-at 10:3 --scale-at 60:2``: it
+leaves the job and exits 143). The rules, from docs/elastic.md: both runs exit 0;
+the stopped worker left, nobody was declared dead; the server applied every example
+once per epoch (its ledger: every epoch complete, the same count each); and the final
+parameters, read from the server's final checkpoint, are the undisturbed run's bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ps_server.core.checkpoint import latest_valid
+
+from .conftest import ROOT
+
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
+
+EXAMPLES = 1437  # the examples' training set: 80 % of digits
+ROUNDS_PER_EPOCH = 23  # global batches of 64
+
+
+def launch(tmp_path, name: str, example: str, *flags: str, env: dict | None = None) -> tuple[str, object]:
+    """Run ps-launch to its end; its output and the server's final checkpoint."""
+    checkpoints = tmp_path / name
+    run = subprocess.run(
+        [sys.executable, "-m", "ps_tools.launch", "--elastic", "2:3", "--workers", "2", "--checkpoint-dir",
+         str(checkpoints), *flags, "--", sys.executable, os.path.join(ROOT, "examples", example)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), **(env or {})})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    state, _ = latest_valid(str(checkpoints))
+    return out, state
+
+
+@pytest.mark.parametrize("example, epochs", [("keras_mwms.py", 5), ("keras_pss.py", 10)])
+def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every_example_once(
+        tmp_path, example, epochs):
+    _, plain = launch(tmp_path, "plain", example)
+    out, scaled = launch(tmp_path, "scaled", example, "--scale-at", "10:3", "--scale-at", "60:2",
+                         env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+
+    events = re.findall(r"ps-launch: round (\d+): worker (\d) (\w+)", out)
+    assert ("joined", "2") in [(e, w) for _, w, e in events], events  # the added worker took part mid-run
+    (left,) = [int(r) for r, w, e in events if (w, e) == ("2", "left")]
+    assert 60 <= left < epochs * ROUNDS_PER_EPOCH, events
+    assert not [e for e in events if e[2] in ("dead", "rejoined")], events
+    assert "worker 2 stopped by SIGTERM: left the job" in out, out[-3000:]
+    assert re.search(r"val_accuracy=0\.9[0-9]+", out), out[-2000:]  # the chief's line: it learned
+
+    for state in (plain, scaled):  # every example once per epoch: the server's ledger and count
+        assert state.version == epochs * ROUNDS_PER_EPOCH
+        assert state.data.num_examples == EXAMPLES and state.data.global_batch_size == 64
+        assert state.data.epochs_complete == tuple(range(epochs)) and not state.data.epochs_seen
+    assert f"examples per epoch {[EXAMPLES] * epochs} of {EXAMPLES}" in out
+
+    assert sorted(plain.values) == sorted(scaled.values)
+    for name in plain.values:
+        np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
