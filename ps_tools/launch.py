@@ -56,9 +56,13 @@ job, the server dealing its undelivered part to the others), SIGKILL 60 s later
 (one that exited other than 0 or 143, left, is named, with how it ended); any other worker
 failing, or the server exiting, stops the run as above. Refused in one line: MIN >
 MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
-``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, a command after
-``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic``
-and the server's ``membership`` history (``core.membership``), printed at the end.
+``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, async or ssp
+with a command after ``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add
+``elastic`` and the server's ``membership`` history (``core.membership``), printed at the end.
+With a command after ``--`` (sync), every worker runs it with ``TF_CONFIG`` listing every
+index up to MAX and ``TFPS_ELASTIC=true`` (a ``tfps.keras`` fit then trains on the data the
+server deals); at the end ps-launch prints the membership and the examples the server
+applied per epoch, and exits with the chief's status.
 
 Your own script as every worker, as torchrun and horovodrun do it::
 

@@ -17,8 +17,10 @@ the same bits (``core.cursor``).
 
 The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
 Initialize. The job ends at the last step: a worker dealt work of a round at or past
-``total_steps`` stops. Built-in models and datasets only for now (their examples are
-drawn by index); one server.
+``total_steps`` stops. The data: the built-in models and datasets (their examples are
+drawn by index), or the arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
+which runs one round per Keras step (``round_at``: a worker that joins late skips the
+rounds the cluster is past); one server.
 
 Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
 carries ``--epochs``, and the server hands out the job's batches as tasks

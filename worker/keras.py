@@ -45,6 +45,17 @@ with the chief's next push and is used from that push's update on (sync: its rou
 and so is the progress bar. ``model.evaluate``, ``model.predict`` and validation first
 load the server's current parameters; ``model.save`` writes the model as it holds them.
 
+**Workers that come and go** (``Strategy(elastic=True)``, ``TFPS_ELASTIC``: ``ps-launch
+--elastic MIN:MAX -- python train.py``): the server deals the examples of ``fit``'s NumPy
+arrays (or of a finite ``tf.data.Dataset``, read once into arrays) as it does for
+``ps-worker --elastic`` (``worker.elastic``): Keras' step *k* of epoch *e* is round
+``e * steps_per_epoch + k`` of the job's seeded sequence, and the worker computes the
+micro-batches of it the server deals it (``_Attached.round_step``); Keras' own batches are
+only counted. The chief sends the data plan with Initialize; every worker checks its
+data's digest against the chief's; a worker that joins late starts at the cluster's
+round. Each worker's loss and metrics (so the chief's ``History``) are its own
+micro-batches'. SIGTERM leaves the job and exits 143.
+
 **Not supported** (refused with one line before training): an optimizer or option the
 server cannot run (``worker.keras_optimizer``), ``steps_per_execution`` > 1 is run as
 single steps, mixed-precision loss scaling, and an attached model's own ``train_step``
