@@ -14,21 +14,31 @@ the stopped worker left, nobody was declared dead; the server applied every exam
 once per epoch (its ledger: every epoch complete, the same count each); and the final
 parameters, read from the server's final checkpoint, are the undisturbed run's bit
 for bit.
+
+By hand, without ps-launch: a ps-server (``--elastic-min-workers 3 --lease-timeout 2``)
+and three processes of the MultiWorkerMirroredStrategy example, once undisturbed, once
+with worker 2 SIGKILLed mid-run (its undelivered micro-batch moves to a live worker when
+its lease runs out): the same final parameters, every example once per epoch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from ps_common.procs import dying_with_parent
 from ps_server.core.checkpoint import latest_valid
+from worker.client import PSClient
 
-from .conftest import ROOT
+from .conftest import ROOT, read_log, wait_exit
 
 pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
@@ -74,3 +84,45 @@ def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every
     assert sorted(plain.values) == sorted(scaled.values)
     for name in plain.values:
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+
+
+def by_hand(procs, tmp_path, name: str, kill_at: int | None = None) -> tuple[int, dict, list[int]]:
+    """Three workers of the example against a server started by hand, worker 2 SIGKILLed once
+    the server's round reaches ``kill_at``: the final version, parameters and examples per epoch."""
+    _, address = procs.server("sync", 3, extra=("--elastic-min-workers", "3", "--micro-batches", "3",
+                                                 "--lease-timeout", "2"))
+    workers = []
+    for i in range(3):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLCONFIGDIR": str(tmp_path / "mpl"), "TFPS_ELASTIC": "true",
+               "TF_ENABLE_ONEDNN_OPTS": "0",
+               "TF_CONFIG": json.dumps({"cluster": {"ps": [address], "worker": [f"127.0.0.1:{20000 + j}" for j in range(3)]},
+                                        "task": {"type": "worker", "index": i}})}
+        log = tmp_path / f"{name}-worker{i}.log"
+        proc = subprocess.Popen(dying_with_parent([sys.executable, os.path.join(ROOT, "examples", "keras_mwms.py")]),
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+        proc.log_path = log
+        procs.procs.append(proc)
+        workers.append(proc)
+    with PSClient(address) as client:
+        if kill_at is not None:
+            deadline = time.monotonic() + 120
+            while client.status().round < kill_at:
+                assert time.monotonic() < deadline and workers[2].poll() is None, read_log(workers[2])[-2000:]
+                time.sleep(0.02)
+            workers[2].send_signal(signal.SIGKILL)
+        for i, proc in enumerate(workers):
+            code = wait_exit(proc, 300)
+            assert code == (-signal.SIGKILL if i == 2 and kill_at is not None else 0), read_log(proc)[-3000:]
+        status = client.status()
+        version, values = client.pull()
+    return version, {k: np.array(v) for k, v in values.items()}, [int(n) for n in status.epoch_examples]
+
+
+def test_a_keras_worker_sigkilled_mid_run_changes_no_bit_of_the_result(procs, tmp_path):
+    plain = by_hand(procs, tmp_path, "plain")
+    killed = by_hand(procs, tmp_path, "killed", kill_at=30)
+    assert plain[0] == killed[0] == 5 * ROUNDS_PER_EPOCH
+    assert plain[2] == killed[2] == [EXAMPLES] * 5
+    assert sorted(plain[1]) == sorted(killed[1])
+    for name in plain[1]:
+        np.testing.assert_array_equal(killed[1][name], plain[1][name], err_msg=name)
