@@ -56,13 +56,13 @@ job, the server dealing its undelivered part to the others), SIGKILL 60 s later
 (one that exited other than 0 or 143, left, is named, with how it ended); any other worker
 failing, or the server exiting, stops the run as above. Refused in one line: MIN >
 MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
-``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, async or ssp
-with a command after ``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add
-``elastic`` and the server's ``membership`` history (``core.membership``), printed at the end.
-With a command after ``--`` (sync), every worker runs it with ``TF_CONFIG`` listing every
-index up to MAX and ``TFPS_ELASTIC=true`` (a ``tfps.keras`` fit then trains on the data the
-server deals); at the end ps-launch prints the membership and the examples the server
-applied per epoch, and exits with the chief's status.
+``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, and
+ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic`` and the server's
+``membership`` history (``core.membership``), printed at the end. With a command after
+``--``, every worker runs it with ``TF_CONFIG`` listing every index up to MAX and
+``TFPS_ELASTIC=true`` (a ``tfps.keras`` fit then trains on the data the server deals: sync's
+micro-batches, async and ssp's tasks); at the end ps-launch prints the membership and the
+examples the server applied per epoch, and exits with the chief's status.
 
 Your own script as every worker, as torchrun and horovodrun do it::
 
@@ -606,8 +606,9 @@ def _wait_for_elastic_command(pool: "ElasticPool", servers: list[Child], address
     for e in membership:
         print(f"ps-launch: round {e['round']}: worker {e['worker_id']} {e['event']}", flush=True)
     for shard in shards:
-        print(f"ps-launch: the server applied {shard['examples_applied']} examples in {shard['version']} rounds; "
-              f"examples per epoch {shard['epoch_examples']} of {shard['num_examples']}", flush=True)
+        tasks = f"; tasks done {shard['tasks_done']} of {shard['tasks_total']}" if shard["tasks_total"] else ""
+        print(f"ps-launch: the server applied {shard['examples_applied']} examples in {shard['version']} updates; "
+              f"examples per epoch {shard['epoch_examples']} of {shard['num_examples']}{tasks}", flush=True)
     return 0
 
 
@@ -717,9 +718,6 @@ def check_elastic(args: argparse.Namespace) -> None:
                           f"say --epochs, not --steps {args.steps}")
     if args.num_ps != 1:
         raise LaunchError(f"--elastic trains against one server; --num-ps {args.num_ps} (shards) is not supported yet")
-    if getattr(args, "command", None) and args.mode not in (None, "sync"):
-        raise LaunchError(f"--elastic --mode {args.mode} with a command after --: tfps.keras trains on data dealt by "
-                          "elastic sync; the task queue of elastic async and ssp runs ps-worker's data only")
     if not low <= args.workers <= high:
         raise LaunchError(f"--workers {args.workers} (the workers started) must lie in {low}..{high} "
                           f"(--elastic {low}:{high})")

@@ -192,18 +192,71 @@ def _take(loop, one, passing) -> None:
 
 
 def _one_task(loop) -> bool:
-    conn, task = loop.conn, loop.task
-    loop.stop.check()
-    offer = conn.client.work(conn.worker_id)  # at once
+    offer = _offer(loop)
     if not offer.sizes:
         if offer.finished:
             return False
         loop.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
         return True
+    _compute_task(loop, offer)
+    return True
+
+
+def task_at(loop, epoch: int) -> None:
+    """Async and ssp one Keras step at a time (``tfps.keras``): the next task the server hands
+    out, computed and pushed, if it is of ``epoch`` or an earlier one; one of a later epoch is
+    kept in ``loop.pending`` for that epoch's steps (this worker's share of an epoch is what it
+    is handed, so its other steps do nothing). Once every task is handed out, a step waits for
+    the job to finish (a task may come back to it); from then on steps do nothing."""
+
+    def one(loop) -> bool:
+        offer, loop.pending = loop.pending or _offer(loop), None
+        if not offer.sizes:
+            if offer.finished:
+                loop.pending = offer  # the job is done: every later step does nothing
+                return False
+            loop.stop.sleep(WAIT_S)
+            return True
+        if offer.round // loop.task.steps_per_epoch > epoch:
+            loop.pending = offer
+            return False
+        _compute_task(loop, offer)
+        return False
+
+    _take(loop, one, _task_taken_away)
+
+
+def task_epoch(loop) -> int:
+    """Async and ssp (``tfps.keras``, at its fit's start): the epoch of the task this worker is
+    handed first (kept in ``loop.pending``): a worker that joins late starts there. The job's
+    last epoch when every task is held by others, its epochs once it is finished."""
+
+    def one(loop) -> bool:
+        loop.pending = loop.pending or _offer(loop)
+        return False
+
+    _take(loop, one, _task_taken_away)
+    offer, task = loop.pending, loop.task
+    if offer.sizes:
+        return offer.round // task.steps_per_epoch
+    if not offer.finished:
+        loop.pending = None  # nothing to hand out now: the first step asks again
+    return task.epochs if offer.finished else task.epochs - 1
+
+
+def _offer(loop):
+    """The server's next task for this worker, at once (``TaskOffer``: none when every task is held)."""
+    loop.stop.check()
+    conn = loop.conn
+    return conn.client.work(conn.worker_id)
+
+
+def _compute_task(loop, offer) -> None:
+    """Task ``offer.round``: its batch of the plan (``loop.batch`` examples), through the one step."""
+    conn, task = loop.conn, loop.task
     indices = global_batch(task.num_examples, loop.batch, loop.config.seed, offer.round)
     row, _ = loop.one_step(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
     loop.record(row)
-    return True
 
 
 def leave_now(loop) -> str:

@@ -144,6 +144,18 @@ class Strategy:
         """The server's mode once connected ("sync", "async", "ssp"); None before the first fit."""
         return self.connection.registration.mode if self.connection else None
 
+    def server_mode(self) -> str:
+        """The server's mode, asked (its ``Status``) before this worker registers: how an elastic
+        fit's data are dealt depends on it (``_dealt``)."""
+        from protos import wire
+        from worker.connection import connect
+
+        if self.connection is not None:
+            return self.connection.registration.mode
+        with connect(self.config) as client:
+            client.wait_ready(self.config.connect_timeout)
+            return wire.mode_from_wire(client.status().mode)
+
     # -- attaching models
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -205,10 +217,8 @@ class Strategy:
             conn.data_plan = data_plan
             try:
                 reg = conn.register()
-                if self.config.elastic and reg.mode != "sync":
-                    raise ValueError(f"elastic=True against a {reg.mode} server: tfps.keras trains on data dealt "
-                                     "by elastic sync (ps-server --elastic-min-workers); the task queue of "
-                                     "elastic async and ssp is not dealt to model.fit yet")
+                if self.config.elastic and reg.mode != "sync":  # ssp: a worker that joins starts at the slowest's clock
+                    conn.step = max(conn.step, reg.round)
                 conn.join()
                 conn.pull()
             except BaseException:
@@ -307,7 +317,7 @@ class _Attached:
             raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
                              "fit's data plan); give all the epochs to one fit")
         given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
-        self.dealt, given = _dealt(given, self.strategy.config)
+        self.dealt, given = _dealt(given, self.strategy.config, self.strategy.server_mode)
         return (), given
 
     def _fit_dealt(self, args, kwargs, callbacks, verbose):
@@ -355,11 +365,15 @@ class _Attached:
     def round_step(self) -> dict:
         """Elastic: one Keras step is round ``next_round`` of the job: this worker's micro-batches
         of it, if the server deals it some (``worker.elastic.round_at``: a worker that joined
-        late skips the rounds the cluster is past), then the server's parameters."""
+        late skips the rounds the cluster is past), then the server's parameters. Async and
+        ssp: the next task the server hands out, if it is of this epoch (``task_at``)."""
         from worker import elastic
 
         r, self.next_round = self.next_round, self.next_round + 1
-        elastic.round_at(self.loop, r)
+        if self.strategy.connection.sync:
+            elastic.round_at(self.loop, r)
+        else:
+            elastic.task_at(self.loop, r // self.dealt.steps_per_epoch)
         self._pull()
         if not all(getattr(m, "built", True) for m in self.model.metrics):
             return {}  # a worker that joined late and skipped its first steps has updated no metric yet
@@ -507,7 +521,10 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             if not strategy.is_chief and got["initial_epoch"]:
                 model._initial_epoch = got["initial_epoch"]
             if dealt is not None:
-                _join_dealt(model, dealt, got["data"], chief["data"], conn.step)
+                from worker import elastic
+
+                start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(attached.loop)
+                _join_dealt(model, got["data"], chief["data"], start)
             strategy.connection.pull()  # the server's state, whatever a callback restored locally
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -526,16 +543,15 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
     return Agreement()
 
 
-def _join_dealt(model, dealt, chief_data: str, my_data: str, cluster_round: int) -> None:
+def _join_dealt(model, chief_data: str, my_data: str, start_epoch: int) -> None:
     """Elastic: refuse data other than the chief's (the server deals indices into it), and
-    start at the epoch of the cluster's round (a worker that joins late; its first steps
-    skip the rounds the cluster is past: ``_Attached.round_step``)."""
+    start at ``start_epoch``: the epoch of the cluster's round (sync; a worker that joins late
+    skips the rounds the cluster is past: ``_Attached.round_step``), or of its first task."""
     if chief_data != my_data:
         raise ValueError(f"elastic=True: this worker's training data (digest {my_data}) differ from the chief's "
                          f"({chief_data}); the server deals example indices, so every worker must give model.fit "
                          "the same examples in the same order (seed any shuffle)")
-    model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0),
-                               cluster_round // dealt.steps_per_epoch)
+    model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start_epoch)
 
 
 class _DealtLoop:
@@ -568,6 +584,11 @@ class _DealtLoop:
     def knobs(self):
         return self.attached.stepper.knobs
 
+    @property
+    def batch(self) -> int:
+        """Async and ssp: a task's examples."""
+        return self.attached.dealt.global_batch_size
+
     def call(self, call, *args, **kwargs):
         return self.attached.stepper.call(call, *args, **kwargs)
 
@@ -575,11 +596,13 @@ class _DealtLoop:
         self.rows.append(row)
 
 
-def _dealt(given: dict, config) -> tuple:
+def _dealt(given: dict, config, server_mode) -> tuple:
     """Elastic: ``fit``'s data as the server deals it (``worker.task.DealtArrays``: NumPy arrays,
     or a finite ``tf.data.Dataset`` read once), and the arguments Keras' loop gets: the same
-    examples in unshuffled batches of the global batch size, whose count makes each epoch's
-    steps (each step trains on what the server deals, not on Keras' batch)."""
+    examples in unshuffled batches of the global batch size (async and ssp: of a task's size,
+    ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
+    epoch's steps (each step trains on what the server deals, not on Keras' batch). The
+    arguments are checked before ``server_mode()`` asks the server."""
     from worker.task import DealtArrays, TaskError
 
     for name, unset, why in (("validation_split", 0.0, "give validation_data"),
@@ -600,6 +623,9 @@ def _dealt(given: dict, config) -> tuple:
                            epochs=int(given.get("epochs", 1)))
     except TaskError as e:
         raise ValueError(f"elastic=True: {e}") from None
+    if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples
+        data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
+                           seed=config.seed, epochs=data.epochs, tasks=True)
     return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,
                   "shuffle": False}
 

@@ -354,12 +354,14 @@ class _Sequential:
 class DealtArrays:
     """Your arrays when the server deals their examples (``tfps.keras`` with elastic sync):
     global batch ``step`` is ``ps_common.batches.global_batch(num_examples, global_batch_size,
-    seed, step)``, the sequence the server's cursor cuts into micro-batches, and ``examples``
-    reads the rows at given indices of every array (``x`` may be one array, a tuple, list or
-    dict of them; ``y`` and ``sample_weight`` likewise, or None). ``total_steps``: the
-    ``epochs`` given, in global batches."""
+    seed, step)``, the sequence the server's cursor cuts into micro-batches (with ``tasks``,
+    async and ssp: task ``step``'s batch, ``core.data.tasks``), and ``examples`` reads the
+    rows at given indices of every array (``x`` may be one array, a tuple, list or dict of
+    them; ``y`` and ``sample_weight`` likewise, or None). ``total_steps``: the ``epochs``
+    given, in batches."""
 
-    def __init__(self, x, y, sample_weight, *, global_batch_size: int, seed: int, epochs: int):
+    def __init__(self, x, y, sample_weight, *, global_batch_size: int, seed: int, epochs: int,
+                 tasks: bool = False):
         from ps_common import batches
 
         self.x, self.y, self.sample_weight = x, y, sample_weight
@@ -371,13 +373,15 @@ class DealtArrays:
         (self.num_examples,) = sizes
         if self.num_examples < 1:
             raise TaskError("the training arrays are empty")
-        self.global_batch_size, self.seed, self.epochs = global_batch_size, seed, epochs
+        self.global_batch_size, self.seed, self.epochs, self.tasks = global_batch_size, seed, epochs, tasks
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, global_batch_size)
         self.total_steps = epochs * self.steps_per_epoch
 
     def plan(self) -> dict:
-        """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``)."""
-        return {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``;
+        with ``tasks`` the job's epochs too)."""
+        plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {**plan, "epochs": self.epochs} if self.tasks else plan
 
     def global_batch(self, step: int) -> np.ndarray:
         from ps_common import batches

@@ -191,3 +191,23 @@ def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mod
         weights.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
         strategy.close()
     assert weights[0] == weights[1]
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_config, mode):
+    """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
+    batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all."""
+    import numpy as np
+
+    running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
+    assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
+    strategy.close()

@@ -71,20 +71,12 @@ def test_what_an_elastic_launch_cannot_do_is_refused_in_one_line(flags, message)
         launch.run(parse(*flags))
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_elastic_async_or_ssp_with_a_command_is_refused_naming_the_task_queue(mode):
-    """Elastic sync runs a tfps.keras command (tests/cluster/test_launch_elastic_keras.py); the
-    task queue of elastic async and ssp is not dealt to model.fit yet."""
-    args = parse("--elastic", "2:4", "--mode", mode)
-    args.command = ["python", "train.py"]
-    with pytest.raises(launch.LaunchError, match=f"--elastic --mode {mode} with a command after --: .*task queue"):
-        launch.run(args)
-
-
-def test_an_elastic_command_gets_tf_config_for_every_index_and_the_elastic_setting():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_elastic_command_gets_tf_config_for_every_index_and_the_elastic_setting(mode):
+    """A tfps.keras command then trains on the data the server deals (tests/cluster/test_launch_elastic_keras.py)."""
     import json
 
-    args = parse("--elastic", "2:3")
+    args = parse("--elastic", "2:3", "--mode", mode)
     args.command = ["python", "train.py"]
     env = launch.script_environment(args, 2, ["127.0.0.1:5"], ["127.0.0.1:7", "127.0.0.1:8", "127.0.0.1:9"], {})
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 2}
