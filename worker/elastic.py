@@ -20,7 +20,8 @@ Initialize. The job ends at the last step: a worker dealt work of a round at or 
 ``total_steps`` stops. The data: the built-in models and datasets (their examples are
 drawn by index), or the arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
 which runs one round per Keras step (``round_at``: a worker that joins late skips the
-rounds the cluster is past); one server.
+rounds the cluster is past), or in async and ssp one task per Keras step (``task_at``);
+one server.
 
 Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
 carries ``--epochs``, and the server hands out the job's batches as tasks

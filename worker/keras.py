@@ -54,7 +54,9 @@ micro-batches of it the server deals it (``_Attached.round_step``); Keras' own b
 only counted. The chief sends the data plan with Initialize; every worker checks its
 data's digest against the chief's; a worker that joins late starts at the cluster's
 round. Each worker's loss and metrics (so the chief's ``History``) are its own
-micro-batches'. SIGTERM leaves the job and exits 143.
+micro-batches'. Against an async or ssp server the examples are its tasks instead
+(``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
+and exits 143.
 
 **Not supported** (refused with one line before training): an optimizer or option the
 server cannot run (``worker.keras_optimizer``), ``steps_per_execution`` > 1 is run as
