@@ -463,11 +463,11 @@ class _Attached:
         optimizer = self.model.optimizer
         if not self.strategy.is_chief or _has_schedule(optimizer):
             return 0.0
-        if self.dealt is not None:  # elastic sync takes no learning rate from a push
+        if self.dealt is not None:  # elastic sync takes no learning rate from a push (nor is one sent on tasks)
             if float(np.asarray(optimizer.learning_rate)) != self.compiled_learning_rate:
                 raise ValueError("elastic=True: the server runs the compiled learning rate; a callback's change "
-                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach elastic sync: compile "
-                                 "a keras.optimizers.schedules.LearningRateSchedule instead")
+                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when it deals the "
+                                 "data: compile a keras.optimizers.schedules.LearningRateSchedule instead")
             return 0.0
         # The first push of this worker always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
@@ -633,7 +633,9 @@ def _dealt(given: dict, config, server_mode) -> tuple:
 
 
 def _is_dataset(x) -> bool:
-    return type(x).__module__.startswith("tensorflow") and hasattr(x, "as_numpy_iterator")
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
 
 
 def _read_once(dataset) -> tuple:

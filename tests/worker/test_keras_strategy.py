@@ -211,3 +211,20 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
     assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
     strategy.close()
+
+
+def test_a_learning_rate_a_callback_changes_stops_an_elastic_fit_in_one_line(server_config):
+    """Elastic sync takes no learning rate from a push: the chief's LearningRateScheduler would
+    be lost, so it stops the fit, naming what to do instead."""
+    import numpy as np
+
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
+    with pytest.raises(ValueError, match="compile a keras.optimizers.schedules.LearningRateSchedule instead"):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=4, epochs=1, verbose=0,
+                  callbacks=[halve])
+    strategy.close()
