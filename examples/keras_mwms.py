@@ -1,13 +1,15 @@
 """TensorFlow's MultiWorkerMirroredStrategy tutorial program, on tfps: one line changed (``# tfps``).
 
     ps-launch --mode sync --workers 2 -- python examples/keras_mwms.py
+    ps-launch --elastic 2:3 --workers 2 -- python examples/keras_mwms.py   # workers may come and go
 
 Keras 3's ``model.fit`` fails under ``tf.distribute.MultiWorkerMirroredStrategy``
 (keras-team/keras#20585); with the strategy line below it trains on a tfps server,
 the global batch split between the workers, the loss and metrics logged those of
 the global batch. Every other line is the tutorial's, on the digits data (8x8
-images) instead of MNIST so that it runs in seconds. The chief prints
-``val_accuracy=...`` of the last epoch.
+images) instead of MNIST so that it runs in seconds. With ``--elastic`` the server
+deals the examples of ``train_dataset`` (read once) to the workers live at each
+round (docs/elastic.md). The chief prints ``val_accuracy=...`` of the last epoch.
 """
 
 import numpy as np

@@ -1,14 +1,17 @@
-"""TensorFlow's ParameterServerStrategy ``model.fit`` program, on tfps: one line changed (``# tfps``).
+"""TensorFlow's ParameterServerStrategy ``model.fit`` program, on tfps: the strategy line changed (``# tfps``).
 
     ps-launch --mode async --workers 2 -- python examples/keras_pss.py
+    ps-launch --elastic 2:3 --workers 2 -- python examples/keras_pss.py   # workers may come and go
 
 With ParameterServerStrategy the chief coordinates and TensorFlow servers run the
 workers and parameter servers; Keras 3's ``model.fit`` does not support it
 (keras-team/keras#20585). On tfps every worker runs this program, and the tfps
-server applies each worker's gradients as they arrive (``--mode async``). As
-with ParameterServerStrategy, ``steps_per_epoch`` says how long an epoch is; the
-loss and metrics each worker logs are its own. The chief prints
-``val_accuracy=...`` of the last epoch.
+server applies each worker's gradients as they arrive (``--mode async``); the
+loss and metrics each worker logs are its own. ParameterServerStrategy needs an
+endless dataset (``repeat()``) and ``steps_per_epoch``; on tfps an epoch is one
+pass over a finite one (the two lines marked ``# tfps: ... dropped``), which the
+server can also deal example by example to workers that come and go (``--elastic``,
+docs/elastic.md). The chief prints ``val_accuracy=...`` of the last epoch.
 """
 
 import numpy as np
@@ -26,7 +29,7 @@ def dataset_fn(global_batch_size):
     cut = int(0.8 * len(labels))
     train = tf.data.Dataset.from_tensor_slices((images[:cut], labels[:cut]))
     test = tf.data.Dataset.from_tensor_slices((images[cut:], labels[cut:]))
-    return (train.shuffle(cut, seed=1).repeat().batch(global_batch_size),
+    return (train.shuffle(cut, seed=1).batch(global_batch_size),  # tfps: .repeat() dropped
             test.batch(global_batch_size))
 
 
@@ -41,6 +44,6 @@ with strategy.scope():
     ])
     model.compile(optimizer=tf.keras.optimizers.Adam(learning_rate=0.003),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-history = model.fit(train_dataset, epochs=10, steps_per_epoch=23, validation_data=test_dataset)
+history = model.fit(train_dataset, epochs=10, validation_data=test_dataset)  # tfps: steps_per_epoch=23 dropped
 if strategy.cluster_resolver.task_id == 0:
     print(f"val_accuracy={history.history['val_accuracy'][-1]:.4f}")

@@ -56,9 +56,13 @@ job, the server dealing its undelivered part to the others), SIGKILL 60 s later
 (one that exited other than 0 or 143, left, is named, with how it ended); any other worker
 failing, or the server exiting, stops the run as above. Refused in one line: MIN >
 MAX, ``--workers`` or a step's N outside MIN..MAX, two steps at one round,
-``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, a command after
-``--``, and ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic``
-and the server's ``membership`` history (``core.membership``), printed at the end.
+``--scale-at`` without ``--elastic``, async or ssp with ``--steps``, ``--num-ps`` > 1, and
+ps-server's ``--elastic-min-workers`` itself. The metrics add ``elastic`` and the server's
+``membership`` history (``core.membership``), printed at the end. With a command after
+``--``, every worker runs it with ``TF_CONFIG`` listing every index up to MAX and
+``TFPS_ELASTIC=true`` (a ``tfps.keras`` fit then trains on the data the server deals: sync's
+micro-batches, async and ssp's tasks); at the end ps-launch prints the membership and the
+examples the server applied per epoch, and exits with the chief's status.
 
 Your own script as every worker, as torchrun and horovodrun do it::
 
@@ -525,6 +529,9 @@ def script_environment(args: argparse.Namespace, index: int, ps_addresses: list[
     env["TF_CONFIG"] = json.dumps({"cluster": {"ps": list(ps_addresses), "worker": list(worker_addresses)},
                                    "task": {"type": "worker", "index": index}})
     env.update(script_settings(args, index))
+    if getattr(args, "elastic_workers", None):  # tfps.keras.Strategy() trains on the data the server deals
+        env[names["elastic"]] = "true"
+        env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # the same bits in every worker (tfps.keras._seeded)
     return env
 
 
@@ -533,9 +540,9 @@ def resolved_for_script(args: argparse.Namespace, env: dict) -> tuple[ServerConf
     ``WorkerConfig.from_args([], its environment)`` (tfps' API in the script) will resolve it."""
     server, _ = resolved(args, {}, env, workers=False)
     ps = [f"127.0.0.1:{i + 1}" for i in range(args.num_ps)]  # the ports are picked at start
-    others = [f"127.0.0.1:{args.num_ps + i + 1}" for i in range(args.workers)]
+    others = [f"127.0.0.1:{args.num_ps + i + 1}" for i in range(capacity(args))]
     workers = []
-    for i in range(args.workers):
+    for i in range(capacity(args)):  # elastic: every index a worker may be started with
         try:
             workers.append(WorkerConfig.from_args([], environ=script_environment(args, i, ps, others, env)))
         except ConfigError as e:
@@ -559,15 +566,23 @@ def run_command(args: argparse.Namespace, server_config: ServerConfig, env: dict
     out_lock = threading.Lock()
     servers: list[Child] = []
     workers: list[Child] = []
-    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp:
+    elastic = getattr(args, "elastic_workers", None)
+    scaler = Scaler(elastic[0], elastic[1], args.scale_at) if elastic else None
+    with tempfile.TemporaryDirectory(prefix="ps-launch-") as tmp, scale_signals(scaler):
         try:
             addresses = _start_servers(args, tmp, out_lock, env, servers)
-            others = placeholder_worker_addresses(args.workers)
-            for i in range(args.workers):
+            others = placeholder_worker_addresses(capacity(args))
+
+            def start(index: int) -> Child:
                 # SIGKILL when ps-launch dies: a TensorFlow task in a cluster may outlive a SIGTERM
-                workers.append(Child(f"worker {i}", args.command, out_lock,
-                                     script_environment(args, i, addresses, others, env),
-                                     split_stderr=True, death_signal=signal.SIGKILL))
+                return Child(f"worker {index}", args.command, out_lock,
+                             script_environment(args, index, addresses, others, env),
+                             split_stderr=True, death_signal=signal.SIGKILL)
+
+            if elastic:  # workers started and stopped during the run, as for ps-worker (ElasticPool)
+                return _wait_for_elastic_command(ElasticPool(args, scaler, addresses, start, out_lock, workers),
+                                                 servers, addresses)
+            workers.extend(start(i) for i in range(args.workers))
             return _wait_for_command(workers, servers)
         except KeyboardInterrupt:
             print("ps-launch: interrupted, stopping all processes", file=sys.stderr)
@@ -575,6 +590,26 @@ def run_command(args: argparse.Namespace, server_config: ServerConfig, env: dict
         finally:
             stop_all(workers, _STOP_GRACE_S)
             stop_all(servers, _STOP_GRACE_S)
+
+
+def _wait_for_elastic_command(pool: "ElasticPool", servers: list[Child], addresses: list[str]) -> int:
+    """An elastic job of a command: 0 once every worker not stopped on purpose exited 0, else the
+    chief's status (or 1); then the server's membership history and its examples per epoch."""
+    failed = pool.run(servers)
+    if failed:
+        chief = pool.workers.get(0)
+        for c in failed:
+            print(f"ps-launch: {c.label} exited {_how_it_exited(c.proc.returncode)}", file=sys.stderr, flush=True)
+        code = chief.proc.returncode if chief in failed else 1
+        return code if code >= 0 else 128 - code
+    shards, membership = _shard_summary(addresses, pool.args.auth_token_file)
+    for e in membership:
+        print(f"ps-launch: round {e['round']}: worker {e['worker_id']} {e['event']}", flush=True)
+    for shard in shards:
+        tasks = f"; tasks done {shard['tasks_done']} of {shard['tasks_total']}" if shard["tasks_total"] else ""
+        print(f"ps-launch: the server applied {shard['examples_applied']} examples in {shard['version']} updates; "
+              f"examples per epoch {shard['epoch_examples']} of {shard['num_examples']}{tasks}", flush=True)
+    return 0
 
 
 def _wait_for_command(workers: list[Child], servers: list[Child]) -> int:
@@ -683,8 +718,6 @@ def check_elastic(args: argparse.Namespace) -> None:
                           f"say --epochs, not --steps {args.steps}")
     if args.num_ps != 1:
         raise LaunchError(f"--elastic trains against one server; --num-ps {args.num_ps} (shards) is not supported yet")
-    if getattr(args, "command", None):
-        raise LaunchError("--elastic trains the built-in models and data (ps-worker --elastic), not a command after --")
     if not low <= args.workers <= high:
         raise LaunchError(f"--workers {args.workers} (the workers started) must lie in {low}..{high} "
                           f"(--elastic {low}:{high})")
@@ -762,10 +795,12 @@ class ElasticPool:
     ``_wait_for_workers`` does, applying the ``Scaler`` meanwhile; a worker stopped on purpose
     is no failure, whatever its status."""
 
-    def __init__(self, args, scaler: Scaler, addresses: list[str], extra: dict[int, list[str]], result_file: str,
-                 out_lock: threading.Lock, env: dict, children: list[Child]):
-        self.args, self.addresses, self.extra, self.result_file = args, addresses, extra, result_file
-        self.out_lock, self.env, self.children = out_lock, env, children
+    def __init__(self, args, scaler: Scaler, addresses: list[str], make, out_lock: threading.Lock,
+                 children: list[Child]):
+        """``make(index)``: a new worker process at ``index`` (``ps-worker --elastic``, or the
+        command after ``--``)."""
+        self.args, self.addresses, self.make = args, addresses, make
+        self.out_lock, self.children = out_lock, children
         self.scaler = scaler
         self.workers: dict[int, Child] = {}  # index -> its newest process
         self.started: list[Child] = []  # every worker process, in start order
@@ -782,10 +817,7 @@ class ElasticPool:
         return [c for c in self.started if c.poll() is None and c not in self.stopping]
 
     def start(self, index: int) -> None:
-        argv = worker_argv(self.args, index, self.addresses, self.extra.get(index, []))
-        if index == 0:
-            argv += ["--result-json", self.result_file]
-        child = Child(f"worker {index}", argv, self.out_lock, self.env)
+        child = self.make(index)
         self.workers[index] = child
         self.started.append(child)
         self.children.append(child)
@@ -939,8 +971,12 @@ def _train(args: argparse.Namespace, extra: dict, env: dict, elastic) -> int | t
             addresses = _start_servers(args, tmp, out_lock, env, children)
             servers = list(children)
             if elastic:  # workers started and stopped during the run (ElasticPool)
-                pool = ElasticPool(args, scaler, addresses, extra, result_file, out_lock, env, children)
-                failed = pool.run(servers)
+                def start(index: int) -> Child:
+                    argv = worker_argv(args, index, addresses, extra.get(index, []))
+                    return Child(f"worker {index}", argv + (["--result-json", result_file] if index == 0 else []),
+                                 out_lock, env)
+
+                failed = ElasticPool(args, scaler, addresses, start, out_lock, children).run(servers)
             else:
                 for i in range(args.workers):
                     argv = worker_argv(args, i, addresses, extra.get(i, []))

@@ -17,8 +17,11 @@ the same bits (``core.cursor``).
 
 The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
 Initialize. The job ends at the last step: a worker dealt work of a round at or past
-``total_steps`` stops. Built-in models and datasets only for now (their examples are
-drawn by index); one server.
+``total_steps`` stops. The data: the built-in models and datasets (their examples are
+drawn by index), or the arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
+which runs one round per Keras step (``round_at``: a worker that joins late skips the
+rounds the cluster is past), or in async and ssp one task per Keras step (``task_at``);
+one server.
 
 Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
 carries ``--epochs``, and the server hands out the job's batches as tasks
@@ -190,25 +193,80 @@ def _take(loop, one, passing) -> None:
 
 
 def _one_task(loop) -> bool:
-    conn, task = loop.conn, loop.task
-    loop.stop.check()
-    offer = conn.client.work(conn.worker_id)  # at once
+    offer = _offer(loop)
     if not offer.sizes:
         if offer.finished:
             return False
         loop.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
         return True
+    _compute_task(loop, offer)
+    return True
+
+
+def task_at(loop, epoch: int) -> None:
+    """Async and ssp one Keras step at a time (``tfps.keras``): the next task the server hands
+    out, computed and pushed, if it is of ``epoch`` or an earlier one; one of a later epoch is
+    kept in ``loop.pending`` for that epoch's steps (this worker's share of an epoch is what it
+    is handed, so its other steps do nothing). Once every task is handed out, a step waits for
+    the job to finish (a task may come back to it); from then on steps do nothing."""
+
+    def one(loop) -> bool:
+        offer, loop.pending = loop.pending or _offer(loop), None
+        if not offer.sizes:
+            if offer.finished:
+                loop.pending = offer  # the job is done: every later step does nothing
+                return False
+            loop.stop.sleep(WAIT_S)
+            return True
+        if offer.round // loop.task.steps_per_epoch > epoch:
+            loop.pending = offer
+            return False
+        _compute_task(loop, offer)
+        return False
+
+    _take(loop, one, _task_taken_away)
+
+
+def task_epoch(loop) -> int:
+    """Async and ssp (``tfps.keras``, at its fit's start): the epoch of the task this worker is
+    handed first (kept in ``loop.pending``): a worker that joins late starts there. The job's
+    last epoch when every task is held by others, its epochs once it is finished."""
+
+    def one(loop) -> bool:
+        loop.pending = loop.pending or _offer(loop)
+        return False
+
+    _take(loop, one, _task_taken_away)
+    offer, task = loop.pending, loop.task
+    if offer.sizes:
+        return offer.round // task.steps_per_epoch
+    if not offer.finished:
+        loop.pending = None  # nothing to hand out now: the first step asks again
+    return task.epochs if offer.finished else task.epochs - 1
+
+
+def _offer(loop):
+    """The server's next task for this worker, at once (``TaskOffer``: none when every task is held)."""
+    loop.stop.check()
+    conn = loop.conn
+    return conn.client.work(conn.worker_id)
+
+
+def _compute_task(loop, offer) -> None:
+    """Task ``offer.round``: its batch of the plan (``loop.batch`` examples), through the one step."""
+    conn, task = loop.conn, loop.task
     indices = global_batch(task.num_examples, loop.batch, loop.config.seed, offer.round)
     row, _ = loop.one_step(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
     loop.record(row)
-    return True
 
 
 def leave_now(loop) -> str:
     """After SIGTERM: Leave over a fresh connection; what happened, in words."""
-    reg, step = loop.conn.registration, loop.conn.step
+    conn = loop.conn  # tfps.keras: None until its fit connects
+    reg = None if conn is None else conn.registration
     if reg is None:
         return "stopped by SIGTERM before it registered"
+    step = conn.step
     me = reg.worker_id
     try:
         with connect(loop.config) as client:
@@ -221,17 +279,46 @@ def leave_now(loop) -> str:
     return f"stopped by SIGTERM: left the job at step {step}"
 
 
+def round_at(loop, r: int) -> None:
+    """Elastic sync one round at a time (``tfps.keras``: a Keras step is round ``r``): this
+    worker's part of round ``r``, if the server deals it some; returns once it is done, or at
+    once when the cluster is past ``r`` (a worker that joined late skips to the cluster's
+    round). Work dealt for a later round is kept in ``loop.pending`` for that round's call.
+    Refusals and faults as in ``rounds``."""
+
+    def one(loop) -> bool:
+        if loop.conn.step > r:
+            return False
+        work, loop.pending = loop.pending or _ask(loop), None
+        if work.round > r:
+            loop.pending = work
+            return False
+        _compute_if_current(loop, work)
+        return True
+
+    _take(loop, one, _ask_again)
+
+
 def _one_round(loop) -> bool:
     """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
-    conn = loop.conn
-    work = loop.call(conn.client.work, conn.worker_id,
-                     timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    work = _ask(loop)
     if work.round >= loop.task.total_steps:
         return False
-    version = conn.pull()
-    if version == work.round:  # else: dealt for a round that ended meanwhile: ask again
-        _compute_round(loop, work)
+    _compute_if_current(loop, work)
     return True
+
+
+def _ask(loop):
+    """The server's next work for this worker (``Work``: waits until it deals some)."""
+    conn = loop.conn
+    return loop.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
+
+
+def _compute_if_current(loop, work) -> None:
+    """Pull, and compute ``work`` if the parameters are its round's; else it was dealt for a
+    round that ended meanwhile, and the next ``Work`` says what now."""
+    if loop.conn.pull() == work.round:
+        _compute_round(loop, work)
 
 
 def _compute_round(loop, work) -> None:

@@ -45,6 +45,19 @@ with the chief's next push and is used from that push's update on (sync: its rou
 and so is the progress bar. ``model.evaluate``, ``model.predict`` and validation first
 load the server's current parameters; ``model.save`` writes the model as it holds them.
 
+**Workers that come and go** (``Strategy(elastic=True)``, ``TFPS_ELASTIC``: ``ps-launch
+--elastic MIN:MAX -- python train.py``): the server deals the examples of ``fit``'s NumPy
+arrays (or of a finite ``tf.data.Dataset``, read once into arrays) as it does for
+``ps-worker --elastic`` (``worker.elastic``): Keras' step *k* of epoch *e* is round
+``e * steps_per_epoch + k`` of the job's seeded sequence, and the worker computes the
+micro-batches of it the server deals it (``_Attached.round_step``); Keras' own batches are
+only counted. The chief sends the data plan with Initialize; every worker checks its
+data's digest against the chief's; a worker that joins late starts at the cluster's
+round. Each worker's loss and metrics (so the chief's ``History``) are its own
+micro-batches'. Against an async or ssp server the examples are its tasks instead
+(``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
+and exits 143.
+
 **Not supported** (refused with one line before training): an optimizer or option the
 server cannot run (``worker.keras_optimizer``), ``steps_per_execution`` > 1 is run as
 single steps, mixed-precision loss scaling, and an attached model's own ``train_step``
@@ -96,9 +109,10 @@ class Strategy:
         self.batches = batches
         self.config = make_config(**flags)
         if self.config.elastic:
-            raise ValueError("tfps.keras does not train on data the server deals (elastic=True, ps-worker "
-                             "--elastic) yet: your dataset's batches are read by model.fit. Run the built-in "
-                             "models with ps-worker --elastic, or tfps.keras against a server that is not elastic")
+            if batches != "global":
+                raise ValueError("elastic=True: the server deals the examples of your arrays; batches="
+                                 f"{batches!r} (a dataset of this worker's own batches) cannot be dealt")
+            _seeded(self.config)
         self.connection = None
         self.models: list = []
         self._lock = threading.Lock()
@@ -131,6 +145,18 @@ class Strategy:
     def mode(self) -> str | None:
         """The server's mode once connected ("sync", "async", "ssp"); None before the first fit."""
         return self.connection.registration.mode if self.connection else None
+
+    def server_mode(self) -> str:
+        """The server's mode, asked (its ``Status``) before this worker registers: how an elastic
+        fit's data are dealt depends on it (``_dealt``)."""
+        from protos import wire
+        from worker.connection import connect
+
+        if self.connection is not None:
+            return self.connection.registration.mode
+        with connect(self.config) as client:
+            client.wait_ready(self.config.connect_timeout)
+            return wire.mode_from_wire(client.status().mode)
 
     # -- attaching models
     @contextlib.contextmanager
@@ -180,8 +206,9 @@ class Strategy:
         self.models.append(_Attached(self, model))
 
     # -- the cluster
-    def connect(self, model) -> None:
-        """Register, initialize (chief) or check (others) the server, and load its parameters."""
+    def connect(self, model, data_plan: dict | None = None) -> None:
+        """Register, initialize (chief: with ``data_plan`` when the server deals the data) or
+        check (others) the server, and load its parameters."""
         from worker.connection import Connection
         from worker.keras_optimizer import spec_fields
 
@@ -189,8 +216,11 @@ class Strategy:
             if self.connection is not None:
                 return
             conn = Connection(self.config, model, optimizer_spec=spec_fields(model.optimizer))
+            conn.data_plan = data_plan
             try:
-                conn.register()
+                reg = conn.register()
+                if self.config.elastic and reg.mode != "sync":  # ssp: a worker that joins starts at the slowest's clock
+                    conn.step = max(conn.step, reg.round)
                 conn.join()
                 conn.pull()
             except BaseException:
@@ -246,6 +276,11 @@ class _Attached:
         self.gradients = self.stepper = None  # the one tape (worker.gradients); the one step (worker.trainer)
         self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
+        self.compiled_learning_rate: float | None = None  # elastic: what the server runs, unchangeable
+        self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
+        self.loop: _DealtLoop | None = None  # elastic: what worker.elastic reads of a training loop
+        self.next_round = 0  # elastic: the round the next Keras step is
+        self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
@@ -268,9 +303,44 @@ class _Attached:
                 log.debug("worker %d leaves %s to the chief", strategy.worker_index, ", ".join(left))
             verbose = 0
         strategy._fits += 1
-        callbacks.append(_agreement(strategy, strategy._fits))
+        if strategy.config.elastic:
+            args, kwargs = self._dealt_arguments(args, kwargs)
+        callbacks.append(_agreement(strategy, strategy._fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
-        return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+        if self.dealt is None:
+            return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+        return self._fit_dealt(args, kwargs, callbacks, verbose)
+
+    def _dealt_arguments(self, args, kwargs) -> tuple[tuple, dict]:
+        """Elastic: the fit's data as the server deals it (``_dealt``), and Keras' arguments."""
+        import inspect
+
+        if self.strategy._fits > 1:
+            raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
+                             "fit's data plan); give all the epochs to one fit")
+        given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
+        self.dealt, given = _dealt(given, self.strategy.config, self.strategy.server_mode)
+        return (), given
+
+    def _fit_dealt(self, args, kwargs, callbacks, verbose):
+        """Keras' fit on data the server deals (module docstring). SIGTERM makes this worker
+        leave the job at once and exit 143, as ``ps-worker --elastic`` does (``worker.elastic``)."""
+        from ps_common.procs import LEFT_JOB_STATUS
+        from worker import elastic
+
+        self.stop = elastic.SigtermFlag()
+        self.loop = _DealtLoop(self)
+        try:
+            with elastic.leaving_at_sigterm(self.loop):
+                history = self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+        except elastic.Stopped as e:
+            print(f"tfps.keras: worker {self.strategy.worker_index} {e}", file=sys.stderr, flush=True)
+            conn, self.strategy.connection = self.strategy.connection, None  # it left: no second Leave at exit
+            if conn is not None:
+                conn.close()
+            raise SystemExit(LEFT_JOB_STATUS) from None
+        self._load()
+        return history
 
     def make_train_function(self, force: bool = False):
         model = self.model
@@ -279,17 +349,37 @@ class _Attached:
         from worker.gradients import Gradients
         from worker.trainer import Step
 
-        self.strategy.connect(model)
+        self.strategy.connect(model, self.dealt.plan() if self.dealt is not None else None)
         self.gradients = Gradients(model)  # the compiled loss and metrics, under the one tape
-        self.stepper = Step(self.strategy.connection, self.compute)
+        self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
+        if not _has_schedule(model.optimizer):
+            self.compiled_learning_rate = float(np.asarray(model.optimizer.learning_rate))
         model.train_function = self.train_function
         return model.train_function
 
     def train_function(self, iterator):
         logs = None
         for _ in range(max(1, int(self.model.steps_per_execution))):
-            logs = self.step(next(iterator))
+            data = next(iterator)  # elastic: Keras' batch is only counted; the server deals the examples
+            logs = self.step(data) if self.dealt is None else self.round_step()
         return logs
+
+    def round_step(self) -> dict:
+        """Elastic: one Keras step is round ``next_round`` of the job: this worker's micro-batches
+        of it, if the server deals it some (``worker.elastic.round_at``: a worker that joined
+        late skips the rounds the cluster is past), then the server's parameters. Async and
+        ssp: the next task the server hands out, if it is of this epoch (``task_at``)."""
+        from worker import elastic
+
+        r, self.next_round = self.next_round, self.next_round + 1
+        if self.strategy.connection.sync:
+            elastic.round_at(self.loop, r)
+        else:
+            elastic.task_at(self.loop, r // self.dealt.steps_per_epoch)
+        self._pull()
+        if not all(getattr(m, "built", True) for m in self.model.metrics):
+            return {}  # a worker that joined late and skipped its first steps has updated no metric yet
+        return self.model.get_metrics_result()
 
     def step(self, data) -> dict:
         """One step on the next global batch (module docstring): the one step (``Step``), then a
@@ -322,14 +412,23 @@ class _Attached:
             for v in _metric_variables(model):
                 v.assign(self.metrics_before[v.path] + reply.metrics[v.path])
         self.learning_rates.append(float(reply.learning_rate))
+        self._pull()
+        return model.get_metrics_result()
+
+    def _pull(self) -> None:
+        """The server's parameters into the model (riding out a lost server); the local
+        optimizer's ``iterations`` follow the server's version."""
+        from worker.client import PSClientError
+        from worker.connection import recoverable
+
+        conn = self.strategy.connection
         try:
             conn.pull()
         except PSClientError as e:
             if not recoverable(e):
                 raise
             self._rejoin(e)
-        model.optimizer.iterations.assign(max(0, int(conn.version)))
-        return model.get_metrics_result()
+        self.model.optimizer.iterations.assign(max(0, int(conn.version)))
 
     def _rejoin(self, error) -> None:
         """Register again (within --reconnect-timeout) and load the server's parameters; the
@@ -351,17 +450,25 @@ class _Attached:
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
             loss = 0.0
-        # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
-        before = self.metrics_before
-        before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model) if v.path not in before})
-        changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in _metric_variables(model)}
-        return loss, payload, {"metrics": changes if conn.sync else None,
-                               "set_learning_rate": self._new_learning_rate()}
+        changes = None
+        if conn.sync and self.dealt is None:  # elastic sync sums no metrics: each worker logs its own
+            # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
+            before = self.metrics_before
+            before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model)
+                           if v.path not in before})
+            changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in _metric_variables(model)}
+        return loss, payload, {"metrics": changes, "set_learning_rate": self._new_learning_rate()}
 
     def _new_learning_rate(self) -> float:
         """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
         optimizer = self.model.optimizer
         if not self.strategy.is_chief or _has_schedule(optimizer):
+            return 0.0
+        if self.dealt is not None:  # elastic sync takes no learning rate from a push (nor is one sent on tasks)
+            if float(np.asarray(optimizer.learning_rate)) != self.compiled_learning_rate:
+                raise ValueError("elastic=True: the server runs the compiled learning rate; a callback's change "
+                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when it deals the "
+                                 "data: compile a keras.optimizers.schedules.LearningRateSchedule instead")
             return 0.0
         # The first push of this worker always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
@@ -398,7 +505,7 @@ def _has_schedule(optimizer) -> bool:
     return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
 
 
-def _agreement(strategy: Strategy, fit: int):
+def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
     """The last callback: every worker takes the chief's decisions (module docstring)."""
     import keras
 
@@ -406,15 +513,26 @@ def _agreement(strategy: Strategy, fit: int):
         def on_train_begin(self, logs=None):
             # Keys name the fit and, in sync mode, the server's round it starts at (the same on every
             # worker, as no round completes before all have pushed): a job restarted on a running
-            # server does not read the decisions of the one before.
-            conn = strategy.connection
-            self.tag = f"fit{fit}@{conn.step if conn.sync else 0}"
+            # server does not read the decisions of the one before. Elastic: a worker may join at
+            # any round, so the fit alone (one per job).
+            conn, dealt = strategy.connection, attached.dealt
+            self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
             model = self.model
-            chief = {"initial_epoch": int(getattr(model, "_initial_epoch", None) or 0)}
+            chief = {"initial_epoch": int(getattr(model, "_initial_epoch", None) or 0),
+                     "data": None if dealt is None else dealt.fingerprint()}
             got = strategy.agree(f"{self.tag}/begin", chief)
             if not strategy.is_chief and got["initial_epoch"]:
                 model._initial_epoch = got["initial_epoch"]
+            if dealt is not None:
+                from worker import elastic
+
+                start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(attached.loop)
+                _join_dealt(model, got["data"], chief["data"], start)
             strategy.connection.pull()  # the server's state, whatever a callback restored locally
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if attached.dealt is not None:
+                attached.next_round = epoch * attached.dealt.steps_per_epoch
 
         def on_epoch_end(self, epoch, logs=None):
             model = self.model
@@ -426,6 +544,138 @@ def _agreement(strategy: Strategy, fit: int):
                 optimizer.learning_rate = got["lr"]
 
     return Agreement()
+
+
+def _join_dealt(model, chief_data: str, my_data: str, start_epoch: int) -> None:
+    """Elastic: refuse data other than the chief's (the server deals indices into it), and
+    start at ``start_epoch``: the epoch of the cluster's round (sync; a worker that joins late
+    skips the rounds the cluster is past: ``_Attached.round_step``), or of its first task."""
+    if chief_data != my_data:
+        raise ValueError(f"elastic=True: this worker's training data (digest {my_data}) differ from the chief's "
+                         f"({chief_data}); the server deals example indices, so every worker must give model.fit "
+                         "the same examples in the same order (seed any shuffle)")
+    model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start_epoch)
+
+
+class _DealtLoop:
+    """What ``worker.elastic`` reads of a training loop (``worker.trainer.TrainingLoop``'s
+    fields) for a fit on data the server deals: the connection, the data, the one step and
+    its SIGTERM flag; the rounds' rows (``record``) are kept in ``rows``."""
+
+    def __init__(self, attached: "_Attached"):
+        self.attached, self.stop = attached, attached.stop
+        self.pending = None  # work dealt for a later round than the step asking (worker.elastic.round_at)
+        self.rows: list[dict] = []
+
+    @property
+    def conn(self):
+        return self.attached.strategy.connection
+
+    @property
+    def config(self):
+        return self.attached.strategy.config if self.conn is None else self.conn.config
+
+    @property
+    def task(self):
+        return self.attached.dealt
+
+    @property
+    def one_step(self):
+        return self.attached.stepper
+
+    @property
+    def knobs(self):
+        return self.attached.stepper.knobs
+
+    @property
+    def batch(self) -> int:
+        """Async and ssp: a task's examples."""
+        return self.attached.dealt.global_batch_size
+
+    def call(self, call, *args, **kwargs):
+        return self.attached.stepper.call(call, *args, **kwargs)
+
+    def record(self, row: dict) -> None:
+        self.rows.append(row)
+
+
+def _dealt(given: dict, config, server_mode) -> tuple:
+    """Elastic: ``fit``'s data as the server deals it (``worker.task.DealtArrays``: NumPy arrays,
+    or a finite ``tf.data.Dataset`` read once), and the arguments Keras' loop gets: the same
+    examples in unshuffled batches of the global batch size (async and ssp: of a task's size,
+    ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
+    epoch's steps (each step trains on what the server deals, not on Keras' batch). The
+    arguments are checked before ``server_mode()`` asks the server."""
+    from worker.task import DealtArrays, TaskError
+
+    for name, unset, why in (("validation_split", 0.0, "give validation_data"),
+                             ("class_weight", None, "give sample_weight"),
+                             ("steps_per_epoch", None, "an epoch is every example once")):
+        if given.get(name, unset) not in (unset, None, 0):
+            raise ValueError(f"elastic=True: {name} is not supported when the server deals the examples ({why})")
+    x, y, sample_weight, batch_size = (given.get(k) for k in ("x", "y", "sample_weight", "batch_size"))
+    if _is_dataset(x):
+        if y is not None or sample_weight is not None:
+            raise ValueError("a tf.data.Dataset x carries its own y and sample_weight; give neither")
+        x, y, sample_weight, batch_size = _read_once(x)
+    elif not all(isinstance(a, np.ndarray) for a in _flat((x, y, sample_weight))) or x is None:
+        raise ValueError(f"elastic=True deals the examples of NumPy arrays or of a finite tf.data.Dataset; "
+                         f"got x of type {type(x).__name__}")
+    try:
+        data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32), seed=config.seed,
+                           epochs=int(given.get("epochs", 1)))
+    except TaskError as e:
+        raise ValueError(f"elastic=True: {e}") from None
+    if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples
+        data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
+                           seed=config.seed, epochs=data.epochs, tasks=True)
+    return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,
+                  "shuffle": False}
+
+
+def _is_dataset(x) -> bool:
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
+
+
+def _read_once(dataset) -> tuple:
+    """A finite ``tf.data.Dataset`` of batches, read once: (x, y, sample_weight) of every
+    example in that pass's order, and the batch size (its first batch's)."""
+    import keras
+    import tensorflow as tf
+    from keras.src import tree
+
+    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("elastic=True: an infinite dataset (repeat()) has no epoch of examples to deal; give a "
+                         "finite one (no repeat(), no steps_per_epoch)")
+    parts = [keras.utils.unpack_x_y_sample_weight(element) for element in dataset.as_numpy_iterator()]
+    if not parts:
+        raise ValueError("elastic=True: the dataset is empty")
+    joined = tuple(None if parts[0][i] is None else tree.map_structure(lambda *a: np.concatenate(a),
+                                                                        *[p[i] for p in parts])
+                   for i in range(3))
+    return (*joined, _batch_size(parts[0][0]))
+
+
+def _flat(structure) -> list:
+    from keras.src import tree
+
+    return [a for a in tree.flatten(structure) if a is not None]
+
+
+def _seeded(config) -> None:
+    """Elastic: a micro-batch's gradient the same bits in every worker and every run: the
+    initial weights seeded (``config.seed``) and TensorFlow's ops deterministic (with
+    ``config.deterministic``; oneDNN is ``TF_ENABLE_ONEDNN_OPTS``'s, read when TensorFlow loads:
+    ``ps-launch --elastic`` sets it to 0)."""
+    import keras
+
+    keras.utils.set_random_seed(config.seed)
+    if config.deterministic:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_op_determinism()
 
 
 def _batch_size(x) -> int:

@@ -351,6 +351,78 @@ class _Sequential:
         return tf.nest.map_structure(cut, x), tf.nest.map_structure(cut, y), hi - lo
 
 
+class DealtArrays:
+    """Your arrays when the server deals their examples (``tfps.keras`` with elastic sync):
+    global batch ``step`` is ``ps_common.batches.global_batch(num_examples, global_batch_size,
+    seed, step)``, the sequence the server's cursor cuts into micro-batches (with ``tasks``,
+    async and ssp: task ``step``'s batch, ``core.data.tasks``), and ``examples`` reads the
+    rows at given indices of every array (``x`` may be one array, a tuple, list or dict of
+    them; ``y`` and ``sample_weight`` likewise, or None). ``total_steps``: the ``epochs``
+    given, in batches."""
+
+    def __init__(self, x, y, sample_weight, *, global_batch_size: int, seed: int, epochs: int,
+                 tasks: bool = False):
+        from ps_common import batches
+
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        sizes = {len(a) for a in _leaves((x, y, sample_weight))}
+        if len(sizes) != 1:
+            raise TaskError(f"x, y and sample_weight must have the same number of examples; got sizes {sorted(sizes)}")
+        if global_batch_size < 1:
+            raise TaskError(f"batch_size must be >= 1, got {global_batch_size}")
+        (self.num_examples,) = sizes
+        if self.num_examples < 1:
+            raise TaskError("the training arrays are empty")
+        self.global_batch_size, self.seed, self.epochs, self.tasks = global_batch_size, seed, epochs, tasks
+        self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, global_batch_size)
+        self.total_steps = epochs * self.steps_per_epoch
+
+    def plan(self) -> dict:
+        """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``;
+        with ``tasks`` the job's epochs too)."""
+        plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {**plan, "epochs": self.epochs} if self.tasks else plan
+
+    def global_batch(self, step: int) -> np.ndarray:
+        from ps_common import batches
+
+        return batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)
+
+    def examples(self, indices: np.ndarray) -> tuple:
+        """(x, y, sample_weight) at ``indices``, each in the structure given."""
+        return tuple(_rows(a, indices) for a in (self.x, self.y, self.sample_weight))
+
+    def fingerprint(self) -> str:
+        """A digest of every array's bytes, shapes and dtypes: every worker must deal from the same data."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for a in _leaves((self.x, self.y, self.sample_weight)):
+            digest.update(f"{a.dtype}{a.shape}".encode())
+            digest.update(np.ascontiguousarray(a).tobytes())
+        return digest.hexdigest()[:16]
+
+
+def _leaves(structure) -> list[np.ndarray]:
+    if structure is None:
+        return []
+    if isinstance(structure, dict):
+        return [a for k in sorted(structure) for a in _leaves(structure[k])]
+    if isinstance(structure, (list, tuple)):
+        return [a for item in structure for a in _leaves(item)]
+    return [np.asarray(structure)]
+
+
+def _rows(structure, indices: np.ndarray):
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        return {k: _rows(v, indices) for k, v in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_rows(v, indices) for v in structure)
+    return np.asarray(structure)[indices]
+
+
 def _per_example(loss) -> Callable:
     """A loss name, function or ``keras.losses.Loss`` as fn(y_true, y_pred) -> per-example losses.
     Labels of shape (n,) meet predictions of shape (n, 1) as ``model.fit`` lets them."""
@@ -417,4 +489,4 @@ def from_config(config, model_fn: Callable | None = None, dataset_fn: Callable |
                     num_workers=config.num_workers)
 
 
-__all__ = ["InputContext", "Task", "TaskError", "BuiltinTask", "UserTask", "from_config", "load_function"]
+__all__ = ["InputContext", "Task", "TaskError", "BuiltinTask", "UserTask", "DealtArrays", "from_config", "load_function"]

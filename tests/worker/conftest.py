@@ -19,3 +19,18 @@ def server():
     yield start
     for r in running:
         r.stop(grace=0.5)
+
+
+@pytest.fixture
+def server_config():
+    """``server_config(**ServerConfig fields)`` starts a real ps-server on loopback with them; all stop at the end."""
+    running = []
+
+    def start(**fields):
+        r = build_server(ServerConfig(host="127.0.0.1", port=0, **fields)).start()
+        running.append(r)
+        return r
+
+    yield start
+    for r in running:
+        r.stop(grace=0.5)

@@ -77,9 +77,89 @@ def test_each_worker_takes_its_contiguous_part_of_a_global_batch_the_first_ones_
     assert np.array_equal(np.concatenate([p[0] for p in parts]), x)
 
 
-def test_elastic_is_refused_in_one_line_before_any_server():
-    with pytest.raises(ValueError, match="tfps.keras does not train on data the server deals"):
-        Strategy(ps="127.0.0.1:1", worker_index=0, num_workers=2, elastic=True)
+def _elastic(**flags) -> Strategy:
+    # deterministic=False: op determinism is process-wide, and this process runs other tests
+    return Strategy(ps="127.0.0.1:1", worker_index=0, num_workers=2, elastic=True, deterministic=False, **flags)
+
+
+@pytest.mark.parametrize("fit, named", [
+    (dict(validation_split=0.2), "validation_split is not supported"),
+    (dict(class_weight={0: 1.0, 1: 2.0, 2: 1.0}), "give sample_weight"),
+    (dict(steps_per_epoch=3), "steps_per_epoch is not supported"),
+    (dict(x=iter([]), y=None), "deals the examples of NumPy arrays or of a finite tf.data.Dataset; got x of type"),
+    (dict(y=[0, 1]), "x, y and sample_weight must have the same number of examples"),
+])
+def test_an_elastic_fit_refuses_what_the_server_cannot_deal_in_one_line_before_connecting(fit, named):
+    import numpy as np
+
+    strategy = _elastic()
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    given = {"x": np.zeros((8, 4), np.float32), "y": np.zeros(8, np.int64), **fit}
+    if isinstance(given["y"], list):
+        given["y"] = np.asarray(given["y"])
+    with pytest.raises(ValueError, match=named):
+        model.fit(given.pop("x"), given.pop("y"), epochs=1, verbose=0, **given)
+    assert strategy.connection is None
+
+
+def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
+    import numpy as np
+    import tensorflow as tf
+
+    with pytest.raises(ValueError, match="batches='per_worker'"):
+        _elastic(batches="per_worker")
+    strategy = _elastic()
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    endless = tf.data.Dataset.from_tensor_slices((np.zeros((8, 4), np.float32), np.zeros(8))).repeat().batch(4)
+    with pytest.raises(ValueError, match=r"an infinite dataset \(repeat\(\)\) has no epoch"):
+        model.fit(endless, epochs=1, verbose=0)
+
+
+def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(server_config):
+    """One worker against an in-process elastic sync server that cuts each global batch of 32
+    into 3 micro-batches: round r trains on global batch r of the seeded sequence
+    (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
+    examples (here computed by hand with a tape), and the server's ledger holds every example
+    once per epoch."""
+    import numpy as np
+    import tensorflow as tf
+
+    from ps_common import batches
+
+    running = server_config(mode="sync", num_workers=2, elastic_min_workers=1, micro_batches=3)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    status = strategy.connection.client.status()
+    assert (strategy.connection.version, list(status.epoch_examples)) == (6, [70, 70])  # 3 rounds an epoch
+    assert set(history.history) == {"loss", "accuracy"} and len(history.history["loss"]) == 2
+
+    reference = keras.models.clone_model(model)
+    for r in range(6):
+        reference.set_weights(weights)
+        parts = batches.micro_batches(batches.global_batch(70, 32, 0, r), 3)
+        total = [np.zeros(w.shape, np.float64) for w in weights]
+        for part in parts:
+            with tf.GradientTape() as tape:
+                loss = keras.losses.sparse_categorical_crossentropy(y[part], reference(x[part]))
+                loss = tf.reduce_mean(loss)
+            for t, g in zip(total, tape.gradient(loss, reference.trainable_variables)):
+                t += len(part) * g.numpy().astype(np.float64)
+        size = sum(len(p) for p in parts)
+        weights = [w - np.float32(0.5) * (t / size).astype(np.float32) for w, t in zip(weights, total)]
+    for got, want in zip(model.trainable_variables, weights):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    strategy.close()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -106,3 +186,40 @@ def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mod
         weights.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
         strategy.close()
     assert weights[0] == weights[1]
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_config, mode):
+    """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
+    batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all."""
+    import numpy as np
+
+    running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
+    assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
+    strategy.close()
+
+
+def test_a_learning_rate_a_callback_changes_stops_an_elastic_fit_in_one_line(server_config):
+    """Elastic sync takes no learning rate from a push: the chief's LearningRateScheduler would
+    be lost, so it stops the fit, naming what to do instead."""
+    import numpy as np
+
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
+    with pytest.raises(ValueError, match="compile a keras.optimizers.schedules.LearningRateSchedule instead"):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=4, epochs=1, verbose=0,
+                  callbacks=[halve])
+    strategy.close()

@@ -71,11 +71,18 @@ def test_what_an_elastic_launch_cannot_do_is_refused_in_one_line(flags, message)
         launch.run(parse(*flags))
 
 
-def test_elastic_with_a_command_is_refused():
-    args = parse("--elastic", "2:4")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_elastic_command_gets_tf_config_for_every_index_and_the_elastic_setting(mode):
+    """A tfps.keras command then trains on the data the server deals (tests/cluster/test_launch_elastic_keras.py)."""
+    import json
+
+    args = parse("--elastic", "2:3", "--mode", mode)
     args.command = ["python", "train.py"]
-    with pytest.raises(launch.LaunchError, match="not a command after --"):
-        launch.run(args)
+    env = launch.script_environment(args, 2, ["127.0.0.1:5"], ["127.0.0.1:7", "127.0.0.1:8", "127.0.0.1:9"], {})
+    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 2}
+    assert env["TFPS_ELASTIC"] == "true" and env["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    _, workers = launch.resolved_for_script(args, {})
+    assert [(w.worker_index, w.num_workers, w.elastic) for w in workers] == [(0, 3, True), (1, 3, True), (2, 3, True)]
 
 
 def test_worker_args_may_name_an_index_started_later():

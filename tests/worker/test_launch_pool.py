@@ -20,8 +20,8 @@ def child(label: str, code: str) -> launch.Child:
 
 
 def test_a_stopped_worker_that_did_not_leave_is_named_with_how_it_ended(capsys):
-    pool = launch.ElasticPool(args=None, scaler=None, addresses=[], extra={}, result_file="",
-                              out_lock=threading.Lock(), env={}, children=[])
+    pool = launch.ElasticPool(args=None, scaler=None, addresses=[], make=None, out_lock=threading.Lock(),
+                              children=[])
     workers = [child("worker 1", "raise SystemExit(143)"), child("worker 2", "pass"),
                child("worker 3", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")]
     for w in workers:

@@ -1,0 +1,143 @@
+"""A user's Keras program under ``ps-launch --elastic``: workers added and stopped mid-run, the undisturbed bits.
+
+    python -m pytest -q tests/cluster/test_launch_elastic_keras.py
+
+Real processes: ps-launch starts an elastic sync ps-server (``--elastic 2:3``: each
+round's global batch cut into 3 micro-batches) and one of the two examples as every
+worker (``tfps.keras.Strategy()``, told by ``TFPS_ELASTIC`` that the server deals the
+examples of its ``model.fit`` dataset). Each example runs twice: undisturbed with two
+workers; and with two workers, a third started at round 10 (every worker pauses 8 s
+at round 20, so that it has started TensorFlow and joins mid-run: a pause changes no
+bit) and stopped by SIGTERM at round 60 (``--scale-at 10:3 --scale-at 60:2``: it
+leaves the job and exits 143). The rules, from docs/elastic.md: both runs exit 0;
+the stopped worker left, nobody was declared dead; the server applied every example
+once per epoch (its ledger: every epoch complete, the same count each); and the final
+parameters, read from the server's final checkpoint, are the undisturbed run's bit
+for bit.
+
+By hand, without ps-launch: a ps-server (``--elastic-min-workers 3 --lease-timeout 2``)
+and three processes of the MultiWorkerMirroredStrategy example, once undisturbed, once
+with worker 2 SIGKILLed mid-run (its undelivered micro-batch moves to a live worker when
+its lease runs out): the same final parameters, every example once per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ps_common.procs import dying_with_parent
+from ps_server.core.checkpoint import latest_valid
+from worker.client import PSClient
+
+from .conftest import ROOT, read_log, wait_exit
+
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
+
+EXAMPLES = 1437  # the examples' training set: 80 % of digits
+ROUNDS_PER_EPOCH = 23  # global batches of 64
+
+
+def launch(tmp_path, name: str, example: str, *flags: str, env: dict | None = None) -> tuple[str, object]:
+    """Run ps-launch to its end; its output and the server's final checkpoint."""
+    checkpoints = tmp_path / name
+    run = subprocess.run(
+        [sys.executable, "-m", "ps_tools.launch", "--elastic", "2:3", "--workers", "2", "--checkpoint-dir",
+         str(checkpoints), *flags, "--", sys.executable, os.path.join(ROOT, "examples", example)],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+        env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), **(env or {})})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    state, _ = latest_valid(str(checkpoints))
+    return out, state
+
+
+@pytest.mark.parametrize("example, epochs", [("keras_mwms.py", 5), ("keras_pss.py", 10)])
+def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every_example_once(
+        tmp_path, example, epochs):
+    _, plain = launch(tmp_path, "plain", example)
+    out, scaled = launch(tmp_path, "scaled", example, "--scale-at", "10:3", "--scale-at", "60:2",
+                         env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+
+    events = re.findall(r"ps-launch: round (\d+): worker (\d) (\w+)", out)
+    assert ("joined", "2") in [(e, w) for _, w, e in events], events  # the added worker took part mid-run
+    (left,) = [int(r) for r, w, e in events if (w, e) == ("2", "left")]
+    assert 60 <= left < epochs * ROUNDS_PER_EPOCH, events
+    assert not [e for e in events if e[2] in ("dead", "rejoined")], events
+    assert "worker 2 stopped by SIGTERM: left the job" in out, out[-3000:]
+    assert re.search(r"val_accuracy=0\.9[0-9]+", out), out[-2000:]  # the chief's line: it learned
+
+    for state in (plain, scaled):  # every example once per epoch: the server's ledger and count
+        assert state.version == epochs * ROUNDS_PER_EPOCH
+        assert state.data.num_examples == EXAMPLES and state.data.global_batch_size == 64
+        assert state.data.epochs_complete == tuple(range(epochs)) and not state.data.epochs_seen
+    assert f"examples per epoch {[EXAMPLES] * epochs} of {EXAMPLES}" in out
+
+    assert sorted(plain.values) == sorted(scaled.values)
+    for name in plain.values:
+        np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+
+
+def test_the_pss_example_on_async_tasks_applies_every_example_once_per_epoch_with_a_worker_added_and_stopped(
+        tmp_path):
+    """Async (ssp is the same path, in one process: tests/worker/test_keras_strategy.py): the
+    tasks are batches of 64 / 3 = 21 examples, 69 an epoch; a worker started at version 30
+    and stopped at version 300 (it hands back the task it held). Every task applied once."""
+    out, _ = launch(tmp_path, "async", "keras_pss.py", "--mode", "async", "--scale-at", "30:3", "--scale-at", "300:2",
+                    env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+    events = re.findall(r"ps-launch: round \d+: worker (\d) (\w+)", out)
+    assert ("2", "joined") in events and ("2", "left") in events, events
+    assert not [e for e in events if e[1] in ("dead", "rejoined")], events
+    assert "worker 2 stopped by SIGTERM: left the job" in out, out[-3000:]
+    assert f"examples per epoch {[EXAMPLES] * 10} of {EXAMPLES}; tasks done 690 of 690" in out, out[-3000:]
+    assert re.search(r"val_accuracy=0\.9[0-9]+", out), out[-2000:]
+
+
+def by_hand(procs, tmp_path, name: str, kill_at: int | None = None) -> tuple[int, dict, list[int]]:
+    """Three workers of the example against a server started by hand, worker 2 SIGKILLed once
+    the server's round reaches ``kill_at``: the final version, parameters and examples per epoch."""
+    _, address = procs.server("sync", 3, extra=("--elastic-min-workers", "3", "--micro-batches", "3",
+                                                 "--lease-timeout", "2"))
+    workers = []
+    for i in range(3):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLCONFIGDIR": str(tmp_path / "mpl"), "TFPS_ELASTIC": "true",
+               "TF_ENABLE_ONEDNN_OPTS": "0",
+               "TF_CONFIG": json.dumps({"cluster": {"ps": [address], "worker": [f"127.0.0.1:{20000 + j}" for j in range(3)]},
+                                        "task": {"type": "worker", "index": i}})}
+        log = tmp_path / f"{name}-worker{i}.log"
+        proc = subprocess.Popen(dying_with_parent([sys.executable, os.path.join(ROOT, "examples", "keras_mwms.py")]),
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+        proc.log_path = log
+        procs.procs.append(proc)
+        workers.append(proc)
+    with PSClient(address) as client:
+        if kill_at is not None:
+            deadline = time.monotonic() + 120
+            while client.status().round < kill_at:
+                assert time.monotonic() < deadline and workers[2].poll() is None, read_log(workers[2])[-2000:]
+                time.sleep(0.02)
+            workers[2].send_signal(signal.SIGKILL)
+        for i, proc in enumerate(workers):
+            code = wait_exit(proc, 300)
+            assert code == (-signal.SIGKILL if i == 2 and kill_at is not None else 0), read_log(proc)[-3000:]
+        status = client.status()
+        version, values = client.pull()
+    return version, {k: np.array(v) for k, v in values.items()}, [int(n) for n in status.epoch_examples]
+
+
+def test_a_keras_worker_sigkilled_mid_run_changes_no_bit_of_the_result(procs, tmp_path):
+    plain = by_hand(procs, tmp_path, "plain")
+    killed = by_hand(procs, tmp_path, "killed", kill_at=30)
+    assert plain[0] == killed[0] == 5 * ROUNDS_PER_EPOCH
+    assert plain[2] == killed[2] == [EXAMPLES] * 5
+    assert sorted(plain[1]) == sorted(killed[1])
+    for name in plain[1]:
+        np.testing.assert_array_equal(killed[1][name], plain[1][name], err_msg=name)
