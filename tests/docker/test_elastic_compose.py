@@ -57,6 +57,7 @@ def _last_status_while_the_server_runs(project, timeout: float) -> dict:
     return last
 
 
+@pytest.mark.slow  # 90 s; the same elastic scaling runs in the default tier under ps-launch (tests/cluster)
 def test_workers_added_by_compose_scale_join_the_running_job_which_ends_with_the_undisturbed_bits(compose_project):
     scaled = compose_project(files=(*ELASTIC, PAUSE), TFPS_PAUSE_AT_STEP=PAUSE_AT, TFPS_PAUSE_FOR=PAUSE_FOR, **JOB)
     scaled.up_detached()
