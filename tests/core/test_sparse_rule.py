@@ -22,6 +22,7 @@ from ps_server.core.errors import InvalidArgument
 from ps_server.core.modes.base import Push
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
+from tests.core.test_row_sparse import _sync_round
 from tests.core.threads import JOIN
 
 ROWS, DIM, STEPS = 9, 3, 4
@@ -128,16 +129,6 @@ def test_the_two_rules_differ_for_a_repeated_row_so_the_tests_above_tell_them_ap
     dense, _, _ = keras_run(keras, case, False, batches())
     assert slices[1].tobytes() != dense[1].tobytes()
     assert slices[3].tobytes() == dense[3].tobytes()  # never touched
-
-
-def _sync_round(ps: ParameterServer, pushes: list, step: int, sizes) -> None:
-    threads = [threading.Thread(target=ps.submit, args=(Push(w, step, ps.store.version, sizes[w], g),))
-               for w, g in enumerate(pushes[1:], 1)]
-    for t in threads:
-        t.start()
-    ps.submit(Push(0, step, ps.store.version, sizes[0], pushes[0])).result(JOIN)
-    for t in threads:
-        t.join(5)
 
 
 @pytest.mark.parametrize("case", ["adam", "adagrad", "rmsprop", "lion"])

@@ -681,18 +681,8 @@ class RMSprop(Optimizer):
             if self.spec.centered:
                 slots["average_gradient"] = average
             return new_w, slots
-        velocity = np.multiply(state["velocity"], c["rho"])
-        velocity += np.multiply(np.square(g), c["one_minus_rho"])
-        slots = {"velocity": velocity}
-        if self.spec.centered:
-            average = np.multiply(state["average_gradient"], c["rho"])
-            average += np.multiply(g, c["one_minus_rho"])
-            slots["average_gradient"] = average
-            denominator = np.subtract(velocity, np.square(average))
-            denominator += c["epsilon"]
-        else:
-            denominator = np.add(velocity, c["epsilon"])
-        np.sqrt(denominator, out=denominator)
+        slots, denominator = self._denominator(state, c, np.multiply(np.square(g), c["one_minus_rho"]),
+                                               lambda: np.multiply(g, c["one_minus_rho"]))
         increment = np.multiply(g, c["lr"])
         np.divide(increment, denominator, out=increment)
         if "momentum" in self.slot_names:
@@ -702,22 +692,29 @@ class RMSprop(Optimizer):
             return np.subtract(w, m, out=increment), slots
         return np.subtract(w, increment, out=increment), slots
 
-    def _slices_step(self, w, occ, state, iterations, c):
-        # rho*v + (1-rho)*square(g): the scaled squares per occurrence, densified when added;
-        # so (1-rho)*g for the centered average. lr*g / sqrt(denominator) stays slices (its rows
-        # gathered): momentum densifies it, else assign_sub scatters it occurrence by occurrence.
+    def _denominator(self, state, c, scaled_squares, scaled_gradient) -> tuple[dict, np.ndarray]:
+        """(the new velocity, and centered the average, as slots; sqrt of the denominator):
+        ``rho * v + scaled_squares``, centered less the square of ``rho * a + scaled_gradient()``."""
         velocity = np.multiply(state["velocity"], c["rho"])
-        velocity += occ.dense(np.multiply(np.square(occ.values), c["one_minus_rho"]))
+        velocity += scaled_squares
         slots = {"velocity": velocity}
         if self.spec.centered:
             average = np.multiply(state["average_gradient"], c["rho"])
-            average += occ.dense(np.multiply(occ.values, c["one_minus_rho"]))
+            average += scaled_gradient()
             slots["average_gradient"] = average
             denominator = np.subtract(velocity, np.square(average))
             denominator += c["epsilon"]
         else:
             denominator = np.add(velocity, c["epsilon"])
-        np.sqrt(denominator, out=denominator)
+        return slots, np.sqrt(denominator, out=denominator)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # rho*v + (1-rho)*square(g): the scaled squares per occurrence, densified when added;
+        # so (1-rho)*g for the centered average. lr*g / sqrt(denominator) stays slices (its rows
+        # gathered): momentum densifies it, else assign_sub scatters it occurrence by occurrence.
+        slots, denominator = self._denominator(state, c, occ.dense(np.multiply(np.square(occ.values),
+                                                                              c["one_minus_rho"])),
+                                               lambda: occ.dense(np.multiply(occ.values, c["one_minus_rho"])))
         increment = np.multiply(occ.values, c["lr"])
         np.divide(increment, occ.gather(denominator), out=increment)
         if "momentum" in self.slot_names:
