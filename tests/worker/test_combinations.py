@@ -281,3 +281,57 @@ def test_a_link_cut_between_steps_is_ridden_out_and_ends_on_the_uncut_run_s_bits
     assert received_bytes(running, "Register") == 2 * received_bytes(undisturbed, "Register")  # it rejoined
     status = running.core.status()
     assert (status.version, status.rounds_aborted, status.rounds_timed_out) == (len(data), 0, 0)
+
+
+# -- sparse rows ------------------------------------------------------------------------------
+def embedding_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(1000, 8, name="emb"),
+                             keras.layers.Flatten(), keras.layers.Dense(1, name="out")], name="lookup")
+
+
+def id_batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Batches of 8 x 3 ids out of 0..4: every batch looks some id up more than once."""
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 5, size=(8, 3)).astype(np.int32), rng.normal(size=(8, 1)).astype(np.float32))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("rule", ["keras", "sum"])
+def test_a_session_pushes_an_embedding_s_repeated_rows_and_the_server_steps_them_by_its_rule(server, rule):
+    """Four Adagrad steps of a hand-written tape through a Session, an Embedding of 1000 x 8 looked
+    up with repeated ids: a push carries the touched rows, not the 32 KB table; ``sparse_rule``
+    "keras" ends on one-process Keras' ``apply_gradients`` of the same ``tf.IndexedSlices``, to the
+    bit; "sum" on the same step of those gradients made dense (the occurrences summed first)."""
+    data = id_batches(4)
+    running = server("sync", 1, sparse_rule=rule, metrics=True)
+    model = embedding_model()
+    with api.Session(model, ps=running.address, optimizer="adagrad", learning_rate=LR) as session:
+        for x, y in data:
+            session.pull()
+            loss, grads = gradients(model, x, y)
+            assert isinstance(grads[0], tf.IndexedSlices)
+            session.push(grads, float(loss), batch_size=len(x))
+        session.pull()
+    reference = embedding_model()
+    optimizer = keras.optimizers.Adagrad(LR)
+    for x, y in data:
+        _, grads = gradients(reference, x, y)
+        optimizer.apply_gradients(zip(grads if rule == "keras" else [tf.convert_to_tensor(g) for g in grads],
+                                      reference.trainable_variables))
+    got, want = ([v.numpy() for v in m.trainable_variables] for m in (model, reference))
+    if rule == "keras":
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    else:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert received_bytes(running) < len(data) * 0.25 * 1000 * 8 * 4  # rows of at most 5 ids, not the table
+
+
+def test_a_keras_fit_pushes_an_embedding_s_gradient_as_rows(server):
+    """``model.fit`` with an Embedding of 1000 x 8: the server received, per push, far less than
+    the 32 KB table (8 x 3 ids touch at most 24 rows: 24 x (8 x 4 + 8) bytes)."""
+    running = server("sync", 1, metrics=True)
+    data = id_batches(4)
+    fit_run(embedding_model(), data, ps=running.address)
+    assert received_bytes(running) < len(data) * (24 * (8 * 4 + 8) + 1000)
