@@ -35,6 +35,21 @@ and its learning rate), and the next ``pull`` brings its result. In sync mode
 this push is. ``Session`` registers (the chief, worker 0, initializes the
 server from the model; the others wait for it and check their model matches),
 renews its lease from a thread, and leaves on ``close``.
+
+A loop rides out a lost server (restarted from its checkpoint, a link cut, this
+worker declared dead) as ``ps-worker`` and ``tfps.keras`` do: on an error that
+``recoverable`` accepts, ``session.rejoin(error)`` registers again and loads the
+server's parameters; compute that batch's gradients again on them::
+
+        while True:
+            try:
+                session.pull()
+                ...                                        # the tape and its push, as above
+                break
+            except api.PSClientError as e:
+                if not api.recoverable(e):
+                    raise
+                session.rejoin(e)
 """
 
 from __future__ import annotations
@@ -158,6 +173,14 @@ class Session:
         payload = as_pushed(self.model, gradients, self.connection.pulled, self.connection.registration.sparse_rule)
         return self.stepper.push(Work(self.step, int(batch_size)), float(loss), payload)[1]
 
+    def rejoin(self, error) -> int:
+        """After ``recoverable(error)``: register again within ``reconnect_timeout`` (the chief
+        re-initializes a server that restarted with no state) and load the server's parameters;
+        their version. The next push is for ``step`` (sync: the server's round), as the
+        ``tfps.keras`` step's ride-out (``worker.keras``): compute the batch again first."""
+        self.connection.rejoin(error)
+        return self.pull()
+
     def wrap(self, tape, batch_size: int) -> "PushingGradientTape":
         """``tape`` whose ``gradient(loss, sources)`` also pushes (module docstring)."""
         return PushingGradientTape(tape, self, batch_size)
@@ -180,6 +203,23 @@ class Session:
         self.close()
 
 
+def recoverable(error: BaseException) -> bool:
+    """Whether ``Session.rejoin`` rides out ``error``: a ``PSClientError`` of a server that is
+    down or restarting, or that no longer knows this worker (``worker.connection.recoverable``)."""
+    from worker.client import PSClientError
+    from worker.connection import recoverable as rejoinable
+
+    return isinstance(error, PSClientError) and rejoinable(error)
+
+
+def __getattr__(name: str):
+    if name == "PSClientError":  # what a Session's calls raise; imported on first use (grpc)
+        from worker.client import PSClientError
+
+        return PSClientError
+    raise AttributeError(name)
+
+
 class PushingGradientTape:
     """Wraps a ``tf.GradientTape``: ``gradient`` computes as the tape does, pushes the
     result to the parameter server, and returns it. Everything else is the tape's."""
@@ -200,4 +240,4 @@ class PushingGradientTape:
         return getattr(self._tape, name)
 
 
-__all__ = ["train", "Session", "PushingGradientTape", "make_config", "ConfigError"]
+__all__ = ["train", "Session", "PushingGradientTape", "make_config", "recoverable", "PSClientError", "ConfigError"]

@@ -1,22 +1,34 @@
 """Fixtures of the worker tier: real servers in this process, on port 0."""
 
+import urllib.request
+
 import pytest
 
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
 
 
-@pytest.fixture
-def server():
-    """``server(mode="async", num_workers=1)`` starts a real ps-server on loopback; all stop at the end."""
-    running = []
-
-    def start(mode="async", num_workers=1):
-        r = build_server(ServerConfig(host="127.0.0.1", port=0, mode=mode, num_workers=num_workers)).start()
+def _starter(running: list, defaults: dict):
+    def start(*, metrics: bool = False, **fields):
+        config = ServerConfig(host="127.0.0.1", port=0, **{**defaults, **fields})
+        r = build_server(config, metrics_port=0 if metrics else None).start()
         running.append(r)
         return r
 
-    yield start
+    return start
+
+
+@pytest.fixture
+def server():
+    """``server(mode="async", num_workers=1, **ServerConfig fields)`` starts a real ps-server on
+    loopback (``metrics=True``: with its Prometheus endpoint, for ``received_bytes``); all stop at the end."""
+    running = []
+    start = _starter(running, {})
+
+    def server(mode="async", num_workers=1, **fields):
+        return start(mode=mode, num_workers=num_workers, **fields)
+
+    yield server
     for r in running:
         r.stop(grace=0.5)
 
@@ -25,12 +37,17 @@ def server():
 def server_config():
     """``server_config(**ServerConfig fields)`` starts a real ps-server on loopback with them; all stop at the end."""
     running = []
-
-    def start(**fields):
-        r = build_server(ServerConfig(host="127.0.0.1", port=0, **fields)).start()
-        running.append(r)
-        return r
-
-    yield start
+    yield _starter(running, {})
     for r in running:
         r.stop(grace=0.5)
+
+
+def received_bytes(running, method_prefix: str = "Push") -> float:
+    """The request bytes a server started with ``metrics=True`` received for the gRPC methods
+    whose names start with ``method_prefix`` (its ``tfps_received_bytes_total``, scraped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tfps_received_bytes_total" and s.labels["method"].startswith(method_prefix))
