@@ -65,6 +65,7 @@ class WorkerConfig:
     learning_rate: float = 0.0  # 0: the optimizer's Keras default
     momentum: float = 0.0
     nesterov: bool = False
+    global_clipnorm: float = 0.0  # 0: off; else Keras' clip_by_global_norm over every gradient of an update
     seed: int = 0
     log_every: int = d.LOG_EVERY
     result_json: str = ""
@@ -130,10 +131,11 @@ class WorkerConfig:
     def optimizer_spec(self) -> dict:
         """The optimizer as every field of the wire's OptimizerConfig (``optimizer_fields``):
         Keras' defaults of ``--optimizer`` but the learning rate, momentum and nesterov given
-        (the last two count only for the optimizers that take them: sgd, rmsprop)."""
+        (the last two count only for the optimizers that take them: sgd, rmsprop), and
+        ``--global-clipnorm``."""
         takes = OPTIMIZER_DEFAULTS.get(self.optimizer, {})
         given = {k: getattr(self, k) for k in ("momentum", "nesterov") if k in takes}
-        return optimizer_fields(self.optimizer, learning_rate=self.lr, **given)
+        return optimizer_fields(self.optimizer, learning_rate=self.lr, global_clipnorm=self.global_clipnorm, **given)
 
     @property
     def ps_addresses(self) -> list[str]:
@@ -191,6 +193,8 @@ class WorkerConfig:
             raise ConfigError(f"--learning-rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not (self.global_clipnorm >= 0 and math.isfinite(self.global_clipnorm)):
+            raise ConfigError(f"--global-clipnorm must be a finite number >= 0 (0: off), got {self.global_clipnorm}")
         for name in ("connect_timeout", "init_timeout", "final_wait"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
@@ -303,6 +307,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    f"{OPTIMIZER_DEFAULTS['sgd']['learning_rate']:g} for sgd)")
     p.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, help="sgd Nesterov momentum")
+    p.add_argument("--global-clipnorm", type=float, help="clip every update's gradients by their global norm, as "
+                   "Keras' global_clipnorm (over several server shards too; default 0: off)")
     p.add_argument("--seed", type=int, help="seed of the initial weights and the data order (default 0)")
     p.add_argument("--log-every", type=int, help=f"progress line every this many steps (default {d.LOG_EVERY})")
     p.add_argument("--eval-every", type=int, help="chief: every K steps evaluate the pulled parameters on the "

@@ -335,3 +335,18 @@ def test_a_keras_fit_pushes_an_embedding_s_gradient_as_rows(server):
     data = id_batches(4)
     fit_run(embedding_model(), data, ps=running.address)
     assert received_bytes(running) < len(data) * (24 * (8 * 4 + 8) + 1000)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_session_over_two_shards_with_global_clipnorm_gives_one_server_s_bits(server, mode):
+    """``global_clipnorm`` (``--global-clipnorm``) over two shards: the shards take one norm
+    together (ps_server/core/clip_group.py), so a Session's loop ends on one server's bits;
+    the clip norm is small enough that every step clips."""
+    data = batches(4, 6)
+    runs = []
+    for shards in (1, 2):
+        address = ",".join(server(mode, 1).address for _ in range(shards))
+        runs.append(session_run(dense_model(6, hidden=4), data, ps=address, global_clipnorm=0.05)[0])
+    assert runs[0] == runs[1]
+    unclipped = session_run(dense_model(6, hidden=4), data, ps=server(mode, 1).address)[0]
+    assert unclipped != runs[0]  # the norm did clip
