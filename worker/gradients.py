@@ -81,8 +81,11 @@ class Gradients:
                 if loss is None:
                     y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
                     mean = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                else:
-                    mean = tf.reduce_mean(loss(y, model(x, training=True)))
+                else:  # Keras' sum over the batch size: sum(loss * weight) / examples
+                    per = loss(y, model(x, training=True))
+                    if sample_weight is not None:
+                        per = per * tf.reshape(tf.cast(sample_weight, per.dtype), tf.shape(per))
+                    mean = tf.reduce_mean(per)
                     if model.losses:  # regularization; known when tracing
                         mean += tf.add_n(model.losses)
             grads = t.gradient(mean, self.variables)
