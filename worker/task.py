@@ -469,10 +469,12 @@ def read_once(dataset) -> tuple:
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
         raise TaskError("an infinite dataset (repeat()) has no epoch of examples to deal; give a finite one "
                         "(no repeat())")
-    try:
-        parts = [keras.utils.unpack_x_y_sample_weight(element) for element in dataset.as_numpy_iterator()]
-    except ValueError as e:  # a tuple of more than three
-        raise TaskError(f"the dataset's elements must be x, (x, y) or (x, y, sample_weight): {e}") from None
+    parts = []
+    for element in dataset.as_numpy_iterator():
+        if isinstance(element, (tuple, list)) and len(element) > 3:  # Keras' own refusal prints the arrays
+            raise TaskError(f"the dataset's elements must be x, (x, y) or (x, y, sample_weight); got a tuple of "
+                            f"{len(element)}")
+        parts.append(keras.utils.unpack_x_y_sample_weight(element))
     if not parts:
         raise TaskError("the dataset is empty")
     joined = tuple(None if parts[0][i] is None else tree.map_structure(lambda *a: np.concatenate(a),
