@@ -322,7 +322,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--elastic", action=argparse.BooleanOptionalAction,
                    help="train on the data the server deals: elastic sync's micro-batches (ps-server "
                         "--elastic-min-workers), or async and ssp's tasks, each applied exactly once "
-                        "(--epochs); built-in models and data, one server (default off)")
+                        "(--epochs); the built-in data or your dataset read once, one server (default off)")
     p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
                    help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
                         "default float32: exact)")

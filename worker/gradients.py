@@ -11,7 +11,8 @@ compiled loss), the ``Session``'s wrapped ``GradientTape`` (``worker.api``), and
 the one-process reference the sync mode is compared with bit for bit
 (``tf_strategies.reference``).
 
-**The loss** is the mean of ``loss`` over this worker's examples plus the model's
+**The loss** is the mean of ``loss`` over this worker's examples (each scaled by its
+``sample_weight`` where given, Keras' sum over the batch size) plus the model's
 regularization losses (``model.losses``); the server takes the batch-weighted
 mean of the workers' gradients, which equals MirroredStrategy's
 ``compute_average_loss`` over the global batch with summed replica gradients.

@@ -31,6 +31,12 @@ count, global batch size, seed). Two ways to shard, ``--dataset-sharding``:
 The number of steps is ``--steps``, else epochs times the train dataset's
 length (``cardinality``); a dataset of unknown length needs ``--steps``.
 
+With ``--elastic`` (``elastic=True``) the server deals the examples: the train
+dataset is read once into arrays (``read_once``; elements ``(features, labels)``
+or ``(features, labels, sample_weight)``, finite), every worker reads all of it
+(a context-taking function gets worker 0 of 1), and rounds or tasks are index
+batches of ``--global-batch-size`` into them, as ``DealtArrays`` deals a Keras fit's.
+
 **Your model** (``model_fn``): returns a Keras model; without an explicit loss
 it must be compiled with one (``model.compile(loss=..., metrics=[...])``: the
 loss and metrics are read from it; the compiled optimizer is ignored, the
