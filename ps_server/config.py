@@ -62,7 +62,7 @@ class ServerConfig:
     # Elastic sync (ps_server/core/modes/elastic_mode.py): > 0, rounds start with this many workers
     # and take up to --num-workers, joining and leaving at any time; each global batch is
     # cut into micro_batches (0: --num-workers) that the server deals out to ps-worker
-    # --elastic (in progress: built-in models and data, one server; docs/elastic.md).
+    # --elastic (the built-in data or your dataset read once, one server; docs/elastic.md).
     elastic_min_workers: int = 0
     micro_batches: int = 0
     # Same-host fast path (protos/shm.py): workers on this machine that ask for it may pass

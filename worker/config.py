@@ -95,7 +95,7 @@ class WorkerConfig:
     # Sync: a streamed push gets the round's new values back while it still sends (PushPull).
     overlap: bool = True
     # Elastic sync (ps-server --elastic-min-workers): the server deals each round's
-    # micro-batches (worker.elastic); built-in models and data only, one server.
+    # micro-batches (worker.elastic); the built-in data or your dataset read once, one server.
     elastic: bool = False
     max_message_mb: float = d.MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
@@ -175,6 +175,9 @@ class WorkerConfig:
                               "its own data")
         if self.dataset_sharding not in ("batch", "none"):
             raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
+        if self.elastic and self.dataset_sharding != "batch":
+            raise ConfigError(f"--dataset-sharding {self.dataset_sharding} with --elastic: the server deals the "
+                              "examples, so every worker reads the whole dataset (its function gets worker 0 of 1)")
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"--progress must be auto, bar, lines or off, got {self.progress!r}")
         check_shared_fields(self)
@@ -325,7 +328,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--elastic", action=argparse.BooleanOptionalAction,
                    help="train on the data the server deals: elastic sync's micro-batches (ps-server "
                         "--elastic-min-workers), or async and ssp's tasks, each applied exactly once "
-                        "(--epochs); built-in models and data, one server (default off)")
+                        "(--epochs); the built-in data or your dataset read once, one server (default off)")
     p.add_argument("--grad-wire-dtype", choices=WIRE_DTYPES,
                    help="send float32 gradients as float16 or bfloat16 (half the bytes, some accuracy; "
                         "default float32: exact)")

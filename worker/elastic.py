@@ -18,7 +18,9 @@ the same bits (``core.cursor``).
 The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
 Initialize. The job ends at the last step: a worker dealt work of a round at or past
 ``total_steps`` stops. The data: the built-in models and datasets (their examples are
-drawn by index), or the arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
+drawn by index), your dataset function's train dataset read once (``worker.task.UserTask``
+with ``elastic``: every worker checks it has the chief's examples, ``same_data``), or the
+arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
 which runs one round per Keras step (``round_at``: a worker that joins late skips the
 rounds the cluster is past), or in async and ssp one task per Keras step (``task_at``);
 one server.
@@ -161,6 +163,20 @@ def set_data_plan(loop, registration) -> None:
     conn.step = max(conn.step, registration.round)  # ssp: the slowest live worker's clock
     conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": loop.batch,
                       "seed": config.seed, "epochs": config.epochs}
+
+
+def same_data(loop) -> None:
+    """Your dataset read once (``worker.task.UserTask`` with ``elastic``): the chief posts a
+    digest of its examples, and any other worker whose own differ (an unseeded shuffle, data
+    that depends on the worker) stops with one line: the server deals indices into them."""
+    conn = loop.conn
+    mine = loop.task.fingerprint()
+    timeout = max(60.0, conn.registration.barrier_timeout)
+    chief = loop.call(conn.broadcast, "elastic/data", mine.encode() if loop.config.is_chief else None, timeout)
+    if chief.decode() != mine:
+        raise ConfigError(f"this worker's training examples (digest {mine}) differ from the chief's "
+                          f"({chief.decode()}); the server deals example indices, so every worker's dataset "
+                          "function must give the same examples in the same order (seed any shuffle)")
 
 
 def rounds(loop) -> None:

@@ -11,7 +11,8 @@ compiled loss), the ``Session``'s wrapped ``GradientTape`` (``worker.api``), and
 the one-process reference the sync mode is compared with bit for bit
 (``tf_strategies.reference``).
 
-**The loss** is the mean of ``loss`` over this worker's examples plus the model's
+**The loss** is the mean of ``loss`` over this worker's examples (each scaled by its
+``sample_weight`` where given, Keras' sum over the batch size) plus the model's
 regularization losses (``model.losses``); the server takes the batch-weighted
 mean of the workers' gradients, which equals MirroredStrategy's
 ``compute_average_loss`` over the global batch with summed replica gradients.
@@ -81,8 +82,11 @@ class Gradients:
                 if loss is None:
                     y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
                     mean = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                else:
-                    mean = tf.reduce_mean(loss(y, model(x, training=True)))
+                else:  # Keras' sum over the batch size: sum(loss * weight) / examples
+                    per = loss(y, model(x, training=True))
+                    if sample_weight is not None:
+                        per = per * tf.reshape(tf.cast(sample_weight, per.dtype), tf.shape(per))
+                    mean = tf.reduce_mean(per)
                     if model.losses:  # regularization; known when tracing
                         mean += tf.add_n(model.losses)
             grads = t.gradient(mean, self.variables)

@@ -640,22 +640,15 @@ def _is_dataset(x) -> bool:
 
 
 def _read_once(dataset) -> tuple:
-    """A finite ``tf.data.Dataset`` of batches, read once: (x, y, sample_weight) of every
+    """A finite ``tf.data.Dataset`` of batches, read once (``worker.task.read_once``, as
+    ``ps-worker --elastic`` reads your dataset function's): (x, y, sample_weight) of every
     example in that pass's order, and the batch size (its first batch's)."""
-    import keras
-    import tensorflow as tf
-    from keras.src import tree
+    from worker.task import TaskError, read_once
 
-    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
-        raise ValueError("elastic=True: an infinite dataset (repeat()) has no epoch of examples to deal; give a "
-                         "finite one (no repeat(), no steps_per_epoch)")
-    parts = [keras.utils.unpack_x_y_sample_weight(element) for element in dataset.as_numpy_iterator()]
-    if not parts:
-        raise ValueError("elastic=True: the dataset is empty")
-    joined = tuple(None if parts[0][i] is None else tree.map_structure(lambda *a: np.concatenate(a),
-                                                                        *[p[i] for p in parts])
-                   for i in range(3))
-    return (*joined, _batch_size(parts[0][0]))
+    try:
+        return read_once(dataset)
+    except TaskError as e:
+        raise ValueError(f"elastic=True: {e}") from None
 
 
 def _flat(structure) -> list:

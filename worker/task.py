@@ -31,6 +31,12 @@ count, global batch size, seed). Two ways to shard, ``--dataset-sharding``:
 The number of steps is ``--steps``, else epochs times the train dataset's
 length (``cardinality``); a dataset of unknown length needs ``--steps``.
 
+With ``--elastic`` (``elastic=True``) the server deals the examples: the train
+dataset is read once into arrays (``read_once``; elements ``(features, labels)``
+or ``(features, labels, sample_weight)``, finite), every worker reads all of it
+(a context-taking function gets worker 0 of 1), and rounds or tasks are index
+batches of ``--global-batch-size`` into them, as ``DealtArrays`` deals a Keras fit's.
+
 **Your model** (``model_fn``): returns a Keras model; without an explicit loss
 it must be compiled with one (``model.compile(loss=..., metrics=[...])``: the
 loss and metrics are read from it; the compiled optimizer is ignored, the
@@ -213,16 +219,27 @@ class UserTask(Task):
 
     def __init__(self, model_fn: Callable, dataset_fn: Callable, *, global_batch_size: int, epochs: int = 1,
                  steps: int = 0, seed: int = 0, loss=None, metrics=None, sharding: str = "batch",
-                 worker_index: int = 0, num_workers: int = 1, name: str = ""):
+                 worker_index: int = 0, num_workers: int = 1, name: str = "", elastic: bool = False):
         if sharding not in SHARDINGS:
             raise TaskError(f"dataset sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+        if elastic:  # every worker reads the whole data, as one worker of one: the server deals its examples
+            worker_index, num_workers = 0, 1
         self.model_fn, self.dataset_fn = model_fn, dataset_fn
         self.global_batch_size, self.epochs, self.steps, self.seed = global_batch_size, epochs, steps, seed
         self.loss_spec, self.metric_specs, self.sharding = loss, metrics, sharding
         self.name = name or f"{getattr(model_fn, '__name__', 'model')} on {getattr(dataset_fn, '__name__', 'data')}"
         self._worker_index, self._num_workers = worker_index, num_workers
         self._train, self._eval = self._make_datasets(worker_index, num_workers)
-        if steps:
+        self.dealt: DealtArrays | None = None  # elastic: the train dataset read once, dealt by index
+        if elastic:
+            x, y, sample_weight, _ = read_once(self._train)
+            if y is None:
+                raise TaskError("the train dataset's elements must be (features, labels) or (features, labels, "
+                                "sample_weight) batches; they have no labels")
+            self.dealt = DealtArrays(x, y, sample_weight, global_batch_size=global_batch_size, seed=seed,
+                                     epochs=max(1, epochs))
+            self.total_steps = steps or self.dealt.total_steps
+        elif steps:
             self.total_steps = steps
         else:
             import tensorflow as tf
@@ -255,8 +272,8 @@ class UserTask(Task):
 
     def rebind(self, worker_index: int, num_workers: int) -> None:
         """The worker learned its index (``--worker-index auto``): a context-taking
-        dataset function is asked again with it."""
-        if (worker_index, num_workers) != (self._worker_index, self._num_workers):
+        dataset function is asked again with it (not when elastic: every worker reads it all)."""
+        if self.dealt is None and (worker_index, num_workers) != (self._worker_index, self._num_workers):
             self._worker_index, self._num_workers = worker_index, num_workers
             self._train, self._eval = self._make_datasets(worker_index, num_workers)
 
@@ -290,6 +307,26 @@ class UserTask(Task):
     def batches(self, worker_index: int, num_workers: int):
         return _Sequential(self, worker_index, num_workers)
 
+    # elastic (``worker.elastic``): the examples the server deals, by index into ``dealt``
+    @property
+    def num_examples(self) -> int:
+        return self._elastic().num_examples
+
+    def global_batch(self, step: int) -> np.ndarray:
+        return self._elastic().global_batch(step)
+
+    def examples(self, indices: np.ndarray) -> tuple:
+        """(x, y, sample_weight) at ``indices`` of the train dataset read once (``read_once``)."""
+        return self._elastic().examples(indices)
+
+    def fingerprint(self) -> str:
+        return self._elastic().fingerprint()
+
+    def _elastic(self) -> "DealtArrays":
+        if self.dealt is None:
+            raise TaskError("the examples are dealt by index only with elastic=True (--elastic)")
+        return self.dealt
+
     def evaluate(self, model) -> dict[str, float]:
         if self._eval is None:
             return {}
@@ -298,7 +335,8 @@ class UserTask(Task):
         for m in self._metric_list:
             m.reset_state()
         total, count = 0.0, 0
-        for x, y in self._eval:
+        for element in self._eval:
+            x, y = element[0], element[1]  # a sample weight, if any, is not applied to the test scores
             pred = model(x, training=False)
             per = self._loss_fn(y, pred)
             total += float(tf.reduce_sum(per))
@@ -423,6 +461,35 @@ def _rows(structure, indices: np.ndarray):
     return np.asarray(structure)[indices]
 
 
+def read_once(dataset) -> tuple:
+    """A finite ``tf.data.Dataset`` of batches, read once (``tfps.keras``'s elastic fit, and
+    ``UserTask`` with ``elastic``): (x, y, sample_weight) of every example in that pass's order,
+    as NumPy arrays in the elements' structure (``keras.utils.unpack_x_y_sample_weight`` reads
+    an element; y and sample_weight None where the elements have none), and the batch size
+    (its first batch's). An endless dataset (``repeat()``) and a tuple of more than three
+    are refused (``TaskError``)."""
+    import keras
+    import tensorflow as tf
+    from keras.src import tree
+
+    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise TaskError("an infinite dataset (repeat()) has no epoch of examples to deal; give a finite one "
+                        "(no repeat())")
+    parts = []
+    for element in dataset.as_numpy_iterator():
+        if isinstance(element, (tuple, list)) and len(element) > 3:  # Keras' own refusal prints the arrays
+            raise TaskError(f"the dataset's elements must be x, (x, y) or (x, y, sample_weight); got a tuple of "
+                            f"{len(element)}")
+        parts.append(keras.utils.unpack_x_y_sample_weight(element))
+    if not parts:
+        raise TaskError("the dataset is empty")
+    joined = tuple(None if parts[0][i] is None else tree.map_structure(lambda *a: np.concatenate(a),
+                                                                        *[p[i] for p in parts])
+                   for i in range(3))
+    first = next(a for a in tree.flatten(parts[0][0]) if a is not None)
+    return (*joined, int(first.shape[0]))
+
+
 def _per_example(loss) -> Callable:
     """A loss name, function or ``keras.losses.Loss`` as fn(y_true, y_pred) -> per-example losses.
     Labels of shape (n,) meet predictions of shape (n, 1) as ``model.fit`` lets them."""
@@ -486,7 +553,8 @@ def from_config(config, model_fn: Callable | None = None, dataset_fn: Callable |
     return UserTask(model_fn, dataset_fn, global_batch_size=config.global_batch_size, epochs=config.epochs,
                     steps=config.steps, seed=config.seed, loss=loss, metrics=metrics,
                     sharding=config.dataset_sharding, worker_index=config.worker_index,
-                    num_workers=config.num_workers)
+                    num_workers=config.num_workers, elastic=config.elastic)
 
 
-__all__ = ["InputContext", "Task", "TaskError", "BuiltinTask", "UserTask", "DealtArrays", "from_config", "load_function"]
+__all__ = ["InputContext", "Task", "TaskError", "BuiltinTask", "UserTask", "DealtArrays", "from_config", "load_function",
+           "read_once"]

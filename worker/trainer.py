@@ -118,9 +118,6 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
     if observer.metrics_port:
         log.debug("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
     try:
-        if config.elastic and not isinstance(task, tasks.BuiltinTask):
-            raise ConfigError("--elastic trains the built-in models and data (examples drawn by index) "
-                              "for now; not your own model or tf.data pipeline")
         loop = TrainingLoop(config, task, model, observer, device)
         try:
             return loop.run()
@@ -181,6 +178,8 @@ class TrainingLoop:
         if self.config.elastic:
             elastic.set_data_plan(self, reg)
         self.conn.join()
+        if self.config.elastic and getattr(self.task, "dealt", None) is not None:  # your dataset, read once
+            elastic.same_data(self)
         self.batches = self.task.batches(self.config.worker_index, self.config.num_workers)
 
     def own_shard(self) -> None:
@@ -211,8 +210,10 @@ class TrainingLoop:
             return 0.0, None
         import tensorflow as tf
 
+        x, y, *weights = work.examples  # your dataset's dealt examples (--elastic) carry a sample weight too
         with tf.device(self.device):
-            return self.gradients(*work.examples, self.conn.pulled, sparse_rule=self.conn.registration.sparse_rule)
+            return self.gradients(x, y, self.conn.pulled, sample_weight=weights[0] if weights else None,
+                                  sparse_rule=self.conn.registration.sparse_rule)
 
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""

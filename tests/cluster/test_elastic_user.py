@@ -1,0 +1,106 @@
+"""Elastic sync with your own model and data: ``ps-worker --elastic --model mymod:build
+--dataset mymod:data``, real processes.
+
+The dataset function (written to the test's directory, the workers' current directory)
+gives a seeded shuffle of 300 synthetic examples with sample weights, in global batches;
+every worker reads it once into arrays (``worker.task.read_once``) and the server deals
+their indices. Two epochs in global batches of 32 (10 rounds each, the last of 12
+examples), each cut into 3 micro-batches: once undisturbed with two workers, once with
+three of which worker 2 is SIGKILLed at round 5 (it pauses there, so the kill lands in
+the middle of the job; its micro-batch moves to a live worker when its lease runs out).
+The chief's final weights are the same bits, and the server counted every example of
+both epochs exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from worker.client import PSClient
+
+from .conftest import wait_exit
+
+pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
+
+EXAMPLES = 300
+BATCH = 32
+STEPS = 2 * -(-EXAMPLES // BATCH)  # two epochs of 10 rounds
+KILL_AT = 5
+
+MODULE = '''
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def build():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def examples(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    return x, x[:, :3].argmax(axis=1).astype("int64"), rng.uniform(0.5, 1.5, size=n).astype("float32")
+
+
+def data(ctx):
+    train = tf.data.Dataset.from_tensor_slices(examples(300, 0)).shuffle(300, seed=1).batch(ctx.global_batch_size)
+    x, y, _ = examples(100, 1)
+    return train, tf.data.Dataset.from_tensor_slices((x, y)).batch(50)
+'''
+
+
+def wait_for_version(address: str, version: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with PSClient(address) as client:
+        while client.status().version < version:
+            assert time.monotonic() < deadline, f"the server did not reach version {version}"
+            time.sleep(0.05)
+
+
+def run(procs, tmp_path, disturbed: bool):
+    workers = 3 if disturbed else 2
+    _, address = procs.server("sync", 3, extra=("--elastic-min-workers", str(workers), "--micro-batches", "3",
+                                                 "--lease-timeout", "2"))
+    flags = ("--elastic", "--model", "mymod:build", "--dataset", "mymod:data", "--epochs", "2",
+             "--global-batch-size", str(BATCH), "--log-level", "WARNING")
+    weights = tmp_path / f"final-{disturbed}.npz"
+    chief = procs.worker(address, 0, 3, *flags, "--save-weights", str(weights),
+                         "--history-json", str(tmp_path / f"h0-{disturbed}.json"))
+    others = [procs.worker(address, i, 3, *flags, *(("--pause-at-step", str(KILL_AT), "--pause-for", "60")
+                                                    if i == 2 else ()),
+                           "--history-json", str(tmp_path / f"h{i}-{disturbed}.json"))
+              for i in range(1, workers)]
+    if disturbed:
+        wait_for_version(address, KILL_AT)  # worker 2 holds round 5 (it pauses there)
+        others[1].send_signal(signal.SIGKILL)
+    assert wait_exit(chief, 120) == 0, chief.log_path.read_text()[-3000:]
+    for p in others:
+        assert wait_exit(p, 60) == (-signal.SIGKILL if disturbed and p is others[1] else 0)
+    with PSClient(address) as client:
+        status = client.status()
+    return dict(np.load(weights)), status
+
+
+def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weights(procs, tmp_path):
+    (tmp_path / "mymod.py").write_text(MODULE)
+    undisturbed, quiet = run(procs, tmp_path, False)
+    disturbed, churned = run(procs, tmp_path, True)
+    assert undisturbed.keys() == disturbed.keys() and undisturbed
+    for name in undisturbed:
+        np.testing.assert_array_equal(disturbed[name], undisturbed[name], err_msg=name)
+    # Every example of both epochs was counted once, whoever computed it.
+    assert quiet.examples_applied == churned.examples_applied == 2 * EXAMPLES
+    assert list(quiet.epoch_examples) == list(churned.epoch_examples) == [EXAMPLES, EXAMPLES]
+    assert quiet.version == churned.version == STEPS
+    # After the kill one of the two left computed two of a round's three micro-batches.
+    doubled = [r for i in (0, 1) for r in json.loads((tmp_path / f"h{i}-True.json").read_text())["steps"]
+               if r["micro_batches"] > 1]
+    assert doubled, "no round was computed by fewer workers than micro-batches"
