@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ import pytest
 from worker.client import PSClient
 
 from .conftest import wait_exit
+from .test_elastic import wait_for_version
 
 pytestmark = [pytest.mark.cluster, pytest.mark.recovery]
 
@@ -55,14 +55,6 @@ def data(ctx):
     x, y, _ = examples(100, 1)
     return train, tf.data.Dataset.from_tensor_slices((x, y)).batch(50)
 '''
-
-
-def wait_for_version(address: str, version: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    with PSClient(address) as client:
-        while client.status().version < version:
-            assert time.monotonic() < deadline, f"the server did not reach version {version}"
-            time.sleep(0.05)
 
 
 def run(procs, tmp_path, disturbed: bool):
