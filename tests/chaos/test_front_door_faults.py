@@ -8,13 +8,15 @@
 - A ``tfps.keras`` worker SIGKILLed under ``--dead-worker-policy shrink``: the policy
   "stops expecting the dead worker and finishes rounds with the live ones"
   (``ps_server.core.modes.sync_mode``), so the other worker's ``model.fit`` finishes
-  every round.
+  every round; and a ``Session`` worker's process SIGKILLed likewise leaves the other
+  Session's loop to finish.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -124,3 +126,49 @@ def test_a_keras_worker_killed_under_shrink_leaves_the_other_fit_to_finish_every
     assert status.version == epochs * STEPS and list(status.active_workers) == [0]
     assert [w.dead for w in sorted(status.workers, key=lambda w: w.worker_id)] == [False, True]
     assert status.rounds_aborted == 0 and status.rounds_timed_out == 0
+
+
+SESSION_WORKER = '''
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from worker import api
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="hidden"), keras.layers.Dense(1, name="out")],
+                         name="net")
+rng = np.random.default_rng(1)
+with api.Session(model, ps=sys.argv[1], worker_index=1, num_workers=2, optimizer="sgd", learning_rate=0.1) as session:
+    while True:  # until killed
+        x, y = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32)
+        session.pull()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        session.push(tape.gradient(loss, model.trainable_variables), float(loss), batch_size=len(x))
+'''
+
+
+def test_a_session_worker_killed_under_shrink_leaves_the_other_session_to_finish_every_round(procs, tmp_path):
+    """Two Session loops, sync, ``--dead-worker-policy shrink``: worker 1's process is
+    SIGKILLed after round 3; once its lease runs out the server stops expecting it and
+    worker 0's loop finishes all its steps alone, no round aborted or timed out."""
+    _, address = procs.server("sync", 2, extra=("--dead-worker-policy", "shrink", "--lease-timeout", "2"))
+    script = tmp_path / "session_worker.py"
+    script.write_text(SESSION_WORKER)
+    other = procs.start([sys.executable, str(script), address], "session1")
+    done = {}
+    chief = threading.Thread(target=lambda: done.update(weights=session_run(
+        dense_model(8, 16), batches(12, 8), ps=address, worker_index=0, num_workers=2)[0]))
+    chief.start()
+    with PSClient(address) as client:
+        wait_for(lambda: client.status().version >= 3 or other.poll() is not None, 120, "round 3")
+        assert other.poll() is None, other.log_path.read_text()[-3000:]
+        other.send_signal(signal.SIGKILL)
+        chief.join(120)
+        assert not chief.is_alive() and "weights" in done
+        status = client.status()
+    assert status.version == 12 and status.rounds_aborted == status.rounds_timed_out == 0
+    assert [w.worker_id for w in status.workers if w.dead] == [1]
