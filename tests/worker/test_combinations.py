@@ -350,3 +350,40 @@ def test_a_session_over_two_shards_with_global_clipnorm_gives_one_server_s_bits(
     assert runs[0] == runs[1]
     unclipped = session_run(dense_model(6, hidden=4), data, ps=server(mode, 1).address)[0]
     assert unclipped != runs[0]  # the norm did clip
+
+
+def _embedding_data():
+    x, y = (np.concatenate(parts) for parts in zip(*id_batches(4)))
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+
+def _compiled_embedding_model():
+    model = embedding_model()
+    model.compile(loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("rule", ["keras", "sum"])
+def test_the_ps_worker_loop_pushes_an_embedding_s_repeated_rows_and_the_server_steps_them_by_its_rule(
+        server, tmp_path, rule):
+    """The ``ps-worker`` loop (``api.train``, the same ``Connection`` and ``Step``) on your
+    Embedding model and data, four Adagrad steps with repeated ids: it pushes the touched
+    rows, and the server's rule decides the step: "keras" ends on Keras' ``apply_gradients``
+    of the ``tf.IndexedSlices``, "sum" on that of the gradients made dense (within 1e-6: the
+    loop's loss is the compiled one, the reference's the same function eagerly)."""
+    running = server("sync", 1, sparse_rule=rule, metrics=True)
+    saved = tmp_path / "final.npz"
+    api.train(_compiled_embedding_model, _embedding_data, ps=running.address, worker_index=0, num_workers=1,
+              optimizer="adagrad", learning_rate=LR, global_batch_size=8, epochs=1, save_weights=str(saved))
+    got = np.load(saved)
+    reference = embedding_model()
+    optimizer = keras.optimizers.Adagrad(LR)
+    for x, y in id_batches(4):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, reference(x))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        optimizer.apply_gradients(zip(grads if rule == "keras" else [tf.convert_to_tensor(g) for g in grads],
+                                      reference.trainable_variables))
+    for v in reference.trainable_variables:
+        np.testing.assert_allclose(got[v.path.replace("/", "__")], v.numpy(), rtol=1e-6, atol=1e-7, err_msg=v.path)
+    assert received_bytes(running) < 4 * 0.25 * 1000 * 8 * 4  # rows of at most 5 ids, not the table
