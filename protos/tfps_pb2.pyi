@@ -209,6 +209,20 @@ class ClipNormResponse(_message.Message):
     dtype: str
     def __init__(self, scale: _Optional[float] = ..., dtype: _Optional[str] = ...) -> None: ...
 
+class CommitRoundRequest(_message.Message):
+    __slots__ = ("round", "timeout_s")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    timeout_s: float
+    def __init__(self, round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CommitRoundResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class InitializeHeader(_message.Message):
     __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -226,16 +240,20 @@ class InitializeHeader(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
-    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs")
+    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs", "shards", "shard")
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     num_examples: int
     global_batch_size: int
     seed: int
     epochs: int
-    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    shard: int
+    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished")

@@ -99,6 +99,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.ClipNormRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.ClipNormResponse.FromString,
                 _registered_method=True)
+        self.CommitRound = channel.unary_unary(
+                '/tfps.v1.ParameterServer/CommitRound',
+                request_serializer=protos_dot_tfps__pb2.CommitRoundRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.CommitRoundResponse.FromString,
+                _registered_method=True)
         self.Work = channel.unary_unary(
                 '/tfps.v1.ParameterServer/Work',
                 request_serializer=protos_dot_tfps__pb2.WorkRequest.SerializeToString,
@@ -200,6 +205,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitRound(self, request, context):
+        """Elastic sync over shards, shard 0 to every other shard: apply round `round`
+        (FAILED_PRECONDITION when a micro-batch of it has not arrived here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Work(self, request, context):
         """Elastic sync: this worker's micro-batches, at once when it has some in the round
         being collected, else when it is given some (a dead worker's part, or the next
@@ -276,6 +289,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ClipNorm,
                     request_deserializer=protos_dot_tfps__pb2.ClipNormRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.ClipNormResponse.SerializeToString,
+            ),
+            'CommitRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitRound,
+                    request_deserializer=protos_dot_tfps__pb2.CommitRoundRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.CommitRoundResponse.SerializeToString,
             ),
             'Work': grpc.unary_unary_rpc_method_handler(
                     servicer.Work,
@@ -634,6 +652,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/ClipNorm',
             protos_dot_tfps__pb2.ClipNormRequest.SerializeToString,
             protos_dot_tfps__pb2.ClipNormResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tfps.v1.ParameterServer/CommitRound',
+            protos_dot_tfps__pb2.CommitRoundRequest.SerializeToString,
+            protos_dot_tfps__pb2.CommitRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -186,7 +186,9 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
         micro_batches=config.micro_batches,
     )
     token = security.load_token(config.auth_token_file, os.environ)
-    core.clip_peer = peers.connector(config, token)  # global_clipnorm over shards: shard 0's norms
+    lines = peers.Peers(config, token)
+    core.clip_peer = lines.clip_norm  # global_clipnorm over shards: shard 0's norms
+    core.round_peer = lines.commit_round  # elastic sync over shards: shard 0 commits rounds on the others
     credentials = security.server_credentials(config)
     server = LoopServer(
         options=wire.server_options(config.max_message_bytes, config.num_workers),

@@ -428,8 +428,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _inline(self) -> bool:
         if self._store_bytes is None:  # a store's shapes never change once initialized
-            if not self.core.store.initialized or self.core.clip_group is not None:
-                return False  # a clip group's updates wait for the other shards: never on the loop
+            if (not self.core.store.initialized or self.core.clip_group is not None
+                    or self.core.elastic_shards[0]):
+                return False  # a clip group's updates, a committed round wait for the other shards: never on the loop
             self._store_bytes = self.core.store.nbytes()
         return self._store_bytes <= INLINE_BYTES
 
@@ -519,8 +520,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         created, version = self.core.initialize(
             request.worker_id, variables, optimizer_from_wire(request.optimizer),
             non_trainable=list(request.non_trainable), owned=owned,
-            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs)
-            if plan is not None else None,
+            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
+                               tuple(plan.shards), plan.shard) if plan is not None else None,
             clip_group=ClipGroup(tuple(group.shards), group.shard, tuple(group.order)) if group is not None else None)
         if created:
             log.info(
@@ -669,6 +670,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _elastic_reply(self, reply: ElasticReply) -> pb.PushResponse:
         """Elastic sync, the round going on: the current version and the work to do next."""
         version = self.core.store.version
+        if reply.work is None:  # a follower shard took it: shard 0 says what next
+            return pb.PushResponse(version=version, next_step=version)
         return pb.PushResponse(version=version, next_step=version,
                                assignment=_assignment(reply.work, self.core.micro_batches))
 
@@ -816,6 +819,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise ClipTimeout(f"global_clipnorm: not every shard brought its norm for {request.key} in time; "
                               "nothing applied") from None
         return pb.ClipNormResponse(scale=float(scale), dtype=np.asarray(scale).dtype.str)
+
+    @_handled_async
+    async def CommitRound(self, request, context):
+        # A follower shard of elastic sync: shard 0 completed the round; apply this shard's part
+        # (on the pool: with global_clipnorm it waits for shard 0's factor).
+        version = await self._work(self.core.commit_round, request.round)
+        return pb.CommitRoundResponse(version=version)
 
     @_handled_async
     async def Broadcast(self, request, context):

@@ -143,8 +143,6 @@ class WorkerConfig:
         return [a.strip() for a in self.ps.split(",")] if "," in self.ps else [self.ps]
 
     def validate(self) -> "WorkerConfig":
-        if self.elastic and "," in self.ps:
-            raise ConfigError("--elastic trains against one server (no shards yet)")
         if "," not in self.ps:
             if not _is_host_port(self.ps):
                 raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")

@@ -230,8 +230,13 @@ class ShardedClient:
 
     # -- data --------------------------------------------------------------------
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
-                   non_trainable: Iterable[str] = ()) -> bool:
-        """Plan (once), then send every shard its pieces. True if any shard was created by this call."""
+                   non_trainable: Iterable[str] = (), data_plan: Mapping | None = None) -> bool:
+        """Plan (once), then send every shard its pieces. True if any shard was created by this call.
+        ``data_plan`` (elastic sync): every shard gets it, with the shards' addresses and its
+        own index (shard 0 deals; module docstring)."""
+        if data_plan is not None and data_plan.get("epochs"):
+            raise ConfigError("async and ssp with --elastic (the server's tasks) train against one server; "
+                              "elastic sync runs over several shards")
         placement = self.placement
         if placement is None:
             try:
@@ -257,8 +262,11 @@ class ShardedClient:
         # global_clipnorm: the shards take one norm together (ps_server/core/clip_group.py).
         group = ({"shards": list(self.addresses), "order": [p.name for p in placement.pieces]}
                  if optimizer.get("global_clipnorm") else None)
+        plans = [None if data_plan is None else {**data_plan, "shards": list(self.addresses), "shard": i}
+                 for i in range(self.num_shards)]
         created = self._each(self._data, lambda i, c: c.initialize(
-            worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i}))
+            worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i},
+            **({"data_plan": plans[i]} if plans[i] else {})))
         self._adopt(placement, "planned")
         return any(created.values())
 
@@ -320,11 +328,14 @@ class ShardedClient:
         (sync) its own round; the replies are combined as the module says.
         ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
         ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``).
-        A server-dealt push (``micro_batch``, ``task``) is refused: a data plan is one server's."""
+        A micro-batch of elastic sync (``micro_batch``) goes to every other shard first, then,
+        once they all took it, to shard 0, whose reply (the work to go on with, or the round's
+        answer) is the answer: so shard 0 never holds a micro-batch another shard lacks
+        (``ps_server.core.modes.elastic_mode``). An async task's push (``task``) is refused."""
         placement = self.placement
-        if placement is None or micro_batch >= 0 or task >= 0:
+        if placement is None or task >= 0:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
-                              "a push of dealt work goes to one server, not shards" if placement else
+                              "a push of an async task goes to one server, not shards" if placement else
                               "no placement yet: initialize or pull before the first push")
         try:
             per_shard = placement.split(gradients)
@@ -332,6 +343,12 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
+        if micro_batch >= 0:
+            def push(i, c):
+                return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
+                              micro_batch=micro_batch)
+            self._each(self._data, push, shards=range(1, self.num_shards))
+            return self._each(self._data, push, shards=[0])[0]
         replies = self._each(self._data, lambda i, c: c.push(
             worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
             metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate))
@@ -342,6 +359,10 @@ class ShardedClient:
                               f"the shards disagree on step {step}'s gradient ({which}); backup workers "
                               "(--replicas-to-aggregate) cannot be used with several shards")
         return combine_records(replies, PUSH_RULES)
+
+    def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
+        """Elastic sync: ``PSClient.work`` on shard 0 alone, which deals every round."""
+        return self._clients[0].work(worker_id, timeout=timeout)
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """``PSClient.broadcast`` on shard 0 alone: one board for the cluster."""

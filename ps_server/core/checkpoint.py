@@ -40,7 +40,9 @@ versions (int64); for elastic sync one packed bitmap (uint8) per epoch in
 progress, complete epochs only listed. The format stays 1: the field is
 optional, and a tfps from before it reads such a file as one without a plan.
 ``clip_group`` (optional too): the shards a sharded ``global_clipnorm`` takes its
-norm over (``core.clip_group``), so a restarted shard clips as before.
+norm over (``core.clip_group``), so a restarted shard clips as before. An elastic
+plan over several shards keeps them too (``DataState.shards``, ``shard``): a restarted
+shard follows shard 0, or commits on the others, as before.
 Not saved, on purpose: pushes waiting in an unfinished sync round (workers
 push that round again), the answers kept for replaying lost replies (a retry
 from before the restart is judged against the restored round, or with tasks
@@ -134,6 +136,8 @@ class DataState:
     done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
     epochs_complete: tuple[int, ...] = ()
     epochs_seen: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    shards: tuple[str, ...] = ()  # elastic over several shards: their addresses, and this one's index
+    shard: int = 0
 
     KINDS = ("tasks", "elastic")
 
@@ -316,6 +320,7 @@ def _data_header(data: DataState, put) -> dict:
         **{k: ref(getattr(data, k), np.int64) for k in _TASK_ARRAYS},
         "epochs_complete": [int(e) for e in data.epochs_complete],
         "epochs_seen": {str(int(e)): ref(bits, np.uint8) for e, bits in sorted(data.epochs_seen.items())},
+        **({"shards": list(data.shards), "shard": int(data.shard)} if data.shards else {}),
     }
 
 
@@ -494,6 +499,7 @@ def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataStat
         **{k: read(header[k], "i").astype(np.int64) for k in _TASK_ARRAYS},
         epochs_complete=tuple(int(e) for e in header["epochs_complete"]),
         epochs_seen={int(e): read(ref, "u") for e, ref in header["epochs_seen"].items()},
+        shards=tuple(str(a) for a in header.get("shards", ())), shard=int(header.get("shard", 0)),
     )
 
 

@@ -20,6 +20,7 @@ service module maps them to gRPC status codes. Every method is thread-safe.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -177,6 +178,12 @@ class ParameterServer:
         self.clip_group: ClipGroup | None = None
         self.norm_board: NormBoard | None = None
         self.clip_peer = None
+        # Elastic sync over several shards (``core.modes.elastic_mode``): every shard's address
+        # and this one's index, from the chief's data plan; ``round_peer(address)`` gives shard
+        # 0 a function ``(round, timeout) -> version`` that commits a round there (the server
+        # layer's CommitRound call).
+        self.elastic_shards: tuple[tuple[str, ...], int] = ((), 0)
+        self.round_peer = None
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if self.elastic:
@@ -257,7 +264,8 @@ class ParameterServer:
         if clip_group is not None:
             self._use_clip_group(clip_group)
         if cursor is not None:
-            self.mode.set_cursor(cursor)
+            self.mode.set_cursor(cursor, shard=data_plan.shard)
+            self._use_shards(data_plan.shards, data_plan.shard)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
         return created, self.store.version
@@ -349,7 +357,47 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
+        shards, shard = tuple(plan.shards), plan.shard
+        if shards and (len(shards) < 2 or not 0 <= shard < len(shards)):
+            raise InvalidArgument(f"a data plan over shards names at least 2 and this one's index among them; got "
+                                  f"shard {shard} of {list(shards)}")
+        if not shards and shard:
+            raise InvalidArgument(f"a data plan names shard {shard} but no shards")
+        if self.elastic_shards[0] and self.elastic_shards != (shards, shard):
+            raise SpecConflict(f"this server is shard {self.elastic_shards[1]} of {list(self.elastic_shards[0])}; "
+                               f"this initialize makes it shard {shard} of {list(shards)}")
+        if shards and shard == 0 and self.round_peer is None:
+            raise InvalidArgument("this server cannot reach the other shards to commit rounds (no peer connector)")
         return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
+
+    def _use_shards(self, shards: tuple[str, ...], shard: int) -> None:
+        """Elastic sync over shards: shard 0 commits every round on the others (``mode.commit``)."""
+        if not shards or self.elastic_shards == (shards, shard):
+            return
+        self.elastic_shards = (shards, shard)
+        if shard:
+            return
+        commits = [self.round_peer(a) for a in shards[1:]]
+        pool = concurrent.futures.ThreadPoolExecutor(len(commits), thread_name_prefix="commit-round")
+        timeout = self.barrier_timeout
+
+        def commit(round_: int) -> Callable[[], None]:
+            started = [pool.submit(c, round_, timeout) for c in commits]
+
+            def wait() -> None:
+                failures = [f.exception() for f in started]
+                first = next((e for e in failures if e is not None), None)
+                if first is not None:
+                    raise first if isinstance(first, PSError) else ConfigMismatch(str(first))
+            return wait
+        self.mode.commit = commit
+
+    def commit_round(self, round_: int) -> int:
+        """A follower shard of elastic sync: apply round ``round_``, which shard 0 completed
+        (the CommitRound call); the version after it."""
+        if self.mode.data_plan != "elastic":
+            raise InvalidArgument("CommitRound is for elastic sync over shards; this server is not elastic")
+        return self.mode.commit_round(round_)
 
     def work(self, worker_id: int) -> Ticket:
         """Elastic sync: a ticket for this worker's micro-batches (``ElasticSyncMode.work``).
@@ -615,8 +663,9 @@ class ParameterServer:
         if ledger is not None:
             c = self.mode.cursor
             complete, seen = ledger
+            shards, shard = self.elastic_shards
             return DataState("elastic", c.num_examples, c.global_batch_size, c.seed, 0, c.micro_batches,
-                             epochs_complete=complete, epochs_seen=seen)
+                             epochs_complete=complete, epochs_seen=seen, shards=shards, shard=shard)
         return None
 
     def _restored_data(self, data: DataState | None):
@@ -646,7 +695,10 @@ class ParameterServer:
                                  f"server cuts them into {self.micro_batches} (--micro-batches): {where}")
         try:
             cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches)
-            return cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen)
+            if data.shards and data.shard == 0 and self.round_peer is None:
+                raise InvalidArgument("no peer connector to commit rounds on the other shards")
+            return (cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen),
+                    data.shards, data.shard)
         except InvalidArgument as e:
             raise ConfigMismatch(f"the checkpoint's ledger does not fit its own plan ({data.describe()}): {e}") \
                 from None
@@ -693,7 +745,9 @@ class ParameterServer:
         if isinstance(data, TaskQueue):
             self._use_tasks(data)
         elif data is not None:
-            self.mode.set_cursor(*data)
+            cursor, ledger, shards, shard = data
+            self.mode.set_cursor(cursor, ledger, shard=shard)
+            self._use_shards(shards, shard)
         self.checkpointed(state.version)
 
     def checkpointed(self, version: int) -> None:

@@ -715,8 +715,9 @@ def test_the_elastic_check_refuses_a_size_outside_min_max_and_an_indexed_job(tmp
     with pytest.raises(ConfigError, match="above --num-workers"):
         ServerConfig.from_args([], {**server.env, "TFPS_ELASTIC_MIN_WORKERS": str(high + 1)})
     (w, *_) = [r for r in kube.replicas(ELASTIC) if r.role == "worker"]
-    with pytest.raises(ConfigError, match="one server"):  # elastic sync has no shards yet
-        WorkerConfig.from_args(w.process_argv[1:], {**w.env, "TFPS_PS": f"{server.address},other:50051"})
+    # Elastic sync over two shards: the worker takes them (shard 0 deals, the other follows).
+    two = WorkerConfig.from_args(w.process_argv[1:], {**w.env, "TFPS_PS": f"{server.address},other:50051"})
+    assert two.elastic and two.ps_addresses == [server.address, "other:50051"]
 
 
 def test_the_elastic_and_plain_objects_can_share_a_namespace():

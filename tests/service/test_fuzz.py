@@ -89,6 +89,7 @@ REQUESTS = {
     "Broadcast": pb.BroadcastRequest,
     "Work": pb.WorkRequest,
     "ClipNorm": pb.ClipNormRequest,
+    "CommitRound": pb.CommitRoundRequest,
 }
 STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
@@ -298,6 +299,8 @@ STRATEGIES = {
     "ClipNorm": st.builds(pb.ClipNormRequest, key=TEXT, shard=INT32, names=st.lists(NAMES, max_size=3),
                           squares=st.lists(DOUBLES, max_size=3), dtypes=st.lists(TEXT, max_size=3),
                           timeout_s=DOUBLES),
+    # These servers follow no elastic shard 0: refused, whatever the round.
+    "CommitRound": st.builds(pb.CommitRoundRequest, round=st.integers(-2**63, 2**63 - 1), timeout_s=DOUBLES),
 }
 
 
@@ -363,6 +366,12 @@ def test_fuzzed_work_is_answered_with_a_table_code_and_changes_nothing(target, r
 @given(request=STRATEGIES["ClipNorm"])
 def test_fuzzed_clip_norm_is_answered_with_a_table_code_and_changes_nothing(target, request):
     fuzz(target, "ClipNorm", request)
+
+
+@FUZZ
+@given(request=STRATEGIES["CommitRound"])
+def test_fuzzed_commit_round_is_answered_with_a_table_code_and_changes_nothing(target, request):
+    fuzz(target, "CommitRound", request)
 
 
 @FUZZ

@@ -63,6 +63,8 @@ class DataPlan:
     global_batch_size: int
     seed: int
     epochs: int = 0
+    shards: tuple[str, ...] = ()  # elastic sync over shards: every shard's address (0 deals)
+    shard: int = 0                # and this server's index among them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +148,17 @@ class RoundWork:
             return tuple(self._live)
 
     # -- what happens --------------------------------------------------------------
-    def receive(self, worker_id: int, micro: int) -> bool:
+    def receive(self, worker_id: int, micro: int, dealt_elsewhere: bool = False) -> bool:
         """``worker_id`` delivered micro-batch ``micro``'s gradient: True when it is new (to
         fold), False when that micro-batch is already in (a repeat: answer it, fold nothing).
-        A worker may deliver only what it was dealt."""
+        A worker may deliver only what it was dealt; ``dealt_elsewhere`` (a shard that does
+        not deal: another shard did) takes it from any worker."""
         self._check_micro(micro)
         with self._lock:
             if micro in self._received:
                 return False
             owner = self._owner.get(micro)
-            if owner != worker_id:
+            if owner != worker_id and not dealt_elsewhere:
                 holder = "nobody yet" if owner is None else f"worker {owner}"
                 raise InvalidArgument(f"round {self.round}: micro-batch {micro} was dealt to {holder}, "
                                       f"not to worker {worker_id}")

@@ -37,6 +37,21 @@ why the round's result then has the same bits whoever computed what.
 - Not here (refused with InvalidArgument): backup workers, metrics summed over
   the round, a learning rate set by a push, and PushPull's speculation.
 
+**Over several shards** (``set_cursor(..., shard=k)``): shard 0 deals, as above; every
+other shard is a follower. A worker pushes each micro-batch to the followers first,
+and to shard 0 once they took it (``worker.sharded_client``), so every micro-batch shard
+0 holds is on every shard. A follower folds a micro-batch from any worker (who computed
+it changes nothing), answers at once with neither work nor result, never deals, never
+times a round out, and applies a round only when shard 0 commits it (``commit``): shard
+0, once its round is complete, starts the followers' commits (``self.commit``, set by
+the server: the CommitRound call), applies its own part, and waits for theirs before it
+answers. So no shard applies a round that shard 0 might still discard (its barrier
+timeout), and a worker that pulls after shard 0's answer reads every shard at the new
+version. A discarded round's micro-batches come again as repeats to the followers: the
+same gradients (the same parameters, the same examples), answered, not folded. With
+``global_clipnorm`` the shards' applies take one norm together (``core.clip_group``):
+that is why shard 0 applies alongside its followers' commits, not after them.
+
 Threading: one lock around the round; the aggregation and the optimizer step run
 under it (as in ``SyncMode``); tickets are settled under it and their callbacks
 must not block (``core.modes.Ticket``). Nothing here does network I/O.
@@ -44,6 +59,7 @@ must not block (``core.modes.Ticket``). Nothing here does network I/O.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -52,8 +68,8 @@ from typing import Callable
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, weighted_loss
 from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
-from ps_server.core.errors import (BarrierTimeout, FutureRound, InvalidArgument, PSError, SpecConflict, StaleRound,
-                                   WorkerDead)
+from ps_server.core.errors import (BarrierTimeout, ConfigMismatch, FutureRound, InvalidArgument, PSError,
+                                   SpecConflict, StaleRound, WorkerDead)
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.modes.rounds import ROUNDS_REMEMBERED
@@ -109,19 +125,25 @@ class ElasticSyncMode(Mode):
         self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
         self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
         self._timed_out = 0
+        self.shard = 0  # over several shards: this one's index (0 deals; the others follow)
+        # Shard 0 over several shards: ``commit(r)`` starts the other shards' commits of round
+        # r and returns a function that waits for them (raising PSError); None: one server.
+        self.commit: Callable[[int], Callable[[], None]] | None = None
         if cursor is not None:
             self.set_cursor(cursor)
 
-    def set_cursor(self, cursor: Cursor, ledger: EpochLedger | None = None) -> None:
+    def set_cursor(self, cursor: Cursor, ledger: EpochLedger | None = None, shard: int = 0) -> None:
         """The job's data plan (the chief's, at initialize; or a checkpoint's, with its
-        ``ledger``): rounds start once it is known. The same plan again is harmless; another
-        one is refused (SpecConflict)."""
+        ``ledger``): rounds start once it is known; ``shard`` > 0: this server follows shard 0
+        (module docstring). The same plan again is harmless; another one is refused
+        (SpecConflict)."""
         with self._lock:
             if self.cursor is not None:
-                if cursor != self.cursor:
-                    raise SpecConflict(f"the elastic round's data plan is {self.cursor}; got {cursor}")
+                if (cursor, shard) != (self.cursor, self.shard):
+                    raise SpecConflict(f"the elastic round's data plan is {self.cursor} (shard {self.shard}); "
+                                       f"got {cursor} (shard {shard})")
                 return
-            self.cursor, self.ledger = cursor, ledger or EpochLedger(cursor.num_examples)
+            self.cursor, self.ledger, self.shard = cursor, ledger or EpochLedger(cursor.num_examples), shard
             self._start_if_ready()
 
     # -- membership ---------------------------------------------------------------
@@ -130,7 +152,7 @@ class ElasticSyncMode(Mode):
             self._live.add(worker_id)
             if self._work is None:
                 self._start_if_ready()
-            else:
+            elif not self.shard:  # a follower deals nothing
                 self._hand_out(self._work.join(worker_id))
 
     def workers_died(self, worker_ids: list[int]) -> None:
@@ -156,6 +178,10 @@ class ElasticSyncMode(Mode):
         round, else when it is given some (a dead worker's, or the next round's)."""
         ticket = Ticket()
         with self._lock:
+            if self.shard:
+                ticket.settle(InvalidArgument(f"this server is shard {self.shard} of an elastic job: shard 0 deals "
+                                              "the work; ask it"))
+                return ticket
             if worker_id not in self._live:
                 ticket.settle(InvalidArgument(f"worker {worker_id} has not joined the elastic round",
                                               reason=Reason.NOT_JOINED))
@@ -194,8 +220,8 @@ class ElasticSyncMode(Mode):
                     self._asking[w] = kept
                 else:
                     del self._asking[w]
-            if self._work is None or now - self._started < self.barrier_timeout:
-                return
+            if self._work is None or self.shard or now - self._started < self.barrier_timeout:
+                return  # a follower's round ends when shard 0 commits it
             missing = sorted({w for m in self._work.outstanding if (w := self._work.owner(m)) is not None})
             error = BarrierTimeout(
                 f"elastic sync round {self._round} timed out after {self.barrier_timeout:g} s waiting for "
@@ -233,6 +259,26 @@ class ElasticSyncMode(Mode):
                     None if self.ledger is None else self.ledger.state(),
                     self.stats.export())
 
+    def commit_round(self, round_: int) -> int:
+        """A follower: shard 0 completed round ``round_``; apply this shard's part (at once
+        when already applied). The version after it; ConfigMismatch when a micro-batch of
+        it has not arrived here (nothing applied), FutureRound for a round not started."""
+        with self._lock:
+            if not self.shard:
+                raise InvalidArgument("CommitRound is shard 0's call to the other shards of an elastic job; "
+                                      "this server deals its own rounds")
+            if round_ < self._round:
+                return self.store.version
+            if round_ > self._round or self._work is None:
+                raise FutureRound(f"shard {self.shard} collects round {self._round}; shard 0 commits round {round_}")
+            if not self._work.complete:
+                raise ConfigMismatch(f"shard {self.shard} lacks micro-batch(es) {list(self._work.outstanding)} of "
+                                     f"round {round_}, which shard 0 completed; nothing applied here")
+            error = self._complete()
+            if error is not None:
+                raise error
+            return self.store.version
+
     def restore(self, status: ModeStatus) -> None:
         with self._lock:
             self._round = self._first_round = status.round
@@ -248,14 +294,15 @@ class ElasticSyncMode(Mode):
         m, r, w = push.micro_batch, push.step, push.worker_id
         if r < self._round:
             if r in self._results and m in self._folded.get(r, ()):
-                ticket.settle(ElasticReply(result=dataclasses.replace(self._results[r], replayed=True)))
+                ticket.settle(ElasticReply() if self.shard else
+                              ElasticReply(result=dataclasses.replace(self._results[r], replayed=True)))
                 return
             raise StaleRound(f"push from worker {w} for round {r}, micro-batch {m}: that round completed "
                              f"without it (the server is collecting round {self._round})")
         if r > self._round:
             raise FutureRound(f"push from worker {w} is for round {r}; the server is collecting round "
                               f"{self._round}")
-        if w not in self._live:
+        if w not in self._live and not self.shard:  # a follower takes a micro-batch from anyone
             raise InvalidArgument(f"worker {w} has not joined the elastic round (or was declared dead)",
                                   reason=Reason.NOT_JOINED)
         if self._work is None:
@@ -268,10 +315,13 @@ class ElasticSyncMode(Mode):
             raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
                                   f"{push.batch_size}")
         self.store.check_gradients(push.gradients)  # before anything is taken
-        if self._work.receive(w, m):
+        if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
             self._losses.append((push.loss, size))
+        if self.shard:  # a follower: taken; shard 0 says what next, and commits the round
+            ticket.settle(ElasticReply())
+            return
         mine = self._mine(w)
         if mine is not None and mine.round == r:
             ticket.settle(ElasticReply(work=mine))
@@ -280,19 +330,29 @@ class ElasticSyncMode(Mode):
         if self._work.complete:
             self._complete()
 
-    def _complete(self) -> None:
+    def _complete(self) -> PSError | None:
+        """Apply the complete round (shard 0 over shards: the others' parts alongside) and
+        answer its pushes; the error when it was not applied (the round then starts over)."""
         work, completed = self._work, self._round
         started = time.perf_counter()
+        followers = self.commit(completed) if self.commit is not None else (lambda: None)
+        failed = None
         try:
             version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
-        except PSError as e:  # nothing applied (apply_all is all or nothing): the round starts over
+        except PSError as e:  # nothing applied here (apply_all is all or nothing): the round starts over
+            with contextlib.suppress(PSError):
+                followers()  # their applies fail too (global_clipnorm: no norm), or nothing can undo them
             for tickets in self._pushes.values():
                 for t in tickets:
                     t.settle(e)
             self._pushes.clear()
             self._reset_round()
             self._start_if_ready()
-            return
+            return e
+        try:
+            followers()
+        except PSError as e:  # applied here, not on every shard: the job cannot go on as one model
+            failed = ConfigMismatch(f"round {completed} was applied on shard 0 but not on every other shard: {e}")
         self.stats.applied(time.perf_counter() - started)
         micro = range(self.cursor.micro_batches)
         for m in micro:
@@ -312,7 +372,8 @@ class ElasticSyncMode(Mode):
         self._start_if_ready()
         for tickets in waiting.values():
             for t in tickets:
-                t.settle(ElasticReply(result=result))
+                t.settle(failed or ElasticReply(result=result))
+        return failed
 
     def _reset_round(self) -> None:
         self._work = None
@@ -323,9 +384,11 @@ class ElasticSyncMode(Mode):
     def _start_if_ready(self) -> None:
         # min_workers gates the job's first round only: later ones go on with whoever is live.
         needed = self.min_workers if self._round == self._first_round else 1
+        if self.shard:  # a follower collects whatever shard 0 dealt, from whoever computed it
+            needed = 0
         if self._work is not None or self.cursor is None or len(self._live) < needed:
             return
-        self._work = self.cursor.round(self._round, self._live)
+        self._work = self.cursor.round(self._round, () if self.shard else self._live)
         self._started = self._clock()
         for w in list(self._asking):
             self._answer_asking(w)

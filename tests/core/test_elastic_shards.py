@@ -1,0 +1,193 @@
+"""Elastic sync over two server shards (``core.modes.elastic_mode``, "Over several shards"),
+in-process: shard 0 deals and commits, shard 1 folds whatever any worker pushes and applies a
+round when shard 0 commits it. The shards end with one server's bits, through a worker that
+dies between its two pushes, a round discarded by shard 0's barrier timeout, and with
+``global_clipnorm`` taken over both."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps_server.core import checkpoint
+from ps_server.core.clip_group import ClipGroup
+from ps_server.core.data.cursor import DataPlan
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, SpecConflict
+from ps_server.core.modes.base import Push
+from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.parameter_server import ParameterServer
+from tests.core.test_cursor import CLASSES, EXAMPLES, FEATURES, gradient
+from tests.core.test_elastic_mode import Clock
+
+ADDRESSES = ("shard0:1", "shard1:1")
+ON = ({"w"}, {"b"})  # what each shard holds
+ADAM = OptimizerSpec("adam", learning_rate=0.05)
+CLIPPED = OptimizerSpec("adamw", learning_rate=0.05, global_clipnorm=0.05)
+
+
+def start():
+    rng = np.random.default_rng(3)
+    return {"w": rng.normal(size=(FEATURES, CLASSES)).astype(np.float32),
+            "b": rng.normal(size=CLASSES).astype(np.float32)}
+
+
+def plan(shard=0, shards=ADDRESSES):
+    return DataPlan(EXAMPLES, 16, 5, shards=shards if shard is not None else (), shard=shard or 0)
+
+
+def server(clock, **kwargs):
+    options = dict(num_workers=3, elastic_min_workers=2, micro_batches=4, lease_timeout=5.0, clock=clock,
+                   barrier_timeout=30.0)
+    return ParameterServer("sync", **{**options, **kwargs})
+
+
+def one_server(clock, spec, workers=(0, 1)):
+    ps = server(clock)
+    for w in workers:
+        ps.register(w, 3)
+    ps.initialize(0, start(), spec, data_plan=plan(None))
+    return ps
+
+
+def two_shards(clock, spec, workers=(0, 1)):
+    """Shard 1 follows shard 0: shard 0 commits rounds there (as the CommitRound call does);
+    with ``global_clipnorm`` shard 1 asks shard 0's board (as the ClipNorm call does)."""
+    shards = [server(clock), server(clock)]
+    shards[0].round_peer = lambda address: (lambda r, timeout: shards[1].commit_round(r))
+    shards[1].clip_peer = lambda address: (
+        lambda key, shard, squares, timeout: shards[0].clip_norm(key, shard, squares).result(timeout))
+    for i, (ps, names) in enumerate(zip(shards, ON)):
+        for w in workers:
+            ps.register(w, 3)
+        group = ClipGroup(ADDRESSES, i, ("w", "b")) if spec.global_clipnorm else None
+        ps.initialize(0, {n: v for n, v in start().items() if n in names}, spec, data_plan=plan(i),
+                      clip_group=group)
+    return shards
+
+
+def params(servers):
+    out = {}
+    for ps in servers:
+        out.update(ps.pull()[1])
+    return out
+
+
+def micro_push(servers, worker, work, m, only=None):
+    """Worker ``worker`` computes micro-batch ``m`` of ``work`` on the shards' parameters and
+    pushes it, shard 1 first (``only``: to those shards alone); shard 0's answer."""
+    values = params(servers)
+    indices = servers[0].mode.cursor.round(work.round, [worker]).indices(m)
+    grads = gradient(values, indices)
+    size = work.sizes[work.micro_batches.index(m)]
+    order = list(reversed(range(len(servers)))) if only is None else only
+    answer = None
+    for i in order:
+        names = ON[i] if len(servers) > 1 else {"w", "b"}
+        p = Push(worker_id=worker, step=work.round, base_version=work.round, batch_size=size,
+                 gradients={n: g for n, g in grads.items() if n in names}, micro_batch=m)
+        ticket = servers[i].submit(p)
+        answer = ticket if i == 0 else ticket.result(5)
+    return answer
+
+
+def run_rounds(servers, rounds, die_at=None):
+    """Workers 0 and 1 take their micro-batches each round; at round ``die_at`` worker 1
+    pushes its first micro-batch to shard 1 alone, then dies (its lease ends): shard 0 deals
+    it to worker 0."""
+    dead = False
+    for r in range(rounds):
+        live = [0] if dead else [0, 1]
+        works = {w: servers[0].work(w).result(5) for w in live}
+        waiting = []
+        for w in live:
+            work = works[w]
+            todo = list(work.micro_batches)
+            if w == 1 and r == die_at:
+                micro_push(servers, 1, work, todo[0], only=[1] if len(servers) > 1 else [])
+                for ps in servers:
+                    ps.leave(1)
+                dead = True
+                continue
+            while todo:
+                m = todo.pop(0)
+                ticket = micro_push(servers, w, work, m)
+                if not todo:
+                    waiting.append((w, work, ticket))
+        for w, work, ticket in waiting:
+            reply = ticket.result(5)
+            while reply.work is not None:  # a dead worker's part came to it
+                for m in reply.work.micro_batches:
+                    reply = micro_push(servers, w, reply.work, m).result(5)
+        assert all(ps.store.version == r + 1 for ps in servers)
+
+
+@pytest.mark.parametrize("spec", [ADAM, CLIPPED], ids=["adam", "global_clipnorm"])
+def test_two_shards_end_with_one_server_s_bits_through_a_worker_dying_between_its_pushes(spec):
+    one, shards = one_server(Clock(), spec), two_shards(Clock(), spec)
+    run_rounds([one], 6, die_at=3)
+    run_rounds(shards, 6, die_at=3)
+    mine, theirs = params([one]), params(shards)
+    for n in mine:
+        np.testing.assert_array_equal(mine[n], theirs[n])
+    assert [s.mode.ledger.count(0) for s in shards] == [one.mode.ledger.count(0)] * 2
+    # Something really was clipped: the same run without global_clipnorm ends elsewhere.
+    if spec is CLIPPED:
+        plain = one_server(Clock(), OptimizerSpec("adamw", learning_rate=0.05))
+        run_rounds([plain], 6, die_at=3)
+        assert not np.array_equal(params([plain])["w"], mine["w"])
+
+
+def test_a_round_shard_0_discards_is_collected_again_and_the_follower_folds_each_micro_batch_once():
+    clock = Clock()
+    shards = two_shards(clock, ADAM)
+    one = one_server(Clock(), ADAM)
+    works = {w: shards[0].work(w).result(5) for w in (0, 1)}
+    for m in works[0].micro_batches:
+        micro_push(shards, 0, works[0], m)
+    clock.now = 31.0
+    for ps in shards:
+        ps.heartbeat(0), ps.heartbeat(1)
+    shards[0].tick()  # worker 1 never pushed: shard 0 discards round 0
+    shards[1].tick()  # a follower never times a round out
+    assert [ps.store.version for ps in shards] == [0, 0]
+    assert shards[1].mode._work.outstanding == (2, 3)
+    run_rounds(shards, 3)  # round 0 dealt again: its repeats reach shard 1 as repeats
+    run_rounds([one], 3)
+    mine, theirs = params([one]), params(shards)
+    for n in mine:
+        np.testing.assert_array_equal(mine[n], theirs[n])
+
+
+def test_a_follower_refuses_to_commit_a_round_it_lacks_and_to_deal():
+    shards = two_shards(Clock(), ADAM)
+    work = shards[0].work(0).result(5)
+    micro_push(shards, 0, work, work.micro_batches[0], only=[1])
+    with pytest.raises(ConfigMismatch, match=r"lacks micro-batch\(es\) \[1, 2, 3\] of round 0"):
+        shards[1].commit_round(0)
+    assert shards[1].store.version == 0
+    with pytest.raises(InvalidArgument, match="shard 0 deals the work"):
+        shards[1].work(0).result(5)
+    with pytest.raises(InvalidArgument, match="this server deals its own rounds"):
+        shards[0].commit_round(0)
+    with pytest.raises(SpecConflict, match="shard 1 of"):
+        shards[1].initialize(0, {"b": start()["b"]}, ADAM, data_plan=plan(0))
+    lonely = server(Clock())
+    lonely.register(0, 3)
+    with pytest.raises(InvalidArgument, match="no peer connector"):
+        lonely.initialize(0, start(), ADAM, data_plan=plan(0))
+    with pytest.raises(InvalidArgument, match="at least 2"):
+        lonely.initialize(0, start(), ADAM, data_plan=plan(1, shards=("a:1",)))
+
+
+def test_a_shard_s_checkpoint_keeps_its_place_among_the_shards(tmp_path):
+    shards = two_shards(Clock(), ADAM)
+    run_rounds(shards, 2)
+    for i, ps in enumerate(shards):
+        path = checkpoint.write_checkpoint(str(tmp_path / f"s{i}"), ps.checkpoint_state())
+        state = checkpoint.read_checkpoint(path)
+        assert (state.data.shards, state.data.shard) == (ADDRESSES, i)
+        again = server(Clock())
+        again.round_peer = shards[0].round_peer
+        again.restore(state)
+        assert again.elastic_shards == (ADDRESSES, i) and again.mode.shard == i
+        assert (again.mode.commit is not None) == (i == 0)
