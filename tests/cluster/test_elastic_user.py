@@ -9,7 +9,9 @@ examples), each cut into 3 micro-batches: once undisturbed with two workers, onc
 three of which worker 2 is SIGKILLed at round 5 (it pauses there, so the kill lands in
 the middle of the job; its micro-batch moves to a live worker when its lease runs out).
 The chief's final weights are the same bits, and the server counted every example of
-both epochs exactly once.
+both epochs exactly once. The disturbed run is also made over two server shards (shard 0
+deals and commits, shard 1 follows: ``core.modes.elastic_mode``): the same bits as the
+undisturbed run on one server, both shards' ledgers complete.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from worker.client import PSClient
+from worker.sharded_client import ShardedClient
 
 from .conftest import wait_exit
 from .test_elastic import wait_for_version
@@ -58,10 +61,11 @@ def data(ctx):
 '''
 
 
-def run(procs, tmp_path, disturbed: bool):
+def run(procs, tmp_path, disturbed: bool, shards: int = 1):
     workers = 3 if disturbed else 2
-    _, address = procs.server("sync", 3, extra=("--elastic-min-workers", str(workers), "--micro-batches", "3",
-                                                 "--lease-timeout", "2"))
+    addresses = [procs.server("sync", 3, extra=("--elastic-min-workers", str(workers), "--micro-batches", "3",
+                                                 "--lease-timeout", "2"))[1] for _ in range(shards)]
+    address = ",".join(addresses)
     flags = ("--elastic", "--model", "mymod:build", "--dataset", "mymod:data", "--epochs", "2",
              "--global-batch-size", str(BATCH), "--log-level", "WARNING")
     weights = tmp_path / f"final-{disturbed}.npz"
@@ -72,20 +76,23 @@ def run(procs, tmp_path, disturbed: bool):
                            "--history-json", str(tmp_path / f"h{i}-{disturbed}.json"))
               for i in range(1, workers)]
     if disturbed:
-        wait_for_version(address, KILL_AT)  # worker 2 holds round 5 (it pauses there)
+        wait_for_version(addresses[0], KILL_AT)  # worker 2 holds round 5 (it pauses there)
         others[1].send_signal(signal.SIGKILL)
     assert wait_exit(chief, 120) == 0, chief.log_path.read_text()[-3000:]
     for p in others:
         assert wait_exit(p, 60) == (-signal.SIGKILL if disturbed and p is others[1] else 0)
-    with PSClient(address) as client:
-        status = client.status()
-    return dict(np.load(weights)), status
+    with ShardedClient(addresses) if shards > 1 else PSClient(address) as client:
+        statuses = client.statuses() if shards > 1 else [client.status()]
+    for s in statuses[1:]:  # every shard applied the same rounds, each example once
+        assert (s.version, list(s.epoch_examples)) == (statuses[0].version, list(statuses[0].epoch_examples))
+    return dict(np.load(weights)), statuses[0]
 
 
-def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weights(procs, tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weights(procs, tmp_path, shards):
     (tmp_path / "mymod.py").write_text(MODULE)
     undisturbed, quiet = run(procs, tmp_path, False)
-    disturbed, churned = run(procs, tmp_path, True)
+    disturbed, churned = run(procs, tmp_path, True, shards)
     assert undisturbed.keys() == disturbed.keys() and undisturbed
     for name in undisturbed:
         np.testing.assert_array_equal(disturbed[name], undisturbed[name], err_msg=name)

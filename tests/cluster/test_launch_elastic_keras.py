@@ -15,6 +15,10 @@ once per epoch (its ledger: every epoch complete, the same count each); and the 
 parameters, read from the server's final checkpoint, are the undisturbed run's bit
 for bit.
 
+The pss example also runs scaled over two server shards (``--num-ps 2``: shard 0 deals
+and commits each round, shard 1 follows): both shards' final checkpoints together are the
+undisturbed one-server run's parameters, bit for bit, and each shard's ledger is complete.
+
 By hand, without ps-launch: a ps-server (``--elastic-min-workers 3 --lease-timeout 2``)
 and three processes of the MultiWorkerMirroredStrategy example, once undisturbed, once
 with worker 2 SIGKILLed mid-run (its undelivered micro-batch moves to a live worker when
@@ -47,7 +51,8 @@ ROUNDS_PER_EPOCH = 23  # global batches of 64
 
 
 def launch(tmp_path, name: str, example: str, *flags: str, env: dict | None = None) -> tuple[str, object]:
-    """Run ps-launch to its end; its output and the server's final checkpoint."""
+    """Run ps-launch to its end; its output and the server's final checkpoint (with shards,
+    each shard's, in shard order)."""
     checkpoints = tmp_path / name
     run = subprocess.run(
         [sys.executable, "-m", "ps_tools.launch", "--elastic", "2:3", "--workers", "2", "--checkpoint-dir",
@@ -56,6 +61,9 @@ def launch(tmp_path, name: str, example: str, *flags: str, env: dict | None = No
         env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), **(env or {})})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
+    shards = sorted(checkpoints.glob("shard-*"))
+    if shards:
+        return out, [latest_valid(str(d))[0] for d in shards]
     state, _ = latest_valid(str(checkpoints))
     return out, state
 
@@ -87,6 +95,23 @@ def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every
     assert sorted(plain.values) == sorted(scaled.values)
     for name in plain.values:
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+
+
+def test_the_pss_example_over_two_shards_scaled_2_3_2_ends_with_one_server_s_undisturbed_weights(tmp_path):
+    _, plain = launch(tmp_path, "plain", "keras_pss.py")
+    out, shards = launch(tmp_path, "shards", "keras_pss.py", "--num-ps", "2", "--scale-at", "10:3",
+                         "--scale-at", "60:2", env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+    events = re.findall(r"ps-launch: round (\d+): worker (\d) (\w+)", out)
+    assert ("2", "joined") in [(w, e) for _, w, e in events] and ("2", "left") in [(w, e) for _, w, e in events]
+    assert not [e for e in events if e[2] in ("dead", "rejoined")], events
+    assert len(shards) == 2 and all(len(s.values) for s in shards)
+    for state in shards:
+        assert state.version == 10 * ROUNDS_PER_EPOCH
+        assert state.data.epochs_complete == tuple(range(10)) and state.data.shards and not state.data.epochs_seen
+    joined = {**shards[0].values, **shards[1].values}
+    assert sorted(joined) == sorted(plain.values)
+    for name in plain.values:
+        np.testing.assert_array_equal(np.asarray(joined[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
 def test_the_pss_example_on_async_tasks_applies_every_example_once_per_epoch_with_a_worker_added_and_stopped(
