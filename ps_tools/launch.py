@@ -716,9 +716,6 @@ def check_elastic(args: argparse.Namespace) -> None:
     if args.mode not in (None, "sync") and getattr(args, "steps", None):
         raise LaunchError(f"--elastic with --mode {args.mode}: the server hands out whole epochs as tasks; "
                           f"say --epochs, not --steps {args.steps}")
-    if args.num_ps != 1 and args.mode not in (None, "sync"):
-        raise LaunchError(f"--elastic with --mode {args.mode} deals tasks from one server; --num-ps {args.num_ps} "
-                          "(shards) takes elastic sync")
     if not low <= args.workers <= high:
         raise LaunchError(f"--workers {args.workers} (the workers started) must lie in {low}..{high} "
                           f"(--elastic {low}:{high})")

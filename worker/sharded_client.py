@@ -232,11 +232,8 @@ class ShardedClient:
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
                    non_trainable: Iterable[str] = (), data_plan: Mapping | None = None) -> bool:
         """Plan (once), then send every shard its pieces. True if any shard was created by this call.
-        ``data_plan`` (elastic sync): every shard gets it, with the shards' addresses and its
-        own index (shard 0 deals; module docstring)."""
-        if data_plan is not None and data_plan.get("epochs"):
-            raise ConfigError("async and ssp with --elastic (the server's tasks) train against one server; "
-                              "elastic sync runs over several shards")
+        ``data_plan`` (elastic sync, or async and ssp tasks): every shard gets it, with the
+        shards' addresses and its own index (shard 0 deals; module docstring)."""
         placement = self.placement
         if placement is None:
             try:
@@ -328,14 +325,14 @@ class ShardedClient:
         (sync) its own round; the replies are combined as the module says.
         ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
         ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``).
-        A micro-batch of elastic sync (``micro_batch``) goes to every other shard first, then,
-        once they all took it, to shard 0, whose reply (the work to go on with, or the round's
-        answer) is the answer: so shard 0 never holds a micro-batch another shard lacks
-        (``ps_server.core.modes.elastic_mode``). An async task's push (``task``) is refused."""
+        Dealt work, a micro-batch of elastic sync (``micro_batch``) or an async or ssp task
+        (``task``), goes to every other shard first, then, once they all took it, to shard 0,
+        whose reply (the work to go on with, the round's answer, the task's) is the answer:
+        so shard 0 never holds a micro-batch or a task another shard lacks
+        (``ps_server.core.modes.elastic_mode``, ``ps_server.core.data.tasks``)."""
         placement = self.placement
-        if placement is None or task >= 0:
+        if placement is None:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
-                              "a push of an async task goes to one server, not shards" if placement else
                               "no placement yet: initialize or pull before the first push")
         try:
             per_shard = placement.split(gradients)
@@ -343,10 +340,10 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
-        if micro_batch >= 0:
+        if micro_batch >= 0 or task >= 0:
             def push(i, c):
                 return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-                              micro_batch=micro_batch)
+                              micro_batch=micro_batch, task=task)
             self._each(self._data, push, shards=range(1, self.num_shards))
             return self._each(self._data, push, shards=[0])[0]
         replies = self._each(self._data, lambda i, c: c.push(
@@ -361,7 +358,7 @@ class ShardedClient:
         return combine_records(replies, PUSH_RULES)
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
-        """Elastic sync: ``PSClient.work`` on shard 0 alone, which deals every round."""
+        """``PSClient.work`` on shard 0 alone, which deals every round (elastic sync) or task."""
         return self._clients[0].work(worker_id, timeout=timeout)
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:

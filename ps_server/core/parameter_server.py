@@ -268,6 +268,7 @@ class ParameterServer:
             self._use_shards(data_plan.shards, data_plan.shard)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
+            self._use_shards(data_plan.shards, data_plan.shard)
         return created, self.store.version
 
     # -- global_clipnorm over several shards (core.clip_group) -------------------------------
@@ -334,8 +335,9 @@ class ParameterServer:
                                "shards); an initialize with one belongs to another job")
         if plan.epochs < 1:
             raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
+        _, shard = self._shards_of(plan)
         queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
-                          self.members.lease_timeout, self._clock)
+                          self.members.lease_timeout, self._clock, follows=shard > 0)
         if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed,
                                        self.tasks.epochs) != (queue.num_examples, queue.batch_size,
                                                               queue.seed, queue.epochs):
@@ -357,6 +359,13 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
+        shards, shard = self._shards_of(plan)
+        if shards and shard == 0 and self.round_peer is None:
+            raise InvalidArgument("this server cannot reach the other shards to commit rounds (no peer connector)")
+        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
+
+    def _shards_of(self, plan: DataPlan) -> tuple[tuple[str, ...], int]:
+        """A data plan's shards and this server's index among them, checked against the job's."""
         shards, shard = tuple(plan.shards), plan.shard
         if shards and (len(shards) < 2 or not 0 <= shard < len(shards)):
             raise InvalidArgument(f"a data plan over shards names at least 2 and this one's index among them; got "
@@ -366,16 +375,16 @@ class ParameterServer:
         if self.elastic_shards[0] and self.elastic_shards != (shards, shard):
             raise SpecConflict(f"this server is shard {self.elastic_shards[1]} of {list(self.elastic_shards[0])}; "
                                f"this initialize makes it shard {shard} of {list(shards)}")
-        if shards and shard == 0 and self.round_peer is None:
-            raise InvalidArgument("this server cannot reach the other shards to commit rounds (no peer connector)")
-        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
+        return shards, shard
 
     def _use_shards(self, shards: tuple[str, ...], shard: int) -> None:
-        """Elastic sync over shards: shard 0 commits every round on the others (``mode.commit``)."""
+        """A data plan over shards: kept (checkpoints, Status); in elastic sync shard 0 commits
+        every round on the others (``mode.commit``). With tasks each shard's queue knows its
+        part (``TaskQueue(follows=...)``)."""
         if not shards or self.elastic_shards == (shards, shard):
             return
         self.elastic_shards = (shards, shard)
-        if shard:
+        if shard or self.mode.data_plan != "elastic":
             return
         commits = [self.round_peer(a) for a in shards[1:]]
         pool = concurrent.futures.ThreadPoolExecutor(len(commits), thread_name_prefix="commit-round")
@@ -656,14 +665,14 @@ class ParameterServer:
         )
 
     def _data_state(self, tasks: dict | None, ledger: tuple | None) -> DataState | None:
+        shards, shard = self.elastic_shards
         if tasks is not None:
             return DataState("tasks", tasks["num_examples"], tasks["batch_size"], tasks["seed"], tasks["epochs"],
                              done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
-                             done_versions=tasks["done_versions"])
+                             done_versions=tasks["done_versions"], shards=shards, shard=shard)
         if ledger is not None:
             c = self.mode.cursor
             complete, seen = ledger
-            shards, shard = self.elastic_shards
             return DataState("elastic", c.num_examples, c.global_batch_size, c.seed, 0, c.micro_batches,
                              epochs_complete=complete, epochs_seen=seen, shards=shards, shard=shard)
         return None
@@ -683,7 +692,7 @@ class ParameterServer:
                                           "seed": data.seed, "epochs": data.epochs,
                                           **{k: getattr(data, k) for k in
                                              ("done_task_ids", "done_workers", "done_versions")}},
-                                         self.members.lease_timeout, self._clock)
+                                         self.members.lease_timeout, self._clock, follows=data.shard > 0)
             except InvalidArgument as e:
                 raise ConfigMismatch(f"the checkpoint's tasks do not fit its own plan ({data.describe()}): {e}") \
                     from None
@@ -744,6 +753,7 @@ class ParameterServer:
         self.members.restore(list(state.members))
         if isinstance(data, TaskQueue):
             self._use_tasks(data)
+            self._use_shards(state.data.shards, state.data.shard)
         elif data is not None:
             cursor, ledger, shards, shard = data
             self.mode.set_cursor(cursor, ledger, shard=shard)

@@ -106,29 +106,32 @@ def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weigh
     assert doubled, "no round was computed by fewer workers than micro-batches"
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_your_model_and_data_on_async_tasks_apply_every_example_once_with_a_worker_killed(procs, tmp_path, mode):
+@pytest.mark.parametrize("mode, shards", [("async", 1), ("ssp", 1), ("async", 2)])
+def test_your_model_and_data_on_async_tasks_apply_every_example_once_with_a_worker_killed(procs, tmp_path, mode,
+                                                                                           shards):
     """Async and ssp deal your examples as tasks (core.data.tasks): a worker SIGKILLed while it
     holds one gives it back when its lease runs out, and every example of both epochs is
-    applied exactly once, one push per task."""
+    applied exactly once, one push per task; over two shards, once on each shard."""
     (tmp_path / "mymod.py").write_text(MODULE)
     bound = ("--staleness", "2") if mode == "ssp" else ()
-    _, address = procs.server(mode, 3, extra=("--lease-timeout", "2", *bound))
+    addresses = [procs.server(mode, 3, extra=("--lease-timeout", "2", *bound))[1] for _ in range(shards)]
+    address = ",".join(addresses)
     flags = ("--elastic", "--model", "mymod:build", "--dataset", "mymod:data", "--epochs", "2",
              "--global-batch-size", str(BATCH), "--log-level", "WARNING")
     chief = procs.worker(address, 0, 3, *flags)
     one = procs.worker(address, 1, 3, *flags)
     two = procs.worker(address, 2, 3, *flags, "--pause-at-step", str(KILL_AT), "--pause-for", "60")
     deadline = time.monotonic() + 120
-    with PSClient(address) as client:
+    with PSClient(addresses[0]) as client:
         while not any(w.worker_id == 2 and w.pushes >= KILL_AT for w in client.status().workers):
             assert time.monotonic() < deadline and chief.poll() is None, "worker 2 never reached its pause"
             time.sleep(0.05)
     two.send_signal(signal.SIGKILL)
     assert wait_exit(chief, 120) == 0, chief.log_path.read_text()[-3000:]
     assert wait_exit(one, 60) == 0
-    with PSClient(address) as client:
-        s = client.status()
     tasks = 2 * -(-EXAMPLES // (BATCH // 3))  # a task is a third of the global batch: 3 workers
-    assert s.tasks_total == s.tasks_done == s.pushes_applied == tasks and s.tasks_held == s.tasks_queued == 0
-    assert list(s.epoch_examples) == [EXAMPLES, EXAMPLES] and s.examples_applied == 2 * EXAMPLES
+    for a in addresses:
+        with PSClient(a) as client:
+            s = client.status()
+        assert s.tasks_total == s.tasks_done == s.pushes_applied == tasks and s.tasks_held == s.tasks_queued == 0
+        assert list(s.epoch_examples) == [EXAMPLES, EXAMPLES] and s.examples_applied == 2 * EXAMPLES

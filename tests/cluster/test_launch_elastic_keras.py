@@ -114,18 +114,21 @@ def test_the_pss_example_over_two_shards_scaled_2_3_2_ends_with_one_server_s_und
         np.testing.assert_array_equal(np.asarray(joined[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
+@pytest.mark.parametrize("num_ps", [1, 2])
 def test_the_pss_example_on_async_tasks_applies_every_example_once_per_epoch_with_a_worker_added_and_stopped(
-        tmp_path):
+        tmp_path, num_ps):
     """Async (ssp is the same path, in one process: tests/worker/test_keras_strategy.py): the
     tasks are batches of 64 / 3 = 21 examples, 69 an epoch; a worker started at version 30
-    and stopped at version 300 (it hands back the task it held). Every task applied once."""
+    and stopped at version 300 (it hands back the task it held). Every task applied once,
+    on each shard (``--num-ps 2``: shard 0 hands out the tasks, shard 1 follows)."""
     out, _ = launch(tmp_path, "async", "keras_pss.py", "--mode", "async", "--scale-at", "30:3", "--scale-at", "300:2",
-                    env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+                    "--num-ps", str(num_ps), env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
     events = re.findall(r"ps-launch: round \d+: worker (\d) (\w+)", out)
     assert ("2", "joined") in events and ("2", "left") in events, events
     assert not [e for e in events if e[1] in ("dead", "rejoined")], events
     assert "worker 2 stopped by SIGTERM: left the job" in out, out[-3000:]
-    assert f"examples per epoch {[EXAMPLES] * 10} of {EXAMPLES}; tasks done 690 of 690" in out, out[-3000:]
+    assert out.count(f"examples per epoch {[EXAMPLES] * 10} of {EXAMPLES}; tasks done 690 of 690") == num_ps, \
+        out[-3000:]
     assert re.search(r"val_accuracy=0\.9[0-9]+", out), out[-2000:]
 
 

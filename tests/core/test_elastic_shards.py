@@ -191,3 +191,59 @@ def test_a_shard_s_checkpoint_keeps_its_place_among_the_shards(tmp_path):
         again.restore(state)
         assert again.elastic_shards == (ADDRESSES, i) and again.mode.shard == i
         assert (again.mode.commit is not None) == (i == 0)
+
+
+# -- async tasks over two shards (core.data.tasks, "Over several shards") ---------------------
+
+TASKS = DataPlan(EXAMPLES, 16, 5, epochs=2)
+
+
+def task_shards(clock):
+    shards = [ParameterServer("async", 3, lease_timeout=5.0, clock=clock) for _ in ON]
+    for i, (ps, names) in enumerate(zip(shards, ON)):
+        for w in (0, 1):
+            ps.register(w, 3)
+        ps.initialize(0, {n: v for n, v in start().items() if n in names}, ADAM,
+                      data_plan=DataPlan(**{**TASKS.__dict__, "shards": ADDRESSES, "shard": i}))
+    return shards
+
+
+def task_push(ps, worker, task, names):
+    indices = ps.tasks.task(task).indices
+    grads = gradient({**start(), **ps.pull()[1]}, indices)
+    return ps.submit(Push(worker_id=worker, step=task, base_version=ps.store.version, batch_size=len(indices),
+                          gradients={n: grads[n] for n in names}, task=task)).result(5)
+
+
+def test_each_shard_applies_each_task_once_when_a_lease_runs_out_between_a_worker_s_two_pushes():
+    clock = Clock()
+    shards = task_shards(clock)
+    leader, follower = shards
+    with pytest.raises(InvalidArgument, match="shard 0 hands out the tasks"):
+        follower.work(0)
+    first = leader.work(0).result(5).task
+    task_push(follower, 0, first.task_id, ON[1])  # worker 0 took it to shard 1, then stalled
+    clock.now = 6.0
+    leader.heartbeat(1)
+    leader.tick()  # its lease ran out: the task goes back, to worker 1
+    again = leader.work(1).result(5).task
+    assert again.task_id == first.task_id
+    replay = task_push(follower, 1, again.task_id, ON[1])  # done here already: answered, not applied
+    assert replay.replayed and follower.store.version == 1
+    assert not task_push(leader, 1, again.task_id, ON[0]).replayed
+    leader.register(0, 3)  # worker 0 comes back (it was declared dead): its push is refused by shard 0
+    with pytest.raises(InvalidArgument, match="already done by worker 1"):
+        task_push(leader, 0, first.task_id, ON[0])
+    while True:  # the rest, worker 0 alone, each to shard 1 then shard 0
+        offer = leader.work(0).result(5)
+        if offer.task is None:
+            assert offer.finished, (leader.tasks.status(), leader.tasks._holder)
+            break
+        task_push(follower, 0, offer.task.task_id, ON[1])
+        task_push(leader, 0, offer.task.task_id, ON[0])
+    total = 2 * -(-EXAMPLES // 16)
+    for ps in shards:
+        assert ps.tasks.finished and ps.store.version == total
+        assert [ps.tasks.examples_done(e) for e in (0, 1)] == [EXAMPLES, EXAMPLES]
+    path_state = follower.checkpoint_state()
+    assert (path_state.data.shards, path_state.data.shard) == (ADDRESSES, 1)

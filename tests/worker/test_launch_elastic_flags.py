@@ -63,7 +63,6 @@ def test_a_bad_scale_step_is_refused_by_the_parser(raw, message, capsys):
     (["--elastic", "2:4", "--scale-at", "10:3", "--scale-at", "10:4"], "two steps at the same round"),
     (["--elastic", "2:4", "--mode", "async", "--steps", "30"], "hands out whole epochs as tasks; say --epochs"),
     (["--elastic", "2:4", "--mode", "ssp", "--steps", "30"], "hands out whole epochs as tasks; say --epochs"),
-    (["--elastic", "2:4", "--num-ps", "2", "--mode", "async"], "--mode async deals tasks from one server"),
     (["--elastic", "2:4", "--worker-args", "4", "--slowdown 2"], r"--worker-args 4: the workers are 0\.\.3"),
 ])
 def test_what_an_elastic_launch_cannot_do_is_refused_in_one_line(flags, message):

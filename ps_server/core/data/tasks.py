@@ -57,6 +57,16 @@ after a lost reply); another worker's push for a done task is refused.
 ``done`` without ``begin`` is accepted too (a caller that checks and applies under one
 lock): it returns False for a task this worker already did (the retry) and counts nothing.
 
+**Over several shards** (``follows``): shard 0 hands the tasks out and keeps the
+leases, as above; every other shard's queue follows. A worker pushes a task to the
+followers first, then to shard 0 (``worker.sharded_client``). A follower takes a task's
+push from whichever worker brings it first (pinned to it while it is applied), answers
+any later push of a done task from its record without applying it, and hands nothing
+out. So each shard applies each task exactly once: shard 0 the holder's push, a follower
+the first to arrive, which is the holder's but where a lease ran out between the two
+pushes (then the follower's part is the gradient of the worker that lost the task: the
+same examples, computed on parameters a few versions older, as async allows).
+
 **Counting.** Each epoch keeps one bit per example; ``done`` marks its task's examples and
 refuses (``InvalidArgument``, nothing changed) one already marked: a bug guard, since
 the rules above already make it impossible. ``examples_done(e) == num_examples`` is
@@ -135,7 +145,7 @@ class TaskStatus:
 
 class TaskQueue:
     def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, follows: bool = False):
         for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs)):
             if not _is_int(value) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
@@ -146,6 +156,7 @@ class TaskQueue:
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
         self.total_tasks = self.epochs * self.steps_per_epoch
         self._clock = clock
+        self.follows = follows  # a shard but 0: takes a task from whoever brings it (module docstring)
         self._lock = threading.Lock()  # guards everything below (module docstring)
         self._fresh = 0                          # the next task id never handed out
         self._queue: list[int] = []              # heap of given-back task ids
@@ -179,6 +190,9 @@ class TaskQueue:
     def take(self, worker_id: int) -> Task | None:
         """The next task for ``worker_id``, held under a lease; None when every task is handed out."""
         self._check_worker(worker_id)
+        if self.follows:
+            raise InvalidArgument("this server is a shard of an elastic job but shard 0: shard 0 hands out the "
+                                  "tasks; ask it")
         now = self._clock()
         with self._lock:
             if self._queue:
@@ -218,6 +232,8 @@ class TaskQueue:
             record = self._check_push(worker_id, task_id)
             if record is None:
                 self._pinned.add(task_id)
+                if self.follows:  # held by the worker whose push is being applied, while it is
+                    self._holder[task_id], self._deadline[task_id] = worker_id, float("inf")
             return record
 
     def done(self, worker_id: int, task_id: int, applied_version: int) -> bool:
@@ -233,7 +249,7 @@ class TaskQueue:
             task = self._task(task_id)
             self._ledger.fold(task.epoch, task.indices)  # the bug guard; raises before any change
             self._records[task_id] = TaskRecord(task_id, worker_id, int(applied_version))
-            del self._holder[task_id], self._deadline[task_id]
+            self._holder.pop(task_id, None), self._deadline.pop(task_id, None)
             self._pinned.discard(task_id)
             return True
 
@@ -245,6 +261,10 @@ class TaskQueue:
             if self._check_push(worker_id, task_id) is not None:
                 raise InvalidArgument(f"task {task_id} is already done (by worker {worker_id}'s push); "
                                       f"it cannot be given back")
+            if self.follows:  # nothing to hand out again: the next push of it is taken
+                self._holder.pop(task_id, None), self._deadline.pop(task_id, None)
+                self._pinned.discard(task_id)
+                return
             self._requeue(task_id)
 
     def record(self, task_id: int) -> TaskRecord | None:
@@ -259,12 +279,12 @@ class TaskQueue:
         task_id = int(task_id)
         record = self._records.get(task_id)
         if record is not None:
-            if record.worker_id == worker_id:
+            if record.worker_id == worker_id or self.follows:
                 return record
             raise InvalidArgument(f"task {task_id} was already done by worker {record.worker_id}'s push "
                                   f"(version {record.version}); worker {worker_id} does not hold it", reason=Reason.TASK_DONE)
         holder = self._holder.get(task_id)
-        if holder == worker_id:
+        if holder == worker_id or (self.follows and holder is None):
             return None
         if holder is not None:
             why = f"it is held by worker {holder}"
@@ -342,10 +362,10 @@ class TaskQueue:
 
     @classmethod
     def restore(cls, state: dict, lease_timeout: float,
-                clock: Callable[[], float] = time.monotonic) -> "TaskQueue":
+                clock: Callable[[], float] = time.monotonic, follows: bool = False) -> "TaskQueue":
         """A queue with ``state``'s done tasks done; every other task is handed out again."""
         queue = cls(int(state["num_examples"]), int(state["batch_size"]), int(state["seed"]),
-                    int(state["epochs"]), lease_timeout, clock)
+                    int(state["epochs"]), lease_timeout, clock, follows)
         ids, workers, versions = (np.asarray(state[k], np.int64).reshape(-1)
                                   for k in ("done_task_ids", "done_workers", "done_versions"))
         if not ids.size == workers.size == versions.size:
