@@ -23,7 +23,8 @@ with ``elastic``: every worker checks it has the chief's examples, ``same_data``
 arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
 which runs one round per Keras step (``round_at``: a worker that joins late skips the
 rounds the cluster is past), or in async and ssp one task per Keras step (``task_at``);
-one server.
+one server or several shards (shard 0 deals; ``worker.sharded_client`` pushes dealt work to
+the others first).
 
 Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
 carries ``--epochs``, and the server hands out the job's batches as tasks

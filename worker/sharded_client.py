@@ -116,6 +116,7 @@ class ShardedClient:
         self._lock = threading.Lock()
         self.placement: sharding.Placement | None = None
         self._sync = False
+        self._dealt = False  # the server deals the data (elastic): set by a data plan or a Work call
         self._pulled: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     @property
@@ -183,6 +184,12 @@ class ShardedClient:
         if sync and self.num_shards > 1:
             self._refuse_backup_workers(combined.num_workers)
         rounds = [r.round for r in regs]
+        if sync and self._dealt and any(not rounds[0] <= r <= rounds[0] + 1 for r in rounds[1:]):
+            raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the shards of this elastic job collect rounds {rounds}: one restarted from an older "
+                              "checkpoint and lost rounds the others kept (shard 0 deals every round; the others "
+                              "may be one ahead while it commits). Start the job again, every shard from "
+                              "checkpoints of the same round")
         if sync and len(set(rounds)) > 1:
             # The shards that kept their rounds say where the cluster is: the lowest of them (a
             # shard one round ahead completed the round this worker pushed last; pushing that
@@ -259,6 +266,7 @@ class ShardedClient:
         # global_clipnorm: the shards take one norm together (ps_server/core/clip_group.py).
         group = ({"shards": list(self.addresses), "order": [p.name for p in placement.pieces]}
                  if optimizer.get("global_clipnorm") else None)
+        self._dealt = self._dealt or data_plan is not None
         plans = [None if data_plan is None else {**data_plan, "shards": list(self.addresses), "shard": i}
                  for i in range(self.num_shards)]
         created = self._each(self._data, lambda i, c: c.initialize(
@@ -359,6 +367,7 @@ class ShardedClient:
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
         """``PSClient.work`` on shard 0 alone, which deals every round (elastic sync) or task."""
+        self._dealt = True
         return self._clients[0].work(worker_id, timeout=timeout)
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:

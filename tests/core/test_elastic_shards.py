@@ -6,6 +6,8 @@ dies between its two pushes, a round discarded by shard 0's barrier timeout, and
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -247,3 +249,17 @@ def test_each_shard_applies_each_task_once_when_a_lease_runs_out_between_a_worke
         assert [ps.tasks.examples_done(e) for e in (0, 1)] == [EXAMPLES, EXAMPLES]
     path_state = follower.checkpoint_state()
     assert (path_state.data.shards, path_state.data.shard) == (ADDRESSES, 1)
+
+
+def test_a_follower_that_lost_rounds_or_a_shard_0_that_did_stops_the_job_in_one_line():
+    """One shard restarted from an older checkpoint: the follower behind shard 0 (a push of a
+    round it never applied), or shard 0 behind the follower (a commit of a round it applied)."""
+    shards = two_shards(Clock(), ADAM)
+    run_rounds(shards, 2)
+    follower = shards[1]
+    follower.mode.restore(dataclasses.replace(follower.mode.status(), round=1))  # as if restored at round 1
+    work = shards[0].work(0).result(5)
+    with pytest.raises(ConfigMismatch, match=r"worker 0 pushes round 2, which shard 0 deals.*Start the job again"):
+        micro_push(shards, 0, work, work.micro_batches[0], only=[1])
+    with pytest.raises(ConfigMismatch, match="shard 0 commits round 0"):
+        follower.commit_round(0)  # shard 0 restarted at round 0: it commits a round applied here

@@ -9,6 +9,7 @@ runs the same with real ps-server processes.
 
 import dataclasses
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -50,11 +51,11 @@ class FakeShard:
                             round=self.round, lease_timeout=10.0, incarnation=self.incarnation,
                             round_restored=self.restored)
 
-    def initialize(self, worker_id, variables, optimizer, non_trainable=(), clip_group=None):
+    def initialize(self, worker_id, variables, optimizer, non_trainable=(), clip_group=None, data_plan=None):
         if self.values is not None:
             return False
         self.values = {n: np.array(a) for n, a in variables.items()}
-        self.clip_group = clip_group
+        self.clip_group, self.data_plan = clip_group, data_plan
         return True
 
     def pull(self, worker_id=-1, names=()):
@@ -66,13 +67,14 @@ class FakeShard:
         return self.version, {n: self.values[n].copy() for n in (names or self.values)}
 
     def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None, metrics=None,
-             set_learning_rate=0.0):
+             set_learning_rate=0.0, micro_batch=-1, task=-1):
         if self.block:
             self.block.wait(10)
         if self.fail:
             raise self.fail
         self.pushes.append({"step": step, "base_version": base_version, "gradients": dict(gradients),
-                            "metrics": metrics, "set_learning_rate": set_learning_rate})
+                            "metrics": metrics, "set_learning_rate": set_learning_rate, "micro_batch": micro_batch,
+                            "task": task, "at": time.monotonic()})
         if self.reply:
             return self.reply
         for n, g in gradients.items():
@@ -394,3 +396,38 @@ def test_combined_registration_takes_all_shards_shm_and_the_shortest_lease():
             for k, (t, lease, shm) in enumerate([(30.0, 10.0, True), (60.0, 4.0, False)])]
     reg = combine_records(regs, REGISTRATION_RULES)
     assert (reg.barrier_timeout, reg.lease_timeout, reg.shm, reg.incarnation) == (60.0, 4.0, False, "i0,i1")
+
+
+def test_dealt_work_goes_to_the_other_shards_first_and_shard_0_answers():
+    """Elastic sync over shards: shard 0 never holds a micro-batch another shard lacks
+    (ps_server/core/modes/elastic_mode.py), so the others take it first."""
+    shards, client = cluster()
+    plan = {"num_examples": 90, "global_batch_size": 16, "seed": 5}
+    client.initialize(0, VALUES, SGD, data_plan=plan)
+    assert [s.data_plan for s in shards] == [{**plan, "shards": ["h:0", "h:1"], "shard": i} for i in (0, 1)]
+    shards[0].block = threading.Event()
+    threading.Timer(0.2, shards[0].block.set).start()
+    grads = {n: np.ones_like(v) for n, v in VALUES.items()}
+    reply = client.push(0, 0, 0, 8, grads, micro_batch=2)
+    assert reply.version == shards[0].version == 1
+    (first,), (last,) = shards[1].pushes, shards[0].pushes
+    assert first["micro_batch"] == last["micro_batch"] == 2 and first["at"] < last["at"]
+    shards[1].fail = PSClientError("Push", "h:1", grpc.StatusCode.FAILED_PRECONDITION, "no")
+    with pytest.raises(PSClientError, match="no"):
+        client.push(0, 1, 1, 8, grads, task=3)
+    assert len(shards[0].pushes) == 1  # refused by a follower: shard 0 never saw it
+
+
+@pytest.mark.parametrize("rounds, ok", [((5, 5), True), ((5, 6), True), ((5, 4), False), ((5, 7), False)])
+def test_an_elastic_job_s_shards_at_parted_rounds_are_refused_at_registration(rounds, ok):
+    """A follower may be one round ahead of shard 0 while shard 0 commits; any other
+    difference means a shard restarted from an older checkpoint."""
+    shards, client = cluster()
+    client.initialize(0, VALUES, SGD, data_plan={"num_examples": 90, "global_batch_size": 16, "seed": 5})
+    for s, r in zip(shards, rounds):
+        s.round = r
+    if ok:
+        client.register(0, 2)
+    else:
+        with pytest.raises(PSClientError, match="restarted from an older checkpoint"):
+            client.register(0, 2)

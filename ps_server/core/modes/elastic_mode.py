@@ -267,10 +267,8 @@ class ElasticSyncMode(Mode):
             if not self.shard:
                 raise InvalidArgument("CommitRound is shard 0's call to the other shards of an elastic job; "
                                       "this server deals its own rounds")
-            if round_ < self._round:
-                return self.store.version
-            if round_ > self._round or self._work is None:
-                raise FutureRound(f"shard {self.shard} collects round {self._round}; shard 0 commits round {round_}")
+            if round_ != self._round or self._work is None:
+                raise self._lost_rounds(f"shard 0 commits round {round_}")
             if not self._work.complete:
                 raise ConfigMismatch(f"shard {self.shard} lacks micro-batch(es) {list(self._work.outstanding)} of "
                                      f"round {round_}, which shard 0 completed; nothing applied here")
@@ -300,6 +298,8 @@ class ElasticSyncMode(Mode):
             raise StaleRound(f"push from worker {w} for round {r}, micro-batch {m}: that round completed "
                              f"without it (the server is collecting round {self._round})")
         if r > self._round:
+            if self.shard:  # shard 0 dealt it after this shard applied every round before: not here
+                raise self._lost_rounds(f"worker {w} pushes round {r}, which shard 0 deals")
             raise FutureRound(f"push from worker {w} is for round {r}; the server is collecting round "
                               f"{self._round}")
         if w not in self._live and not self.shard:  # a follower takes a micro-batch from anyone
@@ -329,6 +329,14 @@ class ElasticSyncMode(Mode):
             self._pushes.setdefault(w, []).append(ticket)
         if self._work.complete:
             self._complete()
+
+    def _lost_rounds(self, what: str) -> ConfigMismatch:
+        """A follower whose rounds and shard 0's parted: one of them restarted from an older
+        checkpoint. Nothing can make the shards one model again: the job must stop."""
+        return ConfigMismatch(f"shard {self.shard} has applied the rounds before {self._round}, and {what}: one of "
+                              "the shards restarted from an older checkpoint and lost rounds the others kept; the "
+                              "shards no longer hold one model. Start the job again (every shard from checkpoints "
+                              "of the same round)")
 
     def _complete(self) -> PSError | None:
         """Apply the complete round (shard 0 over shards: the others' parts alongside) and
