@@ -64,7 +64,7 @@ def server_settings_conflict(mode: str, num_workers: int, stale_gradient_policy:
     return None
 
 
-def sparse_rule_conflict(sparse_rule: str, async_apply: str, elastic_min_workers: int) -> str | None:
+def sparse_rule_conflict(sparse_rule: str, async_apply: str) -> str | None:
     """Why ``--sparse-rule`` cannot go with these settings (one line), or None; raised as
     ``server_settings_conflict``'s are."""
     if sparse_rule not in ("sum", "keras"):
@@ -74,7 +74,4 @@ def sparse_rule_conflict(sparse_rule: str, async_apply: str, elastic_min_workers
     if async_apply == "hogwild":
         return ("--sparse-rule keras steps each occurrence of a row, but --async-apply hogwild adds a push's "
                 "rows up into a dense step; use --async-apply locked or --sparse-rule sum")
-    if elastic_min_workers:
-        return ("--sparse-rule keras is not defined for elastic sync's micro-batches (--elastic-min-workers); "
-                "use --sparse-rule sum")
     return None

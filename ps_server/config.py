@@ -133,7 +133,7 @@ class ServerConfig:
         if self.sparse_updates not in SPARSE_UPDATES:
             raise ConfigError(f"--sparse-updates must be one of {', '.join(SPARSE_UPDATES)}, "
                               f"got {self.sparse_updates!r}")
-        conflict = d.sparse_rule_conflict(self.sparse_rule, self.async_apply, self.elastic_min_workers)
+        conflict = d.sparse_rule_conflict(self.sparse_rule, self.async_apply)
         if conflict:
             raise ConfigError(conflict)
         if self.elastic_min_workers < 0 or self.micro_batches < 0:

@@ -150,7 +150,7 @@ class ParameterServer:
     ):
         conflict = server_settings_conflict(mode, num_workers, stale_gradient_policy, async_apply, elastic_min_workers,
                                             micro_batches, replicas_to_aggregate)
-        conflict = conflict or sparse_rule_conflict(sparse_rule, async_apply, elastic_min_workers)
+        conflict = conflict or sparse_rule_conflict(sparse_rule, async_apply)
         if conflict:
             raise InvalidArgument(conflict)
         # Elastic sync (``core.modes.elastic_mode``): from elastic_min_workers up to num_workers

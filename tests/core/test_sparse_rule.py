@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ps_common.sparse import SparseRows
+from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.modes.base import Push
 from ps_server.core.optim.optimizers import OptimizerSpec
@@ -152,6 +153,34 @@ def test_a_sync_round_under_rule_keras_is_one_keras_step_on_the_global_batch_sli
     assert got_slots == want_slots
 
 
+@pytest.mark.parametrize("case", ["adam", "rmsprop"])
+@pytest.mark.parametrize("batch, sizes", [(4, (2, 2)), (3, (2, 1))], ids=["even", "uneven"])
+def test_an_elastic_round_under_rule_keras_is_one_keras_step_on_the_global_batch_slices(keras, case, batch, sizes):
+    """Elastic sync: the round's micro-batches fold by micro-batch, so the occurrences come in
+    the global batch's order whoever computed them: micro-batch 0's, then 1's, each value
+    scaled by its share of the batch, as the fixed sync round above."""
+    total = sum(sizes)
+    pushes, global_steps = [], []
+    for (rows0, v0), (rows1, v1) in zip(batches(1), batches(2)):
+        pushes.append([SparseRows(rows0, v0), SparseRows(rows1, v1)])
+        scaled = [(np.float64(v) * b / total).astype(np.float32) for v, b in ((v0, sizes[0]), (v1, sizes[1]))]
+        global_steps.append((np.concatenate([rows0, rows1]), np.concatenate(scaled)))
+    want, want_slots, spec = keras_run(keras, case, True, global_steps)
+    ps = ParameterServer(mode="sync", num_workers=2, barrier_timeout=5.0, sparse_rule="keras",
+                         elastic_min_workers=1, micro_batches=2)
+    for w in (0, 1):
+        ps.register(w, 2)
+    ps.initialize(0, {"emb": initial()}, spec, data_plan=DataPlan(300, batch, seed=0))
+    for r, micro in enumerate(pushes):
+        work = {w: ps.work(w).result(JOIN) for w in (0, 1)}
+        assert work[0].sizes + work[1].sizes == sizes
+        tickets = [ps.submit(Push(w, r, r, sizes[w], {"emb": micro[w]}, micro_batch=w)) for w in (1, 0)]
+        assert all(t.result(JOIN).result is not None for t in tickets)
+    got, got_slots = ours(ps)
+    _equal(got, want, f"{case}, elastic {sizes}")
+    assert got_slots == want_slots
+
+
 def test_rule_keras_steps_the_touched_rows_alone_where_untouched_rows_stay_as_they_were():
     """SGD without momentum and Adagrad: rows alone, in place (row-wise); Adam: the whole table."""
     for name, row_wise in (("sgd", True), ("adagrad", True), ("adam", False)):
@@ -174,7 +203,6 @@ def test_rule_keras_refuses_at_initialization_what_it_does_not_compute(spec, wor
 
 @pytest.mark.parametrize("settings, words", [
     (dict(mode="async", async_apply="hogwild"), "hogwild"),
-    (dict(mode="sync", num_workers=2, elastic_min_workers=1), "elastic"),
     (dict(mode="async", sparse_rule="max"), "sum, keras"),
 ])
 def test_rule_keras_refuses_settings_it_is_not_defined_for(settings, words):
