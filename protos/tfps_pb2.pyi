@@ -160,20 +160,30 @@ class RegisterResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., num_workers: _Optional[int] = ..., worker_id: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., barrier_timeout_s: _Optional[float] = ..., round: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., incarnation: _Optional[str] = ..., shm_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., shm_error: _Optional[str] = ..., round_restored: _Optional[bool] = ..., sparse_rule: _Optional[str] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
-    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group", "shard_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLAN_FIELD_NUMBER: _ClassVar[int]
     CLIP_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     optimizer: OptimizerConfig
     variables: _containers.RepeatedCompositeFieldContainer[Tensor]
     non_trainable: _containers.RepeatedScalarFieldContainer[str]
     data_plan: DataPlan
     clip_group: ClipGroup
-    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ...) -> None: ...
+    shard_group: ShardGroup
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ..., shard_group: _Optional[_Union[ShardGroup, _Mapping]] = ...) -> None: ...
+
+class ShardGroup(_message.Message):
+    __slots__ = ("shards", "shard")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    shard: int
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class ClipGroup(_message.Message):
     __slots__ = ("shards", "shard", "order")
@@ -210,12 +220,14 @@ class ClipNormResponse(_message.Message):
     def __init__(self, scale: _Optional[float] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CommitRoundRequest(_message.Message):
-    __slots__ = ("round", "timeout_s")
+    __slots__ = ("round", "timeout_s", "contributors")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     round: int
     timeout_s: float
-    def __init__(self, round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    contributors: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., contributors: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRoundResponse(_message.Message):
     __slots__ = ("version",)
@@ -224,36 +236,34 @@ class CommitRoundResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class InitializeHeader(_message.Message):
-    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group")
+    __slots__ = ("worker_id", "optimizer", "variables", "non_trainable", "data_plan", "clip_group", "shard_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     NON_TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLAN_FIELD_NUMBER: _ClassVar[int]
     CLIP_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     optimizer: OptimizerConfig
     variables: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     non_trainable: _containers.RepeatedScalarFieldContainer[str]
     data_plan: DataPlan
     clip_group: ClipGroup
-    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ...) -> None: ...
+    shard_group: ShardGroup
+    def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ..., shard_group: _Optional[_Union[ShardGroup, _Mapping]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
-    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs", "shards", "shard")
+    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs")
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
     num_examples: int
     global_batch_size: int
     seed: int
     epochs: int
-    shards: _containers.RepeatedScalarFieldContainer[str]
-    shard: int
-    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ..., shards: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished")

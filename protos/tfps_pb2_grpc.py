@@ -206,8 +206,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitRound(self, request, context):
-        """Elastic sync over shards, shard 0 to every other shard: apply round `round`
-        (FAILED_PRECONDITION when a micro-batch of it has not arrived here).
+        """A shard group, shard 0 to every other shard: apply round `round`
+        (FAILED_PRECONDITION when a push of it has not arrived here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

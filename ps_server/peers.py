@@ -4,7 +4,7 @@
     ask = peers.clip_norm("10.0.0.1:50051")
     scale = ask("round 7", 1, {"dense/kernel": np.float32(3.5)}, 60.0)
     commit = peers.commit_round("10.0.0.2:50051")
-    version = commit(7, 60.0)           # elastic sync over shards: shard 0 commits round 7 there
+    version = commit(7, (0, 2), 60.0)   # a shard group: shard 0 commits round 7 there
 
 With ``global_clipnorm`` and the model on several shards, every shard but 0 sends
 its squares of each update to shard 0 (``ClipNorm``) and steps with the factor it
@@ -13,9 +13,9 @@ server's own certificate (the shards of one job share a certificate or its
 self-signed issuer) and presents it, for a shard 0 that asks clients for one.
 A call that fails raises ``ClipTimeout``: the update is not applied.
 
-In elastic sync over several shards (``core.modes.elastic_mode``), shard 0 commits each
-round it completed on every other shard (``CommitRound``), with the same token and
-TLS; a call that fails raises ``ConfigMismatch`` naming the shard.
+In a shard group (``core.modes.base.ShardGroup``: elastic sync, sync with backup
+workers) shard 0 commits each round it completed on every other shard (``CommitRound``),
+with the same token and TLS; a call that fails raises ``ConfigMismatch`` naming the shard.
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ class Peers:
             return np.dtype(reply.dtype).type(reply.scale)
         return ask
 
-    def commit_round(self, address: str) -> Callable[[int, float], int]:
-        """``commit(round, timeout) -> version`` on the follower shard at ``address``."""
-        def commit(round_: int, timeout: float) -> int:
+    def commit_round(self, address: str) -> Callable[[int, tuple, float], int]:
+        """``commit(round, contributors, timeout) -> version`` on the follower shard at ``address``."""
+        def commit(round_: int, contributors: tuple, timeout: float) -> int:
+            request = pb.CommitRoundRequest(round=round_, contributors=list(contributors), timeout_s=timeout)
             try:
-                return self.stub(address).CommitRound(pb.CommitRoundRequest(round=round_, timeout_s=timeout),
-                                                      timeout=timeout + 5.0).version
+                return self.stub(address).CommitRound(request, timeout=timeout + 5.0).version
             except grpc.RpcError as e:
                 raise ConfigMismatch(f"shard {address} did not apply round {round_}: {e.code().name}: "
                                      f"{e.details()}") from None

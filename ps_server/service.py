@@ -40,7 +40,7 @@ from ps_server.core.clip_group import ClipGroup, ClipTimeout
 from ps_server.core.data.cursor import DataPlan
 from ps_server.core.modes.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
-from ps_server.core.modes.base import Push
+from ps_server.core.modes.base import Push, ShardGroup
 from ps_server.core.modes.overlap import HELD_BYTES, NOT_YET
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
@@ -429,7 +429,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _inline(self) -> bool:
         if self._store_bytes is None:  # a store's shapes never change once initialized
             if (not self.core.store.initialized or self.core.clip_group is not None
-                    or self.core.elastic_shards[0]):
+                    or self.core.shard_group is not None):
                 return False  # a clip group's updates, a committed round wait for the other shards: never on the loop
             self._store_bytes = self.core.store.nbytes()
         return self._store_bytes <= INLINE_BYTES
@@ -520,8 +520,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         created, version = self.core.initialize(
             request.worker_id, variables, optimizer_from_wire(request.optimizer),
             non_trainable=list(request.non_trainable), owned=owned,
-            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
-                               tuple(plan.shards), plan.shard) if plan is not None else None,
+            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs)
+            if plan is not None else None,
+            shard_group=ShardGroup(tuple(request.shard_group.shards), request.shard_group.shard)
+            if request.HasField("shard_group") else None,
             clip_group=ClipGroup(tuple(group.shards), group.shard, tuple(group.order)) if group is not None else None)
         if created:
             log.info(
@@ -822,9 +824,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled_async
     async def CommitRound(self, request, context):
-        # A follower shard of elastic sync: shard 0 completed the round; apply this shard's part
-        # (on the pool: with global_clipnorm it waits for shard 0's factor).
-        version = await self._work(self.core.commit_round, request.round)
+        # A shard that follows shard 0: it completed the round; apply this shard's part (on the
+        # pool: with global_clipnorm it waits for shard 0's factor).
+        version = await self._work(self.core.commit_round, request.round, request.contributors)
         return pb.CommitRoundResponse(version=version)
 
     @_handled_async

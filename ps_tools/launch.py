@@ -938,9 +938,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--workers must be >= 1, got {args.workers}")
     if args.num_ps < 1:
         raise LaunchError(f"--num-ps must be >= 1, got {args.num_ps}")
-    if args.replicas_to_aggregate is not None and args.num_ps > 1:
-        raise LaunchError(f"--replicas-to-aggregate (backup workers) cannot be used with --num-ps {args.num_ps}: "
-                          "each server shard would drop different workers' gradients")
     if any(getattr(args, name, None) for name in _TLS_FIELDS):
         raise LaunchError(_NO_TLS)
     check_elastic(args)

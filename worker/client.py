@@ -230,12 +230,14 @@ class PSClient:
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
                    non_trainable: Iterable[str] = (), data_plan: Mapping | None = None,
-                   clip_group: Mapping | None = None) -> bool:
+                   clip_group: Mapping | None = None, shard_group: Mapping | None = None) -> bool:
         """Store ``variables`` on the server, unless an identical state is there (False).
         ``non_trainable`` names the variables updated by pushed changes, not the optimizer.
         ``data_plan`` (elastic sync: ``num_examples``, ``global_batch_size``, ``seed``): the
         job's data, from which the server deals every round. ``clip_group`` (``shards``,
         ``shard``, ``order``): the shards this one takes ``global_clipnorm``'s norm with.
+        ``shard_group`` (``shards``, ``shard``): shard 0 decides what each update holds, and
+        this shard follows it (``ps_server.core.modes.base.ShardGroup``).
 
         Variables of up to half the channel's message limit (``max_message_bytes``) in all
         go as one Initialize message, which every server takes and the channel retries on
@@ -248,6 +250,8 @@ class PSClient:
         plan = {} if data_plan is None else {"data_plan": pb.DataPlan(**data_plan)}
         if clip_group is not None:
             plan["clip_group"] = pb.ClipGroup(**clip_group)
+        if shard_group is not None:
+            plan["shard_group"] = pb.ShardGroup(**shard_group)
         if sum(np.asarray(v).nbytes for v in variables.values()) <= self.max_message_bytes // 2:
             reply = self.unary.call(
                 "Initialize",

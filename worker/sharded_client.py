@@ -47,11 +47,18 @@ at the lowest round of the shards that kept theirs (one of them may be a round
 ahead: it completed the round this worker pushed last, and answers that push
 again from its record), so every worker resumes at the same round, whichever
 registers first, and the lost steps are not applied again on the shards that
-kept them. Shards with backup workers
-(``--replicas-to-aggregate`` below the worker count) are refused: each would
-drop different workers' gradients. So is an optimizer option that would see only a
-shard's part of the model (``global_clipnorm``, a per-variable norm of a variable cut in
-slices: ``worker.sharding.coupling``), at the chief's ``initialize``.
+kept them. An optimizer option that would see only a shard's part of the model (a
+per-variable norm of a variable cut in slices: ``worker.sharding.coupling``) is refused
+at the chief's ``initialize``; ``global_clipnorm`` takes one norm over the shards.
+
+**Shard 0 decides** (a shard group, ``ps_server.core.modes.base.ShardGroup``) where an
+update's content is one server's choice: elastic sync's micro-batches, async and ssp's
+tasks (``Work`` goes to shard 0 alone), the contributors of a round with backup workers
+(``--replicas-to-aggregate`` below the worker count, the same on every shard). The chief
+sends every shard its place with ``initialize``; each push goes to the other shards
+first and to shard 0 once they took it, and shard 0's reply is the answer; shard 0
+commits each round on the others. A registration that finds such shards at parted
+rounds (one restarted from an older checkpoint) stops the job in one line.
 
 **Failures.** A call waits for every shard's answer (each call has its
 deadline), then raises the first ``PSClientError`` to arrive: its ``call`` and
@@ -116,7 +123,9 @@ class ShardedClient:
         self._lock = threading.Lock()
         self.placement: sharding.Placement | None = None
         self._sync = False
-        self._dealt = False  # the server deals the data (elastic): set by a data plan or a Work call
+        # Shard 0 decides what each update holds (a shard group: elastic sync, tasks, backup
+        # workers): set by a data plan, a Work call, or backup workers seen at registration.
+        self._led = False
         self._pulled: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     @property
@@ -181,14 +190,14 @@ class ShardedClient:
                               f"the shards disagree: {runs}; start every shard with the same --mode and --num-workers")
         combined = combine_records(regs, REGISTRATION_RULES)
         sync = combined.mode == "sync"
-        if sync and self.num_shards > 1:
-            self._refuse_backup_workers(combined.num_workers)
+        if sync and self.num_shards > 1 and self._backup_workers(combined.num_workers):
+            self._led = True
         rounds = [r.round for r in regs]
-        if sync and self._dealt and any(not rounds[0] <= r <= rounds[0] + 1 for r in rounds[1:]):
+        if sync and self._led and any(not rounds[0] <= r <= rounds[0] + 1 for r in rounds[1:]):
             raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
-                              f"the shards of this elastic job collect rounds {rounds}: one restarted from an older "
-                              "checkpoint and lost rounds the others kept (shard 0 deals every round; the others "
-                              "may be one ahead while it commits). Start the job again, every shard from "
+                              f"the shards of this job collect rounds {rounds}: one restarted from an older "
+                              "checkpoint and lost rounds the others kept (shard 0 decides every round; the "
+                              "others may be one ahead while it commits). Start the job again, every shard from "
                               "checkpoints of the same round")
         if sync and len(set(rounds)) > 1:
             # The shards that kept their rounds say where the cluster is: the lowest of them (a
@@ -207,15 +216,17 @@ class ShardedClient:
             self._pulled.clear()
         return combined
 
-    def _refuse_backup_workers(self, num_workers: int) -> None:
+    def _backup_workers(self, num_workers: int) -> bool:
+        """Whether the shards run backup workers (then shard 0 picks each round's contributors
+        and the others follow it); every shard must run the same ``--replicas-to-aggregate``."""
         statuses = self._each(self._control, lambda i, c: c.status())
-        for i in range(self.num_shards):
-            k = statuses[i].replicas_to_aggregate
-            if 0 < k < num_workers:
-                raise PSClientError(
-                    "Register", self.addresses[i], grpc.StatusCode.FAILED_PRECONDITION,
-                    f"this shard runs with --replicas-to-aggregate {k} (backup workers), which several shards "
-                    "cannot use: each shard would drop different workers' gradients; start the shards without it")
+        ks = [statuses[i].replicas_to_aggregate for i in range(self.num_shards)]
+        if len(set(ks)) > 1:
+            runs = ", ".join(f"{a}: {k}" for a, k in zip(self.addresses, ks))
+            raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
+                              f"the shards run different --replicas-to-aggregate ({runs}); start every shard "
+                              "with the same")
+        return 0 < ks[0] < num_workers
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew the lease on every shard; returns the shards' incarnations joined."""
@@ -266,12 +277,12 @@ class ShardedClient:
         # global_clipnorm: the shards take one norm together (ps_server/core/clip_group.py).
         group = ({"shards": list(self.addresses), "order": [p.name for p in placement.pieces]}
                  if optimizer.get("global_clipnorm") else None)
-        self._dealt = self._dealt or data_plan is not None
-        plans = [None if data_plan is None else {**data_plan, "shards": list(self.addresses), "shard": i}
-                 for i in range(self.num_shards)]
+        self._led = self._led or data_plan is not None
+        led = {"shards": list(self.addresses)} if self._led else None  # shard 0 decides what updates hold
         created = self._each(self._data, lambda i, c: c.initialize(
             worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i},
-            **({"data_plan": plans[i]} if plans[i] else {})))
+            **({"data_plan": data_plan} if data_plan is not None else {}),
+            **({"shard_group": {**led, "shard": i}} if led else {})))
         self._adopt(placement, "planned")
         return any(created.values())
 
@@ -333,11 +344,11 @@ class ShardedClient:
         (sync) its own round; the replies are combined as the module says.
         ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
         ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``).
-        Dealt work, a micro-batch of elastic sync (``micro_batch``) or an async or ssp task
-        (``task``), goes to every other shard first, then, once they all took it, to shard 0,
-        whose reply (the work to go on with, the round's answer, the task's) is the answer:
-        so shard 0 never holds a micro-batch or a task another shard lacks
-        (``ps_server.core.modes.elastic_mode``, ``ps_server.core.data.tasks``)."""
+        Where shard 0 decides what each update holds (a micro-batch of elastic sync, an async
+        or ssp task, a round with backup workers), a push goes to every other shard first,
+        then, once they all took it, to shard 0, whose reply (the work to go on with, the
+        round's answer, the task's) is the answer: so shard 0 never holds a push another
+        shard lacks (``ps_server.core.modes.base.ShardGroup``)."""
         placement = self.placement
         if placement is None:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
@@ -348,9 +359,10 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
-        if micro_batch >= 0 or task >= 0:
+        if self._led or micro_batch >= 0 or task >= 0:
             def push(i, c):
                 return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
+                              metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate,
                               micro_batch=micro_batch, task=task)
             self._each(self._data, push, shards=range(1, self.num_shards))
             return self._each(self._data, push, shards=[0])[0]
@@ -361,13 +373,12 @@ class ShardedClient:
         if len({r.dropped for r in replies}) > 1:
             which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
-                              f"the shards disagree on step {step}'s gradient ({which}); backup workers "
-                              "(--replicas-to-aggregate) cannot be used with several shards")
+                              f"the shards disagree on step {step}'s gradient ({which})")
         return combine_records(replies, PUSH_RULES)
 
     def work(self, worker_id: int, timeout: float | None = None) -> pb.Assignment:
         """``PSClient.work`` on shard 0 alone, which deals every round (elastic sync) or task."""
-        self._dealt = True
+        self._led = True
         return self._clients[0].work(worker_id, timeout=timeout)
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:

@@ -40,9 +40,9 @@ versions (int64); for elastic sync one packed bitmap (uint8) per epoch in
 progress, complete epochs only listed. The format stays 1: the field is
 optional, and a tfps from before it reads such a file as one without a plan.
 ``clip_group`` (optional too): the shards a sharded ``global_clipnorm`` takes its
-norm over (``core.clip_group``), so a restarted shard clips as before. An elastic
-plan over several shards keeps them too (``DataState.shards``, ``shard``): a restarted
-shard follows shard 0, or commits on the others, as before.
+norm over (``core.clip_group``), so a restarted shard clips as before. ``shard_group``
+(optional): its place among shards that follow shard 0 (``modes.base.ShardGroup``), so
+a restarted shard follows shard 0, or commits on the others, as before.
 Not saved, on purpose: pushes waiting in an unfinished sync round (workers
 push that round again), the answers kept for replaying lost replies (a retry
 from before the restart is judged against the restored round, or with tasks
@@ -88,7 +88,7 @@ import numpy as np
 from ps_common.defaults import CHECKPOINT_KEEP
 from ps_server.core.errors import PSError
 from ps_server.core.membership import WorkerRecord
-from ps_server.core.modes.base import ModeStatus
+from ps_server.core.modes.base import ModeStatus, ShardGroup
 from ps_server.core.clip_group import ClipGroup
 from ps_server.core.optim.optimizers import OptimizerSpec
 
@@ -136,8 +136,6 @@ class DataState:
     done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
     epochs_complete: tuple[int, ...] = ()
     epochs_seen: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    shards: tuple[str, ...] = ()  # elastic over several shards: their addresses, and this one's index
-    shard: int = 0
 
     KINDS = ("tasks", "elastic")
 
@@ -176,6 +174,7 @@ class ServerState:
     wall_time: float = 0.0
     data: DataState | None = None  # the data plan and its progress; None: no plan (or an older file)
     clip_group: ClipGroup | None = None  # global_clipnorm over several shards (core.clip_group)
+    shard_group: ShardGroup | None = None  # shards that follow shard 0 (core.modes.base)
 
     @property
     def round(self) -> int:
@@ -297,6 +296,7 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         "wall_time": state.wall_time,
         "data": None if state.data is None else _data_header(state.data, put),
         "clip_group": None if state.clip_group is None else state.clip_group.as_dict(),
+        **({"shard_group": state.shard_group.as_dict()} if state.shard_group is not None else {}),
     }
     return header, arrays, offset
 
@@ -320,7 +320,6 @@ def _data_header(data: DataState, put) -> dict:
         **{k: ref(getattr(data, k), np.int64) for k in _TASK_ARRAYS},
         "epochs_complete": [int(e) for e in data.epochs_complete],
         "epochs_seen": {str(int(e)): ref(bits, np.uint8) for e, bits in sorted(data.epochs_seen.items())},
-        **({"shards": list(data.shards), "shard": int(data.shard)} if data.shards else {}),
     }
 
 
@@ -466,6 +465,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
             wall_time=float(header["wall_time"]),
             data=data,
             clip_group=ClipGroup.from_dict(header["clip_group"]) if header.get("clip_group") else None,
+            shard_group=ShardGroup.from_dict(header["shard_group"]) if header.get("shard_group") else None,
         )
     except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
         raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None
@@ -499,7 +499,6 @@ def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataStat
         **{k: read(header[k], "i").astype(np.int64) for k in _TASK_ARRAYS},
         epochs_complete=tuple(int(e) for e in header["epochs_complete"]),
         epochs_seen={int(e): read(ref, "u") for e, ref in header["epochs_seen"].items()},
-        shards=tuple(str(a) for a in header.get("shards", ())), shard=int(header.get("shard", 0)),
     )
 
 

@@ -43,7 +43,7 @@ from ps_server.core.data.cursor import Cursor, DataPlan, EpochLedger
 from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, SpecConflict
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
-from ps_server.core.modes.base import ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import ModeStatus, Push, PushResult, ShardGroup, Stats, Ticket
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.modes.ssp_mode import SSPMode
@@ -178,11 +178,11 @@ class ParameterServer:
         self.clip_group: ClipGroup | None = None
         self.norm_board: NormBoard | None = None
         self.clip_peer = None
-        # Elastic sync over several shards (``core.modes.elastic_mode``): every shard's address
-        # and this one's index, from the chief's data plan; ``round_peer(address)`` gives shard
-        # 0 a function ``(round, timeout) -> version`` that commits a round there (the server
+        # The model on shards where shard 0 decides what each update holds (``ShardGroup``,
+        # from the chief's initialize); ``round_peer(address)`` gives shard 0 a function
+        # ``(round, contributors, timeout) -> version`` that commits a round there (the server
         # layer's CommitRound call).
-        self.elastic_shards: tuple[tuple[str, ...], int] = ((), 0)
+        self.shard_group: ShardGroup | None = None
         self.round_peer = None
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
@@ -244,31 +244,33 @@ class ParameterServer:
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                    non_trainable: Iterable[str] = (), owned: bool = False,
-                   data_plan: DataPlan | None = None, clip_group: ClipGroup | None = None) -> tuple[bool, int]:
+                   data_plan: DataPlan | None = None, clip_group: ClipGroup | None = None,
+                   shard_group: ShardGroup | None = None) -> tuple[bool, int]:
         """(created, version). Repeating an identical initialization is harmless.
         ``owned``: the arrays are given up to the store, not copied (``store.initialize``).
         ``data_plan``: elastic sync's (required there, refused elsewhere): the job's examples,
         global batch and seed, from which the server's cursor deals every round.
         ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
+        ``shard_group``: this server's place among shards that follow shard 0 (``ShardGroup``).
         With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
         (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
         if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
             hogwild.check_supported(spec)
+        self._check_shard_group(shard_group)
         cursor = self._cursor_of(data_plan)
         if cursor is not None and self.mode.cursor not in (None, cursor):
             raise SpecConflict(f"the job's data plan is {self.mode.cursor}; this initialize brings {cursor}")
-        tasks = self._tasks_of(data_plan)
+        tasks = self._tasks_of(data_plan, shard_group)
         self._check_clip_group(clip_group, spec)
         created = self.store.initialize(variables, spec, frozenset(non_trainable), owned=owned)
         if clip_group is not None:
             self._use_clip_group(clip_group)
+        self._use_shards(shard_group)
         if cursor is not None:
-            self.mode.set_cursor(cursor, shard=data_plan.shard)
-            self._use_shards(data_plan.shards, data_plan.shard)
+            self.mode.set_cursor(cursor)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
-            self._use_shards(data_plan.shards, data_plan.shard)
         return created, self.store.version
 
     # -- global_clipnorm over several shards (core.clip_group) -------------------------------
@@ -320,7 +322,7 @@ class ParameterServer:
         self.mode.deal_tasks(self._gate.applying, self._task_applied)
         self.tasks = tasks
 
-    def _tasks_of(self, plan: "DataPlan | None") -> TaskQueue | None:
+    def _tasks_of(self, plan: "DataPlan | None", group: ShardGroup | None = None) -> TaskQueue | None:
         """Async and ssp: the task queue a data plan makes (refusing one that conflicts with
         the job's), checked before anything is stored."""
         if self.mode.data_plan != "tasks":
@@ -335,9 +337,8 @@ class ParameterServer:
                                "shards); an initialize with one belongs to another job")
         if plan.epochs < 1:
             raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
-        _, shard = self._shards_of(plan)
         queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
-                          self.members.lease_timeout, self._clock, follows=shard > 0)
+                          self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0)
         if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed,
                                        self.tasks.epochs) != (queue.num_examples, queue.batch_size,
                                                               queue.seed, queue.epochs):
@@ -359,39 +360,42 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
-        shards, shard = self._shards_of(plan)
-        if shards and shard == 0 and self.round_peer is None:
-            raise InvalidArgument("this server cannot reach the other shards to commit rounds (no peer connector)")
         return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
 
-    def _shards_of(self, plan: DataPlan) -> tuple[tuple[str, ...], int]:
-        """A data plan's shards and this server's index among them, checked against the job's."""
-        shards, shard = tuple(plan.shards), plan.shard
-        if shards and (len(shards) < 2 or not 0 <= shard < len(shards)):
-            raise InvalidArgument(f"a data plan over shards names at least 2 and this one's index among them; got "
-                                  f"shard {shard} of {list(shards)}")
-        if not shards and shard:
-            raise InvalidArgument(f"a data plan names shard {shard} but no shards")
-        if self.elastic_shards[0] and self.elastic_shards != (shards, shard):
-            raise SpecConflict(f"this server is shard {self.elastic_shards[1]} of {list(self.elastic_shards[0])}; "
-                               f"this initialize makes it shard {shard} of {list(shards)}")
-        return shards, shard
+    def _check_shard_group(self, group: ShardGroup | None) -> None:
+        """Refuse, before anything is stored, a shard group this server cannot take."""
+        if group is None:
+            return
+        if self.shard_group not in (None, group):
+            raise SpecConflict(f"this server is shard {self.shard_group.shard} of {list(self.shard_group.shards)}; "
+                               f"this initialize makes it shard {group.shard} of {list(group.shards)}")
+        if group.shard == 0 and self._commits_rounds and self.round_peer is None:
+            raise InvalidArgument("this server cannot reach the other shards to commit rounds (no peer connector)")
 
-    def _use_shards(self, shards: tuple[str, ...], shard: int) -> None:
-        """A data plan over shards: kept (checkpoints, Status); in elastic sync shard 0 commits
-        every round on the others (``mode.commit``). With tasks each shard's queue knows its
-        part (``TaskQueue(follows=...)``)."""
-        if not shards or self.elastic_shards == (shards, shard):
+    @property
+    def _commits_rounds(self) -> bool:
+        """Shard 0 of a group decides what each round holds: elastic sync (its micro-batches),
+        sync with backup workers (its contributors). Tasks are held by shard 0's queue."""
+        return self.elastic or (self.mode.rounds and 0 < self.replicas_to_aggregate < self.num_workers)
+
+    def _use_shards(self, group: ShardGroup | None) -> None:
+        """From now on this server is its place in ``group``: shard 0 commits the rounds it
+        completes on the others (``Mode.follow``), which follow it; with tasks each shard's
+        queue knows its part (``TaskQueue(follows=...)``)."""
+        if group is None or self.shard_group == group:
             return
-        self.elastic_shards = (shards, shard)
-        if shard or self.mode.data_plan != "elastic":
+        self.shard_group = group
+        if not self._commits_rounds:
             return
-        commits = [self.round_peer(a) for a in shards[1:]]
+        if group.shard:
+            self.mode.follow(group.shard, None)
+            return
+        commits = [self.round_peer(a) for a in group.shards[1:]]
         pool = concurrent.futures.ThreadPoolExecutor(len(commits), thread_name_prefix="commit-round")
         timeout = self.barrier_timeout
 
-        def commit(round_: int) -> Callable[[], None]:
-            started = [pool.submit(c, round_, timeout) for c in commits]
+        def commit(round_: int, contributors: tuple) -> Callable[[], None]:
+            started = [pool.submit(c, round_, contributors, timeout) for c in commits]
 
             def wait() -> None:
                 failures = [f.exception() for f in started]
@@ -399,14 +403,15 @@ class ParameterServer:
                 if first is not None:
                     raise first if isinstance(first, PSError) else ConfigMismatch(str(first))
             return wait
-        self.mode.commit = commit
+        self.mode.follow(0, commit)
 
-    def commit_round(self, round_: int) -> int:
-        """A follower shard of elastic sync: apply round ``round_``, which shard 0 completed
-        (the CommitRound call); the version after it."""
-        if self.mode.data_plan != "elastic":
-            raise InvalidArgument("CommitRound is for elastic sync over shards; this server is not elastic")
-        return self.mode.commit_round(round_)
+    def commit_round(self, round_: int, contributors: Iterable[int] = ()) -> int:
+        """A shard that follows shard 0: apply round ``round_``, which shard 0 completed (the
+        CommitRound call; with backup workers, of ``contributors``' pushes); the version after it."""
+        if self.shard_group is None or not self.shard_group.shard:
+            raise InvalidArgument("CommitRound is shard 0's call to the shards that follow it; this server "
+                                  "follows no shard 0")
+        return self.mode.commit_round(int(round_), tuple(int(w) for w in contributors))
 
     def work(self, worker_id: int) -> Ticket:
         """Elastic sync: a ticket for this worker's micro-batches (``ElasticSyncMode.work``).
@@ -662,22 +667,22 @@ class ParameterServer:
             wall_time=time.time(),
             data=self._data_state(tasks, ledger),
             clip_group=self.clip_group,
+            shard_group=self.shard_group,
         )
 
     def _data_state(self, tasks: dict | None, ledger: tuple | None) -> DataState | None:
-        shards, shard = self.elastic_shards
         if tasks is not None:
             return DataState("tasks", tasks["num_examples"], tasks["batch_size"], tasks["seed"], tasks["epochs"],
                              done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
-                             done_versions=tasks["done_versions"], shards=shards, shard=shard)
+                             done_versions=tasks["done_versions"])
         if ledger is not None:
             c = self.mode.cursor
             complete, seen = ledger
             return DataState("elastic", c.num_examples, c.global_batch_size, c.seed, 0, c.micro_batches,
-                             epochs_complete=complete, epochs_seen=seen, shards=shards, shard=shard)
+                             epochs_complete=complete, epochs_seen=seen)
         return None
 
-    def _restored_data(self, data: DataState | None):
+    def _restored_data(self, data: DataState | None, group: ShardGroup | None = None):
         """What ``restore`` installs for ``data``: a TaskQueue, a (Cursor, EpochLedger), or None.
         ConfigMismatch, in one line, when it does not fit this server; builds, installs nothing."""
         if data is None:
@@ -692,7 +697,8 @@ class ParameterServer:
                                           "seed": data.seed, "epochs": data.epochs,
                                           **{k: getattr(data, k) for k in
                                              ("done_task_ids", "done_workers", "done_versions")}},
-                                         self.members.lease_timeout, self._clock, follows=data.shard > 0)
+                                         self.members.lease_timeout, self._clock,
+                                         follows=group is not None and group.shard > 0)
             except InvalidArgument as e:
                 raise ConfigMismatch(f"the checkpoint's tasks do not fit its own plan ({data.describe()}): {e}") \
                     from None
@@ -704,10 +710,7 @@ class ParameterServer:
                                  f"server cuts them into {self.micro_batches} (--micro-batches): {where}")
         try:
             cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches)
-            if data.shards and data.shard == 0 and self.round_peer is None:
-                raise InvalidArgument("no peer connector to commit rounds on the other shards")
-            return (cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen),
-                    data.shards, data.shard)
+            return cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen)
         except InvalidArgument as e:
             raise ConfigMismatch(f"the checkpoint's ledger does not fit its own plan ({data.describe()}): {e}") \
                 from None
@@ -742,22 +745,21 @@ class ParameterServer:
             )
         if self.async_apply == "hogwild":
             hogwild.check_supported(state.optimizer)
-        data = self._restored_data(state.data)  # checked (and built) before anything changes
+        data = self._restored_data(state.data, state.shard_group)  # checked (and built) before anything changes
         if state.clip_group is not None:
             self._check_clip_group(state.clip_group, state.optimizer)
+        self._check_shard_group(state.shard_group)
         self.store.restore_state(StoreState(**_store_part(state)))
         if state.clip_group is not None:
             self._use_clip_group(state.clip_group)
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         self.members.restore(list(state.members))
+        self._use_shards(state.shard_group)
         if isinstance(data, TaskQueue):
             self._use_tasks(data)
-            self._use_shards(state.data.shards, state.data.shard)
         elif data is not None:
-            cursor, ledger, shards, shard = data
-            self.mode.set_cursor(cursor, ledger, shard=shard)
-            self._use_shards(shards, shard)
+            self.mode.set_cursor(*data)
         self.checkpointed(state.version)
 
     def checkpointed(self, version: int) -> None:

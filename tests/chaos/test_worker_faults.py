@@ -370,13 +370,17 @@ def test_paused_worker_is_declared_dead_then_rejoins_when_resumed(procs):
 
 # -- backup workers ----------------------------------------------------------------------
 @pytest.mark.recovery
-def test_backup_workers_complete_rounds_without_the_slow_one_and_drop_its_late_gradients(procs):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_backup_workers_complete_rounds_without_the_slow_one_and_drop_its_late_gradients(procs, shards):
     """With 3 workers and --replicas-to-aggregate 2, rounds go on while one worker is
     paused (shorter than the lease), and its push for a completed round "is answered
-    ``dropped`` and counted"."""
+    ``dropped`` and counted". Over two shards, shard 0 picks each round's contributors and
+    shard 1 steps with the same ones: the same counts on both."""
     steps = 60
-    server, address = start_server(procs, "abort", num_workers=3, extra=("--replicas-to-aggregate", "2"))
-    ws = [start_worker(procs, address, i, steps, 3, "--log-every", "1") for i in range(3)]
+    servers = [start_server(procs, "abort", num_workers=3, extra=("--replicas-to-aggregate", "2"))
+               for _ in range(shards)]
+    server, address = servers[0]
+    ws = [start_worker(procs, ",".join(a for _, a in servers), i, steps, 3, "--log-every", "1") for i in range(3)]
     with PSClient(address) as client:
         wait_training(client, 5, ws)
         os.kill(ws[2].pid, signal.SIGSTOP)  # slow, not dead: shorter than the lease
@@ -401,6 +405,12 @@ def test_backup_workers_complete_rounds_without_the_slow_one_and_drop_its_late_g
         assert not any(w.dead for w in status.workers)
         assert "(gradient dropped: round finished without it)" in read_log(ws[2]), read_log(ws[2])[-3000:]
         assert server.poll() is None
+    for _, other in servers[1:]:
+        with PSClient(other) as client:
+            them = client.status()
+        assert (them.version, them.pushes_applied, them.examples_applied) == \
+            (status.version, status.pushes_applied, status.examples_applied)
+        assert [w.pushes for w in them.workers] == [w.pushes for w in status.workers]
 
 
 # -- a cut connection ----------------------------------------------------------------------

@@ -160,14 +160,17 @@ def test_a_half_precision_wire_steps_on_the_rounded_gradients_within_its_precisi
 
 
 # -- backup workers ---------------------------------------------------------------------------
-def test_a_session_with_backup_workers_applies_one_contributor_per_round_and_drops_the_other(server):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_session_with_backup_workers_applies_one_contributor_per_round_and_drops_the_other(server, shards):
     """Two Sessions, ``replicas_to_aggregate=1``, taking turns in one thread: each round
     completes with the first push (w - lr * g of that worker alone, to the bit), and the
-    other worker's push for that round is answered ``dropped`` and moves it to the next."""
-    running = server("sync", 2, replicas_to_aggregate=1)
+    other worker's push for that round is answered ``dropped`` and moves it to the next.
+    Over two shards shard 0 picks the contributor and shard 1 steps with it alike."""
+    runnings = [server("sync", 2, replicas_to_aggregate=1) for _ in range(shards)]
+    running = runnings[0]
     models = [dense_model(8), dense_model(8)]
-    sessions = [api.Session(m, ps=running.address, worker_index=i, num_workers=2, optimizer="sgd",
-                            learning_rate=LR) for i, m in enumerate(models)]
+    sessions = [api.Session(m, ps=",".join(r.address for r in runnings), worker_index=i, num_workers=2,
+                            optimizer="sgd", learning_rate=LR) for i, m in enumerate(models)]
     reference = dense_model(8)
     rounds = 6
     try:
@@ -183,26 +186,30 @@ def test_a_session_with_backup_workers_applies_one_contributor_per_round_and_dro
                     for v, g in zip(reference.trainable_variables, want):
                         v.assign(v.numpy() - np.float32(LR) * g.numpy())
         sessions[0].pull()
-        status = running.core.status()
+        statuses = [r.core.status() for r in runnings]
     finally:
         for s in sessions:
             s.close()
     assert [v.numpy().tobytes() for v in models[0].trainable_variables] == \
         [v.numpy().tobytes() for v in reference.trainable_variables]
-    assert (status.version, status.pushes_applied, status.pushes_dropped) == (rounds, rounds, rounds)
-    assert [w.dropped for w in sorted(status.workers, key=lambda w: w.worker_id)] == [rounds // 2] * 2
+    for status in statuses:
+        assert (status.version, status.pushes_applied, status.pushes_dropped) == (rounds, rounds, rounds)
+        assert [w.dropped for w in sorted(status.workers, key=lambda w: w.worker_id)] == [rounds // 2] * 2
 
 
-def test_a_keras_fit_with_backup_workers_applies_one_contributor_per_round(server):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_keras_fit_with_backup_workers_applies_one_contributor_per_round(server, shards):
     """Two workers' ``model.fit`` in two threads, ``replicas_to_aggregate=1``: each of their
     2 x 8 pushes is either a round's one contributor or answered ``dropped``, so the server's
-    rounds are its applied pushes; both fits end, on the server's parameters, with a lower loss."""
-    running = server("sync", 2, replicas_to_aggregate=1)
+    rounds are its applied pushes; both fits end, on the server's parameters, with a lower loss.
+    Over two shards, both count the same contributors (shard 0 picks them)."""
+    runnings = [server("sync", 2, replicas_to_aggregate=1) for _ in range(shards)]
+    running = runnings[0]
     data = batches(8, 8, size=16)
     x, y = (np.concatenate(parts) for parts in zip(*data))
     models, strategies, errors = [], [], []
     for i in range(2):
-        strategy = Strategy(ps=running.address, worker_index=i, num_workers=2)
+        strategy = Strategy(ps=",".join(r.address for r in runnings), worker_index=i, num_workers=2)
         model = dense_model(8)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
         strategy.attach(model)
@@ -223,6 +230,10 @@ def test_a_keras_fit_with_backup_workers_applies_one_contributor_per_round(serve
         t.join(120)
     assert not errors and not any(t.is_alive() for t in threads), errors
     status = running.core.status()
+    for other in runnings[1:]:
+        them = other.core.status()
+        assert (them.version, them.pushes_applied, [w.pushes for w in them.workers]) == \
+            (status.version, status.pushes_applied, [w.pushes for w in status.workers])
     losses = [float(m.evaluate(x, y, verbose=0)) for m in models]  # each loads the server's parameters
     for s in strategies:
         s.close()

@@ -32,11 +32,11 @@ def test_a_checkpoint_dir_gets_one_subdirectory_per_shard():
     assert flag(argv_of(), "--checkpoint-dir") is None
 
 
-def test_backup_workers_with_several_shards_are_refused():
-    args = launch.parser().parse_args(["--num-ps", "2", "--replicas-to-aggregate", "1"])
-    with pytest.raises(launch.LaunchError, match="--replicas-to-aggregate .* --num-ps 2"):
-        launch.run(args)
-    assert flag(argv_of("--replicas-to-aggregate", "1"), "--replicas-to-aggregate") == "1"
+def test_backup_workers_go_to_every_shard_alike():
+    """Shard 0 picks each round's contributors and the others follow it (core.modes.sync_mode)."""
+    for shard in (0, 1):
+        assert flag(argv_of("--num-ps", "2", "--replicas-to-aggregate", "1", shard=shard),
+                    "--replicas-to-aggregate") == "1"
 
 
 # -- the server flags are ps-server's own -------------------------------------------------

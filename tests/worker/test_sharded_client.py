@@ -51,11 +51,12 @@ class FakeShard:
                             round=self.round, lease_timeout=10.0, incarnation=self.incarnation,
                             round_restored=self.restored)
 
-    def initialize(self, worker_id, variables, optimizer, non_trainable=(), clip_group=None, data_plan=None):
+    def initialize(self, worker_id, variables, optimizer, non_trainable=(), clip_group=None, data_plan=None,
+                   shard_group=None):
         if self.values is not None:
             return False
         self.values = {n: np.array(a) for n, a in variables.items()}
-        self.clip_group, self.data_plan = clip_group, data_plan
+        self.clip_group, self.data_plan, self.shard_group = clip_group, data_plan, shard_group
         return True
 
     def pull(self, worker_id=-1, names=()):
@@ -290,12 +291,20 @@ def test_shards_that_disagree_on_mode_or_worker_count_are_refused_naming_them():
     assert "h:0 runs sync with 2 workers" in str(e.value) and "h:1 runs async with 2 workers" in str(e.value)
 
 
-def test_shards_with_backup_workers_are_refused():
+def test_shards_with_different_backup_workers_are_refused_and_alike_ones_follow_shard_0():
     shards = [FakeShard("h:0"), FakeShard("h:1", replicas_to_aggregate=1)]
     client = ShardedClient(["h:0", "h:1"], clients=shards)
-    with pytest.raises(PSClientError, match="--replicas-to-aggregate 1") as e:
+    with pytest.raises(PSClientError, match=r"different --replicas-to-aggregate \(h:0: 0, h:1: 1\)"):
         client.register(0, 2)
-    assert e.value.address == "h:1"
+    shards, client = cluster(replicas_to_aggregate=1)
+    client.register(0, 2)
+    client.initialize(0, VALUES, SGD)  # shard 0 picks each round's contributors: the others follow it
+    assert [s.shard_group for s in shards] == [{"shards": ["h:0", "h:1"], "shard": i} for i in (0, 1)]
+    shards[0].block = threading.Event()
+    threading.Timer(0.2, shards[0].block.set).start()
+    client.push(0, 0, 0, 8, {n: np.ones_like(v) for n, v in VALUES.items()}, metrics={"m": np.ones(1)})
+    (first,), (last,) = shards[1].pushes, shards[0].pushes
+    assert first["at"] < last["at"] and first["metrics"] is None and last["metrics"] is not None
 
 
 def test_shards_that_disagree_on_dropped_raise():
@@ -404,7 +413,8 @@ def test_dealt_work_goes_to_the_other_shards_first_and_shard_0_answers():
     shards, client = cluster()
     plan = {"num_examples": 90, "global_batch_size": 16, "seed": 5}
     client.initialize(0, VALUES, SGD, data_plan=plan)
-    assert [s.data_plan for s in shards] == [{**plan, "shards": ["h:0", "h:1"], "shard": i} for i in (0, 1)]
+    assert [s.data_plan for s in shards] == [plan, plan]
+    assert [s.shard_group for s in shards] == [{"shards": ["h:0", "h:1"], "shard": i} for i in (0, 1)]
     shards[0].block = threading.Event()
     threading.Timer(0.2, shards[0].block.set).start()
     grads = {n: np.ones_like(v) for n, v in VALUES.items()}
@@ -419,7 +429,7 @@ def test_dealt_work_goes_to_the_other_shards_first_and_shard_0_answers():
 
 
 @pytest.mark.parametrize("rounds, ok", [((5, 5), True), ((5, 6), True), ((5, 4), False), ((5, 7), False)])
-def test_an_elastic_job_s_shards_at_parted_rounds_are_refused_at_registration(rounds, ok):
+def test_a_led_job_s_shards_at_parted_rounds_are_refused_at_registration(rounds, ok):
     """A follower may be one round ahead of shard 0 while shard 0 commits; any other
     difference means a shard restarted from an older checkpoint."""
     shards, client = cluster()

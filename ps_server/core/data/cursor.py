@@ -63,8 +63,6 @@ class DataPlan:
     global_batch_size: int
     seed: int
     epochs: int = 0
-    shards: tuple[str, ...] = ()  # elastic sync over shards: every shard's address (0 deals)
-    shard: int = 0                # and this server's index among them
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,6 +170,34 @@ class Ticket:
         return self._outcome
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """The model on several shards where shard 0 decides what each update holds (elastic
+    sync's micro-batches, async and ssp's tasks, sync's contributors with backup workers):
+    every shard's address in shard order, and this one's index. Shard 0 commits each round
+    it completes on the others (``Mode.follow``); they take what workers push them first."""
+
+    shards: tuple[str, ...]
+    shard: int
+
+    def __post_init__(self) -> None:
+        if len(self.shards) < 2 or not 0 <= self.shard < len(self.shards):
+            raise InvalidArgument(f"a shard group names at least 2 shards and this one's index among them; got "
+                                  f"shard {self.shard} of {list(self.shards)}")
+
+    def as_dict(self) -> dict:
+        return {"shards": list(self.shards), "shard": self.shard}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ShardGroup":
+        return cls(tuple(str(a) for a in d["shards"]), int(d["shard"]))
+
+
+# Shard 0 of a group: ``commit(round, contributors)`` starts the other shards' commits of a
+# round it completed and returns a function that waits for them (raising PSError).
+Commit = Callable[[int, tuple], Callable[[], None]]
+
+
 class Mode:
     """What the server (``ParameterServer``) needs from a mode, and gives it.
 
@@ -249,6 +277,18 @@ class Mode:
     def offer(self, spec, worker_id: int, name: str, block: int, gradient) -> None:
         """A block of a push's gradient, for a speculation ``overlap`` returned."""
         raise NotImplementedError(f"{self.name} mode speculates no rounds")
+
+    def follow(self, shard: int, commit: "Commit | None") -> None:
+        """A shard group (``ShardGroup``): this server is shard ``shard``; shard 0 gets
+        ``commit`` and commits every round it completes on the others, which follow it. A
+        mode whose updates each shard makes alone (async, sync without backup workers)
+        ignores it."""
+
+    def commit_round(self, round_: int, contributors: tuple) -> int:
+        """A follower: shard 0 completed ``round_`` (of ``contributors``' pushes, with backup
+        workers); apply this shard's part. The version after it."""
+        raise InvalidArgument(f"CommitRound is shard 0's call to the shards that follow it; this server's "
+                              f"{self.name} updates are its own")
 
 
 class Stats:

@@ -37,7 +37,7 @@ why the round's result then has the same bits whoever computed what.
 - Not here (refused with InvalidArgument): backup workers, metrics summed over
   the round, a learning rate set by a push, and PushPull's speculation.
 
-**Over several shards** (``set_cursor(..., shard=k)``): shard 0 deals, as above; every
+**Over several shards** (``follow``): shard 0 deals, as above; every
 other shard is a follower. A worker pushes each micro-batch to the followers first,
 and to shard 0 once they took it (``worker.sharded_client``), so every micro-batch shard
 0 holds is on every shard. A follower folds a micro-batch from any worker (who computed
@@ -71,7 +71,7 @@ from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
 from ps_server.core.errors import (BarrierTimeout, ConfigMismatch, FutureRound, InvalidArgument, PSError,
                                    SpecConflict, StaleRound, WorkerDead)
 from ps_server.core.membership import Membership
-from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import Commit, Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.modes.rounds import ROUNDS_REMEMBERED
 from ps_server.core.store import StoreState, VariableStore
 
@@ -126,24 +126,25 @@ class ElasticSyncMode(Mode):
         self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
         self._timed_out = 0
         self.shard = 0  # over several shards: this one's index (0 deals; the others follow)
-        # Shard 0 over several shards: ``commit(r)`` starts the other shards' commits of round
-        # r and returns a function that waits for them (raising PSError); None: one server.
-        self.commit: Callable[[int], Callable[[], None]] | None = None
+        self.commit: Commit | None = None  # shard 0 over several shards (``follow``)
         if cursor is not None:
             self.set_cursor(cursor)
 
-    def set_cursor(self, cursor: Cursor, ledger: EpochLedger | None = None, shard: int = 0) -> None:
+    def follow(self, shard: int, commit: Commit | None) -> None:
+        """Over several shards (module docstring), before the data plan is known."""
+        with self._lock:
+            self.shard, self.commit = shard, commit
+
+    def set_cursor(self, cursor: Cursor, ledger: EpochLedger | None = None) -> None:
         """The job's data plan (the chief's, at initialize; or a checkpoint's, with its
-        ``ledger``): rounds start once it is known; ``shard`` > 0: this server follows shard 0
-        (module docstring). The same plan again is harmless; another one is refused
-        (SpecConflict)."""
+        ``ledger``): rounds start once it is known. The same plan again is harmless; another
+        one is refused (SpecConflict)."""
         with self._lock:
             if self.cursor is not None:
-                if (cursor, shard) != (self.cursor, self.shard):
-                    raise SpecConflict(f"the elastic round's data plan is {self.cursor} (shard {self.shard}); "
-                                       f"got {cursor} (shard {shard})")
+                if cursor != self.cursor:
+                    raise SpecConflict(f"the elastic round's data plan is {self.cursor}; got {cursor}")
                 return
-            self.cursor, self.ledger, self.shard = cursor, ledger or EpochLedger(cursor.num_examples), shard
+            self.cursor, self.ledger = cursor, ledger or EpochLedger(cursor.num_examples)
             self._start_if_ready()
 
     # -- membership ---------------------------------------------------------------
@@ -259,7 +260,7 @@ class ElasticSyncMode(Mode):
                     None if self.ledger is None else self.ledger.state(),
                     self.stats.export())
 
-    def commit_round(self, round_: int) -> int:
+    def commit_round(self, round_: int, contributors: tuple = ()) -> int:
         """A follower: shard 0 completed round ``round_``; apply this shard's part (at once
         when already applied). The version after it; ConfigMismatch when a micro-batch of
         it has not arrived here (nothing applied), FutureRound for a round not started."""
@@ -343,7 +344,7 @@ class ElasticSyncMode(Mode):
         answer its pushes; the error when it was not applied (the round then starts over)."""
         work, completed = self._work, self._round
         started = time.perf_counter()
-        followers = self.commit(completed) if self.commit is not None else (lambda: None)
+        followers = self.commit(completed, ()) if self.commit is not None else (lambda: None)
         failed = None
         try:
             version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")

@@ -125,12 +125,15 @@ class RoundBook:
         """This round's items in worker-id order, leaving the round as it is."""
         return [self._pending[w] for w in sorted(self._pending)]
 
-    def take(self) -> list[Any]:
-        """Hand out the full round's items in worker-id order and start the next round."""
-        if not self.full():
+    def take(self, only: Any = None) -> list[Any]:
+        """Hand out the full round's items in worker-id order and start the next round.
+        ``only`` (workers who pushed): the round is theirs, whether or not it is full (a shard
+        that follows shard 0's choice of contributors); the others' pushes are late."""
+        if only is None and not self.full():
             raise RuntimeError(f"round {self.round} is not full: missing {self.missing()}")
-        items = [self._pending[w] for w in sorted(self._pending)]
-        self._contributors[self.round] = frozenset(self._pending)
+        chosen = sorted(self._pending) if only is None else sorted(only)
+        items = [self._pending[w] for w in chosen]
+        self._contributors[self.round] = frozenset(chosen)
         self._contributors.pop(self.round - ROUNDS_REMEMBERED, None)
         self._pending.clear()
         self.round += 1

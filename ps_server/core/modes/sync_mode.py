@@ -52,6 +52,18 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   it, before it joins. Every reply's ``learning_rate`` is the rate the round was
   applied with.
 
+**Backup workers over several shards** (``follow``): shard 0 picks each round's
+contributors (its first ``replicas_to_aggregate`` pushes), and every shard must step
+with the same ones. A worker pushes to the other shards first, then to shard 0
+(``worker.sharded_client``), so every contributor shard 0 picks has reached every
+shard. A follower keeps each push of the round whole (a copy: the caller's buffer is
+given back) and answers it at once; it never completes, times out or aborts a round on
+its own. Shard 0, once its round is full, starts ``commit(round, contributors)`` on the
+followers (the CommitRound call), applies its own part alongside, and answers the
+round's pushes when every shard has applied: a follower steps with the contributors'
+pushes alone, and the others are late there too (answered ``dropped``). With
+``global_clipnorm`` the shards take one norm for the round (``core.clip_group``).
+
 Threading: ``RoundBook`` is the deterministic core; this class owns the one
 lock around it. Each generation (a round, until completed or aborted) keeps its
 waiting tickets apart, so a fast worker's push of the next round never settles
@@ -61,6 +73,8 @@ next round can arrive before it ends anyway. Nothing here does network I/O.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import threading
 import time
@@ -72,9 +86,9 @@ from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
-from ps_server.core.errors import BarrierTimeout, InvalidArgument, PSError, WorkerDead
+from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
-from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
+from ps_server.core.modes.base import Commit, Mode, ModeStatus, Push, PushResult, Stats, Ticket
 from ps_server.core.modes.overlap import HELD_BYTES, Speculation, blocks
 from ps_server.core.modes.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
@@ -120,6 +134,13 @@ class SyncMode(Mode):
         self._speculation: Speculation | None = None  # the current round's (core.modes.overlap)
         self._sum = RoundSum(self.store.sparse_rule)  # the current round's pushes, folded (a fresh one each generation)
         self._tickets: dict[int, list[Ticket]] = {}  # generation -> submit()'s waiting pushes
+        self.shard = 0  # backup workers over several shards: this one's index (module docstring)
+        self.commit: Commit | None = None  # shard 0 of them
+
+    def follow(self, shard: int, commit: Commit | None) -> None:
+        """Backup workers over several shards (module docstring)."""
+        with self._lock:
+            self.shard, self.commit = shard, commit
 
     # -- pushes ------------------------------------------------------------------
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
@@ -145,9 +166,10 @@ class SyncMode(Mode):
         return ticket
 
     def expire_overdue(self) -> None:
-        """End the current round if it ran out of time (``_deadline``)."""
+        """End the current round if it ran out of time (``_deadline``); a follower's ends
+        when shard 0 commits it."""
         with self._lock:
-            if self._book.pushed() and self._tickets.get(self._book.generation) \
+            if not self.shard and self._book.pushed() and self._tickets.get(self._book.generation) \
                     and self._clock() >= self._deadline():
                 self._expire_round(self._book.round)
 
@@ -167,6 +189,8 @@ class SyncMode(Mode):
                 self._dropped = {(w, s) for w, s in self._dropped if s > push.step - ROUNDS_REMEMBERED}
             return PushResult(version=version, staleness=version - push.base_version, contributors=0,
                               dropped=True, next_step=self._book.round, replayed=again)
+        if self.shard and kind == "join":  # a round shard 0 aborted, pushed again: the same gradient
+            return self._taken()
         if kind == "new":
             if push.base_version != self.store.version:
                 raise InvalidArgument(
@@ -174,8 +198,15 @@ class SyncMode(Mode):
                     f"{push.base_version}, but sync round {push.step} is on version {self.store.version}; "
                     "pull first", reason=Reason.PULL_FIRST
                 )
-            self._raise_if_blocked()
+            if not self.shard:
+                self._raise_if_blocked()
             self._check_round_extras(push)
+            if self.shard:  # kept whole until shard 0 names the round's contributors
+                self._book.add(push.worker_id, push.step, dataclasses.replace(
+                    push, gradients={n: _owned(g) for n, g in push.gradients.items()}))
+                if consumed is not None:
+                    consumed()
+                return self._taken()
             if not self._book.pushed():
                 self._round_started = self._clock()
             record = self._fold(push)
@@ -184,6 +215,29 @@ class SyncMode(Mode):
             if self._book.add(push.worker_id, push.step, record):
                 return self._complete(self._book.generation)
         return self._book.generation
+
+    def _taken(self) -> PushResult:
+        """A follower's answer to a push it keeps: nothing applied yet; shard 0 answers the round."""
+        version = self.store.version
+        return PushResult(version=version, staleness=0, contributors=0, next_step=self._book.round)
+
+    def commit_round(self, round_: int, contributors: tuple) -> int:
+        """A follower: shard 0 completed round ``round_`` with ``contributors``' pushes; step
+        with theirs (ConfigMismatch, nothing applied, when one has not arrived here)."""
+        with self._lock:
+            if not self.shard:
+                raise InvalidArgument("CommitRound is shard 0's call to the shards that follow it; this server "
+                                      "decides its own rounds")
+            if round_ != self._book.round:
+                raise ConfigMismatch(
+                    f"shard {self.shard} collects round {self._book.round}; shard 0 commits round {round_}: one of "
+                    "the shards restarted from an older checkpoint and lost rounds the others kept; the shards "
+                    "no longer hold one model. Start the job again (every shard from checkpoints of the same round)")
+            missing = sorted(set(contributors) - set(self._book.pushed()))
+            if missing or not contributors:
+                raise ConfigMismatch(f"shard {self.shard} lacks the push(es) of worker(s) {missing} for round "
+                                     f"{round_}, which shard 0 completed with them; nothing applied here")
+            return self._complete(self._book.generation, only=tuple(contributors)).version
 
     def _fold(self, push: Push) -> Push:
         """What the round keeps of a new push, lock held: the push without its gradients,
@@ -289,9 +343,14 @@ class SyncMode(Mode):
                     deadline = max(deadline, self._dead_since[w] + self.replacement_timeout)
         return deadline
 
-    def _complete(self, generation: int) -> PushResult:
-        """Aggregate and apply the full round. Called with the lock held."""
+    def _complete(self, generation: int, only: tuple | None = None) -> PushResult:
+        """Aggregate and apply the full round (a follower: ``only`` its contributors' pushes,
+        which it kept whole). Called with the lock held."""
         pushes: list[Push] = self._book.peek()
+        if only is not None:
+            pushes = [p for p in pushes if p.worker_id in only]
+        followers = (self.commit(self._book.round, tuple(p.worker_id for p in pushes)) if self.commit is not None
+                     else (lambda: None))
         started = time.perf_counter()
         rates = [p.set_learning_rate for p in pushes if p.set_learning_rate]  # all alike (_check_round_extras)
         previous = None
@@ -314,14 +373,22 @@ class SyncMode(Mode):
             version = self.store.publish(kept) if kept is not None \
                 else self.store.apply_all(mean, key=f"round {self._book.round}")
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
+            with contextlib.suppress(PSError):
+                followers()  # their steps fail too (global_clipnorm: no norm), or nothing can undo them
             if previous is not None and self.store.current_learning_rate() != previous:
                 self.store.set_learning_rate(previous)  # the round left no trace: its rate neither
             self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
+        failed = None
+        try:
+            followers()
+        except PSError as e:  # applied here, not on every shard: the job cannot go on as one model
+            failed = ConfigMismatch(f"round {self._book.round} was applied on shard 0 but not on every other "
+                                    f"shard: {e}")
         self.stats.applied(time.perf_counter() - started)
         completed = self._book.round
-        self._book.take()
+        self._book.take(only)
         sizes = [p.batch_size for p in pushes]
         self.stats.record(
             pushes=len(pushes),
@@ -335,7 +402,9 @@ class SyncMode(Mode):
         self._results.pop(completed - ROUNDS_REMEMBERED, None)
         if speculation is not None:
             speculation.settle(confirmed=kept is not None)
-        self._settle(generation, result)
+        self._settle(generation, failed or result)
+        if failed is not None:
+            raise failed  # the push that completed the round is answered so too
         return result
 
     def _expire_round(self, step: int) -> None:
@@ -398,8 +467,9 @@ class SyncMode(Mode):
 
     # -- membership ----------------------------------------------------------------
     def workers_died(self, worker_ids: list[int]) -> None:
-        """Apply the dead-worker policy to workers the lease check just declared dead."""
-        if not worker_ids:
+        """Apply the dead-worker policy to workers the lease check just declared dead (a
+        follower: shard 0 applies it; its choice of contributors reaches this shard)."""
+        if not worker_ids or self.shard:
             return
         with self._lock:
             now = self._clock()
@@ -412,7 +482,8 @@ class SyncMode(Mode):
                     self._dead_since[w] = now
             if self.policy == "shrink":
                 if self._book.full():
-                    self._complete(self._book.generation)
+                    with contextlib.suppress(PSError):  # its waiters are answered either way
+                        self._complete(self._book.generation)
             elif self.policy == "abort":
                 dead = self._blocking_dead()
                 if dead and self._book.pushed():
@@ -483,3 +554,8 @@ class SyncMode(Mode):
             rounds_aborted=self._rounds_aborted,
             active_workers=tuple(sorted(self._book.active)),
         )
+
+
+def _owned(g):
+    """A copy of a push's gradient (an array, or ``SparseRows``) that owns its memory."""
+    return np.array(g, copy=True) if isinstance(g, np.ndarray) else copy.deepcopy(g)

@@ -1,8 +1,14 @@
-"""Elastic sync over two server shards (``core.modes.elastic_mode``, "Over several shards"),
-in-process: shard 0 deals and commits, shard 1 folds whatever any worker pushes and applies a
-round when shard 0 commits it. The shards end with one server's bits, through a worker that
-dies between its two pushes, a round discarded by shard 0's barrier timeout, and with
-``global_clipnorm`` taken over both."""
+"""Shard groups, in-process: the model on two server shards where shard 0 decides what
+each update holds, and shard 1 follows (``ps_server.core.modes.base.ShardGroup``).
+
+- Elastic sync (``core.modes.elastic_mode``): shard 0 deals and commits, shard 1 folds
+  whatever any worker pushes and applies a round when shard 0 commits it. The shards end
+  with one server's bits, through a worker that dies between its two pushes, a round
+  discarded by shard 0's barrier timeout, and with ``global_clipnorm`` taken over both.
+- Async tasks (``core.data.tasks``): each shard applies each task once.
+- Sync with backup workers (``core.modes.sync_mode``): shard 0 picks each round's
+  contributors and shard 1 steps with the same ones: one server's bits.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from ps_server.core import checkpoint
 from ps_server.core.clip_group import ClipGroup
 from ps_server.core.data.cursor import DataPlan
 from ps_server.core.errors import ConfigMismatch, InvalidArgument, SpecConflict
-from ps_server.core.modes.base import Push
+from ps_server.core.modes.base import Push, ShardGroup
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer
 from tests.core.test_cursor import CLASSES, EXAMPLES, FEATURES, gradient
@@ -33,8 +39,11 @@ def start():
             "b": rng.normal(size=CLASSES).astype(np.float32)}
 
 
-def plan(shard=0, shards=ADDRESSES):
-    return DataPlan(EXAMPLES, 16, 5, shards=shards if shard is not None else (), shard=shard or 0)
+PLAN = DataPlan(EXAMPLES, 16, 5)
+
+
+def group(shard):
+    return ShardGroup(ADDRESSES, shard)
 
 
 def server(clock, **kwargs):
@@ -47,7 +56,7 @@ def one_server(clock, spec, workers=(0, 1)):
     ps = server(clock)
     for w in workers:
         ps.register(w, 3)
-    ps.initialize(0, start(), spec, data_plan=plan(None))
+    ps.initialize(0, start(), spec, data_plan=PLAN)
     return ps
 
 
@@ -55,15 +64,15 @@ def two_shards(clock, spec, workers=(0, 1)):
     """Shard 1 follows shard 0: shard 0 commits rounds there (as the CommitRound call does);
     with ``global_clipnorm`` shard 1 asks shard 0's board (as the ClipNorm call does)."""
     shards = [server(clock), server(clock)]
-    shards[0].round_peer = lambda address: (lambda r, timeout: shards[1].commit_round(r))
+    shards[0].round_peer = lambda address: (lambda r, contributors, timeout: shards[1].commit_round(r, contributors))
     shards[1].clip_peer = lambda address: (
         lambda key, shard, squares, timeout: shards[0].clip_norm(key, shard, squares).result(timeout))
     for i, (ps, names) in enumerate(zip(shards, ON)):
         for w in workers:
             ps.register(w, 3)
-        group = ClipGroup(ADDRESSES, i, ("w", "b")) if spec.global_clipnorm else None
-        ps.initialize(0, {n: v for n, v in start().items() if n in names}, spec, data_plan=plan(i),
-                      clip_group=group)
+        clip = ClipGroup(ADDRESSES, i, ("w", "b")) if spec.global_clipnorm else None
+        ps.initialize(0, {n: v for n, v in start().items() if n in names}, spec, data_plan=PLAN,
+                      clip_group=clip, shard_group=group(i))
     return shards
 
 
@@ -169,16 +178,16 @@ def test_a_follower_refuses_to_commit_a_round_it_lacks_and_to_deal():
     assert shards[1].store.version == 0
     with pytest.raises(InvalidArgument, match="shard 0 deals the work"):
         shards[1].work(0).result(5)
-    with pytest.raises(InvalidArgument, match="this server deals its own rounds"):
+    with pytest.raises(InvalidArgument, match="follows no shard 0"):
         shards[0].commit_round(0)
     with pytest.raises(SpecConflict, match="shard 1 of"):
-        shards[1].initialize(0, {"b": start()["b"]}, ADAM, data_plan=plan(0))
+        shards[1].initialize(0, {"b": start()["b"]}, ADAM, data_plan=PLAN, shard_group=group(0))
     lonely = server(Clock())
     lonely.register(0, 3)
     with pytest.raises(InvalidArgument, match="no peer connector"):
-        lonely.initialize(0, start(), ADAM, data_plan=plan(0))
+        lonely.initialize(0, start(), ADAM, data_plan=PLAN, shard_group=group(0))
     with pytest.raises(InvalidArgument, match="at least 2"):
-        lonely.initialize(0, start(), ADAM, data_plan=plan(1, shards=("a:1",)))
+        ShardGroup(("a:1",), 1)
 
 
 def test_a_shard_s_checkpoint_keeps_its_place_among_the_shards(tmp_path):
@@ -187,11 +196,11 @@ def test_a_shard_s_checkpoint_keeps_its_place_among_the_shards(tmp_path):
     for i, ps in enumerate(shards):
         path = checkpoint.write_checkpoint(str(tmp_path / f"s{i}"), ps.checkpoint_state())
         state = checkpoint.read_checkpoint(path)
-        assert (state.data.shards, state.data.shard) == (ADDRESSES, i)
+        assert state.shard_group == group(i)
         again = server(Clock())
         again.round_peer = shards[0].round_peer
         again.restore(state)
-        assert again.elastic_shards == (ADDRESSES, i) and again.mode.shard == i
+        assert again.shard_group == group(i) and again.mode.shard == i
         assert (again.mode.commit is not None) == (i == 0)
 
 
@@ -205,8 +214,8 @@ def task_shards(clock):
     for i, (ps, names) in enumerate(zip(shards, ON)):
         for w in (0, 1):
             ps.register(w, 3)
-        ps.initialize(0, {n: v for n, v in start().items() if n in names}, ADAM,
-                      data_plan=DataPlan(**{**TASKS.__dict__, "shards": ADDRESSES, "shard": i}))
+        ps.initialize(0, {n: v for n, v in start().items() if n in names}, ADAM, data_plan=TASKS,
+                      shard_group=group(i))
     return shards
 
 
@@ -247,8 +256,7 @@ def test_each_shard_applies_each_task_once_when_a_lease_runs_out_between_a_worke
     for ps in shards:
         assert ps.tasks.finished and ps.store.version == total
         assert [ps.tasks.examples_done(e) for e in (0, 1)] == [EXAMPLES, EXAMPLES]
-    path_state = follower.checkpoint_state()
-    assert (path_state.data.shards, path_state.data.shard) == (ADDRESSES, 1)
+    assert follower.checkpoint_state().shard_group == group(1)
 
 
 def test_a_follower_that_lost_rounds_or_a_shard_0_that_did_stops_the_job_in_one_line():
@@ -263,3 +271,90 @@ def test_a_follower_that_lost_rounds_or_a_shard_0_that_did_stops_the_job_in_one_
         micro_push(shards, 0, work, work.micro_batches[0], only=[1])
     with pytest.raises(ConfigMismatch, match="shard 0 commits round 0"):
         follower.commit_round(0)  # shard 0 restarted at round 0: it commits a round applied here
+
+
+
+# -- sync with backup workers over two shards (core.modes.sync_mode) -------------------------
+
+def backup_servers(spec, shards: int):
+    """Three workers, two contributions a round (``replicas_to_aggregate`` 2)."""
+    options = dict(num_workers=3, replicas_to_aggregate=2, barrier_timeout=30.0)
+    if shards == 1:
+        one = ParameterServer("sync", **options)
+        for w in range(3):
+            one.register(w, 3)
+        one.initialize(0, start(), spec)
+        return [one]
+    servers = [ParameterServer("sync", **options) for _ in ON]
+    servers[0].round_peer = lambda address: (lambda r, contributors, timeout: servers[1].commit_round(r, contributors))
+    servers[1].clip_peer = lambda address: (
+        lambda key, shard, squares, timeout: servers[0].clip_norm(key, shard, squares).result(timeout))
+    for i, (ps, names) in enumerate(zip(servers, ON)):
+        for w in range(3):
+            ps.register(w, 3)
+        clip = ClipGroup(ADDRESSES, i, ("w", "b")) if spec.global_clipnorm else None
+        ps.initialize(0, {n: v for n, v in start().items() if n in names}, spec, clip_group=clip,
+                      shard_group=group(i))
+    return servers
+
+
+def backup_push(servers, worker, step):
+    """``worker``'s gradient of its shard of round ``step``, to shard 1 first; shard 0's ticket."""
+    values = params(servers)
+    indices = np.arange(worker * 10, worker * 10 + 10) + step % 3
+    grads = gradient(values, indices)
+    ticket = None
+    for i in reversed(range(len(servers))):
+        names = ON[i] if len(servers) > 1 else {"w", "b"}
+        ticket = servers[i].submit(Push(worker_id=worker, step=step, base_version=servers[i].store.version,
+                                        batch_size=10, gradients={n: grads[n] for n in names}))
+        if i:
+            assert ticket.result(5).contributors == 0  # a follower takes it and answers at once
+    return ticket
+
+
+@pytest.mark.parametrize("spec", [ADAM, CLIPPED], ids=["adam", "global_clipnorm"])
+def test_backup_workers_over_two_shards_step_with_shard_0_s_contributors_as_one_server(spec):
+    one, shards = backup_servers(spec, 1), backup_servers(spec, 2)
+    for servers in (one, shards):
+        for step in range(5):
+            order = [(step + k) % 3 for k in range(3)]  # who comes last (and is dropped) changes
+            first = [backup_push(servers, w, step) for w in order[:2]]
+            assert [t.result(5).contributors for t in first] == [2, 2]
+            late = backup_push(servers, order[2], step).result(5)
+            assert late.dropped
+    mine, theirs = params(one), params(shards)
+    for n in mine:
+        np.testing.assert_array_equal(mine[n], theirs[n])
+    assert [s.store.version for s in shards] == [5, 5]
+
+
+def test_a_follower_lacking_a_contributor_s_push_refuses_the_commit_and_the_round_fails_loudly():
+    leader, follower = backup_servers(ADAM, 2)
+    tickets = [leader.submit(Push(worker_id=w, step=0, base_version=0, batch_size=10,
+                                  gradients={"w": np.ones((FEATURES, CLASSES), np.float32)})) for w in (0, 1)]
+    for t in tickets:  # they never went to shard 1 first
+        with pytest.raises(ConfigMismatch, match=r"lacks the push\(es\) of worker\(s\) \[0, 1\]"):
+            t.result(5)
+    assert follower.store.version == 0
+
+
+def test_a_follower_steps_with_shard_0_s_contributors_whatever_order_pushes_reached_it():
+    """Every push reaches shard 1 first, in worker order; shard 0 sees them in another order
+    and drops another worker each round: shard 1 drops the same one."""
+    one, (leader, follower) = backup_servers(ADAM, 1)[0], backup_servers(ADAM, 2)
+    for step in range(4):
+        values = params([leader, follower])
+        grads = {w: gradient(values, np.arange(w * 10, w * 10 + 10) + step) for w in range(3)}
+        for w in range(3):
+            follower.submit(Push(worker_id=w, step=step, base_version=step, batch_size=10,
+                                 gradients={"b": grads[w]["b"]})).result(5)
+        order = [(step + 2 - k) % 3 for k in range(3)]
+        for ps, names in ((leader, {"w"}), (one, {"w", "b"})):
+            tickets = [ps.submit(Push(worker_id=w, step=step, base_version=step, batch_size=10,
+                                      gradients={n: grads[w][n] for n in names})) for w in order]
+            assert [t.result(5).dropped for t in tickets] == [False, False, True]
+        assert follower.store.version == step + 1
+    mine, theirs = params([one]), params([leader, follower])
+    for n in mine:
+        np.testing.assert_array_equal(mine[n], theirs[n])
