@@ -105,9 +105,9 @@ def test_the_pss_example_over_two_shards_scaled_2_3_2_ends_with_one_server_s_und
     assert ("2", "joined") in [(w, e) for _, w, e in events] and ("2", "left") in [(w, e) for _, w, e in events]
     assert not [e for e in events if e[2] in ("dead", "rejoined")], events
     assert len(shards) == 2 and all(len(s.values) for s in shards)
-    for state in shards:
-        assert state.version == 10 * ROUNDS_PER_EPOCH
-        assert state.data.epochs_complete == tuple(range(10)) and state.data.shards and not state.data.epochs_seen
+    for i, state in enumerate(shards):
+        assert state.version == 10 * ROUNDS_PER_EPOCH and state.shard_group.shard == i
+        assert state.data.epochs_complete == tuple(range(10)) and not state.data.epochs_seen
     joined = {**shards[0].values, **shards[1].values}
     assert sorted(joined) == sorted(plain.values)
     for name in plain.values:
