@@ -194,15 +194,7 @@ class Strategy:
         if getattr(type(model), "train_step") is not getattr(_keras_model_class(), "train_step"):
             raise ValueError(f"{type(model).__name__} overrides train_step; tfps' step replaces it, so its "
                              "changes would be lost (a custom loop: use worker.api.Session)")
-        fields = spec_fields(model.optimizer)  # refuses what the server cannot run, before any training
-        addresses = self.config.ps_addresses
-        if len(addresses) > 1:  # and what its shards would compute otherwise than one server
-            from worker import sharding
-
-            variables = {v.path: (tuple(v.shape), v.dtype) for v in model.trainable_variables}
-            refusal = sharding.coupling(sharding.plan(variables, len(addresses)), fields)
-            if refusal:
-                raise ValueError(refusal)
+        spec_fields(model.optimizer)  # refuses what the server cannot run, before any training
         self.models.append(_Attached(self, model))
 
     # -- the cluster

@@ -47,9 +47,10 @@ at the lowest round of the shards that kept theirs (one of them may be a round
 ahead: it completed the round this worker pushed last, and answers that push
 again from its record), so every worker resumes at the same round, whichever
 registers first, and the lost steps are not applied again on the shards that
-kept them. An optimizer option that would see only a shard's part of the model (a
-per-variable norm of a variable cut in slices: ``worker.sharding.coupling``) is refused
-at the chief's ``initialize``; ``global_clipnorm`` takes one norm over the shards.
+kept them. With an optimizer option that takes a whole variable's norm (``clipnorm``,
+Lamb, Adafactor, ``global_clipnorm``: ``worker.sharding.norms_of``) the chief's plan cuts
+no variable, so each shard's norm is the variable's; ``global_clipnorm`` takes one norm
+over the shards.
 
 **Shard 0 decides** (a shard group, ``ps_server.core.modes.base.ShardGroup``) where an
 update's content is one server's choice: elastic sync's micro-batches, async and ssp's
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -255,7 +257,9 @@ class ShardedClient:
         placement = self.placement
         if placement is None:
             try:
-                placement = sharding.plan(sharding.specs_of(variables), self.num_shards, self.min_slice_bytes)
+                # An optimizer that takes a whole variable's norm steps whole variables: none is cut.
+                whole = sys.maxsize if sharding.norms_of(optimizer) else self.min_slice_bytes
+                placement = sharding.plan(sharding.specs_of(variables), self.num_shards, whole)
             except sharding.ShardingError as e:
                 raise ConfigError(f"cannot shard the model over {self.num_shards} servers: {e}") from None
             empty = placement.empty_shards()

@@ -286,6 +286,15 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
     return Placement(num_shards, variables, tuple(pieces))
 
 
+def norms_of(optimizer: Mapping) -> list[str]:
+    """The options of ``optimizer`` (the server's fields) that take a norm of a whole variable
+    (``clipnorm``, ``global_clipnorm``, Lamb's trust ratio, Adafactor's row and column means):
+    with them the planner keeps every variable whole (``ShardedClient.initialize``)."""
+    norms = [option for option in ("clipnorm", "global_clipnorm") if optimizer.get(option)]
+    return norms + [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
+                    if optimizer.get("name") == name.lower()]
+
+
 def coupling(placement: Placement, optimizer: Mapping) -> str | None:
     """Why ``optimizer`` (the server's fields: ``ps_common.names.optimizer_fields``, None as 0)
     would not compute on ``placement`` what it computes on one server, or None. Each shard steps
@@ -294,11 +303,11 @@ def coupling(placement: Placement, optimizer: Mapping) -> str | None:
     is refused, in one line, before any training. ``global_clipnorm`` takes one norm over every
     shard (the shards' clip group, ``ps_server/core/clip_group.py``), of whole variables: a
     variable cut in slices would add its squares in another order than one server, so it too
-    is refused with slices."""
+    is refused with slices. The chief's plan keeps every variable whole with such an optimizer
+    (``norms_of``), so this refuses only a placement made otherwise (shards an older chief
+    initialized)."""
     n = placement.num_shards
-    per_variable = [option for option in ("clipnorm", "global_clipnorm") if optimizer.get(option)]
-    per_variable += [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
-                     if optimizer.get("name") == name.lower()]
+    per_variable = norms_of(optimizer)
     cut = [p.variable for p in placement.pieces if p.parts > 1 and p.part == 0]
     if per_variable and cut:
         return (f"{per_variable[0]} cannot run with {cut[0]!r} cut in slices over {n} server shards: each would "

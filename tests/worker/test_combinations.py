@@ -348,18 +348,22 @@ def test_a_keras_fit_pushes_an_embedding_s_gradient_as_rows(server):
     assert received_bytes(running) < len(data) * (24 * (8 * 4 + 8) + 1000)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_session_over_two_shards_with_global_clipnorm_gives_one_server_s_bits(server, mode):
+@pytest.mark.parametrize("mode, width, hidden", [("sync", 6, 4), ("async", 6, 4), ("sync", 1200, 120)])
+def test_a_session_over_two_shards_with_global_clipnorm_gives_one_server_s_bits(server, mode, width, hidden):
     """``global_clipnorm`` (``--global-clipnorm``) over two shards: the shards take one norm
     together (ps_server/core/clip_group.py), so a Session's loop ends on one server's bits;
-    the clip norm is small enough that every step clips."""
-    data = batches(4, 6)
+    the clip norm is small enough that every step clips. A 576 KB kernel, which the planner
+    would cut in slices, stays whole under a norm (``worker.sharding.norms_of``)."""
+    data = batches(4, width)
     runs = []
     for shards in (1, 2):
         address = ",".join(server(mode, 1).address for _ in range(shards))
-        runs.append(session_run(dense_model(6, hidden=4), data, ps=address, global_clipnorm=0.05)[0])
+        bits, connection = session_run(dense_model(width, hidden=hidden), data, ps=address, global_clipnorm=0.05)
+        runs.append(bits)
+        placement = getattr(connection.client, "placement", None)
+        assert placement is None or all(p.parts == 1 for p in placement.pieces)
     assert runs[0] == runs[1]
-    unclipped = session_run(dense_model(6, hidden=4), data, ps=server(mode, 1).address)[0]
+    unclipped = session_run(dense_model(width, hidden=hidden), data, ps=server(mode, 1).address)[0]
     assert unclipped != runs[0]  # the norm did clip
 
 

@@ -120,17 +120,26 @@ def test_initialize_sends_each_shard_its_pieces_and_pull_joins_them_bit_exactly(
     assert client.initialize(0, VALUES, SGD) is False  # repeating it is harmless
 
 
-def test_global_clipnorm_tells_every_shard_its_clip_group_and_refuses_a_sliced_variable():
-    """The shards take one norm together (ps_server/core/clip_group.py): each is told the
-    shards, its own index and every piece in the model's order; a variable in slices would
-    add its squares otherwise, and is refused before any shard holds a value."""
+@pytest.mark.parametrize("norm", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0}, {"name": "lamb"}])
+def test_an_optimizer_taking_a_variable_s_norm_gets_every_variable_whole(norm):
+    """A variable cut in slices would give each shard its slice's norm (or add global_clipnorm's
+    squares in another order): with such an optimizer the chief's plan cuts none."""
     shards, client = cluster()
     client.register(0, 2)
-    with pytest.raises(ConfigError, match="global_clipnorm cannot run with 'dense/kernel' cut in slices"):
-        client.initialize(0, VALUES, {**SGD, "global_clipnorm": 1.0})
-    assert all(not s.values for s in shards)
+    client.initialize(0, VALUES, SGD)
+    assert any(p.parts > 1 for p in client.placement.pieces)  # the same model is cut without one
+    shards, client = cluster()
+    client.register(0, 2)
+    client.initialize(0, VALUES, {**SGD, **norm})
+    assert all(p.parts == 1 for p in client.placement.pieces)
+    assert sorted(n for s in shards for n in s.values) == sorted(VALUES)
+
+
+def test_global_clipnorm_tells_every_shard_its_clip_group():
+    """The shards take one norm together (ps_server/core/clip_group.py): each is told the
+    shards, its own index and every piece in the model's order."""
     shards = [FakeShard(f"h:{i}") for i in range(2)]
-    client = ShardedClient([s.address for s in shards], clients=shards, min_slice_bytes=10**9)
+    client = ShardedClient([s.address for s in shards], clients=shards)
     client.register(0, 2)
     client.initialize(0, VALUES, {**SGD, "global_clipnorm": 1.0})
     assert [s.clip_group for s in shards] == [{"shards": ["h:0", "h:1"], "shard": i, "order": list(VALUES)}
