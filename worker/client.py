@@ -49,6 +49,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 from typing import Iterable, Mapping
 
@@ -139,15 +140,13 @@ class PSClient:
         self.grad_wire_dtype = grad_wire_dtype
         self.small_bytes = small_bytes
         self.max_message_bytes = wire.max_message_bytes() if max_message_bytes is None else max_message_bytes
-        self._channel = security.client_channel(
-            address,
-            options=wire.client_options(self.max_message_bytes) + [("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)],
-            ca_file=tls_ca_file,
-            cert_file=tls_cert_file,
-            key_file=tls_key_file,
-            server_name=tls_server_name,
-            token=token,
-        )
+        self._options = wire.client_options(self.max_message_bytes) + [
+            ("grpc.service_config", SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+        self._security = dict(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
+                              server_name=tls_server_name, token=token)
+        self._channel = security.client_channel(address, options=self._options, **self._security)
+        self._beats: Unary | None = None  # heartbeats' own connection, made at the first one
+        self._beats_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.unary = Unary(self._channel, address, timeout)
         self.streams = Streams(self._channel, address, timeout)
@@ -169,6 +168,9 @@ class PSClient:
 
     def close(self) -> None:
         self._channel.close()
+        with self._beats_lock:
+            if self._beats is not None:
+                self._beats_channel.close()
         self.shared_memory.close()
 
     def __enter__(self) -> "PSClient":
@@ -399,8 +401,19 @@ class PSClient:
         return reply.value
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
-        """Renew this worker's lease; returns the server's incarnation."""
-        reply = self.unary.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step), timeout=timeout)
+        """Renew this worker's lease; returns the server's incarnation. Over a connection of
+        its own (``grpc.use_local_subchannel_pool``: a TCP connection this channel alone uses),
+        so that a heartbeat never waits behind a push's or an initialize's bytes in the data
+        connection's socket buffer and HTTP/2 windows: on a slow link a large push takes
+        several lease periods to cross, and the worker sending it is alive."""
+        with self._beats_lock:
+            if self._beats is None:
+                channel = security.client_channel(
+                    self.address, options=self._options + [("grpc.use_local_subchannel_pool", 1)], **self._security)
+                self._beats = Unary(channel, self.address, self.timeout)
+                self._beats_channel = channel
+            beats = self._beats
+        reply = beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step), timeout=timeout)
         return reply.incarnation
 
     def leave(self, worker_id: int) -> None:

@@ -15,7 +15,9 @@ in plain fields: ``registration`` (the server's answer to the last register),
 server says, a dropped push skipping ahead), ``version`` and ``pulled`` (what
 the model was last loaded with) and ``seen`` (the newest server version this
 worker saw: after a server restart, how much was lost). A thread renews the
-lease (``Heartbeat``) from ``join`` until ``close``.
+lease (``Heartbeat``) from the start of ``join`` until ``close``: a chief's initialize
+or a worker's first pull of a large model over a slow link takes several lease periods,
+and a worker sending or receiving is alive.
 
 Guarantees: ``pull`` loads every trainable and floating non-trainable variable,
 or raises with ``version`` and ``pulled`` as they were. ``push`` returns once the server
@@ -158,8 +160,10 @@ class Connection:
 
     def join(self) -> None:
         """Chief: initialize the server from the model (or find it holds the same). Others:
-        wait for that and check the model and optimizer match the server's. Then the lease
-        is renewed from a thread until ``close``."""
+        wait for that and check the model and optimizer match the server's. The lease is
+        renewed from a thread from now until ``close``."""
+        if self.heartbeat is None:
+            self.heartbeat = Heartbeat(self)
         if self.config.is_chief:
             created = self._initialize()
             log.debug("%s the server's variables (%d tensors)", "initialized" if created else "found identical state on",
@@ -167,7 +171,6 @@ class Connection:
         else:
             self._check_against_server()
             log.debug("the server's variables and optimizer match this worker's")
-        self.heartbeat = Heartbeat(self)
 
     def describe(self) -> str:
         """The registration in words, for the worker's start-up line."""
