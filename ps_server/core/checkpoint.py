@@ -393,29 +393,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
     ``_CHUNK`` slices), then read each array straight into its own native array: memory
     beyond the state is one slice. ``lazy``: each array a ``FileArray`` instead, read from
     ``f`` (left open) when asked."""
-    prefix = f.read(_PREFIX.size)
-    if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
-        raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
-    if size < _PREFIX.size + _DIGEST_BYTES:
-        raise CheckpointError(f"{what}: truncated ({size} bytes, not even a header)")
-    _, fmt, _flags, header_len, data_len = _PREFIX.unpack(prefix)
-    if fmt != FORMAT_VERSION:
-        raise CheckpointError(f"{what}: format version {fmt}, this tfps reads version {FORMAT_VERSION}")
-    expected = _PREFIX.size + header_len + data_len + _DIGEST_BYTES
-    if size != expected:
-        kind = "truncated" if size < expected else "has trailing bytes"
-        raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
-    digest, left = hashlib.sha256(prefix), size - _PREFIX.size - _DIGEST_BYTES
-    buffer = memoryview(bytearray(min(_CHUNK, left)))  # one slice, read into again and again
-    while left:
-        n = f.readinto(buffer[:min(_CHUNK, left)])
-        if not n:
-            raise CheckpointError(f"{what}: truncated while reading")
-        digest.update(buffer[:n])
-        left -= n
-    del buffer
-    if digest.digest() != f.read(_DIGEST_BYTES):
-        raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
+    header_len, data_len = _verify(f, size, what)
     data_start = _PREFIX.size + header_len
     lock = threading.Lock()
     try:
@@ -469,6 +447,35 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
         )
     except (ValueError, KeyError, TypeError, PSError) as e:  # checksum fine, contents not ours
         raise CheckpointError(f"{what}: malformed header ({type(e).__name__}: {e})") from None
+
+
+def _verify(f, size: int, what: str) -> tuple[int, int]:
+    """Check the prefix and the SHA-256 of a file of ``size`` bytes read from ``f`` in one
+    sequential pass of ``_CHUNK`` slices; its header's and data's lengths."""
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
+        raise CheckpointError(f"{what}: not a tfps checkpoint (bad magic)")
+    if size < _PREFIX.size + _DIGEST_BYTES:
+        raise CheckpointError(f"{what}: truncated ({size} bytes, not even a header)")
+    _, fmt, _flags, header_len, data_len = _PREFIX.unpack(prefix)
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(f"{what}: format version {fmt}, this tfps reads version {FORMAT_VERSION}")
+    expected = _PREFIX.size + header_len + data_len + _DIGEST_BYTES
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise CheckpointError(f"{what}: {kind} ({size} bytes, its header says {expected})")
+    digest, left = hashlib.sha256(prefix), size - _PREFIX.size - _DIGEST_BYTES
+    buffer = memoryview(bytearray(min(_CHUNK, left)))  # one slice, read into again and again
+    while left:
+        n = f.readinto(buffer[:min(_CHUNK, left)])
+        if not n:
+            raise CheckpointError(f"{what}: truncated while reading")
+        digest.update(buffer[:n])
+        left -= n
+    del buffer
+    if digest.digest() != f.read(_DIGEST_BYTES):
+        raise CheckpointError(f"{what}: checksum mismatch (SHA-256 of the contents differs from the one stored)")
+    return header_len, data_len
 
 
 def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataState | None:

@@ -118,9 +118,18 @@ def test_your_model_and_data_on_async_tasks_apply_every_example_once_with_a_work
     address = ",".join(addresses)
     flags = ("--elastic", "--model", "mymod:build", "--dataset", "mymod:data", "--epochs", "2",
              "--global-batch-size", str(BATCH), "--log-level", "WARNING")
-    chief = procs.worker(address, 0, 3, *flags)
-    one = procs.worker(address, 1, 3, *flags)
+    # The whole job takes under a second here: worker 2 joins first (its model and data built),
+    # and the other two wait 10 s after their first task, so a busy machine that starts worker 2's
+    # steps late (it polls for the chief's Initialize) cannot let them take every task first.
     two = procs.worker(address, 2, 3, *flags, "--pause-at-step", str(KILL_AT), "--pause-for", "60")
+    deadline = time.monotonic() + 120
+    with PSClient(addresses[0]) as client:
+        while not any(w.worker_id == 2 for w in client.status().workers):
+            assert time.monotonic() < deadline and two.poll() is None, "worker 2 never joined"
+            time.sleep(0.05)
+    wait = ("--pause-at-step", "1", "--pause-for", "10")
+    chief = procs.worker(address, 0, 3, *flags, *wait)
+    one = procs.worker(address, 1, 3, *flags, *wait)
     deadline = time.monotonic() + 120
     with PSClient(addresses[0]) as client:
         while not any(w.worker_id == 2 and w.pushes >= KILL_AT for w in client.status().workers):
