@@ -96,6 +96,16 @@ MLP: dict[str, tuple[int, ...]] = {
     "dense_2/kernel": (128, 10), "dense_2/bias": (10,),
 }
 MODEL_BYTES = sum(4 * math.prod(s) for s in MLP.values())  # 3,745,320
+# worker.model's "mlp25m" (Flatten, Dense(8192), Dense(2304), Dense(10)): 101,321,768 bytes
+SHAPES: dict[str, dict[str, tuple[int, ...]]] = {"mlp": MLP, "mlp25m": {
+    "dense/kernel": (784, 8192), "dense/bias": (8192,),
+    "dense_1/kernel": (8192, 2304), "dense_1/bias": (2304,),
+    "dense_2/kernel": (2304, 10), "dense_2/bias": (10,),
+}}
+
+
+def model_bytes(model: str = "mlp") -> int:
+    return sum(4 * math.prod(s) for s in SHAPES[model].values())
 PS_HOSTS = [f"tfps-ps-{i}" for i in range(4)]
 WORKER_HOSTS = [f"tfps-worker-{i}" for i in range(8)]
 PORT = 2300  # each configuration its own port: PORT + its number
@@ -110,15 +120,15 @@ def rate_bytes(rate: str) -> float:
     return rate_bits(rate) / 8
 
 
-def shares(num_ps: int) -> list[float]:
+def shares(num_ps: int, model: str = "mlp") -> list[float]:
     """Each shard's fraction of the model's bytes, as ShardedClient places it."""
     from worker import sharding
 
-    placement = sharding.plan({n: (s, "float32") for n, s in MLP.items()}, num_ps)
+    placement = sharding.plan({n: (s, "float32") for n, s in SHAPES[model].items()}, num_ps)
     load = [0] * num_ps
     for p in placement.pieces:
         load[p.shard] += 4 * math.prod(p.shape)
-    return [x / MODEL_BYTES for x in load]
+    return [x / model_bytes(model) for x in load]
 
 
 def limit_per_direction(workers: int, num_ps: int, r: float) -> tuple[float, str]:
@@ -128,9 +138,9 @@ def limit_per_direction(workers: int, num_ps: int, r: float) -> tuple[float, str
     return (ps_side, "PS links") if ps_side <= worker_side else (worker_side, "worker links")
 
 
-def links_need_s(workers: int, num_ps: int, r: float) -> float:
+def links_need_s(workers: int, num_ps: int, r: float, model: str = "mlp") -> float:
     """Seconds the busiest link needs for one sync step's bytes, full duplex."""
-    return max(workers * max(shares(num_ps)), 1.0) * MODEL_BYTES / r
+    return max(workers * max(shares(num_ps, model)), 1.0) * model_bytes(model) / r
 
 
 # -- measuring the machine ---------------------------------------------------------------
@@ -438,9 +448,12 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
 
 
 def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int,
-                     overlap: bool = True) -> dict:
-    tag = f"train-{num_ps}ps-{workers}w-{'overlap' if overlap else 'no-overlap'}"
-    servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done")
+                     overlap: bool = True, model: str = "mlp", worker_flags: tuple[str, ...] = (),
+                     server_flags: tuple[str, ...] = ()) -> dict:
+    """Sync training on ``workers`` worker hosts and ``num_ps`` PS hosts: the chief's step time
+    after ``warmup`` steps, against the time the links need for a step's bytes."""
+    tag = f"train-{model}-{num_ps}ps-{workers}w-{'overlap' if overlap else 'no-overlap'}"
+    servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done", *server_flags)
     history = os.path.join(run.workdir, f"{tag}-history.json")
     procs = []
     try:
@@ -449,9 +462,9 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
             log = open(os.path.join(run.workdir, f"{tag}-w{i}.log"), "w")
             procs.append(run.hosts.popen(host, [
                 sys.executable, "-m", "worker", "--ps", ",".join(addresses), "--worker-index", str(i),
-                "--num-workers", str(workers), "--model", "mlp", "--dataset", "digits", "--steps", str(steps),
+                "--num-workers", str(workers), "--model", model, "--dataset", "digits", "--steps", str(steps),
                 "--global-batch-size", str(batch * workers), "--intra-op-threads", "1", "--log-level", "WARNING",
-                "--progress", "off", "--overlap" if overlap else "--no-overlap",
+                "--progress", "off", "--overlap" if overlap else "--no-overlap", *worker_flags,
                 *(("--history-json", history) if i == 0 else ())],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=run.workdir, env=run.env()))
             log.close()
@@ -470,9 +483,9 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
     window = records[warmup:]
     step_s = (window[-1]["t"] - records[warmup - 1]["t"]) / len(window) if warmup else \
         window[-1]["t"] / len(window)
-    need = links_need_s(workers, num_ps, run.r)
+    need = links_need_s(workers, num_ps, run.r, model)
     return {
-        "ps": num_ps, "workers": workers, "overlap": overlap, "steps": len(records),
+        "model": model, "ps": num_ps, "workers": workers, "overlap": overlap, "steps": len(records),
         "measured_steps": len(window),
         "global_batch": batch * workers, "step_s": step_s, "examples_per_s": batch * workers / step_s,
         "push_bytes": window[-1]["push_bytes"], "links_need_s": need, "step_over_links_need": step_s / need,
@@ -483,7 +496,7 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
         "push_s": float(np.mean([r["push_s"] for r in window])),
         # over the whole run of the configuration, start-up (TensorFlow's import) included
         "machine_cpu_busy_percent": busy_percent(cpu0, cpu1), "wall_s": wall,
-        "largest_shard_share": max(shares(num_ps)),
+        "largest_shard_share": max(shares(num_ps, model)),
     }
 
 

@@ -86,6 +86,7 @@ class RunResult:
     examples: int  # training examples consumed
     wall_s: float
     notes: str = ""
+    step_ends_s: list[float] = dataclasses.field(default_factory=list)  # each step's end, from the first's start
 
 
 def save_result(out_dir: str, result: RunResult) -> None:

@@ -99,10 +99,11 @@ def train(spec: common.RunSpec, data, model, step: Callable) -> dict:
 
     ``steps_per_s`` counts the whole loop, including the first step's tracing.
     """
-    losses, step1, examples = [], None, 0
+    losses, step1, examples, ends = [], None, 0, []
     start = time.perf_counter()
     for k, (batch, shards) in enumerate(common.step_batches(spec, len(data.y_train)), 1):
         losses.append(step(batch, shards))
+        ends.append(time.perf_counter() - start)  # a step runs to its end on the CPU before it returns
         examples += len(batch)
         if k == 1:
             step1 = weights_of(model)
@@ -114,6 +115,7 @@ def train(spec: common.RunSpec, data, model, step: Callable) -> dict:
         "weights_final": final,
         "examples": examples,
         "steps_per_s": len(losses) / loop_s if loop_s > 0 else 0.0,
+        "step_ends_s": ends,
     }
 
 
