@@ -55,7 +55,7 @@ if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
 from bench.hosts_scaling import (  # noqa: E402
-    PS_HOSTS, SHAPES, WORKER_HOSTS, Run, _stop, busy_percent, cpu_times, links_need_s, machine, model_bytes,
+    PS_HOSTS, SHAPES, WORKER_HOSTS, Run, _stop, busy_percent, cpu_times, finish, machine, model_bytes,
     measure_training, rate_bytes, uptime,
 )
 
@@ -220,15 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
                             report["failures"].append(f"{model} {system} k={k} N={n}: {type(e).__name__}: {e}")
     report["side_by_side"] = side_by_side(report["rows"], report["r_bytes_per_s"])
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    report["uptime_after"] = uptime()
-    print_report(report)
-    print(f"\n{report['wall_s']:.0f} s; uptime before: {report['uptime_before']}; after: {report['uptime_after']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return 0 if not report["failures"] else 1
+    return finish(report, started, print_report, args.json)
 
 
 if __name__ == "__main__":

@@ -578,6 +578,19 @@ def print_report(report: dict) -> None:
         print(f"FAILED: {f}")
 
 
+def finish(report: dict, started: float, print_report, json_path: str | None) -> int:
+    """Time the run, print it and write it as JSON; exit status 0 when nothing failed."""
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["uptime_after"] = uptime()
+    print_report(report)
+    print(f"\n{report['wall_s']:.0f} s; uptime before: {report['uptime_before']}; after: {report['uptime_after']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0 if not report["failures"] else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -668,15 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {"throughput": ratios(report["throughput"], "throughput_bytes_per_s"),
                         "training": ratios([r for r in report["training"] if r["overlap"] == first], "examples_per_s"),
                         "overlap": overlap_ratios(report["training"])}
-    report["wall_s"] = round(time.monotonic() - started, 1)
-    report["uptime_after"] = uptime()
-    print_report(report)
-    print(f"\n{report['wall_s']:.0f} s; uptime before: {report['uptime_before']}; after: {report['uptime_after']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return 0 if not report["failures"] else 1
+    return finish(report, started, print_report, args.json)
 
 
 if __name__ == "__main__":
