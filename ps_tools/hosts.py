@@ -25,7 +25,12 @@ in a host sees is what it would see on a machine of its own:
   shares one rate-limited, queueing link, with real TCP congestion control; loss
   with ``iptables -m statistic --mode random`` where packets arrive (``loss`` of
   what the host receives, and of what it sends, dropped at the receiving host, so
-  no sender sees an error). This kernel has no ``netem``, so **latency** is added
+  no sender sees an error). Its **TCP** is Linux's default congestion control,
+  ``cubic``, whatever the machine's own namespace uses (``tcp``: another the kernel
+  has, such as ``bbr``, or None to inherit it): a figure measured on emulated hosts
+  then does not depend on the machine it ran on (``bench/allreduce_hosts.py`` shows
+  how much the choice weighs when many flows share a link). This kernel has no
+  ``netem``, so **latency** is added
   by a user-space relay (``relay``): a TCP proxy in the server's host that holds each
   chunk it forwards for the delay, in each direction, so a connection through it
   has ``2 × delay`` more round-trip time on real sockets (and the relay's own
@@ -70,6 +75,18 @@ PREFIX = "tfps"
 SUBNET = "10.231.0"
 _NS_RE = re.compile(rf"^{PREFIX}([0-9a-f]+)-(.+)$")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,58}[a-z0-9])?$")  # a DNS name: tfps-ps-0, job-ps-0.ns.svc
+
+
+DEFAULT_TCP = "cubic"  # Linux's default congestion control (module docstring)
+
+
+def tcp_available() -> list[str]:
+    """The congestion controls this kernel has loaded (a namespace may pick any of them)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
 
 
 class HostsError(RuntimeError):
@@ -202,9 +219,11 @@ class Hosts:
     """``names`` emulated hosts joined by a bridge (module docstring); a context manager."""
 
     def __init__(self, names: Sequence[str], rate: str | None = None, loss: float = 0.0,
-                 links: Mapping[str, Link] | None = None, aliases: Mapping[str, Iterable[str]] | None = None):
+                 links: Mapping[str, Link] | None = None, aliases: Mapping[str, Iterable[str]] | None = None,
+                 tcp: str | None = DEFAULT_TCP):
         """``links``: a host's own shaping instead of ``rate`` and ``loss``; ``aliases``: more
-        names a host answers to in every hosts file (a pod's short and long DNS names)."""
+        names a host answers to in every hosts file (a pod's short and long DNS names);
+        ``tcp``: every host's congestion control (None: the machine's)."""
         names = list(names)
         if not names:
             raise HostsError("no hosts named")
@@ -222,6 +241,9 @@ class Hosts:
         unknown = set(aliases or {}) - set(names)
         if unknown:
             raise HostsError(f"aliases for hosts that are not named: {sorted(unknown)}")
+        if tcp is not None and tcp not in tcp_available():
+            raise HostsError(f"TCP congestion control {tcp!r}: this kernel has {', '.join(tcp_available())}")
+        self.tcp = tcp
         self._started = False
 
     # -- names ----------------------------------------------------------------------
@@ -282,6 +304,8 @@ class Hosts:
             ns = self.namespace(name)
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.tcp is not None:
+                _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.tcp}"])
             _run(["ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", self._port(name),
                   "netns", br])
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "eth0"])
@@ -312,6 +336,17 @@ class Hosts:
         self.stop()
 
     # -- links ------------------------------------------------------------------------
+    def queue_counts(self, name: str) -> dict[str, tuple[int, int]]:
+        """{"up": (packets sent, packets dropped), "down": ...}: what the queues of the host's
+        link (its upload on eth0, its download on the bridge port) have passed and dropped
+        since they were made; (0, 0) for a direction without shaping."""
+        out = {}
+        for way, where, dev in (("up", self.namespace(name), "eth0"), ("down", self.bridge_namespace, self._port(name))):
+            text = _run(["ip", "netns", "exec", where, "tc", "-s", "qdisc", "show", "dev", dev]).stdout
+            m = re.search(r"Sent \d+ bytes (\d+) pkt \(dropped (\d+)", text)
+            out[way] = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        return out
+
     def shape(self, name: str, rate: str | None = ..., loss: float | None = None) -> None:
         """Change the host's link while it runs: ``rate`` (None: unlimited), ``loss``."""
         link = self.links[self.names[self._index(name)]]

@@ -192,6 +192,21 @@ def test_a_killed_owner_s_hosts_are_removed_at_the_next_start(tmp_path):
         assert left not in listed, listed
 
 
+def test_every_host_runs_linux_s_default_tcp_whatever_the_machine_s_is():
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    read = [sys.executable, "-c", "print(open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip())"]
+    machine = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    other = next((c for c in hosts_module.tcp_available() if c not in ("cubic", machine)), None)
+    with Hosts(["tfps-a"]) as h, Hosts(["tfps-b"], tcp=other) as o, Hosts(["tfps-c"], tcp=None) as m:
+        assert h.run("tfps-a", read).stdout.strip() == "cubic"
+        assert o.run("tfps-b", read).stdout.strip() == (other or machine)
+        assert m.run("tfps-c", read).stdout.strip() == machine
+    with pytest.raises(HostsError, match="congestion control 'warp'"):
+        Hosts(["tfps-a"], tcp="warp")
+
+
 def test_bad_names_and_rates_are_refused_in_one_line():
     with pytest.raises(HostsError, match="host name"):
         Hosts(["Bad_Name"])
