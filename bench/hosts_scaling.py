@@ -176,6 +176,22 @@ def tcp_segments(pid: int) -> tuple[int, int]:
     return int(named["OutSegs"]), int(named["RetransSegs"])
 
 
+def queue_counts(hosts, names) -> dict:
+    """Every named host's link queues: {name: {"up": (packets, dropped), "down": ...}}."""
+    return {n: hosts.queue_counts(n) for n in names}
+
+
+def drop_percent(before: dict, after: dict) -> dict[str, float]:
+    """Of the packets the hosts' queues took between two ``queue_counts``, the per cent they
+    dropped, per direction ("up": the hosts' own uploads; "down": the bridge ports towards them)."""
+    out = {}
+    for way in ("up", "down"):
+        sent = sum(after[n][way][0] - before[n][way][0] for n in before)
+        dropped = sum(after[n][way][1] - before[n][way][1] for n in before)
+        out[way] = round(100 * dropped / max(1, sent + dropped), 2)
+    return out
+
+
 def machine() -> dict:
     return {"nproc": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
             "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -456,8 +472,9 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
     servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done", *server_flags)
     history = os.path.join(run.workdir, f"{tag}-history.json")
     procs = []
+    names = PS_HOSTS[:num_ps] + WORKER_HOSTS[:workers]
     try:
-        cpu0, t0 = cpu_times(), time.monotonic()
+        cpu0, t0, queues0 = cpu_times(), time.monotonic(), queue_counts(run.hosts, names)
         for i, host in enumerate(WORKER_HOSTS[:workers]):
             log = open(os.path.join(run.workdir, f"{tag}-w{i}.log"), "w")
             procs.append(run.hosts.popen(host, [
@@ -473,7 +490,7 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
             code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             if code != 0:
                 raise RuntimeError(f"ps-worker {i} exited {code}: {run.log_tail(f'{tag}-w{i}.log')}")
-        cpu1, wall = cpu_times(), time.monotonic() - t0
+        cpu1, wall, drops = cpu_times(), time.monotonic() - t0, drop_percent(queues0, queue_counts(run.hosts, names))
     finally:
         _stop([*procs, *servers])
     with open(history) as f:
@@ -497,6 +514,8 @@ def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: in
         # over the whole run of the configuration, start-up (TensorFlow's import) included
         "machine_cpu_busy_percent": busy_percent(cpu0, cpu1), "wall_s": wall,
         "largest_shard_share": max(shares(num_ps, model)),
+        # of the packets the hosts' link queues took over the whole run: what tbf dropped
+        "queue_drop_percent": drops,
     }
 
 
@@ -526,7 +545,7 @@ def overlap_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def print_report(report: dict) -> None:
-    rate = report["rate"]
+    rate = f"{report['rate']} (TCP {report.get('tcp', 'cubic')})"
     load, train = report["throughput"], report["training"]
     if load:
         print(f"\n(a) push+pull throughput, {report['load_mode']} mode, every link {rate} each way "
@@ -606,6 +625,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default="throughput,training", help="throughput and/or training (default both)")
     p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
                    help="(b): the workers' --overlap (PushPull), --no-overlap, or both side by side (default both)")
+    p.add_argument("--tcp", default="cubic", help="the hosts' TCP congestion control (default cubic, Linux's own; "
+                                                   "'machine': this machine's)")
     p.add_argument("--quick", action="store_true",
                    help="the test's run: --workers 2 --ps 1,2 --seconds 1.5 --train-steps 3 --warmup-steps 1")
     p.add_argument("--json", help="write the report here as JSON")
@@ -646,12 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "bench/hosts_scaling.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "uptime_before": uptime(), "rate": args.rate, "r_bytes_per_s": rate_bytes(args.rate),
               "model_bytes": MODEL_BYTES, "shares": {str(n): shares(n) for n in num_ps},
-              "load_mode": "async", "batch_per_worker": args.batch_per_worker,
+              "tcp": args.tcp, "load_mode": "async", "batch_per_worker": args.batch_per_worker,
               "throughput": [], "training": [], "failures": []}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tfps-hosts-scaling-") as workdir:
         os.chmod(workdir, 0o755)
-        with Hosts(PS_HOSTS[:max(num_ps)] + WORKER_HOSTS[:max(workers)], rate=args.rate) as hosts:
+        with Hosts(PS_HOSTS[:max(num_ps)] + WORKER_HOSTS[:max(workers)], rate=args.rate,
+                   tcp=None if args.tcp == "machine" else args.tcp) as hosts:
             run = Run(hosts, workdir, args.rate)
             for part in ("throughput", "training"):
                 if part not in parts:

@@ -54,6 +54,7 @@ class RunSpec:
     deterministic: bool = True
     loss_scaling: str = "global"
     initial_weights: str = ""  # .npz of the initial trainable weights, in model order
+    heartbeat_timeout_s: float = 0.0  # MWMS' coordination service; 0: TensorFlow's own (10 s)
 
     @property
     def lr(self) -> float:

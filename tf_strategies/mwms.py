@@ -151,6 +151,14 @@ def run_worker(spec: common.RunSpec, index: int) -> common.RunResult:
         implementation=tf.distribute.experimental.CommunicationImplementation.RING,
         timeout_seconds=COLLECTIVE_TIMEOUT_S,
     )
+    if spec.heartbeat_timeout_s:  # configured before the strategy, which then keeps it
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+        from tensorflow.python.eager import context
+
+        context.context().configure_coordination_service(
+            service_type="standalone", service_leader="/job:worker/replica:0/task:0",
+            heartbeat_timeout_in_ms=int(1000 * spec.heartbeat_timeout_s),
+            coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=spec.num_workers)])
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     except (ValueError, RuntimeError, tf.errors.OpError) as e:

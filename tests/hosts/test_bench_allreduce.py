@@ -36,6 +36,7 @@ def test_quick_run_trains_mwms_and_tfps_on_the_same_links_and_prints_their_ratio
         assert row["workers"] == 2 and row["steps"] == 3 and row["measured_steps"] == 2 and row["global_batch"] == 64
         assert row["step_s"] > 0 and row["examples_per_s"] == pytest.approx(64 / row["step_s"])
         assert row["step_over_links_need"] >= 0.8, row
+        assert row["tcp"] == "cubic" and all(0 <= row["queue_drop_percent"][w] < 100 for w in ("up", "down")), row
     r = report["r_bytes_per_s"]
     assert rows["mwms", 0]["links_need_s"] == pytest.approx(3_745_320 / r)  # 2(N-1)/N = 1 at N = 2
     assert rows["tfps", 1]["links_need_s"] == pytest.approx(2 * 3_745_320 / r)  # one server host: 2 models each way
