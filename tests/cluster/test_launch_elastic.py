@@ -54,6 +54,7 @@ def stops(log: str) -> str:
     return "\n".join(line for line in log.splitlines() if any(w in line for w in words))
 
 
+@pytest.mark.slow  # ~64 s; the default run keeps ps-launch's elastic scaling in the async and Keras tests
 def test_a_job_scaled_2_4_3_by_schedule_and_by_signals_ends_with_the_undisturbed_weights(procs, tmp_path):
     plain = launch(procs, tmp_path, "plain", "--elastic", "2:4", "--workers", "3")
     assert wait_exit(plain, 600) == 0, read_log(plain)[-3000:]

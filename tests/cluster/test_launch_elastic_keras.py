@@ -71,7 +71,8 @@ def launch(tmp_path, name: str, example: str, *flags: str, env: dict | None = No
 # keras_mwms scaled is slow: in the default run it is killed by hand (SIGKILL, below), and
 # keras_pss is the one scaled.
 @pytest.mark.parametrize("example, epochs", [pytest.param("keras_mwms.py", 5, marks=pytest.mark.slow),
-                                             ("keras_pss.py", 10)])
+                                             # ~58 s; the default run keeps the same scaling over two shards
+                                             pytest.param("keras_pss.py", 10, marks=pytest.mark.slow)])
 def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every_example_once(
         tmp_path, example, epochs):
     _, plain = launch(tmp_path, "plain", example)
