@@ -62,7 +62,7 @@ if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 
 from bench.hosts_scaling import (  # noqa: E402
-    PS_HOSTS, SHAPES, WORKER_HOSTS, Run, _stop, busy_percent, cpu_times, drop_percent, finish, machine,
+    PS_HOSTS, SHAPES, WORKER_HOSTS, Run, _stop, busy_percent, cpu_times, drop_percent, finish, hosts_tcp, machine,
     model_bytes, measure_training, queue_counts, rate_bytes, uptime,
 )
 
@@ -154,7 +154,8 @@ def print_report(report: dict) -> None:
               f"{'{up:.1f} / {down:.1f}'.format(**r['queue_drop_percent']):>16}")
     print(f"\n{'TCP':>5} {'model':>7} {'N':>2} {'k':>2} {'tfps/mwms':>10} {'links allow':>12} {'bound 2(N-1)/N':>15}")
     for s in report["side_by_side"]:
-        print(f"{s['tcp']:>5} {s['model']:>7} {s['workers']:>2} {s['ps']:>2} {s['ratio']:>10.2f} {s['links_ratio']:>12.2f} "
+        print(f"{s['tcp']:>5} {s['model']:>7} {s['workers']:>2} {s['ps']:>2} {s['ratio']:>10.2f} "
+              f"{s['links_ratio']:>12.2f} "
               f"{s['bound']:>15.2f}")
     for f in report["failures"]:
         print(f"FAILED {f}")
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = {"command": " ".join(["python", "bench/allreduce_hosts.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "uptime_before": uptime(), "rate": args.rate, "r_bytes_per_s": rate_bytes(args.rate),
-              "tcp": args.tcp, "mwms_heartbeat_s": args.mwms_heartbeat_s, "batch_per_worker": args.batch_per_worker, "warmup_steps": args.warmup_steps,
+              "tcp": args.tcp, "mwms_heartbeat_s": args.mwms_heartbeat_s,
+              "batch_per_worker": args.batch_per_worker, "warmup_steps": args.warmup_steps,
               "model_bytes": {m: model_bytes(m) for m in models}, "rows": [], "failures": []}
     counts = sorted({min(w if k == "n" else int(k), len(PS_HOSTS)) for w in workers for k in ps})
     started = time.monotonic()
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chmod(workdir, 0o755)
         for tcp in args.tcp:
             run_all(Hosts(PS_HOSTS[:max(counts)] + WORKER_HOSTS[:max(workers)], rate=args.rate,
-                          tcp=None if tcp == "machine" else tcp), workdir, args, report, tcp, models, workers, ps,
+                          tcp=hosts_tcp(tcp)), workdir, args, report, tcp, models, workers, ps,
                     steps)
     report["side_by_side"] = side_by_side(report["rows"], report["r_bytes_per_s"])
     return finish(report, started, print_report, args.json)

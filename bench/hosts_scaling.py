@@ -176,6 +176,11 @@ def tcp_segments(pid: int) -> tuple[int, int]:
     return int(named["OutSegs"]), int(named["RetransSegs"])
 
 
+def hosts_tcp(choice: str) -> str | None:
+    """``--tcp``'s value as ``Hosts(tcp=...)`` takes it: 'machine' is the machine's own (None)."""
+    return None if choice == "machine" else choice
+
+
 def queue_counts(hosts, names) -> dict:
     """Every named host's link queues: {name: {"up": (packets, dropped), "down": ...}}."""
     return {n: hosts.queue_counts(n) for n in names}
@@ -673,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tfps-hosts-scaling-") as workdir:
         os.chmod(workdir, 0o755)
         with Hosts(PS_HOSTS[:max(num_ps)] + WORKER_HOSTS[:max(workers)], rate=args.rate,
-                   tcp=None if args.tcp == "machine" else args.tcp) as hosts:
+                   tcp=hosts_tcp(args.tcp)) as hosts:
             run = Run(hosts, workdir, args.rate)
             for part in ("throughput", "training"):
                 if part not in parts:
