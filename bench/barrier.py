@@ -10,6 +10,8 @@ processes on 127.0.0.1 and the same N simulated workers against each:
   variable of 10 elements (SGD). Worker 0 initializes it; then every round each
   worker pulls (``PSClient.pull``) and pushes a gradient (``PSClient.push``),
   which returns when all N pushes of the round arrived and the step was applied.
+  The calls ride each worker's Session stream (one long-lived call, issue 29).
+- unary: the same with ``PSClient(session=False)``: one Push call per round.
 - bare: the bare barrier round trip, a gRPC server in this file with a generic
   handler and two raw-bytes methods (no protobuf, no store): ``Get`` answers 40
   bytes at once (the pull), ``Arrive`` answers every caller once the Nth caller
@@ -20,7 +22,7 @@ processes on 127.0.0.1 and the same N simulated workers against each:
 
 A round's latency is measured by each worker from sending its push (or Arrive)
 to the reply: N samples per round. The first ``--warmup`` rounds are left out
-(process start-up skew). It prints p50 and p99 of both and the ratio ours/bare
+(process start-up skew). It prints p50 and p99 of each, the ratios ours/bare
 at each N, each pair from the same run. Every process is started with the
 tuned allocator setting (``protos.wire.ALLOCATOR_ENV``, which ``ps-launch``
 uses).
@@ -39,6 +41,7 @@ moved with the setting (0.44-0.50 ms at N=2, 3.0-3.8 ms at N=16).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -56,7 +59,7 @@ sys.path.insert(0, ROOT)
 from protos import wire  # noqa: E402
 from ps_common.procs import dying_with_parent, wait_for_port_file  # noqa: E402
 
-KINDS = ("ours", "bare")
+KINDS = ("ours", "unary", "bare")
 BARE_SERVICE = "tfps.bench.BareBarrier"
 ELEMENTS = 10  # the tiny model: one float32 variable of 10 elements
 CALL_TIMEOUT = 60.0  # every call and every barrier wait is bounded by this
@@ -103,12 +106,12 @@ def serve_bare(num_workers: int, port_file: str) -> None:
 
 
 # -- the simulated workers -------------------------------------------------------------
-def _ours_worker(address: str, index: int, n: int, rounds: int) -> list[float]:
+def _ours_worker(address: str, index: int, n: int, rounds: int, session: bool = True) -> list[float]:
     from worker.client import PSClient
 
     grads = {"w": np.ones(ELEMENTS, np.float32)}
     latencies = []
-    with PSClient(address, timeout=CALL_TIMEOUT) as client:
+    with PSClient(address, timeout=CALL_TIMEOUT, session=session) as client:
         reg = client.register(index, n, name=f"barrier-bench-{index}")
         if index == 0:
             client.initialize(reg.worker_id, {"w": np.zeros(ELEMENTS, np.float32)}, SGD)
@@ -146,7 +149,7 @@ def _bare_worker(address: str, index: int, n: int, rounds: int) -> list[float]:
 
 def run_clients(kind: str, address: str, indices: list[int], n: int, rounds: int) -> dict[int, list[float]]:
     """Workers ``indices`` of ``n`` as threads of this process; their latencies in seconds."""
-    fn = {"ours": _ours_worker, "bare": _bare_worker}[kind]
+    fn = {"ours": _ours_worker, "unary": functools.partial(_ours_worker, session=False), "bare": _bare_worker}[kind]
     with futures.ThreadPoolExecutor(len(indices)) as pool:
         jobs = {i: pool.submit(fn, address, i, n, rounds) for i in indices}
         return {i: job.result() for i, job in jobs.items()}
@@ -158,7 +161,7 @@ def measure(kind: str, n: int, rounds: int, warmup: int, procs: int) -> dict:
     env = _env()
     with tempfile.TemporaryDirectory(prefix="tfps-barrier-") as tmp:
         port_file = os.path.join(tmp, "port")
-        if kind == "ours":
+        if kind in ("ours", "unary"):
             argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
                     "--mode", "sync", "--num-workers", str(n), "--lease-timeout", "3600",
                     "--barrier-timeout", str(CALL_TIMEOUT), "--log-level", "WARNING"]
@@ -227,13 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         results[n] = {kind: measure(kind, n, args.rounds, args.warmup, args.procs) for kind in KINDS}
     procs = "one per worker" if args.procs == 0 else str(args.procs)
     print(f"sync-round latency, ms: push sent -> reply, {args.rounds} rounds x N workers, client processes: {procs}")
-    print(f"{'N':>3} {'ours p50':>9} {'ours p99':>9} {'bare p50':>9} {'bare p99':>9} {'p50 ratio':>10} {'p99 ratio':>10}")
+    print("ours: pushes on the worker's Session stream; unary: one Push call each (PSClient(session=False))")
+    print(f"{'N':>3} {'ours p50':>9} {'ours p99':>9} {'unary p50':>10} {'bare p50':>9} {'bare p99':>9} "
+          f"{'p50 ratio':>10} {'p99 ratio':>10} {'unary/bare':>11}")
     for n, r in results.items():
-        ours, bare = r["ours"], r["bare"]
+        ours, unary, bare = r["ours"], r["unary"], r["bare"]
         r["p50_ratio"] = ours["p50_ms"] / bare["p50_ms"]
         r["p99_ratio"] = ours["p99_ms"] / bare["p99_ms"]
-        print(f"{n:>3} {ours['p50_ms']:9.3f} {ours['p99_ms']:9.3f} {bare['p50_ms']:9.3f} {bare['p99_ms']:9.3f} "
-              f"{r['p50_ratio']:10.2f} {r['p99_ratio']:10.2f}")
+        r["unary_p50_ratio"] = unary["p50_ms"] / bare["p50_ms"]
+        print(f"{n:>3} {ours['p50_ms']:9.3f} {ours['p99_ms']:9.3f} {unary['p50_ms']:10.3f} {bare['p50_ms']:9.3f} "
+              f"{bare['p99_ms']:9.3f} {r['p50_ratio']:10.2f} {r['p99_ratio']:10.2f} {r['unary_p50_ratio']:11.2f}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"workers": counts, "rounds": args.rounds, "warmup": args.warmup, "procs": args.procs,

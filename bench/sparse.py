@@ -12,7 +12,7 @@ pushes sends). Both are applied the same way on the server (made dense, one
 Adam step over the table).
 
 Reported per K: request bytes per push as the server counted them
-(``tfps_received_bytes_total`` of Push and PushStream, scraped before and after),
+(``tfps_received_bytes_total`` of Push, PushStream and Session, scraped before and after),
 the median push latency (the client's push call, apply included), and the
 ratios dense/sparse of both. No pulls are timed.
 
@@ -72,7 +72,8 @@ def _received_push_bytes(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith("tfps_received_bytes_total{") and ('method="Push"' in line or 'method="PushStream"' in line):
+        if line.startswith("tfps_received_bytes_total{") and any(
+                f'method="{m}"' in line for m in ("Push", "PushStream", "Session")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

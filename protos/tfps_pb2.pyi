@@ -642,3 +642,41 @@ class BroadcastResponse(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     value: bytes
     def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("call", "pull", "push", "work", "cancel")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    pull: PullRequest
+    push: PushRequest
+    work: WorkRequest
+    cancel: bool
+    def __init__(self, call: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., work: _Optional[_Union[WorkRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class CallFailure(_message.Message):
+    __slots__ = ("code", "details", "reason")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("call", "pull", "push", "work", "failure")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    pull: PullResponse
+    push: PushResponse
+    work: Assignment
+    failure: CallFailure
+    def __init__(self, call: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., work: _Optional[_Union[Assignment, _Mapping]] = ..., failure: _Optional[_Union[CallFailure, _Mapping]] = ...) -> None: ...

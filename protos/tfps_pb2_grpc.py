@@ -109,6 +109,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_tfps__pb2.WorkRequest.SerializeToString,
                 response_deserializer=protos_dot_tfps__pb2.Assignment.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tfps.v1.ParameterServer/Session',
+                request_serializer=protos_dot_tfps__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protos_dot_tfps__pb2.SessionReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -222,6 +227,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One worker's long-lived stream of Pull, Push and Work calls (SessionRequest),
+        each answered on it as the unary call would answer (SessionReply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +312,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Work,
                     request_deserializer=protos_dot_tfps__pb2.WorkRequest.FromString,
                     response_serializer=protos_dot_tfps__pb2.Assignment.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_tfps__pb2.SessionRequest.FromString,
+                    response_serializer=protos_dot_tfps__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -706,6 +724,33 @@ class ParameterServer:
             '/tfps.v1.ParameterServer/Work',
             protos_dot_tfps__pb2.WorkRequest.SerializeToString,
             protos_dot_tfps__pb2.Assignment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tfps.v1.ParameterServer/Session',
+            protos_dot_tfps__pb2.SessionRequest.SerializeToString,
+            protos_dot_tfps__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -175,6 +175,10 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server, traf
             deserialize = _tolerant(pb.PushChunk, stream.deserializer(pb.PushChunk))
             serialize = stream.serializer(pb.PushPullChunk)
             handler = grpc.stream_stream_rpc_method_handler
+        elif m.name == "Session":
+            deserialize = _tolerant(pb.SessionRequest)
+            serialize = pb.SessionReply.SerializeToString
+            handler = grpc.stream_stream_rpc_method_handler
         elif m.name == "PullStream":
             deserialize = _tolerant(pb.PullRequest)
             serialize = stream.serializer(pb.PullChunk)
@@ -232,10 +236,22 @@ def _handled_async(method):
 
 async def _abort_for(name: str, e: Exception, context) -> None:
     """End the call with ``e``'s status from the error table (called in the except block)."""
+    failure = _failure(name, e)
+    await context.abort(_STATUS_CODES[failure.code], failure.details,
+                        trailing_metadata=((REASON_KEY, failure.reason),) if failure.reason else ())
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a CallFailure's code -> its status
+
+
+def _failure(name: str, e: Exception) -> pb.CallFailure:
+    """How call ``name`` ends for ``e`` (called in the except block): its status from the
+    error table, the details and the reason; an unexpected exception is INTERNAL."""
     if isinstance(e, REFUSALS):
-        await context.abort(_refused(name, e), _details(e), trailing_metadata=_reason_metadata(e))
+        return pb.CallFailure(code=_refused(name, e).value[0], details=_details(e), reason=reason_of(e).value)
     log.exception("%s failed unexpectedly", name)  # a bug: say so, but never as UNKNOWN
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}: {e}")
+    return pb.CallFailure(code=grpc.StatusCode.INTERNAL.value[0],
+                          details=f"internal error in {name}: {type(e).__name__}: {e}")
 
 
 def _handled_stream(method):
@@ -252,6 +268,12 @@ def _handled_stream(method):
             await _abort_for(method.__name__, e, context)
 
     return wrapper
+
+
+def _forget(calls: dict, call: int, task: asyncio.Task) -> None:
+    """A Session's call ``call`` is done: no longer running (unless its id was reused since)."""
+    if calls.get(call) is task:
+        del calls[call]
 
 
 async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
@@ -544,6 +566,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled_async
     async def Pull(self, request, context):
+        return await self._pull_call(request)
+
+    async def _pull_call(self, request) -> pb.PullResponse:
         return await self._work(self._pull_reply, request)
 
     def _pull_reply(self, request) -> pb.PullResponse:
@@ -595,6 +620,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled_async
     async def Push(self, request, context):
+        return await self._push_call(request)
+
+    async def _push_call(self, request) -> pb.PushResponse:
         result = await settled(await self._work(self._submit_unary, request))
         return await self._work(self._push_reply, request, result)
 
@@ -805,8 +833,66 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     async def Work(self, request, context):
         """Elastic sync: this worker's micro-batches; waits (holding no thread) until it has some.
         Async and ssp with a data plan: a task, at once."""
+        return await self._work_call(request)
+
+    async def _work_call(self, request) -> pb.Assignment:
         ticket = await self._work(self.core.work, request.worker_id)
         return _assignment(await settled(ticket), self.core.micro_batches)
+
+    async def Session(self, request_iterator, context):
+        """A worker's calls on one stream (SessionRequest): each runs as its unary call
+        would, concurrently with the others (a push waiting at the barrier holds up no
+        pull), and is answered on the stream when done, a refusal as a CallFailure with
+        the status, details and reason the unary call would end with. A message that
+        does not parse ends the stream (INVALID_ARGUMENT), as it would a unary call; so
+        does the stream's end, once every call on it is answered."""
+        replies: asyncio.Queue = asyncio.Queue()
+        calls: dict[int, asyncio.Task] = {}
+        reader = asyncio.ensure_future(self._session_read(request_iterator, calls, replies))
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            await reader  # its error, if it ended on one
+        except REFUSALS as e:
+            await _abort_for("Session", e, context)
+        finally:
+            reader.cancel()
+            for task in list(calls.values()):
+                task.cancel()
+
+    async def _session_read(self, request_iterator, calls: dict, replies: asyncio.Queue) -> None:
+        try:
+            async for request in request_iterator:
+                _refuse_malformed("Session", request)
+                kind = request.WhichOneof("request")
+                if kind == "cancel":
+                    task = calls.pop(request.call, None)
+                    if task is not None:
+                        task.cancel()
+                elif request.call in calls:
+                    busy = errors.InvalidArgument(f"Session: call {request.call} is already running on this stream")
+                    replies.put_nowait(pb.SessionReply(call=request.call, failure=_failure("Session", busy)))
+                else:
+                    task = asyncio.ensure_future(self._session_call(request.call, kind, request, replies))
+                    calls[request.call] = task
+                    task.add_done_callback(functools.partial(_forget, calls, request.call))
+            await asyncio.gather(*calls.values(), return_exceptions=True)
+        finally:
+            replies.put_nowait(None)
+
+    _SESSION_CALLS = {"pull": ("Pull", "_pull_call"), "push": ("Push", "_push_call"), "work": ("Work", "_work_call")}
+
+    async def _session_call(self, call: int, kind: str | None, request, replies: asyncio.Queue) -> None:
+        name, method = self._SESSION_CALLS.get(kind, ("Session", None))
+        try:
+            if method is None:
+                raise codec.CodecError(f"Session: call {call} names no request")
+            reply = pb.SessionReply(call=call, **{kind: await getattr(self, method)(getattr(request, kind))})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reply = pb.SessionReply(call=call, failure=_failure(name, e))
+        replies.put_nowait(reply)
 
     @_handled_async
     async def ClipNorm(self, request, context):

@@ -63,8 +63,8 @@ from ps_common import security
 from ps_common.reasons import Reason
 from ps_common.records import PushReply, Registration
 from ps_common.sparse import SparseRows
-from worker.transports import (OutgoingPush, PSClientError, PullCache, SharedMemory, Streams, SyncShortcut,
-                               Unary)
+from worker.transports import (OutgoingPush, PSClientError, PullCache, Session, SessionUnsupported, SharedMemory,
+                               Streams, SyncShortcut, Unary)
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES", "pull_when_initialized"]
@@ -124,6 +124,7 @@ class PSClient:
         small_bytes: int = SMALL_BYTES,
         max_message_bytes: int | None = None,
         overlap: bool = True,
+        session: bool = True,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
         is sent as ``authorization: Bearer`` on every call (see ``ps_common.security``).
@@ -132,7 +133,9 @@ class PSClient:
         ``max_message_bytes``: the channel's message limit (``WorkerConfig.max_message_bytes``;
         None: ``protos.wire``'s process-wide setting). ``overlap`` (sync): a streamed push
         gets the round's new values back while it is still sending (PushPull), so the
-        next pull needs no call when the server confirms them."""
+        next pull needs no call when the server confirms them. ``session``: pulls, pushes and
+        Work calls that fit one message ride one long-lived stream (``Session``) instead of
+        a call each (off for good from a server without it)."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -149,6 +152,7 @@ class PSClient:
         self._beats_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.unary = Unary(self._channel, address, timeout)
+        self.session = Session(self._channel, address, timeout) if session else None
         self.streams = Streams(self._channel, address, timeout)
         self.shared_memory = SharedMemory(self.streams, address, enabled=shm)
         self.shm = shm  # the fast path was asked for
@@ -167,6 +171,8 @@ class PSClient:
         return self.shared_memory.fallback_reason
 
     def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
         self._channel.close()
         with self._beats_lock:
             if self._beats is not None:
@@ -288,7 +294,7 @@ class PSClient:
         if full:
             self.cache.ask(request)
         if full and self.cache.held is not None and self.cache.nbytes <= self._unary_limit():
-            header, values = self.unary.pull(request)  # a small model: one message beats a stream
+            header, values = self._one_message(lambda t: t.pull(request))  # a small model: one message beats a stream
         else:
             answer = self.shared_memory.pull(request)
             header, values = answer if answer is not None else self.streams.pull(request)
@@ -342,7 +348,19 @@ class PSClient:
         until it has some, at most ``timeout`` (default: the client's). Async and ssp with a
         data plan: a task (``task`` set; ``round`` its id, ``sizes[0]`` its examples), or none
         (no sizes; ``finished`` when every task is applied), at once."""
-        return self.unary.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout)
+        return self._one_message(lambda t: t.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout))
+
+    def _one_message(self, call):
+        """``call(transport)`` on the session, or as a unary call when it is off or the server
+        has none (then off for good: nothing was sent)."""
+        if self.session is not None:
+            try:
+                return call(self.session)
+            except SessionUnsupported:
+                self.session.close()
+                self.session = None
+                log.info("server at %s has no Session: a call per pull and push", self.address)
+        return call(self.unary)
 
     def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
         rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
@@ -354,7 +372,7 @@ class PSClient:
             # steps it row by row), nor for a large model.
             outgoing.return_values = (self.shortcut.on and not rows and self.cache.nbytes <= self._unary_limit()
                                       and not self.cache.row_deltas_seen)
-            reply = self.unary.push(outgoing, timeout)
+            reply = self._one_message(lambda t: t.push(outgoing, timeout))
             self.shortcut.receive(reply)
         else:
             reply = self.shared_memory.push(outgoing, timeout)

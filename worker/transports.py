@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
+import time
+from concurrent import futures
 from typing import Mapping, Protocol
 
 import grpc
@@ -135,20 +138,152 @@ class Unary:
             raise PSClientError.of(name, self.address, e) from None
 
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        reply = self.call("Pull", request)
-        try:
-            values = codec.decode_many(reply.variables)
-        except codec.CodecError as e:
-            raise PSClientError("Pull", self.address, None, f"malformed reply: {e}") from None
-        header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
-        for t in reply.variables:  # row deltas (PullRequest.row_deltas): their rows, as a stream's header has them
-            if t.sparse:
-                header.variables.append(pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, sparse=True,
-                                                      rows=t.rows))
-        return header, values
+        return _pull_reply(self.call("Pull", request), self.address)
 
     def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
         return self.call("Push", outgoing.request(), timeout=timeout)
+
+
+def _pull_reply(reply: pb.PullResponse, address: str) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+    """A unary pull's reply as a streamed one's: (header, values)."""
+    try:
+        values = codec.decode_many(reply.variables)
+    except codec.CodecError as e:
+        raise PSClientError("Pull", address, None, f"malformed reply: {e}") from None
+    header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
+    for t in reply.variables:  # row deltas (PullRequest.row_deltas): their rows, as a stream's header has them
+        if t.sparse:
+            header.variables.append(pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, sparse=True,
+                                                  rows=t.rows))
+    return header, values
+
+
+# A CallFailure's code number -> its gRPC status code.
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# The calls a Session repeats on a new stream when the old one broke (UNAVAILABLE), as the
+# channel's retry policy repeats them as unary calls (worker.client.SERVICE_CONFIG).
+SESSION_RETRIES = {"Pull": 4}
+_END = object()  # ends a Session's request iterator
+
+
+class SessionUnsupported(Exception):
+    """The server has no Session (an older one): nothing was sent; use the unary calls."""
+
+
+class Session:
+    """One long-lived bidirectional stream (rpc Session) that carries this client's Pull,
+    Push and Work calls, each a SessionRequest with an id and answered by the
+    SessionReply of that id, so that a step pays no call's setup. Same interface and
+    same errors as ``Unary``: a refusal is the PSClientError the unary call would raise
+    (its code, details and reason); a stream that breaks fails every call in flight
+    with its status (a Pull is repeated on a new one, as the channel repeats a unary
+    Pull); a call past its deadline is DEADLINE_EXCEEDED and is cancelled on the
+    server. The next call after a break opens a new stream. Heartbeats keep their own
+    connection (``PSClient.heartbeat``): on this one they could wait behind a push's
+    bytes. ``SessionUnsupported`` from a server without Session (nothing was applied)."""
+
+    def __init__(self, channel: grpc.Channel, address: str, timeout: float):
+        self.address, self.timeout = address, timeout
+        self._method = channel.stream_stream(
+            f"/{wire.SERVICE_NAME}/Session", request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionReply.FromString)
+        self._lock = threading.Lock()  # guards the fields below; leaf lock
+        self._requests: queue.SimpleQueue | None = None  # the open stream's outgoing messages
+        self._replies = None  # the open stream's call object
+        self._waiting: dict[int, tuple[queue.SimpleQueue, "futures.Future"]] = {}
+        self._next = 0
+
+    def call(self, name: str, request, timeout: float | None = None):
+        kind = name.lower()
+        for attempt in range(SESSION_RETRIES.get(name, 0) + 1):
+            try:
+                reply = self._call_once(name, kind, request, self.timeout if timeout is None else timeout)
+                break
+            except PSClientError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or attempt == SESSION_RETRIES.get(name, 0):
+                    raise
+                time.sleep(min(2.0, 0.1 * 2 ** attempt))
+        if reply.HasField("failure"):
+            f = reply.failure
+            raise PSClientError(name, self.address, STATUS_CODES.get(f.code, grpc.StatusCode.UNKNOWN), f.details,
+                                Reason.of_wire(f.reason))
+        return getattr(reply, kind)
+
+    def _call_once(self, name: str, kind: str, request, timeout: float) -> pb.SessionReply:
+        answer: futures.Future = futures.Future()
+        with self._lock:
+            requests = self._open()
+            self._next += 1
+            call = self._next
+            self._waiting[call] = (requests, answer)
+            requests.put(pb.SessionRequest(call=call, **{kind: request}))
+        try:
+            return answer.result(timeout)
+        except futures.TimeoutError:
+            with self._lock:
+                if self._waiting.pop(call, None) is not None:
+                    requests.put(pb.SessionRequest(call=call, cancel=True))
+            raise PSClientError(name, self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise SessionUnsupported(e.details()) from None
+            raise PSClientError.of(name, self.address, e) from None
+
+    def _open(self) -> queue.SimpleQueue:
+        """The open stream's request queue (a new stream when none is open); under the lock."""
+        if self._requests is None:
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            replies = self._method(iter(requests.get, _END), wait_for_ready=False)
+            self._requests, self._replies = requests, replies
+            threading.Thread(target=self._read, args=(requests, replies), name="tfps-session", daemon=True).start()
+        return self._requests
+
+    def _read(self, requests: queue.SimpleQueue, replies) -> None:
+        """Hand each reply to its call; when the stream ends, fail the calls still waiting on it."""
+        error: grpc.RpcError = _StreamEnded()
+        try:
+            for reply in replies:
+                with self._lock:
+                    waiting = self._waiting.pop(reply.call, None)
+                if waiting is not None:
+                    waiting[1].set_result(reply)
+        except grpc.RpcError as e:
+            error = e
+        with self._lock:
+            if self._requests is requests:
+                self._requests = self._replies = None
+            ended = [call for call, (q, _) in self._waiting.items() if q is requests]
+            failed = [self._waiting.pop(call)[1] for call in ended]
+        requests.put(_END)
+        for answer in failed:
+            answer.set_exception(error)
+
+    def close(self) -> None:
+        with self._lock:
+            requests, replies, self._requests, self._replies = self._requests, self._replies, None, None
+        if requests is not None:
+            requests.put(_END)
+            replies.cancel()
+
+    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        return _pull_reply(self.call("Pull", request), self.address)
+
+    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
+        return self.call("Push", outgoing.request(), timeout=timeout)
+
+
+class _StreamEnded(grpc.RpcError):
+    """A Session stream that the server ended with calls still unanswered (it answers
+    every call before it ends one): UNAVAILABLE, as a connection lost."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the session stream ended with this call unanswered"
+
+    def trailing_metadata(self):
+        return ()
 
 
 # PushPull's data messages: about half a speculation block (ps_server.core.overlap), so

@@ -32,10 +32,10 @@ def test_barrier_reports_p50_p99_of_ours_and_bare_and_their_ratio(tmp_path):
                        out=tmp_path / "barrier.json", timeout=120)
     assert set(report["results"]) == {"2", "3"}
     for n, r in report["results"].items():
-        for kind in ("ours", "bare"):
+        for kind in ("ours", "unary", "bare"):
             assert r[kind]["p50_ms"] > 0 and r[kind]["p99_ms"] >= r[kind]["p50_ms"]
             assert r[kind]["samples"] == 5 * int(n)
-        assert r["p50_ratio"] > 0 and r["p99_ratio"] > 0
+        assert r["p50_ratio"] > 0 and r["p99_ratio"] > 0 and r["unary_p50_ratio"] > 0
 
 
 def test_server_reports_inprocess_bandwidths_and_load_with_one_and_two_servers(tmp_path):

@@ -119,7 +119,7 @@ def test_embedding_gradients_travel_as_rows_measured_on_the_wire(recommender_run
     assert pushed < 0.45 * dense_push
     server = scrapes["server"]
     received = sum(v for name, labels, v in server["tfps_received_bytes"]
-                   if name == "tfps_received_bytes_total" and labels.get("method", "").startswith("Push"))
+                   if name == "tfps_received_bytes_total" and labels.get("method", "").startswith(("Push", "Session")))
     pushes = _value(server, "tfps_pushes_applied", "tfps_pushes_applied_total")
     assert pushes >= 20
     assert received / pushes < 0.45 * dense_push, (received, pushes)

@@ -218,7 +218,8 @@ def _each_call(c: PSClient):
         ("Register", lambda: c.register(worker_index=0, num_workers=1, timeout=TIMEOUT)),
         ("Initialize", lambda: c.initialize(0, {"w": np.zeros(3, np.float32)}, SGD)),
         ("Pull", lambda: c.pull(0)),
-        ("Push", lambda: c.push(0, 1, 1, 4, GRAD)),
+        ("Push", lambda: c.push(0, 1, 1, 4, GRAD)),  # on the client's session stream, as Work
+        ("Work", lambda: c.work(0, timeout=TIMEOUT)),
         ("Leave", lambda: c.leave(0)),
         ("Status", c.status),
     ]

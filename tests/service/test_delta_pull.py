@@ -84,7 +84,9 @@ def assert_same_as_fresh(address: str, version: int, values: dict[str, np.ndarra
 def recording(client: PSClient) -> list[pb.PullHeader]:
     """Every pull header the client receives, whatever the transport."""
     headers = []
-    for transport in (client.unary, client.streams):
+    for transport in (client.unary, client.session, client.streams):
+        if transport is None:  # no session: its calls are unary
+            continue
         original = transport.pull
 
         def wrapped(request, *a, _original=original, **kw):
@@ -96,9 +98,9 @@ def recording(client: PSClient) -> list[pb.PullHeader]:
     return headers
 
 
-@pytest.mark.parametrize("transport", ["unary", "stream", "shm"])
+@pytest.mark.parametrize("transport", ["session", "unary", "stream", "shm"])
 def test_a_delta_pull_brings_only_the_changed_rows_and_keeps_the_copy_bit_equal(cluster, transport):
-    kw = {"small_bytes": 0} if transport != "unary" else {}
+    kw = {"small_bytes": 0} if transport not in ("unary", "session") else {"session": transport == "session"}
     address, (client,) = cluster(shm=transport == "shm", **kw)
     headers = recording(client)
     version, values = client.pull(0)

@@ -91,7 +91,7 @@ REQUESTS = {
     "ClipNorm": pb.ClipNormRequest,
     "CommitRound": pb.CommitRoundRequest,
 }
-STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream"}  # fuzzed below, message by message
+STREAMS = {"PushStream", "PullStream", "PushPull", "InitializeStream", "Session"}  # fuzzed below, message by message
 assert set(REQUESTS) | STREAMS == set(pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
 
 
@@ -526,3 +526,85 @@ def test_fuzzed_initialize_stream_of_an_initialized_server_is_harmless_or_refuse
                                        response_deserializer=pb.InitializeResponse.FromString)
     code, details, reply = outcome(call, iter(chunked(pb.InitializeChunk(header=header), request.variables, data)))
     check(target, "Initialize", request, code, details, reply)
+
+
+# -- the Session stream: the calls it carries keep their unary promises ------------------------
+
+SESSION_CALLS = {"pull": "Pull", "push": "Push", "work": "Work"}
+
+
+def session_replies(target: Target, messages: list[bytes]) -> list[pb.SessionReply]:
+    call = target.channel.stream_stream(f"/{wire.SERVICE_NAME}/Session", request_serializer=None,
+                                        response_deserializer=pb.SessionReply.FromString)
+    return list(call(iter(messages), timeout=CALL_TIMEOUT))
+
+
+def session_outcome(reply: pb.SessionReply, kind: str):
+    """(code, details, reply) of one call on a Session, as ``outcome`` gives a unary call's."""
+    if reply.HasField("failure"):
+        codes = {c.value[0]: c for c in Code}
+        return codes[reply.failure.code], reply.failure.details, None
+    assert reply.WhichOneof("reply") == kind, reply
+    return Code.OK, "", getattr(reply, kind)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_calls_on_a_session_keep_the_promises_of_their_unary_calls(target, data):
+    """Two calls on one stream, each answered once under its own id, each with a table code,
+    a refusal changing nothing, an accepted call only what its unary call may."""
+    kinds = data.draw(st.lists(st.sampled_from(sorted(SESSION_CALLS)), min_size=1, max_size=2), label="kinds")
+    requests = []
+    for kind in kinds:  # drawn near the state as of the stream's start: later ones may be replayed or stale
+        method = SESSION_CALLS[kind]
+        strategy = st.one_of(STRATEGIES["Push"], pushes_near(target)) if kind == "push" else STRATEGIES[method]
+        requests.append(data.draw(strategy, label=method))
+    messages = [pb.SessionRequest(call=i + 1, **{k: r}).SerializeToString()
+                for i, (k, r) in enumerate(zip(kinds, requests))]
+    replies = session_replies(target, messages)
+    assert sorted(r.call for r in replies) == list(range(1, len(kinds) + 1)), replies
+    if len(kinds) == 1:
+        check(target, SESSION_CALLS[kinds[0]], requests[0], *session_outcome(replies[0], kinds[0]))
+        return
+    for reply in replies:  # the two ran concurrently: each one's codes, then the state as a good client sees it
+        code, details, _ = session_outcome(reply, kinds[reply.call - 1])
+        assert code in EXPECTED or code == Code.OK, f"{kinds[reply.call - 1]} answered {code.name}: {details!r}"
+    target.state = target.read_state()
+
+
+@RAW
+@given(data=st.data())
+def test_raw_bytes_on_a_session_end_it_as_invalid_or_keep_the_unary_promises(target, data):
+    """Bytes that are no SessionRequest end the stream INVALID_ARGUMENT and change nothing;
+    bytes that are one are the call they name (none, or a cancel of a call not running:
+    no answer or INVALID_ARGUMENT, nothing changed)."""
+    kind = data.draw(st.sampled_from(sorted(SESSION_CALLS)), label="kind")
+    method = SESSION_CALLS[kind]
+    payload = data.draw(st.one_of(
+        st.binary(max_size=256),
+        raw_bytes(method).map(lambda inner: pb.SessionRequest(call=3).SerializeToString()
+                              + _varint(list(SESSION_CALLS).index(kind) + 2 << 3 | 2) + _varint(len(inner)) + inner)),
+        label="payload")
+    try:
+        request = pb.SessionRequest.FromString(payload)
+    except DecodeError:
+        request = None
+    try:
+        replies = session_replies(target, [payload])
+    except grpc.RpcError as e:
+        assert request is None, f"the server failed to parse bytes that parse: {payload!r}"
+        assert e.code() == Code.INVALID_ARGUMENT and "the request is not a valid" in e.details(), e
+        assert target.read_state() == target.state
+        return
+    assert request is not None, f"the server took bytes that do not parse: {payload!r}"
+    named = request.WhichOneof("request")
+    if named in SESSION_CALLS:
+        assert [r.call for r in replies] == [request.call], replies
+        inner = getattr(request, named)
+        check(target, SESSION_CALLS[named], inner, *session_outcome(replies[0], named))
+        return
+    if named is None:
+        assert len(replies) == 1 and replies[0].failure.code == Code.INVALID_ARGUMENT.value[0], replies
+    else:
+        assert replies == [], replies  # a cancel of no running call: nothing to answer
+    assert target.read_state() == target.state

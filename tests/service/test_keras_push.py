@@ -53,7 +53,8 @@ def cluster():
 
         def client(self, running, transport="unary"):
             # small_bytes=0 sends even these tiny pushes streamed, or through shared memory.
-            kw = {} if transport == "unary" else {"small_bytes": 0, "shm": transport == "shm"}
+            kw = {"session": transport == "session"} if transport in ("unary", "session") \
+                else {"small_bytes": 0, "shm": transport == "shm"}
             c = PSClient(running.address, timeout=CLIENT_TIMEOUT, **kw)
             self.clients.append(c)
             return c
@@ -69,7 +70,8 @@ def cluster():
 def used(client, transport):
     """Count the calls of ``transport`` this client makes: a list that grows by one per call."""
     calls = []
-    target = {"unary": client.unary, "stream": client.streams, "shm": client.shared_memory}[transport]
+    target = {"unary": client.unary, "session": client.session, "stream": client.streams,
+              "shm": client.shared_memory}[transport]
     inner = target.push
 
     def push(outgoing, timeout, **kw):
@@ -108,7 +110,7 @@ METRICS = [{"acc/total": f32(2**24, 0.5), "acc/count": np.array(3.0)},
            {"acc/total": f32(-(2**24), 0.25), "acc/count": np.array(5.0)}]
 
 
-@pytest.mark.parametrize("transport", ["unary", "stream", "shm"])
+@pytest.mark.parametrize("transport", ["session", "unary", "stream", "shm"])
 def test_a_sync_round_s_metrics_are_summed_in_worker_order_and_its_set_rate_applied(cluster, bg, wait_until,
                                                                                    transport):
     running = cluster.server("sync", 3)
@@ -133,7 +135,7 @@ def test_a_sync_round_s_metrics_are_summed_in_worker_order_and_its_set_rate_appl
     assert [len(c) for c in calls] == [1, 1, 1]  # every push went by the transport named
 
 
-@pytest.mark.parametrize("transport", ["unary", "stream", "shm"])
+@pytest.mark.parametrize("transport", ["session", "unary", "stream", "shm"])
 def test_async_ignores_metrics_and_names_the_rate_it_applied(cluster, transport):
     running = cluster.server("async", 1)
     (client,) = workers(cluster, running, 1, transport)
@@ -147,7 +149,7 @@ def test_async_ignores_metrics_and_names_the_rate_it_applied(cluster, transport)
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("transport", ["unary", "stream"])
+@pytest.mark.parametrize("transport", ["session", "unary", "stream"])
 def test_a_push_whose_metrics_differ_from_its_round_s_is_invalid_argument_and_changes_nothing(
         cluster, bg, wait_until, snapshot, transport):
     running = cluster.server("sync", 2)

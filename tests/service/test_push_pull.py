@@ -36,7 +36,8 @@ assert sum(int(np.prod(s)) * 4 for s in SHAPES.values()) > SMALL_BYTES
 
 def _recording(client):
     calls = []
-    for transport, names in ((client.unary, ("call",)), (client.streams, ("pull", "push", "push_pull"))):
+    for transport, names in ((client.unary, ("call",)), (client.session, ("call",)),
+                             (client.streams, ("pull", "push", "push_pull"))):
         for name in names:
             real = getattr(transport, name)
 

@@ -262,8 +262,9 @@ def test_a_small_model_goes_unary_with_the_same_skipping_and_the_same_values(ps,
     running, client, values = _start(ps, mode="async", value={"w": np.arange(10, dtype=np.float32),
                                                               "b": np.array(0.5, np.float32)})
     calls = []
-    real_call = client.unary.call
-    client.unary.call = lambda name, *a, **k: (calls.append(name), real_call(name, *a, **k))[1]
+    for transport in (client.unary, client.session):  # one message: on the session, or unary
+        real = transport.call
+        transport.call = lambda name, *a, _real=real, **k: (calls.append(name), _real(name, *a, **k))[1]
     v0, first = client.pull(0)  # no cache yet: streamed, learns the size
     v1, again = client.pull(0)
     assert calls == ["Pull"] and (v0, v1) == (0, 0) and all(again[n] is first[n] for n in first)

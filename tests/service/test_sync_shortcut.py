@@ -17,9 +17,11 @@ SGD = {"name": "sgd", "learning_rate": 0.5}
 
 
 def _recording(client) -> list[str]:
+    """The one-message calls the client makes (unary, or on its session) from now on."""
     calls: list[str] = []
-    real = client.unary.call
-    client.unary.call = lambda name, *a, **k: (calls.append(name), real(name, *a, **k))[1]
+    for transport in (client.unary, client.session):
+        real = transport.call
+        transport.call = lambda name, *a, _real=real, **k: (calls.append(name), _real(name, *a, **k))[1]
     return calls
 
 

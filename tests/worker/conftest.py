@@ -42,9 +42,11 @@ def server_config():
         r.stop(grace=0.5)
 
 
-def received_bytes(running, method_prefix: str = "Push") -> float:
+def received_bytes(running, method_prefix: str | tuple[str, ...] = ("Push", "Session")) -> float:
     """The request bytes a server started with ``metrics=True`` received for the gRPC methods
-    whose names start with ``method_prefix`` (its ``tfps_received_bytes_total``, scraped)."""
+    whose names start with ``method_prefix`` (its ``tfps_received_bytes_total``, scraped). The
+    default, the pushes: a push that fits one message rides the worker's Session stream (with
+    its pulls' and Work's requests, a few bytes each)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{running.metrics_port}/metrics", timeout=10) as reply:
