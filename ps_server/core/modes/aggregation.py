@@ -83,20 +83,33 @@ def _approximate(terms: list[np.ndarray]):
     """(s, alone, magnitude): s the float64 sum of the levels ``terms`` (Neumaier's
     compensated sum: within a few units in the last place of the exact one unless they
     cancel), ``alone`` where every level but the first is zero (s is then exact), and
-    ``magnitude`` the sum of their absolute values; None, None for one level."""
+    ``magnitude`` the sum of their absolute values; None, None for one level.
+
+    The lower levels are sparse (an element has a remainder only where its terms span
+    more than ~29 bits), so the sum runs over the elements that have one (and the
+    non-finite ones, which it turns to NaN); elsewhere s is the first level itself,
+    the same bits the sum over every element gives there (adding zeros to a finite
+    float64 that is never -0.0: the accumulator starts at +0.0)."""
     if len(terms) == 1:
         return terms[0], None, None
-    s = terms[0].copy()
-    c = np.zeros_like(s)
-    for t in terms[1:]:
-        s2 = s + t
-        c += np.where(np.abs(s) >= np.abs(t), (s - s2) + t, (t - s2) + s)
-        s = s2
-    alone = np.ones(s.shape, bool)
-    for t in terms[1:]:
-        alone &= t == 0
-    magnitude = sum(np.abs(t) for t in terms)
-    return s + c, alone, magnitude
+    first, lower = terms[0], terms[1:]
+    some = ~np.isfinite(first)
+    for t in lower:
+        some |= t != 0
+    idx = np.flatnonzero(some)
+    s, magnitude = first.copy(), np.abs(first)
+    alone = ~some
+    if idx.size:
+        part = first[idx]
+        c = np.zeros_like(part)
+        for t in lower:
+            ti = t[idx]
+            s2 = part + ti
+            c += np.where(np.abs(part) >= np.abs(ti), (part - s2) + ti, (ti - s2) + part)
+            part = s2
+            magnitude[idx] += np.abs(ti)
+        s[idx] = part + c
+    return s, alone, magnitude
 
 
 class _Exact:
