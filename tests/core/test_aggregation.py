@@ -125,6 +125,31 @@ def test_the_mean_does_not_depend_on_the_order_of_arrival_and_is_exactly_rounded
             np.testing.assert_array_equal(_bits(weighted_mean(list(order))["w"]), expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_power_of_two_global_batch_with_remainders_is_exactly_rounded(dtype):
+    # A global batch of 2**k divides exactly: only the elements whose sum kept a remainder
+    # (a lower level) are checked against a midpoint, and those must still round exactly.
+    rng = np.random.default_rng(11)
+    span = 30 if dtype == np.float32 else 4
+    for trial in range(40):
+        n = int(rng.integers(2, 5))
+        cuts = sorted(rng.choice(np.arange(1, 16), n - 1, replace=False).tolist())
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, 16])]  # n positive sizes summing to 16
+        contributions = []
+        for b in sizes:
+            g = rng.standard_normal(64) * 10.0 ** rng.integers(-span, span, size=64)
+            g[::7] = np.round(g[::7] * 3) / 4  # quarters: midpoints for some sums
+            contributions.append((b, {"w": g.astype(dtype)}))
+        expected = _bits(_exact_mean(contributions))
+        for order in (contributions, contributions[::-1]):
+            np.testing.assert_array_equal(_bits(weighted_mean(list(order))["w"]), expected)
+
+
+def test_negative_zeros_sum_to_positive_zero_as_zero_plus_them_does():
+    out = weighted_mean([(1, {"w": f32(-0.0, -0.0, 1.0)}), (3, {"w": f32(-0.0, 0.0, -0.0)})])["w"]
+    assert _bits(out).tolist() == _bits(f32(0.0, 0.0, 0.25)).tolist()
+
+
 def test_a_float64_quotient_on_a_float32_midpoint_is_rounded_from_the_exact_value():
     # (1 + 2**-23) + 2**-24 + 1e-30, over 3: the float64 quotient may land on a midpoint that
     # the tiny third term decides; the exact mean is rounded once.

@@ -128,6 +128,7 @@ class _Exact:
         size = int(np.prod(shape, dtype=np.int64))
         self.hi = np.zeros(size, np.float64)
         self.levels: list[np.ndarray] = [self.hi]
+        self.fresh = True  # nothing folded yet: the first product is the sum itself
 
     def add(self, g: np.ndarray, b: int) -> None:
         flat = g.reshape(-1)
@@ -157,6 +158,11 @@ class _Exact:
             self._remainders(idx[nz], e2[nz], level + 1)
 
     def _fold(self, flat, pieces, x, s, t) -> None:
+        if self.fresh and pieces:  # into zeros: every sum is exact, no remainder
+            np.multiply(flat, pieces[0], out=self.hi, dtype=np.float64)
+            self.hi += 0.0  # as 0.0 + x: -0.0 becomes +0.0
+            pieces = pieces[1:]
+        self.fresh = False
         for piece in pieces:
             for start in range(0, self.hi.size, _BLOCK):
                 stop = min(start + _BLOCK, self.hi.size)
@@ -213,6 +219,12 @@ class _Exact:
                 total_sum, rest, magnitude = _approximate(terms)
                 q = total_sum / divisor
                 out[start:stop] = q  # rounds to nearest, ties to even (float16: inf beyond 65504)
+                pick = None
+                if power_of_two:  # q is total_sum's exact quotient: only an inexact sum can round wrong
+                    if rest is None:
+                        continue
+                    pick = np.flatnonzero(~rest)  # the elements with a lower level
+                    q, total_sum, magnitude, rest = q[pick], total_sum[pick], magnitude[pick], rest[pick]
                 near = np.abs((q.view(uint) & mask).astype(np.int64) - half) <= slack
                 near |= (np.abs(q) < tiny) & (q != 0)
                 if magnitude is not None:  # levels that cancel leave q no closer than their size
@@ -226,7 +238,7 @@ class _Exact:
                     exact &= rest[where]
                 where = where[~exact]
             if where.size:
-                suspect.append(where + start)
+                suspect.append((where if pick is None else pick[where]) + start)
         for where in suspect:
             for i in where.tolist():
                 parts = [float(level[i]) for level in self.levels]
