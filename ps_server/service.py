@@ -839,6 +839,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ticket = await self._work(self.core.work, request.worker_id)
         return _assignment(await settled(ticket), self.core.micro_batches)
 
+    @_handled_stream
     async def Session(self, request_iterator, context):
         """A worker's calls on one stream (SessionRequest): each runs as its unary call
         would, concurrently with the others (a push waiting at the barrier holds up no
@@ -852,9 +853,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         try:
             while (reply := await replies.get()) is not None:
                 yield reply
-            await reader  # its error, if it ended on one
-        except REFUSALS as e:
-            await _abort_for("Session", e, context)
+            await reader  # its error, if it ended on one (_handled_stream: its status)
         finally:
             reader.cancel()
             for task in list(calls.values()):
