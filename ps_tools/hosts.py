@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
@@ -87,6 +88,30 @@ def tcp_available() -> list[str]:
             return f.read().split()
     except OSError:
         return []
+
+
+_ALLOWED_TCP = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
+@contextlib.contextmanager
+def _tcp_allowed(name: str):
+    """While it lasts, ``name`` is in the machine's tcp_allowed_congestion_control. Linux lets
+    a network namespace other than the machine's choose as its default only a congestion
+    control on that list (others: EPERM), which holds the machine's own default and reno
+    (a machine that runs bbr: "reno bbr", cubic loaded but not allowed). The list is put
+    back as it was: a namespace keeps the default it chose."""
+    with open(_ALLOWED_TCP) as f:
+        before = f.read().split()
+    if name in before:
+        yield
+        return
+    with open(_ALLOWED_TCP, "w") as f:
+        f.write(" ".join(before + [name]))
+    try:
+        yield
+    finally:
+        with open(_ALLOWED_TCP, "w") as f:
+            f.write(" ".join(before))
 
 
 class HostsError(RuntimeError):
@@ -304,8 +329,6 @@ class Hosts:
             ns = self.namespace(name)
             _run(["ip", "netns", "add", ns])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            if self.tcp is not None:
-                _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.tcp}"])
             _run(["ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", self._port(name),
                   "netns", br])
             _run(["ip", "-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "eth0"])
@@ -319,6 +342,11 @@ class Hosts:
             shm = self.shm_dir(name)
             os.makedirs(shm, exist_ok=True)
             os.chmod(shm, 0o1777)
+        if self.tcp is not None:
+            with _tcp_allowed(self.tcp):
+                for name in self.names:
+                    _run(["ip", "netns", "exec", self.namespace(name), "sysctl", "-qw",
+                          f"net.ipv4.tcp_congestion_control={self.tcp}"])
         for name in self.names:
             self._apply(name)
 
