@@ -236,22 +236,23 @@ def _handled_async(method):
 
 async def _abort_for(name: str, e: Exception, context) -> None:
     """End the call with ``e``'s status from the error table (called in the except block)."""
-    failure = _failure(name, e)
-    await context.abort(_STATUS_CODES[failure.code], failure.details,
-                        trailing_metadata=((REASON_KEY, failure.reason),) if failure.reason else ())
-
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a CallFailure's code -> its status
+    code, details, reason = _ending(name, e)
+    await context.abort(code, details, trailing_metadata=((REASON_KEY, reason),) if reason else ())
 
 
 def _failure(name: str, e: Exception) -> pb.CallFailure:
+    """``_ending`` as a Session's CallFailure (called in the except block)."""
+    code, details, reason = _ending(name, e)
+    return pb.CallFailure(code=code.value[0], details=details, reason=reason)
+
+
+def _ending(name: str, e: Exception) -> tuple[grpc.StatusCode, str, str]:
     """How call ``name`` ends for ``e`` (called in the except block): its status from the
-    error table, the details and the reason; an unexpected exception is INTERNAL."""
+    error table, the details and the reason; an unexpected exception is INTERNAL, no reason."""
     if isinstance(e, REFUSALS):
-        return pb.CallFailure(code=_refused(name, e).value[0], details=_details(e), reason=reason_of(e).value)
+        return _refused(name, e), _details(e), reason_of(e).value
     log.exception("%s failed unexpectedly", name)  # a bug: say so, but never as UNKNOWN
-    return pb.CallFailure(code=grpc.StatusCode.INTERNAL.value[0],
-                          details=f"internal error in {name}: {type(e).__name__}: {e}")
+    return grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}: {e}", ""
 
 
 def _handled_stream(method):

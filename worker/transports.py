@@ -121,7 +121,21 @@ class Transport(Protocol):
     def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None: ...
 
 
-class Unary:
+class _OneMessage:
+    """Pull and Push as one message each way, through ``call`` (Unary's, or Session's)."""
+
+    address: str
+
+    def call(self, name: str, request, timeout: float | None = None): ...
+
+    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
+        return _pull_reply(self.call("Pull", request), self.address)
+
+    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
+        return self.call("Push", outgoing.request(), timeout=timeout)
+
+
+class Unary(_OneMessage):
     """One message each way: every control call, and pushes and pulls up to ``small_bytes``
     (a streamed call costs a thread on each side and ~0.3 ms more, bench/barrier.py)."""
 
@@ -136,12 +150,6 @@ class Unary:
             )
         except grpc.RpcError as e:
             raise PSClientError.of(name, self.address, e) from None
-
-    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        return _pull_reply(self.call("Pull", request), self.address)
-
-    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
-        return self.call("Push", outgoing.request(), timeout=timeout)
 
 
 def _pull_reply(reply: pb.PullResponse, address: str) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
@@ -170,7 +178,7 @@ class SessionUnsupported(Exception):
     """The server has no Session (an older one): nothing was sent; use the unary calls."""
 
 
-class Session:
+class Session(_OneMessage):
     """One long-lived bidirectional stream (rpc Session) that carries this client's Pull,
     Push and Work calls, each a SessionRequest with an id and answered by the
     SessionReply of that id, so that a step pays no call's setup. Same interface and
@@ -264,12 +272,6 @@ class Session:
         if requests is not None:
             requests.put(_END)
             replies.cancel()
-
-    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        return _pull_reply(self.call("Pull", request), self.address)
-
-    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
-        return self.call("Push", outgoing.request(), timeout=timeout)
 
 
 class _StreamEnded(grpc.RpcError):

@@ -65,6 +65,7 @@ from protos import tfps_pb2_grpc as pb_grpc
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
 from worker.client import PSClient
+from worker.transports import STATUS_CODES
 
 Code = grpc.StatusCode
 EXPECTED = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.OUT_OF_RANGE,
@@ -542,8 +543,7 @@ def session_replies(target: Target, messages: list[bytes]) -> list[pb.SessionRep
 def session_outcome(reply: pb.SessionReply, kind: str):
     """(code, details, reply) of one call on a Session, as ``outcome`` gives a unary call's."""
     if reply.HasField("failure"):
-        codes = {c.value[0]: c for c in Code}
-        return codes[reply.failure.code], reply.failure.details, None
+        return STATUS_CODES[reply.failure.code], reply.failure.details, None
     assert reply.WhichOneof("reply") == kind, reply
     return Code.OK, "", getattr(reply, kind)
 

@@ -42,6 +42,16 @@ def _ready(ps, mode="sync", workers=1):
     return running, client
 
 
+def _worker_1_completes_round_0(running) -> None:
+    """Worker 1 of 2 registers and pushes round 0, which completes it (version 1)."""
+    other = PSClient(running.address, timeout=CLIENT_TIMEOUT)
+    try:
+        other.register(1, 2)
+        assert other.push(1, 0, 0, 1, {"w": np.ones(3, np.float32)}).version == 1
+    finally:
+        other.close()
+
+
 def _streams_opened(client: PSClient) -> list:
     """Every Session stream ``client`` opens from now on."""
     opened, real = [], client.session._method
@@ -91,12 +101,7 @@ def test_a_pull_is_answered_while_a_push_of_the_same_client_waits_at_the_barrier
     version, values = client.pull(0)  # while worker 0's push waits for worker 1's
     assert version == 0 and not waiting.done()
     np.testing.assert_array_equal(values["w"], W0["w"])
-    other = PSClient(running.address, timeout=CLIENT_TIMEOUT)
-    try:
-        other.register(1, 2)
-        assert other.push(1, 0, 0, 1, {"w": np.ones(3, np.float32)}).version == 1
-    finally:
-        other.close()
+    _worker_1_completes_round_0(running)
     assert waiting.result(timeout=10).version == 1
     assert len(opened) == 1
 
@@ -183,12 +188,7 @@ def test_a_second_call_under_a_running_call_s_id_is_refused_and_the_first_goes_o
         refused = next(replies)  # the push waits at the barrier: the second call is answered first
         assert refused.call == 5 and refused.failure.code == Code.INVALID_ARGUMENT.value[0]
         assert "already running" in refused.failure.details
-        other = PSClient(running.address, timeout=CLIENT_TIMEOUT)
-        try:
-            other.register(1, 2)
-            assert other.push(1, 0, 0, 1, {"w": np.ones(3, np.float32)}).version == 1
-        finally:
-            other.close()
+        _worker_1_completes_round_0(running)
         done = next(replies)
         assert done.call == 5 and done.push.version == 1
         assert list(replies) == []
