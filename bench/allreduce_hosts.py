@@ -118,11 +118,14 @@ def measure_mwms(run: Run, workers: int, steps: int, warmup: int, batch: int, mo
             "machine_cpu_busy_percent": busy_percent(cpu0, cpu1), "wall_s": wall, "queue_drop_percent": drops}
 
 
-def measure_tfps(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int, model: str) -> dict:
+def measure_tfps(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int, model: str,
+                 block_kib: int = 0) -> dict:
     row = measure_training(run, num_ps, workers, steps, warmup, batch, model=model,
-                           worker_flags=("--optimizer", "sgd", "--learning-rate", str(LEARNING_RATE)),
-                           server_flags=("--lease-timeout", "10"))  # the default lease, not the scaling bench's
-    return {"system": "tfps", **{k: row[k] for k in (
+                           worker_flags=("--optimizer", "sgd", "--learning-rate", str(LEARNING_RATE),
+                                         "--overlap-block-kib", str(block_kib)),
+                           server_flags=("--lease-timeout", "10"),  # the default lease, not the scaling bench's
+                           label=f"b{block_kib}")
+    return {"system": "tfps", "block_kib": block_kib, **{k: row[k] for k in (
         "model", "ps", "workers", "steps", "measured_steps", "global_batch", "step_s", "examples_per_s",
         "links_need_s", "step_over_links_need", "machine_cpu_busy_percent", "wall_s", "compute_s", "pull_s",
         "push_s", "largest_shard_share", "queue_drop_percent")}}
@@ -134,7 +137,7 @@ def side_by_side(rows: list[dict], r: float) -> list[dict]:
     mwms = {(row["tcp"], row["model"], row["workers"]): row["examples_per_s"]
             for row in rows if row["system"] == "mwms"}
     return [{"tcp": row["tcp"], "model": row["model"], "workers": row["workers"], "ps": row["ps"],
-             "ratio": row["examples_per_s"] / mwms[row["tcp"], row["model"], row["workers"]],
+             "block_kib": row["block_kib"], "ratio": row["examples_per_s"] / mwms[row["tcp"], row["model"], row["workers"]],
              "links_ratio": ring_need_s(row["workers"], r, row["model"]) / row["links_need_s"],
              "bound": 2 * (row["workers"] - 1) / row["workers"]}
             for row in rows if row["system"] == "tfps" and (row["tcp"], row["model"], row["workers"]) in mwms]
@@ -143,18 +146,20 @@ def side_by_side(rows: list[dict], r: float) -> list[dict]:
 def print_report(report: dict) -> None:
     print(f"\nrate {report['rate']} per host each way; SGD, {report['batch_per_worker']} examples per worker "
           f"per step; step time after {report['warmup_steps']} warm-up steps")
-    print(f"{'TCP':>5} {'model':>7} {'N':>2} {'system':>8} {'step ms':>9} {'ex/s':>8} {'links need ms':>14} "
+    print(f"{'TCP':>5} {'model':>7} {'N':>2} {'system':>12} {'step ms':>9} {'ex/s':>8} {'links need ms':>14} "
           f"{'step/need':>10} {'CPU %':>6} {'drops % up/down':>16}")
     for r in report["rows"]:
-        system = "mwms" if r["system"] == "mwms" else f"tfps k={r['ps']}"
-        print(f"{r['tcp']:>5} {r['model']:>7} {r['workers']:>2} {system:>8} {1000 * r['step_s']:>9.0f} "
+        system = "mwms" if r["system"] == "mwms" else f"tfps k={r['ps']}" + (f" b{r['block_kib']}" * bool(
+            r["block_kib"]))
+        print(f"{r['tcp']:>5} {r['model']:>7} {r['workers']:>2} {system:>12} {1000 * r['step_s']:>9.0f} "
               f"{r['examples_per_s']:>8.1f} "
               f"{1000 * r['links_need_s']:>14.0f} {r['step_over_links_need']:>10.2f} "
               f"{r['machine_cpu_busy_percent']:>6.0f} "
               f"{'{up:.1f} / {down:.1f}'.format(**r['queue_drop_percent']):>16}")
-    print(f"\n{'TCP':>5} {'model':>7} {'N':>2} {'k':>2} {'tfps/mwms':>10} {'links allow':>12} {'bound 2(N-1)/N':>15}")
+    print(f"\n{'TCP':>5} {'model':>7} {'N':>2} {'k':>2} {'block KiB':>9} {'tfps/mwms':>10} {'links allow':>12} {'bound 2(N-1)/N':>15}")
     for s in report["side_by_side"]:
-        print(f"{s['tcp']:>5} {s['model']:>7} {s['workers']:>2} {s['ps']:>2} {s['ratio']:>10.2f} "
+        print(f"{s['tcp']:>5} {s['model']:>7} {s['workers']:>2} {s['ps']:>2} {s['block_kib'] or '-':>9} "
+              f"{s['ratio']:>10.2f} "
               f"{s['links_ratio']:>12.2f} "
               f"{s['bound']:>15.2f}")
     for f in report["failures"]:
@@ -178,8 +183,12 @@ def _parser() -> argparse.ArgumentParser:
                                                    "this machine's)")
     p.add_argument("--mwms-heartbeat-s", type=float, default=0.0,
                    help="MWMS' coordination service heartbeat timeout (default 0: TensorFlow's own, 10 s)")
+    p.add_argument("--overlap-block-kib", default="0,32",
+                   help="tfps workers' --overlap-block-kib, a list: each its own configuration (default 0,32: "
+                        "PushPull over 1 MiB in 512 KiB blocks, then every push in 32 KiB blocks)")
     p.add_argument("--quick", action="store_true",
-                   help="the test's run: --models mlp --workers 2 --ps 1 --steps mlp=3 --warmup-steps 1")
+                   help="the test's run: --models mlp --workers 2 --ps 1 --steps mlp=3 --warmup-steps 1 "
+                        "--overlap-block-kib 32")
     p.add_argument("--json", help="write the report here as JSON")
     return p
 
@@ -187,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
 def _plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[int], list[str], list[str], dict]:
     if args.quick:
         args.models, args.workers, args.ps, args.steps, args.warmup_steps = "mlp", "2", "1", "mlp=3", 1
+        args.overlap_block_kib = "32"
     try:
         workers = [int(w) for w in args.workers.split(",")]
         ps = [k.strip() for k in args.ps.split(",")]
@@ -194,6 +204,7 @@ def _plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[in
         steps = {m: int(n) for m, n in (kv.split("=") for kv in args.steps.split(","))}
         rate_bytes(args.rate)
         args.tcp = [t.strip() for t in args.tcp.split(",")]
+        args.overlap_block_kib = [int(b) for b in args.overlap_block_kib.split(",")]
     except Exception as e:  # noqa: BLE001
         p.error(str(e))
     if not all(2 <= w <= len(WORKER_HOSTS) for w in workers):
@@ -214,16 +225,19 @@ def run_all(hosts, workdir: str, args, report: dict, tcp: str, models, workers, 
         for model in models:
             for n in workers:
                 ks = sorted({w for w in (n if k == "n" else int(k) for k in ps) if w <= len(PS_HOSTS)})
-                for system, k in [("mwms", 0)] + [("tfps", k) for k in ks]:
-                    print(f"{tcp} {model}: {system}{f' k={k}' if k else ''}, N={n} ...", file=sys.stderr, flush=True)
+                for system, k, b in [("mwms", 0, 0)] + [("tfps", k, b) for k in ks for b in args.overlap_block_kib]:
+                    print(f"{tcp} {model}: {system}{f' k={k} b={b}' if k else ''}, N={n} ...", file=sys.stderr,
+                          flush=True)
                     try:
                         row = (measure_mwms(run, n, steps[model], args.warmup_steps, args.batch_per_worker, model,
                                             args.mwms_heartbeat_s)
                                if system == "mwms" else
-                               measure_tfps(run, k, n, steps[model], args.warmup_steps, args.batch_per_worker, model))
+                               measure_tfps(run, k, n, steps[model], args.warmup_steps, args.batch_per_worker, model,
+                                            b))
                         report["rows"].append({"tcp": tcp, **row})
                     except Exception as e:  # noqa: BLE001 - reported, and the exit status says so
-                        report["failures"].append(f"{tcp} {model} {system} k={k} N={n}: {type(e).__name__}: {e}")
+                        report["failures"].append(f"{tcp} {model} {system} k={k} b={b} N={n}: "
+                                                  f"{type(e).__name__}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:

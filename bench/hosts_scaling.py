@@ -470,10 +470,11 @@ def measure_throughput(run: Run, num_ps: int, workers: int, seconds: float, mode
 
 def measure_training(run: Run, num_ps: int, workers: int, steps: int, warmup: int, batch: int,
                      overlap: bool = True, model: str = "mlp", worker_flags: tuple[str, ...] = (),
-                     server_flags: tuple[str, ...] = ()) -> dict:
+                     server_flags: tuple[str, ...] = (), label: str = "") -> dict:
     """Sync training on ``workers`` worker hosts and ``num_ps`` PS hosts: the chief's step time
-    after ``warmup`` steps, against the time the links need for a step's bytes."""
-    tag = f"train-{model}-{num_ps}ps-{workers}w-{'overlap' if overlap else 'no-overlap'}"
+    after ``warmup`` steps, against the time the links need for a step's bytes. ``label`` tells
+    configurations apart that differ in their flags alone."""
+    tag = f"train-{model}-{num_ps}ps-{workers}w-{'overlap' if overlap else 'no-overlap'}{label and '-' + label}"
     servers, addresses = run.servers(num_ps, workers, "sync", tag, "--exit-when-done", *server_flags)
     history = os.path.join(run.workdir, f"{tag}-history.json")
     procs = []

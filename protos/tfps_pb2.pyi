@@ -344,7 +344,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate", "micro_batch", "task")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate", "micro_batch", "task", "overlap_block_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,7 @@ class PushHeader(_message.Message):
     SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     base_version: int
@@ -369,7 +370,8 @@ class PushHeader(_message.Message):
     set_learning_rate: float
     micro_batch: int
     task: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ...) -> None: ...
+    overlap_block_bytes: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ..., overlap_block_bytes: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

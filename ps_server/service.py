@@ -41,7 +41,7 @@ from ps_server.core.data.cursor import DataPlan
 from ps_server.core.modes.elastic_mode import ElasticReply, Work
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes.base import Push, ShardGroup
-from ps_server.core.modes.overlap import HELD_BYTES, NOT_YET
+from ps_server.core.modes.overlap import HELD_BYTES, MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, NOT_YET
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
@@ -281,11 +281,14 @@ async def _speculated(spec, name: str, block: int, reading: asyncio.Future):
     """``Speculation.peek`` awaited: the block's values, or None when they will not come."""
     loop = asyncio.get_running_loop()
     while True:
+        got = spec.peek(name, block, reading.done())  # ready already: no listener needed
+        if got is not NOT_YET:
+            return got
         changed = loop.create_future()
 
         def wake() -> None:
             loop.call_soon_threadsafe(lambda: changed.done() or changed.set_result(None))
-        spec.listen(wake)  # before looking, so that no change between the two is missed
+        spec.listen(wake)  # before looking again, so that no change between the two is missed
         got = spec.peek(name, block, reading.done())
         if got is not NOT_YET:
             return got
@@ -742,9 +745,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         sparse = codec.sparse_names(h.gradients)
         await self._work(self._check, h, layout, metrics)
         names = [e.name for e in layout.entries]
+        if h.overlap_block_bytes and not MIN_BLOCK_BYTES <= h.overlap_block_bytes <= MAX_BLOCK_BYTES:
+            raise errors.InvalidArgument(f"PushPull: overlap_block_bytes is {h.overlap_block_bytes}; 0 (the "
+                                         f"server's) or {MIN_BLOCK_BYTES} to {MAX_BLOCK_BYTES}; nothing applied")
         spec = await self._work(self.core.overlap, h.worker_id, h.step, h.batch_size,
                                 {e.name: (e.dtype, e.shape) for e in layout.entries}, h.set_learning_rate,
-                                bool(sparse))
+                                bool(sparse), h.overlap_block_bytes)
         specs = self.core.store.specs()
         values_header = pb.PullHeader(variables=[
             pb.TensorMeta(name=n, dtype=codec.dtype_code(specs[n][0]), shape=list(specs[n][1])) for n in names])
@@ -796,9 +802,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         pending.reverse()
 
         async def offer(received: int) -> None:
+            arrived = []  # every block a message completed, offered in one hand-off
             while pending and pending[-1][0] <= received:
                 _, name, b, full = pending.pop()
-                await self._work(self.core.offer, spec, worker_id, name, b, full)
+                arrived.append((name, b, full))
+            if arrived:
+                await self._work(self.core.offer, spec, worker_id, arrived)
 
         await _received_async(layout, buffer, request_iterator, "PushPull", on_bytes=offer)
         return fulls  # the very arrays offered: the round confirms by their identity

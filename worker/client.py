@@ -124,6 +124,7 @@ class PSClient:
         small_bytes: int = SMALL_BYTES,
         max_message_bytes: int | None = None,
         overlap: bool = True,
+        overlap_block_bytes: int = 0,
         session: bool = True,
     ):
         """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
@@ -133,7 +134,9 @@ class PSClient:
         ``max_message_bytes``: the channel's message limit (``WorkerConfig.max_message_bytes``;
         None: ``protos.wire``'s process-wide setting). ``overlap`` (sync): a streamed push
         gets the round's new values back while it is still sending (PushPull), so the
-        next pull needs no call when the server confirms them. ``session``: pulls, pushes and
+        next pull needs no call when the server confirms them. ``overlap_block_bytes`` > 0 (slow
+        links): every sync push is a PushPull, however small, and the server speculates in
+        blocks of that many bytes (its own 512 KiB otherwise). ``session``: pulls, pushes and
         Work calls that fit one message ride one long-lived stream (``Session``) instead of
         a call each (off for good from a server without it)."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
@@ -159,6 +162,7 @@ class PSClient:
         self.cache = PullCache()
         self.shortcut = SyncShortcut(self.cache, address)
         self.overlap = overlap  # off for good once a server says it has no PushPull
+        self.overlap_block_bytes = overlap_block_bytes
 
     @property
     def shm_active(self) -> bool:
@@ -366,7 +370,10 @@ class PSClient:
         rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
-        if outgoing.nbytes <= self._unary_limit():  # one message beats a stream
+        push_pull = self.overlap and self.shortcut.on and not rows and not set_learning_rate \
+            and outgoing.micro_batch < 0 and outgoing.task < 0  # server-dealt data takes no PushPull
+        fine = push_pull and self.overlap_block_bytes > 0 and not self.shared_memory.active
+        if outgoing.nbytes <= self._unary_limit() and not fine:  # one message beats a stream
             # The sync shortcut brings every variable whole: not after a sparse push, whose
             # next pull brings an embedding table's changed rows only (when the server
             # steps it row by row), nor for a large model.
@@ -376,8 +383,7 @@ class PSClient:
             self.shortcut.receive(reply)
         else:
             reply = self.shared_memory.push(outgoing, timeout)
-            if reply is None and self.overlap and self.shortcut.on and not rows and not set_learning_rate \
-                    and outgoing.micro_batch < 0 and outgoing.task < 0:  # server-dealt data takes no PushPull
+            if reply is None and push_pull:
                 reply = self._push_pull(outgoing, timeout)
             if reply is None:
                 reply = self.streams.push(outgoing, timeout)
@@ -389,7 +395,7 @@ class PSClient:
         values, the others those held at the push's base version (a sync round changes
         only what was pushed)."""
         try:
-            reply, values = self.streams.push_pull(outgoing, timeout)
+            reply, values = self.streams.push_pull(outgoing, timeout, self.overlap_block_bytes)
         except PSClientError as e:
             if e.code == grpc.StatusCode.UNIMPLEMENTED:
                 self.overlap = False

@@ -94,6 +94,9 @@ class WorkerConfig:
     shm: bool = setting(False, env="TFPS_WORKER_SHM", old_env="TFPS_SHM")
     # Sync: a streamed push gets the round's new values back while it still sends (PushPull).
     overlap: bool = True
+    # Slow links (hosts apart, <= 1 Gbit/s): every sync push a PushPull, in blocks of this many
+    # KiB (0: pushes over 1 MiB only, in the server's 512 KiB blocks).
+    overlap_block_kib: int = 0
     # Elastic sync (ps-server --elastic-min-workers): the server deals each round's
     # micro-batches (worker.elastic); the built-in data or your dataset read once, one server.
     elastic: bool = False
@@ -155,6 +158,8 @@ class WorkerConfig:
             twice = sorted({a for a in addresses if addresses.count(a) > 1})
             if twice:
                 raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
+        if self.overlap_block_kib and not 4 <= self.overlap_block_kib <= 65536:
+            raise ConfigError(f"--overlap-block-kib must be 0 (off) or 4 to 65536, got {self.overlap_block_kib}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
@@ -338,6 +343,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="sync: a streamed push gets each variable's new value back as soon as the server has "
                         "it, while the rest still goes out, so the link works both ways at once (PushPull; "
                         "the same bits; default on)")
+    p.add_argument("--overlap-block-kib", type=int,
+                   help="sync on slow links (hosts apart, to 1 Gbit/s): every push a PushPull, its new values "
+                        "back in blocks of this many KiB; 32 on 100 Mbit/s; costs the server work per block, "
+                        "so off on one machine (default 0: PushPull over 1 MiB, 512 KiB blocks)")
     p.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; as the server's "
                    f"(default {d.MAX_MESSAGE_MB:g})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

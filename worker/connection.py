@@ -67,6 +67,7 @@ def connect(config: WorkerConfig) -> PSClient | ShardedClient:
         shm=config.shm,
         max_message_bytes=config.max_message_bytes,
         overlap=config.overlap,
+        overlap_block_bytes=config.overlap_block_kib << 10,
     )
     addresses = config.ps_addresses
     return ShardedClient(addresses, **kwargs) if len(addresses) > 1 else PSClient(config.ps, **kwargs)

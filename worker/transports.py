@@ -370,18 +370,20 @@ class Streams:
             raise PSClientError.of("Push", self.address, e) from None
 
 
-    def push_pull(self, outgoing: OutgoingPush, timeout: float) -> tuple[pb.PushResponse, dict | None]:
+    def push_pull(self, outgoing: OutgoingPush, timeout: float,
+                  block_bytes: int = 0) -> tuple[pb.PushResponse, dict | None]:
         """One PushPull (sync): the gradients go out while the round's new values come back,
-        each variable's as soon as the server has it (``ps_server.core.overlap``). Returns
-        the push's answer and the new values of the pushed variables when the server
-        confirms they are the round's, else None (pull them)."""
+        each variable's as soon as the server has it (``ps_server.core.overlap``), in blocks of
+        ``block_bytes`` (0: the server's). Returns the push's answer and the new values of the
+        pushed variables when the server confirms they are the round's, else None (pull them)."""
         header = outgoing.header()
+        header.overlap_block_bytes = block_bytes
 
         def messages():
             yield pb.PushChunk(header=header)
             # Smaller chunks than a PushStream's: the server can use a block only once the
             # message holding its last byte has arrived whole.
-            yield from stream.chunk_buffers(outgoing.buffers(), PUSH_PULL_CHUNK_BYTES)
+            yield from stream.chunk_buffers(outgoing.buffers(), block_bytes or PUSH_PULL_CHUNK_BYTES)
 
         try:
             replies = self.push_pull_stream(messages(), timeout=timeout)

@@ -457,16 +457,18 @@ class ParameterServer:
         self.store.check_gradient_specs(specs, frozenset(sparse))
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
-                sparse: bool = False):
+                sparse: bool = False, block_bytes: int = 0):
         """Sync: the speculation (``core.modes.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
-        its bytes come); None in other modes, or when its round is not speculated."""
+        its bytes come; ``block_bytes``: the blocks' size it asks for, 0 the default); None in
+        other modes, or when its round is not speculated."""
         if not self.store.initialized:
             return None
-        return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse)
+        return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse, block_bytes)
 
-    def offer(self, spec, worker_id: int, name: str, block: int, gradient: np.ndarray) -> None:
-        self.mode.offer(spec, worker_id, name, block, gradient)
+    def offer(self, spec, worker_id: int, arrived) -> None:
+        """``arrived``: [(name, block, gradient)] of one push (``SyncMode.offer``)."""
+        self.mode.offer(spec, worker_id, arrived)
 
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
         """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a

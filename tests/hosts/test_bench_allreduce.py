@@ -31,7 +31,7 @@ def test_quick_run_trains_mwms_and_tfps_on_the_same_links_and_prints_their_ratio
     report = json.loads(out.read_text())
     assert report["failures"] == [] and report["model_bytes"] == {"mlp": 3_745_320}
     rows = {(row["system"], row["ps"]): row for row in report["rows"]}
-    assert set(rows) == {("mwms", 0), ("tfps", 1)}
+    assert set(rows) == {("mwms", 0), ("tfps", 1)} and rows["tfps", 1]["block_kib"] == 32  # --overlap-block-kib
     for row in rows.values():
         assert row["workers"] == 2 and row["steps"] == 3 and row["measured_steps"] == 2 and row["global_batch"] == 64
         assert row["step_s"] > 0 and row["examples_per_s"] == pytest.approx(64 / row["step_s"])

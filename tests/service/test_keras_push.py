@@ -84,8 +84,8 @@ def used(client, transport):
     if transport == "stream":  # a sync push streamed as PushPull is a streamed push too
         inner_push_pull = target.push_pull
 
-        def push_pull(outgoing, timeout):
-            answer = inner_push_pull(outgoing, timeout)
+        def push_pull(outgoing, timeout, *more):
+            answer = inner_push_pull(outgoing, timeout, *more)
             calls.append(outgoing.step)
             return answer
 

@@ -10,6 +10,7 @@ gives, bit for bit. Otherwise the round is applied whole and the worker pulls.
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
@@ -21,14 +22,18 @@ SHAPES = {"a/kernel": (300, 1000), "b/kernel": (1000, 300), "c/bias": (7,)}
 ADAM = {"name": "adam", "learning_rate": 0.01, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}
 
 
-def _values(seed=0):
+# 12 KB: one unary message each way, unless the push asks for fine blocks.
+SMALL = {"a/kernel": (60, 50), "b/bias": (50,)}
+
+
+def _values(seed=0, shapes=SHAPES):
     rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
 
 
-def _grads(worker, step):
+def _grads(worker, step, shapes=SHAPES):
     rng = np.random.default_rng(1000 * step + worker)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
 
 
 assert sum(int(np.prod(s)) * 4 for s in SHAPES.values()) > SMALL_BYTES
@@ -49,14 +54,25 @@ def _recording(client):
     return calls
 
 
-def _train(ps, bg, connect, overlap, steps=3, optimizer=ADAM, sizes=(32, 48), bad=None, non_trainable=()):
-    """Two workers, ``steps`` sync rounds; returns (final values as bytes, worker 0's calls)."""
+def _train(ps, bg, connect, overlap, steps=3, optimizer=ADAM, sizes=(32, 48), bad=None, non_trainable=(),
+           shapes=SHAPES, block_bytes=0, layouts=None):
+    """Two workers, ``steps`` sync rounds; returns (final values as bytes, worker 0's calls).
+    ``layouts``: a list to which each speculated push's blocks are added."""
     running, _ = ps(mode="sync", num_workers=2)
-    clients = [PSClient(running.address, timeout=30, overlap=o) for o in overlap]
+    if layouts is not None:
+        speculate = running.core.mode.overlap
+
+        def recording(*a, **k):
+            spec = speculate(*a, **k)
+            if spec is not None:
+                layouts.append(spec.layout)
+            return spec
+        running.core.mode.overlap = recording
+    clients = [PSClient(running.address, timeout=30, overlap=o, overlap_block_bytes=block_bytes) for o in overlap]
     try:
         for i, c in enumerate(clients):
             c.register(i, 2)
-        clients[0].initialize(0, _values(), optimizer, non_trainable=non_trainable)
+        clients[0].initialize(0, _values(shapes=shapes), optimizer, non_trainable=non_trainable)
         calls = _recording(clients[0])
 
         def work(i):
@@ -64,11 +80,11 @@ def _train(ps, bg, connect, overlap, steps=3, optimizer=ADAM, sizes=(32, 48), ba
             for step in range(steps):
                 version, _ = c.pull(i)
                 if bad is not None and bad == (i, step):
-                    poisoned = _grads(i, step)
+                    poisoned = _grads(i, step, shapes)
                     poisoned["b/kernel"][0, 0] = np.nan
                     with pytest.raises(PSClientError, match="NaN or Inf"):
                         c.push(i, step, version, sizes[i], poisoned)
-                c.push(i, step, version, sizes[i], _grads(i, step))
+                c.push(i, step, version, sizes[i], _grads(i, step, shapes))
             return c.pull(i)
 
         results = [bg(work, i) for i in range(2)]
@@ -76,12 +92,13 @@ def _train(ps, bg, connect, overlap, steps=3, optimizer=ADAM, sizes=(32, 48), ba
         assert finals[0][0] == finals[1][0] == steps
         server = running.core.pull()[1]
         for version, values in finals:
-            for n in SHAPES:
+            for n in shapes:
                 assert np.array_equal(values[n], server[n]), n
+
         # The optimizer's state too (what a checkpoint holds): slots and update counts.
         states = running.core.store.export_state().states
-        return {n: server[n].tobytes() for n in SHAPES} | {
-            f"{n}:{k}": (v.tobytes() if isinstance(v, np.ndarray) else v) for n in SHAPES
+        return {n: server[n].tobytes() for n in shapes} | {
+            f"{n}:{k}": (v.tobytes() if isinstance(v, np.ndarray) else v) for n in shapes
             for k, v in sorted(states[n].items())}, calls
     finally:
         for c in clients:
@@ -145,6 +162,34 @@ def test_a_non_trainable_variable_is_speculated_whole_and_keeps_its_state(ps, bg
     assert overlapped == reference and calls.count("pull") == 1, calls
 
 
+@pytest.mark.parametrize("shapes", [SMALL, SHAPES], ids=["small", "streamed"])
+def test_fine_blocks_make_every_push_a_push_pull_with_the_same_bits(ps, bg, connect, shapes):
+    """``overlap_block_bytes`` (the worker's --overlap-block-kib, for slow links): a push small
+    enough for one message goes as PushPull too, and the server speculates in the blocks the
+    push asks for (here 4 KiB, the least: 20 rows of ``a/kernel``'s 50 floats)."""
+    reference, calls = _train(ps, bg, connect, overlap=(False, False), shapes=shapes)
+    assert "push_pull" not in calls
+    layouts = []
+    fine, calls = _train(ps, bg, connect, overlap=(True, True), shapes=shapes, block_bytes=4096, layouts=layouts)
+    assert fine == reference
+    assert calls.count("push_pull") == 3 and calls.count("pull") == 1, calls  # every round confirmed
+    rows = 4096 // (shapes["a/kernel"][1] * 4)
+    assert len(layouts) == 6 and all(layout["a/kernel"][:2] == [(0, rows), (rows, 2 * rows)] for layout in layouts)
+
+
+def test_a_block_size_out_of_range_is_refused_and_nothing_is_applied(ps):
+    running, _ = ps(mode="sync", num_workers=1)
+    with PSClient(running.address, timeout=30, overlap_block_bytes=1024) as client:
+        client.register(0, 1)
+        client.initialize(0, _values(shapes=SMALL), ADAM)
+        version, before = client.pull(0)
+        with pytest.raises(PSClientError, match="overlap_block_bytes is 1024") as refused:
+            client.push(0, 0, version, 32, _grads(0, 0, SMALL))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        after_version, after = running.core.pull()
+        assert after_version == version and all(np.array_equal(before[n], after[n]) for n in SMALL)
+
+
 def test_blocks_cover_every_row_once_and_a_norm_or_a_scalar_keeps_a_variable_whole():
     from ps_server.core.modes.overlap import BLOCK_BYTES, blocks
 
@@ -153,3 +198,4 @@ def test_blocks_cover_every_row_once_and_a_norm_or_a_scalar_keeps_a_variable_who
     assert len(cut) == -(-1000 * 300 * 4 // (BLOCK_BYTES // (300 * 4) * 300 * 4))
     assert blocks((1000, 300), 4, whole=True) == [None] and blocks((), 4) == [None] and blocks((1, 9), 4) == [None]
     assert blocks((7,), 4) == [(0, 7)]
+    assert blocks((1000, 300), 4, block_bytes=4096) == [(r, min(r + 3, 1000)) for r in range(0, 1000, 3)]

@@ -150,3 +150,16 @@ def test_a_chief_rejoining_a_restarted_server_posts_its_last_broadcasts_again(se
             conn.close()
         if again is not None:
             again.stop(grace=0.1)
+
+
+def test_overlap_block_kib_reaches_every_shard_s_client_and_one_out_of_range_is_refused():
+    from worker.connection import connect
+
+    args = ["--ps", "127.0.0.1:1,127.0.0.1:2", "--overlap-block-kib"]
+    client = connect(WorkerConfig.from_args(args + ["32"], environ={}))  # channels dial at the first call
+    try:
+        assert [c.overlap_block_bytes for c in client._clients] == [32 << 10] * 2
+    finally:
+        client.close()
+    with pytest.raises(ConfigError, match=r"--overlap-block-kib must be 0 \(off\) or 4 to 65536, got 2$"):
+        WorkerConfig.from_args(args + ["2"], environ={})

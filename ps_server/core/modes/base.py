@@ -270,12 +270,12 @@ class Mode:
         raise NotImplementedError(f"{self.name} mode deals no micro-batches")
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
-                sparse: bool = False):
+                sparse: bool = False, block_bytes: int = 0):
         """The speculation (``core.modes.overlap``) a streamed push joins; None: not speculated."""
         return None
 
-    def offer(self, spec, worker_id: int, name: str, block: int, gradient) -> None:
-        """A block of a push's gradient, for a speculation ``overlap`` returned."""
+    def offer(self, spec, worker_id: int, arrived) -> None:
+        """Blocks of a push's gradients, [(name, block, gradient)], for a speculation ``overlap`` returned."""
         raise NotImplementedError(f"{self.name} mode speculates no rounds")
 
     def follow(self, shard: int, commit: "Commit | None") -> None:

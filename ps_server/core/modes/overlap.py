@@ -1,7 +1,7 @@
 """A sync round computed block by block while its pushes still arrive.
 
     spec = mode.overlap(worker_id, step, batch_size, names)       # a streamed push begins
-    mode.offer(spec, worker_id, name, block, gradient)            # each block as it arrives
+    mode.offer(spec, worker_id, [(name, block, gradient), ...])   # the blocks that arrived
     rows = spec.peek(name, block, push_done)                      # its new values, None, or NOT_YET
     spec.confirmed                                                # after the round: kept?
 
@@ -55,19 +55,23 @@ from ps_server.core.modes.aggregation import RoundSum
 from ps_server.core.errors import PSError
 
 BLOCK_BYTES = 512 << 10
+# What a push may ask for instead (PushHeader.overlap_block_bytes): on a slow link a smaller
+# block's values come back sooner; every block costs the server a step of its own.
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4 << 10, 64 << 20
 # A speculated round holds every push: at most this many bytes of them (module docstring).
 HELD_BYTES = 256 << 20
 _NO_COUNT = object()  # the state of a non-trainable variable has no update count
 NOT_YET = object()  # Speculation.peek: the block is still to come
 
 
-def blocks(shape: Sequence[int], itemsize: int, whole: bool = False) -> list[tuple[int, int] | None]:
+def blocks(shape: Sequence[int], itemsize: int, whole: bool = False,
+           block_bytes: int = BLOCK_BYTES) -> list[tuple[int, int] | None]:
     """The row ranges a variable is speculated in: [(r0, r1), ...] covering its rows, each
-    about BLOCK_BYTES; [None] (the whole variable) for a 0-d one or with ``whole``."""
+    about ``block_bytes``; [None] (the whole variable) for a 0-d one or with ``whole``."""
     if whole or not shape or shape[0] <= 1:
         return [None]
     row_bytes = max(1, math.prod(shape[1:]) * itemsize)
-    rows = max(1, BLOCK_BYTES // row_bytes)
+    rows = max(1, block_bytes // row_bytes)
     return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
 
 

@@ -89,7 +89,7 @@ from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric
 from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Commit, Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.modes.overlap import HELD_BYTES, Speculation, blocks
+from ps_server.core.modes.overlap import BLOCK_BYTES, HELD_BYTES, Speculation, blocks
 from ps_server.core.modes.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
@@ -260,10 +260,11 @@ class SyncMode(Mode):
 
     # -- overlap: new values while the round still arrives (core.modes.overlap) --------------------
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
-                sparse: bool = False) -> Speculation | None:
+                sparse: bool = False, block_bytes: int = 0) -> Speculation | None:
         """The speculation a streamed push joins, or None when its round is not speculated
         (``core.modes.overlap``; the push itself then goes on as any other). ``gradients``: the
-        push's {name: (dtype, shape)} in the order its bytes come."""
+        push's {name: (dtype, shape)} in the order its bytes come; ``block_bytes`` (0: the
+        default) the blocks' size when this push is the round's first."""
         spec_of_optimizer = self.store.optimizer_spec
         if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
                 or spec_of_optimizer.global_clipnorm is not None):
@@ -284,30 +285,31 @@ class SyncMode(Mode):
                 return None
             spec = self._speculation
             if spec is None or spec.generation != self._book.generation:
-                layout = {name: blocks(shape, np.dtype(dtype).itemsize, whole or name in non_trainable)
-                          for name, (dtype, shape) in gradients.items()}
+                layout = {name: blocks(shape, np.dtype(dtype).itemsize, whole or name in non_trainable,
+                                       block_bytes or BLOCK_BYTES) for name, (dtype, shape) in gradients.items()}
                 spec = self._speculation = Speculation(self._book.generation, layout)
             if set(spec.names) != set(gradients):  # each worker may send them in its own order
                 return None
             spec.sizes[worker_id] = batch_size
             return spec
 
-    def offer(self, spec: Speculation, worker_id: int, name: str, block: int, gradient) -> None:
-        """Block ``block`` of a push's gradient for ``name`` has arrived (``gradient``: the
-        whole array the push will carry); the offer that completes the block (every active
-        worker's is in) computes its speculated values."""
-        with self._lock:
-            if spec.generation != self._book.generation or spec.abandoned or (name, block) in spec.computing:
-                return
-            spec.arrays[name][worker_id] = gradient
-            offered = spec.offered.setdefault((name, block), set())
-            offered.add(worker_id)
-            if not (self._book.active <= offered and all(w in spec.sizes for w in offered)):
-                return
-            spec.computing.add((name, block))
-            contributions = sorted((w, spec.arrays[name][w]) for w in offered)
-            sizes = [spec.sizes[w] for w, _ in contributions]
-        spec.compute(name, block, self.store, contributions, sizes)
+    def offer(self, spec: Speculation, worker_id: int, arrived) -> None:
+        """Blocks of a push's gradients have arrived: ``arrived`` is [(name, block, gradient)],
+        ``gradient`` the whole array the push will carry. The offer that completes a block
+        (every active worker's is in) computes its speculated values."""
+        for name, block, gradient in arrived:
+            with self._lock:
+                if spec.generation != self._book.generation or spec.abandoned or (name, block) in spec.computing:
+                    continue
+                spec.arrays[name][worker_id] = gradient
+                offered = spec.offered.setdefault((name, block), set())
+                offered.add(worker_id)
+                if not (self._book.active <= offered and all(w in spec.sizes for w in offered)):
+                    continue
+                spec.computing.add((name, block))
+                contributions = sorted((w, spec.arrays[name][w]) for w in offered)
+                sizes = [spec.sizes[w] for w, _ in contributions]
+            spec.compute(name, block, self.store, contributions, sizes)
 
     def _check_round_extras(self, push: Push) -> None:
         """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
