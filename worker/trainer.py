@@ -273,6 +273,7 @@ class TrainingLoop:
             **train,
             "train_s": train_s,
             "examples": int(status.examples_applied),
+            **({"epoch_examples": [int(n) for n in status.epoch_examples]} if status.epoch_examples else {}),
             "examples_per_s": status.examples_applied / train_s if train_s > 0 else 0.0,
             "mean_staleness": status.mean_staleness,
             "max_staleness": int(status.max_staleness_seen),
