@@ -29,6 +29,10 @@ CHECKPOINT_INTERVAL = 30.0  # s between checkpoints
 CHECKPOINT_KEEP = 3  # checkpoints kept
 MIN_THREADS, THREADS_PER_CPU = 8, 4  # the call pool: max(MIN_THREADS, THREADS_PER_CPU x CPUs)
 MAX_MESSAGE_MB = 1024.0  # the largest message either way, both sides (protos.wire)
+# Sync PushPull: the server's speculation block, and the sizes a push may ask for instead
+# (the worker's --overlap-block-kib; core.modes.overlap).
+OVERLAP_BLOCK_BYTES = 512 << 10
+MIN_OVERLAP_BLOCK_BYTES, MAX_OVERLAP_BLOCK_BYTES = 4 << 10, 64 << 20
 
 # The worker.
 CONNECT_TIMEOUT = 60.0  # s to wait for a server that is still starting

@@ -158,8 +158,9 @@ class WorkerConfig:
             twice = sorted({a for a in addresses if addresses.count(a) > 1})
             if twice:
                 raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
-        if self.overlap_block_kib and not 4 <= self.overlap_block_kib <= 65536:
-            raise ConfigError(f"--overlap-block-kib must be 0 (off) or 4 to 65536, got {self.overlap_block_kib}")
+        low, high = d.MIN_OVERLAP_BLOCK_BYTES >> 10, d.MAX_OVERLAP_BLOCK_BYTES >> 10
+        if self.overlap_block_kib and not low <= self.overlap_block_kib <= high:
+            raise ConfigError(f"--overlap-block-kib must be 0 (off) or {low} to {high}, got {self.overlap_block_kib}")
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:

@@ -85,6 +85,37 @@ def install(log=print) -> float:
     return time.monotonic() - started
 
 
+def shared_conf(root: Path, munge_socket: Path) -> list[str]:
+    """The slurm.conf lines of every cluster here (this one, ``hosts_cluster.py``'s): root runs
+    the daemons on ports of their own with their own munged, the controller's files under
+    ``root``, and nothing that needs cgroups or accounting."""
+    return [
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        f"SlurmctldPort={CTLD_PORT}",
+        f"SlurmdPort={SLURMD_PORT}",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={root / 'state'}",
+        f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+        f"SlurmctldLogFile={root / 'slurmctld.log'}",
+        "ProctrackType=proctrack/linuxproc",  # no cgroups needed
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SchedulerType=sched/backfill",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "SlurmdParameters=config_overrides",  # a node's CPUs may exceed the real count
+        "MpiDefault=none",
+        "MailProg=/bin/true",
+        "KillWait=5",
+        "InactiveLimit=0",
+        "MinJobAge=10",
+    ]
+
+
 def _sbin(name: str) -> str:
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
     return shutil.which(name, path=path) or name
@@ -175,33 +206,11 @@ class LocalCluster:
             "# Written by deploy/slurm/local_cluster.py: one node, this machine, everything under " + str(r),
             "ClusterName=tfps-local",
             f"SlurmctldHost={self.node}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            f"SlurmctldPort={CTLD_PORT}",
-            f"SlurmdPort={SLURMD_PORT}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={r / 'state'}",
+            *shared_conf(r, self.munge_socket),
             f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={self.pid_file('slurmctld')}",
             f"SlurmdPidFile={self.pid_file('slurmd')}",
-            f"SlurmctldLogFile={r / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'slurmd.log'}",
-            "ProctrackType=proctrack/linuxproc",  # no cgroups needed
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "SchedulerType=sched/backfill",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "SlurmdParameters=config_overrides",  # CPUs below may exceed the real count
             "ReturnToService=2",
-            "MpiDefault=none",
-            "MailProg=/bin/true",
-            "KillWait=5",
-            "InactiveLimit=0",
-            "MinJobAge=10",
             f"NodeName={self.node} CPUs={self.cpus} State=UNKNOWN",
             f"PartitionName=local Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
             "",

@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "deploy" / "slurm" / "tfps.sbatch"
 
 
-def _local_cluster_module():
-    spec = importlib.util.spec_from_file_location("tfps_local_cluster", ROOT / "deploy" / "slurm" / "local_cluster.py")
+def deploy_module(name: str):
+    """``deploy/slurm/<name>.py``, a script, as a module."""
+    spec = importlib.util.spec_from_file_location(f"tfps_{name}", ROOT / "deploy" / "slurm" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-local_cluster = _local_cluster_module()
+local_cluster = deploy_module("local_cluster")
 
 
 class Slurm:

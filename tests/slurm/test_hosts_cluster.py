@@ -13,7 +13,6 @@ namespace or file behind (checked when the module's cluster stops).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,16 +25,9 @@ import pytest
 
 from ps_common.procs import dying_with_parent
 
-from tests.slurm.conftest import ROOT, SBATCH, local_cluster
+from tests.slurm.conftest import ROOT, SBATCH, deploy_module, local_cluster
 
 pytestmark = pytest.mark.slurm
-
-
-def _hosts_cluster_module():
-    spec = importlib.util.spec_from_file_location("tfps_hosts_cluster", ROOT / "deploy" / "slurm" / "hosts_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _namespaces() -> set[str]:
@@ -62,7 +54,7 @@ def hosts_slurm(tmp_path_factory):
     if why:
         pytest.skip(f"slurm tier: {why}")
     root = tmp_path_factory.mktemp("hosts-slurm") / "cluster"
-    cluster = _hosts_cluster_module().HostsCluster(4, root=root, rate="1gbit",
+    cluster = deploy_module("hosts_cluster").HostsCluster(4, root=root, rate="1gbit",
                                                    log=lambda line: print(line, file=sys.stderr))
     with cluster:
         yield cluster
