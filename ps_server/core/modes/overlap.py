@@ -51,14 +51,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_common import defaults as d
+from ps_common.defaults import MAX_OVERLAP_BLOCK_BYTES, MIN_OVERLAP_BLOCK_BYTES, OVERLAP_BLOCK_BYTES
 from ps_server.core.modes.aggregation import RoundSum
 from ps_server.core.errors import PSError
 
-BLOCK_BYTES = d.OVERLAP_BLOCK_BYTES
+BLOCK_BYTES = OVERLAP_BLOCK_BYTES
 # What a push may ask for instead (PushHeader.overlap_block_bytes): on a slow link a smaller
 # block's values come back sooner; every block costs the server a step of its own.
-MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = d.MIN_OVERLAP_BLOCK_BYTES, d.MAX_OVERLAP_BLOCK_BYTES
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = MIN_OVERLAP_BLOCK_BYTES, MAX_OVERLAP_BLOCK_BYTES
 # A speculated round holds every push: at most this many bytes of them (module docstring).
 HELD_BYTES = 256 << 20
 _NO_COUNT = object()  # the state of a non-trainable variable has no update count
