@@ -26,10 +26,13 @@ serving on a wrong address.
 
 The roles: the first ``TFPS_SLURM_NUM_PS`` tasks (default 1) are parameter
 servers, ps task i being rank i, each one shard; the others train, worker
-``rank - num_ps``, the first of them (worker 0) the chief. ``ps_common.settings``
-turns this into fields when ``TFPS_CLUSTER=slurm``. A variable that is missing or
-cannot be read raises ``SlurmError``, a ``ConfigError`` like any other bad setting,
-in one line. Plain Python: no gRPC, no TensorFlow.
+``rank - num_ps``, the first of them (worker 0) the chief. Every process's
+``--num-workers`` is the step's workers, or ``TFPS_SLURM_MAX_WORKERS`` when set (no
+fewer): an elastic job that takes workers joining later from another job
+(``ps-slurm --join``). ``ps_common.settings`` turns this into fields when
+``TFPS_CLUSTER=slurm``. A variable that is missing or cannot be read raises
+``SlurmError``, a ``ConfigError`` like any other bad setting, in one line. Plain
+Python: no gRPC, no TensorFlow.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ps_common.errors import ConfigError
 DEFAULT_PORT_BASE = 8888  # SlurmClusterResolver's port_base
 NUM_PS_ENV = "TFPS_SLURM_NUM_PS"
 PORT_BASE_ENV = "TFPS_SLURM_PORT_BASE"
+MAX_WORKERS_ENV = "TFPS_SLURM_MAX_WORKERS"
 
 
 class SlurmError(ConfigError):
@@ -59,6 +63,7 @@ class SlurmCluster:
     hosts: tuple[str, ...]  # the node of each rank
     ports: tuple[int, ...]  # port_base + the rank's position on its node
     num_ps: int
+    max_workers: int = 0  # TFPS_SLURM_MAX_WORKERS: the job's most workers (0: this step's)
 
     @property
     def num_tasks(self) -> int:
@@ -75,7 +80,14 @@ class SlurmCluster:
 
     @property
     def num_workers(self) -> int:
+        """The workers of this step."""
         return self.num_tasks - self.num_ps
+
+    @property
+    def job_workers(self) -> int:
+        """The most workers the job takes (every ``--num-workers``): ``TFPS_SLURM_MAX_WORKERS``,
+        above this step's when an elastic job takes workers that join later (``ps-slurm --join``)."""
+        return self.max_workers or self.num_workers
 
     @property
     def role(self) -> str:
@@ -257,7 +269,10 @@ def from_environ(environ: Mapping[str, str],
     if num_ps >= num_tasks:
         raise SlurmError(f"{NUM_PS_ENV}={num_ps} leaves no task of the {num_tasks} to train: "
                          f"run at least {num_ps + 1} tasks (srun -n / #SBATCH --ntasks)")
-    cluster = SlurmCluster(rank, tuple(hosts), tuple(ports), num_ps)
+    max_workers = _int(MAX_WORKERS_ENV, environ.get(MAX_WORKERS_ENV) or "0", 0)
+    if 0 < max_workers < num_tasks - num_ps:
+        raise SlurmError(f"{MAX_WORKERS_ENV}={max_workers} is fewer than the step's {num_tasks - num_ps} workers")
+    cluster = SlurmCluster(rank, tuple(hosts), tuple(ports), num_ps, max_workers)
     _check_placement(cluster, environ, port_base)
     return cluster
 
@@ -288,6 +303,6 @@ def cluster_values(role: str, environ: Mapping[str, str],
         raise SlurmError(f"Slurm task {cluster.rank} is {cluster.role} {cluster.task_index} ({NUM_PS_ENV}="
                          f"{cluster.num_ps}), not a {role}: run {command} there, or ps-slurm on every task")
     if role == "ps":
-        return {"port": cluster.port, "host": "0.0.0.0", "num_workers": cluster.num_workers}
+        return {"port": cluster.port, "host": "0.0.0.0", "num_workers": cluster.job_workers}
     return {"ps": ",".join(cluster.ps_addresses), "worker_index": cluster.task_index,
-            "num_workers": cluster.num_workers}
+            "num_workers": cluster.job_workers}

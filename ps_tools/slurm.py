@@ -10,8 +10,16 @@ interfaces at port ``--port-base`` (default 8888) plus its position on its node;
 the others a ``ps-worker``, worker ``rank - num_ps``, worker 0 the chief, with
 every server's ``NODE:PORT`` as ``--ps``. The role's process is a child that gets
 this environment with ``TFPS_CLUSTER=slurm`` (``ps_common.settings``), plus
-``TFPS_SLURM_NUM_PS`` and ``TFPS_SLURM_PORT_BASE`` when given as flags here, so it
-resolves the same cluster itself, and ``--print-config`` shows it.
+``TFPS_SLURM_NUM_PS``, ``TFPS_SLURM_PORT_BASE`` and ``TFPS_SLURM_MAX_WORKERS`` when
+given as flags here, so it resolves the same cluster itself, and ``--print-config``
+shows it.
+
+Growing an elastic job (docs/slurm.md): start it with ``--max-workers M`` above its
+workers (every process's ``--num-workers``); later a step of another job, on nodes
+that became free, runs ``ps-slurm --join HOST:PORT --max-workers M`` with the same
+ps-worker flags, and each of its tasks is a worker that registers with
+``--worker-index auto`` (the server gives it the lowest free index) and trains from
+the next round. Its exit status is its own.
 
 The arguments: ``--server-args "ARGS"`` (one shell-quoted string) are
 ``ps-server`` flags for every server, after ``--exit-when-done``, which ps-slurm
@@ -68,6 +76,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", metavar="ARGS",
                    help="ps-server flags for every server, as one shell-quoted string, e.g. "
                    "\"--mode sync --dead-worker-policy abort\" (ps-slurm adds --exit-when-done first)")
+    p.add_argument("--max-workers", type=int, help="the most workers the job takes, every process's --num-workers "
+                   "(default: this step's workers; environment " + slurm.MAX_WORKERS_ENV + "); more lets an elastic "
+                   "job take workers that join later (--join)")
+    p.add_argument("--join", metavar="HOST:PORT[,HOST:PORT]",
+                   help="every task of this step is a worker joining the running elastic job whose servers these "
+                   "are (ps-worker --worker-index auto: the server gives the index); give the job's --max-workers "
+                   "and its ps-worker flags")
     return p
 
 
@@ -111,7 +126,29 @@ def child_environment(args: argparse.Namespace, environ: dict) -> dict:
         env[slurm.NUM_PS_ENV] = str(args.num_ps)
     if args.port_base is not None:
         env[slurm.PORT_BASE_ENV] = str(args.port_base)
+    if args.max_workers is not None:
+        env[slurm.MAX_WORKERS_ENV] = str(args.max_workers)
     return env
+
+
+def join_task(args: argparse.Namespace, worker_argv: list[str], environ: dict) -> tuple[list[str], dict, str]:
+    """(command, environment, what it is) of a task of a step that joins a running job (``--join``):
+    a ps-worker with ``--worker-index auto`` against the given servers, its cluster in flags, not
+    read from this step's Slurm environment."""
+    if args.server_args or args.num_ps is not None:
+        raise SlurmLaunchError("--join: every task of this step is a worker; leave out --server-args and --num-ps")
+    raw = str(args.max_workers) if args.max_workers is not None else environ.get(slurm.MAX_WORKERS_ENV, "")
+    if not raw.isdigit() or int(raw) < 1:
+        raise SlurmLaunchError(f"--join needs --max-workers N >= 1, the running job's (got {raw or 'none'}): every "
+                               "worker states the servers' --num-workers")
+    _, worker_argv = role_argvs("", worker_argv)
+    env = {k: v for k, v in environ.items() if k not in (CLUSTER_ENV, "TF_CONFIG")}
+    command = [sys.executable, "-m", "worker", "--ps", args.join, "--worker-index", "auto", "--num-workers", raw,
+               *worker_argv]
+    where = environ.get("SLURMD_NODENAME", "this node")
+    what = (f"Slurm task {environ.get('SLURM_PROCID', '0')} of {environ.get('SLURM_STEP_NUM_TASKS', '1')}: "
+            f"a worker on {where} joining the job at {args.join} (its index from the server)")
+    return command, env, what
 
 
 def exit_status(returncode: int) -> int:
@@ -119,22 +156,28 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _task(args: argparse.Namespace, worker_argv: list[str]) -> tuple[list[str], dict, str, slurm.SlurmCluster | None]:
+    """(command, environment, what it is, the step's cluster; None for ``--join``) of this task."""
+    if args.join:
+        return (*join_task(args, worker_argv, dict(os.environ)), None)
+    env = child_environment(args, dict(os.environ))
+    cluster = slurm.from_environ(env)
+    server_argv, worker_argv = role_argvs(args.server_args, worker_argv)
+    if cluster.role == "ps":
+        return [sys.executable, "-m", "ps_server", *server_argv], env, cluster.describe(), cluster
+    return [sys.executable, "-m", "worker", *worker_argv], env, cluster.describe(), cluster
+
+
 def main(argv: list[str] | None = None) -> int:
     args, worker_argv = parser().parse_known_args(argv)
     try:
-        env = child_environment(args, dict(os.environ))
-        cluster = slurm.from_environ(env)
-        server_argv, worker_argv = role_argvs(args.server_args, worker_argv)
+        command, env, what, cluster = _task(args, worker_argv)
     except ConfigError as e:
         print(f"ps-slurm: error: {e}", file=sys.stderr, flush=True)
         return 2
-    if cluster.role == "ps":
-        command = [sys.executable, "-m", "ps_server", *server_argv]
-    else:
-        command = [sys.executable, "-m", "worker", *worker_argv]
     # SIGTERM when this task dies: a server still writes its final checkpoint.
     child = subprocess.Popen(dying_with_parent(command, signal.SIGTERM), env=env, stdin=subprocess.DEVNULL)
-    print(f"ps-slurm: {cluster.describe()}, pid {child.pid}", file=sys.stderr, flush=True)
+    print(f"ps-slurm: {what}, pid {child.pid}", file=sys.stderr, flush=True)
 
     def forward(signum, _frame):
         if child.poll() is None:
@@ -143,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
     status = exit_status(child.wait())
-    if status != 0 and cluster.role == "worker" and not cluster.is_chief:
+    if status != 0 and cluster is not None and cluster.role == "worker" and not cluster.is_chief:
         print(f"ps-slurm: worker {cluster.task_index} exited with status {status}; this task exits 0, the job's "
               "status is the chief's (the server's --dead-worker-policy decides whether it goes on)",
               file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@
     with HostsCluster(nodes=4) as cluster:                 # from Python (the slurm test tier)
         cluster.run(["srun", "-N4", "hostname"])          # a client on the controller's host
         cluster.down("node-2", "lost")                    # scontrol update nodename=node-2 state=down
+        cluster.resume("node-2")                          # ... state=resume
         cluster.kill_node("node-2")                       # SIGKILL its slurmd and every job step on it
 
 Each node is a host of ``ps_tools.hosts`` (its own network namespace, address, host name
@@ -161,9 +162,16 @@ class HostsCluster:
 
     def down(self, node: str, reason: str = "tfps test") -> None:
         """``scontrol update nodename=... state=down``: Slurm ends the node's job steps."""
-        done = self.run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"])
+        self._update(node, "state=down", f"reason={reason}")
+
+    def resume(self, node: str) -> None:
+        """``scontrol update nodename=... state=resume``: a node set down takes work again."""
+        self._update(node, "state=resume")
+
+    def _update(self, node: str, *settings: str) -> None:
+        done = self.run(["scontrol", "update", f"nodename={node}", *settings])
         if done.returncode != 0:
-            raise ClusterError(f"scontrol update {node} state=down: {done.stderr.strip()}")
+            raise ClusterError(f"scontrol update nodename={node} {' '.join(settings)}: {done.stderr.strip()}")
 
     def kill_node(self, node: str) -> None:
         """SIGKILL every process on ``node``'s host: its slurmd and every job step on it."""

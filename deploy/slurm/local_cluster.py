@@ -96,7 +96,8 @@ def shared_conf(root: Path, munge_socket: Path) -> list[str]:
         f"SlurmdPort={SLURMD_PORT}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={munge_socket}",
+        # cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+        f"AuthInfo=socket={munge_socket},cred_expire=20",
         f"StateSaveLocation={root / 'state'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}",

@@ -25,7 +25,9 @@ worker): ``joined`` (a first registration of the index, or a new worker on an
 index whose worker left), ``rejoined`` (registered again while its record was
 alive or declared dead: a restart, a replacement, a worker that missed its
 lease), ``left`` and ``dead``. The newest ``HISTORY_LIMIT`` are kept; ``dropped``
-counts the older ones let go. A checkpoint's restore records nothing.
+counts the older ones let go. A checkpoint's restore records nothing; its
+workers get a longer first lease (``restore``'s ``grace``) and count for
+``finished`` only once they called again.
 
 Thread-safe: one small lock guards the table and the history and is never held
 while calling out. Both clocks are injected, so tests drive time by hand.
@@ -113,6 +115,8 @@ class Membership:
         self._workers: dict[int, WorkerRecord] = {}
         self._history: collections.deque[MembershipEvent] = collections.deque(maxlen=history_limit)
         self._events = 0  # ever recorded: len(_history) + dropped
+        self._restored: set[int] = set()  # a checkpoint's workers not heard from since (``restore``)
+        self._restore_grace = 0.0
 
     def _record(self, event: str, worker_id: int, name: str, at: tuple[int, int]) -> None:
         """Under the lock: one event into the bounded history."""
@@ -152,6 +156,7 @@ class Membership:
             if old is not None:  # keep the counters of the index across restarts
                 record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
             self._workers[worker_index] = record
+            self._restored.discard(worker_index)
             self._record(JOINED if old is None or old.left else REJOINED, worker_index, name, at)
         return dataclasses.replace(record)
 
@@ -171,12 +176,18 @@ class Membership:
             f"a worker declared dead (silent for {self.lease_timeout:g} s) frees its index for a replacement"
         )
 
-    def restore(self, records: list[WorkerRecord]) -> None:
-        """Load records from a checkpoint: known indexes, leases starting now."""
+    def restore(self, records: list[WorkerRecord], grace: float = 0.0) -> None:
+        """Load records from a checkpoint: known indexes, leases starting now. Until it calls
+        (registers again, or any call of a worker that kept its registration), a restored
+        worker's lease is at least ``grace`` seconds (the time to start again: a requeued job's
+        workers start anew, not only the server), and it counts as not registered for
+        ``finished`` (module docstring)."""
         now = self._clock()
         with self._lock:
+            self._restore_grace = grace
             for r in records:
                 if 0 <= r.worker_id < self.num_workers:
+                    self._restored.add(r.worker_id)
                     self._workers[r.worker_id] = dataclasses.replace(r, last_seen=now, registered_at=now,
                                                                      dead=False, dead_since=0.0,
                                                                      last_push_done=0.0)  # another clock
@@ -193,6 +204,7 @@ class Membership:
                     f"{self.lease_timeout:g} s); register again to rejoin", reason=Reason.DECLARED_DEAD
                 )
             rec.last_seen = self._clock()
+            self._restored.discard(worker_id)  # heard from since the restore
 
     heartbeat = require
 
@@ -227,7 +239,8 @@ class Membership:
         newly = []
         with self._lock:
             for w, rec in sorted(self._workers.items()):
-                if not rec.dead and not rec.left and now - rec.last_seen > self.lease_timeout:
+                lease = max(self.lease_timeout, self._restore_grace) if w in self._restored else self.lease_timeout
+                if not rec.dead and not rec.left and now - rec.last_seen > lease:
                     rec.dead, rec.dead_since = True, now
                     newly.append(w)
                     self._record(DEAD, w, rec.name, at)
@@ -255,11 +268,17 @@ class Membership:
         """(done, left, dead): done once every index registered and each worker
         since either left (finished) or was declared dead, so nobody trains.
         ``every_index=False`` (elastic jobs, which may never fill every index): done once
-        some worker finished and every registered one left or was declared dead."""
+        some worker finished and every registered one left or was declared dead.
+        A worker restored from a checkpoint counts once it called again (``every_index``:
+        or if it had finished): a restarted server, or a requeued job's, waits for its workers
+        to start again rather than take their old records, whose leases run out meanwhile, as
+        the end; an elastic one, for a worker of its own to finish."""
         with self._lock:
-            left = sorted(i for i, r in self._workers.items() if r.left)
-            dead = sorted(i for i, r in self._workers.items() if r.dead and not r.left)
-            registered = len(self._workers)
+            workers = {i: r for i, r in self._workers.items()
+                       if i not in self._restored or (every_index and r.left)}
+            left = sorted(i for i, r in workers.items() if r.left)
+            dead = sorted(i for i, r in workers.items() if r.dead and not r.left)
+            registered = len(workers)
             if every_index:
                 done = registered == self.num_workers and len(left) + len(dead) == self.num_workers
             else:

@@ -756,7 +756,8 @@ class ParameterServer:
             self._use_clip_group(state.clip_group)
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
-        self.members.restore(list(state.members))
+        # A restored worker may take the barrier timeout to register again (a requeued job's all start anew).
+        self.members.restore(list(state.members), grace=self.barrier_timeout)
         self._use_shards(state.shard_group)
         if isinstance(data, TaskQueue):
             self._use_tasks(data)

@@ -173,6 +173,30 @@ def test_finished_once_every_index_registered_and_each_left_or_died(members, clo
     assert members.finished() == (False, [0, 2], [])
 
 
+def test_a_restored_worker_has_a_grace_to_start_again_and_counts_for_finished_once_it_registered(members, clock):
+    """A requeued job's server restores its checkpoint before the workers have started again:
+    they get ``grace`` (the barrier timeout) before they are declared dead, and the server
+    does not take their old records as the job's end."""
+    members.restore([WorkerRecord(worker_id=i, name="old", registered_at=0.0, last_seen=0.0, left=i == 2)
+                     for i in range(3)], grace=60.0)
+    clock.now += 59.0  # past the lease (10 s), within the grace to start again
+    assert members.expire() == []
+    assert members.finished() == (False, [2], [])
+    clock.now += 2.0
+    assert members.expire() == [0, 1]
+    assert members.finished() == (False, [2], [])  # 2 had finished: it counts; 0 and 1 may come back
+    assert members.finished(every_index=False) == (False, [], [])  # elastic: only workers of its own
+    members.register(0, 3)
+    members.register(1, 3)
+    clock.now += 11.0
+    assert members.expire() == [0, 1]
+    assert members.finished() == (True, [2], [0, 1])
+    members.restore([WorkerRecord(worker_id=0, name="old", registered_at=0.0, last_seen=0.0)], grace=60.0)
+    members.heartbeat(0)  # a worker that kept its registration across a server restart: heard from
+    clock.now += 11.0
+    assert members.expire() == [0]
+
+
 def test_work_and_wait_times_average_what_happens_between_and_inside_pushes(members, clock):
     members.register(0, 3)
     # Push 1 arrives at 100, done at 100.5 (0.5 s in the server); the worker then works 2 s.

@@ -7,14 +7,18 @@ daemon real and started here (``hosts_slurm``, one cluster for the module): a jo
 step runs on each node's own host (its name, its address); ``tfps.sbatch`` trains
 elastic sync across the four nodes, and again while node-3's host loses every
 process (issue 30, part 2: the same bits, every example once per epoch); the node
-comes back with its ``slurmd``; a node set down stays out. Stopping leaves no daemon,
-namespace or file behind (checked when the module's cluster stops).
+comes back with its ``slurmd``; a fixed job that loses it fails fast, and its
+requeued run resumes from the server's checkpoint (the same bits); a node set down
+stays out; an elastic job grows onto a node that came back (part 3: a second job's
+step joins it). Stopping leaves no daemon, namespace or file behind (checked when
+the module's cluster stops).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,23 +84,40 @@ ELASTIC = ["--elastic", "--dataset", "digits", "--model", "cnn", "--epochs", "3"
            "--server-args", "--mode sync --elastic-min-workers 3 --micro-batches 4 --lease-timeout 3"]
 
 
-def _submit(cluster, workdir: Path, name: str, args: list[str]) -> subprocess.Popen:
-    """``sbatch --wait --no-kill`` of the job script over the four nodes (five tasks: the
-    server and worker 0 on node-0, worker i on node-i), its output in ``workdir/name.out``."""
+def _submit(cluster, workdir: Path, name: str, args: list[str],
+            options: tuple[str, ...] = ("--no-kill", "--nodes=4", "--ntasks=5")) -> subprocess.Popen:
+    """``sbatch --wait`` of the job script with ``options`` (default: over the four nodes, five
+    tasks: the server and worker 0 on node-0, worker i on node-i; Slurm keeps the job when a
+    node fails), its output in ``workdir/name.out``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TFPS_", "SLURM_")) and k != "TF_CONFIG"}
     env.update(TFPS_PYTHON=sys.executable, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    argv = ["sbatch", "--wait", "--parsable", "--no-kill", "--nodes=4", "--ntasks=5",
-            f"--output={workdir / name}.out", str(SBATCH), *args, "--result-json", f"{workdir / name}.json",
-            "--save-weights", f"{workdir / name}.npz"]
+    argv = ["sbatch", "--wait", "--parsable", *options, f"--output={workdir / name}.out", str(SBATCH), *args]
     return subprocess.Popen(dying_with_parent(cluster.hosts.command("slurm-ctl", argv)), env=cluster.env(env),
                             cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _chief(workdir: Path, name: str) -> list[str]:
+    """The chief's flags that write its result and weights (``_finished`` reads them)."""
+    return ["--result-json", f"{workdir / name}.json", "--save-weights", f"{workdir / name}.npz"]
+
+
+def _output(workdir: Path, name: str) -> str:
+    out = workdir / f"{name}.out"
+    return out.read_text() if out.exists() else ""
+
+
+def _wait_for(job: subprocess.Popen, workdir: Path, name: str, text: str, timeout: float = 240) -> None:
+    """Until the job's output holds ``text`` (it must not end first)."""
+    deadline = time.monotonic() + timeout
+    while text not in _output(workdir, name):
+        assert job.poll() is None and time.monotonic() < deadline, f"no {text!r}: {_output(workdir, name)[-3000:]}"
+        time.sleep(0.1)
 
 
 def _finished(job: subprocess.Popen, workdir: Path, name: str) -> tuple[str, dict, dict]:
     """(the job's output, the chief's result, its weights) once the job ended with status 0."""
     _, err = job.communicate(timeout=300)
-    out = workdir / f"{name}.out"
-    text = out.read_text() if out.exists() else ""
+    text = _output(workdir, name)
     assert job.returncode == 0, err + text[-3000:]
     with np.load(workdir / f"{name}.npz") as weights:
         return text, json.loads((workdir / f"{name}.json").read_text()), {k: weights[k] for k in weights.files}
@@ -107,7 +128,7 @@ def undisturbed(hosts_slurm, tmp_path_factory):
     """The elastic job on four nodes, nothing lost: (output, result, weights)."""
     workdir = tmp_path_factory.mktemp("undisturbed")
     os.chmod(workdir, 0o755)
-    return _finished(_submit(hosts_slurm, workdir, "job", ELASTIC), workdir, "job")
+    return _finished(_submit(hosts_slurm, workdir, "job", ELASTIC + _chief(workdir, "job")), workdir, "job")
 
 
 def test_the_job_script_trains_across_four_nodes(undisturbed):
@@ -127,12 +148,8 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_to_the_same_bi
     its lease and deals its micro-batches to the others. The job ends with status 0, every
     example trained on once per epoch, and the undisturbed job's weights, bit for bit."""
     os.chmod(tmp_path, 0o755)
-    job = _submit(hosts_slurm, tmp_path, "lost", ELASTIC)
-    out = tmp_path / "lost.out"
-    deadline = time.monotonic() + 240
-    while "step 10/" not in (out.read_text() if out.exists() else ""):
-        assert job.poll() is None and time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
-        time.sleep(0.1)
+    job = _submit(hosts_slurm, tmp_path, "lost", ELASTIC + _chief(tmp_path, "lost"))
+    _wait_for(job, tmp_path, "lost", "step 10/")
     hosts_slurm.kill_node("node-3")
     text, result, weights = _finished(job, tmp_path, "lost")
     assert "Node failure on node-3" in text and "declared dead: [3]" in text, text[-3000:]
@@ -145,6 +162,41 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_to_the_same_bi
     hosts_slurm.wait_states({"node-3": "idle"}, timeout=60)
 
 
+# Fixed sync (no --elastic): every worker's shard in every round. Four workers fold the same
+# four 16-example gradients as elastic sync's four micro-batches: the same bits.
+FIXED = ["--dataset", "digits", "--model", "cnn", "--epochs", "3", "--progress", "lines"]
+
+
+def test_a_fixed_job_that_loses_a_node_fails_fast_and_its_requeued_run_resumes_from_the_checkpoint(
+        hosts_slurm, undisturbed, tmp_path):
+    """SIGKILL of node-3's host in a fixed sync job (``sbatch --requeue``): the server aborts the
+    round once worker 3's lease (3 s) ran out, the chief fails with one line and the run ends
+    with status 1 while the node is still gone (no wait for it); the server's checkpoint holds
+    the rounds done. Slurm requeues the job; once node-3's slurmd is back it runs again,
+    resumes at the checkpoint's round and ends with status 0, 3 x 1437 examples and the
+    undisturbed job's weights, bit for bit."""
+    os.chmod(tmp_path, 0o755)
+    args = [*FIXED, *_chief(tmp_path, "fixed"), "--server-args",
+            f"--mode sync --lease-timeout 3 --checkpoint-dir {tmp_path / 'ckpt'}"]
+    job = _submit(hosts_slurm, tmp_path, "fixed", args, options=("--requeue", "--nodes=4", "--ntasks=5"))
+    _wait_for(job, tmp_path, "fixed", "step 10/")
+    hosts_slurm.kill_node("node-3")
+    _wait_for(job, tmp_path, "fixed", "ends with status 1", timeout=150)
+    first = _output(tmp_path, "fixed")
+    errors = [line for line in first.splitlines() if line.startswith("1: ps-worker: error:")]  # the chief's
+    assert len(errors) == 1 and "ABORTED (worker-dead)" in errors[0] and "worker(s) 3" in errors[0], first[-3000:]
+    assert "dead-worker policy abort" in errors[0] and list((tmp_path / "ckpt").glob("ckpt-*.tfps")), first[-3000:]
+    hosts_slurm.start_node("node-3")
+    text, result, weights = _finished(job, tmp_path, "fixed")
+    assert "requeued (restart 1)" in text and "INFO ps_server: restored version" in text, text[-3000:]
+    assert text.rstrip().endswith("ends with status 0"), text[-3000:]
+    assert (result["mode"], result["workers"], result["version"]) == ("sync", 4, 69), result
+    assert result["examples"] == 3 * EXAMPLES, result
+    _, _, reference = undisturbed
+    assert sorted(weights) == sorted(reference) and all(np.array_equal(weights[k], reference[k]) for k in reference)
+    hosts_slurm.wait_states({"node-3": "idle"}, timeout=60)
+
+
 def test_a_node_set_down_stays_out_and_its_work_goes_to_the_others(hosts_slurm):
     """An operator takes node-3 out: Slurm places no work there, and it stays out."""
     hosts_slurm.down("node-3", "tfps-test")
@@ -153,3 +205,33 @@ def test_a_node_set_down_stays_out_and_its_work_goes_to_the_others(hosts_slurm):
     assert refused.returncode != 0 and refused.stderr.strip()
     three = hosts_slurm.run(["srun", "-N3", "-n3", "hostname"])
     assert three.returncode == 0 and sorted(three.stdout.split()) == ["node-0", "node-1", "node-2"], three.stderr
+
+
+def test_an_elastic_job_grows_onto_a_node_that_came_back(hosts_slurm, undisturbed, tmp_path):
+    """Node-3 is down when an elastic job starts on the other three (``--max-workers 4``:
+    the server takes four). While the job's workers pause in round 12, node-3 is resumed and
+    a second job's step there runs ``ps-slurm --join node-0:8888``: its worker gets index 3
+    from the server and computes micro-batches from the next round on. Both jobs end with
+    status 0, the first with every example once per epoch and the undisturbed weights."""
+    os.chmod(tmp_path, 0o755)
+    hosts_slurm.down("node-3", "tfps-test")
+    job = _submit(hosts_slurm, tmp_path, "job", [*ELASTIC, "--max-workers", "4", "--pause-at-step", "12",
+                                                 "--pause-for", "20", *_chief(tmp_path, "job")],
+                  options=("--no-kill", "--nodes=3", "--ntasks=4"))
+    _wait_for(job, tmp_path, "job", "step 10/")
+    hosts_slurm.resume("node-3")
+    hosts_slurm.wait_states({"node-3": "idle"}, timeout=30)
+    workers = ELASTIC[:ELASTIC.index("--server-args")]
+    join = _submit(hosts_slurm, tmp_path, "join", [*workers, "--join", "node-0:8888", "--max-workers", "4"],
+                   options=("--nodes=1", "--ntasks=1", "--nodelist=node-3"))
+    text, result, weights = _finished(job, tmp_path, "job")
+    _, err = join.communicate(timeout=120)
+    joined = _output(tmp_path, "join")
+    assert join.returncode == 0, err + joined[-3000:]
+    assert "a worker on node-3 joining the job at node-0:8888" in joined, joined[-3000:]
+    assert "registered as worker 3 of 4 (index assigned by the server)" in joined, joined[-3000:]
+    assert re.search(r"worker3: step 69/69 loss \S+ examples/s [1-9]", joined), joined[-3000:]  # it computed
+    assert "worker 3 registered (node-3:" in text and "on node-[0-2], 4 tasks" in text, text[-3000:]
+    assert result["examples"] == 3 * EXAMPLES and result["epoch_examples"] == [EXAMPLES] * 3, result
+    _, _, reference = undisturbed
+    assert sorted(weights) == sorted(reference) and all(np.array_equal(weights[k], reference[k]) for k in reference)

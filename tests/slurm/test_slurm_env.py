@@ -146,6 +146,17 @@ def test_the_worker_gets_every_server_its_index_and_the_worker_count():
     assert c.ps_addresses == ["m1:8888", "n1:8888"]
 
 
+def test_a_job_that_takes_workers_joining_later_states_its_most_workers_everywhere():
+    """TFPS_SLURM_MAX_WORKERS (ps-slurm --max-workers): every --num-workers is the job's most
+    workers, not the step's; fewer than the step's is a one-line error."""
+    server = ServerConfig.from_args([], environ=step(0, TFPS_CLUSTER="slurm", TFPS_SLURM_MAX_WORKERS="8"))
+    worker = WorkerConfig.from_args([], environ=step(3, TFPS_CLUSTER="slurm", TFPS_SLURM_MAX_WORKERS="8"))
+    assert (server.num_workers, worker.num_workers, worker.worker_index) == (8, 8, 2)
+    assert cluster(step(3, TFPS_SLURM_MAX_WORKERS="8")).num_workers == 6  # the step's own
+    with pytest.raises(ConfigError, match="^TFPS_SLURM_MAX_WORKERS=5 is fewer than the step's 6 workers$"):
+        cluster(step(3, TFPS_SLURM_MAX_WORKERS="5"))
+
+
 def test_slurm_replaces_tf_config_and_is_read_only_when_asked_for():
     tf_config = '{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": {"type": "worker", "index": 0}}'
     assert WorkerConfig.from_args([], environ=step(1, TFPS_CLUSTER="slurm", TF_CONFIG=tf_config)).ps == "m1:8888"
@@ -181,6 +192,7 @@ def test_ps_slurm_gives_the_servers_exit_when_done_and_the_workers_their_flags()
     ("--mode bulk", [], "--server-args: argument --mode: invalid choice: 'bulk'"),
     ("--mode 'sync", [], "--server-args \"--mode 'sync\": No closing quotation"),
     ("", ["--no-such-flag"], "ps-worker flags: unrecognized arguments: --no-such-flag"),
+    ("", ["--ps", "a:1"], "ps-worker flags: --ps is set from the Slurm environment; leave it out"),
 ])
 def test_ps_slurm_refuses_what_slurm_decides_and_bad_flags_in_one_line(server_args, worker_argv, message):
     from ps_tools.slurm import SlurmLaunchError, role_argvs
@@ -208,3 +220,32 @@ def test_ps_slurm_passes_its_flags_as_the_variables_and_a_signal_as_128_plus_it(
     assert env == {"PATH": "/bin", "TFPS_CLUSTER": "slurm", "TFPS_SLURM_NUM_PS": "2", "TFPS_SLURM_PORT_BASE": "9000"}
     assert rest == ["--epochs", "1"]
     assert (exit_status(-9), exit_status(1), exit_status(0)) == (137, 1, 0)
+
+
+def test_ps_slurm_join_makes_every_task_a_worker_of_the_running_job_with_an_index_from_the_server():
+    from ps_tools.slurm import join_task, parser
+
+    environ = {**step(2, SLURMD_NODENAME="n9", TFPS_CLUSTER="slurm"), "TF_CONFIG": "{}", "PATH": "/bin"}
+    args, rest = parser().parse_known_args(["--join", "n1:8888", "--max-workers", "4", "--elastic", "--epochs", "3"])
+    command, env, what = join_task(args, rest, environ)
+    assert command[1:] == ["-m", "worker", "--ps", "n1:8888", "--worker-index", "auto", "--num-workers", "4",
+                           "--elastic", "--epochs", "3"]
+    assert "TFPS_CLUSTER" not in env and "TF_CONFIG" not in env and env["PATH"] == "/bin"  # its cluster is its flags
+    assert what == "Slurm task 2 of 7: a worker on n9 joining the job at n1:8888 (its index from the server)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--join", "n1:8888"], "--join needs --max-workers N >= 1, the running job's (got none): every worker states the "
+     "servers' --num-workers"),
+    (["--join", "n1:8888", "--max-workers", "4", "--server-args", "--mode sync"],
+     "--join: every task of this step is a worker; leave out --server-args and --num-ps"),
+    (["--join", "n1:8888", "--max-workers", "4", "--worker-index", "3"],
+     "ps-worker flags: --worker-index is set from the Slurm environment; leave it out"),
+])
+def test_ps_slurm_join_refuses_in_one_line(argv, message):
+    from ps_tools.slurm import SlurmLaunchError, join_task, parser
+
+    args, rest = parser().parse_known_args(argv)
+    with pytest.raises(SlurmLaunchError) as e:
+        join_task(args, rest, step(0))
+    assert str(e.value) == message
