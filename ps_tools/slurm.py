@@ -55,6 +55,7 @@ from ps_common import slurm
 from ps_common.procs import dying_with_parent
 from ps_common.settings import CLUSTER_ENV, ConfigError
 
+STATUS_ENV = "TFPS_SLURM_STATUS"  # tfps.sbatch: where the servers and the chief write their status (record_status)
 _SERVER_DECIDED = ("port", "num_workers")  # ps-server flags the Slurm environment sets
 _WORKER_DECIDED = ("ps", "worker_index", "num_workers")
 
@@ -96,9 +97,10 @@ def _parse_or_raise(p: argparse.ArgumentParser, argv: list[str], what: str) -> a
     return p.parse_args(argv)
 
 
-def role_argvs(server_args: str, worker_argv: list[str]) -> tuple[list[str], list[str]]:
+def role_argvs(server_args: str, worker_argv: list[str],
+               by: str = "the Slurm environment") -> tuple[list[str], list[str]]:
     """(ps-server argv, ps-worker argv) after the program, each checked by its command's parser
-    and for flags the Slurm environment decides."""
+    and for flags ``by`` decides."""
     from ps_server.config import ServerConfig
     from worker.config import WorkerConfig
 
@@ -114,8 +116,8 @@ def role_argvs(server_args: str, worker_argv: list[str]) -> tuple[list[str], lis
         taken = [f"--{d.replace('_', '-')}" for d in decided if getattr(args, d, None) is not None]
         if taken:
             one = len(taken) == 1
-            raise SlurmLaunchError(f"{name}: {', '.join(taken)} {'is' if one else 'are'} set from the Slurm "
-                                   f"environment; leave {'it' if one else 'them'} out")
+            raise SlurmLaunchError(f"{name}: {', '.join(taken)} {'is' if one else 'are'} set from {by}; "
+                                   f"leave {'it' if one else 'them'} out")
     return server_argv, list(worker_argv)
 
 
@@ -141,7 +143,7 @@ def join_task(args: argparse.Namespace, worker_argv: list[str], environ: dict) -
     if not raw.isdigit() or int(raw) < 1:
         raise SlurmLaunchError(f"--join needs --max-workers N >= 1, the running job's (got {raw or 'none'}): every "
                                "worker states the servers' --num-workers")
-    _, worker_argv = role_argvs("", worker_argv)
+    _, worker_argv = role_argvs("", worker_argv, by="--join and --max-workers")
     env = {k: v for k, v in environ.items() if k not in (CLUSTER_ENV, "TF_CONFIG")}
     command = [sys.executable, "-m", "worker", "--ps", args.join, "--worker-index", "auto", "--num-workers", raw,
                *worker_argv]
@@ -154,6 +156,26 @@ def join_task(args: argparse.Namespace, worker_argv: list[str], environ: dict) -
 def exit_status(returncode: int) -> int:
     """A child's status as a shell gives it: 128 + S for a child killed by signal S."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def record_status(environ: dict, cluster: slurm.SlurmCluster | None, status: int) -> None:
+    """With ``TFPS_SLURM_STATUS=PREFIX`` (``tfps.sbatch`` sets it): a server writes its status to
+    ``PREFIX.ps-I``, the chief ``STATUS NUM_PS`` to ``PREFIX.chief``. The script takes the job's
+    status from them, not from ``srun``, whose status is its tasks' highest: a worker's task
+    that Slurm killed (its node set down) would fail a job that trained to its end. A file
+    that cannot be written is said and skipped (srun's status then stands)."""
+    prefix = environ.get(STATUS_ENV)
+    if not prefix or cluster is None or not (cluster.role == "ps" or cluster.is_chief):
+        return
+    path, text = ((f"{prefix}.ps-{cluster.task_index}", f"{status}\n") if cluster.role == "ps" else
+                  (f"{prefix}.chief", f"{status} {cluster.num_ps}\n"))
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"{path}.tmp", path)
+    except OSError as e:
+        print(f"ps-slurm: cannot record this task's status in {path} ({e}); the job's is srun's", file=sys.stderr,
+              flush=True)
 
 
 def _task(args: argparse.Namespace, worker_argv: list[str]) -> tuple[list[str], dict, str, slurm.SlurmCluster | None]:
@@ -186,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
     status = exit_status(child.wait())
+    record_status(env, cluster, status)
     if status != 0 and cluster is not None and cluster.role == "worker" and not cluster.is_chief:
         print(f"ps-slurm: worker {cluster.task_index} exited with status {status}; this task exits 0, the job's "
               "status is the chief's (the server's --dead-worker-policy decides whether it goes on)",

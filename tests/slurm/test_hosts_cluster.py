@@ -9,8 +9,8 @@ elastic sync across the four nodes, and again while node-3's host loses every
 process (issue 30, part 2: the same bits, every example once per epoch); the node
 comes back with its ``slurmd``; a fixed job that loses it fails fast, and its
 requeued run resumes from the server's checkpoint (the same bits); a node set down
-stays out; an elastic job grows onto a node that came back (part 3: a second job's
-step joins it). Stopping leaves no daemon, namespace or file behind (checked when
+stays out; an elastic job goes on when a node is set down under it, and grows onto
+it when it is back (part 3: a second job's step joins it). Stopping leaves no daemon, namespace or file behind (checked when
 the module's cluster stops).
 """
 
@@ -205,33 +205,41 @@ def test_a_node_set_down_stays_out_and_its_work_goes_to_the_others(hosts_slurm):
     assert refused.returncode != 0 and refused.stderr.strip()
     three = hosts_slurm.run(["srun", "-N3", "-n3", "hostname"])
     assert three.returncode == 0 and sorted(three.stdout.split()) == ["node-0", "node-1", "node-2"], three.stderr
+    hosts_slurm.resume("node-3")  # and back
+    hosts_slurm.wait_states({"node-3": "idle"}, timeout=30)
 
 
-def test_an_elastic_job_grows_onto_a_node_that_came_back(hosts_slurm, undisturbed, tmp_path):
-    """Node-3 is down when an elastic job starts on the other three (``--max-workers 4``:
-    the server takes four). While the job's workers pause in round 12, node-3 is resumed and
-    a second job's step there runs ``ps-slurm --join node-0:8888``: its worker gets index 3
-    from the server and computes micro-batches from the next round on. Both jobs end with
-    status 0, the first with every example once per epoch and the undisturbed weights."""
+def test_an_elastic_job_goes_on_when_a_node_is_set_down_and_grows_onto_it_when_it_is_back(hosts_slurm, undisturbed,
+                                                                                         tmp_path):
+    """The elastic job, taking up to five workers (``--max-workers 5``), on four nodes. Once it
+    trains, an operator sets node-3 down: Slurm kills worker 3's task and the step goes on
+    (``srun --no-kill``); the server declares worker 3 dead. While the workers pause in round
+    12, node-3 is resumed and a second job's step there runs ``ps-slurm --join node-0:8888``:
+    its worker gets index 4 from the server and computes micro-batches from the next round on.
+    Both jobs end with status 0 (the first's is its server's and chief's, not the killed
+    task's), the first with every example once per epoch and the undisturbed weights."""
     os.chmod(tmp_path, 0o755)
-    hosts_slurm.down("node-3", "tfps-test")
-    job = _submit(hosts_slurm, tmp_path, "job", [*ELASTIC, "--max-workers", "4", "--pause-at-step", "12",
-                                                 "--pause-for", "20", *_chief(tmp_path, "job")],
-                  options=("--no-kill", "--nodes=3", "--ntasks=4"))
+    job = _submit(hosts_slurm, tmp_path, "job", [*ELASTIC, "--max-workers", "5", "--pause-at-step", "12",
+                                                 "--pause-for", "20", *_chief(tmp_path, "job")])
     _wait_for(job, tmp_path, "job", "step 10/")
+    hosts_slurm.down("node-3", "tfps-test")
+    _wait_for(job, tmp_path, "job", "declared dead", timeout=60)
     hosts_slurm.resume("node-3")
     hosts_slurm.wait_states({"node-3": "idle"}, timeout=30)
     workers = ELASTIC[:ELASTIC.index("--server-args")]
-    join = _submit(hosts_slurm, tmp_path, "join", [*workers, "--join", "node-0:8888", "--max-workers", "4"],
+    join = _submit(hosts_slurm, tmp_path, "join", [*workers, "--join", "node-0:8888", "--max-workers", "5"],
                    options=("--nodes=1", "--ntasks=1", "--nodelist=node-3"))
     text, result, weights = _finished(job, tmp_path, "job")
     _, err = join.communicate(timeout=120)
     joined = _output(tmp_path, "join")
     assert join.returncode == 0, err + joined[-3000:]
     assert "a worker on node-3 joining the job at node-0:8888" in joined, joined[-3000:]
-    assert "registered as worker 3 of 4 (index assigned by the server)" in joined, joined[-3000:]
-    assert re.search(r"worker3: step 69/69 loss \S+ examples/s [1-9]", joined), joined[-3000:]  # it computed
-    assert "worker 3 registered (node-3:" in text and "on node-[0-2], 4 tasks" in text, text[-3000:]
+    assert "registered as worker 4 of 5 (index assigned by the server)" in joined, joined[-3000:]
+    assert re.search(r"worker4: step 69/69 loss \S+ examples/s [1-9]", joined), joined[-3000:]  # it computed
+    assert "node-3: task 4: Killed" in text, text[-3000:]
+    assert re.search(r"worker\(s\) 3 \(node-3:\d+\) declared dead", text), text[-3000:]
+    assert "worker 4 registered (node-3:" in text and text.rstrip().endswith("ends with status 0"), text[-3000:]
     assert result["examples"] == 3 * EXAMPLES and result["epoch_examples"] == [EXAMPLES] * 3, result
     _, _, reference = undisturbed
     assert sorted(weights) == sorted(reference) and all(np.array_equal(weights[k], reference[k]) for k in reference)
+    assert not list(tmp_path.glob(".tfps-*"))  # the job script's status files are gone

@@ -240,7 +240,7 @@ def test_ps_slurm_join_makes_every_task_a_worker_of_the_running_job_with_an_inde
     (["--join", "n1:8888", "--max-workers", "4", "--server-args", "--mode sync"],
      "--join: every task of this step is a worker; leave out --server-args and --num-ps"),
     (["--join", "n1:8888", "--max-workers", "4", "--worker-index", "3"],
-     "ps-worker flags: --worker-index is set from the Slurm environment; leave it out"),
+     "ps-worker flags: --worker-index is set from --join and --max-workers; leave it out"),
 ])
 def test_ps_slurm_join_refuses_in_one_line(argv, message):
     from ps_tools.slurm import SlurmLaunchError, join_task, parser
@@ -249,3 +249,18 @@ def test_ps_slurm_join_refuses_in_one_line(argv, message):
     with pytest.raises(SlurmLaunchError) as e:
         join_task(args, rest, step(0))
     assert str(e.value) == message
+
+
+def test_ps_slurm_records_the_servers_and_the_chiefs_status_for_the_job_script(tmp_path, capsys):
+    """tfps.sbatch takes the job's status from these files (srun's counts a worker Slurm killed)."""
+    from ps_tools.slurm import record_status
+
+    environ = {"TFPS_SLURM_STATUS": str(tmp_path / ".tfps-7")}
+    two = {"TFPS_SLURM_NUM_PS": "2"}
+    for rank, status in [(0, 0), (1, 3), (2, 1), (3, 137)]:  # ps 0, ps 1, the chief, worker 1
+        record_status(environ, cluster(step(rank, **two)), status)
+    record_status({}, cluster(step(2, **two)), 5)  # not asked: nothing written
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {
+        ".tfps-7.ps-0": "0\n", ".tfps-7.ps-1": "3\n", ".tfps-7.chief": "1 2\n"}
+    record_status({"TFPS_SLURM_STATUS": str(tmp_path / "missing" / "x")}, cluster(step(1)), 0)  # the chief
+    assert "cannot record this task's status in" in capsys.readouterr().err
