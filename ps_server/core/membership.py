@@ -27,7 +27,7 @@ alive or declared dead: a restart, a replacement, a worker that missed its
 lease), ``left`` and ``dead``. The newest ``HISTORY_LIMIT`` are kept; ``dropped``
 counts the older ones let go. A checkpoint's restore records nothing; its
 workers get a longer first lease (``restore``'s ``grace``) and count for
-``finished`` only once they called again.
+``finished`` only once they called again or that lease ran out.
 
 Thread-safe: one small lock guards the table and the history and is never held
 while calling out. Both clocks are injected, so tests drive time by hand.
@@ -180,8 +180,8 @@ class Membership:
         """Load records from a checkpoint: known indexes, leases starting now. Until it calls
         (registers again, or any call of a worker that kept its registration), a restored
         worker's lease is at least ``grace`` seconds (the time to start again: a requeued job's
-        workers start anew, not only the server), and it counts as not registered for
-        ``finished`` (module docstring)."""
+        workers start anew, not only the server), and until then it counts as not registered
+        for ``finished``."""
         now = self._clock()
         with self._lock:
             self._restore_grace = grace
@@ -269,13 +269,13 @@ class Membership:
         since either left (finished) or was declared dead, so nobody trains.
         ``every_index=False`` (elastic jobs, which may never fill every index): done once
         some worker finished and every registered one left or was declared dead.
-        A worker restored from a checkpoint counts once it called again (``every_index``:
-        or if it had finished): a restarted server, or a requeued job's, waits for its workers
-        to start again rather than take their old records, whose leases run out meanwhile, as
-        the end; an elastic one, for a worker of its own to finish."""
+        A worker restored from a checkpoint counts once it called again, or was declared dead
+        after ``restore``'s grace (``every_index``: or if it had finished): a restarted server,
+        or a requeued job's, waits for its workers to start again rather than take their old
+        records as the end; an elastic one, for a worker of its own to finish."""
         with self._lock:
             workers = {i: r for i, r in self._workers.items()
-                       if i not in self._restored or (every_index and r.left)}
+                       if i not in self._restored or r.dead or (every_index and r.left)}
             left = sorted(i for i, r in workers.items() if r.left)
             dead = sorted(i for i, r in workers.items() if r.dead and not r.left)
             registered = len(workers)
