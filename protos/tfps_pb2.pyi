@@ -114,18 +114,20 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ..., beta_2_decay: _Optional[float] = ..., epsilon_1: _Optional[float] = ..., epsilon_2: _Optional[float] = ..., clip_threshold: _Optional[float] = ..., relative_step: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_index", "num_workers", "worker_name", "shm_push_name", "shm_pull_name")
+    __slots__ = ("worker_index", "num_workers", "worker_name", "shm_push_name", "shm_pull_name", "process")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_PUSH_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_PULL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     num_workers: int
     worker_name: str
     shm_push_name: str
     shm_pull_name: str
-    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ..., shm_push_name: _Optional[str] = ..., shm_pull_name: _Optional[str] = ...) -> None: ...
+    process: str
+    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., worker_name: _Optional[str] = ..., shm_push_name: _Optional[str] = ..., shm_pull_name: _Optional[str] = ..., process: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("mode", "num_workers", "worker_id", "initialized", "version", "barrier_timeout_s", "round", "lease_timeout_s", "incarnation", "shm_token", "shm_nonce", "shm_error", "round_restored", "sparse_rule")
@@ -500,7 +502,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "last_step", "last_seen_age_s", "left", "pushes", "dead", "dropped", "work_s", "wait_s")
+    __slots__ = ("worker_id", "worker_name", "last_step", "last_seen_age_s", "left", "pushes", "dead", "dropped", "work_s", "wait_s", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +513,7 @@ class WorkerStatus(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     WORK_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_name: str
     last_step: int
@@ -521,7 +524,8 @@ class WorkerStatus(_message.Message):
     dropped: int
     work_s: float
     wait_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ..., work_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., last_step: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., left: _Optional[bool] = ..., pushes: _Optional[int] = ..., dead: _Optional[bool] = ..., dropped: _Optional[int] = ..., work_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("mode", "num_workers", "initialized", "version", "round", "waiting_for", "workers", "pushes_applied", "examples_applied", "mean_staleness", "max_staleness_seen", "optimizer", "num_variables", "num_parameters", "uptime_s", "rounds_timed_out", "last_loss", "incarnation", "pushes_dropped", "pushes_replayed", "rounds_aborted", "dead_worker_policy", "replicas_to_aggregate", "lease_timeout_s", "active_workers", "last_checkpoint_version", "checkpoint_age_s", "staleness", "max_ahead", "stale_gradient_policy", "max_staleness", "pushes_scaled", "optimizer_iterations", "learning_rate_now", "epoch_examples", "num_examples", "tasks_total", "tasks_done", "tasks_held", "tasks_queued", "membership", "membership_dropped")

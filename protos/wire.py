@@ -113,7 +113,10 @@ def channel_options(max_bytes: int | None = None) -> list[tuple[str, int]]:
 # UNAVAILABLE, which workers ride out by reconnecting. Without it a cut link (a
 # container disconnected from its network, a host gone without a FIN) leaves calls
 # waiting for their deadlines, a minute or more. The server lets clients ping that
-# often (gRPC's default would answer such pings with GOAWAY "too_many_pings").
+# often (gRPC's default would answer such pings with GOAWAY "too_many_pings"): its
+# argument is "grpc.http2.min_ping_interval_without_data_ms" (the C macro is named
+# ..._MIN_RECV_PING_INTERVAL_...; a key spelled after the macro is ignored, and a worker
+# waiting in one call past three pings, ~30 s, was cut off).
 KEEPALIVE_MS = 10_000
 
 
@@ -141,7 +144,7 @@ def server_options(max_bytes: int | None = None, workers: int = 1) -> list[tuple
     options = channel_options(max_bytes) + [
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ]
     if workers >= MANY_WORKERS:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]

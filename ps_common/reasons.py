@@ -36,6 +36,7 @@ class Reason(enum.Enum):
     NOT_IN_ROUND = "not-in-round"  # sync: this worker was dropped from the rounds
     NOT_JOINED = "not-joined"  # elastic sync: this worker is not among the round's live workers
     NO_FREE_INDEX = "no-free-index"  # every worker index is taken
+    SUPERSEDED = "superseded"  # another process took this worker's index since: this one must stop
     LATE = "late"  # the round this push is for completed without it
     EARLY = "early"  # the round this push is for has not started
     DUPLICATE = "duplicate"  # a second push of this worker for the same round

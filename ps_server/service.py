@@ -61,6 +61,7 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     errors.ConfigMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     errors.UnknownWorker: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NoFreeIndex: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Superseded: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StaleRound: grpc.StatusCode.FAILED_PRECONDITION,
     errors.FutureRound: grpc.StatusCode.OUT_OF_RANGE,
     errors.DuplicatePush: grpc.StatusCode.ALREADY_EXISTS,
@@ -359,7 +360,8 @@ def optimizer_from_wire(msg: pb.OptimizerConfig) -> OptimizerSpec:
 WORKER_STATUS = convert.Conversion(
     WorkerRecord, pb.WorkerStatus,
     rename={"name": "worker_name", "last_seen": "last_seen_age_s"},  # the age is taken at the call (Status)
-    local={"registered_at", "dead_since", "last_push_done"},  # the server's own clock readings
+    local={"registered_at", "dead_since", "last_push_done",  # the server's own clock readings
+           "process", "replaced"},  # the process's token stays on the server
 )
 MEMBERSHIP_EVENT = convert.Conversion(MembershipEvent, pb.MembershipEvent, rename={"name": "worker_name"})
 STATUS = convert.Conversion(
@@ -488,7 +490,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Register(self, request, context):
-        reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer())
+        if not request.HasField("worker_index"):
+            raise errors.InvalidArgument("Register needs worker_index: this worker's index, or -1 for the server to "
+                                         "assign one; a request without it is refused, never taken as the chief")
+        reg = self.core.register(request.worker_index, request.num_workers, request.worker_name or context.peer(),
+                                 process=request.process)
         self.segments.drop(reg.worker_id)  # a new registration brings its own segments, if any
         reply = convert.REGISTRATION.to_wire(reg)
         fast_path = ""

@@ -49,6 +49,7 @@ import dataclasses
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 from typing import Iterable, Mapping
@@ -143,6 +144,9 @@ class PSClient:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
         self.timeout = timeout
+        # Register's token (RegisterRequest.process): this client's registrations are one process's,
+        # one incarnation of its index; a worker started again makes a new client, a new incarnation.
+        self.process = secrets.token_hex(8)
         self.grad_wire_dtype = grad_wire_dtype
         self.small_bytes = small_bytes
         self.max_message_bytes = wire.max_message_bytes() if max_message_bytes is None else max_message_bytes
@@ -221,7 +225,8 @@ class PSClient:
     def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
         """Join the cluster; with ``shm``, probe the same-host fast path too (every time:
         a restarted server may run elsewhere)."""
-        request = pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name)
+        request = pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name,
+                                     process=self.process)
         shared = self.shared_memory
         shared.active = False
         self.cache.fresh = False

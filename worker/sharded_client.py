@@ -461,6 +461,7 @@ WORKER_RULES: dict[str, Callable] = {
     "pushes": min,  # the pushes every shard has counted
     "dead": any,  # dead when any shard declared it so
     "dropped": max,  # each drop happens on every shard
+    "incarnation": max,  # a shard that saw the newest process
     "work_s": max,  # the slowest view of its time between pushes
     "wait_s": max,  # its longest wait inside a shard's push
 }

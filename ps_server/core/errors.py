@@ -69,6 +69,13 @@ class UnknownWorker(PSError):
     reason = Reason.NOT_REGISTERED
 
 
+class Superseded(PSError):
+    """A worker process registers again for an index that another process has taken since
+    (``core.membership``: incarnations)."""
+
+    reason = Reason.SUPERSEDED
+
+
 class NoFreeIndex(PSError):
     """An auto-index registration found every worker index taken by a live or finished worker."""
 

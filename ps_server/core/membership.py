@@ -6,6 +6,7 @@
     members.require(0)            # renews the lease; UnknownWorker if never registered or dead
     newly_dead = members.expire() # workers silent for longer than the lease timeout
     members.register(1, at=(7, 7))  # ``at``: the (round, version) the server is at, for the history
+    members.register(1, process="4f1c...")  # a process token: the same process again, or a new incarnation
     members.history()             # [MembershipEvent(wall_time, round, version, "joined", 1, name), ...]
 
 A worker holds a lease, renewed by every call it makes (``require``) and by
@@ -18,6 +19,17 @@ A worker that does not know its index (identical containers scaled by
 ``docker compose --scale``) registers with ``AUTO_INDEX`` and gets the lowest
 index nobody registered yet, else the lowest one whose worker was declared dead
 (it replaces that worker); never one whose worker finished (left) or is alive.
+
+Incarnations: a worker process sends a token of its own (``process``, random per
+process). A registration of an index by another process than the one holding it (a
+restarted worker on its old index, ``AUTO_INDEX`` handed a dead worker's) is a new
+incarnation of the index: the record's ``incarnation`` goes up by one, and the server
+forgets what it remembered of the old one (``ParameterServer.register``: its last step
+and replay record, its held tasks). The same process registering again (a rejoin after
+a lease it missed, or after the server restarted) keeps its incarnation. A process whose
+index another process has since taken is refused when it registers again
+(``Superseded``): it must not act for an index that is not its own any more. A
+registration without a token is a new incarnation every time.
 
 Membership over time: every change is recorded as a ``MembershipEvent`` (wall
 time, the round and version the caller says the server is at, what happened, the
@@ -43,7 +55,7 @@ from typing import Callable
 
 from ps_common.defaults import LEASE_TIMEOUT
 from ps_common.reasons import Reason
-from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, UnknownWorker
+from ps_server.core.errors import ConfigMismatch, InvalidArgument, NoFreeIndex, Superseded, UnknownWorker
 
 AUTO_INDEX = -1  # register(AUTO_INDEX): the server assigns the index
 
@@ -67,8 +79,12 @@ class WorkerRecord:
     work_s: float = 0.0
     wait_s: float = 0.0
     last_push_done: float = 0.0
+    process: str = ""  # the registered process's own token ("" when it sent none)
+    incarnation: int = 0  # how many processes held this index: 1 for the first, +1 for each new one
+    replaced: bool = False  # this process took the index from another, which had not left
 
 
+SUPERSEDED_KEPT = 64  # per index: the tokens of the processes that held it before, refused if they come back
 HISTORY_LIMIT = 1000  # membership events kept (the newest); a job's churn, not its pushes
 
 JOINED, REJOINED, LEFT, DEAD = "joined", "rejoined", "left", "dead"
@@ -117,6 +133,7 @@ class Membership:
         self._events = 0  # ever recorded: len(_history) + dropped
         self._restored: set[int] = set()  # a checkpoint's workers not heard from since (``restore``)
         self._restore_grace = 0.0
+        self._superseded: dict[int, collections.deque[str]] = {}  # index -> tokens of its earlier processes
 
     def _record(self, event: str, worker_id: int, name: str, at: tuple[int, int]) -> None:
         """Under the lock: one event into the bounded history."""
@@ -135,7 +152,11 @@ class Membership:
             return self._events - len(self._history)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "",
-                 at: tuple[int, int] = NOWHERE) -> WorkerRecord:
+                 at: tuple[int, int] = NOWHERE, process: str = "") -> WorkerRecord:
+        """The index's new record (a copy). ``process``: the registering process's token; its
+        ``incarnation`` is the old record's when the same process registers again, one more
+        otherwise (module docstring). Superseded when another process took the index since
+        this one held it."""
         who = "a worker" if worker_index == AUTO_INDEX else f"worker {worker_index}"
         if claimed_num_workers and claimed_num_workers != self.num_workers:
             raise ConfigMismatch(
@@ -151,10 +172,22 @@ class Membership:
         with self._lock:
             if worker_index == AUTO_INDEX:
                 worker_index = self._free_index()
-            record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now)
             old = self._workers.get(worker_index)
+            if process and process in self._superseded.get(worker_index, ()):
+                holder = f" ({old.name})" if old is not None and old.name else ""
+                raise Superseded(f"worker index {worker_index} is held by another process{holder}, started after "
+                                 f"this one ({name or 'no name'}) was declared dead or replaced; this process "
+                                 f"must stop: it no longer trains as worker {worker_index}")
+            same = old is not None and bool(process) and old.process == process
+            record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now,
+                                  process=process, incarnation=old.incarnation if same else
+                                  (old.incarnation if old is not None else 0) + 1,
+                                  replaced=old is not None and not old.left and not same)
             if old is not None:  # keep the counters of the index across restarts
                 record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
+                if old.process and not same:
+                    self._superseded.setdefault(worker_index, collections.deque(maxlen=SUPERSEDED_KEPT)).append(
+                        old.process)
             self._workers[worker_index] = record
             self._restored.discard(worker_index)
             self._record(JOINED if old is None or old.left else REJOINED, worker_index, name, at)

@@ -201,8 +201,18 @@ class ParameterServer:
             self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite,
                                   stale_policy=stale_gradient_policy, max_staleness=max_staleness, apply=async_apply)
 
-    def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "") -> Registration:
-        rec = self.members.register(worker_index, claimed_num_workers, name, at=self._position())
+    def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "",
+                 process: str = "") -> Registration:
+        """Register (or register again) a worker process (``process``: its token). A process that
+        takes an index from another (``WorkerRecord.replaced``: a restarted worker on its old index,
+        an auto index handed a dead worker's) is a new incarnation: what the old one left (its
+        last step and replay record, the tasks it held) is forgotten at once, so nothing of it
+        answers or blocks the new one (``core.membership``)."""
+        rec = self.members.register(worker_index, claimed_num_workers, name, at=self._position(), process=process)
+        if rec.replaced:
+            self.mode.worker_replaced(rec.worker_id)
+            if self.tasks is not None:
+                self._tasks_back(rec.worker_id, self.tasks.lost(rec.worker_id), "another process took its index")
         self.mode.worker_joined(rec.worker_id)
         # What a worker learns when it joins is the status's (mode, version, round, lease,
         # incarnation, ...), read once from there, plus its id and the barrier timeout.
@@ -319,7 +329,7 @@ class ParameterServer:
     def _use_tasks(self, tasks: TaskQueue) -> None:
         """Deal the job's data as ``tasks``: each push of one is applied and recorded done
         inside the gate (``checkpoint_state``)."""
-        self.mode.deal_tasks(self._gate.applying, self._task_applied)
+        self.mode.deal_tasks(self._gate.applying, self._task_applied, self._task_answer)
         self.tasks = tasks
 
     def _tasks_of(self, plan: "DataPlan | None", group: ShardGroup | None = None) -> TaskQueue | None:
@@ -534,6 +544,13 @@ class ParameterServer:
             raise InvalidArgument(f"task {push.task} holds {size} examples; this push says batch_size "
                                   f"{push.batch_size} (the task goes back to the queue)")
         return None
+
+    def _task_answer(self, push: Push) -> PushResult | None:
+        """The recorded answer of ``push`` when its task is done already (a retry's second copy)."""
+        record = self.tasks.record(push.task)
+        if record is None:
+            return None
+        return PushResult(version=record.version, staleness=0, next_step=push.step + 1, replayed=True)
 
     def _task_applied(self, push: Push, result: PushResult) -> None:
         """The mode applied a task's push (done: its examples counted) or dropped it (too
@@ -817,15 +834,13 @@ class ParameterServer:
         if self.tasks is not None:
             t = self.tasks
             ts = t.status()
-            return dict(epoch_examples=tuple(t.examples_done(e) for e in range(min(ts.epoch + 1, t.epochs))),
+            return dict(epoch_examples=t.epoch_examples(),
                         num_examples=t.num_examples, tasks_total=ts.total, tasks_done=ts.done,
                         tasks_held=ts.held, tasks_queued=ts.queued)
         ledger = self.mode.ledger
         if ledger is None:
             return {}
-        epochs = ledger.epochs()
-        return dict(epoch_examples=tuple(ledger.count(e) for e in range(epochs[-1] + 1)) if epochs else (),
-                    num_examples=ledger.num_examples)
+        return dict(epoch_examples=ledger.counts(), num_examples=ledger.num_examples)
 
 
 __all__ = ["ParameterServer", "Push", "PushResult", "Registration", "Status"]

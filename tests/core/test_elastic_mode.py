@@ -254,3 +254,17 @@ def test_deaths_and_joins_at_random_moments_end_with_the_undisturbed_bits_every_
         np.testing.assert_array_equal(disturbed[name], undisturbed[name])
     assert mode.ledger.count(0) == mode.ledger.count(1) == mode.ledger.count(2) == EXAMPLES
     assert np.abs(undisturbed["w"]).max() > 0.05
+
+
+def test_a_restored_round_goes_on_with_fewer_workers_than_min_workers():
+    # docs/elastic.md: the minimum gates the job's first round only, across restores too.
+    mode, store = make(min_workers=2, workers=(0, 1))
+    for w in (0, 1):
+        work = mode.work(w).result()
+        for i in range(len(work.micro_batches)):
+            mode.submit(push_of(mode, store, w, work, i))
+    _, status = mode.export_state()
+    restored, _ = make(min_workers=2, workers=())
+    restored.restore(status)
+    restored.worker_joined(0)  # one live worker of a minimum of two
+    assert restored.work(0).result(5.0) == Work(1, (0, 1, 2, 3), (4, 4, 4, 4))

@@ -278,3 +278,41 @@ def test_a_caller_that_does_not_say_where_the_server_is_records_round_and_versio
     members.register(0, 3)
     (e,) = members.history()
     assert (e.round, e.version, e.event) == (-1, -1, "joined")
+
+
+# -- incarnations: one process per index at a time -----------------------------------------------
+
+def test_the_same_process_registering_again_keeps_its_incarnation(members):
+    assert members.register(1, process="a").incarnation == 1
+    again = members.register(1, process="a")  # a rejoin: a lease it missed, a server restart
+    assert (again.incarnation, again.replaced) == (1, False)
+
+
+def test_another_process_on_an_index_is_its_next_incarnation_and_replaces_a_live_one(members):
+    members.register(1, process="a")
+    new = members.register(1, process="b")  # a worker restarted on its old index
+    assert (new.incarnation, new.replaced, new.process) == (2, True, "b")
+
+
+def test_a_process_whose_index_another_took_is_refused_when_it_registers_again(members):
+    from ps_server.core.errors import Superseded
+    members.register(1, name="host:1", process="a")
+    members.register(1, name="host:2", process="b")
+    with pytest.raises(Superseded, match=r"worker index 1 is held by another process \(host:2\)"):
+        members.register(1, name="host:1", process="a")
+    assert members.snapshot()[0].process == "b"  # the refusal changed nothing
+
+
+def test_an_auto_index_handed_a_dead_workers_index_is_a_new_incarnation(members, clock):
+    for i in range(3):
+        members.register(i, process=f"p{i}")
+    clock.now += members.lease_timeout + 1
+    members.expire()
+    new = members.register(AUTO_INDEX, process="q")
+    assert (new.worker_id, new.incarnation, new.replaced) == (0, 2, True)
+
+
+def test_a_new_process_on_an_index_whose_worker_left_replaces_nothing(members):
+    members.register(1, process="a")
+    members.leave(1)
+    assert members.register(1, process="b").replaced is False

@@ -236,3 +236,46 @@ def test_ssp_with_tasks_bounds_only_the_live_workers_and_a_joiner_starts_at_the_
     assert ticket.done()
     assert ps.status().tasks_done == 8
 
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_new_process_on_an_index_gets_its_held_task_back_in_the_queue_and_is_not_answered_from_the_old_ones(mode):
+    # Issue 40: the chief restarted on its own index hung the job. The old process's held task
+    # went back only when its lease ran out, which the new process kept renewing, and a push
+    # whose step equalled the old process's last was answered from the old process's record.
+    clock = Clock()
+    ps = server(clock, mode)
+    for w in (0, 1):
+        ps.register(w, 4, process=f"first-{w}")
+    ps.initialize(0, zeros(), ADAM, data_plan=PLAN)
+    for step in range(3):
+        ps.submit(push_of(ps, 0, take(ps, 0), step)).result(JOIN)
+    held = take(ps, 0)  # held by the old process when it dies
+    ps.register(0, 4, process="second-0")  # started again at once: its lease never ran out
+    assert ps.status().tasks_queued == 1 and ps.status().tasks_held == 0
+    again = take(ps, 0)
+    assert again.task_id == held.task_id  # handed out first
+    result = ps.submit(push_of(ps, 0, again, step=2)).result(JOIN)  # the new process's steps are its own
+    assert not result.replayed
+    assert ps.status().tasks_done == 4 and ps.status().pushes_applied == 4
+
+
+def test_the_old_process_of_an_index_is_refused_when_it_registers_again():
+    from ps_server.core.errors import Superseded
+    ps = server(Clock())
+    ps.register(1, 4, process="old")
+    ps.register(1, 4, process="new")
+    with pytest.raises(Superseded):
+        ps.register(1, 4, process="old")
+
+
+def test_epoch_examples_show_a_later_epoch_complete_before_an_earlier_one():
+    clock = Clock()
+    ps = started(clock, workers=(0, 1))
+    first = take(ps, 1)  # epoch 0's first task, held while the rest is done
+    step = 0
+    while (task := take(ps, 0)) is not None and task.epoch < 2:
+        ps.submit(push_of(ps, 0, task, step)).result(JOIN)
+        step += 1
+    assert task.epoch == 2  # taken, not pushed
+    assert ps.status().epoch_examples == (EXAMPLES - first.size, EXAMPLES)  # epoch 1 shown, though 0 is not done

@@ -113,9 +113,10 @@ def test_an_optimizer_spec_crosses_by_its_fields():
 
 
 def test_the_server_s_own_clock_readings_stay_local():
-    assert service.WORKER_STATUS.local == {"registered_at", "dead_since", "last_push_done"}
+    assert service.WORKER_STATUS.local == {"registered_at", "dead_since", "last_push_done", "process", "replaced"}
     assert {f.name for f in dataclasses.fields(WorkerRecord)} - service.WORKER_STATUS.local \
-        == {"worker_id", "name", "last_step", "pushes", "dropped", "left", "dead", "last_seen", "work_s", "wait_s"}
+        == {"worker_id", "name", "last_step", "pushes", "dropped", "left", "dead", "last_seen", "work_s", "wait_s",
+            "incarnation"}
 
 
 def test_a_registration_states_the_same_facts_as_the_status_it_is_read_from():

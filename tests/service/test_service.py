@@ -113,6 +113,28 @@ def test_register_with_index_minus_one_gets_the_lowest_free_index_until_none_is_
     assert "all 2 worker indexes are taken (alive: [0, 1], finished: [])" in details
 
 
+def test_register_without_a_worker_index_is_refused_never_taken_as_the_chief(ps, raw_stub):
+    running, client = ps(num_workers=2)
+    details = refused(Code.INVALID_ARGUMENT, raw_stub(running).Register, pb.RegisterRequest(num_workers=2), timeout=10)
+    assert "Register needs worker_index" in details
+    # A worker_index of the wrong wire type (length-delimited): proto3 keeps it as an unknown field.
+    raw = pb.RegisterRequest(num_workers=2).SerializeToString() + b"\x0a\x01x"
+    with grpc.insecure_channel(running.address) as channel:
+        register = channel.unary_unary("/tfps.v1.ParameterServer/Register",
+                                       response_deserializer=pb.RegisterResponse.FromString)
+        refused(Code.INVALID_ARGUMENT, register, raw, timeout=10)
+    assert client.status().workers == []
+
+
+def test_a_worker_process_whose_index_another_process_took_is_refused_as_superseded(ps, connect):
+    running, old = ps(num_workers=2)
+    old.register(1, 2)
+    connect(running).register(1, 2)  # a new process on the same index
+    details = refused(Code.FAILED_PRECONDITION, old.register, 1, 2, reason=Reason.SUPERSEDED)
+    assert "worker index 1 is held by another process" in details
+    assert [w.incarnation for w in old.status().workers] == [2]
+
+
 # -- Initialize ----------------------------------------------------------------------------------
 
 

@@ -268,6 +268,12 @@ class EpochLedger:
         with self._lock:
             return sorted({*self._seen, *self._complete})
 
+    def counts(self) -> tuple[int, ...]:
+        """Each epoch's examples so far, from epoch 0 to the newest one with any: a later epoch
+        complete while an earlier one is not (async's returned tasks) is shown too."""
+        epochs = self.epochs()
+        return tuple(self.count(e) for e in range(epochs[-1] + 1)) if epochs else ()
+
     # -- checkpoints -----------------------------------------------------------------
     def state(self) -> tuple[tuple[int, ...], dict[int, np.ndarray]]:
         """(complete epochs, {epoch in progress: its bitmap packed, ``np.packbits``}), for a

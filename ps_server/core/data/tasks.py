@@ -327,6 +327,10 @@ class TaskQueue:
         with self._lock:
             return self._ledger.count(epoch)
 
+    def epoch_examples(self) -> tuple[int, ...]:
+        """Each epoch's examples applied so far, epoch 0 to the newest begun (``EpochLedger.counts``)."""
+        return self._ledger.counts() or (0,)
+
     def epoch_complete(self, epoch: int) -> bool:
         return self.examples_done(epoch) == self.num_examples
 

@@ -92,7 +92,11 @@ last applied step (a retry after a lost reply) is answered from the record
 (``replayed``) and not applied again; an older step is refused
 (``StaleRound``). Pushes of one worker are serialized by that worker's own lock,
 so two copies of the same retry cannot both apply; different workers never
-wait for each other.
+wait for each other. That record is of one process: when another process takes
+the worker's index (``worker_replaced``) it is forgotten, and the new process's
+steps start wherever it starts them. With tasks (``deal_tasks``) the task is the
+unit instead: a push of a task already done is answered from the task's record,
+checked under the worker's lock, and its step is no input.
 """
 
 from __future__ import annotations
@@ -141,10 +145,14 @@ class AsyncMode(Mode):
         # between the two would hold an update whose task is not done.
         self._applied: Callable[[Push, PushResult], None] | None = None
         self._applying: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self._answered: Callable[[Push], PushResult | None] = lambda push: None
 
     def deal_tasks(self, applying: Callable[[], contextlib.AbstractContextManager],
-                   applied: Callable[[Push, PushResult], None]) -> None:
-        self._applying, self._applied = applying, applied
+                   applied: Callable[[Push, PushResult], None],
+                   answered: Callable[[Push], PushResult | None] = lambda push: None) -> None:
+        """``answered(push)``: the recorded answer of a push whose task is already done (under
+        the worker's lock: a second copy of a retry), else None."""
+        self._applying, self._applied, self._answered = applying, applied, answered
 
     def submit(self, push: Push, consumed=None) -> Ticket:
         """Apply ``push`` (or answer it from the record) here: a settled ticket, as an async
@@ -165,15 +173,23 @@ class AsyncMode(Mode):
             raise InvalidArgument(f"async push from worker {push.worker_id} has no examples (batch_size 0)")
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._worker_locks[push.worker_id]:  # one worker's pushes in order; others run beside
-            last = self._last.get(push.worker_id)
-            if last is not None and push.step == last[0]:
-                self.stats.count("replayed")
-                return dataclasses.replace(last[1], replayed=True)
-            if last is not None and push.step < last[0]:
-                raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; step {push.step} is older")
+            if push.task >= 0:  # the task's record, not the step, says whether it was applied
+                answer = self._answered(push)
+                if answer is not None:
+                    self.stats.count("replayed")
+                    return answer
+            else:
+                last = self._last.get(push.worker_id)
+                if last is not None and push.step == last[0]:
+                    self.stats.count("replayed")
+                    return dataclasses.replace(last[1], replayed=True)
+                if last is not None and push.step < last[0]:
+                    raise StaleRound(f"worker {push.worker_id} already pushed step {last[0]}; "
+                                     f"step {push.step} is older")
             with self._applying():
                 result = self._apply(push)
-                self._last[push.worker_id] = (push.step, result)
+                if push.task < 0:
+                    self._last[push.worker_id] = (push.step, result)
                 if self._applied is not None:  # before ssp's wait for the bound, which may time out
                     self._applied(push, result)
             return result
@@ -214,7 +230,12 @@ class AsyncMode(Mode):
         """Nothing waits for anyone in async mode: a dead worker only stops pushing."""
 
     def worker_joined(self, worker_id: int) -> None:
-        """A restarted worker carries on with its own steps."""
+        """A worker that registers again carries on with its own steps."""
+
+    def worker_replaced(self, worker_id: int) -> None:
+        """Another process took the index: its steps are not the old one's (module docstring)."""
+        with self._worker_locks[worker_id]:
+            self._last.pop(worker_id, None)
 
     def export_state(self) -> tuple[StoreState, ModeStatus]:
         """The store's snapshot: each variable whole, its version a lower bound (see ``store``).

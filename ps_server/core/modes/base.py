@@ -239,6 +239,10 @@ class Mode:
     def worker_left(self, worker_id: int) -> None:
         """A worker finished and said so (``ParameterServer.leave``)."""
 
+    def worker_replaced(self, worker_id: int) -> None:
+        """Another process took ``worker_id``'s index (a new incarnation, ``core.membership``):
+        forget what the old one left behind, before ``worker_joined``."""
+
     def export_state(self) -> tuple["StoreState", ModeStatus]:
         """The store's snapshot and the mode's status, consistent with each other (checkpoints)."""
         raise NotImplementedError
@@ -256,9 +260,11 @@ class Mode:
         """Restored from a checkpoint and no push taken since (sync's ``RoundBook``)."""
         return False
 
-    def deal_tasks(self, applying: Callable[[], ContextManager], applied: Callable[[Push, PushResult], None]) -> None:
+    def deal_tasks(self, applying: Callable[[], ContextManager], applied: Callable[[Push, PushResult], None],
+                   answered: Callable[[Push], "PushResult | None"] = lambda push: None) -> None:
         """``data_plan`` "tasks" (``core.data.tasks``): hold ``applying()`` around each push's apply,
-        and call ``applied(push, result)`` under it once the push was applied or dropped."""
+        and call ``applied(push, result)`` under it once the push was applied or dropped;
+        ``answered(push)`` is a done task's recorded answer (None: not done), asked first."""
         raise NotImplementedError(f"{self.name} mode deals no tasks")
 
     def set_cursor(self, cursor: "Cursor", ledger: "EpochLedger | None" = None) -> None:

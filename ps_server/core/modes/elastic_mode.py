@@ -114,7 +114,7 @@ class ElasticSyncMode(Mode):
         self._lock = threading.Lock()
         self._live: set[int] = set()
         self._round = store.version  # one round is one version
-        self._first_round = self._round  # where this server started (0, or a restored round)
+        self._first_round = self._round  # the job's first round (0): it alone waits for min_workers
         self._work: RoundWork | None = None
         self._started = 0.0
         self._sum = RoundSum(self.store.sparse_rule)
@@ -280,7 +280,7 @@ class ElasticSyncMode(Mode):
 
     def restore(self, status: ModeStatus) -> None:
         with self._lock:
-            self._round = self._first_round = status.round
+            self._round = status.round  # the job's first round stays the one that waits for min_workers
             self._timed_out = status.rounds_timed_out
             self._reset_round()
 

@@ -89,8 +89,8 @@ class SSPMode(AsyncMode):
         # deadline, the push's result)
         self._waiting: list[tuple[Ticket, int, int, int, float, PushResult]] = []
 
-    def deal_tasks(self, applying, applied) -> None:
-        super().deal_tasks(applying, applied)
+    def deal_tasks(self, applying, applied, answered=lambda push: None) -> None:
+        super().deal_tasks(applying, applied, answered)
         self._elastic = True
 
     def _participants(self) -> list[int]:
