@@ -472,12 +472,14 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., contributors: _Optional[int] = ..., dropped: _Optional[bool] = ..., next_step: _Optional[int] = ..., replayed: _Optional[bool] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "step")
+    __slots__ = ("worker_id", "step", "process")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    process: str
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., process: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_timeout_s", "incarnation")

@@ -842,7 +842,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_handled
     def Heartbeat(self, request, context):
-        self.core.heartbeat(request.worker_id, request.step)
+        self.core.heartbeat(request.worker_id, request.step, process=request.process)
         return pb.HeartbeatResponse(lease_timeout_s=self.core.members.lease_timeout, incarnation=self.core.incarnation)
 
     @_handled_async

@@ -442,7 +442,8 @@ class PSClient:
                 self._beats = Unary(channel, self.address, self.timeout)
                 self._beats_channel = channel
             beats = self._beats
-        reply = beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step), timeout=timeout)
+        reply = beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step, process=self.process),
+                           timeout=timeout)
         return reply.incarnation
 
     def leave(self, worker_id: int) -> None:

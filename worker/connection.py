@@ -122,6 +122,7 @@ class Connection:
         self.posted: dict[str, bytes] = {}  # the chief's last broadcasts, posted again to a restarted server
         self.heartbeat: Heartbeat | None = None
         self.data_plan: dict | None = None  # elastic sync: the chief sends it with Initialize (worker.elastic)
+        self.superseded: PSClientError | None = None  # set by the heartbeat: another process holds our index
 
     @property
     def worker_id(self) -> int:
@@ -181,8 +182,15 @@ class Connection:
                 + ("; chief" if self.config.is_chief else ""))
 
     # -- one step
+    def check(self) -> None:
+        """Raise the heartbeat's refusal once another process took this worker's index (a worker
+        paused past its lease and replaced): from then on this process calls nothing for it."""
+        if self.superseded is not None:
+            raise self.superseded
+
     def pull(self) -> int:
         """Load the server's parameters (and BatchNorm statistics) into the model; their version."""
+        self.check()
         version, values = self.client.pull(self.worker_id)
         set_values(self.model, values)
         self.version, self.pulled = version, values
@@ -196,6 +204,7 @@ class Connection:
         dropped push skipping ahead); past a task before it is sent (the mode answers a step
         pushed twice from its record); a micro-batch's is the round's to move. ``metrics`` and
         ``set_learning_rate`` as in ``PSClient.push``."""
+        self.check()
         dealt = work.micro_batch >= 0 or work.task >= 0  # waits the client's timeout, then asks again
         if work.task >= 0:
             self.step = work.step + 1
@@ -331,6 +340,9 @@ class Heartbeat:
                 self.conn.client.heartbeat(self.conn.registration.worker_id, self.conn.step,
                                            timeout=max(1.0, self.interval))
             except PSClientError as e:
+                if e.reason is Reason.SUPERSEDED:  # another process took our index: stop acting for it
+                    self.conn.superseded = e
+                    return
                 log.debug("heartbeat failed: %s", e)
 
     def stop(self) -> None:

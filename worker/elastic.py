@@ -266,6 +266,7 @@ def _offer(loop):
     """The server's next task for this worker, at once (``TaskOffer``: none when every task is held)."""
     loop.stop.check()
     conn = loop.conn
+    conn.check()
     return conn.client.work(conn.worker_id)
 
 
@@ -328,6 +329,7 @@ def _one_round(loop) -> bool:
 def _ask(loop):
     """The server's next work for this worker (``Work``: waits until it deals some)."""
     conn = loop.conn
+    conn.check()
     return loop.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
 
 

@@ -225,12 +225,17 @@ class Membership:
                                                                      dead=False, dead_since=0.0,
                                                                      last_push_done=0.0)  # another clock
 
-    def require(self, worker_id: int) -> None:
-        """Raise unless the worker is registered and alive; renews its lease."""
+    def require(self, worker_id: int, process: str = "") -> None:
+        """Raise unless the worker is registered and alive; renews its lease. With ``process``
+        (a heartbeat's), Superseded when another process holds the index now."""
         with self._lock:
             rec = self._workers.get(worker_id)
             if rec is None:
                 raise UnknownWorker(f"worker {worker_id} is not registered; call Register first")
+            if process and rec.process and process != rec.process:
+                raise Superseded(f"worker index {worker_id} is held by another process"
+                                 f"{f' ({rec.name})' if rec.name else ''} now; this process must stop: it no "
+                                 f"longer trains as worker {worker_id}")
             if rec.dead:
                 raise UnknownWorker(
                     f"worker {worker_id} was declared dead (no call or heartbeat for more than "

@@ -231,8 +231,10 @@ class ParameterServer:
         Elastic: once someone finished and nobody trains, however many indices were used."""
         return self.members.finished(every_index=not self.elastic)
 
-    def heartbeat(self, worker_id: int, step: int = -1) -> None:
-        self.members.heartbeat(worker_id)
+    def heartbeat(self, worker_id: int, step: int = -1, process: str = "") -> None:
+        """Renew the worker's lease and its tasks'; Superseded (renewing nothing) when ``process``
+        is not the one that holds the index now."""
+        self.members.heartbeat(worker_id, process)
         if self.tasks is not None:
             self.tasks.renew(worker_id)
 

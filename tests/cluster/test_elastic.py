@@ -63,6 +63,7 @@ def run(procs, tmp_path, disturb: random.Random | None):
     return dict(np.load(weights)), status
 
 
+@pytest.mark.slow  # the default run's: tests/chaos/test_nemesis.py (kills and auto indexes among seeded faults, the bits)
 def test_a_worker_killed_and_one_added_mid_run_end_with_the_undisturbed_weights(procs, tmp_path):
     undisturbed, quiet = run(procs, tmp_path, None)
     disturbed, churned = run(procs, tmp_path, random.Random(17))

@@ -316,3 +316,16 @@ def test_a_new_process_on_an_index_whose_worker_left_replaces_nothing(members):
     members.register(1, process="a")
     members.leave(1)
     assert members.register(1, process="b").replaced is False
+
+
+def test_a_heartbeat_of_a_replaced_process_is_refused_and_renews_nothing(members, clock):
+    from ps_server.core.errors import Superseded
+    members.register(1, process="a")
+    clock.now += 1.0
+    members.register(1, process="b")
+    clock.now += 1.0
+    with pytest.raises(Superseded, match="held by another process"):
+        members.heartbeat(1, "a")
+    assert members.snapshot()[0].last_seen == 101.0  # b's registration; a renewed nothing
+    members.heartbeat(1, "b")
+    members.heartbeat(1)  # a call that names no process (a push, a pull) still renews

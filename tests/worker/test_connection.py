@@ -12,6 +12,7 @@ attributes ``worker.gradients`` reads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -163,3 +164,31 @@ def test_overlap_block_kib_reaches_every_shard_s_client_and_one_out_of_range_is_
         client.close()
     with pytest.raises(ConfigError, match=r"--overlap-block-kib must be 0 \(off\) or 4 to 65536, got 2$"):
         WorkerConfig.from_args(args + ["2"], environ={})
+
+
+def test_a_worker_whose_index_another_process_took_stops_at_its_next_call_after_a_heartbeat(server):
+    # Issue 40: a worker paused past its lease and replaced (an auto index handed its index) must
+    # not go on acting for the index: its heartbeat is refused as superseded, and its next call raises.
+    from ps_common.reasons import Reason
+    from worker.client import PSClientError
+    running = server("async", 2)
+    config = WorkerConfig(ps=running.address, worker_index=1, num_workers=2, connect_timeout=10.0,
+                          init_timeout=10.0, heartbeat_interval=0.05)
+    old, new = (Connection(config, Model(), optimizer_spec=KERAS_SGD) for _ in range(2))
+    try:
+        old.register()
+        chief = Connection(dataclasses.replace(config, worker_index=0), Model(), optimizer_spec=KERAS_SGD)
+        chief.register(), chief.join()
+        old.join()
+        new.register()  # another process on index 1
+        deadline = time.monotonic() + 10
+        while old.superseded is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(PSClientError) as stopped:
+            old.pull()
+        assert stopped.value.reason is Reason.SUPERSEDED
+        new.join()
+        assert new.pull() == 0  # the new process trains as worker 1
+        chief.close()
+    finally:
+        old.close(), new.close()
