@@ -10,7 +10,8 @@ waiting for, updates applied and dropped, staleness, checkpoint age. Per
 worker: its state (training; in sync, awaited by the barrier or waiting at it
 having pushed; left when finished; DEAD), last step, lease age (seconds
 since its last call or heartbeat), pushes, and where its time goes (``work``:
-between its pushes; ``wait``: inside them, at the barrier or the bound).
+between its pushes; ``wait``: inside them, at the barrier or the bound); a worker
+whose index a second process took since says so (``process 2 on this index``).
 With several shards a first block shows the cluster as the workers see it:
 the shards' statuses combined by ``worker.sharded_client.combine_statuses``
 (one rule per field). When the server deals the data (``ps-worker --elastic``), the
@@ -74,7 +75,8 @@ def render(address: str, s, history: int = 0) -> str:
         if mode == "sync" and s.waiting_for and state == "training":
             state = "awaited" if index in s.waiting_for else "waiting"  # waiting: pushed, at the barrier
         lines.append(f"  {index:>6}  {state:<9} {w.last_step:>9} {w.last_seen_age_s:>9.1f} {w.pushes:>7} "
-                     f"{w.work_s:>9.3f} {w.wait_s:>9.3f}  {w.worker_name}")
+                     f"{w.work_s:>9.3f} {w.wait_s:>9.3f}  {w.worker_name}"
+                     + (f"  (process {w.incarnation} on this index)" if w.incarnation > 1 else ""))
     if history > 0:
         lines += membership_lines(s, history)
     return "\n".join(lines)

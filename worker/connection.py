@@ -166,13 +166,20 @@ class Connection:
         renewed from a thread from now until ``close``."""
         if self.heartbeat is None:
             self.heartbeat = Heartbeat(self)
-        if self.config.is_chief:
-            created = self._initialize()
-            log.debug("%s the server's variables (%d tensors)", "initialized" if created else "found identical state on",
-                      len(get_values(self.model)))
-        else:
-            self._check_against_server()
-            log.debug("the server's variables and optimizer match this worker's")
+        while True:
+            try:
+                if self.config.is_chief:
+                    created = self._initialize()
+                    log.debug("%s the server's variables (%d tensors)",
+                              "initialized" if created else "found identical state on", len(get_values(self.model)))
+                else:
+                    self._check_against_server()
+                    log.debug("the server's variables and optimizer match this worker's")
+                return
+            except PSClientError as e:  # declared dead while it waited (paused), the server restarting
+                if not recoverable(e):
+                    raise
+                self.rejoin(e)
 
     def describe(self) -> str:
         """The registration in words, for the worker's start-up line."""
@@ -240,6 +247,7 @@ class Connection:
         """Reconnect within --reconnect-timeout, register again, and set where to resume:
         sync at the server's round, async and ssp at the same step."""
         config, old, step = self.config, self.registration, self.step
+        self.check()  # another process holds our index: nothing to rejoin
         log.warning("worker %d lost its place at step %d (%s); reconnecting for up to %g s",
                     config.worker_index, step, error, config.reconnect_timeout)
         deadline = time.monotonic() + config.reconnect_timeout

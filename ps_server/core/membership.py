@@ -178,10 +178,10 @@ class Membership:
                 raise Superseded(f"worker index {worker_index} is held by another process{holder}, started after "
                                  f"this one ({name or 'no name'}) was declared dead or replaced; this process "
                                  f"must stop: it no longer trains as worker {worker_index}")
-            same = old is not None and bool(process) and old.process == process
+            same = old is not None and bool(process) and old.process == process  # a rejoin, not a new process
+            incarnation = (old.incarnation if old is not None else 0) + (0 if same else 1)
             record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now,
-                                  process=process, incarnation=old.incarnation if same else
-                                  (old.incarnation if old is not None else 0) + 1,
+                                  process=process, incarnation=incarnation,
                                   replaced=old is not None and not old.left and not same)
             if old is not None:  # keep the counters of the index across restarts
                 record.last_step, record.pushes, record.dropped = old.last_step, old.pushes, old.dropped
@@ -227,12 +227,17 @@ class Membership:
 
     def require(self, worker_id: int, process: str = "") -> None:
         """Raise unless the worker is registered and alive; renews its lease. With ``process``
-        (a heartbeat's), Superseded when another process holds the index now."""
+        (a heartbeat's), Superseded when another process holds the index now; UnknownWorker
+        when the index's record is a checkpoint's of another process, not heard from since
+        (a newer process may have taken the index after that checkpoint: it registers again)."""
         with self._lock:
             rec = self._workers.get(worker_id)
             if rec is None:
                 raise UnknownWorker(f"worker {worker_id} is not registered; call Register first")
             if process and rec.process and process != rec.process:
+                if worker_id in self._restored:  # a checkpoint's record: the process may have been replaced since
+                    raise UnknownWorker(f"worker {worker_id} of this server's checkpoint was another process; "
+                                        "register again")
                 raise Superseded(f"worker index {worker_id} is held by another process"
                                  f"{f' ({rec.name})' if rec.name else ''} now; this process must stop: it no "
                                  f"longer trains as worker {worker_id}")

@@ -19,6 +19,11 @@ server's progress reaches its point: the round (sync) or the tasks done (async).
 - ``add`` start one more worker with ``--worker-index auto``;
 - ``server`` SIGKILL the server and start it again on its port and checkpoint directory.
 
+A worker process is started warm: it imports TensorFlow first and waits (``warm``) until the
+run hands it its flags, so that a worker added or restarted by a fault registers within a
+second, not after the seconds TensorFlow takes to load, which on a busy machine outlasted a
+short job. A spare is kept warm for the next fault that starts one.
+
 A seed draws 4 to 8 faults at points spread over the job (``draw``), following the indexes a
 live job would have, so that each names a process that exists when it fires (one that does
 not, say after an earlier fault went otherwise, is skipped and reported). The check
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import re
@@ -50,6 +56,7 @@ import numpy as np
 from ps_common.procs import dying_with_parent
 from worker.client import PSClient, PSClientError
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: a warm worker imports this module
 EXAMPLES = 1437  # digits' training examples
 GLOBAL_BATCH = 64
 MAX_WORKERS = 4  # the server's --num-workers
@@ -65,7 +72,7 @@ class Job:
 
     mode: str = "sync"
     epochs: int = 2
-    latency_ms: int = 20
+    latency_ms: int = 50
 
     @property
     def points(self) -> int:
@@ -178,14 +185,16 @@ class Run:
         self.server: subprocess.Popen | None = None
         self.servers = 0
         self.workers: list[subprocess.Popen] = []
+        self.spares: list[subprocess.Popen] = []  # warm, waiting for their flags (``warm``)
+        self._started = -1  # worker processes started: their logs' and go files' numbers
         self.expected: dict[int, str] = {}  # process id -> how it should end: "done", "killed", "left", "stopped"
         self.outcome = Outcome(job, schedule, logs=workdir)
         self._timers: list[threading.Timer] = []
 
     # -- processes ---------------------------------------------------------------
-    def _start(self, argv: list[str], name: str) -> subprocess.Popen:
+    def _start(self, argv: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("TF_CONFIG", None)
         proc = subprocess.Popen(dying_with_parent(argv), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=self.dir, env=env)
@@ -204,15 +213,36 @@ class Run:
         with PSClient(self.address) as client:
             client.wait_ready(60)
 
+    def _spare(self) -> subprocess.Popen:
+        """A worker process that loads TensorFlow now and starts training when ``start_worker``
+        hands it its flags (``warm``)."""
+        n = self._started = self._started + 1
+        go = self.dir / f"go-{n}.json"
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}  # as worker.model sets them, first
+        proc = self._start([sys.executable, "-m", "tests.chaos.nemesis", "--warm", str(go)], f"w{n}", env)
+        proc.go = go
+        return proc
+
     def start_worker(self, index: int | str) -> subprocess.Popen:
-        flags = ["--elastic", "--dataset", "digits", "--model", "cnn", "--epochs", str(self.job.epochs),
-                 "--global-batch-size", str(GLOBAL_BATCH), "--added-latency-ms", str(self.job.latency_ms),
-                 "--reconnect-timeout", "60", "--connect-timeout", "60", "--log-level", "WARNING"]
-        proc = self._start([sys.executable, "-m", "worker", "--ps", self.address, "--worker-index", str(index),
-                            "--num-workers", str(MAX_WORKERS), *flags], f"w{len(self.workers)}-{index}")
+        """A warm spare trains as a worker on ``index`` (or ``auto``) from now; another spare
+        starts loading for the next one."""
+        proc = self.spares.pop(0) if self.spares else self._spare()
+        argv = ["--ps", self.address, "--worker-index", str(index), "--num-workers", str(MAX_WORKERS),
+                *self._flags()]
+        tmp = proc.go.with_suffix(".tmp")
+        tmp.write_text(json.dumps(argv))
+        tmp.rename(proc.go)  # whole, at once
         self.workers.append(proc)
         self.expected[proc.pid] = "done"
+        if not self.spares:
+            self.spares.append(self._spare())
         return proc
+
+    def _flags(self) -> list[str]:
+        return ["--elastic", "--dataset", "digits", "--model", "cnn", "--epochs", str(self.job.epochs),
+                 "--global-batch-size", str(GLOBAL_BATCH), "--added-latency-ms", str(self.job.latency_ms),
+                "--reconnect-timeout", "60", "--connect-timeout", "60", "--log-level", "WARNING"]
 
     def holder(self, index: int, wait_s: float = 30.0) -> subprocess.Popen | None:
         """The live process the server has on ``index`` (by the pid in its registered name).
@@ -355,7 +385,7 @@ class Run:
     def stop(self) -> None:
         for t in self._timers:
             t.cancel()
-        for p in [*self.workers, self.server]:
+        for p in [*self.workers, *self.spares, self.server]:
             if p is not None and p.poll() is None:
                 _continue(p)
                 p.kill()
@@ -411,7 +441,24 @@ def _seeds(text: str) -> list[int]:
     return out
 
 
+def warm(go: str) -> int:
+    """A worker process that waits warm: TensorFlow loaded, then ``ps-worker``'s main with the
+    flags the run writes to ``go`` (a JSON list), once it appears. Ends with its parent."""
+    import tensorflow  # noqa: F401 -- the slow part, done before the flags come
+    from worker.cli import main as worker_main
+
+    path = Path(go)
+    while not path.exists():
+        if os.getppid() == 1:
+            return 1
+        time.sleep(0.02)
+    return worker_main(json.loads(path.read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--warm"]:
+        return warm(argv[1])
     p = argparse.ArgumentParser(prog="python -m tests.chaos.nemesis", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     which = p.add_mutually_exclusive_group(required=True)

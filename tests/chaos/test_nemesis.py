@@ -36,9 +36,12 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("undisturbed")
 
 
-def check(job: Job, schedule, tmp_path, cache) -> None:
+def check(job: Job, schedule, tmp_path, cache, every_fault: bool = True) -> None:
+    """The run ends right; with ``every_fault``, each of the schedule's faults fired (none found
+    its process gone, none came after the job's end)."""
     outcome = run_schedule(job, schedule, tmp_path / "run", cache)
     assert outcome.ok, outcome.summary()
+    assert not every_fault or not outcome.skipped, outcome.summary()
 
 
 @pytest.mark.parametrize("case", list(FIXED))
@@ -49,7 +52,7 @@ def test_the_faults_that_hung_jobs_end_right(case, tmp_path, cache):
 
 @pytest.mark.parametrize("mode,seed", DEFAULT_SEEDS)
 def test_a_seeded_fault_schedule_ends_with_the_undisturbed_result(mode, seed, tmp_path, cache):
-    job = Job(mode, 1, 20)
+    job = Job(mode, 1)
     check(job, draw(job, seed), tmp_path, cache)
 
 
@@ -57,7 +60,7 @@ def test_a_seeded_fault_schedule_ends_with_the_undisturbed_result(mode, seed, tm
 @pytest.mark.parametrize("mode,seed", SLOW_SEEDS)
 def test_many_seeded_fault_schedules_end_with_the_undisturbed_result(mode, seed, tmp_path, cache):
     job = Job(mode)
-    check(job, draw(job, seed), tmp_path, cache)
+    check(job, draw(job, seed), tmp_path, cache, every_fault=False)  # a drawn fault may find its process gone
 
 
 def test_a_schedule_is_drawn_the_same_from_its_seed_and_reads_back_from_its_text():

@@ -52,3 +52,12 @@ def test_ps_status_shows_the_newest_events_says_how_many_earlier_and_can_hide_th
     assert "  membership over time (2 events, 10 earlier not shown)" in lines
     assert [line.split()[3] for line in lines[-2:]] == ["left", "dead"]
     assert "membership" not in ps_status.render("127.0.0.1:1", msg, history=0)
+
+
+def test_ps_status_says_which_process_on_an_index_a_worker_is_once_another_took_it():
+    ps = churned()
+    ps.register(2, 4, "host:13", process="new")  # a new process on the dead worker's index
+    msg = service.status_to_wire(ps.status(), time.monotonic())
+    assert [w.incarnation for w in msg.workers] == [1, 1, 2]
+    row = next(line for line in ps_status.render("127.0.0.1:1", msg).splitlines() if "host:13" in line)
+    assert row.endswith("host:13  (process 2 on this index)")
