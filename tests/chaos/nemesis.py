@@ -259,7 +259,8 @@ class Run:
                 for r in records:
                     if not r.left and not r.dead and ":" in r.worker_name:
                         pids[int(r.worker_name.rsplit(":", 1)[-1])] = r.worker_id
-                mine = next((p for p in self.workers if p.poll() is None and pids.get(p.pid) == index), None)
+                mine = next((p for p in self.workers if p.poll() is None and pids.get(p.pid) == index
+                             and self.expected[p.pid] in ("done", "stopped")), None)  # not one a fault ended
                 starting = [p for p in self.workers if p.poll() is None and p.pid not in pids
                             and self.expected[p.pid] == "done"]
                 if mine is not None or not starting or time.monotonic() > deadline:
@@ -287,6 +288,7 @@ class Run:
                 return
             if fault.kind in ("kill", "restart"):
                 proc.kill()
+                proc.wait(30)
                 self.expected[proc.pid] = "killed"
                 if fault.kind == "restart":
                     self.start_worker(fault.index)
@@ -353,7 +355,7 @@ class Run:
             code, expected = p.wait(5), self.expected[p.pid]
             log = (self.dir / f"{p.name}.log").read_text()
             fine = {"done": code == 0, "killed": code == -signal.SIGKILL, "left": code in (0, 143),
-                    "stopped": code == 0 or (code == 1 and "held by another process" in log)}[expected]
+                    "stopped": code == 0 or (code == 1 and "(superseded)" in log)}[expected]
             if not fine:
                 self.outcome.problems.append(f"{p.name} ({expected}) exited {code}: {log.strip()[-600:]}")
 
