@@ -115,6 +115,13 @@ def _average(mean: float, sample: float, n: int) -> float:
     return mean + (sample - mean) * max(AVERAGE_WEIGHT, 1.0 / n)
 
 
+def _superseded(worker_id: int, holder: "WorkerRecord | None") -> Superseded:
+    """The refusal of a process whose index ``holder``'s process took since."""
+    name = f" ({holder.name})" if holder is not None and holder.name else ""
+    return Superseded(f"worker index {worker_id} is held by another process{name} now; this process must stop: "
+                      f"it no longer trains as worker {worker_id}")
+
+
 class Membership:
     def __init__(self, num_workers: int, lease_timeout: float = LEASE_TIMEOUT,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
@@ -174,10 +181,7 @@ class Membership:
                 worker_index = self._free_index()
             old = self._workers.get(worker_index)
             if process and process in self._superseded.get(worker_index, ()):
-                holder = f" ({old.name})" if old is not None and old.name else ""
-                raise Superseded(f"worker index {worker_index} is held by another process{holder}, started after "
-                                 f"this one ({name or 'no name'}) was declared dead or replaced; this process "
-                                 f"must stop: it no longer trains as worker {worker_index}")
+                raise _superseded(worker_index, old)
             same = old is not None and bool(process) and old.process == process  # a rejoin, not a new process
             incarnation = (old.incarnation if old is not None else 0) + (0 if same else 1)
             record = WorkerRecord(worker_id=worker_index, name=name, registered_at=now, last_seen=now,
@@ -238,9 +242,7 @@ class Membership:
                 if worker_id in self._restored:  # a checkpoint's record: the process may have been replaced since
                     raise UnknownWorker(f"worker {worker_id} of this server's checkpoint was another process; "
                                         "register again")
-                raise Superseded(f"worker index {worker_id} is held by another process"
-                                 f"{f' ({rec.name})' if rec.name else ''} now; this process must stop: it no "
-                                 f"longer trains as worker {worker_id}")
+                raise _superseded(worker_id, rec)
             if rec.dead:
                 raise UnknownWorker(
                     f"worker {worker_id} was declared dead (no call or heartbeat for more than "

@@ -539,7 +539,7 @@ class ParameterServer:
         record = self.tasks.begin(push.worker_id, push.task)
         if record is not None:
             self.stats.count("replayed")
-            return PushResult(version=record.version, staleness=0, next_step=push.step + 1, replayed=True)
+            return self._task_answer(push, record)
         size = self.tasks.task(push.task).size
         if push.batch_size != size:
             self.tasks.given_back(push.worker_id, push.task)
@@ -547,9 +547,10 @@ class ParameterServer:
                                   f"{push.batch_size} (the task goes back to the queue)")
         return None
 
-    def _task_answer(self, push: Push) -> PushResult | None:
-        """The recorded answer of ``push`` when its task is done already (a retry's second copy)."""
-        record = self.tasks.record(push.task)
+    def _task_answer(self, push: Push, record=None) -> PushResult | None:
+        """The recorded answer of ``push`` when its task is done already (a retry, or its second
+        copy under the worker's lock), else None."""
+        record = record or self.tasks.record(push.task)
         if record is None:
             return None
         return PushResult(version=record.version, staleness=0, next_step=push.step + 1, replayed=True)
