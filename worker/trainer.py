@@ -310,7 +310,7 @@ class Step:
 
     def __call__(self, work: Work, pull: bool = True) -> tuple[dict, PushReply]:
         # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
-        knob_s = self.knobs.before_step(work.step) + self.knobs.before_pull() if pull else 0.0
+        knob_s = self.knobs.before_step(work.step) + (self.knobs.before_pull() if pull else 0.0)
         pull_start = time.monotonic()
         if pull:
             self.conn.pull()
