@@ -59,8 +59,7 @@ micro-batches'. Against an async or ssp server the examples are its tasks instea
 and exits 143.
 
 **Not supported** (refused with one line before training): an optimizer or option the
-server cannot run (``worker.keras_optimizer``), ``steps_per_execution`` > 1 is run as
-single steps, mixed-precision loss scaling, and an attached model's own ``train_step``
+server cannot run (``worker.keras_optimizer``), mixed-precision loss scaling, and an attached model's own ``train_step``
 override (the server's step replaces it).
 """
 
@@ -69,6 +68,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import sys
@@ -350,10 +350,14 @@ class _Attached:
         return model.train_function
 
     def train_function(self, iterator):
+        """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
+        (its last execution), none (``StopIteration``) when they had ended."""
         logs = None
-        for _ in range(max(1, int(self.model.steps_per_execution))):
-            data = next(iterator)  # elastic: Keras' batch is only counted; the server deals the examples
+        for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
+            # elastic: Keras' batch is only counted; the server deals the examples
             logs = self.step(data) if self.dealt is None else self.round_step()
+        if logs is None:
+            raise StopIteration
         return logs
 
     def round_step(self) -> dict:
