@@ -25,12 +25,22 @@ learning-rate schedule are the compiled ``model.optimizer``'s, run on the server
 chief (worker 0) initializes the server from its model; the others wait for it and
 check their model and optimizer match.
 
+**The same batches on every worker**: ``Strategy()`` sets TensorFlow's global seed to
+``--seed`` where the program set none (``_seed_unseeded_shuffles``), so unseeded shuffles
+draw the same order everywhere; what each worker read is checked (``BatchDigests``: sync
+at every round, async and ssp at each epoch's end) and a difference stops the job in
+one line (``DataMismatch``).
+
 **Logged loss and metrics.** Sync mode: those of the global batch, as
 MirroredStrategy logs them. Each worker pushes the change its step made to every
 metric's state (totals and counts), the server sums those changes over the round in
 worker order and returns the sum to all, and each worker adds it to the state the
 metrics had before the step: every worker then holds the same metric state, that of
-all the round's examples. Async and ssp: each worker's own examples (said at start).
+all the round's examples. That is a metric variable's ``aggregation`` "sum" (every Keras
+metric's); one declared "mean" takes the mean of the workers' states, "only_first_replica"
+the chief's, and "none" (a state that does not add up, such as a running maximum) stays
+each worker's own, said once (``_metric_share``). Async and ssp: each worker's own
+examples (said at start).
 
 **Agreement at each epoch's end** (through the server's ``Broadcast``): after the
 callbacks' ``on_epoch_end``, every worker takes the chief's ``stop_training`` (so
@@ -68,6 +78,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -113,6 +124,8 @@ class Strategy:
                 raise ValueError("elastic=True: the server deals the examples of your arrays; batches="
                                  f"{batches!r} (a dataset of this worker's own batches) cannot be dealt")
             _seeded(self.config)
+        elif batches == "global":
+            _seed_unseeded_shuffles(self.config)
         self.connection = None
         self.models: list = []
         self._lock = threading.Lock()
@@ -274,6 +287,8 @@ class _Attached:
         self.next_round = 0  # elastic: the round the next Keras step is
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
+        self.read = BatchDigests()  # the global batches this worker read
+        self.said_own = False  # the note on metrics of aggregation "none"
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
         # its moving averages (use_ema) would load averages that never moved.
@@ -392,11 +407,12 @@ class _Attached:
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if strategy.batches == "global":
+            self.read.add((x, y, sample_weight))
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
         self.metrics_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
         while True:
             try:
-                _, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
+                row, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
                 break
             except PSClientError as e:
                 if not recoverable(e):
@@ -405,8 +421,11 @@ class _Attached:
                     v.assign(self.metrics_before.get(v.path, np.zeros(v.shape, v.dtype)))
                 self._rejoin(e)
         if conn.sync and reply.metrics:
+            self.read.check_round(reply.metrics, row["step"])
+            pushes = int(reply.metrics[BatchDigests.KEY][0])
             for v in _metric_variables(model):
-                v.assign(self.metrics_before[v.path] + reply.metrics[v.path])
+                if v.path in reply.metrics:
+                    v.assign(_metric_combined(v, self.metrics_before[v.path], reply.metrics[v.path], pushes))
         self.learning_rates.append(float(reply.learning_rate))
         self._pull()
         return model.get_metrics_result()
@@ -452,7 +471,14 @@ class _Attached:
             before = self.metrics_before
             before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model)
                            if v.path not in before})
-            changes = {v.path: np.asarray(v.numpy()) - before[v.path] for v in _metric_variables(model)}
+            changes = {v.path: _metric_share(v, before[v.path], self.strategy.is_chief)
+                       for v in _metric_variables(model) if _aggregation(v) != "none"}
+            own = sorted(v.path for v in _metric_variables(model) if _aggregation(v) == "none")
+            if own and not self.said_own and self.strategy.is_chief:
+                self.said_own = True
+                print(f"tfps.keras: {', '.join(own)} declare aggregation='none': each worker logs its own state "
+                      "of them, not the global batch's", file=sys.stderr, flush=True)
+            changes[BatchDigests.KEY] = self.read.last
         return loss, payload, {"metrics": changes, "set_learning_rate": self._new_learning_rate()}
 
     def _new_learning_rate(self) -> float:
@@ -488,6 +514,118 @@ class _Attached:
     def predict(self, *args, **kwargs):
         self._load()
         return self.original_predict(*args, **kwargs)
+
+
+class BatchDigests:
+    """What this worker read of the global batches (``batches="global"``): a digest of each,
+    so that workers reading different ones (an unseeded shuffle, a pipeline that differs)
+    stop the job instead of training on halves of two batches.
+
+    Sync: each push's metrics carry its batch's digest as ``KEY``: 1 and four 16-bit chunks of
+    the digest and their squares, as float64 (exact: the server sums the round's in worker
+    order, ``ps_server.core.modes.aggregation.sum_metrics``). Every worker reads the round's
+    sums in its reply: ``n`` pushes, ``S`` the sum of a chunk and ``Q`` of its square; the
+    chunks were all equal exactly when ``n * Q == S * S`` (Cauchy-Schwarz), so every worker
+    stops at the same round, the first whose batches differ, after it was applied.
+    Async and ssp: a digest of each epoch's batches, the chief's sent at the epoch's end
+    (``_agreement``); a worker whose epoch differs stops."""
+
+    KEY = "tfps/global_batch_digest"
+    SAMPLED = 4096  # elements of a large tensor hashed, evenly spaced
+
+    def __init__(self):
+        self.epoch = hashlib.blake2b(digest_size=8)
+        self.last = np.array([1.0] + [0.0] * 8)  # with batches="per_worker": the push's count alone
+
+    def add(self, batch) -> None:
+        """Digest one global batch (before this worker takes its part)."""
+        one = hashlib.blake2b(digest_size=8)
+        for t in _flat(batch):
+            one.update(_sampled_bytes(t, self.SAMPLED))
+        raw = one.digest()
+        self.epoch.update(raw)
+        chunks = [float(int.from_bytes(raw[2 * i:2 * i + 2], "little")) for i in range(4)]
+        self.last = np.array([1.0, *chunks, *(c * c for c in chunks)], np.float64)
+
+    def check_round(self, summed, step: int) -> None:
+        """Raise ``DataMismatch`` unless every push of the round read the same batch."""
+        got = summed.get(self.KEY)
+        if got is None:
+            return
+        n, sums, squares = int(got[0]), [int(v) for v in got[1:5]], [int(v) for v in got[5:9]]
+        if any(n * q != s * s for s, q in zip(sums, squares)):
+            raise DataMismatch(f"the {n} workers of step {step} read different global batches")
+
+    def epoch_hex(self) -> str:
+        return self.epoch.hexdigest()
+
+    def new_epoch(self) -> None:
+        self.epoch = hashlib.blake2b(digest_size=8)
+
+
+class DataMismatch(ValueError):
+    """Workers read different global batches (``BatchDigests``): the job stops, saying why and how to fix."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"tfps.keras: {what}: every worker must read the same dataset in the same order, and each takes "
+            "its part of every batch. Seed the shuffles (dataset.shuffle(n, seed=...), or "
+            "keras.utils.set_random_seed(s) with the same s on every worker before the data are built), or "
+            "give Strategy(batches=\"per_worker\") a dataset of this worker's own batches")
+
+
+def _sampled_bytes(t, count: int) -> bytes:
+    """The dtype, shape and (at most ``count`` evenly spaced) elements of tensor ``t`` as bytes."""
+    import tensorflow as tf
+
+    if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
+        t = t.values
+    shape = tuple(int(d) for d in t.shape)
+    flat = tf.reshape(t, [-1]) if tf.is_tensor(t) else np.reshape(np.asarray(t), -1)
+    stride = max(1, int(flat.shape[0]) // count)
+    a = np.asarray(flat[::stride] if stride > 1 else flat)
+    head = f"{a.dtype}{shape}".encode()
+    if a.dtype == object:  # strings
+        return head + b"\0".join(bytes(v) if isinstance(v, (bytes, bytearray)) else str(v).encode() for v in a)
+    return head + np.ascontiguousarray(a).tobytes()
+
+
+def _seed_unseeded_shuffles(config) -> None:
+    """Every worker's unseeded ``shuffle`` the same order: TensorFlow's global seed, where the
+    program set none before ``Strategy()``, is ``config.seed`` (the same on every worker; a seed
+    the program sets later is its own, the same on every worker too). An op with its own seed
+    and Keras' seeded layers are unchanged; the chief's weights initialize the server."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    if context.global_seed() is None:
+        tf.random.set_seed(config.seed)
+        log.info("tfps.keras: TensorFlow's global seed set to %d (--seed), so that every worker's unseeded "
+                 "shuffles read the same order", config.seed)
+
+
+def _aggregation(v) -> str:
+    return getattr(v, "aggregation", None) or "none"
+
+
+def _metric_share(v, before: np.ndarray, chief: bool) -> np.ndarray:
+    """What a sync push carries of metric variable ``v``, as its ``aggregation`` declares
+    (Keras' metrics: "sum"): "sum", the change this step made to it; "mean", its value;
+    "only_first_replica", the chief's value (the others' zeros). "none" is not pushed: each
+    worker keeps its own (``compute`` says so once)."""
+    now = np.asarray(v.numpy())
+    kind = _aggregation(v)
+    if kind == "sum":
+        return now - before
+    return now if kind == "mean" or chief else np.zeros_like(now)
+
+
+def _metric_combined(v, before: np.ndarray, summed: np.ndarray, pushes: int) -> np.ndarray:
+    """``v``'s state after a sync round from the round's sum of ``_metric_share``s over ``pushes`` pushes."""
+    kind = _aggregation(v)
+    if kind == "sum":
+        return before + summed
+    return summed / np.asarray(pushes, summed.dtype) if kind == "mean" else summed
 
 
 def _metric_variables(model) -> list:
@@ -527,6 +665,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             strategy.connection.pull()  # the server's state, whatever a callback restored locally
 
         def on_epoch_begin(self, epoch, logs=None):
+            attached.read.new_epoch()
             if attached.dealt is not None:
                 attached.next_round = epoch * attached.dealt.steps_per_epoch
 
@@ -534,7 +673,14 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             model = self.model
             optimizer = model.optimizer
             lr = None if _has_schedule(optimizer) else float(np.asarray(optimizer.learning_rate))
-            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "lr": lr})
+            # Async and ssp: what each worker read this epoch, against the chief's (sync checks each round).
+            read = attached.read.epoch_hex() if not strategy.connection.sync and strategy.batches == "global" \
+                and attached.dealt is None else None
+            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "lr": lr,
+                                                              "read": read})
+            if got.get("read") != read:
+                raise DataMismatch(f"worker {strategy.worker_index} read other global batches in epoch {epoch} "
+                                   "than the chief")
             model.stop_training = got["stop"]
             if got["lr"] is not None and not strategy.is_chief:
                 optimizer.learning_rate = got["lr"]

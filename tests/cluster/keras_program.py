@@ -37,6 +37,10 @@ p.add_argument("--steps-per-epoch", type=int, default=0)
 p.add_argument("--initial-epoch", type=int, default=0)
 p.add_argument("--validation-freq", type=int, default=1)
 p.add_argument("--per-worker", action="store_true", help="each worker's own batches of 32 (its shard of the data)")
+p.add_argument("--count-metrics", action="store_true",
+               help="four metrics counting the examples of each step, one per variable aggregation")
+p.add_argument("--shuffle", choices=("", "unseeded", "by-worker"), default="",
+               help="shuffle the training examples each epoch: unseeded, or seeded by the worker's index")
 args = p.parse_args()
 
 strategy = tfps.keras.Strategy(batches="per_worker" if args.per_worker else "global")
@@ -52,7 +56,10 @@ if args.weights == "sample":
     sample_weight = np.where(train_y % 2 == 0, 2.0, 0.5).astype(np.float32)
     train = tf.data.Dataset.from_tensor_slices((train_x, train_y, sample_weight)).batch(64)
 else:
-    train = tf.data.Dataset.from_tensor_slices((train_x, train_y)).batch(64)
+    train = tf.data.Dataset.from_tensor_slices((train_x, train_y))
+    if args.shuffle:
+        train = train.shuffle(len(train_y), seed=strategy.worker_index if args.shuffle == "by-worker" else None)
+    train = train.batch(64)
 if args.per_worker:  # as a ParameterServerStrategy dataset_fn shards by its input context
     train = train.unbatch().shard(strategy.num_replicas_in_sync, strategy.worker_index).batch(32)
 if args.steps_per_epoch:
@@ -77,6 +84,20 @@ class Seen(keras.callbacks.Callback):
             os._exit(3)  # the job dies here; BackupAndRestore wrote this epoch
 
 
+class Examples(keras.metrics.Metric):
+    """The examples this worker's steps computed, in a variable of the given aggregation."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(name=f"examples_{aggregation}", **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", aggregation=aggregation, name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
+
+    def result(self):
+        return self.count * 1.0  # a value, not the variable (validation updates it after)
+
+
 def schedule(epoch, lr):
     return 0.1 if epoch < 1 else 0.02
 
@@ -86,7 +107,9 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(10, activation="softmax")])
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=args.learning_rate, momentum=0.9),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"] + ([Examples(a) for a in ("sum", "mean", "only_first_replica", "none")]
+                                          if args.count_metrics else []))
 
 seen = Seen()
 made = {
@@ -117,6 +140,7 @@ record = {
     "server_learning_rates": strategy.server_learning_rates, "evaluate": evaluated,
     "predict": predicted.tolist(), "seen_epochs": seen.epochs, "seen_batches": seen.batches, "seen_lrs": seen.lrs,
     "version": strategy.connection.version,
+    "next_pass_labels": next(iter(train))[1].numpy().tolist(),  # the first batch of the pass after fit's
 }
 with open(os.path.join(args.out, f"worker{strategy.worker_index}.json"), "w") as f:
     json.dump(record, f)

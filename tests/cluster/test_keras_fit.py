@@ -95,6 +95,44 @@ def test_the_two_tensorflow_examples_reach_90_percent_on_digits_through_ps_launc
     assert float(found[0]) >= 0.90, found
 
 
+def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs, tmp_path):
+    """``dataset.shuffle(n)`` with no seed, as most pipelines write it: every worker reads the same
+    order (``Strategy()`` set TensorFlow's global seed); fit's rounds checked every batch's digest."""
+    records = fit(procs, tmp_path, "sync", "--shuffle", "unseeded", "--epochs", "2")
+    unshuffled = records[0]["next_pass_labels"]
+    assert [r["next_pass_labels"] for r in records] == [unshuffled] * 2
+    order = np.random.default_rng(0).permutation(1797)  # keras_program.py's split of digits
+    from sklearn.datasets import load_digits
+    assert unshuffled != load_digits(return_X_y=True)[1][order][:64].tolist()  # it did shuffle
+
+
+def test_sync_metric_state_combines_as_each_variable_s_aggregation_declares(procs, tmp_path):
+    """A metric counting its step's examples, in a variable of each aggregation: 1437 examples
+    an epoch, the chief's part 22 * 32 + 15 and worker 1's 22 * 32 + 14. "sum" logs the global
+    batches' 1437 on both, "mean" 718.5, "only_first_replica" the chief's 719, "none" each its own."""
+    records = fit(procs, tmp_path, "sync", "--count-metrics", "--epochs", "1")
+    got = [{k: r["history"][f"examples_{k}"] for k in ("sum", "mean", "only_first_replica", "none")}
+           for r in records]
+    assert got == [{"sum": [1437.0], "mean": [718.5], "only_first_replica": [719.0], "none": [719.0]},
+                   {"sum": [1437.0], "mean": [718.5], "only_first_replica": [719.0], "none": [718.0]}]
+    chief_log = next(p for p in sorted(tmp_path.iterdir()) if p.name.startswith("keras-worker0")).read_text()
+    assert "examples_none/count declare aggregation='none'" in chief_log
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_workers_that_read_different_global_batches_stop_in_one_line_naming_the_cause(procs, tmp_path, mode):
+    """Each worker's shuffle seeded by its index: sync stops every worker at the first round
+    (each reply's sum of digests); async stops the worker whose epoch differs from the chief's."""
+    fit(procs, tmp_path, mode, "--shuffle", "by-worker", "--epochs", "1",
+        expect={0: 1, 1: 1} if mode == "sync" else {0: 0, 1: 1})
+    logs = [(tmp_path / name).read_text() for name in sorted(os.listdir(tmp_path)) if name.startswith("keras-worker")]
+    stopped = [log for log in logs if "read different global batches" in log or "read other global batches" in log]
+    assert len(stopped) == (2 if mode == "sync" else 1), "\n".join(log[-2000:] for log in logs)
+    assert all("Seed the shuffles" in log for log in stopped)
+    if mode == "sync":
+        assert all("workers of step 0 read different global batches" in log for log in stopped)
+
+
 def test_sync_fit_logs_the_global_batch_metrics_the_same_on_every_worker_and_the_chief_writes(procs, tmp_path):
     a, b = fit(procs, tmp_path, "sync", "--callbacks", "checkpoint,csv,tensorboard", "--weights", "class")
     assert a["mode"] == "sync" and a["epochs"] == b["epochs"] == [0, 1, 2]

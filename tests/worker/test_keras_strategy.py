@@ -223,3 +223,27 @@ def test_a_learning_rate_a_callback_changes_stops_an_elastic_fit_in_one_line(ser
         model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=4, epochs=1, verbose=0,
                   callbacks=[halve])
     strategy.close()
+
+
+def test_a_round_s_summed_batch_digests_say_whether_every_worker_read_the_same_batch():
+    """``BatchDigests``: the server sums the pushes' vectors (as ``sum_metrics`` does, in float64);
+    equal digests give ``n * Q == S * S`` for every chunk, one differing batch does not."""
+    import numpy as np
+    import tensorflow as tf
+
+    from ps_server.core.modes.aggregation import sum_metrics
+    from worker.keras import BatchDigests, DataMismatch
+
+    def read(batch):
+        digests = BatchDigests()
+        digests.add(batch)
+        return {BatchDigests.KEY: digests.last}
+
+    x = tf.reshape(tf.range(40000, dtype=tf.float32), (100, 400))  # sampled: 4096 of 40000 elements
+    y, words = np.arange(100), tf.constant([b"a", b"bc"])
+    same = read((x, y, None))
+    BatchDigests().check_round(sum_metrics([same, same, read((x, y, None))]), 0)
+    BatchDigests().check_round(sum_metrics([read((words, None, None))] * 2), 0)
+    for other in [(x, y[::-1].copy(), None), (x + 1, y, None), (tf.constant([b"a", b"b"]), None, None)]:
+        with pytest.raises(DataMismatch, match="the 3 workers of step 4 read different global batches.*seed"):
+            BatchDigests().check_round(sum_metrics([same, read(other), same]), 4)
