@@ -106,8 +106,10 @@ def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weigh
     assert doubled, "no round was computed by fewer workers than micro-batches"
 
 
-# async on one shard (~20 s) is slow: ssp on one shard and async on two cover its ground.
-@pytest.mark.parametrize("mode, shards", [pytest.param("async", 1, marks=pytest.mark.slow), ("ssp", 1), ("async", 2)])
+# async and ssp on one shard (~20 s each) are slow: async on two shards covers their ground, with
+# ssp's workers killed, stopped and added in test_elastic_async and the seeded fault schedules.
+@pytest.mark.parametrize("mode, shards", [pytest.param("async", 1, marks=pytest.mark.slow),
+                                          pytest.param("ssp", 1, marks=pytest.mark.slow), ("async", 2)])
 def test_your_model_and_data_on_async_tasks_apply_every_example_once_with_a_worker_killed(procs, tmp_path, mode,
                                                                                            shards):
     """Async and ssp deal your examples as tasks (core.data.tasks): a worker SIGKILLed while it

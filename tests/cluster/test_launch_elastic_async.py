@@ -28,6 +28,9 @@ EPOCHS = 2
 TASKS = EPOCHS * -(-EXAMPLES // 32)  # --global-batch-size 96 / 3 workers at most
 
 
+# ~35 s: slow. ps-launch --elastic on async tasks with a worker added and stopped is
+# test_launch_elastic_keras' on two shards, and the seeded async fault schedules add and kill more.
+@pytest.mark.slow
 def test_an_async_job_scaled_2_3_2_applies_every_example_once_per_epoch(procs, tmp_path):
     pause = "--pause-at-step 10 --pause-for 25"
     argv = [sys.executable, "-m", "ps_tools.launch", "--mode", "async", "--elastic", "2:3", "--workers", "2",

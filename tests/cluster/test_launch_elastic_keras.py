@@ -98,6 +98,9 @@ def test_an_example_scaled_2_3_2_mid_run_ends_with_the_undisturbed_weights_every
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
+# ~50 s: slow. Elastic sync over two shards to the undisturbed bits is test_elastic_user's
+# worker killed on two shards, and this front door's is the SIGKILL test below.
+@pytest.mark.slow
 def test_the_pss_example_over_two_shards_scaled_2_3_2_ends_with_one_server_s_undisturbed_weights(tmp_path):
     _, plain = launch(tmp_path, "plain", "keras_pss.py")
     out, shards = launch(tmp_path, "shards", "keras_pss.py", "--num-ps", "2", "--scale-at", "10:3",

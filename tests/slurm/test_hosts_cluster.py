@@ -183,6 +183,9 @@ def test_an_elastic_job_that_loses_a_node_goes_on_with_the_others_to_the_same_bi
 FIXED = ["--dataset", "digits", "--model", "cnn", "--epochs", "3", "--progress", "lines"]
 
 
+# ~110 s (two runs of the job): slow. A fixed job's abort on a lost worker is test_slurm_job's
+# killed worker under abort; a server restored from its checkpoint, the chaos and docker tiers'.
+@pytest.mark.slow
 def test_a_fixed_job_that_loses_a_node_fails_fast_and_its_requeued_run_resumes_from_the_checkpoint(
         hosts_slurm, undisturbed, tmp_path):
     """SIGKILL of node-3's host in a fixed sync job (``sbatch --requeue``): the server aborts the
@@ -227,6 +230,9 @@ def test_a_node_set_down_stays_out_and_its_work_goes_to_the_others(hosts_slurm):
     hosts_slurm.wait_states({"node-3": "idle"}, timeout=30)
 
 
+# ~50 s: slow. An elastic job that loses a node (above) and a node set down (its test) stay in
+# the default run.
+@pytest.mark.slow
 def test_an_elastic_job_goes_on_when_a_node_is_set_down_and_grows_onto_it_when_it_is_back(hosts_slurm, undisturbed,
                                                                                          tmp_path):
     """The elastic job, taking up to five workers (``--max-workers 5``), on four nodes. Once it
