@@ -71,7 +71,7 @@ def server_settings_conflict(mode: str, num_workers: int, stale_gradient_policy:
 def sparse_rule_conflict(sparse_rule: str, async_apply: str) -> str | None:
     """Why ``--sparse-rule`` cannot go with these settings (one line), or None; raised as
     ``server_settings_conflict``'s are."""
-    if sparse_rule not in ("sum", "keras"):
+    if sparse_rule not in ("", "sum", "keras"):  # "": the optimizer's (the Keras front door asks keras), else sum
         return f"--sparse-rule must be one of sum, keras, got {sparse_rule!r}"
     if sparse_rule != "keras":
         return None

@@ -85,6 +85,7 @@ for _defaults in OPTIMIZER_DEFAULTS.values():
     for _field, _value in _defaults.items():
         UNUSED_FIELD_VALUES.setdefault(_field, _value)
 UNUSED_FIELD_VALUES["learning_rate_schedule"] = None
+UNUSED_FIELD_VALUES["sparse_rule"] = ""  # the server's --sparse-rule, else sum (tfps.keras asks keras)
 
 # Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
 NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency")

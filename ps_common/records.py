@@ -36,8 +36,10 @@ class Registration:
     incarnation: str = ""  # changes every time a server process starts
     # Sync: restored from a checkpoint, no push taken since: the first push sets the round
     round_restored: bool = False
-    # --sparse-rule: "keras" wants every occurrence of an embedding's rows pushed as
-    # TensorFlow gave them (worker.gradients), "sum" (and "" from an older server) them summed
+    # The rule repeated rows follow: "keras" wants every occurrence of an embedding's rows pushed
+    # as TensorFlow gave them (worker.gradients), "sum" them summed; "": the server has no
+    # --sparse-rule and no optimizer yet, so the initializing optimizer's ask decides
+    # (worker.connection.Connection.sparse_rule)
     sparse_rule: str = "sum"
     # The worker's own: the same-host fast path is on for this registration (its probe
     # succeeded). Never on the wire: the server's core leaves it False.

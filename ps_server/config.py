@@ -58,7 +58,8 @@ class ServerConfig:
     sparse_updates: str = "exact"
     # A row repeated in one sparse gradient: its occurrences summed first, the dense step (sum),
     # or each applied as Keras 3 applies a tf.IndexedSlices, one-process model.fit's step (keras).
-    sparse_rule: str = "sum"
+    # "": the initializing optimizer's ask (tfps.keras asks keras), else sum.
+    sparse_rule: str = ""
     # Elastic sync (ps_server/core/modes/elastic_mode.py): > 0, rounds start with this many workers
     # and take up to --num-workers, joining and leaving at any time; each global batch is
     # cut into micro_batches (0: --num-workers) that the server deals out to ps-worker
@@ -221,9 +222,10 @@ class ServerConfig:
                        "(environment TFPS_SPARSE_UPDATES)")
         g.add_argument("--sparse-rule", choices=SPARSE_RULES,
                        help="a row that occurs several times in one sparse gradient (an id looked up twice in a "
-                       "batch): sum (default) sums its occurrences first, the dense gradient's step (TF1, ElasticDL); "
+                       "batch): sum sums its occurrences first, the dense gradient's step (TF1, ElasticDL); "
                        "keras applies each occurrence as Keras 3 applies a tf.IndexedSlices, one-process model.fit's "
-                       "step (environment TFPS_SPARSE_RULE)")
+                       "step. Default: the initializing optimizer's (tfps.keras: keras), else sum "
+                       "(environment TFPS_SPARSE_RULE)")
         _add_transport_flags(p)
         return p
 

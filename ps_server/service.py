@@ -343,7 +343,8 @@ def _schedule_from_wire(text: str):
 # By Keras' argument names on both sides; the wire spells None as 0 and a schedule as JSON.
 OPTIMIZER = convert.Conversion(
     OptimizerSpec, pb.OptimizerConfig,
-    to_wire={"learning_rate_schedule": schedule_to_wire, **{f: _none_as_zero for f in NONE_AS_ZERO}},
+    to_wire={"learning_rate_schedule": schedule_to_wire, "sparse_rule": lambda rule: rule or "",
+             **{f: _none_as_zero for f in NONE_AS_ZERO}},
     from_wire={"learning_rate_schedule": _schedule_from_wire, **{f: _zero_as_none for f in NONE_AS_ZERO}},
 )
 

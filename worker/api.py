@@ -170,7 +170,7 @@ class Session:
             if len(gradients) > len(variables):
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
-        payload = as_pushed(self.model, gradients, self.connection.pulled, self.connection.registration.sparse_rule)
+        payload = as_pushed(self.model, gradients, self.connection.pulled, self.connection.sparse_rule)
         return self.stepper.push(Work(self.step, int(batch_size)), float(loss), payload)[1]
 
     def rejoin(self, error) -> int:

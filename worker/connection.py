@@ -311,6 +311,13 @@ class Connection:
                                       self._optimizer_spec(),
                                       non_trainable=[v.path for v in non_trainable(self.model)], **plan)
 
+    @property
+    def sparse_rule(self) -> str:
+        """The rule the server steps repeated rows by (``worker.gradients``): its ``--sparse-rule``,
+        or its optimizer's once initialized; before that (a server started without the flag)
+        the one this worker's optimizer asks for, which the chief's Initialize gives it."""
+        return self.registration.sparse_rule or self._optimizer_spec().get("sparse_rule") or "sum"
+
     def _optimizer_spec(self) -> dict:
         """The optimizer this worker trains with: the one given to ``__init__``, else the flags'."""
         return dict(self.optimizer_spec) if self.optimizer_spec is not None else self.config.optimizer_spec()

@@ -459,7 +459,7 @@ class _Attached:
         change the step made to every metric's state (sync) and the chief's new learning rate."""
         model, conn = self.model, self.strategy.connection
         loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
-                                       conn.registration.sparse_rule) if work.batch_size \
+                                       conn.sparse_rule) if work.batch_size \
             else (0.0, None)
         if work.batch_size and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",

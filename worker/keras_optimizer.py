@@ -45,4 +45,5 @@ def spec_fields(optimizer) -> dict:
         raise ValueError(f"{cls.__name__} with exclude_from_weight_decay cannot run on the server: it decays "
                          "every variable")
     name = fields.pop("name")
-    return optimizer_fields(name, **fields)
+    # A repeated row steps as Keras applies a tf.IndexedSlices, unless the server was given --sparse-rule.
+    return optimizer_fields(name, **fields, sparse_rule="keras")

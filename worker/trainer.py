@@ -213,7 +213,7 @@ class TrainingLoop:
         x, y, *weights = work.examples  # your dataset's dealt examples (--elastic) carry a sample weight too
         with tf.device(self.device):
             return self.gradients(x, y, self.conn.pulled, sample_weight=weights[0] if weights else None,
-                                  sparse_rule=self.conn.registration.sparse_rule)
+                                  sparse_rule=self.conn.sparse_rule)
 
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""

@@ -142,7 +142,7 @@ class ParameterServer:
         stale_gradient_policy: str = "none",
         max_staleness: int = MAX_STALENESS,
         sparse_updates: str = "exact",
-        sparse_rule: str = "sum",
+        sparse_rule: str = "",
         clock=time.monotonic,
         async_apply: str = "locked",
         elastic_min_workers: int = 0,
@@ -169,6 +169,8 @@ class ParameterServer:
         self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.data.tasks)
         self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
         self.members = Membership(num_workers, lease_timeout, clock=clock)
+        if async_apply == "hogwild":  # adds a push's rows up: the optimizer cannot ask for the keras rule
+            sparse_rule = sparse_rule or "sum"
         self.store = VariableStore(sparse_updates, sparse_rule)  # --sparse-updates, --sparse-rule: core.optim.sparse
         self.stats = Stats()
         self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)

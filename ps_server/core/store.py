@@ -401,19 +401,20 @@ def release_snapshots(values: Mapping[str, object], states: Mapping[str, Mapping
 
 
 class VariableStore:
-    def __init__(self, sparse_updates: str = "exact", sparse_rule: str = "sum") -> None:
+    def __init__(self, sparse_updates: str = "exact", sparse_rule: str = "") -> None:
         """``sparse_updates`` (``core.optim.sparse.SPARSE_UPDATES``, ``--sparse-updates``): how a
         sparse gradient is applied: only its rows where that is exact (default), only its
         rows always (``lazy``), or made dense. ``sparse_rule`` (``SPARSE_RULES``,
         ``--sparse-rule``): a repeated row's occurrences summed first ("sum"), or each
-        applied as Keras 3 applies an ``IndexedSlices`` ("keras"; ``core.optim.sparse``)."""
+        applied as Keras 3 applies an ``IndexedSlices`` ("keras"; ``core.optim.sparse``);
+        "": the initialized optimizer's (``OptimizerSpec.sparse_rule``), else "sum"."""
         if sparse_updates not in sparse.SPARSE_UPDATES:
             raise InvalidArgument(f"sparse_updates must be one of {', '.join(sparse.SPARSE_UPDATES)}; "
                                   f"got {sparse_updates!r}")
-        if sparse_rule not in sparse.SPARSE_RULES:
+        if sparse_rule not in ("", *sparse.SPARSE_RULES):
             raise InvalidArgument(f"sparse_rule must be one of {', '.join(sparse.SPARSE_RULES)}; got {sparse_rule!r}")
         self.sparse_updates = sparse_updates
-        self.sparse_rule = sparse_rule
+        self.rule_given = sparse_rule
         self._publish = threading.Lock()
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
@@ -426,6 +427,15 @@ class VariableStore:
         self.clip_across = None
 
     # -- state ---------------------------------------------------------------
+    @property
+    def sparse_rule(self) -> str:
+        """The rule a repeated row follows: ``--sparse-rule`` where given, else the initialized
+        optimizer's, else "sum"; "" until initialized where no flag was given."""
+        return self._rule_of(self.optimizer_spec)
+
+    def _rule_of(self, spec: OptimizerSpec | None) -> str:
+        return self.rule_given or ("" if spec is None else spec.sparse_rule or "sum")
+
     @property
     def initialized(self) -> bool:
         return self._optimizer is not None
@@ -504,7 +514,9 @@ class VariableStore:
 
     def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
         refusal = sparse.lazy_refusal(spec) if self.sparse_updates == "lazy" else None
-        refusal = refusal or (slices_refusal(spec) if self.sparse_rule == "keras" else None)
+        # The rule a flag gave refuses an optimizer at once; the one an optimizer asks for (the
+        # Keras front door's, for every model) at its first sparse gradient (``prepare``).
+        refusal = refusal or (slices_refusal(spec) if self.rule_given == "keras" else None)
         if refusal:
             raise InvalidArgument(refusal)
 
@@ -664,6 +676,9 @@ class VariableStore:
                     raise NotFound(f"gradient for unknown variable(s): {name!r}")
                 sparse.check(name, g, var.value.shape, var.value.dtype)
                 keras = self.sparse_rule == "keras" and not var.non_trainable
+                refusal = slices_refusal(self._optimizer.spec) if keras else None
+                if refusal:  # the optimizer asked for the rule (``_check_sparse_updates``)
+                    raise InvalidArgument(f"a sparse gradient for {name!r}: {refusal}")
                 if not (keep_sparse and (keras or self._row_wise_reason(var) is None)):
                     g = sparse.densify(g, var.value.shape, var.value.dtype)
             out[name] = g

@@ -214,3 +214,44 @@ def test_rule_keras_refuses_settings_it_is_not_defined_for(settings, words):
 def test_a_worker_learns_the_rule_when_it_registers():
     assert server(OptimizerSpec("adam", learning_rate=0.1), "keras").register(0, 1).sparse_rule == "keras"
     assert server(OptimizerSpec("adam", learning_rate=0.1), "sum").register(0, 1).sparse_rule == "sum"
+
+
+def test_without_the_flag_the_initializing_optimizer_s_ask_decides_and_a_checkpoint_keeps_it():
+    """``--sparse-rule`` unset: "" until initialized; then the optimizer's ``sparse_rule``
+    (the Keras front door asks "keras"), else "sum"; a flag given wins over the ask. A
+    restored server without the flag steps by the rule its checkpoint's optimizer asked."""
+
+    keras_adam, plain_adam = OptimizerSpec("adam", learning_rate=0.1, sparse_rule="keras"), \
+        OptimizerSpec("adam", learning_rate=0.1)
+    fresh = ParameterServer(mode="async", num_workers=1)
+    assert fresh.register(0, 1).sparse_rule == ""
+    for spec, flag, rule in ((keras_adam, "", "keras"), (plain_adam, "", "sum"), (keras_adam, "sum", "sum"),
+                             (plain_adam, "keras", "keras")):
+        ps = server(spec, flag)
+        assert ps.store.sparse_rule == rule and ps.register(0, 1).sparse_rule == rule, (spec, flag)
+    asked = server(keras_adam, "")
+    rows, values = next(batches())
+    asked.submit(Push(0, 0, 0, 1, {"emb": SparseRows(rows, values)})).result(JOIN)
+    flagged = server(plain_adam, "keras")
+    flagged.submit(Push(0, 0, 0, 1, {"emb": SparseRows(rows, values)})).result(JOIN)
+    (a, a_slots), (f, f_slots) = ours(asked), ours(flagged)
+    assert a.tobytes() == f.tobytes() and a_slots == f_slots  # the same step: each occurrence as Keras applies it
+    restored = ParameterServer(mode="async", num_workers=1)
+    restored.restore(asked.checkpoint_state())
+    assert restored.store.sparse_rule == "keras" and restored.register(0, 1).sparse_rule == "keras"
+
+
+def test_an_optimizer_that_asks_for_the_keras_rule_it_has_no_slices_step_for_is_refused_at_a_sparse_push():
+    """Adadelta asked "keras" (tfps.keras does for every model): a dense model trains; the first
+    sparse gradient is refused in one line naming the fix, and nothing is applied."""
+    ps = ParameterServer(mode="async", num_workers=1)
+    ps.register(0, 1)
+    ps.initialize(0, {"emb": initial(), "dense": np.ones(3, np.float32)},
+                  OptimizerSpec("adadelta", learning_rate=0.1, sparse_rule="keras"))
+    ps.submit(Push(0, 0, 0, 1, {"emb": np.ones((ROWS, DIM), np.float32), "dense": np.ones(3, np.float32)})) \
+        .result(JOIN)
+    before = ours(ps)[0].tobytes()
+    rows, values = next(batches())
+    with pytest.raises(InvalidArgument, match="'emb'.*adadelta.*--sparse-rule sum"):
+        ps.submit(Push(0, 1, 1, 1, {"emb": SparseRows(rows, values), "dense": np.ones(3, np.float32)})).result(JOIN)
+    assert ours(ps)[0].tobytes() == before

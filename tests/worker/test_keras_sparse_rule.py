@@ -4,9 +4,10 @@
 
 One worker's fit in this process against a real in-process server, an Embedding looked up
 with repeated ids in every batch, against one-process Keras ``model.fit`` on the same data:
-- rule "keras" ends with Keras' own weights, bit for bit (the server learned the rule at
-  registration, the worker pushed every occurrence, the server stepped them as Keras does);
-- rule "sum" (the default) ends elsewhere on the table: the repeated rows were summed first.
+- no rule given (the default: tfps.keras' optimizer asks "keras") and rule "keras" end with
+  Keras' own weights, bit for bit (the worker pushed every occurrence, the server stepped
+  them as Keras does);
+- rule "sum" ends elsewhere on the table: the repeated rows were summed first.
 """
 
 import os
@@ -46,7 +47,7 @@ def on_tfps(rule: str, optimizer) -> list:
         with strategy.scope():
             model = build(optimizer)
         model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        assert strategy.connection.registration.sparse_rule == rule
+        assert strategy.connection.sparse_rule == (rule or "keras")
         strategy.close()
         return [v.numpy() for v in model.trainable_variables]
     finally:
@@ -54,14 +55,15 @@ def on_tfps(rule: str, optimizer) -> list:
 
 
 @pytest.mark.parametrize("cls", ["Adam", "Adagrad"])
-def test_rule_keras_ends_a_fit_with_one_process_keras_weights_and_rule_sum_does_not(cls):
+def test_the_default_and_rule_keras_end_a_fit_with_one_process_keras_weights_and_rule_sum_does_not(cls):
     """Against Keras' fit run eagerly: its compiled step (a tf.function) is Grappler's, which
     rounds Adagrad's step 1 ulp apart after 4 steps here (docs/sparse.md; Adam: the same bits)."""
     model = build(getattr(keras.optimizers, cls)(learning_rate=0.1), run_eagerly=True)
     model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     want = [v.numpy() for v in model.trainable_variables]
-    keras_rule = on_tfps("keras", getattr(keras.optimizers, cls)(learning_rate=0.1))
-    assert [w.tobytes() for w in keras_rule] == [w.tobytes() for w in want], \
-        f"max difference {max(float(np.max(np.abs(a - b))) for a, b in zip(keras_rule, want))}"
+    for rule in ("", "keras"):
+        keras_rule = on_tfps(rule, getattr(keras.optimizers, cls)(learning_rate=0.1))
+        assert [w.tobytes() for w in keras_rule] == [w.tobytes() for w in want], \
+            f"{rule!r}: max difference {max(float(np.max(np.abs(a - b))) for a, b in zip(keras_rule, want))}"
     summed = on_tfps("sum", getattr(keras.optimizers, cls)(learning_rate=0.1))
     assert summed[0].tobytes() != want[0].tobytes()  # the embedding: repeated rows summed first

@@ -46,7 +46,7 @@ time, in cache while the ~10 operations of a TwoSum run over it);
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -283,10 +283,11 @@ class RoundSum:
     must carry the same names, shapes and dtypes (the store checks them first).
     Not thread-safe: the sync barrier's lock serializes it."""
 
-    def __init__(self, sparse_rule: str = "sum") -> None:
-        """``sparse_rule`` (``--sparse-rule``): "sum" folds sparse pushes into the mean of their
-        summed rows; "keras" keeps every occurrence (``_concatenated``)."""
-        self.sparse_rule = sparse_rule
+    def __init__(self, sparse_rule: "str | Callable[[], str]" = "sum") -> None:
+        """``sparse_rule`` (``--sparse-rule``; or a function that gives it when a round is
+        folded, the store's, decided at initialization): "sum" folds sparse pushes into the
+        mean of their summed rows; "keras" keeps every occurrence (``_concatenated``)."""
+        self._rule = sparse_rule
         self._exact: dict[str, _Exact] = {}
         self._held: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # float64: (worker, b, g)
         # Sparse gradients (ps_common.sparse.SparseRows, an embedding's rows stepped row-wise):
@@ -296,6 +297,10 @@ class RoundSum:
         self._sparse_means: dict = {}
         self.total = 0
         self.count = 0
+
+    @property
+    def sparse_rule(self) -> str:
+        return self._rule() if callable(self._rule) else self._rule
 
     def add(self, worker_id: int, batch_size: int, gradients: Mapping[str, np.ndarray]) -> None:
         if self.count and set(gradients) != self._names:

@@ -117,7 +117,7 @@ class ElasticSyncMode(Mode):
         self._first_round = self._round  # the job's first round (0): it alone waits for min_workers
         self._work: RoundWork | None = None
         self._started = 0.0
-        self._sum = RoundSum(self.store.sparse_rule)
+        self._sum = RoundSum(lambda: self.store.sparse_rule)
         self._contributors: set[int] = set()
         self._losses: list[tuple[float, int]] = []
         self._pushes: dict[int, list[Ticket]] = {}   # worker -> its pushes waiting for the round
@@ -386,7 +386,7 @@ class ElasticSyncMode(Mode):
 
     def _reset_round(self) -> None:
         self._work = None
-        self._sum = RoundSum(self.store.sparse_rule)
+        self._sum = RoundSum(lambda: self.store.sparse_rule)
         self._contributors = set()
         self._losses = []
 

@@ -132,7 +132,7 @@ class SyncMode(Mode):
         self._rounds_timed_out = 0
         self._rounds_aborted = 0
         self._speculation: Speculation | None = None  # the current round's (core.modes.overlap)
-        self._sum = RoundSum(self.store.sparse_rule)  # the current round's pushes, folded (a fresh one each generation)
+        self._sum = RoundSum(lambda: self.store.sparse_rule)  # the current round's pushes, folded (a fresh one each generation)
         self._tickets: dict[int, list[Ticket]] = {}  # generation -> submit()'s waiting pushes
         self.shard = 0  # backup workers over several shards: this one's index (module docstring)
         self.commit: Commit | None = None  # shard 0 of them
@@ -464,7 +464,7 @@ class SyncMode(Mode):
             self._speculation = None
         for ticket in self._tickets.pop(generation, ()):
             ticket.settle(outcome)  # its callbacks only hand the outcome on; they do not block
-        self._sum = RoundSum(self.store.sparse_rule)  # the next generation folds its own
+        self._sum = RoundSum(lambda: self.store.sparse_rule)  # the next generation folds its own
         self._round_started = None
 
     # -- membership ----------------------------------------------------------------
@@ -525,7 +525,7 @@ class SyncMode(Mode):
             if self._speculation is not None:
                 self._speculation.settle(confirmed=False)
                 self._speculation = None
-            self._sum = RoundSum(self.store.sparse_rule)
+            self._sum = RoundSum(lambda: self.store.sparse_rule)
             self._results.clear()
             self._dropped.clear()
             self._dead_since.clear()

@@ -124,11 +124,15 @@ class OptimizerSpec:
     epsilon_2: float | None = None
     clip_threshold: float | None = None
     relative_step: bool | None = None
+    # A repeated row of a sparse gradient where the server has no --sparse-rule ("keras", "sum";
+    # None: sum): core.optim.sparse. The Keras front door asks "keras".
+    sparse_rule: str | None = None
 
     def __post_init__(self):
         takes = OPTIMIZER_DEFAULTS.get(self.name)
+        object.__setattr__(self, "sparse_rule", self.sparse_rule or None)  # the wire's "" is None
         for f in fields(self):
-            if f.name == "name":
+            if f.name in ("name", "sparse_rule"):
                 continue
             value = getattr(self, f.name)
             if takes is not None and f.name not in takes and f.name != "learning_rate_schedule":
@@ -165,6 +169,8 @@ class OptimizerSpec:
                 continue
             elif isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                 raise InvalidArgument(f"{field} must be a finite number; got {x!r}")
+        if self.sparse_rule not in (None, "sum", "keras"):
+            raise InvalidArgument(f"sparse_rule must be sum, keras or unset; got {self.sparse_rule!r}")
         if self.learning_rate <= 0:
             raise InvalidArgument(f"learning_rate must be > 0; got {self.learning_rate!r}")
         ranges = {"momentum": (0, 1), "rho": (0, 1)}
