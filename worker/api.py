@@ -95,10 +95,7 @@ def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Seque
 
     config = make_config(model=_label(model_fn), dataset=_label(dataset_fn), **flags)
     try:
-        task = tasks.UserTask(model_fn, dataset_fn, global_batch_size=config.global_batch_size,
-                              epochs=config.epochs, steps=config.steps, seed=config.seed, loss=loss,
-                              metrics=metrics, sharding=config.dataset_sharding,
-                              worker_index=config.worker_index, num_workers=config.num_workers)
+        task = tasks.from_config(config, model_fn, dataset_fn, loss=loss, metrics=metrics)
     except tasks.TaskError as e:
         raise ConfigError(str(e)) from None
     return run(config, task)

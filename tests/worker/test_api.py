@@ -156,3 +156,14 @@ def test_a_session_with_a_wrapped_tape_pushes_what_the_tape_computes(server):
         session.pull()
         np.testing.assert_allclose(model.trainable_variables[0].numpy(), w0 - 0.1 * grad.numpy(), rtol=1e-6)
     assert running.core.status().workers[0].left
+
+
+def test_train_with_elastic_trains_on_the_examples_the_server_deals(server):
+    """``api.train(..., elastic=True)`` builds the task ``ps-worker --elastic`` builds (one
+    builder, ``worker.task.from_config``): its data read once and dealt by the server, every
+    example once per epoch (256 examples, global batches of 16: 16 rounds an epoch)."""
+    running = server("sync", elastic_min_workers=1, micro_batches=2)
+    result = api.train(two_inputs_model, two_inputs_data, ps=running.address, elastic=True, epochs=2,
+                       global_batch_size=16, optimizer="adam", learning_rate=0.05, progress="off")
+    status = running.core.status()
+    assert result["steps"] == 32 and status.epoch_examples == (256, 256), (result, status)
