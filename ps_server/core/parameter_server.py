@@ -190,7 +190,7 @@ class ParameterServer:
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if self.elastic:
             self.mode = ElasticSyncMode(self.store, self.members, None, elastic_min_workers, barrier_timeout,
-                                        self.stats, clock=clock)
+                                        self.stats, clock=clock, allow_nonfinite=allow_nonfinite)
         elif mode == "sync":
             self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,

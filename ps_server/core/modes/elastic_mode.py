@@ -100,13 +100,14 @@ class ElasticSyncMode(Mode):
 
     def __init__(self, store: VariableStore, members: Membership, cursor: Cursor | None, min_workers: int,
                  barrier_timeout: float, stats: Stats | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, allow_nonfinite: bool = False):
         if min_workers < 1:
             raise InvalidArgument(f"min_workers must be >= 1, got {min_workers}")
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
         self.store, self.members = store, members
         self.min_workers, self.barrier_timeout = min_workers, barrier_timeout
+        self.allow_nonfinite = allow_nonfinite  # --allow-nonfinite: NaN and Inf gradients are applied
         self.stats = stats or Stats()
         self.cursor: Cursor | None = None
         self.ledger: EpochLedger | None = None
@@ -315,7 +316,7 @@ class ElasticSyncMode(Mode):
         if push.batch_size != size:
             raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
                                   f"{push.batch_size}")
-        self.store.check_gradients(push.gradients)  # before anything is taken
+        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)  # before anything is taken
         if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
