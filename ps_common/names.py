@@ -86,9 +86,11 @@ for _defaults in OPTIMIZER_DEFAULTS.values():
         UNUSED_FIELD_VALUES.setdefault(_field, _value)
 UNUSED_FIELD_VALUES["learning_rate_schedule"] = None
 UNUSED_FIELD_VALUES["sparse_rule"] = ""  # the server's --sparse-rule, else sum (tfps.keras asks keras)
+UNUSED_FIELD_VALUES["gradient_accumulation_steps"] = None  # every optimizer's: none
 
 # Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
-NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency")
+NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency",
+                "gradient_accumulation_steps")
 
 # Keras' learning-rate schedules the server evaluates (ps_server/core/optim/schedules.py), by
 # class name; a serialized one of them names this module.
@@ -138,7 +140,7 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
 
     The one definition of what the server cannot run, for both sides: raises ValueError,
     one line naming it, for an optimizer class it does not know, a config key it does not
-    know, ``loss_scale_factor`` or ``gradient_accumulation_steps`` set, ``use_ema`` without
+    know, ``loss_scale_factor`` set, ``gradient_accumulation_steps`` with ``use_ema``, ``use_ema`` without
     ``ema_overwrite_frequency``, and a learning rate that is not a number or one of Keras'
     own schedules (``LEARNING_RATE_SCHEDULES``; the server checks its config in full).
     """
@@ -151,10 +153,11 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
     config = dict(config)
     for key in _IGNORED_KERAS_KEYS:
         config.pop(key, None)
-    for key in ("loss_scale_factor", "gradient_accumulation_steps"):
-        value = config.pop(key, None)
-        if value is not None:
-            raise ValueError(f"{class_name} with {key}={value!r} cannot run on the server ({key} must be None)")
+    value = config.pop("loss_scale_factor", None)
+    if value is not None:
+        raise ValueError(f"{class_name} with loss_scale_factor={value!r} cannot run on the server "
+                         "(loss_scale_factor must be None)")
+    accumulation = config.pop("gradient_accumulation_steps", None)
     unknown = sorted(set(config) - set(OPTIMIZER_DEFAULTS[name]))
     if unknown:
         raise ValueError(f"{class_name} has config keys the server does not know: {', '.join(unknown)}")
@@ -162,7 +165,10 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
         raise ValueError(f"{class_name} with use_ema=True and ema_overwrite_frequency=None cannot run on the "
                          "server: Keras swaps the variables for their moving averages at the end of fit "
                          "(finalize_variable_values), which the server does not do; set ema_overwrite_frequency")
-    fields = {"name": name, **config}
+    if accumulation and config.get("use_ema"):
+        raise ValueError(f"{class_name} with use_ema and gradient_accumulation_steps cannot run on the server: "
+                         "Keras moves the averages at every batch, between the updates")
+    fields = {"name": name, **config, **({"gradient_accumulation_steps": accumulation} if accumulation else {})}
     lr = config.get("learning_rate", OPTIMIZER_DEFAULTS[name]["learning_rate"])
     if isinstance(lr, dict):
         check_schedule_class(lr)

@@ -289,6 +289,7 @@ class _Attached:
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
+        self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
         # its moving averages (use_ema) would load averages that never moved.
@@ -325,6 +326,9 @@ class _Attached:
         if self.strategy._fits > 1:
             raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
                              "fit's data plan); give all the epochs to one fit")
+        if self.window.steps > 1:
+            raise ValueError("elastic=True: gradient_accumulation_steps is not supported when the server deals the "
+                             "examples (each round is one update of one global batch); raise the batch size instead")
         given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
         self.dealt, given = _dealt(given, self.strategy.config, self.strategy.server_mode)
         return (), given
@@ -406,20 +410,35 @@ class _Attached:
 
         strategy, model, conn = self.strategy, self.model, self.strategy.connection
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        examples = _batch_size(x)  # the global batch's, or this worker's own (batches="per_worker")
         if strategy.batches == "global":
             self.read.add((x, y, sample_weight))
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
-        self.metrics_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        # gradient_accumulation_steps in sync: this worker's part weighs as its share of the global batch
+        share = _batch_size(x) * strategy.num_replicas_in_sync / examples \
+            if conn.sync and strategy.batches == "global" and examples else 1.0
+        step_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        if not self.window.batches:  # sync: the metric changes of the whole window go with its push
+            self.metrics_before = step_before
+        if not self.window.last():  # gradient_accumulation_steps: a batch whose gradients wait for the window's end
+            self.window.add(self.gradients(x, y, conn.pulled, sample_weight, "sum")[1], share,
+                            _batch_size(x), examples, self.gradients.variables)
+            model.optimizer._iterations.assign_add(1)
+            return model.get_metrics_result()
         while True:
             try:
-                row, reply = self.stepper(Work(conn.step, _batch_size(x), (x, y, sample_weight)), pull=False)
+                work = Work(conn.step, self.window.weight(_batch_size(x), examples, conn.sync,
+                                                          strategy.num_replicas_in_sync), (x, y, sample_weight))
+                self.window.share = share
+                row, reply = self.stepper(work, pull=False)
                 break
             except PSClientError as e:
                 if not recoverable(e):
                     raise
                 for v in _metric_variables(model):
-                    v.assign(self.metrics_before.get(v.path, np.zeros(v.shape, v.dtype)))
+                    v.assign(step_before.get(v.path, np.zeros(v.shape, v.dtype)))
                 self._rejoin(e)
+        self.window.clear()
         if conn.sync and reply.metrics:
             self.read.check_round(reply.metrics, row["step"])
             pushes = int(reply.metrics[BatchDigests.KEY][0])
@@ -443,7 +462,7 @@ class _Attached:
             if not recoverable(e):
                 raise
             self._rejoin(e)
-        self.model.optimizer.iterations.assign(max(0, int(conn.version)))
+        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.window.steps)
 
     def _rejoin(self, error) -> None:
         """Register again (within --reconnect-timeout) and load the server's parameters; the
@@ -461,6 +480,7 @@ class _Attached:
         loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
                                        conn.sparse_rule) if work.batch_size \
             else (0.0, None)
+        payload = self.window.mean(payload, self.gradients.variables)
         if work.batch_size and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
@@ -514,6 +534,83 @@ class _Attached:
     def predict(self, *args, **kwargs):
         self._load()
         return self.original_predict(*args, **kwargs)
+
+
+class Window:
+    """``gradient_accumulation_steps`` (``steps``), as Keras' optimizer accumulates: each
+    batch's gradients are added to zeros in turn, and the window's last batch pushes
+    ``(g + accumulated) / steps``, one server update; the other batches push nothing. Sparse
+    gradients are made dense, as Keras' accumulators are. A batch whose loss or gradients
+    are not finite makes the window's push one of weight 0.
+
+    Sync with global batches: a round's update must be the mean over the window of each
+    global batch's gradient, whose parts weigh by their examples (a last batch of 29 is
+    15 + 14). So each part's gradient is scaled by its ``share``, ``part * workers /
+    batch`` (exactly 1 where the parts are equal), and every worker's push weighs the same
+    (``weight``): the server's mean over the round's pushes is then that mean."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.sums: dict[str, np.ndarray] = {}
+        self.batches = self.examples = self.batch_examples = 0
+        self.finite = True
+        self.share = 1.0  # the last batch's
+
+    def weight(self, examples: int, batch_examples: int, even: bool, workers: int) -> int:
+        """The window's push's batch size: this worker's examples (``examples`` the last batch's),
+        or in sync, where the pushes weigh alike (``even``), the window's batches' examples
+        over the workers, rounded up."""
+        if self.steps == 1:
+            return examples
+        return -(-(self.batch_examples + batch_examples) // workers) if even else self.examples + examples
+
+    def last(self) -> bool:
+        """Whether the batch now begun ends the window."""
+        return self.batches + 1 >= self.steps
+
+    def add(self, payload: dict | None, share: float, examples: int, batch_examples: int, trainable: list) -> None:
+        """One batch's gradients (``payload`` as ``worker.gradients`` gives it, of this worker's
+        ``examples`` of the batch's ``batch_examples``) into the sums."""
+        self.batches += 1
+        self.examples += examples
+        self.batch_examples += batch_examples
+        if payload is None:
+            self.finite = False
+            return
+        for v in trainable:
+            dense = _shared(_dense(payload[v.path], v), share)
+            self.sums[v.path] = self.sums[v.path] + dense if v.path in self.sums else np.zeros_like(dense) + dense
+
+    def mean(self, payload: dict | None, trainable: list) -> dict | None:
+        """The window's last payload with each trainable gradient ``(g + accumulated) / steps``."""
+        if self.steps == 1 or payload is None:
+            return payload
+        if not self.finite:
+            return None
+        out = dict(payload)
+        for v in trainable:
+            if v.path in self.sums:
+                g = _shared(_dense(payload[v.path], v), self.share)
+                out[v.path] = np.divide(g + self.sums[v.path], np.asarray(self.steps, g.dtype))
+        return out
+
+    def clear(self) -> None:
+        self.sums, self.batches, self.examples, self.batch_examples, self.finite = {}, 0, 0, 0, True
+
+
+def _shared(g: np.ndarray, share: float) -> np.ndarray:
+    return g if share == 1.0 else np.multiply(g, np.asarray(share, g.dtype))
+
+
+def _dense(g, variable) -> np.ndarray:
+    """A pushed gradient of ``variable`` as one array (sparse rows added into zeros, in order)."""
+    from ps_common.sparse import SparseRows
+
+    if not isinstance(g, SparseRows):
+        return np.asarray(g)
+    dense = np.zeros(tuple(variable.shape), g.values.dtype)
+    np.add.at(dense, np.asarray(g.rows, np.intp), g.values)
+    return dense
 
 
 class BatchDigests:
@@ -666,6 +763,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
 
         def on_epoch_begin(self, epoch, logs=None):
             attached.read.new_epoch()
+            attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
             if attached.dealt is not None:
                 attached.next_round = epoch * attached.dealt.steps_per_epoch
 

@@ -15,7 +15,7 @@ naming it (ValueError), by the rules the server applies too
 (``ps_common.names.keras_optimizer_fields``): another optimizer class (a subclass
 of a Keras optimizer; Keras' ``LossScaleOptimizer``, ``MultiOptimizer``, ``Muon`` and
 ``ScheduleFreeAdamW``, each with its reason, ``REFUSED_KERAS_OPTIMIZERS``), ``loss_scale_factor``,
-``gradient_accumulation_steps``, ``use_ema`` without ``ema_overwrite_frequency``,
+``gradient_accumulation_steps`` with ``use_ema``, ``use_ema`` without ``ema_overwrite_frequency``,
 a learning rate that is neither a number nor one of Keras' schedules, a config key
 the server does not know. Added here, because ``get_config`` does not show it:
 ``exclude_from_weight_decay``. The server checks a schedule's config in full at

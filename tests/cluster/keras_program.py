@@ -39,11 +39,24 @@ p.add_argument("--validation-freq", type=int, default=1)
 p.add_argument("--per-worker", action="store_true", help="each worker's own batches of 32 (its shard of the data)")
 p.add_argument("--count-metrics", action="store_true",
                help="four metrics counting the examples of each step, one per variable aggregation")
+p.add_argument("--accumulate", type=int, default=0, help="the optimizer's gradient_accumulation_steps")
+p.add_argument("--alone", action="store_true", help="one plain process, no tfps: the reference")
 p.add_argument("--shuffle", choices=("", "unseeded", "by-worker"), default="",
                help="shuffle the training examples each epoch: unseeded, or seeded by the worker's index")
 args = p.parse_args()
 
-strategy = tfps.keras.Strategy(batches="per_worker" if args.per_worker else "global")
+
+class Alone:
+    """What the program reads of a strategy, for one plain process (``--alone``)."""
+
+    worker_index, num_replicas_in_sync, is_chief, mode, server_learning_rates = 0, 1, True, "alone", []
+    connection = type("Connection", (), {"version": None})
+
+    def scope(self):
+        return tf.distribute.get_strategy().scope()
+
+
+strategy = Alone() if args.alone else tfps.keras.Strategy(batches="per_worker" if args.per_worker else "global")
 images, labels = load_digits(return_X_y=True)
 images = (images / 16.0).astype(np.float32)
 order = np.random.default_rng(0).permutation(len(labels))
@@ -106,7 +119,8 @@ with strategy.scope():
     keras.utils.set_random_seed(7)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=args.learning_rate, momentum=0.9),
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=args.learning_rate, momentum=0.9,
+                                                 gradient_accumulation_steps=args.accumulate or None),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"] + ([Examples(a) for a in ("sum", "mean", "only_first_replica", "none")]
                                           if args.count_metrics else []))
@@ -141,6 +155,7 @@ record = {
     "predict": predicted.tolist(), "seen_epochs": seen.epochs, "seen_batches": seen.batches, "seen_lrs": seen.lrs,
     "version": strategy.connection.version,
     "next_pass_labels": next(iter(train))[1].numpy().tolist(),  # the first batch of the pass after fit's
+    "weights": [v.numpy().tolist() for v in model.trainable_variables], "iterations": int(model.optimizer.iterations),
 }
 with open(os.path.join(args.out, f"worker{strategy.worker_index}.json"), "w") as f:
     json.dump(record, f)

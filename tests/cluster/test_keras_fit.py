@@ -106,6 +106,36 @@ def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs
     assert unshuffled != load_digits(return_X_y=True)[1][order][:64].tolist()  # it did shuffle
 
 
+def alone(tmp_path, *flags: str) -> dict:
+    """The program's record as one plain process (``--alone``: Keras' own fit, no tfps)."""
+    out = tmp_path / "alone"
+    out.mkdir(exist_ok=True)
+    run = subprocess.run(dying_with_parent([sys.executable, PROGRAM, "--out", str(out), "--alone", *flags]),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "worker0.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_gradient_accumulation_makes_one_update_per_k_batches(procs, tmp_path, mode):
+    """``SGD(..., gradient_accumulation_steps=2)``: sync with two workers ends within float
+    rounding of one process (each round the mean over its window of the global batches'
+    gradients, each part weighing as its share; 1.2e-7 measured, bound 5e-7 on the weights),
+    with Keras' iterations; async runs, one push per window per worker."""
+    records = fit(procs, tmp_path, mode, "--accumulate", "2", "--epochs", "2")
+    want = alone(tmp_path, "--accumulate", "2", "--epochs", "2")
+    windows = 2 * 23 // 2  # 23 batches an epoch: the windows run on across the epochs, as Keras'
+    assert want["iterations"] == windows
+    if mode == "sync":
+        assert [r["version"] for r in records] == [r["iterations"] for r in records] == [windows] * 2
+        for got, ref in zip(records[0]["weights"], want["weights"]):
+            np.testing.assert_allclose(np.array(got), np.array(ref), rtol=0, atol=5e-7)
+    else:
+        assert max(r["version"] for r in records) == 2 * windows  # each worker's window is one push (the
+        # worker that ends last has seen every push)
+
+
 def test_sync_metric_state_combines_as_each_variable_s_aggregation_declares(procs, tmp_path):
     """A metric counting its step's examples, in a variable of each aggregation: 1437 examples
     an epoch, the chief's part 22 * 32 + 15 and worker 1's 22 * 32 + 14. "sum" logs the global

@@ -32,7 +32,8 @@ def test_scope_attaches_a_model_compiled_inside_and_puts_compile_back():
 @pytest.mark.parametrize("optimizer, named", [
     (keras.optimizers.Muon(), "Muon"),
     (keras.optimizers.SGD(loss_scale_factor=128.0), "loss_scale_factor"),
-    (keras.optimizers.Adam(gradient_accumulation_steps=2), "gradient_accumulation_steps"),
+    (keras.optimizers.Adam(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4),
+     "use_ema and gradient_accumulation_steps"),
     (keras.optimizers.Adam(use_ema=True), "ema_overwrite_frequency"),
 ])
 def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_naming_it(optimizer, named):

@@ -127,12 +127,16 @@ class OptimizerSpec:
     # A repeated row of a sparse gradient where the server has no --sparse-rule ("keras", "sum";
     # None: sum): core.optim.sparse. The Keras front door asks "keras".
     sparse_rule: str | None = None
+    # Keras' gradient_accumulation_steps (every optimizer; None: none): each update is the mean
+    # of that many batches' gradients (the worker's), its schedule at Keras' real iterations.
+    gradient_accumulation_steps: int | None = None
 
     def __post_init__(self):
         takes = OPTIMIZER_DEFAULTS.get(self.name)
         object.__setattr__(self, "sparse_rule", self.sparse_rule or None)  # the wire's "" is None
+        object.__setattr__(self, "gradient_accumulation_steps", self.gradient_accumulation_steps or None)  # 0: None
         for f in fields(self):
-            if f.name in ("name", "sparse_rule"):
+            if f.name in ("name", "sparse_rule", "gradient_accumulation_steps"):
                 continue
             value = getattr(self, f.name)
             if takes is not None and f.name not in takes and f.name != "learning_rate_schedule":
@@ -171,6 +175,12 @@ class OptimizerSpec:
                 raise InvalidArgument(f"{field} must be a finite number; got {x!r}")
         if self.sparse_rule not in (None, "sum", "keras"):
             raise InvalidArgument(f"sparse_rule must be sum, keras or unset; got {self.sparse_rule!r}")
+        steps = self.gradient_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 2):
+            raise InvalidArgument(f"gradient_accumulation_steps must be an integer >= 2 or unset; got {steps!r}")
+        if steps is not None and self.use_ema:
+            raise InvalidArgument("use_ema with gradient_accumulation_steps: Keras moves the averages at every "
+                                  "batch, between the updates, which the server does not see")
         if self.learning_rate <= 0:
             raise InvalidArgument(f"learning_rate must be > 0; got {self.learning_rate!r}")
         ranges = {"momentum": (0, 1), "rho": (0, 1)}
@@ -422,8 +432,12 @@ class Optimizer:
 
     def step_constants(self, dtype: np.dtype, iterations: int, lr_scale: float = 1.0) -> dict:
         """The step's constants in ``dtype``, with the learning rate the step takes: Keras'
-        schedule at ``iterations`` (before the step), times ``lr_scale``."""
+        schedule at ``iterations`` (before the step; with ``gradient_accumulation_steps`` k,
+        update j is at Keras' real iterations j * k + k - 1), times ``lr_scale``."""
         c = self._constants[dtype]
+        k = self.spec.gradient_accumulation_steps
+        if k:
+            iterations = iterations * k + k - 1
         lr = c["lr"]
         if self.spec.learning_rate_schedule is not None:
             at, scheduled = self._scheduled  # one tuple, read and replaced whole: safe across threads
