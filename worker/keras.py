@@ -421,8 +421,8 @@ class _Attached:
         if not self.window.batches:  # sync: the metric changes of the whole window go with its push
             self.metrics_before = step_before
         if not self.window.last():  # gradient_accumulation_steps: a batch whose gradients wait for the window's end
-            self.window.add(self.gradients(x, y, conn.pulled, sample_weight, "sum")[1], share,
-                            _batch_size(x), examples, self.gradients.variables)
+            payload = self.gradients(x, y, conn.pulled, sample_weight, "sum")[1] if _batch_size(x) else {}
+            self.window.add(payload, share, _batch_size(x), examples, self.gradients.variables)
             model.optimizer._iterations.assign_add(1)
             return model.get_metrics_result()
         while True:
@@ -476,12 +476,16 @@ class _Attached:
         """The step's loss and payload (none for a tiny last batch that left this worker nothing,
         or a loss or gradient not finite: weight 0), and what its push carries besides: the
         change the step made to every metric's state (sync) and the chief's new learning rate."""
+        from worker.gradients import zeros
+
         model, conn = self.model, self.strategy.connection
+        # this worker's examples (a window's push weighs other than its last batch's part: ``Window``)
+        part = work.batch_size if self.window.steps == 1 else _batch_size(work.examples[0])
         loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
-                                       conn.sparse_rule) if work.batch_size \
-            else (0.0, None)
+                                       conn.sparse_rule) if part \
+            else (0.0, zeros(conn.pulled) if self.window.batches else None)
         payload = self.window.mean(payload, self.gradients.variables)
-        if work.batch_size and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
+        if part and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
             loss = 0.0
@@ -577,7 +581,7 @@ class Window:
         if payload is None:
             self.finite = False
             return
-        for v in trainable:
+        for v in (v for v in trainable if v.path in payload):  # none: an empty part of a tiny last batch
             dense = _shared(_dense(payload[v.path], v), share)
             self.sums[v.path] = self.sums[v.path] + dense if v.path in self.sums else np.zeros_like(dense) + dense
 
