@@ -41,6 +41,8 @@ p.add_argument("--count-metrics", action="store_true",
                help="four metrics counting the examples of each step, one per variable aggregation")
 p.add_argument("--accumulate", type=int, default=0, help="the optimizer's gradient_accumulation_steps")
 p.add_argument("--alone", action="store_true", help="one plain process, no tfps: the reference")
+p.add_argument("--arrays", action="store_true",
+               help="fit on the NumPy arrays (batch_size=64, Keras' default shuffle=True, unseeded)")
 p.add_argument("--shuffle", choices=("", "unseeded", "by-worker"), default="",
                help="shuffle the training examples each epoch: unseeded, or seeded by the worker's index")
 args = p.parse_args()
@@ -143,7 +145,8 @@ if args.weights == "class":
     fit_kwargs["class_weight"] = {c: (3.0 if c == 1 else 1.0) for c in range(10)}
 if args.steps_per_epoch:
     fit_kwargs["steps_per_epoch"] = args.steps_per_epoch
-history = model.fit(train, epochs=args.epochs, validation_data=test, callbacks=callbacks,
+data = {"x": train_x, "y": train_y, "batch_size": 64} if args.arrays else {"x": train}
+history = model.fit(**data, epochs=args.epochs, validation_data=test, callbacks=callbacks,
                     initial_epoch=args.initial_epoch, validation_freq=args.validation_freq, **fit_kwargs)
 evaluated = model.evaluate(test, return_dict=True, verbose=0)
 predicted = model.predict(test_x[:5], verbose=0)

@@ -149,6 +149,14 @@ def test_sync_metric_state_combines_as_each_variable_s_aggregation_declares(proc
     assert "examples_none/count declare aggregation='none'" in chief_log
 
 
+def test_fit_on_arrays_with_keras_default_shuffle_reads_the_same_global_batches_on_every_worker(procs, tmp_path):
+    """``model.fit(x, y, batch_size=64)``: Keras shuffles the arrays each epoch (``shuffle=True``,
+    no seed). Every worker draws the same order (``Strategy()`` set TensorFlow's global seed),
+    so no round's batch digests differ and both end with the same global-batch metrics."""
+    records = fit(procs, tmp_path, "sync", "--arrays", "--epochs", "2")
+    assert records[0]["history"]["loss"] == records[1]["history"]["loss"] and records[0]["version"] == 2 * 23
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_workers_that_read_different_global_batches_stop_in_one_line_naming_the_cause(procs, tmp_path, mode):
     """Each worker's shuffle seeded by its index: sync stops every worker at the first round
