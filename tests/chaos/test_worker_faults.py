@@ -96,7 +96,8 @@ class CuttableProxy:
     """127.0.0.1:<port> forwarding TCP to ``target``, under the test's control.
 
     ``cut()`` shuts down every open connection (the worker's in-flight calls fail
-    with UNAVAILABLE) and answers new ones with a reset until ``restore()``.
+    with UNAVAILABLE) and answers new ones with a reset until ``restore()``; ``refused``
+    counts those resets.
     ``close()`` stops every thread. Threads: one accepting, two per connection.
     """
 
@@ -112,6 +113,7 @@ class CuttableProxy:
         self._stopping = threading.Event()
         self._pumps: list[threading.Thread] = []  # appended by the accept thread only
         self.connections = 0
+        self.refused = 0  # connections reset while cut
         self._acceptor = threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True)
         self._acceptor.start()
 
@@ -131,6 +133,7 @@ class CuttableProxy:
             client.settimeout(None)
             with self._lock:
                 refuse = not self._open
+                self.refused += refuse
             if refuse:
                 _reset(client)
                 continue
@@ -144,6 +147,7 @@ class CuttableProxy:
             with self._lock:
                 if not self._open:  # cut while we connected
                     refuse = True
+                    self.refused += 1
                 else:
                     self._pairs.append(pair)
                     self.connections += 1

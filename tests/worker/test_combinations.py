@@ -19,6 +19,7 @@ result with what the feature promises:
 from __future__ import annotations
 
 import threading
+import time
 
 import keras
 import numpy as np
@@ -244,19 +245,31 @@ def test_a_keras_fit_with_backup_workers_applies_one_contributor_per_round(serve
 
 # -- a link cut -------------------------------------------------------------------------------
 class CutBetweenSteps:
-    """Cuts ``proxy`` before step ``at`` and restores it ``for_s`` seconds later (a timer thread):
-    that step's first call fails with UNAVAILABLE; the front door's ride-out must take it."""
+    """Cuts ``proxy`` before step ``at`` and restores it (a thread) once the worker has tried to
+    connect through the cut (a refused connection: its call failed with UNAVAILABLE) and
+    ``for_s`` seconds have passed; the front door's ride-out must take it. Restoring on a
+    timer alone let a worker slowed by a busy machine make its next call after the cut had
+    ended, with nothing to ride out. After ``limit_s`` without an attempt it restores anyway
+    (the test then fails on the missing second registration)."""
 
-    def __init__(self, proxy, at: int, for_s: float = 0.5):
-        self.proxy, self.at, self.for_s = proxy, at, for_s
-        self.timer: threading.Timer | None = None
+    def __init__(self, proxy, at: int, for_s: float = 0.5, limit_s: float = 30.0):
+        self.proxy, self.at, self.for_s, self.limit_s = proxy, at, for_s, limit_s
+        self.timer: threading.Thread | None = None
         self.dropped = -1
 
     def __call__(self, step: int) -> None:
         if step == self.at:
+            refused = self.proxy.refused
             self.dropped = self.proxy.cut()
-            self.timer = threading.Timer(self.for_s, self.proxy.restore)
+            self.timer = threading.Thread(target=self._restore, args=(refused,), name="restore", daemon=True)
             self.timer.start()
+
+    def _restore(self, refused: int) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < self.limit_s and (
+                self.proxy.refused == refused or time.monotonic() - start < self.for_s):
+            time.sleep(0.05)
+        self.proxy.restore()
 
 
 @pytest.mark.recovery
