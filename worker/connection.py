@@ -195,11 +195,13 @@ class Connection:
         if self.superseded is not None:
             raise self.superseded
 
-    def pull(self) -> int:
-        """Load the server's parameters (and BatchNorm statistics) into the model; their version."""
+    def pull(self, load: bool = True) -> int:
+        """Load the server's parameters (and BatchNorm statistics) into the model (``load``; else
+        only into ``pulled``, for a caller that assigns them itself); their version."""
         self.check()
         version, values = self.client.pull(self.worker_id)
-        set_values(self.model, values)
+        if load:
+            set_values(self.model, values)
         self.version, self.pulled = version, values
         self.seen = max(self.seen, version)
         return version

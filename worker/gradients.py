@@ -122,12 +122,14 @@ def _compiled_metrics(model, x, y, y_pred, sample_weight, loss) -> None:
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray], sparse_rule: str = "sum") -> dict:
+def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray], sparse_rule: str = "sum",
+              now: Mapping[str, np.ndarray] | None = None) -> dict:
     """``{path: as pushed}`` of every trainable variable of ``model`` (``grads`` by path; a
     missing one or ``None`` counts as zero) and every floating non-trainable one (its change
-    since ``pulled``); ``sparse_rule``: the server's (module docstring)."""
+    since ``pulled``, to its value ``now`` where given, else the model's); ``sparse_rule``:
+    the server's (module docstring)."""
     out = {v.path: _one(grads.get(v.path), v, sparse_rule == "keras") for v in trainable(model)}
-    out.update(changes(model, pulled))
+    out.update(changes(model, pulled, now))
     return out
 
 
@@ -136,9 +138,10 @@ def zeros(pulled: Mapping[str, np.ndarray]) -> dict:
     return {name: np.zeros_like(v) for name, v in pulled.items()}
 
 
-def changes(model, pulled: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def changes(model, pulled: Mapping[str, np.ndarray], now: Mapping[str, np.ndarray] | None = None) -> dict:
     """``{path: value now - value pulled}`` of the floating non-trainable variables."""
-    return {v.path: np.asarray(v.numpy()) - pulled[v.path] for v in non_trainable(model)}
+    return {v.path: (np.asarray(v.numpy()) if now is None else now[v.path]) - pulled[v.path]
+            for v in non_trainable(model)}
 
 
 def _one(g, variable, occurrences: bool = False):

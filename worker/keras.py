@@ -204,10 +204,14 @@ class Strategy:
             return
         if self.models:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
-        if getattr(type(model), "train_step") is not getattr(_keras_model_class(), "train_step"):
-            raise ValueError(f"{type(model).__name__} overrides train_step; tfps' step replaces it, so its "
-                             "changes would be lost (a custom loop: use worker.api.Session)")
         spec_fields(model.optimizer)  # refuses what the server cannot run, before any training
+        if _overrides_train_step(model):
+            if self.config.elastic:
+                raise ValueError(f"elastic=True: {type(model).__name__} overrides train_step, and the server deals "
+                                 "elastic data to a step of its own; train it without elastic=True")
+            if (model.optimizer.gradient_accumulation_steps or 1) > 1:
+                raise ValueError(f"{type(model).__name__} overrides train_step: gradient_accumulation_steps is "
+                                 "served with Keras' own train_step only; raise the batch size instead")
         self.models.append(_Attached(self, model))
 
     # -- the cluster
@@ -267,10 +271,36 @@ class Strategy:
             conn.close()
 
 
-def _keras_model_class():
+def _build(model, args, kwargs) -> None:
+    """A model whose variables do not exist yet (a subclassed one: Keras makes them when it
+    first traces the step) built from the shapes of fit's data, as Keras builds it under a
+    strategy, without reading a batch (which would move a shuffle's order on): the chief
+    initializes the server from its variables before the first step."""
+    import inspect
+
     import keras
 
-    return keras.Model
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    given = inspect.signature(keras.Model.fit).bind_partial(model, *args, **kwargs).arguments
+    x = given.get("x")
+    if hasattr(x, "element_spec"):  # a tf.data.Dataset
+        batch = x.element_spec
+    elif isinstance(x, keras.utils.PyDataset):
+        batch = x[0]
+    elif x is not None and not callable(getattr(x, "__next__", None)):  # arrays
+        batch = tuple(a for a in (x, given.get("y"), given.get("sample_weight")) if a is not None)
+    else:
+        raise ValueError(f"{type(model).__name__} is not built and fit's data is a generator: build the model "
+                         "before fit (call it on a batch, or model.build(shape)) so that tfps can initialize "
+                         "the server from its variables")
+    model._symbolic_build(data_batch=batch)
+
+
+def _overrides_train_step(model) -> bool:
+    import keras
+
+    return getattr(type(model), "train_step") is not getattr(keras.Model, "train_step")
 
 
 class _Attached:
@@ -290,6 +320,7 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
+        self.wrap = _Wrap(self) if _overrides_train_step(model) else None  # the model's own train_step, run
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
         # its moving averages (use_ema) would load averages that never moved.
@@ -315,6 +346,7 @@ class _Attached:
             args, kwargs = self._dealt_arguments(args, kwargs)
         callbacks.append(_agreement(strategy, strategy._fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
+        _build(self.model, args, kwargs)
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         return self._fit_dealt(args, kwargs, callbacks, verbose)
@@ -357,16 +389,19 @@ class _Attached:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
-        from worker.gradients import Gradients
-        from worker.trainer import Step
-
-        self.strategy.connect(model, self.dealt.plan() if self.dealt is not None else None)
-        self.gradients = Gradients(model)  # the compiled loss and metrics, under the one tape
-        self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
+        self._connect()
         if not _has_schedule(model.optimizer):
             self.compiled_learning_rate = float(np.asarray(model.optimizer.learning_rate))
         model.train_function = self.train_function
         return model.train_function
+
+    def _connect(self) -> None:
+        from worker.gradients import Gradients
+        from worker.trainer import Step
+
+        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None)
+        self.gradients = Gradients(self.model)  # the compiled loss and metrics, under the one tape
+        self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
 
     def train_function(self, iterator):
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
@@ -374,7 +409,8 @@ class _Attached:
         logs = None
         for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
             # elastic: Keras' batch is only counted; the server deals the examples
-            logs = self.step(data) if self.dealt is None else self.round_step()
+            logs = self.round_step() if self.dealt is not None else self.wrap.step(data) if self.wrap \
+                else self.step(data)
         if logs is None:
             raise StopIteration
         return logs
@@ -439,15 +475,20 @@ class _Attached:
                     v.assign(step_before.get(v.path, np.zeros(v.shape, v.dtype)))
                 self._rejoin(e)
         self.window.clear()
-        if conn.sync and reply.metrics:
+        self._answered(row, reply)
+        return model.get_metrics_result()
+
+    def _answered(self, row: dict, reply) -> None:
+        """After a step's push: the round's metric state (sync: the global batch's, and whether
+        every worker read the same batch), the server's learning rate and parameters."""
+        if self.strategy.connection.sync and reply.metrics:
             self.read.check_round(reply.metrics, row["step"])
             pushes = int(reply.metrics[BatchDigests.KEY][0])
-            for v in _metric_variables(model):
+            for v in _metric_variables(self.model):
                 if v.path in reply.metrics:
                     v.assign(_metric_combined(v, self.metrics_before[v.path], reply.metrics[v.path], pushes))
         self.learning_rates.append(float(reply.learning_rate))
         self._pull()
-        return model.get_metrics_result()
 
     def _pull(self) -> None:
         """The server's parameters into the model (riding out a lost server); the local
@@ -478,7 +519,7 @@ class _Attached:
         change the step made to every metric's state (sync) and the chief's new learning rate."""
         from worker.gradients import zeros
 
-        model, conn = self.model, self.strategy.connection
+        conn = self.strategy.connection
         # this worker's examples (a window's push weighs other than its last batch's part: ``Window``)
         part = work.batch_size if self.window.steps == 1 else _batch_size(work.examples[0])
         loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
@@ -489,21 +530,25 @@ class _Attached:
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
             loss = 0.0
-        changes = None
-        if conn.sync and self.dealt is None:  # elastic sync sums no metrics: each worker logs its own
-            # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
-            before = self.metrics_before
-            before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model)
-                           if v.path not in before})
-            changes = {v.path: _metric_share(v, before[v.path], self.strategy.is_chief)
-                       for v in _metric_variables(model) if _aggregation(v) != "none"}
-            own = sorted(v.path for v in _metric_variables(model) if _aggregation(v) == "none")
-            if own and not self.said_own and self.strategy.is_chief:
-                self.said_own = True
-                print(f"tfps.keras: {', '.join(own)} declare aggregation='none': each worker logs its own state "
-                      "of them, not the global batch's", file=sys.stderr, flush=True)
-            changes[BatchDigests.KEY] = self.read.last
-        return loss, payload, {"metrics": changes, "set_learning_rate": self._new_learning_rate()}
+        return loss, payload, {"metrics": self._metric_changes(), "set_learning_rate": self._new_learning_rate()}
+
+    def _metric_changes(self) -> dict | None:
+        """What a sync push carries of the metrics (``_metric_share``) and of the batch read."""
+        model = self.model
+        if not self.strategy.connection.sync or self.dealt is not None:  # elastic sync: each worker logs its own
+            return None
+        # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
+        before = self.metrics_before
+        before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model) if v.path not in before})
+        changes = {v.path: _metric_share(v, before[v.path], self.strategy.is_chief)
+                   for v in _metric_variables(model) if _aggregation(v) != "none"}
+        own = sorted(v.path for v in _metric_variables(model) if _aggregation(v) == "none")
+        if own and not self.said_own and self.strategy.is_chief:
+            self.said_own = True
+            print(f"tfps.keras: {', '.join(own)} declare aggregation='none': each worker logs its own state "
+                  "of them, not the global batch's", file=sys.stderr, flush=True)
+        changes[BatchDigests.KEY] = self.read.last
+        return changes
 
     def _new_learning_rate(self) -> float:
         """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
@@ -538,6 +583,189 @@ class _Attached:
     def predict(self, *args, **kwargs):
         self._load()
         return self.original_predict(*args, **kwargs)
+
+
+class _Wrap:
+    """A model's own ``train_step`` (the "customizing fit()" guide's; a VAE's, a distiller's),
+    run as Keras runs it, in one ``tf.function``, with the optimizer's ``apply`` taken over,
+    as Horovod's ``DistributedOptimizer`` takes it over for all-reduce.
+
+    Each ``apply`` hands its gradients to the server through a ``tf.py_function``: sync, as
+    this worker's part of the global batch (weighted by its examples), async and ssp on
+    arrival. The step's last ``apply`` is pushed when the step has returned, with the change
+    the step made to every metric's state (``_Attached._metric_changes``), so the metrics
+    are the global batch's as with Keras' own step; an ``apply`` with another after it in
+    the step (counted when the step is traced; eager, in the step before) is pushed at
+    once and the server's values are assigned to the variables in the step's graph, so
+    what follows sees them as it would in one process. Its logs: each metric's combined
+    result under its name; any other value it returns stays this worker's own."""
+
+    def __init__(self, attached: "_Attached"):
+        self.attached = attached
+        self.function = None  # the step, traced on its first call (``model.run_eagerly``: not traced)
+        self.sites = 0  # the ``apply`` calls of the traced step
+        self.learned = 1  # those of the last eager step
+        self.applies = self.immediate = 0  # this step's: all, and those pushed at once
+        self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
+        self.examples = 0  # this worker's part of the step's batch: the push's weight
+        self.base: dict = {}  # the non-trainable values the next push's changes are measured from
+        attached.model.optimizer.apply = self.apply
+
+    def step(self, data) -> dict:
+        """One call of the model's ``train_step`` on this worker's part of the global batch
+        (``batches="per_worker"``: the batch), then the held push, the server's values and the
+        round's metric state (``_Attached._answered``). A lost server is ridden out as in
+        ``_Attached.step`` while nothing of the step has been pushed yet."""
+        import keras
+        import tensorflow as tf
+
+        from worker.client import PSClientError
+        from worker.connection import recoverable
+
+        a = self.attached
+        strategy, model = a.strategy, a.model
+        if self.function is None:
+            def traced(data):
+                self.sites = 0
+                return model.train_step(data)
+
+            traced = tf.autograph.experimental.do_not_convert(traced)
+            self.function = traced if model.run_eagerly else tf.function(traced, reduce_retracing=True)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if strategy.batches == "global":
+            a.read.add((x, y, sample_weight))
+            x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
+            data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        self.examples = _batch_size(x)
+        before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        while True:
+            a.metrics_before = dict(before)
+            self.applies = self.immediate = 0
+            self.deferred, self.base = None, dict(strategy.connection.pulled)
+            try:
+                logs = self.function(data) if self.examples else {}
+                if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
+                    self.deferred = [None]
+                    for _ in range(self.learned - 1):
+                        self._push(None)
+                pushed = self._flush(logs)
+                break
+            except PSClientError as e:
+                if not recoverable(e) or self.immediate:
+                    raise
+                for v in _metric_variables(model):
+                    v.assign(before.get(v.path, np.zeros(v.shape, v.dtype)))
+                a._rejoin(e)
+        if self.examples and not model.run_eagerly:
+            self.learned = self.sites
+        elif self.examples:
+            self.learned = max(1, self.applies)
+        if pushed is None:
+            a._pull()
+        else:
+            a._answered(*pushed)
+        fresh = model.get_metrics_result()
+        return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
+
+    def apply(self, grads, trainable_variables=None) -> None:
+        """The optimizer's ``apply``, in the step's graph: the gradients to ``_exchange``, and
+        where it pushed them at once, the server's values into the model's variables."""
+        import tensorflow as tf
+
+        from worker.gradients import non_trainable, trainable
+
+        model = self.attached.model
+        variables = list(trainable_variables) if trainable_variables is not None \
+            else list(model.optimizer._trainable_variables)
+        if sorted(v.path for v in variables) != sorted(v.path for v in trainable(model)):
+            raise ValueError(f"{type(model).__name__}.train_step applies gradients to {len(variables)} of the model's "
+                             f"{len(trainable(model))} trainable variables; tfps.keras serves one optimizer over all "
+                             "of them (a model's second optimizer is not yet served)")
+        self.sites += 1
+        kinds, inputs = [], []
+        for g in grads:
+            if isinstance(g, tf.IndexedSlices):
+                kinds.append("slices")
+                inputs += [g.values, g.indices]
+            else:
+                kinds.append("none" if g is None else "dense")
+                inputs += [] if g is None else [g]
+        held = trainable(model) + non_trainable(model)
+        inputs += [tf.identity(v.value) for v in non_trainable(model)]  # read after the forward pass's updates
+        graph = not tf.executing_eagerly()
+        out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph), inputs,
+                             Tout=[tf.bool] + [tf.as_dtype(v.dtype) for v in held])
+
+        def load():
+            for v, value in zip(held, out[1:]):
+                v.assign(tf.reshape(value, v.shape))
+            return tf.constant(True)
+
+        tf.cond(tf.reshape(out[0], []), load, lambda: tf.constant(False))
+
+    def _exchange(self, variables, kinds, tensors, graph: bool) -> list:
+        """One ``apply``'s gradients as pushed (``as_pushed``; a non-finite one: a push of
+        weight 0); returns [pushed at once, the server's values]."""
+        import tensorflow as tf
+
+        from worker.gradients import as_pushed, non_trainable, trainable
+
+        a = self.attached
+        model, conn = a.model, a.strategy.connection
+        self.applies += 1
+        grads, given = {}, iter(tensors)
+        for v, kind in zip(variables, kinds):
+            if kind == "dense":
+                grads[v.path] = next(given)
+            elif kind == "slices":
+                values, indices = next(given), next(given)
+                grads[v.path] = tf.IndexedSlices(values, indices, tf.constant(v.shape, tf.int64))
+        now = {v.path: next(given).numpy() for v in non_trainable(model)}
+        payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
+        if not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
+            payload = None
+        if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
+            self._push(self.deferred[0], now)
+        if self.applies < (self.sites if graph else self.learned):
+            self.immediate += 1
+            self._push(payload, now)
+            conn.pull(load=False)
+            self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
+            return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+        self.deferred = [payload]
+        return [False] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+
+    def _push(self, payload, now: dict | None = None, metrics=None, loss: float = 0.0):
+        """Push ``payload`` of this step (None: weight 0), its non-trainable changes measured to ``now``."""
+        from worker.connection import Work
+
+        a = self.attached
+        conn = a.strategy.connection
+        if payload is None and self.examples:
+            log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
+                        a.strategy.worker_index, conn.step)
+        elif payload is not None:
+            payload.update({p: (now[p] if now is not None else value) - self.base[p]
+                            for p, value in _non_trainable_values(a.model).items()})
+            if now is not None:
+                self.base = dict(now)
+        return a.stepper.push(Work(conn.step, self.examples), loss, payload, metrics=metrics,
+                              set_learning_rate=a._new_learning_rate())
+
+    def _flush(self, logs):
+        """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
+        if self.deferred is None:
+            return None
+        (payload,), self.deferred = self.deferred, None
+        loss = logs.get("loss") if isinstance(logs, dict) else None
+        loss = float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0
+        return self._push(payload, metrics=self.attached._metric_changes(), loss=loss)
+
+
+def _non_trainable_values(model) -> dict:
+    from worker.gradients import non_trainable
+
+    return {v.path: np.asarray(v.numpy()) for v in non_trainable(model)}
 
 
 class Window:

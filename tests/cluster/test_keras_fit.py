@@ -42,7 +42,7 @@ def tf_config(address: str, index: int, workers: int) -> str:
 
 
 def fit(procs, tmp_path, mode: str, *flags: str, workers: int = 2, server_extra: tuple[str, ...] = (),
-        expect: dict[int, int] | None = None, address: str | None = None) -> list[dict]:
+        expect: dict[int, int] | None = None, address: str | None = None, program: str = PROGRAM) -> list[dict]:
     """Run the program once per worker against a (new) server; each worker's record."""
     if address is None:
         _, address = procs.server(mode, workers, extra=server_extra)
@@ -53,7 +53,7 @@ def fit(procs, tmp_path, mode: str, *flags: str, workers: int = 2, server_extra:
         log = open(tmp_path / f"keras-worker{i}-{time.monotonic_ns()}.log", "w")
         env = {**os.environ, "TF_CONFIG": tf_config(address, i, workers), "PYTHONUNBUFFERED": "1",
                "MPLCONFIGDIR": str(tmp_path / "mpl")}
-        proc = subprocess.Popen(dying_with_parent([sys.executable, PROGRAM, "--out", str(out), *flags]), stdout=log,
+        proc = subprocess.Popen(dying_with_parent([sys.executable, program, "--out", str(out), *flags]), stdout=log,
                                 stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
         running.append((proc, log))
     wanted = expect or {i: 0 for i in range(workers)}
@@ -106,11 +106,12 @@ def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs
     assert unshuffled != load_digits(return_X_y=True)[1][order][:64].tolist()  # it did shuffle
 
 
-def alone(tmp_path, *flags: str) -> dict:
-    """The program's record as one plain process (``--alone``: Keras' own fit, no tfps)."""
-    out = tmp_path / "alone"
+def alone(tmp_path, *flags: str, program: str = PROGRAM, how: str = "--alone") -> dict:
+    """The program's record as one plain process (``--alone``: Keras' own fit, no tfps; a
+    program's ``--mirrored``: TensorFlow's MirroredStrategy)."""
+    out = tmp_path / how.strip("-")
     out.mkdir(exist_ok=True)
-    run = subprocess.run(dying_with_parent([sys.executable, PROGRAM, "--out", str(out), "--alone", *flags]),
+    run = subprocess.run(dying_with_parent([sys.executable, program, "--out", str(out), how, *flags]),
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

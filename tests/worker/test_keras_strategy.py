@@ -43,7 +43,7 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     assert strategy.models == []
 
 
-def test_a_model_with_its_own_train_step_is_refused():
+def test_a_model_with_its_own_train_step_is_wrapped_and_refused_only_where_the_server_deals_the_data():
     class Custom(keras.Model):
         def train_step(self, data):
             return {}
@@ -51,8 +51,11 @@ def test_a_model_with_its_own_train_step_is_refused():
     inputs = keras.Input((4,))
     model = Custom(inputs, keras.layers.Dense(2)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="overrides train_step"):
-        Strategy(ps="127.0.0.1:1").attach(model)
+    strategy = Strategy(ps="127.0.0.1:1")
+    strategy.attach(model)
+    assert strategy.models[0].wrap is not None and model.optimizer.apply == strategy.models[0].wrap.apply
+    with pytest.raises(ValueError, match="elastic=True: Custom overrides train_step"):
+        Strategy(ps="127.0.0.1:1", elastic=True).attach(model)
 
 
 def test_a_second_model_and_an_unknown_batches_choice_are_refused():

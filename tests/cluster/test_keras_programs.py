@@ -1,0 +1,64 @@
+"""Keras programs as the keras.io guides write them, each run as one plain process (or under
+TensorFlow's MirroredStrategy over two logical CPUs) and under tfps with the strategy line
+changed: real servers, one process per worker (``test_keras_fit.fit``).
+
+The bounds: sync with two workers ends within float rounding of one process where the
+program has no per-replica state (the mean of two halves' gradients against one batch's:
+1e-6 on weights of order 0.1-1 after 32 steps); where it has (BatchNormalization's batch
+statistics are each worker's part's, as each replica's are), it ends where
+MirroredStrategy(2) ends, its trainable weights to the bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from .conftest import ROOT
+from .test_keras_fit import alone, fit
+
+pytestmark = pytest.mark.cluster
+
+CUSTOM_STEP = os.path.join(ROOT, "tests", "cluster", "programs", "custom_step.py")
+
+
+def gap(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a["weights"], b["weights"]))
+
+
+def test_an_overridden_train_step_runs_under_sync_as_in_one_process_and_over_two_shards(procs, tmp_path):
+    """The guide's ``train_step`` (tape, ``self.optimizer.apply``, its own loss tracker and metric)
+    runs as written; the server steps the optimizer. Over two shards: one server's numbers."""
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    plain = alone(tmp_path, "--no-norm", program=CUSTOM_STEP)
+    one = fit(procs, tmp_path / "one", "sync", "--no-norm", program=CUSTOM_STEP)
+    assert gap(one[0], plain) < 1e-6 and one[0]["weights"] == one[1]["weights"]
+    assert one[0]["iterations"] == plain["iterations"] == 32
+    assert one[0]["history"] == one[1]["history"]  # the global batch's, on every worker
+    assert one[0]["history"]["accuracy"] == plain["history"]["accuracy"]
+    np.testing.assert_allclose(one[0]["history"]["loss"], plain["history"]["loss"], rtol=1e-6)
+    shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))
+    two = fit(procs, tmp_path / "two", "sync", "--no-norm", address=shards, program=CUSTOM_STEP)
+    assert two[0]["weights"] == one[0]["weights"] and two[0]["history"] == one[0]["history"]
+
+
+def test_an_overridden_train_step_with_batch_normalization_ends_where_mirrored_strategy_ends(procs, tmp_path):
+    """Each worker's BatchNormalization normalizes by its part's statistics, as each replica's
+    does: the trainable weights are MirroredStrategy(2)'s to the bit. (The moving statistics
+    are the mean of the workers'; MirroredStrategy keeps each replica's own.)"""
+    mirrored = alone(tmp_path, program=CUSTOM_STEP, how="--mirrored")
+    ours = fit(procs, tmp_path, "sync", program=CUSTOM_STEP)
+    trainable = [0, 1, 2, 3, 6, 7]  # hidden kernel and bias, gamma, beta, logits kernel and bias
+    assert [ours[0]["weights"][i] for i in trainable] == [mirrored["weights"][i] for i in trainable]
+    assert ours[0]["history"]["accuracy"] == mirrored["history"]["accuracy"]
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_overridden_train_step_trains_async_and_ssp(procs, tmp_path, mode):
+    """Each push applied on arrival (ssp: within its bound): every worker's own step, served."""
+    records = fit(procs, tmp_path, mode, "--no-norm", program=CUSTOM_STEP)
+    assert len(records) == 2
+    assert all(r["history"]["accuracy"][-1] > 0.7 for r in records), [r["history"] for r in records]
+    assert max(r["iterations"] for r in records) == 64  # the server's: 2 workers x 2 epochs x 16 steps
