@@ -310,30 +310,34 @@ class InitializeResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name", "row_deltas")
+    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name", "row_deltas", "optimizer_state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     ROW_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     known_version: int
     known_incarnation: str
     shm_name: str
     row_deltas: bool
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ..., row_deltas: _Optional[bool] = ...) -> None: ...
+    optimizer_state: bool
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ..., row_deltas: _Optional[bool] = ..., optimizer_state: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("version", "variables", "incarnation")
+    __slots__ = ("version", "variables", "incarnation", "optimizer_state")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     version: int
     variables: _containers.RepeatedCompositeFieldContainer[Tensor]
     incarnation: str
-    def __init__(self, version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    optimizer_state: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., incarnation: _Optional[str] = ..., optimizer_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "sparse", "rows")

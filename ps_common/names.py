@@ -65,6 +65,25 @@ KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adag
                            "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
                            "Adafactor": "adafactor"}
 
+# Where a Keras 3 optimizer keeps each of the server's slots (``ps_server.core.optim``): the
+# attribute holding one variable per trainable variable, in the order it was built with
+# (Nadam's ``u_product`` is one variable, every variable's alike on the server). With
+# use_ema, "ema" is ``_model_variables_moving_average`` for every optimizer.
+KERAS_SLOTS: dict[str, dict[str, str]] = {
+    "sgd": {"momentum": "momentums"},
+    "adam": {"m": "_momentums", "v": "_velocities", "v_hat": "_velocity_hats"},
+    "adamw": {"m": "_momentums", "v": "_velocities", "v_hat": "_velocity_hats"},
+    "lamb": {"m": "_momentums", "v": "_velocities"},
+    "adagrad": {"accumulator": "_accumulators"},
+    "rmsprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
+    "adamax": {"m": "_m", "u": "_u"},
+    "nadam": {"m": "_momentums", "v": "_velocities", "u_product": "_u_product"},
+    "ftrl": {"accumulator": "_accumulators", "linear": "_linears"},
+    "lion": {"m": "_momentums"},
+    "adadelta": {"accumulated_grad": "_accumulated_grads", "accumulated_delta_var": "_accumulated_delta_vars"},
+    "adafactor": {"r": "_r", "c": "_c", "v": "_v"},
+}
+
 # The classes of keras.optimizers the server does not run, each with why (one line; the
 # worker refuses them at compile, the server on initialization: keras_optimizer_fields).
 REFUSED_KERAS_OPTIMIZERS = {

@@ -11,11 +11,11 @@ lists the differences; nothing is written then.
 
 - ``.keras``: the whole model, for ``keras.models.load_model``. It is compiled
   with the workers' loss, an accuracy metric and the server's optimizer, so
-  ``evaluate`` works as loaded. From a checkpoint the optimizer also carries the
-  server's slots (SGD momentum, Adam m and v) and step count, so ``fit``
-  continues where the server stopped (the server's optimizers compute what
-  Keras computes); a live server does not send its slots, so the optimizer
-  then starts fresh.
+  ``evaluate`` works as loaded. The optimizer also carries the server's slots
+  and step count (``worker.keras_optimizer.load_state``, every optimizer), from a
+  checkpoint or from a live server (one Pull of the parameters with their state,
+  all of one version), so ``fit`` continues where the server stopped (the
+  server's optimizers compute what Keras computes).
 - ``.weights.h5``: the weights only, for ``model.load_weights`` on
   ``build_model(--model)``.
 
@@ -45,9 +45,6 @@ from worker.model import MODELS
 
 SUFFIXES = (".weights.h5", ".keras")
 # Where Keras 3 keeps each server slot: optimizer attribute, one variable per trainable variable.
-KERAS_SLOTS = {"adam": {"m": "_momentums", "v": "_velocities"}, "sgd": {"momentum": "momentums"}}
-
-
 class ExportError(RuntimeError):
     """The source and the model do not fit, or the output cannot be written."""
 
@@ -65,12 +62,12 @@ def load_source(checkpoint: str = "", server: str = "", client_options: dict | N
             state, path = read_checkpoint(checkpoint, lazy=True), checkpoint
         return state, state.values, state.optimizer, f"{path} (version {state.version})"
     with PSClient(server, **(client_options or {})) as client:
-        version, values = client.pull()
         wire = client.status().optimizer
+        version, values, states = client.optimizer_state() if wire.name else (*client.pull(), None)
     from ps_server.service import optimizer_from_wire
 
     spec = optimizer_from_wire(wire) if wire.name else None
-    return None, values, spec, f"server {server} (version {version})"
+    return states, values, spec, f"server {server} (version {version})"
 
 
 def keras_optimizer(spec):
@@ -108,30 +105,25 @@ def assign(model, values: dict[str, np.ndarray]) -> None:
         v.assign(np.asarray(values[v.path]))
 
 
-def compile_like_the_server(model, spec, state: ServerState | None) -> str:
-    """Compile with the workers' loss and the server's optimizer; load its slots from a checkpoint."""
+def compile_like_the_server(model, spec, states: dict | None) -> str:
+    """Compile with the workers' loss and the server's optimizer, holding its state (``states``:
+    {variable: {slot: array, "iterations": n}}, a checkpoint's or a live server's)."""
     import keras
+
+    from worker.keras_optimizer import load_state
 
     if spec is None:
         model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         return "no optimizer (the server holds none yet)"
     optimizer = keras_optimizer(spec)
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    if state is None:
-        return f"{spec.name}, fresh state (a live server does not send its optimizer slots)"
-    if spec.name not in KERAS_SLOTS or spec.use_ema or (spec.name == "adam" and spec.amsgrad):
-        return f"{spec.name}, fresh state (this export carries the slots of plain SGD and Adam only)"
     variables = model.trainable_variables
-    optimizer.build(variables)
-    for slot, attribute in KERAS_SLOTS[spec.name].items():
-        keras_slots = getattr(optimizer, attribute, None) or []
-        if slot in state.states[variables[0].path] and len(keras_slots) != len(variables):
-            raise ExportError(f"this Keras keeps {spec.name}'s {slot!r} slots elsewhere; cannot export them")
-        for v, keras_slot in zip(variables, keras_slots):
-            keras_slot.assign(np.asarray(state.states[v.path][slot]))  # read now, let go after
-    steps = sorted({int(state.states[v.path]["iterations"]) for v in variables})
-    optimizer.iterations.assign(steps[-1])
-    note = f"{spec.name} with the server's slots at step {steps[-1]}"
+    try:
+        step = load_state(optimizer, variables, states)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    steps = sorted({int(states[v.path]["iterations"]) for v in variables})
+    note = f"{spec.name} with the server's slots at step {step}"
     if len(steps) > 1:  # an async checkpoint taken while a push was half applied
         note += f" (variables were at steps {steps[0]}..{steps[-1]}; Keras keeps one count)"
     return note
@@ -158,7 +150,7 @@ def export(out: str, model_name: str = "cnn", checkpoint: str = "", server: str 
     tmp = f"{out[: -len(suffix)]}.tmp-{os.getpid()}{suffix}"
     try:
         if suffix == ".keras":
-            optimizer = compile_like_the_server(model, spec, state)
+            optimizer = compile_like_the_server(model, spec, state.states if hasattr(state, "states") else state)
             model.save(tmp)
         else:
             optimizer = "not saved (weights only)"

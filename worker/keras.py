@@ -68,9 +68,13 @@ micro-batches'. Against an async or ssp server the examples are its tasks instea
 (``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
 and exits 143.
 
+**A model's own ``train_step``** runs as written, with the optimizer's ``apply`` taken
+over (``_Wrap``). **Model files** (``model.save``, ``save_weights``: ``ModelCheckpoint``,
+``BackupAndRestore``) hold the server's parameters and optimizer state (``_load_with_state``).
+
 **Not supported** (refused with one line before training): an optimizer or option the
-server cannot run (``worker.keras_optimizer``), mixed-precision loss scaling, and an attached model's own ``train_step``
-override (the server's step replaces it).
+server cannot run (``worker.keras_optimizer``), mixed-precision loss scaling, and a
+``train_step`` that applies more than one optimizer (``_Wrap.apply``).
 """
 
 from __future__ import annotations
@@ -322,6 +326,7 @@ class _Attached:
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
         self.wrap = _Wrap(self) if _overrides_train_step(model) else None  # the model's own train_step, run
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
+        self.original_save, self.original_save_weights = model.save, model.save_weights
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
         # its moving averages (use_ema) would load averages that never moved.
         model.optimizer.finalize_variable_values = lambda var_list: None
@@ -329,6 +334,7 @@ class _Attached:
         model.fit = self.fit
         model.evaluate = self.evaluate
         model.predict = self.predict
+        model.save, model.save_weights = self.save, self.save_weights
         model.train_function = None
 
     # -- fit
@@ -579,6 +585,30 @@ class _Attached:
     def evaluate(self, *args, **kwargs):
         self._load()
         return self.original_evaluate(*args, **kwargs)
+
+    # -- model files: the server's parameters and optimizer state
+    def _load_with_state(self) -> None:
+        """The server's parameters into the model and its optimizer state (slots, step count)
+        into the Keras optimizer (``worker.keras_optimizer.load_state``), all of one version:
+        what ``model.save``, ``ModelCheckpoint`` and ``BackupAndRestore`` then write, so the
+        file resumes in one process as that process's own file does."""
+        from worker.gradients import set_values, trainable
+        from worker.keras_optimizer import load_state
+
+        conn = self.strategy.connection
+        if conn is None:  # before the first fit: the model as built
+            return
+        _, values, states = conn.client.optimizer_state(conn.worker_id)
+        set_values(self.model, values)
+        load_state(self.model.optimizer, trainable(self.model), states, self.window.steps)
+
+    def save(self, *args, **kwargs):
+        self._load_with_state()
+        return self.original_save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        self._load_with_state()
+        return self.original_save_weights(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         self._load()

@@ -2,6 +2,7 @@
 
     fields = spec_fields(model.optimizer)   # every OptimizerConfig field; ValueError if it cannot run
     Connection(config, model, optimizer_spec=fields)
+    load_state(model.optimizer, model.trainable_variables, states)  # the server's slots, into Keras'
 
 The server runs the optimizer (``ps_server.core.optimizers``: SGD, Adam, AdamW,
 Adagrad, RMSprop, Adamax, Nadam, Ftrl, Lion, Adadelta, Lamb, Adafactor, their options and Keras' six
@@ -24,7 +25,9 @@ initialization.
 
 from __future__ import annotations
 
-from ps_common.names import keras_optimizer_fields, optimizer_fields
+import numpy as np
+
+from ps_common.names import KERAS_OPTIMIZER_CLASSES, KERAS_SLOTS, keras_optimizer_fields, optimizer_fields
 
 
 def spec_fields(optimizer) -> dict:
@@ -47,3 +50,31 @@ def spec_fields(optimizer) -> dict:
     name = fields.pop("name")
     # A repeated row steps as Keras applies a tf.IndexedSlices, unless the server was given --sparse-rule.
     return optimizer_fields(name, **fields, sparse_rule="keras")
+
+
+def load_state(optimizer, variables: list, states: dict, batches_per_update: int = 1) -> int:
+    """Build the Keras ``optimizer`` over ``variables`` (the model's trainable ones, in order)
+    and give it the server's state: each slot (``KERAS_SLOTS``) and its step count (the
+    highest of the variables': an async checkpoint may hold a push half applied; with
+    ``gradient_accumulation_steps``, Keras counts ``batches_per_update`` batches an update).
+    A model file saved after this holds what the server holds, so ``fit`` resumes from it in
+    one process as from a file that process wrote. Returns the step count."""
+    name = KERAS_OPTIMIZER_CLASSES.get(type(optimizer).__name__)
+    if name is None:
+        raise ValueError(f"{type(optimizer).__name__} has no server state to load")
+    optimizer.build(variables)
+    slots = {**KERAS_SLOTS[name], "ema": "_model_variables_moving_average"}
+    for slot, attribute in slots.items():
+        held = getattr(optimizer, attribute, None)
+        for index, v in enumerate(variables):
+            value = states[v.path].get(slot)
+            if value is None:  # an option off (no momentum), or a slot the variable has none of
+                continue
+            target = held if not isinstance(held, (list, tuple)) else held[index] if index < len(held) else None
+            if target is None or tuple(target.shape) != np.shape(value):
+                raise ValueError(f"{type(optimizer).__name__} keeps the server's {slot!r} slot of {v.path!r} "
+                                 f"otherwise than this Keras does ({attribute}); cannot load it")
+            target.assign(np.asarray(value))
+    steps = max((int(states[v.path]["iterations"]) for v in variables), default=0)
+    optimizer.iterations.assign(steps * batches_per_update)
+    return steps

@@ -300,6 +300,22 @@ class ShardedClient:
         for line in placement.describe(self.addresses):
             log.info("  %s", line)
 
+    def optimizer_state(self, worker_id: int = -1) -> tuple[int, dict[str, np.ndarray], dict[str, dict]]:
+        """``PSClient.optimizer_state`` of the whole model: a variable cut in row slices has
+        each slot's slices concatenated (a slot shaped otherwise is refused there:
+        ``sharding.coupling``), its step count its first slice's."""
+        if self.placement is None:
+            self.pull(worker_id)  # learns the placement
+        replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id))
+        placement = self.placement
+        values = placement.join([replies[i][1] for i in range(self.num_shards)])
+        states = {}
+        for variable in placement.variables:
+            got = [replies[p.shard][2][p.name] for p in placement.pieces if p.variable == variable]
+            states[variable] = {k: got[0][k] if len(got) == 1 or np.ndim(got[0][k]) == 0
+                                else np.concatenate([g[k] for g in got]) for k in got[0]}
+        return min(replies[i][0] for i in replies), values, states
+
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
         """(the smallest shard version, {variable: array}); the first pull of a worker
         that did not initialize learns the placement from what the shards hold."""

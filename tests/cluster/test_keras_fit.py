@@ -109,9 +109,10 @@ def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs
 def alone(tmp_path, *flags: str, program: str = PROGRAM, how: str = "--alone") -> dict:
     """The program's record as one plain process (``--alone``: Keras' own fit, no tfps; a
     program's ``--mirrored``: TensorFlow's MirroredStrategy)."""
-    out = tmp_path / how.strip("-")
+    out = tmp_path / (how.strip("-") or "plain")
     out.mkdir(exist_ok=True)
-    run = subprocess.run(dying_with_parent([sys.executable, program, "--out", str(out), how, *flags]),
+    run = subprocess.run(dying_with_parent([sys.executable, program, "--out", str(out), *([how] if how else []),
+                                            *flags]),
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

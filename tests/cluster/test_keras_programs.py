@@ -62,3 +62,34 @@ def test_an_overridden_train_step_trains_async_and_ssp(procs, tmp_path, mode):
     assert len(records) == 2
     assert all(r["history"]["accuracy"][-1] > 0.7 for r in records), [r["history"] for r in records]
     assert max(r["iterations"] for r in records) == 64  # the server's: 2 workers x 2 epochs x 16 steps
+
+
+CHECKPOINT_RESUME = os.path.join(ROOT, "tests", "cluster", "programs", "checkpoint_resume.py")
+
+
+def resumed(tmp_path, name: str, file) -> dict:
+    """One plain process: ``load_model(file)`` and one more epoch."""
+    return alone(tmp_path / name, "--resume", str(file), program=CHECKPOINT_RESUME, how="")
+
+
+def test_a_keras_file_written_under_tfps_resumes_in_one_process_as_the_plain_file_does(procs, tmp_path):
+    """``ModelCheckpoint`` to ``.keras`` writes the server's optimizer state (Adam's moments and
+    step count): one sync worker's file is the plain run's, every variable to the bit, and so
+    is what one process trains from it. Two workers' file, over two server shards, holds the
+    state too (the weights then differ from one process's in the last bits, as the mean of two
+    halves' gradients does)."""
+    for name in ("plain", "one", "two", "r-plain", "r-one", "r-two"):
+        (tmp_path / name).mkdir()
+    plain = alone(tmp_path / "plain", program=CHECKPOINT_RESUME)
+    one = fit(procs, tmp_path / "one", "sync", workers=1, program=CHECKPOINT_RESUME)[0]
+    assert one["optimizer"] == plain["optimizer"] and one["weights"] == plain["weights"]
+    assert len(plain["optimizer"]) == 10 and plain["iterations"] == 23  # iterations, rate, 4 m, 4 v
+    after_plain = resumed(tmp_path, "r-plain", tmp_path / "plain" / "alone" / "model.keras")
+    after_one = resumed(tmp_path, "r-one", tmp_path / "one" / "out" / "model.keras")
+    assert after_one == after_plain and after_plain["iterations"] == 46
+    shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))  # the state joined from both
+    two = fit(procs, tmp_path / "two", "sync", address=shards, program=CHECKPOINT_RESUME)[0]
+    after_two = resumed(tmp_path, "r-two", tmp_path / "two" / "out" / "model.keras")
+    assert after_two["iterations"] == 46 and len(after_two["optimizer"]) == 10
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b))))
+               for a, b in zip(after_two["weights"], after_plain["weights"])) < 1e-5

@@ -271,3 +271,35 @@ def test_a_server_checkpoint_of_a_row_wise_table_holds_its_values_and_ends_its_s
     finally:
         client.close()
         running.stop(grace=0.5)
+
+
+def test_a_pull_with_the_optimizer_state_gives_every_slot_of_one_version_as_a_replay_of_the_pushes(cluster):
+    """``PSClient.optimizer_state``: what a Keras model file written by a worker holds. Adam over
+    a row-wise table (stepped row by row) and a dense kernel, after three pushes: the values,
+    each slot and the step count are those of the same three steps taken here."""
+    from ps_server.core.optim.registry import make_optimizer
+    from ps_server.core.store import VariableStore
+
+    address, (client,) = cluster(optimizer=ADAM, sparse_updates="lazy")
+    store = VariableStore(sparse_updates="lazy")
+    store.initialize(values0(), OptimizerSpec.from_dict(ADAM))
+    version, _ = client.pull(0)
+    for step in range(3):
+        version = client.push(0, step, version, 8, grads(step)).version
+        store.apply_push(store.prepare(grads(step)))
+    got_version, values, states = client.optimizer_state(0)
+    want = store.export_state()
+    assert got_version == version == 3
+    assert {n: v.tobytes() for n, v in values.items()} == {n: np.asarray(v).tobytes() for n, v in want.values.items()}
+    for name, slots in want.states.items():
+        assert states[name]["iterations"] == slots["iterations"]
+        assert {k: np.asarray(a).tobytes() for k, a in slots.items() if k != "iterations"} == \
+            {k: a.tobytes() for k, a in states[name].items() if k != "iterations"}, name
+    want.release()
+    assert make_optimizer(OptimizerSpec.from_dict(ADAM)).init_state(values["kernel"]).keys() == states["kernel"].keys()
+    import grpc
+
+    from protos import tfps_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError, match="by Pull, not PullStream"):
+        list(pb_grpc.ParameterServerStub(channel).PullStream(pb.PullRequest(worker_id=0, optimizer_state=True)))
