@@ -74,7 +74,7 @@ over (``_Wrap``). **Model files** (``model.save``, ``save_weights``: ``ModelChec
 
 **Not supported** (refused with one line before training): an optimizer or option the
 server cannot run (``worker.keras_optimizer``), mixed-precision loss scaling, and a
-``train_step`` that applies more than one optimizer (``_Wrap.apply``).
+``train_step`` whose optimizers differ in config (``_Wrap._check_served``).
 """
 
 from __future__ import annotations
@@ -219,16 +219,17 @@ class Strategy:
         self.models.append(_Attached(self, model))
 
     # -- the cluster
-    def connect(self, model, data_plan: dict | None = None) -> None:
-        """Register, initialize (chief: with ``data_plan`` when the server deals the data) or
-        check (others) the server, and load its parameters."""
+    def connect(self, model, data_plan: dict | None = None, spec: dict | None = None) -> None:
+        """Register, initialize (chief: with ``data_plan`` when the server deals the data; the
+        optimizer ``spec``, else the compiled one's) or check (others) the server, and load its
+        parameters."""
         from worker.connection import Connection
         from worker.keras_optimizer import spec_fields
 
         with self._lock:
             if self.connection is not None:
                 return
-            conn = Connection(self.config, model, optimizer_spec=spec_fields(model.optimizer))
+            conn = Connection(self.config, model, optimizer_spec=spec or spec_fields(model.optimizer))
             conn.data_plan = data_plan
             try:
                 reg = conn.register()
@@ -275,17 +276,19 @@ class Strategy:
             conn.close()
 
 
-def _build(model, args, kwargs) -> None:
+def _build(model, args, kwargs, shapes: bool = False):
     """A model whose variables do not exist yet (a subclassed one: Keras makes them when it
     first traces the step) built from the shapes of fit's data, as Keras builds it under a
     strategy, without reading a batch (which would move a shuffle's order on): the chief
-    initializes the server from its variables before the first step."""
+    initializes the server from its variables before the first step. With ``shapes``, returns
+    what gives the shapes (a dataset's ``element_spec``, the arrays), or None (a generator)."""
     import inspect
 
     import keras
 
-    if all(layer.built for layer in model._flatten_layers()):
-        return
+    built = all(layer.built for layer in model._flatten_layers(include_self=False))  # a GAN: its parts
+    if built and not shapes:
+        return None
     given = inspect.signature(keras.Model.fit).bind_partial(model, *args, **kwargs).arguments
     x = given.get("x")
     if hasattr(x, "element_spec"):  # a tf.data.Dataset
@@ -294,11 +297,15 @@ def _build(model, args, kwargs) -> None:
         batch = x[0]
     elif x is not None and not callable(getattr(x, "__next__", None)):  # arrays
         batch = tuple(a for a in (x, given.get("y"), given.get("sample_weight")) if a is not None)
+    elif built:
+        return None
     else:
         raise ValueError(f"{type(model).__name__} is not built and fit's data is a generator: build the model "
                          "before fit (call it on a batch, or model.build(shape)) so that tfps can initialize "
                          "the server from its variables")
-    model._symbolic_build(data_batch=batch)
+    if not built:
+        model._symbolic_build(data_batch=batch)
+    return batch
 
 
 def _overrides_train_step(model) -> bool:
@@ -338,6 +345,12 @@ class _Attached:
         model.train_function = None
 
     # -- fit
+    @property
+    def optimizer(self):
+        """The optimizer the server runs: the compiled one, or the first a wrapped step applies
+        (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused)."""
+        return self.wrap.served[0][0] if self.wrap and self.wrap.served else self.model.optimizer
+
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         strategy = self.strategy
         callbacks = list(callbacks or [])
@@ -352,7 +365,9 @@ class _Attached:
             args, kwargs = self._dealt_arguments(args, kwargs)
         callbacks.append(_agreement(strategy, strategy._fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
-        _build(self.model, args, kwargs)
+        batch = _build(self.model, args, kwargs, shapes=self.wrap is not None)
+        if self.wrap:
+            self.wrap.prepare(batch)
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         return self._fit_dealt(args, kwargs, callbacks, verbose)
@@ -396,8 +411,8 @@ class _Attached:
         if model.train_function is not None and not force:
             return model.train_function
         self._connect()
-        if not _has_schedule(model.optimizer):
-            self.compiled_learning_rate = float(np.asarray(model.optimizer.learning_rate))
+        if not _has_schedule(self.optimizer):
+            self.compiled_learning_rate = float(np.asarray(self.optimizer.learning_rate))
         model.train_function = self.train_function
         return model.train_function
 
@@ -405,7 +420,8 @@ class _Attached:
         from worker.gradients import Gradients
         from worker.trainer import Step
 
-        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None)
+        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None,
+                              self.wrap.spec() if self.wrap else None)
         self.gradients = Gradients(self.model)  # the compiled loss and metrics, under the one tape
         self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
 
@@ -558,7 +574,7 @@ class _Attached:
 
     def _new_learning_rate(self) -> float:
         """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
-        optimizer = self.model.optimizer
+        optimizer = self.optimizer
         if not self.strategy.is_chief or _has_schedule(optimizer):
             return 0.0
         if self.dealt is not None:  # elastic sync takes no learning rate from a push (nor is one sent on tasks)
@@ -600,7 +616,9 @@ class _Attached:
             return
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
-        load_state(self.model.optimizer, trainable(self.model), states, self.window.steps)
+        served = self.wrap.served if self.wrap and self.wrap.served else [(self.model.optimizer, trainable(self.model))]
+        for optimizer, variables in served:
+            load_state(optimizer, variables, states, self.window.steps)
 
     def save(self, *args, **kwargs):
         self._load_with_state()
@@ -639,7 +657,80 @@ class _Wrap:
         self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
         self.examples = 0  # this worker's part of the step's batch: the push's weight
         self.base: dict = {}  # the non-trainable values the next push's changes are measured from
-        attached.model.optimizer.apply = self.apply
+        self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
+        self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
+        self.patch(attached.model.optimizer)
+
+    def patch(self, optimizer) -> None:
+        optimizer.apply = lambda grads, trainable_variables=None: self.apply(grads, trainable_variables, optimizer)
+
+    def prepare(self, batch) -> None:
+        """Before ``fit``: every optimizer the model holds (a GAN's ``d_optimizer`` and
+        ``g_optimizer``, set after ``compile``) applies through here, and the step is traced
+        on ``batch``'s shapes, so that the optimizers it applies, and to which variables, are
+        known before the chief initializes the server (``served``, ``spec``)."""
+        import keras
+        import tensorflow as tf
+        from keras.src import tree
+
+        from worker.gradients import trainable
+
+        model = self.attached.model
+        for optimizer in {id(o): o for o in [model.optimizer, *vars(model).values()]
+                          if isinstance(o, keras.optimizers.Optimizer)}.values():
+            self.patch(optimizer)
+        if self.function is None:
+            def traced(data):
+                self.sites, self.plan = 0, []
+                return model.train_step(data)
+
+            traced = tf.autograph.experimental.do_not_convert(traced)
+            self.function = traced if model.run_eagerly else tf.function(traced, reduce_retracing=True)
+        if self.served is not None:
+            return
+        if batch is not None and not model.run_eagerly:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            spec = tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype),
+                                      keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+            self.function.get_concrete_function(spec)
+        served: dict = {}
+        for optimizer, variables in self.plan:
+            served.setdefault(id(optimizer), (optimizer, {}))[1].update({v.path: v for v in variables})
+        everything = trainable(model)
+        self.served = [(o, [v for v in everything if v.path in held]) for o, held in served.values()] \
+            or [(model.optimizer, everything)]
+        self._check_served(everything)
+
+    def _check_served(self, everything: list) -> None:
+        """Refuse, in one line, what the server cannot serve of the optimizers the step applies."""
+        from worker.keras_optimizer import spec_fields
+
+        name = type(self.attached.model).__name__
+        paths = [v.path for _, variables in self.served for v in variables]
+        if len(paths) != len(set(paths)):
+            raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
+                             "optimizer its own variables")
+        if len(self.served) == 1 and len(paths) != len(everything):
+            raise ValueError(f"{name}.train_step applies gradients to {len(paths)} of the model's "
+                             f"{len(everything)} trainable variables; the server steps them all with one optimizer")
+        specs = [spec_fields(o) for o, _ in self.served]
+        if any(spec != specs[0] for spec in specs):
+            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers of different configs "
+                             f"({', '.join(type(o).__name__ for o, _ in self.served)}); the server serves several "
+                             "optimizers of one config only (each variable counting its own steps): give them the "
+                             "same class and options")
+        if len(self.served) > 1 and len(self.attached.strategy.config.ps_addresses) > 1:
+            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers: served on one server only, "
+                             "not over several shards yet")
+
+    def spec(self) -> dict:
+        """The server's optimizer: the one the step applies (several: one config, ``optimizers``)."""
+        from worker.keras_optimizer import spec_fields
+
+        fields = spec_fields(self.served[0][0])
+        if len(self.served) > 1:
+            fields["optimizers"] = len(self.served)
+        return fields
 
     def step(self, data) -> dict:
         """One call of the model's ``train_step`` on this worker's part of the global batch
@@ -654,13 +745,6 @@ class _Wrap:
 
         a = self.attached
         strategy, model = a.strategy, a.model
-        if self.function is None:
-            def traced(data):
-                self.sites = 0
-                return model.train_step(data)
-
-            traced = tf.autograph.experimental.do_not_convert(traced)
-            self.function = traced if model.run_eagerly else tf.function(traced, reduce_retracing=True)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if strategy.batches == "global":
             a.read.add((x, y, sample_weight))
@@ -694,11 +778,15 @@ class _Wrap:
             a._pull()
         else:
             a._answered(*pushed)
+        if len(self.served) > 1:  # each optimizer's own steps: its applies of the server's updates
+            sites = [o for o, _ in self.plan] or [o for o, _ in self.served]
+            for optimizer, _ in self.served:
+                optimizer.iterations.assign(strategy.connection.version * sites.count(optimizer) // len(sites))
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
-    def apply(self, grads, trainable_variables=None) -> None:
-        """The optimizer's ``apply``, in the step's graph: the gradients to ``_exchange``, and
+    def apply(self, grads, trainable_variables, optimizer) -> None:
+        """``optimizer``'s ``apply``, in the step's graph: the gradients to ``_exchange``, and
         where it pushed them at once, the server's values into the model's variables."""
         import tensorflow as tf
 
@@ -706,11 +794,14 @@ class _Wrap:
 
         model = self.attached.model
         variables = list(trainable_variables) if trainable_variables is not None \
-            else list(model.optimizer._trainable_variables)
-        if sorted(v.path for v in variables) != sorted(v.path for v in trainable(model)):
-            raise ValueError(f"{type(model).__name__}.train_step applies gradients to {len(variables)} of the model's "
-                             f"{len(trainable(model))} trainable variables; tfps.keras serves one optimizer over all "
-                             "of them (a model's second optimizer is not yet served)")
+            else list(optimizer._trainable_variables)
+        self.plan.append((optimizer, variables))
+        if self.served is not None:  # traced again, or eager: the optimizers the server was set up with
+            group = next((held for o, held in self.served if o is optimizer), None)
+            if group is None or sorted(v.path for v in variables) != sorted(v.path for v in group):
+                raise ValueError(f"{type(model).__name__}.train_step applies {type(optimizer).__name__} to "
+                                 f"{len(variables)} variables, not as its first step did (the server serves "
+                                 f"{len(self.served)} optimizer(s) of fixed variables)")
         self.sites += 1
         kinds, inputs = [], []
         for g in grads:
@@ -752,6 +843,9 @@ class _Wrap:
                 grads[v.path] = tf.IndexedSlices(values, indices, tf.constant(v.shape, tf.int64))
         now = {v.path: next(given).numpy() for v in non_trainable(model)}
         payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
+        if len(self.served) > 1:  # this optimizer's variables alone (OptimizerSpec.optimizers)
+            mine = {v.path for v in variables} | set(now)
+            payload = {p: g for p, g in payload.items() if p in mine}
         if not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
@@ -1031,7 +1125,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
 
         def on_epoch_end(self, epoch, logs=None):
             model = self.model
-            optimizer = model.optimizer
+            optimizer = attached.optimizer
             lr = None if _has_schedule(optimizer) else float(np.asarray(optimizer.learning_rate))
             # Async and ssp: what each worker read this epoch, against the chief's (sync checks each round).
             read = attached.read.epoch_hex() if not strategy.connection.sync and strategy.batches == "global" \

@@ -647,6 +647,8 @@ class VariableStore:
         if unknown:
             raise NotFound(f"gradient for unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
         missing = [n for n in self._vars if n not in specs]
+        if missing and self._optimizer.spec.optimizers:  # each optimizer pushes its own variables
+            missing = [] if any(n in specs for n, v in self._vars.items() if not v.non_trainable) else missing
         if missing:
             raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
         for name, (dtype, shape) in specs.items():

@@ -419,3 +419,26 @@ def test_owned_arrays_are_kept_as_they_are_unless_unaligned_and_the_store_never_
     copied = VariableStore()
     copied.initialize({"a": aligned}, OptimizerSpec("sgd", 0.5))
     assert not np.shares_memory(copied.read()[1]["a"], buffer)
+
+
+def test_with_several_optimizers_a_push_steps_the_variables_it_names_each_counting_its_own_steps():
+    """``OptimizerSpec.optimizers``: a GAN's two optimizers of one config, each applied to its
+    own variables. A push names one's variables; the others keep their values and counts."""
+    store = VariableStore()
+    store.initialize(initial(), OptimizerSpec("adam", learning_rate=0.1, optimizers=2))
+    store.check_gradients({"w": np.ones((2, 3), np.float32)})
+    before = store.read()[1]["b"]
+    store.apply_all({"w": np.ones((2, 3), np.float32)})
+    store.apply_all({"w": np.ones((2, 3), np.float32)})
+    store.apply_all({"b": np.array([2.0, 4.0])})
+    state = store.export_state()
+    assert [state.states["w"]["iterations"], state.states["b"]["iterations"]] == [2, 1]
+    assert store.optimizer_iterations() == 1 and store.version == 3
+    alone = VariableStore()  # b's one step is Adam's first, as if it were stepped alone
+    alone.initialize({"b": before}, OptimizerSpec("adam", learning_rate=0.1))
+    alone.apply_all({"b": np.array([2.0, 4.0])})
+    assert store.read()[1]["b"].tobytes() == alone.read()[1]["b"].tobytes()
+    with pytest.raises(InvalidArgument, match="missing gradient"):  # a push that steps nothing
+        store.check_gradients({})
+    with pytest.raises(InvalidArgument, match="optimizers must be an integer >= 2"):
+        OptimizerSpec("adam", optimizers=1).validate()

@@ -4,6 +4,8 @@ The training itself, with real servers and workers, is tests/cluster/test_keras_
 """
 
 import keras
+import re
+
 import pytest
 
 import tfps.keras
@@ -53,9 +55,49 @@ def test_a_model_with_its_own_train_step_is_wrapped_and_refused_only_where_the_s
     model.compile(optimizer="sgd", loss="mse")
     strategy = Strategy(ps="127.0.0.1:1")
     strategy.attach(model)
-    assert strategy.models[0].wrap is not None and model.optimizer.apply == strategy.models[0].wrap.apply
+    assert strategy.models[0].wrap is not None and "apply" in vars(model.optimizer)  # taken over
     with pytest.raises(ValueError, match="elastic=True: Custom overrides train_step"):
         Strategy(ps="127.0.0.1:1", elastic=True).attach(model)
+
+
+@pytest.mark.parametrize("second, refusal", [
+    (lambda: keras.optimizers.Adam(0.002), "2 optimizers of different configs"),
+    (None, "applies gradients to 2 of the model's 4 trainable variables"),
+])
+def test_a_train_step_s_optimizers_the_server_cannot_serve_are_refused_before_any_connection(second, refusal):
+    """Several optimizers of one config are served (a GAN's); of different configs, or one
+    applied to some of the variables, refused at fit in one line, before the server is asked."""
+    import numpy as np
+
+    class TwoParts(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = keras.layers.Dense(3), keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+        def train_step(self, data):
+            x, y = data
+            for layer, optimizer in ((self.first, self.optimizer), (self.second, self.other)):
+                if optimizer is None:
+                    continue
+                with tf.GradientTape() as tape:
+                    loss = keras.ops.mean((self(x) - y) ** 2)
+                grads = tape.gradient(loss, layer.trainable_weights)
+                optimizer.apply_gradients(zip(grads, layer.trainable_weights))
+            return {}
+
+    import tensorflow as tf
+
+    strategy = Strategy(ps="127.0.0.1:1")
+    with strategy.scope():
+        model = TwoParts()
+        model.compile(optimizer=keras.optimizers.Adam(0.001))
+        model.other = second() if second else None
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, verbose=0)
+    assert strategy.connection is None
 
 
 def test_a_second_model_and_an_unknown_batches_choice_are_refused():

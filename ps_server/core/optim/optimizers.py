@@ -130,13 +130,18 @@ class OptimizerSpec:
     # Keras' gradient_accumulation_steps (every optimizer; None: none): each update is the mean
     # of that many batches' gradients (the worker's), its schedule at Keras' real iterations.
     gradient_accumulation_steps: int | None = None
+    # How many optimizers of this config a model's step applies, each to its own variables (a
+    # GAN's two; None: one): a push may then name some of the trainable variables, the others
+    # not stepped (each variable counts its own steps, so each optimizer's are its own).
+    optimizers: int | None = None
 
     def __post_init__(self):
         takes = OPTIMIZER_DEFAULTS.get(self.name)
         object.__setattr__(self, "sparse_rule", self.sparse_rule or None)  # the wire's "" is None
         object.__setattr__(self, "gradient_accumulation_steps", self.gradient_accumulation_steps or None)  # 0: None
+        object.__setattr__(self, "optimizers", self.optimizers or None)  # 0: None
         for f in fields(self):
-            if f.name in ("name", "sparse_rule", "gradient_accumulation_steps"):
+            if f.name in ("name", "sparse_rule", "gradient_accumulation_steps", "optimizers"):
                 continue
             value = getattr(self, f.name)
             if takes is not None and f.name not in takes and f.name != "learning_rate_schedule":
@@ -178,6 +183,9 @@ class OptimizerSpec:
         steps = self.gradient_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 2):
             raise InvalidArgument(f"gradient_accumulation_steps must be an integer >= 2 or unset; got {steps!r}")
+        count = self.optimizers
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 2):
+            raise InvalidArgument(f"optimizers must be an integer >= 2 or unset; got {count!r}")
         if steps is not None and self.use_ema:
             raise InvalidArgument("use_ema with gradient_accumulation_steps: Keras moves the averages at every "
                                   "batch, between the updates, which the server does not see")
