@@ -65,6 +65,12 @@ KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adag
                            "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
                            "Adafactor": "adafactor"}
 
+# A push's metric that skips its update: sync, the whole round when any push of it carries a
+# value > 0 (every worker's reply carries the sum); async and ssp, the push. A Keras
+# LossScaleOptimizer's gradients that are not finite on some worker skip the step everywhere,
+# as an all-reduced gradient would (worker.keras).
+SKIP_UPDATE = "tfps/skip_update"
+
 # Where a Keras 3 optimizer keeps each of the server's slots (``ps_server.core.optim``): the
 # attribute holding one variable per trainable variable, in the order it was built with
 # (Nadam's ``u_product`` is one variable, every variable's alike on the server). With
@@ -89,7 +95,8 @@ KERAS_SLOTS: dict[str, dict[str, str]] = {
 REFUSED_KERAS_OPTIMIZERS = {
     "Optimizer": "it is the abstract base of Keras' optimizers, with no update of its own",
     "LossScaleOptimizer": "it scales the loss for mixed precision around another optimizer, whose steps it may "
-                          "skip; the server steps every push (compile the inner optimizer)",
+                          "skip: tfps.keras serves it (mixed_float16), other front doors push the inner "
+                          "optimizer's unscaled gradients",
     "MultiOptimizer": "it steps each variable with an optimizer of its own; the server runs one for all",
     "Muon": "it orthogonalizes each matrix's update with Newton-Schulz matrix products, not reproduced here, and "
             "picks Muon or AdamW per variable by layer name, which the server does not see",

@@ -73,8 +73,9 @@ over (``_Wrap``). **Model files** (``model.save``, ``save_weights``: ``ModelChec
 ``BackupAndRestore``) hold the server's parameters and optimizer state (``_load_with_state``).
 
 **Not supported** (refused with one line before training): an optimizer or option the
-server cannot run (``worker.keras_optimizer``), mixed-precision loss scaling, and a
-``train_step`` whose optimizers differ in config (``_Wrap._check_served``).
+server cannot run (``worker.keras_optimizer``), and a ``train_step`` whose optimizers
+differ in config (``_Wrap._check_served``). A ``LossScaleOptimizer`` (``mixed_float16``) runs
+Keras' own step wrapped, its inner optimizer on the server (``_Wrap._rescale``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ps_common.names import SKIP_UPDATE
 from worker.task import shard_bounds
 
 log = logging.getLogger("worker.keras")
@@ -208,8 +210,8 @@ class Strategy:
             return
         if self.models:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
-        spec_fields(model.optimizer)  # refuses what the server cannot run, before any training
-        if _overrides_train_step(model):
+        spec_fields(_inner(model.optimizer))  # refuses what the server cannot run, before any training
+        if _overrides_train_step(model) or _inner(model.optimizer) is not model.optimizer:
             if self.config.elastic:
                 raise ValueError(f"elastic=True: {type(model).__name__} overrides train_step, and the server deals "
                                  "elastic data to a step of its own; train it without elastic=True")
@@ -229,7 +231,7 @@ class Strategy:
         with self._lock:
             if self.connection is not None:
                 return
-            conn = Connection(self.config, model, optimizer_spec=spec or spec_fields(model.optimizer))
+            conn = Connection(self.config, model, optimizer_spec=spec or spec_fields(_inner(model.optimizer)))
             conn.data_plan = data_plan
             try:
                 reg = conn.register()
@@ -308,6 +310,12 @@ def _build(model, args, kwargs, shapes: bool = False):
     return batch
 
 
+def _inner(optimizer):
+    """The optimizer the server runs of a Keras ``LossScaleOptimizer`` (``mixed_float16``): its
+    inner one; the optimizer itself otherwise."""
+    return optimizer.inner_optimizer if type(optimizer).__name__ == "LossScaleOptimizer" else optimizer
+
+
 def _overrides_train_step(model) -> bool:
     import keras
 
@@ -331,7 +339,9 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
-        self.wrap = _Wrap(self) if _overrides_train_step(model) else None  # the model's own train_step, run
+        # the model's own train_step, or Keras' with a loss scale, run as Keras runs it
+        self.wrap = _Wrap(self) if _overrides_train_step(model) or _inner(model.optimizer) is not model.optimizer \
+            else None
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         self.original_save, self.original_save_weights = model.save, model.save_weights
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
@@ -349,7 +359,7 @@ class _Attached:
     def optimizer(self):
         """The optimizer the server runs: the compiled one, or the first a wrapped step applies
         (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused)."""
-        return self.wrap.served[0][0] if self.wrap and self.wrap.served else self.model.optimizer
+        return _inner(self.wrap.served[0][0] if self.wrap and self.wrap.served else self.model.optimizer)
 
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         strategy = self.strategy
@@ -618,7 +628,7 @@ class _Attached:
         set_values(self.model, values)
         served = self.wrap.served if self.wrap and self.wrap.served else [(self.model.optimizer, trainable(self.model))]
         for optimizer, variables in served:
-            load_state(optimizer, variables, states, self.window.steps)
+            load_state(_inner(optimizer), variables, states, self.window.steps)
 
     def save(self, *args, **kwargs):
         self._load_with_state()
@@ -659,6 +669,8 @@ class _Wrap:
         self.base: dict = {}  # the non-trainable values the next push's changes are measured from
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
+        self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
+        self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
         self.patch(attached.model.optimizer)
 
     def patch(self, optimizer) -> None:
@@ -679,6 +691,9 @@ class _Wrap:
         for optimizer in {id(o): o for o in [model.optimizer, *vars(model).values()]
                           if isinstance(o, keras.optimizers.Optimizer)}.values():
             self.patch(optimizer)
+            if _inner(optimizer) is not optimizer and not optimizer.built:  # its scale, read in the step's graph
+                optimizer.build(trainable(model))
+                optimizer.built = True
         if self.function is None:
             def traced(data):
                 self.sites, self.plan = 0, []
@@ -713,7 +728,13 @@ class _Wrap:
         if len(self.served) == 1 and len(paths) != len(everything):
             raise ValueError(f"{name}.train_step applies gradients to {len(paths)} of the model's "
                              f"{len(everything)} trainable variables; the server steps them all with one optimizer")
-        specs = [spec_fields(o) for o, _ in self.served]
+        specs = [spec_fields(_inner(o)) for o, _ in self.served]
+        if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
+            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
+                             "served with one optimizer only")
+        if _inner(self.served[0][0]) is not self.served[0][0] and len(self.attached.strategy.config.ps_addresses) > 1:
+            raise ValueError("a loss scale (mixed_float16) over several server shards is not served yet: the "
+                             "shards would each have to skip the same rounds")
         if any(spec != specs[0] for spec in specs):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers of different configs "
                              f"({', '.join(type(o).__name__ for o, _ in self.served)}); the server serves several "
@@ -727,7 +748,7 @@ class _Wrap:
         """The server's optimizer: the one the step applies (several: one config, ``optimizers``)."""
         from worker.keras_optimizer import spec_fields
 
-        fields = spec_fields(self.served[0][0])
+        fields = spec_fields(_inner(self.served[0][0]))
         if len(self.served) > 1:
             fields["optimizers"] = len(self.served)
         return fields
@@ -755,7 +776,7 @@ class _Wrap:
         while True:
             a.metrics_before = dict(before)
             self.applies = self.immediate = 0
-            self.deferred, self.base = None, dict(strategy.connection.pulled)
+            self.deferred, self.base, self.skip = None, dict(strategy.connection.pulled), False
             try:
                 logs = self.function(data) if self.examples else {}
                 if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
@@ -778,6 +799,8 @@ class _Wrap:
             a._pull()
         else:
             a._answered(*pushed)
+            if self.scaled():
+                self._rescale(pushed[1])
         if len(self.served) > 1:  # each optimizer's own steps: its applies of the server's updates
             sites = [o for o, _ in self.plan] or [o for o, _ in self.served]
             for optimizer, _ in self.served:
@@ -814,7 +837,7 @@ class _Wrap:
         held = trainable(model) + non_trainable(model)
         inputs += [tf.identity(v.value) for v in non_trainable(model)]  # read after the forward pass's updates
         graph = not tf.executing_eagerly()
-        out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph), inputs,
+        out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph, optimizer), inputs,
                              Tout=[tf.bool] + [tf.as_dtype(v.dtype) for v in held])
 
         def load():
@@ -824,9 +847,11 @@ class _Wrap:
 
         tf.cond(tf.reshape(out[0], []), load, lambda: tf.constant(False))
 
-    def _exchange(self, variables, kinds, tensors, graph: bool) -> list:
+    def _exchange(self, variables, kinds, tensors, graph: bool, optimizer) -> list:
         """One ``apply``'s gradients as pushed (``as_pushed``; a non-finite one: a push of
-        weight 0); returns [pushed at once, the server's values]."""
+        weight 0; under a ``LossScaleOptimizer``, unscaled as it unscales them, and a
+        non-finite one asks the server to skip the update, ``SKIP_UPDATE``); returns [pushed
+        at once, the server's values]."""
         import tensorflow as tf
 
         from worker.gradients import as_pushed, non_trainable, trainable
@@ -842,11 +867,16 @@ class _Wrap:
                 values, indices = next(given), next(given)
                 grads[v.path] = tf.IndexedSlices(values, indices, tf.constant(v.shape, tf.int64))
         now = {v.path: next(given).numpy() for v in non_trainable(model)}
+        self.skip = False
+        if _inner(optimizer) is not optimizer:  # LossScaleOptimizer._stateful_handle_finite_grads' arithmetic
+            dense = {p: tf.convert_to_tensor(g) for p, g in grads.items()}
+            self.skip = not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in dense.values())
+            grads = {p: tf.divide(g, optimizer.dynamic_scale) for p, g in dense.items()}
         payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
         if len(self.served) > 1:  # this optimizer's variables alone (OptimizerSpec.optimizers)
             mine = {v.path for v in variables} | set(now)
             payload = {p: g for p, g in payload.items() if p in mine}
-        if not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
+        if self.skip or not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             self._push(self.deferred[0], now)
@@ -865,7 +895,7 @@ class _Wrap:
 
         a = self.attached
         conn = a.strategy.connection
-        if payload is None and self.examples:
+        if payload is None and self.examples and not self.skip:
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         a.strategy.worker_index, conn.step)
         elif payload is not None:
@@ -883,7 +913,33 @@ class _Wrap:
         (payload,), self.deferred = self.deferred, None
         loss = logs.get("loss") if isinstance(logs, dict) else None
         loss = float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0
-        return self._push(payload, metrics=self.attached._metric_changes(), loss=loss)
+        metrics = self.attached._metric_changes()
+        if self.scaled():
+            metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if self.skip else 0.0])}
+        return self._push(payload, metrics=metrics, loss=loss)
+
+    def scaled(self) -> bool:
+        """Whether the step's optimizer is a ``LossScaleOptimizer`` (``mixed_float16``)."""
+        return bool(self.served) and _inner(self.served[0][0]) is not self.served[0][0]
+
+    def _rescale(self, reply) -> None:
+        """The loss scale's step, as ``LossScaleOptimizer`` takes it, on what every worker agreed
+        (sync: the round's summed ``SKIP_UPDATE``; async and ssp: this push's): a skipped update
+        halves the scale, else every ``dynamic_growth_steps``-th doubles it. Its inner optimizer
+        counts the updates that were made."""
+        scale = self.served[0][0]
+        skipped = self.skip if not (reply.metrics and SKIP_UPDATE in reply.metrics) \
+            else float(reply.metrics[SKIP_UPDATE][0]) > 0
+        self.skipped += skipped
+        if skipped:
+            scale.step_counter.assign(0)
+            scale.dynamic_scale.assign(scale.dynamic_scale * 0.5)
+        elif int(scale.step_counter.numpy()) == scale.dynamic_growth_steps - 1:
+            scale.step_counter.assign(0)
+            scale.dynamic_scale.assign(scale.dynamic_scale * 2.0)
+        else:
+            scale.step_counter.assign_add(1)
+        scale.inner_optimizer.iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
 
 
 def _non_trainable_values(model) -> dict:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.cluster
 
 CUSTOM_STEP = os.path.join(ROOT, "tests", "cluster", "programs", "custom_step.py")
 GAN = os.path.join(ROOT, "tests", "cluster", "programs", "gan.py")
+MIXED = os.path.join(ROOT, "tests", "cluster", "programs", "mixed_precision.py")
 
 
 def gap(a: dict, b: dict) -> float:
@@ -111,3 +112,28 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     (tmp_path / "async").mkdir()
     async_ = fit(procs, tmp_path / "async", "async", program=GAN)
     assert len(async_) == 2 and all(np.isfinite(r["history"]["g_loss"]).all() for r in async_)
+
+
+def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_the_step_on_every_worker(
+        procs, tmp_path):
+    """``mixed_float16``: Keras' own step scales the loss, and the server steps the gradients
+    unscaled as ``LossScaleOptimizer`` unscales them: sync with two workers is MirroredStrategy(2)'s
+    weights to the bit (both 4.6e-3 from one process: float16 sums over half batches). An
+    example that overflows float16 on worker 1 alone skips that round on both workers, as in one
+    process: the same steps made, the same scale and counter; the weights stay within float16's
+    rounding of one process's."""
+    (tmp_path / "plain").mkdir(), (tmp_path / "overflow").mkdir()
+    mirrored = alone(tmp_path / "plain", program=MIXED, how="--mirrored")
+    ours = fit(procs, tmp_path / "plain", "sync", program=MIXED)
+    assert ours[0]["optimizer"] == "LossScaleOptimizer"
+    assert ours[0]["weights"] == ours[1]["weights"] == mirrored["weights"]
+    assert ours[0]["scale"] == mirrored["scale"] and ours[0]["iterations"] == mirrored["iterations"] == 32
+    plain = alone(tmp_path / "overflow", "--overflow-batch", "3", program=MIXED)
+    skipped = fit(procs, tmp_path / "overflow", "sync", "--overflow-batch", "3", program=MIXED)
+    assert plain["iterations"] == 30 and plain["scale"] == 32768.0 / 4  # one skip an epoch, each halving
+    assert [(r["iterations"], r["scale"], r["step_counter"]) for r in skipped] == \
+        [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
+    assert skipped[0]["weights"] == skipped[1]["weights"] and gap(skipped[0], plain) < 0.05
+    (tmp_path / "async").mkdir()
+    async_ = fit(procs, tmp_path / "async", "async", program=MIXED)
+    assert all(r["history"]["accuracy"][-1] > 0.5 for r in async_), [r["history"] for r in async_]

@@ -501,3 +501,21 @@ def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(t
         np.testing.assert_array_equal(values[name].view(np.uint32), expected[name].view(np.uint32))
     assert mode.stats.pushes_applied == N * ROUNDS
     assert mode.stats.examples_applied == sum(batch_size(k, s) for k in range(N) for s in range(ROUNDS))
+
+
+def test_a_round_any_push_of_which_asks_to_skip_changes_nothing_and_every_reply_says_so():
+    """``SKIP_UPDATE``: a Keras loss scale's non-finite gradients on one worker skip the round
+    for all, as an all-reduced gradient would; the version counts the round."""
+    from ps_common.names import SKIP_UPDATE
+
+    store = VariableStore()
+    store.initialize({"w": np.ones(3, np.float32)}, OptimizerSpec("sgd", learning_rate=0.5))
+    mode = SyncMode(store, Membership(2), num_workers=2, barrier_timeout=10.0)
+    pushes = [Push(w, 0, 0, 2, {"w": np.full(3, 1.0 + w, np.float32)}, metrics={SKIP_UPDATE: np.array([float(w)])})
+              for w in range(2)]
+    tickets = [mode.submit(p) for p in pushes]
+    results = [t.result(5) for t in tickets]
+    assert [r.version for r in results] == [1, 1] and store.version == 1
+    assert all(float(r.metrics[SKIP_UPDATE][0]) == 1.0 for r in results)
+    assert store.read()[1]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert store.optimizer_iterations() == 0

@@ -85,7 +85,9 @@ is applied. A dropped push sets nothing. The reply's ``learning_rate`` is the
 store's rate read just before the update, before the "scale" factor; a push of
 another worker that sets a new rate meanwhile may change it under a concurrent
 update, as any async interleaving may. Metrics (``Push.metrics``) are a sync
-round's: they are checked against the limits and otherwise ignored here.
+round's: they are checked against the limits and otherwise ignored here, but for
+``SKIP_UPDATE`` > 0: that push's update is skipped (nothing applied, the version still
+counts it; a Keras loss scale's step whose gradients are not finite).
 
 Exactly once: a worker's steps must increase. A push repeating the worker's
 last applied step (a retry after a lost reply) is answered from the record
@@ -110,7 +112,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.defaults import MAX_STALENESS
-from ps_common.names import ASYNC_APPLIES, STALE_POLICIES
+from ps_common.names import ASYNC_APPLIES, SKIP_UPDATE, STALE_POLICIES
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
@@ -214,7 +216,8 @@ class AsyncMode(Mode):
         # One optimizer for the whole push (its learning rate, global_clipnorm's factor over all
         # of it), variable by variable in name order: reproducible; correctness does not depend on it.
         apply = self.store.apply_in_place if self.apply == "hogwild" else self.store.apply_push
-        apply(push.gradients, lr_scale, key=f"push {push.worker_id}:{push.step}")
+        if not (push.metrics and float(np.sum(push.metrics.get(SKIP_UPDATE, 0))) > 0):  # SKIP_UPDATE: nothing
+            apply(push.gradients, lr_scale, key=f"push {push.worker_id}:{push.step}")
         version = self.store.bump_version()
         self.stats.applied(time.perf_counter() - started)
         if lr_scale != 1.0:

@@ -45,6 +45,9 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   contributors only (with backup workers, not the dropped ones); every
   contributor's reply carries the same sum, a replay the recorded one, a dropped
   push none;
+- a round whose summed ``SKIP_UPDATE`` metric is > 0 (some worker's gradients were not
+  finite under a Keras loss scale) is completed without an update: the version counts
+  it, no variable changes, and every reply carries the sum, so every worker skips alike;
 - a round in which any contributor set the learning rate is applied with it: it
   is set (``VariableStore.set_learning_rate``) at completion, just before the
   optimizer step, and stays for later rounds. Two different values in one round,
@@ -83,7 +86,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.defaults import REPLACEMENT_TIMEOUT
-from ps_common.names import DEAD_WORKER_POLICIES
+from ps_common.names import DEAD_WORKER_POLICIES, SKIP_UPDATE
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
@@ -358,21 +361,22 @@ class SyncMode(Mode):
         previous = None
         speculation = self._speculation if self._speculation is not None \
             and self._speculation.generation == generation and not rates else None
-        kept = speculation.confirm(pushes) if speculation is not None else None  # core.modes.overlap
+        metrics = sum_metrics([p.metrics for p in pushes])
+        skip = bool(metrics) and SKIP_UPDATE in metrics and float(np.sum(metrics[SKIP_UPDATE])) > 0
+        kept = speculation.confirm(pushes) if speculation is not None and not skip else None  # core.modes.overlap
         try:
             # Every variable speculated from exactly these pushes: those values are the round's.
             mean = None
-            if kept is None:
+            if kept is None and not skip:
                 for p in pushes:
                     if p.gradients:  # kept whole for a speculation that did not hold
                         self._sum.add(p.worker_id, p.batch_size, p.gradients)
                 mean = self._sum.mean()
-            metrics = sum_metrics([p.metrics for p in pushes])
             if rates:
                 previous = self.store.current_learning_rate()
                 self.store.set_learning_rate(rates[0])  # this round is applied with it
             learning_rate = self.store.current_learning_rate()
-            version = self.store.publish(kept) if kept is not None \
+            version = self.store.bump_version() if skip else self.store.publish(kept) if kept is not None \
                 else self.store.apply_all(mean, key=f"round {self._book.round}")
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
             with contextlib.suppress(PSError):
