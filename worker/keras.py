@@ -804,7 +804,7 @@ class _Wrap:
         if len(self.served) > 1:  # each optimizer's own steps: its applies of the server's updates
             sites = [o for o, _ in self.plan] or [o for o, _ in self.served]
             for optimizer, _ in self.served:
-                optimizer.iterations.assign(strategy.connection.version * sites.count(optimizer) // len(sites))
+                optimizer._iterations.assign(strategy.connection.version * sites.count(optimizer) // len(sites))
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
@@ -939,7 +939,7 @@ class _Wrap:
             scale.dynamic_scale.assign(scale.dynamic_scale * 2.0)
         else:
             scale.step_counter.assign_add(1)
-        scale.inner_optimizer.iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
+        scale.inner_optimizer._iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
 
 
 def _non_trainable_values(model) -> dict:

@@ -76,5 +76,5 @@ def load_state(optimizer, variables: list, states: dict, batches_per_update: int
                                  f"otherwise than this Keras does ({attribute}); cannot load it")
             target.assign(np.asarray(value))
     steps = max((int(states[v.path]["iterations"]) for v in variables), default=0)
-    optimizer.iterations.assign(steps * batches_per_update)
+    optimizer._iterations.assign(steps * batches_per_update)  # counting batches: iterations is computed then
     return steps
