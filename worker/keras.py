@@ -13,17 +13,19 @@ started once per worker, by ``ps-launch --mode sync --workers 2 -- python train.
 
 **What happens.** A model compiled inside ``scope()`` is attached: its ``model.fit``
 keeps Keras' own loop (epochs, ``steps_per_epoch``, ``initial_epoch``, validation,
-``class_weight``, ``sample_weight``, callbacks, progress bar, ``History``) and replaces
-only the train step. Each step takes the next global batch of the dataset (every worker
-reads the same batches), keeps this worker's contiguous part of it (the first workers
-take one more example when the batch does not divide, as ``ps-worker`` does; with
+``class_weight``, ``sample_weight``, callbacks, progress bar, ``History``) and Keras' own
+train step, the default or the model's override, run in a ``tf.function`` as Keras runs
+it; tfps takes over where the gradients meet the optimizer (``_Wrap``, as Horovod's
+``DistributedOptimizer``). Each step takes the next global batch of the dataset (every
+worker reads the same batches), keeps this worker's contiguous part of it (the first
+workers take one more example when the batch does not divide, as ``ps-worker`` does; with
 ``Strategy(batches="per_worker")`` the dataset is already this worker's and is used
-whole), computes the compiled loss and its gradients under the one tape (``worker.gradients``),
-pushes them, and loads the server's parameters. The optimizer, its options and its
-learning-rate schedule are the compiled ``model.optimizer``'s, run on the server
-(``worker.keras_optimizer``): the local optimizer never steps. On the first ``fit`` the
-chief (worker 0) initializes the server from its model; the others wait for it and
-check their model and optimizer match.
+whole) and calls the step on it; the optimizer's ``apply`` pushes the gradients, and the
+server's parameters come back into the variables. The optimizer, its options and its
+learning-rate schedule are the compiled ``model.optimizer``'s (a GAN's: the ones its step
+applies), run on the server (``worker.keras_optimizer``): the local optimizer never steps.
+On the first ``fit`` the chief (worker 0) initializes the server from its model; the
+others wait for it and check their model and optimizer match.
 
 **The same batches on every worker**: ``Strategy()`` sets TensorFlow's global seed to
 ``--seed`` where the program set none (``_seed_unseeded_shuffles``), so unseeded shuffles
@@ -68,8 +70,7 @@ micro-batches'. Against an async or ssp server the examples are its tasks instea
 (``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
 and exits 143.
 
-**A model's own ``train_step``** runs as written, with the optimizer's ``apply`` taken
-over (``_Wrap``). **Model files** (``model.save``, ``save_weights``: ``ModelCheckpoint``,
+**Model files** (``model.save``, ``save_weights``: ``ModelCheckpoint``,
 ``BackupAndRestore``) hold the server's parameters and optimizer state (``_load_with_state``).
 
 **Not supported** (refused with one line before training): an optimizer or option the
@@ -215,9 +216,6 @@ class Strategy:
             if self.config.elastic:
                 raise ValueError(f"elastic=True: {type(model).__name__} overrides train_step, and the server deals "
                                  "elastic data to a step of its own; train it without elastic=True")
-            if (model.optimizer.gradient_accumulation_steps or 1) > 1:
-                raise ValueError(f"{type(model).__name__} overrides train_step: gradient_accumulation_steps is "
-                                 "served with Keras' own train_step only; raise the batch size instead")
         self.models.append(_Attached(self, model))
 
     # -- the cluster
@@ -327,7 +325,7 @@ class _Attached:
 
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
-        self.gradients = self.stepper = None  # the one tape (worker.gradients); the one step (worker.trainer)
+        self.gradients = self.stepper = None  # elastic: the one tape (worker.gradients); the one step (worker.trainer)
         self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
         self.compiled_learning_rate: float | None = None  # elastic: what the server runs, unchangeable
@@ -339,9 +337,9 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
-        # the model's own train_step, or Keras' with a loss scale, run as Keras runs it
-        self.wrap = _Wrap(self) if _overrides_train_step(model) or _inner(model.optimizer) is not model.optimizer \
-            else None
+        # Keras' train_step (the default, or the model's own), run as Keras runs it; elastic: the
+        # server deals each round's micro-batches to ``compute`` instead
+        self.wrap = None if strategy.config.elastic else _Wrap(self)
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         self.original_save, self.original_save_weights = model.save, model.save_weights
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
@@ -432,7 +430,8 @@ class _Attached:
 
         self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None,
                               self.wrap.spec() if self.wrap else None)
-        self.gradients = Gradients(self.model)  # the compiled loss and metrics, under the one tape
+        if self.dealt is not None:  # elastic: the compiled loss of each dealt micro-batch, under the one tape
+            self.gradients = Gradients(self.model)
         self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
 
     def train_function(self, iterator):
@@ -441,8 +440,7 @@ class _Attached:
         logs = None
         for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
             # elastic: Keras' batch is only counted; the server deals the examples
-            logs = self.round_step() if self.dealt is not None else self.wrap.step(data) if self.wrap \
-                else self.step(data)
+            logs = self.round_step() if self.dealt is not None else self.wrap.step(data)
         if logs is None:
             raise StopIteration
         return logs
@@ -463,52 +461,6 @@ class _Attached:
         if not all(getattr(m, "built", True) for m in self.model.metrics):
             return {}  # a worker that joined late and skipped its first steps has updated no metric yet
         return self.model.get_metrics_result()
-
-    def step(self, data) -> dict:
-        """One step on the next global batch (module docstring): the one step (``Step``), then a
-        pull. A failure ``ps-worker`` rides out (the server restarting, this worker declared
-        dead: ``worker.connection.recoverable``) is ridden out alike: rejoin, load the server's
-        parameters, undo the batch's metric updates and train on it again at the step the
-        server gives (sync: its round; a round a restored checkpoint lost is then trained on
-        this batch, where ``ps-worker`` reads that round's batch again)."""
-        import keras
-
-        from worker.client import PSClientError
-        from worker.connection import Work, recoverable
-
-        strategy, model, conn = self.strategy, self.model, self.strategy.connection
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        examples = _batch_size(x)  # the global batch's, or this worker's own (batches="per_worker")
-        if strategy.batches == "global":
-            self.read.add((x, y, sample_weight))
-            x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
-        # gradient_accumulation_steps in sync: this worker's part weighs as its share of the global batch
-        share = _batch_size(x) * strategy.num_replicas_in_sync / examples \
-            if conn.sync and strategy.batches == "global" and examples else 1.0
-        step_before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
-        if not self.window.batches:  # sync: the metric changes of the whole window go with its push
-            self.metrics_before = step_before
-        if not self.window.last():  # gradient_accumulation_steps: a batch whose gradients wait for the window's end
-            payload = self.gradients(x, y, conn.pulled, sample_weight, "sum")[1] if _batch_size(x) else {}
-            self.window.add(payload, share, _batch_size(x), examples, self.gradients.variables)
-            model.optimizer._iterations.assign_add(1)
-            return model.get_metrics_result()
-        while True:
-            try:
-                work = Work(conn.step, self.window.weight(_batch_size(x), examples, conn.sync,
-                                                          strategy.num_replicas_in_sync), (x, y, sample_weight))
-                self.window.share = share
-                row, reply = self.stepper(work, pull=False)
-                break
-            except PSClientError as e:
-                if not recoverable(e):
-                    raise
-                for v in _metric_variables(model):
-                    v.assign(step_before.get(v.path, np.zeros(v.shape, v.dtype)))
-                self._rejoin(e)
-        self.window.clear()
-        self._answered(row, reply)
-        return model.get_metrics_result()
 
     def _answered(self, row: dict, reply) -> None:
         """After a step's push: the round's metric state (sync: the global batch's, and whether
@@ -546,18 +498,12 @@ class _Attached:
         self.sent_learning_rate = None
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
-        """The step's loss and payload (none for a tiny last batch that left this worker nothing,
-        or a loss or gradient not finite: weight 0), and what its push carries besides: the
-        change the step made to every metric's state (sync) and the chief's new learning rate."""
-        from worker.gradients import zeros
-
+        """Elastic: a dealt micro-batch's loss and payload (none for a loss or gradient not
+        finite: weight 0), and what its push carries besides (the chief's new learning rate)."""
         conn = self.strategy.connection
-        # this worker's examples (a window's push weighs other than its last batch's part: ``Window``)
-        part = work.batch_size if self.window.steps == 1 else _batch_size(work.examples[0])
-        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2],
-                                       conn.sparse_rule) if part \
-            else (0.0, zeros(conn.pulled) if self.window.batches else None)
-        payload = self.window.mean(payload, self.gradients.variables)
+        part = work.batch_size
+        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2], conn.sparse_rule) if part \
+            else (0.0, None)
         if part and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
@@ -644,9 +590,9 @@ class _Attached:
 
 
 class _Wrap:
-    """A model's own ``train_step`` (the "customizing fit()" guide's; a VAE's, a distiller's),
-    run as Keras runs it, in one ``tf.function``, with the optimizer's ``apply`` taken over,
-    as Horovod's ``DistributedOptimizer`` takes it over for all-reduce.
+    """Keras' train step (the default; a model's own: the "customizing fit()" guide's, a
+    VAE's, a GAN's), run as Keras runs it, in one ``tf.function``, with the optimizer's
+    ``apply`` taken over, as Horovod's ``DistributedOptimizer`` takes it over for all-reduce.
 
     Each ``apply`` hands its gradients to the server through a ``tf.py_function``: sync, as
     this worker's part of the global batch (weighted by its examples), async and ssp on
@@ -666,6 +612,8 @@ class _Wrap:
         self.applies = self.immediate = 0  # this step's: all, and those pushed at once
         self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
         self.examples = 0  # this worker's part of the step's batch: the push's weight
+        self.batch_examples = 0  # the step's global batch (``batches="per_worker"``: this worker's)
+        self.held = False  # the step's gradients went into a gradient_accumulation_steps window
         self.base: dict = {}  # the non-trainable values the next push's changes are measured from
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
@@ -703,7 +651,7 @@ class _Wrap:
             self.function = traced if model.run_eagerly else tf.function(traced, reduce_retracing=True)
         if self.served is not None:
             return
-        if batch is not None and not model.run_eagerly:
+        if batch is not None and not model.run_eagerly and _overrides_train_step(model):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             spec = tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype),
                                       keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
@@ -729,6 +677,9 @@ class _Wrap:
             raise ValueError(f"{name}.train_step applies gradients to {len(paths)} of the model's "
                              f"{len(everything)} trainable variables; the server steps them all with one optimizer")
         specs = [spec_fields(_inner(o)) for o, _ in self.served]
+        if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
+                                               self.served[0][0]):
+            raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
         if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
                              "served with one optimizer only")
@@ -767,22 +718,31 @@ class _Wrap:
         a = self.attached
         strategy, model = a.strategy, a.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.batch_examples = _batch_size(x)  # the global batch's, or this worker's own (batches="per_worker")
         if strategy.batches == "global":
             a.read.add((x, y, sample_weight))
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         self.examples = _batch_size(x)
+        # gradient_accumulation_steps in sync: this worker's part weighs as its share of the global batch
+        a.window.share = self.examples * strategy.num_replicas_in_sync / self.batch_examples \
+            if strategy.connection.sync and strategy.batches == "global" and self.batch_examples else 1.0
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
         while True:
-            a.metrics_before = dict(before)
+            if not a.window.batches:  # sync: the metric changes of a whole window go with its push
+                a.metrics_before = dict(before)
             self.applies = self.immediate = 0
+            self.held = False
             self.deferred, self.base, self.skip = None, dict(strategy.connection.pulled), False
             try:
                 logs = self.function(data) if self.examples else {}
                 if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
-                    self.deferred = [None]
+                    self._held({}) if not a.window.last() else self._defer(None)
                     for _ in range(self.learned - 1):
                         self._push(None)
+                if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
+                    model.optimizer._iterations.assign_add(1)
+                    return {k: v for k, v in model.get_metrics_result().items()}
                 pushed = self._flush(logs)
                 break
             except PSClientError as e:
@@ -795,6 +755,7 @@ class _Wrap:
             self.learned = self.sites
         elif self.examples:
             self.learned = max(1, self.applies)
+        a.window.clear()
         if pushed is None:
             a._pull()
         else:
@@ -880,14 +841,37 @@ class _Wrap:
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             self._push(self.deferred[0], now)
+        if not a.window.last():  # gradient_accumulation_steps: into the window, nothing pushed
+            self._held(payload)
+            return [False] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
         if self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
             self._push(payload, now)
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
-        self.deferred = [payload]
+        self._defer(payload)
         return [False] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+
+    def _held(self, payload) -> None:
+        """A batch of a ``gradient_accumulation_steps`` window before its last: its gradients
+        into the window (``Window.add``)."""
+        from worker.gradients import trainable
+
+        a = self.attached
+        a.window.add(payload, a.window.share, self.examples, self.batch_examples, trainable(a.model))
+        self.held = True
+
+    def _defer(self, payload) -> None:
+        """The step's last apply, pushed when the step has returned (``_flush``); the last batch
+        of a window pushes the window's mean (``Window.mean``; an empty part: zeros, which adds
+        nothing to it)."""
+        from worker.gradients import trainable, zeros
+
+        a = self.attached
+        if a.window.steps > 1 and payload is None and not self.examples and not self.skip:
+            payload = zeros(a.strategy.connection.pulled)
+        self.deferred = [a.window.mean(payload, trainable(a.model))]
 
     def _push(self, payload, now: dict | None = None, metrics=None, loss: float = 0.0):
         """Push ``payload`` of this step (None: weight 0), its non-trainable changes measured to ``now``."""
@@ -903,7 +887,8 @@ class _Wrap:
                             for p, value in _non_trainable_values(a.model).items()})
             if now is not None:
                 self.base = dict(now)
-        return a.stepper.push(Work(conn.step, self.examples), loss, payload, metrics=metrics,
+        weight = a.window.weight(self.examples, self.batch_examples, conn.sync, a.strategy.num_replicas_in_sync)
+        return a.stepper.push(Work(conn.step, weight), loss, payload, metrics=metrics,
                               set_learning_rate=a._new_learning_rate())
 
     def _flush(self, logs):
