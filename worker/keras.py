@@ -707,10 +707,11 @@ class _Wrap:
     def step(self, data) -> dict:
         """One call of the model's ``train_step`` on this worker's part of the global batch
         (``batches="per_worker"``: the batch), then the held push, the server's values and the
-        round's metric state (``_Attached._answered``). A lost server is ridden out as in
-        ``_Attached.step`` while nothing of the step has been pushed yet."""
+        round's metric state (``_Attached._answered``). A lost server (the server restarting,
+        this worker declared dead: ``worker.connection.recoverable``) is ridden out while
+        nothing of the step has been pushed yet: rejoin, undo the step's metric updates and
+        run it again on the same batch at the step the server gives."""
         import keras
-        import tensorflow as tf
 
         from worker.client import PSClientError
         from worker.connection import recoverable
@@ -742,7 +743,7 @@ class _Wrap:
                         self._push(None)
                 if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
                     model.optimizer._iterations.assign_add(1)
-                    return {k: v for k, v in model.get_metrics_result().items()}
+                    return model.get_metrics_result()
                 pushed = self._flush(logs)
                 break
             except PSClientError as e:
@@ -841,9 +842,11 @@ class _Wrap:
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             self._push(self.deferred[0], now)
+        # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
+        unloaded = [False] + [np.zeros((), np.dtype(v.dtype)) for v in trainable(model) + non_trainable(model)]
         if not a.window.last():  # gradient_accumulation_steps: into the window, nothing pushed
             self._held(payload)
-            return [False] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+            return unloaded
         if self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
             self._push(payload, now)
@@ -851,7 +854,7 @@ class _Wrap:
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
         self._defer(payload)
-        return [False] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+        return unloaded
 
     def _held(self, payload) -> None:
         """A batch of a ``gradient_accumulation_steps`` window before its last: its gradients
@@ -876,6 +879,7 @@ class _Wrap:
     def _push(self, payload, now: dict | None = None, metrics=None, loss: float = 0.0):
         """Push ``payload`` of this step (None: weight 0), its non-trainable changes measured to ``now``."""
         from worker.connection import Work
+        from worker.gradients import changes
 
         a = self.attached
         conn = a.strategy.connection
@@ -883,8 +887,7 @@ class _Wrap:
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         a.strategy.worker_index, conn.step)
         elif payload is not None:
-            payload.update({p: (now[p] if now is not None else value) - self.base[p]
-                            for p, value in _non_trainable_values(a.model).items()})
+            payload.update(changes(a.model, self.base, now))
             if now is not None:
                 self.base = dict(now)
         weight = a.window.weight(self.examples, self.batch_examples, conn.sync, a.strategy.num_replicas_in_sync)
@@ -925,12 +928,6 @@ class _Wrap:
         else:
             scale.step_counter.assign_add(1)
         scale.inner_optimizer._iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
-
-
-def _non_trainable_values(model) -> dict:
-    from worker.gradients import non_trainable
-
-    return {v.path: np.asarray(v.numpy()) for v in non_trainable(model)}
 
 
 class Window:

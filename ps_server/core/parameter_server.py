@@ -452,14 +452,15 @@ class ParameterServer:
 
     def optimizer_state(self, worker_id: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """(version, values, {variable: {slot: array, "iterations": n}}): every variable and
-        its optimizer state as of one version, each array a copy (a checkpoint's snapshot,
-        read whole): what a worker writes into a Keras model file."""
+        its optimizer state as of one version (a checkpoint's snapshot: dense arrays as the
+        store holds them, never written again; a row-wise table read whole): what a worker
+        writes into a Keras model file."""
         if worker_id is not None and worker_id >= 0:
             self.members.require(worker_id)
         state = self.store.export_state()
         try:
-            values = {n: np.array(v) for n, v in state.values.items()}
-            states = {n: {k: (np.array(a) if k != "iterations" else int(a)) for k, a in s.items()}
+            values = {n: np.asarray(v) for n, v in state.values.items()}
+            states = {n: {k: (np.asarray(a) if k != "iterations" else int(a)) for k, a in s.items()}
                       for n, s in state.states.items()}
             return state.version, values, states
         finally:
