@@ -107,18 +107,12 @@ class Session:
     into a push by the loop's own function (``worker.gradients.as_pushed``)."""
 
     def __init__(self, model, **flags):
-        from worker.connection import Connection
-        from worker.trainer import Step
+        from worker.engine import Engine
 
         self.model = model
-        self.connection = Connection(make_config(**flags), model)
-        self.stepper = Step(self.connection)  # the one step's push (worker.trainer)
-        try:
-            self.connection.register()
-            self.connection.join()
-        except BaseException:
-            self.connection.close()
-            raise
+        self.engine = Engine(make_config(**flags), model)  # the one worker engine's push and rejoin
+        self.connection = self.engine.conn
+        self.engine.start()
         self.closed = False
         log.info("session: %s; starting at step %d", self.connection.describe(), self.step)
 
@@ -168,7 +162,7 @@ class Session:
                 raise ValueError(f"{len(gradients)} gradients for {len(variables)} trainable variables")
             gradients = {v.path: g for v, g in zip(variables, gradients)}
         payload = as_pushed(self.model, gradients, self.connection.pulled, self.connection.sparse_rule)
-        return self.stepper.push(Work(self.step, int(batch_size)), float(loss), payload)[1]
+        return self.engine.push(Work(self.step, int(batch_size)), float(loss), payload)[1]
 
     def rejoin(self, error) -> int:
         """After ``recoverable(error)``: register again within ``reconnect_timeout`` (the chief
@@ -200,20 +194,14 @@ class Session:
         self.close()
 
 
-def recoverable(error: BaseException) -> bool:
-    """Whether ``Session.rejoin`` rides out ``error``: a ``PSClientError`` of a server that is
-    down or restarting, or that no longer knows this worker (``worker.connection.recoverable``)."""
-    from worker.client import PSClientError
-    from worker.connection import recoverable as rejoinable
-
-    return isinstance(error, PSClientError) and rejoinable(error)
-
-
 def __getattr__(name: str):
-    if name == "PSClientError":  # what a Session's calls raise; imported on first use (grpc)
-        from worker.client import PSClientError
+    """``PSClientError`` (what a Session's calls raise) and ``recoverable`` (whether
+    ``Session.rejoin`` rides one out: ``worker.connection.recoverable``), imported on first
+    use (grpc)."""
+    if name in ("PSClientError", "recoverable"):
+        from worker import connection
 
-        return PSClientError
+        return getattr(connection, name)
     raise AttributeError(name)
 
 

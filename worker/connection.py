@@ -7,9 +7,8 @@
     reply = conn.push(payload, Work(conn.step, n), loss)  # gradients' payload; step moves on
     conn.leave(); conn.close()
 
-Every way of training on tfps goes through one of these: the ``ps-worker`` loop
-(``worker.trainer.TrainingLoop``: a connection, a task and the one gradient
-path), and the ``Session`` of a hand-written step (``worker.api``). Its state is
+Every way of training on tfps goes through one of these, held by the one engine
+(``worker.engine.Engine``). Its state is
 in plain fields: ``registration`` (the server's answer to the last register),
 ``step`` (the step this worker computes next: in sync mode the round the
 server says, a dropped push skipping ahead), ``version`` and ``pulled`` (what
@@ -83,9 +82,10 @@ REJOIN = frozenset({Reason.NOT_REGISTERED, Reason.DECLARED_DEAD, Reason.NOT_INIT
 POSTS_KEPT = 4  # the chief's broadcasts a restarted server is given again (a Keras fit posts two an epoch)
 
 
-def recoverable(e: PSClientError) -> bool:
-    """Whether ``rejoin`` can ride out ``e`` (``REJOIN``)."""
-    return e.code == grpc.StatusCode.UNAVAILABLE or e.reason in REJOIN
+def recoverable(e: BaseException) -> bool:
+    """Whether ``rejoin`` can ride out ``e``: a ``PSClientError`` of a server that is down or
+    restarting, or that no longer knows this worker (``REJOIN``)."""
+    return isinstance(e, PSClientError) and (e.code == grpc.StatusCode.UNAVAILABLE or e.reason in REJOIN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,23 +163,17 @@ class Connection:
     def join(self) -> None:
         """Chief: initialize the server from the model (or find it holds the same). Others:
         wait for that and check the model and optimizer match the server's. The lease is
-        renewed from a thread from now until ``close``."""
+        renewed from a thread from now until ``close``. ``worker.engine.Engine.join`` rides
+        out a fault meanwhile."""
         if self.heartbeat is None:
             self.heartbeat = Heartbeat(self)
-        while True:
-            try:
-                if self.config.is_chief:
-                    created = self._initialize()
-                    log.debug("%s the server's variables (%d tensors)",
-                              "initialized" if created else "found identical state on", len(get_values(self.model)))
-                else:
-                    self._check_against_server()
-                    log.debug("the server's variables and optimizer match this worker's")
-                return
-            except PSClientError as e:  # declared dead while it waited (paused), the server restarting
-                if not recoverable(e):
-                    raise
-                self.rejoin(e)
+        if self.config.is_chief:
+            created = self._initialize()
+            log.debug("%s the server's variables (%d tensors)",
+                      "initialized" if created else "found identical state on", len(get_values(self.model)))
+        else:
+            self._check_against_server()
+            log.debug("the server's variables and optimizer match this worker's")
 
     def describe(self) -> str:
         """The registration in words, for the worker's start-up line."""

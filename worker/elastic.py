@@ -8,7 +8,7 @@ data cursor is the server's: every round it deals the fixed micro-batches of tha
 round's global batch (``ps_common.batches``) to the workers live at its start. So a
 worker does not own a shard. Each round it asks for its work (the ``Work`` RPC), pulls
 the parameters of that round's version, and takes each micro-batch dealt to it through
-the loop's one step (``worker.trainer.TrainingLoop.one_step``: the mean loss and gradient
+the one engine's step (``worker.engine.Engine``: the mean loss and gradient
 of those examples alone under one tape, pushed naming the micro-batch). The reply either
 names the work to do next (its own rest, or the part of a worker that died) or is the
 round's answer; the round makes one history row. A worker may join at any time and may
@@ -45,12 +45,12 @@ had not delivered to the live workers, so nothing is lost or computed twice, and
 round waits for its lease to run out. A push of it still in flight either arrived
 first (delivered) or is refused (its micro-batch went to another).
 
-The handler only sets a flag (``SigtermFlag``), which the loop checks between calls: an
+The handler only sets a flag (``SigtermFlag``), which the engine checks between calls: an
 exception raised from a handler surfaces wherever the main thread is, and inside
 TensorFlow that was a failure (a worker stopped in its gradient step exited 1 through
 ``traceback_utils`` and was declared dead). A gradient under way is finished first;
 what may block (registering and joining, ``Work``, a push waiting for its round or
-ssp's bound, a ``--pause-for``) ends within 50 ms. This holds from the loop's start
+ssp's bound, a ``--pause-for``) ends within 50 ms. This holds from the engine's start
 until its last round is done (a worker stopped before it registered has nothing to
 leave); a rejoin runs to its end first (``--reconnect-timeout``); in ``finish`` SIGTERM
 ends it as usual. It writes no ``--history-json``. Only in the main thread (where
@@ -79,7 +79,7 @@ log = logging.getLogger("worker")
 
 class Stopped(Exception):
     """SIGTERM while training: this worker left the job (module docstring). Raised by the
-    loop itself, where it checks the flag, never by the signal handler."""
+    engine itself, where it checks the flag, never by the signal handler."""
 
 
 class SigtermFlag:
@@ -133,26 +133,26 @@ WAIT_S = 0.2  # async and ssp: every task handed out, some not done: ask again a
 
 
 @contextlib.contextmanager
-def leaving_at_sigterm(loop) -> Iterator[None]:
-    """SIGTERM sets ``loop.stop`` while the body trains (only in the main thread, where
-    signals arrive); ``Stopped`` leaves the job at once (``leave_now``)."""
+def leaving_at_sigterm(stop: SigtermFlag, engine) -> Iterator[None]:
+    """SIGTERM sets ``stop`` while the body trains (only in the main thread, where signals
+    arrive); ``Stopped`` leaves the job at once (``leave_now(engine())``)."""
     catch = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, loop.stop) if catch else None
+    previous = signal.signal(signal.SIGTERM, stop) if catch else None
     try:
         yield
     except Stopped:
-        raise Stopped(leave_now(loop)) from None
+        raise Stopped(leave_now(engine())) from None
     finally:
         if catch:
             signal.signal(signal.SIGTERM, previous)
 
 
-def set_data_plan(loop, registration) -> None:
+def set_data_plan(engine, registration) -> None:
     """The chief's data plan, which the server deals from: sync, the global batches of
     the job; async and ssp, tasks of ``--global-batch-size / --num-workers`` examples for
     ``--epochs`` epochs (``tasks``)."""
-    config, task, conn = loop.config, loop.task, loop.conn
-    loop.stop.check()  # stopped while it registered: it leaves without joining
+    config, task, conn = engine.config, engine.task, engine.conn
+    engine.stop.check()  # stopped while it registered: it leaves without joining
     if registration.mode == "sync":
         conn.data_plan = {"num_examples": task.num_examples,
                           "global_batch_size": config.global_batch_size, "seed": config.seed}
@@ -160,134 +160,126 @@ def set_data_plan(loop, registration) -> None:
     if config.steps:
         raise ConfigError(f"--steps {config.steps}: async and ssp with --elastic train on the server's "
                           f"tasks for whole epochs; say --epochs")
-    loop.batch = max(1, config.global_batch_size // config.num_workers)
+    engine.batch = max(1, config.global_batch_size // config.num_workers)
     conn.step = max(conn.step, registration.round)  # ssp: the slowest live worker's clock
-    conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": loop.batch,
+    conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": engine.batch,
                       "seed": config.seed, "epochs": config.epochs}
 
 
-def same_data(loop) -> None:
+def same_data(engine) -> None:
     """Your dataset read once (``worker.task.UserTask`` with ``elastic``): the chief posts a
     digest of its examples, and any other worker whose own differ (an unseeded shuffle, data
     that depends on the worker) stops with one line: the server deals indices into them."""
-    conn = loop.conn
-    mine = loop.task.fingerprint()
+    conn = engine.conn
+    mine = engine.task.fingerprint()
     timeout = max(60.0, conn.registration.barrier_timeout)
-    chief = loop.call(conn.broadcast, "elastic/data", mine.encode() if loop.config.is_chief else None, timeout)
+    chief = engine.call(conn.broadcast, "elastic/data", mine.encode() if engine.config.is_chief else None, timeout)
     if chief.decode() != mine:
         raise ConfigError(f"this worker's training examples (digest {mine}) differ from the chief's "
                           f"({chief.decode()}); the server deals example indices, so every worker's dataset "
                           "function must give the same examples in the same order (seed any shuffle)")
 
 
-def rounds(loop) -> None:
+def rounds(engine) -> None:
     """Elastic sync: the server's rounds, each computed micro-batch by micro-batch, until
     a worker is dealt a round at or past the last step."""
-    _take(loop, _one_round, _ask_again)
-    loop.conn.step = loop.task.total_steps
+    _take(engine, _one_round, _ask_again)
+    engine.conn.step = engine.task.total_steps
 
 
-def tasks(loop) -> None:
+def tasks(engine) -> None:
     """Async and ssp: the job's batches as tasks (``core.tasks``), until every one is applied;
     a push of a task taken away meanwhile (its lease ran out) is refused and dropped."""
-    _take(loop, _one_task, _task_taken_away)
+    _take(engine, _one_task, _task_taken_away)
 
 
-def _take(loop, one, passing) -> None:
-    """``one(loop)`` until it says the job is done. After a refusal ``passing`` lets pass
+def _take(engine, one, passing) -> None:
+    """``one(engine)`` until it says the job is done. After a refusal ``passing`` lets pass
     (asked first) it goes on; after one the worker can ride out (this worker declared dead,
-    a lease missed, the server restarted) it rejoins first."""
-    while True:
-        try:
-            if not one(loop):
-                return
-        except PSClientError as e:
-            if passing(e):
-                continue
-            if not (recoverable(e) or e.reason is Reason.NOT_JOINED):
-                raise
-            loop.conn.rejoin(e)
+    a lease missed, the server restarted) it rejoins first (``Engine.ride_out``)."""
+    while engine.ride_out(one, engine, passing=passing, rides=lambda e: recoverable(e) or e.reason is Reason.NOT_JOINED):
+        pass
 
 
-def _one_task(loop) -> bool:
-    offer = _offer(loop)
+def _one_task(engine) -> bool:
+    offer = _offer(engine)
     if not offer.sizes:
         if offer.finished:
             return False
-        loop.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
+        engine.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
         return True
-    _compute_task(loop, offer)
+    _compute_task(engine, offer)
     return True
 
 
-def task_at(loop, epoch: int) -> None:
+def task_at(engine, epoch: int) -> None:
     """Async and ssp one Keras step at a time (``tfps.keras``): the next task the server hands
     out, computed and pushed, if it is of ``epoch`` or an earlier one; one of a later epoch is
-    kept in ``loop.pending`` for that epoch's steps (this worker's share of an epoch is what it
+    kept in ``engine.pending`` for that epoch's steps (this worker's share of an epoch is what it
     is handed, so its other steps do nothing). Once every task is handed out, a step waits for
     the job to finish (a task may come back to it); from then on steps do nothing."""
 
-    def one(loop) -> bool:
-        offer, loop.pending = loop.pending or _offer(loop), None
+    def one(engine) -> bool:
+        offer, engine.pending = engine.pending or _offer(engine), None
         if not offer.sizes:
             if offer.finished:
-                loop.pending = offer  # the job is done: every later step does nothing
+                engine.pending = offer  # the job is done: every later step does nothing
                 return False
-            loop.stop.sleep(WAIT_S)
+            engine.stop.sleep(WAIT_S)
             return True
-        if offer.round // loop.task.steps_per_epoch > epoch:
-            loop.pending = offer
+        if offer.round // engine.task.steps_per_epoch > epoch:
+            engine.pending = offer
             return False
-        _compute_task(loop, offer)
+        _compute_task(engine, offer)
         return False
 
-    _take(loop, one, _task_taken_away)
+    _take(engine, one, _task_taken_away)
 
 
-def task_epoch(loop) -> int:
+def task_epoch(engine) -> int:
     """Async and ssp (``tfps.keras``, at its fit's start): the epoch of the task this worker is
-    handed first (kept in ``loop.pending``): a worker that joins late starts there. The job's
+    handed first (kept in ``engine.pending``): a worker that joins late starts there. The job's
     last epoch when every task is held by others, its epochs once it is finished."""
 
-    def one(loop) -> bool:
-        loop.pending = loop.pending or _offer(loop)
+    def one(engine) -> bool:
+        engine.pending = engine.pending or _offer(engine)
         return False
 
-    _take(loop, one, _task_taken_away)
-    offer, task = loop.pending, loop.task
+    _take(engine, one, _task_taken_away)
+    offer, task = engine.pending, engine.task
     if offer.sizes:
         return offer.round // task.steps_per_epoch
     if not offer.finished:
-        loop.pending = None  # nothing to hand out now: the first step asks again
+        engine.pending = None  # nothing to hand out now: the first step asks again
     return task.epochs if offer.finished else task.epochs - 1
 
 
-def _offer(loop):
+def _offer(engine):
     """The server's next task for this worker, at once (``TaskOffer``: none when every task is held)."""
-    loop.stop.check()
-    conn = loop.conn
+    engine.stop.check()
+    conn = engine.conn
     conn.check()
     return conn.client.work(conn.worker_id)
 
 
-def _compute_task(loop, offer) -> None:
-    """Task ``offer.round``: its batch of the plan (``loop.batch`` examples), through the one step."""
-    conn, task = loop.conn, loop.task
-    indices = global_batch(task.num_examples, loop.batch, loop.config.seed, offer.round)
-    row, _ = loop.one_step(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
-    loop.record(row)
+def _compute_task(engine, offer) -> None:
+    """Task ``offer.round``: its batch of the plan (``engine.batch`` examples), through the one step."""
+    conn, task = engine.conn, engine.task
+    indices = global_batch(task.num_examples, engine.batch, engine.config.seed, offer.round)
+    row, _ = engine(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
+    engine.record(row)
 
 
-def leave_now(loop) -> str:
+def leave_now(engine) -> str:
     """After SIGTERM: Leave over a fresh connection; what happened, in words."""
-    conn = loop.conn  # tfps.keras: None until its fit connects
+    conn = None if engine is None else engine.conn  # tfps.keras: no engine until its fit connects
     reg = None if conn is None else conn.registration
     if reg is None:
         return "stopped by SIGTERM before it registered"
     step = conn.step
     me = reg.worker_id
     try:
-        with connect(loop.config) as client:
+        with connect(engine.config) as client:
             client.leave(me)
     except PSClientError as e:
         log.warning("stopped by SIGTERM; Leave failed (%s): the server declares worker %d dead once its "
@@ -297,68 +289,68 @@ def leave_now(loop) -> str:
     return f"stopped by SIGTERM: left the job at step {step}"
 
 
-def round_at(loop, r: int) -> None:
+def round_at(engine, r: int) -> None:
     """Elastic sync one round at a time (``tfps.keras``: a Keras step is round ``r``): this
     worker's part of round ``r``, if the server deals it some; returns once it is done, or at
     once when the cluster is past ``r`` (a worker that joined late skips to the cluster's
-    round). Work dealt for a later round is kept in ``loop.pending`` for that round's call.
+    round). Work dealt for a later round is kept in ``engine.pending`` for that round's call.
     Refusals and faults as in ``rounds``."""
 
-    def one(loop) -> bool:
-        if loop.conn.step > r:
+    def one(engine) -> bool:
+        if engine.conn.step > r:
             return False
-        work, loop.pending = loop.pending or _ask(loop), None
+        work, engine.pending = engine.pending or _ask(engine), None
         if work.round > r:
-            loop.pending = work
+            engine.pending = work
             return False
-        _compute_if_current(loop, work)
+        _compute_if_current(engine, work)
         return True
 
-    _take(loop, one, _ask_again)
+    _take(engine, one, _ask_again)
 
 
-def _one_round(loop) -> bool:
+def _one_round(engine) -> bool:
     """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
-    work = _ask(loop)
-    if work.round >= loop.task.total_steps:
+    work = _ask(engine)
+    if work.round >= engine.task.total_steps:
         return False
-    _compute_if_current(loop, work)
+    _compute_if_current(engine, work)
     return True
 
 
-def _ask(loop):
+def _ask(engine):
     """The server's next work for this worker (``Work``: waits until it deals some)."""
-    conn = loop.conn
+    conn = engine.conn
     conn.check()
-    return loop.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    return engine.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
 
 
-def _compute_if_current(loop, work) -> None:
+def _compute_if_current(engine, work) -> None:
     """Pull, and compute ``work`` if the parameters are its round's; else it was dealt for a
     round that ended meanwhile, and the next ``Work`` says what now."""
-    if loop.conn.pull() == work.round:
-        _compute_round(loop, work)
+    if engine.conn.pull() == work.round:
+        _compute_round(engine, work)
 
 
-def _compute_round(loop, work) -> None:
-    """Each micro-batch dealt (and any the replies add) through the loop's one step; one
+def _compute_round(engine, work) -> None:
+    """Each micro-batch dealt (and any the replies add) through the engine's one step; one
     history row for the round."""
-    task = loop.task
-    knob_s = loop.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
+    task = engine.task
+    knob_s = engine.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
     started, todo, rows = time.monotonic(), list(work.micro_batches), []
     while todo:
         m = todo.pop(0)
         batch = micro_batches(task.global_batch(work.round), work.parts)[m]
-        row, reply = loop.one_step(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
+        row, reply = engine(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:
             todo = list(reply.more.micro_batches)  # the rest of ours, or a dead worker's part
     total = {k: sum(r[k] for r in rows) for k in ("batch_size", "compute_s", "compute_cpu_s", "knob_s", "push_bytes")}
     loss = sum(r["loss"] * r["batch_size"] for r in rows) / max(total["batch_size"], 1)
-    loop.record({**rows[-1], **total, "loss": loss, "micro_batches": len(rows), "staleness": 0, "dropped": False,
+    engine.record({**rows[-1], **total, "loss": loss, "micro_batches": len(rows), "staleness": 0, "dropped": False,
                  "pull_s": 0.0, "push_s": time.monotonic() - started - total["compute_s"],
                  "knob_s": knob_s + total["knob_s"]})
-    loop.conn.step = work.round + 1
+    engine.conn.step = work.round + 1
 
 
 def _task_taken_away(e: PSClientError) -> bool:

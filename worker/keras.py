@@ -133,10 +133,15 @@ class Strategy:
             _seeded(self.config)
         elif batches == "global":
             _seed_unseeded_shuffles(self.config)
-        self.connection = None
+        self.engine = None  # the one worker engine (worker.engine), once the first fit connects
         self.models: list = []
         self._lock = threading.Lock()
         self._fits = 0
+
+    @property
+    def connection(self):
+        """The engine's connection (``worker.connection``); None before the first fit."""
+        return self.engine.conn if self.engine is not None else None
 
     # -- what a strategy tells its user
     @property
@@ -223,24 +228,25 @@ class Strategy:
         """Register, initialize (chief: with ``data_plan`` when the server deals the data; the
         optimizer ``spec``, else the compiled one's) or check (others) the server, and load its
         parameters."""
-        from worker.connection import Connection
+        from worker.engine import Engine
         from worker.keras_optimizer import spec_fields
 
         with self._lock:
-            if self.connection is not None:
+            if self.engine is not None:
                 return
-            conn = Connection(self.config, model, optimizer_spec=spec or spec_fields(_inner(model.optimizer)))
+            engine = Engine(self.config, model, optimizer_spec=spec or spec_fields(_inner(model.optimizer)))
+            conn = engine.conn
             conn.data_plan = data_plan
             try:
                 reg = conn.register()
                 if self.config.elastic and reg.mode != "sync":  # ssp: a worker that joins starts at the slowest's clock
                     conn.step = max(conn.step, reg.round)
-                conn.join()
+                engine.join()
                 conn.pull()
             except BaseException:
                 conn.close()
                 raise
-            self.connection = conn
+            self.engine = engine
             atexit.register(self.close)
         log.info("tfps.keras: %s", conn.describe())
         if not conn.sync and self.is_chief:  # said where the progress bar shows, whatever the logging set-up
@@ -249,23 +255,14 @@ class Strategy:
 
     def agree(self, key: str, value: dict) -> dict:
         """The chief's ``value`` under ``key``, on every worker (the server's ``Broadcast``)."""
-        from worker.client import PSClientError
-        from worker.connection import recoverable
-
         conn = self.connection
         timeout = max(60.0, conn.registration.barrier_timeout)
-        while True:
-            try:
-                raw = conn.broadcast(key, json.dumps(value).encode() if self.is_chief else None, timeout)
-                return json.loads(raw.decode())
-            except PSClientError as e:  # a lost server: as the step rides it out (``_Attached.step``)
-                if not recoverable(e):
-                    raise
-                conn.rejoin(e)
+        raw = self.engine.ride_out(conn.broadcast, key, json.dumps(value).encode() if self.is_chief else None, timeout)
+        return json.loads(raw.decode())
 
     def close(self) -> None:
         """Leave the cluster and disconnect (also at the process's exit)."""
-        conn, self.connection = self.connection, None
+        conn, self.engine = self.connection, None
         if conn is None:
             return
         try:
@@ -325,12 +322,11 @@ class _Attached:
 
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
-        self.gradients = self.stepper = None  # elastic: the one tape (worker.gradients); the one step (worker.trainer)
+        self.gradients = None  # elastic: the one tape (worker.gradients)
         self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
         self.compiled_learning_rate: float | None = None  # elastic: what the server runs, unchangeable
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
-        self.loop: _DealtLoop | None = None  # elastic: what worker.elastic reads of a training loop
         self.next_round = 0  # elastic: the round the next Keras step is
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
@@ -401,13 +397,12 @@ class _Attached:
         from worker import elastic
 
         self.stop = elastic.SigtermFlag()
-        self.loop = _DealtLoop(self)
         try:
-            with elastic.leaving_at_sigterm(self.loop):
+            with elastic.leaving_at_sigterm(self.stop, lambda: self.strategy.engine):
                 history = self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         except elastic.Stopped as e:
             print(f"tfps.keras: worker {self.strategy.worker_index} {e}", file=sys.stderr, flush=True)
-            conn, self.strategy.connection = self.strategy.connection, None  # it left: no second Leave at exit
+            conn, self.strategy.engine = self.strategy.connection, None  # it left: no second Leave at exit
             if conn is not None:
                 conn.close()
             raise SystemExit(LEFT_JOB_STATUS) from None
@@ -426,13 +421,14 @@ class _Attached:
 
     def _connect(self) -> None:
         from worker.gradients import Gradients
-        from worker.trainer import Step
 
         self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None,
                               self.wrap.spec() if self.wrap else None)
+        engine = self.strategy.engine
         if self.dealt is not None:  # elastic: the compiled loss of each dealt micro-batch, under the one tape
             self.gradients = Gradients(self.model)
-        self.stepper = Step(self.strategy.connection, self.compute, stop=self.stop)
+            engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
+            engine.watch(self.stop)
 
     def train_function(self, iterator):
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
@@ -454,9 +450,9 @@ class _Attached:
 
         r, self.next_round = self.next_round, self.next_round + 1
         if self.strategy.connection.sync:
-            elastic.round_at(self.loop, r)
+            elastic.round_at(self.strategy.engine, r)
         else:
-            elastic.task_at(self.loop, r // self.dealt.steps_per_epoch)
+            elastic.task_at(self.strategy.engine, r // self.dealt.steps_per_epoch)
         self._pull()
         if not all(getattr(m, "built", True) for m in self.model.metrics):
             return {}  # a worker that joined late and skipped its first steps has updated no metric yet
@@ -477,24 +473,13 @@ class _Attached:
     def _pull(self) -> None:
         """The server's parameters into the model (riding out a lost server); the local
         optimizer's ``iterations`` follow the server's version."""
-        from worker.client import PSClientError
-        from worker.connection import recoverable
-
         conn = self.strategy.connection
-        try:
-            conn.pull()
-        except PSClientError as e:
-            if not recoverable(e):
-                raise
-            self._rejoin(e)
+        self.strategy.engine.ride_out(conn.pull, rejoined=self._rejoined)
         self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.window.steps)
 
-    def _rejoin(self, error) -> None:
-        """Register again (within --reconnect-timeout) and load the server's parameters; the
-        chief's next push sends its learning rate again (a restarted server holds its checkpoint's)."""
-        conn = self.strategy.connection
-        conn.rejoin(error)
-        conn.pull()
+    def _rejoined(self) -> None:
+        """After a rejoin: the chief's next push sends its learning rate again (a restarted
+        server holds its checkpoint's)."""
         self.sent_learning_rate = None
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
@@ -713,7 +698,6 @@ class _Wrap:
         run it again on the same batch at the step the server gives."""
         import keras
 
-        from worker.client import PSClientError
         from worker.connection import recoverable
 
         a = self.attached
@@ -729,29 +713,31 @@ class _Wrap:
         a.window.share = self.examples * strategy.num_replicas_in_sync / self.batch_examples \
             if strategy.connection.sync and strategy.batches == "global" and self.batch_examples else 1.0
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
-        while True:
+
+        def attempt():
             if not a.window.batches:  # sync: the metric changes of a whole window go with its push
                 a.metrics_before = dict(before)
             self.applies = self.immediate = 0
             self.held = False
             self.deferred, self.base, self.skip = None, dict(strategy.connection.pulled), False
-            try:
-                logs = self.function(data) if self.examples else {}
-                if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
-                    self._held({}) if not a.window.last() else self._defer(None)
-                    for _ in range(self.learned - 1):
-                        self._push(None)
-                if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
-                    model.optimizer._iterations.assign_add(1)
-                    return model.get_metrics_result()
-                pushed = self._flush(logs)
-                break
-            except PSClientError as e:
-                if not recoverable(e) or self.immediate:
-                    raise
-                for v in _metric_variables(model):
-                    v.assign(before.get(v.path, np.zeros(v.shape, v.dtype)))
-                a._rejoin(e)
+            logs = self.function(data) if self.examples else {}
+            if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
+                self._held({}) if not a.window.last() else self._defer(None)
+                for _ in range(self.learned - 1):
+                    self._push(None)
+            return logs, None if self.held else self._flush(logs)
+
+        def undo() -> None:  # after a rejoin: the step's metric updates, on the server's parameters
+            for v in _metric_variables(model):
+                v.assign(before.get(v.path, np.zeros(v.shape, v.dtype)))
+            strategy.connection.pull()
+            a._rejoined()
+
+        logs, pushed = strategy.engine.ride_out(attempt, rejoined=undo,
+                                                rides=lambda e: recoverable(e) and not self.immediate)
+        if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
+            model.optimizer._iterations.assign_add(1)
+            return model.get_metrics_result()
         if self.examples and not model.run_eagerly:
             self.learned = self.sites
         elif self.examples:
@@ -891,8 +877,8 @@ class _Wrap:
             if now is not None:
                 self.base = dict(now)
         weight = a.window.weight(self.examples, self.batch_examples, conn.sync, a.strategy.num_replicas_in_sync)
-        return a.stepper.push(Work(conn.step, weight), loss, payload, metrics=metrics,
-                              set_learning_rate=a._new_learning_rate())
+        return a.strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics,
+                                      set_learning_rate=a._new_learning_rate())
 
     def _flush(self, logs):
         """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
@@ -1151,7 +1137,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             if dealt is not None:
                 from worker import elastic
 
-                start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(attached.loop)
+                start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(strategy.engine)
                 _join_dealt(model, got["data"], chief["data"], start)
             strategy.connection.pull()  # the server's state, whatever a callback restored locally
 
@@ -1189,48 +1175,6 @@ def _join_dealt(model, chief_data: str, my_data: str, start_epoch: int) -> None:
                          f"({chief_data}); the server deals example indices, so every worker must give model.fit "
                          "the same examples in the same order (seed any shuffle)")
     model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start_epoch)
-
-
-class _DealtLoop:
-    """What ``worker.elastic`` reads of a training loop (``worker.trainer.TrainingLoop``'s
-    fields) for a fit on data the server deals: the connection, the data, the one step and
-    its SIGTERM flag; the rounds' rows (``record``) are kept in ``rows``."""
-
-    def __init__(self, attached: "_Attached"):
-        self.attached, self.stop = attached, attached.stop
-        self.pending = None  # work dealt for a later round than the step asking (worker.elastic.round_at)
-        self.rows: list[dict] = []
-
-    @property
-    def conn(self):
-        return self.attached.strategy.connection
-
-    @property
-    def config(self):
-        return self.attached.strategy.config if self.conn is None else self.conn.config
-
-    @property
-    def task(self):
-        return self.attached.dealt
-
-    @property
-    def one_step(self):
-        return self.attached.stepper
-
-    @property
-    def knobs(self):
-        return self.attached.stepper.knobs
-
-    @property
-    def batch(self) -> int:
-        """Async and ssp: a task's examples."""
-        return self.attached.dealt.global_batch_size
-
-    def call(self, call, *args, **kwargs):
-        return self.attached.stepper.call(call, *args, **kwargs)
-
-    def record(self, row: dict) -> None:
-        self.rows.append(row)
 
 
 def _dealt(given: dict, config, server_mode) -> tuple:

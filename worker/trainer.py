@@ -7,14 +7,14 @@
 version seen, the lease heartbeat), the task (``worker.task``: model and data),
 the one gradient path (``worker.gradients``), the history and the evals.
 ``run`` reads top to bottom: ``start`` (register, join), then each work item
-through ``one_step`` until the last step, then ``finish``. The work is this
+through the one engine (``worker.engine``) until the last step, then ``finish``. The work is this
 worker's shard of each global batch (``own_shard``) or, with ``--elastic``, what
 the server deals (``worker.elastic``: micro-batches of its rounds, leased tasks).
 
-One step (``one_step``, for every kind of work): pull the parameters (and the
+One step (``Engine``, for every kind of work): pull the parameters (and the
 server's version) into the model, compute the mean loss and its gradients on the
 work's examples under one tape (``worker.gradients``), push them with the work
-(``Connection.push``), and make its history row (``Step``). In sync mode
+(``Connection.push``), and make its history row. In sync mode
 the push returns when the whole round is applied; in async mode as soon as this
 gradient is; in ssp mode (bounded staleness) the same, unless this worker is too
 far ahead of the slowest, when the reply waits. A failure the worker can ride out
@@ -53,7 +53,6 @@ the faults ridden out, and the final scores; the rest of the start-up at DEBUG.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -63,11 +62,11 @@ import numpy as np
 
 from worker import elastic
 from worker import task as tasks
-from worker.client import PSClientError, PushReply
+from worker.client import PSClientError
 from worker.config import ConfigError, WorkerConfig
-from worker.connection import Connection, TrainingError, Work, recoverable
-from worker.gradients import Gradients, non_trainable, trainable, zeros
-from worker.knobs import Knobs, payload_nbytes
+from worker.connection import TrainingError, Work
+from worker.engine import Engine
+from worker.gradients import Gradients, non_trainable, trainable
 from worker.observe import Observer
 from worker.task import Task
 
@@ -132,16 +131,15 @@ class TrainingLoop:
 
     def __init__(self, config: WorkerConfig, task: Task, model, observer: Observer, device: str = "/CPU:0"):
         self.task, self.model, self.observer, self.device = task, model, observer, device
-        self.conn = Connection(config, model)  # registration, step, version pulled and seen, heartbeat
         self.gradients = Gradients(model, task.loss)
-        self.knobs = Knobs.from_config(config)
         self.batches = None  # this worker's part of each global batch, once its index is known
         self.history: list[dict] = []  # one record per step pushed (--history-json)
         self.evals: list[dict] = []  # the chief's --eval-every scores
         self.t0 = 0.0  # when training started (time.monotonic)
-        self.stop = elastic.SigtermFlag()  # SIGTERM's, while an --elastic loop trains (worker.elastic)
-        self.one_step = Step(self.conn, self.compute, self.knobs, self.stop if config.elastic else None)
-        self.call = self.one_step.call  # what may block, as SIGTERM allows
+        # SIGTERM's flag, while an --elastic loop trains (worker.elastic)
+        self.engine = Engine(config, model, self.compute, stop=elastic.SigtermFlag() if config.elastic else None,
+                             task=task, record=self.record)
+        self.conn, self.knobs = self.engine.conn, self.engine.knobs  # registration, step, pulls; the knobs
 
     @property
     def config(self) -> WorkerConfig:
@@ -151,13 +149,14 @@ class TrainingLoop:
     def run(self) -> dict:
         """Start, take the work where the registration says (this worker's own shard; with
         --elastic what the server deals: ``worker.elastic``), finish."""
-        with elastic.leaving_at_sigterm(self) if self.config.elastic else contextlib.nullcontext():
-            self.call(self.start)  # --elastic: registers, sets the data plan and joins as SIGTERM allows
-            self.t0 = self.one_step.t0 = time.monotonic()
+        engine = self.engine
+        with elastic.leaving_at_sigterm(engine.stop, lambda: engine) if self.config.elastic else contextlib.nullcontext():
+            engine.call(self.start)  # --elastic: registers, sets the data plan and joins as SIGTERM allows
+            self.t0 = engine.t0 = time.monotonic()
             if not self.config.elastic:
                 self.own_shard()
             else:
-                (elastic.rounds if self.conn.sync else elastic.tasks)(self)
+                (elastic.rounds if self.conn.sync else elastic.tasks)(engine)
         return self.finish()
 
     # -- start
@@ -176,28 +175,24 @@ class TrainingLoop:
         log.info("%s; computes on %s (TensorFlow %s); %s, %d steps%s", self.conn.describe(), self.device,
                  tf.__version__, self.task.name, self.task.total_steps, "".join(f"; {e}" for e in extras))
         if self.config.elastic:
-            elastic.set_data_plan(self, reg)
-        self.conn.join()
+            elastic.set_data_plan(self.engine, reg)
+        self.engine.join()
         if self.config.elastic and getattr(self.task, "dealt", None) is not None:  # your dataset, read once
-            elastic.same_data(self)
+            elastic.same_data(self.engine)
         self.batches = self.task.batches(self.config.worker_index, self.config.num_workers)
 
     def own_shard(self) -> None:
         """Each step this worker's shard of the global batch; on a failure the worker can
         ride out, rejoin (the step is then where the server says) and record nothing."""
+        def one() -> dict:
+            x, y, n = self.batches.get(self.conn.step)
+            return self.engine(Work(self.conn.step, n, (x, y)))[0]
+
         while self.conn.step < self.task.total_steps:
-            step = self.conn.step
-            x, y, n = self.batches.get(step)
-            try:
-                row, _ = self.one_step(Work(step, n, (x, y)))
-            except PSClientError as e:
-                if not recoverable(e):
-                    raise
-                self.conn.rejoin(e)
-                continue
+            row = self.engine.ride_out(one)
             self.record(row)
             if self.config.is_chief:
-                self._after_step(step, row["base_version"])
+                self._after_step(row["step"], row["base_version"])
 
     def record(self, row: dict) -> None:
         self.history.append(row)
@@ -290,51 +285,6 @@ class TrainingLoop:
         if config.snapshot_dir:
             models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
         return result
-
-
-class Step:
-    """The one worker step (module docstring): ``step(work)`` pulls (unless ``pull=False``),
-    computes under the one tape (``compute(work)``: ``TrainingLoop.compute``, the Keras step's
-    ``compute``; both ``worker.gradients``; a third item is what the push carries besides) and
-    ``push``es: the payload (None: zeros, of weight 0) with its work, timed, as one history row;
-    returns (the row, the reply). ``Session.push`` calls ``push`` with the gradients of your tape.
-    ``stop`` (--elastic): SIGTERM's flag, checked before the tape and watched while pushing."""
-
-    def __init__(self, conn: Connection, compute=None, knobs: Knobs | None = None, stop=None):
-        self.conn, self.compute, self.knobs = conn, compute, knobs or Knobs.from_config(conn.config)
-        self.check = stop.check if stop else lambda: None
-        self.call = stop.wait_for if stop else lambda call, *args, **kwargs: call(*args, **kwargs)
-        if stop:
-            self.knobs.sleep = stop.sleep  # --pause-for ends at SIGTERM
-        self.t0 = time.monotonic()  # what the rows' t counts from
-
-    def __call__(self, work: Work, pull: bool = True) -> tuple[dict, PushReply]:
-        # Each phase's wall time excludes the knobs' sleeps, which are counted in knob_s.
-        knob_s = self.knobs.before_step(work.step) + (self.knobs.before_pull() if pull else 0.0)
-        pull_start = time.monotonic()
-        if pull:
-            self.conn.pull()
-        self.check()  # a gradient under way is finished first, none is started (worker.elastic)
-        compute_start, cpu_start = time.monotonic(), time.process_time()
-        loss, payload, *carries = self.compute(work)
-        compute_s, compute_cpu_s = time.monotonic() - compute_start, time.process_time() - cpu_start
-        return self.push(work, loss, payload, **(carries[0] if carries else {}), pull_s=compute_start - pull_start,
-                         compute_s=compute_s, compute_cpu_s=compute_cpu_s,
-                         knob_s=knob_s + self.knobs.after_compute(compute_s))
-
-    def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rate: float = 0.0,
-             knob_s: float = 0.0, **timing) -> tuple[dict, PushReply]:
-        if payload is None:
-            payload, work = zeros(self.conn.pulled), dataclasses.replace(work, batch_size=0)
-        push_bytes = payload_nbytes(payload, self.conn.config.grad_wire_dtype)
-        knob_s += self.knobs.before_push(push_bytes)
-        version, push_start = self.conn.version, time.monotonic()
-        reply = self.call(self.conn.push, payload, work, loss, metrics=metrics, set_learning_rate=set_learning_rate)
-        end = time.monotonic()
-        row = {"step": work.step, "loss": loss, "batch_size": work.batch_size, "base_version": version,
-               "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped, "t": end - self.t0,
-               **timing, "push_s": end - push_start, "knob_s": knob_s, "push_bytes": push_bytes}
-        return ({**row, "task": work.task} if work.task >= 0 else row), reply
 
 
 def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:

@@ -394,7 +394,7 @@ def _compiled_embedding_model():
 @pytest.mark.parametrize("rule", ["keras", "sum"])
 def test_the_ps_worker_loop_pushes_an_embedding_s_repeated_rows_and_the_server_steps_them_by_its_rule(
         server, tmp_path, rule):
-    """The ``ps-worker`` loop (``api.train``, the same ``Connection`` and ``Step``) on your
+    """The ``ps-worker`` loop (``api.train``, the same ``worker.engine.Engine``) on your
     Embedding model and data, four Adagrad steps with repeated ids: it pushes the touched
     rows, and the server's rule decides the step: "keras" ends on Keras' ``apply_gradients``
     of the ``tf.IndexedSlices``, "sum" on that of the gradients made dense (within 1e-6: the

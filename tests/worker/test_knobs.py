@@ -140,19 +140,19 @@ def test_staleness_flags_reach_every_server_only_when_given():
 
 @pytest.mark.parametrize("pull", [True, False])
 def test_the_pause_before_a_step_is_slept_whether_or_not_the_step_pulls(pull):
-    """``Step(work, pull=False)`` (the Keras step, which loads the server's parameters after the
+    """``Engine(work, pull=False)`` (the Keras step, which loads the server's parameters after the
     push) sleeps --pause-at-step's pause too; only the pull's latency is the pull's."""
     import types
 
     from worker.connection import Work
-    from worker.trainer import Step
+    from worker.engine import Engine
 
     pushed = []
     conn = types.SimpleNamespace(config=types.SimpleNamespace(grad_wire_dtype="float32"), version=0, pulled={},
                                  pull=lambda: None, push=lambda *args, **kwargs: pushed.append(args) or
                                  types.SimpleNamespace(version=1, staleness=0, dropped=False))
     k, sleep = knobs(pause_at_step=2, pause_for=7.0, added_latency_ms=10.0)
-    step = Step(conn, compute=lambda work: (0.5, {"w": np.ones(2, np.float32)}), knobs=k)
+    step = Engine(None, None, lambda work: (0.5, {"w": np.ones(2, np.float32)}), knobs=k, conn=conn)
     row, _ = step(Work(2, 4), pull=pull)
     assert sleep.calls[0] == 7.0 and row["knob_s"] == pytest.approx(sum(sleep.calls))
     assert sleep.calls == ([7.0, 0.01, 0.01] if pull else [7.0, 0.01]) and len(pushed) == 1
