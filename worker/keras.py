@@ -591,7 +591,7 @@ class _Wrap:
 
     def __init__(self, attached: "_Attached"):
         self.attached = attached
-        self.function = None  # the step, traced on its first call (``model.run_eagerly``: not traced)
+        self.traced = self.function = None  # the step; traced on its first call (``model.run_eagerly``: not)
         self.sites = 0  # the ``apply`` calls of the traced step
         self.learned = 1  # those of the last eager step
         self.applies = self.immediate = 0  # this step's: all, and those pushed at once
@@ -632,15 +632,18 @@ class _Wrap:
                 self.sites, self.plan = 0, []
                 return model.train_step(data)
 
-            traced = tf.autograph.experimental.do_not_convert(traced)
-            self.function = traced if model.run_eagerly else tf.function(traced, reduce_retracing=True)
+            self.traced = tf.autograph.experimental.do_not_convert(traced)
+            self.function = self.traced if model.run_eagerly else tf.function(self.traced, reduce_retracing=True)
         if self.served is not None:
             return
-        if batch is not None and not model.run_eagerly and _overrides_train_step(model):
+        if batch is not None and _overrides_train_step(model):
+            # Traced once to see it, apart: the step itself is traced on the batches' own shapes,
+            # as Keras traces it (CompileLoss weighs each batch's loss by its static size).
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             spec = tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype),
                                       keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
-            self.function.get_concrete_function(spec)
+            tf.function(self.traced).get_concrete_function(spec)
+            self.learned = max(1, self.sites)  # an eager step's first apply is pushed at once too
         served: dict = {}
         for optimizer, variables in self.plan:
             served.setdefault(id(optimizer), (optimizer, {}))[1].update({v.path: v for v in variables})

@@ -101,7 +101,9 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     """The discriminator's Adam, then the generator's through the updated discriminator: each
     ``apply_gradients`` a round of its own variables on the server, the first loaded into the
     step's graph before the second tape runs. Sync, 2 workers: within 1e-6 of one process,
-    MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps."""
+    MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps. Run
+    eagerly (``run_eagerly=True``: the optimizers are found by tracing the step once before
+    fit) the same, within 1e-6 of one process; async runs (eagerly)."""
     plain = alone(tmp_path, program=GAN)
     mirrored = alone(tmp_path, program=GAN, how="--mirrored")
     ours = fit(procs, tmp_path, "sync", program=GAN)
@@ -109,9 +111,13 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     assert gap(ours[0], plain) < 1e-6
     assert ours[0]["iterations"] == plain["iterations"] == [32, 32]
     np.testing.assert_allclose(ours[0]["history"]["d_loss"], plain["history"]["d_loss"], rtol=1e-6)
-    (tmp_path / "async").mkdir()
-    async_ = fit(procs, tmp_path / "async", "async", program=GAN)
-    assert len(async_) == 2 and all(np.isfinite(r["history"]["g_loss"]).all() for r in async_)
+    eager = {}
+    for mode in ("sync", "async"):
+        (tmp_path / f"eager-{mode}").mkdir()
+        eager[mode] = fit(procs, tmp_path / f"eager-{mode}", mode, "--eagerly", program=GAN)
+    assert gap(eager["sync"][0], plain) < 1e-6 and eager["sync"][0]["weights"] == eager["sync"][1]["weights"]
+    assert eager["sync"][0]["iterations"] == [32, 32]
+    assert len(eager["async"]) == 2 and all(np.isfinite(r["history"]["g_loss"]).all() for r in eager["async"])
 
 
 def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_the_step_on_every_worker(

@@ -2,7 +2,7 @@
 part): ``compile(d_optimizer=..., g_optimizer=...)`` and a ``train_step`` that applies the
 discriminator's optimizer, then the generator's through the updated discriminator.
 
-    python gan.py --out DIR [--alone | --mirrored]
+    python gan.py --out DIR [--alone | --mirrored] [--eagerly]
 
 The latent vectors come with the data (two per image, drawn once from a seeded generator), so
 that every example's noise is the same however the batch is split: a worker's part of a global
@@ -23,6 +23,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--alone", action="store_true")
 p.add_argument("--mirrored", action="store_true")
+p.add_argument("--eagerly", action="store_true", help="run_eagerly=True")
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--g-learning-rate", type=float, default=3e-4)
 args = p.parse_args()
@@ -107,6 +108,7 @@ with strategy.scope():
     if args.mirrored:  # MirroredStrategy needs them built in its scope (a placeholder error otherwise)
         gan.d_optimizer.build(discriminator.trainable_variables)
         gan.g_optimizer.build(generator.trainable_variables)
+gan.run_eagerly = args.eagerly
 history = gan.fit(train, epochs=args.epochs, verbose=0)
 record = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
           "weights": [np.asarray(w).tolist() for w in gan.get_weights()],
