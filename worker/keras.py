@@ -671,17 +671,11 @@ class _Wrap:
         if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
                              "served with one optimizer only")
-        if _inner(self.served[0][0]) is not self.served[0][0] and len(self.attached.strategy.config.ps_addresses) > 1:
-            raise ValueError("a loss scale (mixed_float16) over several server shards is not served yet: the "
-                             "shards would each have to skip the same rounds")
         if any(spec != specs[0] for spec in specs):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers of different configs "
                              f"({', '.join(type(o).__name__ for o, _ in self.served)}); the server serves several "
                              "optimizers of one config only (each variable counting its own steps): give them the "
                              "same class and options")
-        if len(self.served) > 1 and len(self.attached.strategy.config.ps_addresses) > 1:
-            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers: served on one server only, "
-                             "not over several shards yet")
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies (several: one config, ``optimizers``)."""

@@ -86,6 +86,7 @@ import numpy as np
 from protos import tfps_pb2 as pb
 from ps_common.settings import ConfigError
 from worker import sharding
+from ps_common.names import SKIP_UPDATE
 from ps_common.records import PushReply, Registration
 from worker.client import PSClient, PSClientError, pull_when_initialized
 
@@ -363,7 +364,8 @@ class ShardedClient:
         """Each shard gets its pieces of the gradients, its own base version and
         (sync) its own round; the replies are combined as the module says.
         ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
-        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``).
+        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``), but for
+        ``SKIP_UPDATE``, which every shard gets.
         Where shard 0 decides what each update holds (a micro-batch of elastic sync, an async
         or ssp task, a round with backup workers), a push goes to every other shard first,
         then, once they all took it, to shard 0, whose reply (the work to go on with, the
@@ -374,21 +376,23 @@ class ShardedClient:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
                               "no placement yet: initialize or pull before the first push")
         try:
-            per_shard = placement.split(gradients)
+            per_shard = placement.split(gradients, partial=True)  # each shard refuses what is missing
         except sharding.ShardingError as e:
             raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
+        # A skip (a loss scale's non-finite gradients) is every shard's: each skips the same updates
+        others = {SKIP_UPDATE: metrics[SKIP_UPDATE]} if metrics and SKIP_UPDATE in metrics else None
         if self._led or micro_batch >= 0 or task >= 0:
             def push(i, c):
                 return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-                              metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate,
+                              metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate,
                               micro_batch=micro_batch, task=task)
             self._each(self._data, push, shards=range(1, self.num_shards))
             return self._each(self._data, push, shards=[0])[0]
         replies = self._each(self._data, lambda i, c: c.push(
             worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-            metrics=metrics if i == 0 else None, set_learning_rate=set_learning_rate))
+            metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate))
         replies = [replies[i] for i in range(self.num_shards)]
         if len({r.dropped for r in replies}) > 1:
             which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))

@@ -132,17 +132,21 @@ class Placement:
         return lines
 
     # -- moving arrays ---------------------------------------------------------------
-    def split(self, values: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    def split(self, values: Mapping[str, np.ndarray], partial: bool = False) -> list[dict[str, np.ndarray]]:
         """One ``{piece: array}`` per shard. Whole variables are passed as they are,
         slices are row views (no copy for an array that is C-contiguous). A sparse
         gradient (``SparseRows``) of a sliced variable goes to each slice's shard as the
-        rows that fall in the slice, renumbered from the slice's first row."""
-        missing = [n for n in self.variables if n not in values]
+        rows that fall in the slice, renumbered from the slice's first row. With
+        ``partial`` a variable not in ``values`` is left out (a push of one optimizer's
+        variables: each shard's server refuses it unless the optimizer spec says so)."""
+        missing = [n for n in self.variables if n not in values and not partial]
         extra = [n for n in values if n not in self.variables]
         if missing or extra:
             raise ShardingError(f"values do not match the placement: missing {missing[:4]}, unknown {extra[:4]}")
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
         for p in self.pieces:
+            if p.variable not in values:
+                continue
             shape = self.variables[p.variable][0]
             value = values[p.variable]
             if isinstance(value, SparseRows):

@@ -101,7 +101,8 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     """The discriminator's Adam, then the generator's through the updated discriminator: each
     ``apply_gradients`` a round of its own variables on the server, the first loaded into the
     step's graph before the second tape runs. Sync, 2 workers: within 1e-6 of one process,
-    MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps. Run
+    MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps; over two
+    server shards, one server's weights to the bit. Run
     eagerly (``run_eagerly=True``: the optimizers are found by tracing the step once before
     fit) the same, within 1e-6 of one process; async runs (eagerly)."""
     plain = alone(tmp_path, program=GAN)
@@ -111,6 +112,10 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     assert gap(ours[0], plain) < 1e-6
     assert ours[0]["iterations"] == plain["iterations"] == [32, 32]
     np.testing.assert_allclose(ours[0]["history"]["d_loss"], plain["history"]["d_loss"], rtol=1e-6)
+    (tmp_path / "two").mkdir()  # over two shards: a push of one optimizer's variables reaches every shard
+    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
+              program=GAN)
+    assert two[0]["weights"] == ours[0]["weights"] and two[0]["iterations"] == [32, 32]
     eager = {}
     for mode in ("sync", "async"):
         (tmp_path / f"eager-{mode}").mkdir()
@@ -127,7 +132,7 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     weights to the bit (both 4.6e-3 from one process: float16 sums over half batches). An
     example that overflows float16 on worker 1 alone skips that round on both workers, as in one
     process: the same steps made, the same scale and counter; the weights stay within float16's
-    rounding of one process's."""
+    rounding of one process's. Over two server shards every shard skips it: one server's bits."""
     (tmp_path / "plain").mkdir(), (tmp_path / "overflow").mkdir()
     mirrored = alone(tmp_path / "plain", program=MIXED, how="--mirrored")
     ours = fit(procs, tmp_path / "plain", "sync", program=MIXED)
@@ -140,6 +145,12 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     assert [(r["iterations"], r["scale"], r["step_counter"]) for r in skipped] == \
         [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
     assert skipped[0]["weights"] == skipped[1]["weights"] and gap(skipped[0], plain) < 0.05
+    (tmp_path / "two").mkdir()  # over two shards: every shard skips that round (one server's bits)
+    two = fit(procs, tmp_path / "two", "sync", "--overflow-batch", "3", program=MIXED,
+              address=",".join(procs.server("sync", 2)[1] for _ in range(2)))
+    assert two[0]["weights"] == skipped[0]["weights"]
+    assert [(r["iterations"], r["scale"], r["step_counter"]) for r in two] == \
+        [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
     (tmp_path / "async").mkdir()
     async_ = fit(procs, tmp_path / "async", "async", program=MIXED)
     assert all(r["history"]["accuracy"][-1] > 0.5 for r in async_), [r["history"] for r in async_]
