@@ -216,7 +216,8 @@ class Strategy:
             return
         if self.models:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
-        spec_fields(_inner(model.optimizer))  # refuses what the server cannot run, before any training
+        # refuses what the server cannot run, before any training (the wrapped step unscales a loss_scale_factor)
+        spec_fields(_inner(model.optimizer), unscaled=not self.config.elastic)
         if _overrides_train_step(model) or _inner(model.optimizer) is not model.optimizer:
             if self.config.elastic:
                 raise ValueError(f"elastic=True: {type(model).__name__} overrides train_step, and the server deals "
@@ -664,7 +665,7 @@ class _Wrap:
         if len(self.served) == 1 and len(paths) != len(everything):
             raise ValueError(f"{name}.train_step applies gradients to {len(paths)} of the model's "
                              f"{len(everything)} trainable variables; the server steps them all with one optimizer")
-        specs = [spec_fields(_inner(o)) for o, _ in self.served]
+        specs = [spec_fields(_inner(o), unscaled=True) for o, _ in self.served]
         if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
                                                self.served[0][0]):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
@@ -681,7 +682,7 @@ class _Wrap:
         """The server's optimizer: the one the step applies (several: one config, ``optimizers``)."""
         from worker.keras_optimizer import spec_fields
 
-        fields = spec_fields(_inner(self.served[0][0]))
+        fields = spec_fields(_inner(self.served[0][0]), unscaled=True)
         if len(self.served) > 1:
             fields["optimizers"] = len(self.served)
         return fields
@@ -817,6 +818,10 @@ class _Wrap:
             dense = {p: tf.convert_to_tensor(g) for p, g in grads.items()}
             self.skip = not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in dense.values())
             grads = {p: tf.divide(g, optimizer.dynamic_scale) for p, g in dense.items()}
+        factor = _inner(optimizer).loss_scale_factor  # a static scale: unscaled as Keras' apply unscales it
+        if factor is not None:
+            grads = {p: tf.IndexedSlices(g.values / factor, g.indices, g.dense_shape)
+                     if isinstance(g, tf.IndexedSlices) else g / factor for p, g in grads.items()}
         payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
         if len(self.served) > 1:  # this optimizer's variables alone (OptimizerSpec.optimizers)
             mine = {v.path for v in variables} | set(now)

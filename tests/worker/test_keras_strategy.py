@@ -3,8 +3,10 @@
 The training itself, with real servers and workers, is tests/cluster/test_keras_fit.py.
 """
 
-import keras
+import contextlib
 import re
+
+import keras
 
 import pytest
 
@@ -33,7 +35,6 @@ def test_scope_attaches_a_model_compiled_inside_and_puts_compile_back():
 
 @pytest.mark.parametrize("optimizer, named", [
     (keras.optimizers.Muon(), "Muon"),
-    (keras.optimizers.SGD(loss_scale_factor=128.0), "loss_scale_factor"),
     (keras.optimizers.Adam(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4),
      "use_ema and gradient_accumulation_steps"),
     (keras.optimizers.Adam(use_ema=True), "ema_overwrite_frequency"),
@@ -43,6 +44,15 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     with pytest.raises(ValueError, match=named), strategy.scope():
         small_model().compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
     assert strategy.models == []
+
+
+def test_a_static_loss_scale_is_refused_only_where_the_server_deals_the_data():
+    """``loss_scale_factor``: the wrapped step's ``apply`` unscales the gradients as Keras' does;
+    elastic rounds compute their own gradients, of the loss unscaled, and refuse it."""
+    with Strategy(ps="127.0.0.1:1").scope():
+        small_model().compile(optimizer=keras.optimizers.SGD(loss_scale_factor=128.0), loss="mse")
+    with pytest.raises(ValueError, match="loss_scale_factor"), Strategy(ps="127.0.0.1:1", elastic=True).scope():
+        small_model().compile(optimizer=keras.optimizers.SGD(loss_scale_factor=128.0), loss="mse")
 
 
 def test_a_model_with_its_own_train_step_is_wrapped_and_refused_only_where_the_server_deals_the_data():
@@ -232,6 +242,29 @@ def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mod
         weights.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
         strategy.close()
     assert weights[0] == weights[1]
+
+
+def test_a_static_loss_scale_ends_where_model_fit_ends_to_the_bit(server):
+    """SGD with ``loss_scale_factor=64``: Keras' step scales the loss, the wrapped ``apply``
+    divides the gradients by 64 as Keras' ``apply`` does, and the server steps SGD on them:
+    one worker's fit ends at the plain ``model.fit``'s weights and losses, to the bit."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype(np.float32), rng.integers(0, 3, 96)
+    runs = []
+    for strategy in (None, Strategy(ps=server("sync", 1).address, num_workers=1)):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = small_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9, loss_scale_factor=64.0),
+                          loss="sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        runs.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
+        if strategy:
+            assert strategy.connection.version == 6
+            strategy.close()
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
