@@ -62,15 +62,13 @@ def set_values(model, values: Mapping[str, np.ndarray]) -> None:
 
 
 class Gradients:
-    """The mean loss and its gradients of ``model`` on a batch, as pushed (module docstring).
-    ``loss`` None: the model's compiled loss (``tfps.keras``: ``model._compute_loss``, sample
-    weights and regularization included), whose loss tracker and metrics the tape's function
-    updates too, and a step whose loss or gradients are not finite gives no payload.
+    """The mean loss and its gradients of ``model`` on a batch, as pushed (module docstring):
+    ``loss(y_true, y_pred)`` gives the per-example losses.
 
     The tape runs in one ``tf.function``, traced on the first call; the same inputs
     give the same bits in every process with the same TensorFlow settings."""
 
-    def __init__(self, model, loss: Callable | None = None):
+    def __init__(self, model, loss: Callable):
         import tensorflow as tf
 
         self.model, self.loss = model, loss
@@ -78,48 +76,25 @@ class Gradients:
 
         @tf.function(reduce_retracing=True)
         def tape(x, y, sample_weight=None):
-            with tf.GradientTape() as t:
-                if loss is None:
-                    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-                    mean = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                else:  # Keras' sum over the batch size: sum(loss * weight) / examples
-                    per = loss(y, model(x, training=True))
-                    if sample_weight is not None:
-                        per = per * tf.reshape(tf.cast(sample_weight, per.dtype), tf.shape(per))
-                    mean = tf.reduce_mean(per)
-                    if model.losses:  # regularization; known when tracing
-                        mean += tf.add_n(model.losses)
-            grads = t.gradient(mean, self.variables)
-            if loss is not None:
-                return mean, grads, True
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices)
-                                                                     else g)) for g in grads if g is not None]
-                                   + [tf.math.is_finite(mean)])
-            logged = tf.where(finite, mean, tf.constant(float("nan"), mean.dtype))  # a step not finite: NaN
-            _compiled_metrics(model, x, y, y_pred, sample_weight, logged)
-            return mean, grads, finite
+            with tf.GradientTape() as t:  # Keras' sum over the batch size: sum(loss * weight) / examples
+                per = loss(y, model(x, training=True))
+                if sample_weight is not None:
+                    per = per * tf.reshape(tf.cast(sample_weight, per.dtype), tf.shape(per))
+                mean = tf.reduce_mean(per)
+                if model.losses:  # regularization; known when tracing
+                    mean += tf.add_n(model.losses)
+            return mean, t.gradient(mean, self.variables)
 
         self.tape = tape
 
     def __call__(self, x, y, pulled: Mapping[str, np.ndarray], sample_weight=None,
-                 sparse_rule: str = "sum") -> tuple[float, dict | None]:
+                 sparse_rule: str = "sum") -> tuple[float, dict]:
         """(mean loss, ``{path: as pushed}``) on ``x, y``; ``pulled`` are the values the model
         held before this forward pass (what the non-trainable changes are measured from);
         ``sparse_rule``: the server's (module docstring)."""
-        loss, grads, finite = self.tape(x, y, sample_weight)
-        if not bool(finite):
-            return float(loss), None
+        loss, grads = self.tape(x, y, sample_weight)
         return float(loss), as_pushed(self.model, dict(zip((v.path for v in self.variables), grads)), pulled,
                                       sparse_rule)
-
-
-def _compiled_metrics(model, x, y, y_pred, sample_weight, loss) -> None:
-    """The compiled loss tracker (by examples: a step not finite counts as NaN) and metrics."""
-    import tensorflow as tf
-    from keras.src import tree
-
-    model._loss_tracker.update_state(loss, sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
-    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray], sparse_rule: str = "sum",

@@ -62,8 +62,8 @@ load the server's current parameters; ``model.save`` writes the model as it hold
 arrays (or of a finite ``tf.data.Dataset``, read once into arrays) as it does for
 ``ps-worker --elastic`` (``worker.elastic``): Keras' step *k* of epoch *e* is round
 ``e * steps_per_epoch + k`` of the job's seeded sequence, and the worker computes the
-micro-batches of it the server deals it (``_Attached.round_step``); Keras' own batches are
-only counted. The chief sends the data plan with Initialize; every worker checks its
+micro-batches of it the server deals it (``_Attached.round_step``), each through the
+model's train step, wrapped (``_Wrap.capture``); Keras' own batches are only counted. The chief sends the data plan with Initialize; every worker checks its
 data's digest against the chief's; a worker that joins late starts at the cluster's
 round. Each worker's loss and metrics (so the chief's ``History``) are its own
 micro-batches'. Against an async or ssp server the examples are its tasks instead
@@ -218,10 +218,10 @@ class Strategy:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
         # refuses what the server cannot run, before any training (the wrapped step unscales a loss_scale_factor)
         spec_fields(_inner(model.optimizer), unscaled=not self.config.elastic)
-        if _overrides_train_step(model) or _inner(model.optimizer) is not model.optimizer:
-            if self.config.elastic:
-                raise ValueError(f"elastic=True: {type(model).__name__} overrides train_step, and the server deals "
-                                 "elastic data to a step of its own; train it without elastic=True")
+        if self.config.elastic and _inner(model.optimizer) is not model.optimizer:
+            raise ValueError("elastic=True: a loss scale (mixed_float16) is not served where the server deals the "
+                             "data (each micro-batch's skip would have to hold for its whole round); train it "
+                             "without elastic=True")
         self.models.append(_Attached(self, model))
 
     # -- the cluster
@@ -323,7 +323,6 @@ class _Attached:
 
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
-        self.gradients = None  # elastic: the one tape (worker.gradients)
         self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
         self.compiled_learning_rate: float | None = None  # elastic: what the server runs, unchangeable
@@ -334,9 +333,9 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
-        # Keras' train_step (the default, or the model's own), run as Keras runs it; elastic: the
-        # server deals each round's micro-batches to ``compute`` instead
-        self.wrap = None if strategy.config.elastic else _Wrap(self)
+        # Keras' train_step (the default, or the model's own), run as Keras runs it (elastic: on
+        # each micro-batch the server deals, ``compute``)
+        self.wrap = _Wrap(self)
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         self.original_save, self.original_save_weights = model.save, model.save_weights
         # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
@@ -354,7 +353,7 @@ class _Attached:
     def optimizer(self):
         """The optimizer the server runs: the compiled one, or the first a wrapped step applies
         (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused)."""
-        return _inner(self.wrap.served[0][0] if self.wrap and self.wrap.served else self.model.optimizer)
+        return _inner(self.wrap.served[0][0] if self.wrap.served else self.model.optimizer)
 
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         strategy = self.strategy
@@ -370,9 +369,7 @@ class _Attached:
             args, kwargs = self._dealt_arguments(args, kwargs)
         callbacks.append(_agreement(strategy, strategy._fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
-        batch = _build(self.model, args, kwargs, shapes=self.wrap is not None)
-        if self.wrap:
-            self.wrap.prepare(batch)
+        self.wrap.prepare(_build(self.model, args, kwargs, shapes=True))
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         return self._fit_dealt(args, kwargs, callbacks, verbose)
@@ -421,13 +418,9 @@ class _Attached:
         return model.train_function
 
     def _connect(self) -> None:
-        from worker.gradients import Gradients
-
-        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None,
-                              self.wrap.spec() if self.wrap else None)
+        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None, self.wrap.spec())
         engine = self.strategy.engine
-        if self.dealt is not None:  # elastic: the compiled loss of each dealt micro-batch, under the one tape
-            self.gradients = Gradients(self.model)
+        if self.dealt is not None:  # elastic: each dealt micro-batch through the wrapped step (``compute``)
             engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
             engine.watch(self.stop)
 
@@ -484,12 +477,12 @@ class _Attached:
         self.sent_learning_rate = None
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
-        """Elastic: a dealt micro-batch's loss and payload (none for a loss or gradient not
-        finite: weight 0), and what its push carries besides (the chief's new learning rate)."""
+        """Elastic: a dealt micro-batch's logged loss and payload through Keras' step, wrapped
+        (``_Wrap.capture``; none for a loss or gradient not finite: weight 0), and what its push
+        carries besides (the chief's new learning rate)."""
         conn = self.strategy.connection
         part = work.batch_size
-        loss, payload = self.gradients(*work.examples[:2], conn.pulled, work.examples[2], conn.sparse_rule) if part \
-            else (0.0, None)
+        loss, payload = self.wrap.capture(work.examples) if part else (0.0, None)
         if part and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
             log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
                         self.strategy.worker_index, conn.step)
@@ -558,7 +551,7 @@ class _Attached:
             return
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
-        served = self.wrap.served if self.wrap and self.wrap.served else [(self.model.optimizer, trainable(self.model))]
+        served = self.wrap.served or [(self.model.optimizer, trainable(self.model))]
         for optimizer, variables in served:
             load_state(_inner(optimizer), variables, states, self.window.steps)
 
@@ -669,6 +662,9 @@ class _Wrap:
         if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
                                                self.served[0][0]):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
+        if len(self.served) > 1 and self.attached.strategy.config.elastic:
+            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the "
+                             "server deals the data each micro-batch is one push of a round: one optimizer only")
         if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
                              "served with one optimizer only")
@@ -753,6 +749,21 @@ class _Wrap:
                 optimizer._iterations.assign(strategy.connection.version * sites.count(optimizer) // len(sites))
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
+
+    def capture(self, examples) -> tuple[float, dict | None]:
+        """Elastic: Keras' step on a dealt micro-batch (x, y, sample weight) against the
+        parameters pulled for its round: its logged loss, and its ``apply``'s payload (None:
+        not finite), which the engine pushes naming the micro-batch."""
+        import keras
+
+        x, y, sample_weight = examples[:3]
+        self.examples = self.batch_examples = _batch_size(x)
+        self.applies = self.immediate = 0
+        self.deferred, self.base, self.skip = None, dict(self.attached.strategy.connection.pulled), False
+        logs = self.function(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        (payload,), self.deferred = self.deferred or [None], None
+        loss = logs.get("loss") if isinstance(logs, dict) else None
+        return (float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0), payload
 
     def apply(self, grads, trainable_variables, optimizer) -> None:
         """``optimizer``'s ``apply``, in the step's graph: the gradients to ``_exchange``, and

@@ -55,7 +55,7 @@ def test_a_static_loss_scale_is_refused_only_where_the_server_deals_the_data():
         small_model().compile(optimizer=keras.optimizers.SGD(loss_scale_factor=128.0), loss="mse")
 
 
-def test_a_model_with_its_own_train_step_is_wrapped_and_refused_only_where_the_server_deals_the_data():
+def test_a_model_with_its_own_train_step_is_wrapped_and_a_loss_scale_refused_where_the_server_deals_the_data():
     class Custom(keras.Model):
         def train_step(self, data):
             return {}
@@ -63,11 +63,29 @@ def test_a_model_with_its_own_train_step_is_wrapped_and_refused_only_where_the_s
     inputs = keras.Input((4,))
     model = Custom(inputs, keras.layers.Dense(2)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    strategy = Strategy(ps="127.0.0.1:1")
-    strategy.attach(model)
-    assert strategy.models[0].wrap is not None and "apply" in vars(model.optimizer)  # taken over
-    with pytest.raises(ValueError, match="elastic=True: Custom overrides train_step"):
+    for elastic in (False, True):
+        strategy = Strategy(ps="127.0.0.1:1", elastic=elastic)
+        strategy.attach(model)
+        assert strategy.models[0].wrap is not None and "apply" in vars(model.optimizer)  # taken over
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+    with pytest.raises(ValueError, match="elastic=True: a loss scale"):
         Strategy(ps="127.0.0.1:1", elastic=True).attach(model)
+
+
+class GuideStep(keras.Sequential):
+    """The "customizing what happens in fit()" guide's own train_step."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
 
 
 @pytest.mark.parametrize("second, refusal", [
@@ -175,12 +193,15 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(server_config):
+@pytest.mark.parametrize("step", ["keras", "guide"])
+def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
+        server_config, step):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
     examples (here computed by hand with a tape), and the server's ledger holds every example
-    once per epoch."""
+    once per epoch. Keras' own step and the guide's overridden one alike: each micro-batch
+    runs the model's step, wrapped."""
     import numpy as np
     import tensorflow as tf
 
@@ -191,7 +212,7 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
     strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
     with strategy.scope():
-        model = small_model()
+        model = small_model() if step == "keras" else GuideStep(small_model().layers)
         model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
                       metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
