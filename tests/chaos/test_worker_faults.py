@@ -447,6 +447,7 @@ def test_connection_cut_shorter_than_the_lease_is_ridden_out_without_losing_a_ro
 
 
 @pytest.mark.recovery
+@pytest.mark.slow  # ~25 s; declared dead and rejoined: the paused worker above, and a host cut in tests/hosts
 def test_connection_cut_longer_than_the_lease_gets_the_worker_declared_dead_and_it_rejoins(procs):
     """A cut-off worker looks dead to the server: shrink goes on without it; once the
     connection is back, its reconnect loop registers it again ("a worker that

@@ -88,7 +88,7 @@ def run(procs, tmp_path, disturbed: bool, shards: int = 1):
     return dict(np.load(weights)), statuses[0]
 
 
-@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 2])  # one shard: the chaos tier's
 def test_your_model_and_data_with_a_worker_killed_end_with_the_undisturbed_weights(procs, tmp_path, shards):
     (tmp_path / "mymod.py").write_text(MODULE)
     undisturbed, quiet = run(procs, tmp_path, False)

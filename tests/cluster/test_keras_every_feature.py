@@ -80,6 +80,7 @@ def same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
+@pytest.mark.slow  # ~23 s; the repeated-ids test below runs the same on the same rule (keras, the default)
 def test_one_worker_on_one_and_two_shards_gives_model_fit_s_weights(procs, tmp_path):
     started = time.monotonic()
     alone, alone_history = run(tmp_path, "model-fit", None, tokens="unique")

@@ -86,6 +86,7 @@ def _checks(report):
     return {c["name"]: c for c in report["checks"]}
 
 
+@pytest.mark.slow  # ~67 s: ps-parity's own runs are test_parity_cli's; the Keras programs' parity, tests/cluster
 def test_tfps_matches_mirrored_and_tf_keras_pss_on_the_users_model_fit(user_program):
     run, report = ps_parity(user_program, "--runners", "mirrored,tfk-pss,tfps-sync,tfps-async",
                             "--plot", str(user_program / "p.png"))
