@@ -586,6 +586,7 @@ class _Wrap:
     def __init__(self, attached: "_Attached"):
         self.attached = attached
         self.traced = self.function = None  # the step; traced on its first call (``model.run_eagerly``: not)
+        self.specs: set = set()  # the input structures it was traced on (``_run``)
         self.sites = 0  # the ``apply`` calls of the traced step
         self.learned = 1  # those of the last eager step
         self.applies = self.immediate = 0  # this step's: all, and those pushed at once
@@ -610,7 +611,6 @@ class _Wrap:
         known before the chief initializes the server (``served``, ``spec``)."""
         import keras
         import tensorflow as tf
-        from keras.src import tree
 
         from worker.gradients import trainable
 
@@ -630,13 +630,13 @@ class _Wrap:
             self.function = self.traced if model.run_eagerly else tf.function(self.traced, reduce_retracing=True)
         if self.served is not None:
             return
-        if batch is not None and _overrides_train_step(model):
-            # Traced once to see it, apart: the step itself is traced on the batches' own shapes,
-            # as Keras traces it (CompileLoss weighs each batch's loss by its static size).
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            spec = tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype),
-                                      keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
-            tf.function(self.traced).get_concrete_function(spec)
+        if batch is not None and (_overrides_train_step(model) or not model.run_eagerly):
+            # Traced on the data's shapes with the batch dimension unknown, as Keras' own train
+            # function sees a dataset's elements (CompileLoss weighs each output's loss by the
+            # static batch size: unknown, each batch counts once); run eagerly, traced apart only
+            # to see which optimizers it applies.
+            spec = _relaxed(keras.utils.pack_x_y_sample_weight(*keras.utils.unpack_x_y_sample_weight(batch)))
+            (tf.function(self.traced) if model.run_eagerly else self.function).get_concrete_function(spec)
             self.learned = max(1, self.sites)  # an eager step's first apply is pushed at once too
         served: dict = {}
         for optimizer, variables in self.plan:
@@ -714,7 +714,7 @@ class _Wrap:
             self.applies = self.immediate = 0
             self.held = False
             self.deferred, self.base, self.skip = None, dict(strategy.connection.pulled), False
-            logs = self.function(data) if self.examples else {}
+            logs = self._run(data) if self.examples else {}
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
                 self._held({}) if not a.window.last() else self._defer(None)
                 for _ in range(self.learned - 1):
@@ -750,6 +750,16 @@ class _Wrap:
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
+    def _run(self, data):
+        """The step on ``data``, traced (once per structure) on its shapes with the batch
+        dimension unknown, as Keras' own train function sees a dataset's elements (``prepare``)."""
+        if self.function is not self.traced:
+            spec = _relaxed(data)
+            if repr(spec) not in self.specs:
+                self.specs.add(repr(spec))
+                self.function.get_concrete_function(spec)
+        return self.function(data)
+
     def capture(self, examples) -> tuple[float, dict | None]:
         """Elastic: Keras' step on a dealt micro-batch (x, y, sample weight) against the
         parameters pulled for its round: its logged loss, and its ``apply``'s payload (None:
@@ -760,7 +770,7 @@ class _Wrap:
         self.examples = self.batch_examples = _batch_size(x)
         self.applies = self.immediate = 0
         self.deferred, self.base, self.skip = None, dict(self.attached.strategy.connection.pulled), False
-        logs = self.function(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         (payload,), self.deferred = self.deferred or [None], None
         loss = logs.get("loss") if isinstance(logs, dict) else None
         return (float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0), payload
@@ -989,6 +999,14 @@ class Window:
 
     def clear(self) -> None:
         self.sums, self.batches, self.examples, self.batch_examples, self.finite = {}, 0, 0, 0, True
+
+
+def _relaxed(structure):
+    """TensorSpecs of ``structure``'s arrays, tensors or specs, the batch dimension unknown."""
+    import tensorflow as tf
+    from keras.src import tree
+
+    return tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype), structure)
 
 
 def _shared(g: np.ndarray, share: float) -> np.ndarray:

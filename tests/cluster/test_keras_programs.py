@@ -24,6 +24,7 @@ pytestmark = pytest.mark.cluster
 CUSTOM_STEP = os.path.join(ROOT, "tests", "cluster", "programs", "custom_step.py")
 GAN = os.path.join(ROOT, "tests", "cluster", "programs", "gan.py")
 MIXED = os.path.join(ROOT, "tests", "cluster", "programs", "mixed_precision.py")
+TEXT = os.path.join(ROOT, "tests", "cluster", "programs", "text_two_outputs.py")
 
 
 def gap(a: dict, b: dict) -> float:
@@ -154,3 +155,24 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     (tmp_path / "async").mkdir()
     async_ = fit(procs, tmp_path / "async", "async", program=MIXED)
     assert all(r["history"]["accuracy"][-1] > 0.5 for r in async_), [r["history"] for r in async_]
+
+
+def test_a_text_model_with_two_outputs_and_steps_per_execution_ends_where_one_process_ends(procs, tmp_path):
+    """TextVectorization, an Embedding (repeated rows, stepped by Keras' own rule by default),
+    a GRU and two outputs, Adam, ``steps_per_execution=4`` over 22 batches an epoch (the last
+    partial): sync with two workers ends within 1e-6 of one process (the mean of two halves'
+    gradients against one batch's) with the same batch-end callbacks (6 an epoch) and step count;
+    over two shards, one server's weights to the bit; async runs. The logged losses, each
+    output's too, are one process's (its partial batch divides evenly: 10 and 10)."""
+    plain = alone(tmp_path, program=TEXT)
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir(), (tmp_path / "async").mkdir()
+    ours = fit(procs, tmp_path / "one", "sync", program=TEXT)
+    assert ours[0]["weights"] == ours[1]["weights"] and gap(ours[0], plain) < 1e-6
+    assert ours[0]["batch_ends"] == plain["batch_ends"] == [6, 6] and ours[0]["iterations"] == plain["iterations"]
+    for key in ("loss", "cls_loss", "length_loss"):  # each output's too: the step traced as Keras traces it
+        np.testing.assert_allclose(ours[0]["history"][key], plain["history"][key], rtol=1e-5)
+    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
+              program=TEXT)
+    assert two[0]["weights"] == ours[0]["weights"]
+    async_ = fit(procs, tmp_path / "async", "async", program=TEXT)
+    assert len(async_) == 2 and all(np.isfinite(r["history"]["loss"]).all() for r in async_)
