@@ -159,14 +159,18 @@ def test_a_session_worker_killed_under_shrink_leaves_the_other_session_to_finish
     script = tmp_path / "session_worker.py"
     script.write_text(SESSION_WORKER)
     other = procs.start([sys.executable, str(script), address], "session1")
-    done = {}
+    done, killed = {}, threading.Event()
+    # The chief waits before its step 4 until worker 1 is killed: 12 rounds of this model take
+    # less than a poll of the status, so the kill would otherwise find the chief done.
     chief = threading.Thread(target=lambda: done.update(weights=session_run(
-        dense_model(8, 16), batches(12, 8), ps=address, worker_index=0, num_workers=2)[0]))
+        dense_model(8, 16), batches(12, 8), before_step=lambda i: i == 4 and killed.wait(120), ps=address,
+        worker_index=0, num_workers=2)[0]))
     chief.start()
     with PSClient(address) as client:
         wait_for(lambda: client.status().version >= 3 or other.poll() is not None, 120, "round 3")
         assert other.poll() is None, other.log_path.read_text()[-3000:]
         other.send_signal(signal.SIGKILL)
+        killed.set()
         chief.join(120)
         assert not chief.is_alive() and "weights" in done
         status = client.status()
