@@ -63,8 +63,9 @@ arrays (or of a finite ``tf.data.Dataset``, read once into arrays) as it does fo
 ``ps-worker --elastic`` (``worker.elastic``): Keras' step *k* of epoch *e* is round
 ``e * steps_per_epoch + k`` of the job's seeded sequence, and the worker computes the
 micro-batches of it the server deals it (``_Attached.round_step``), each through the
-model's train step, wrapped (``_Wrap.capture``); Keras' own batches are only counted. The chief sends the data plan with Initialize; every worker checks its
-data's digest against the chief's; a worker that joins late starts at the cluster's
+model's train step, wrapped (``_Wrap.capture``); Keras' own batches are only counted.
+The chief sends the data plan with Initialize; every worker checks its data's digest
+against the chief's; a worker that joins late starts at the cluster's
 round. Each worker's loss and metrics (so the chief's ``History``) are its own
 micro-batches'. Against an async or ssp server the examples are its tasks instead
 (``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
