@@ -8,9 +8,9 @@
 It owns the connection (``worker.connection``: registration, step, pulls, pushes,
 rejoin, lease), the one step, the one rejoin loop, and the dealt work that
 ``worker.elastic`` reads (``task``, ``stop``, ``pending``, ``batch``, ``record``).
-A step pulls (unless ``pull=False``), computes under the one tape (``compute(work)``:
-``TrainingLoop.compute`` or the Keras elastic step's, both ``worker.gradients``; a third
-item is what the push carries besides) and ``push``es the payload (None: zeros, of weight
+A step pulls (unless ``pull=False``), computes (``compute(work)``: ``TrainingLoop.compute``,
+``worker.gradients``' one tape, or a Keras elastic micro-batch through the wrapped step; a
+third item is what the push carries besides) and ``push``es the payload (None: zeros, of weight
 0) with its work, timed, as one history row. A hand-written loop (``Session.push``) and the
 wrapped Keras step push gradients of their own tapes with ``push``. ``stop`` (--elastic):
 SIGTERM's flag, checked before the tape and watched while anything may block.
@@ -35,8 +35,7 @@ class Engine:
         self.conn = conn or Connection(config, model, **connection)
         self.compute, self.task = compute, task
         self.knobs = knobs or Knobs.from_config(self.conn.config)
-        self.rows: list[dict] = []
-        self.record = record or self.rows.append  # each step's history row (worker.elastic's rounds too)
+        self.record = record or (lambda row: None)  # each step's history row (worker.elastic's rounds too)
         self.pending = None  # elastic: work dealt for a later round than the step asking (worker.elastic)
         self.batch = 0  # elastic async and ssp: a task's examples
         self.stop = None

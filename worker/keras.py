@@ -712,9 +712,7 @@ class _Wrap:
         def attempt():
             if not a.window.batches:  # sync: the metric changes of a whole window go with its push
                 a.metrics_before = dict(before)
-            self.applies = self.immediate = 0
-            self.held = False
-            self.deferred, self.base, self.skip = None, dict(strategy.connection.pulled), False
+            self._begin()
             logs = self._run(data) if self.examples else {}
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
                 self._held({}) if not a.window.last() else self._defer(None)
@@ -751,6 +749,13 @@ class _Wrap:
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
+    def _begin(self) -> None:
+        """A step's state before its first ``apply``: nothing applied, held or skipped; the
+        non-trainable changes measured from the parameters pulled."""
+        self.applies = self.immediate = 0
+        self.held = self.skip = False
+        self.deferred, self.base = None, dict(self.attached.strategy.connection.pulled)
+
     def _run(self, data):
         """The step on ``data``, traced (once per structure) on its shapes with the batch
         dimension unknown, as Keras' own train function sees a dataset's elements (``prepare``)."""
@@ -769,8 +774,7 @@ class _Wrap:
 
         x, y, sample_weight = examples[:3]
         self.examples = self.batch_examples = _batch_size(x)
-        self.applies = self.immediate = 0
-        self.deferred, self.base, self.skip = None, dict(self.attached.strategy.connection.pulled), False
+        self._begin()
         logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         (payload,), self.deferred = self.deferred or [None], None
         loss = logs.get("loss") if isinstance(logs, dict) else None

@@ -85,9 +85,9 @@ import numpy as np
 
 from protos import tfps_pb2 as pb
 from ps_common.settings import ConfigError
-from worker import sharding
 from ps_common.names import SKIP_UPDATE
 from ps_common.records import PushReply, Registration
+from worker import sharding
 from worker.client import PSClient, PSClientError, pull_when_initialized
 
 log = logging.getLogger("worker")

@@ -135,7 +135,6 @@ class TrainingLoop:
         self.batches = None  # this worker's part of each global batch, once its index is known
         self.history: list[dict] = []  # one record per step pushed (--history-json)
         self.evals: list[dict] = []  # the chief's --eval-every scores
-        self.t0 = 0.0  # when training started (time.monotonic)
         # SIGTERM's flag, while an --elastic loop trains (worker.elastic)
         self.engine = Engine(config, model, self.compute, stop=elastic.SigtermFlag() if config.elastic else None,
                              task=task, record=self.record)
@@ -152,7 +151,7 @@ class TrainingLoop:
         engine = self.engine
         with elastic.leaving_at_sigterm(engine.stop, lambda: engine) if self.config.elastic else contextlib.nullcontext():
             engine.call(self.start)  # --elastic: registers, sets the data plan and joins as SIGTERM allows
-            self.t0 = engine.t0 = time.monotonic()
+            engine.t0 = time.monotonic()  # when training started
             if not self.config.elastic:
                 self.own_shard()
             else:
@@ -213,7 +212,7 @@ class TrainingLoop:
     def _after_step(self, step: int, version: int) -> None:
         """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""
         if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
-            self.evals.append(_evaluate(self.model, self.task, step, version, self.t0))
+            self.evals.append(_evaluate(self.model, self.task, step, version, self.engine.t0))
             self.observer.evaluation(self.evals[-1])
         if step + 1 in set(self.config.snapshot_step_list):
             from worker import model as models
@@ -225,7 +224,7 @@ class TrainingLoop:
     def finish(self) -> dict:
         """Write the history; the chief evaluates the server's final parameters; leave."""
         config, reg = self.config, self.conn.registration
-        train_s = time.monotonic() - self.t0
+        train_s = time.monotonic() - self.engine.t0
         self.observer.end_progress()
         if config.history_json:
             _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
