@@ -113,11 +113,11 @@ for _defaults in OPTIMIZER_DEFAULTS.values():
 UNUSED_FIELD_VALUES["learning_rate_schedule"] = None
 UNUSED_FIELD_VALUES["sparse_rule"] = ""  # the server's --sparse-rule, else sum (tfps.keras asks keras)
 UNUSED_FIELD_VALUES["gradient_accumulation_steps"] = None  # every optimizer's: none
-UNUSED_FIELD_VALUES["optimizers"] = None  # one optimizer over every variable
+UNUSED_FIELD_VALUES["groups"] = ()  # one optimizer over every variable
 
 # Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
 NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency",
-                "gradient_accumulation_steps", "optimizers")
+                "gradient_accumulation_steps")
 
 # Keras' learning-rate schedules the server evaluates (ps_server/core/optim/schedules.py), by
 # class name; a serialized one of them names this module.

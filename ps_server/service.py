@@ -340,12 +340,21 @@ def _schedule_from_wire(text: str):
         raise errors.InvalidArgument(str(e)) from None
 
 
+def _groups_to_wire(groups) -> list:
+    return [pb.OptimizerGroup(variables=names, optimizer=optimizer_to_wire(spec)) for names, spec in groups or ()]
+
+
+def _groups_from_wire(groups) -> tuple | None:
+    return tuple((tuple(g.variables), optimizer_from_wire(g.optimizer)) for g in groups) or None
+
+
 # By Keras' argument names on both sides; the wire spells None as 0 and a schedule as JSON.
 OPTIMIZER = convert.Conversion(
     OptimizerSpec, pb.OptimizerConfig,
     to_wire={"learning_rate_schedule": schedule_to_wire, "sparse_rule": lambda rule: rule or "",
-             **{f: _none_as_zero for f in NONE_AS_ZERO}},
-    from_wire={"learning_rate_schedule": _schedule_from_wire, **{f: _zero_as_none for f in NONE_AS_ZERO}},
+             "groups": _groups_to_wire, **{f: _none_as_zero for f in NONE_AS_ZERO}},
+    from_wire={"learning_rate_schedule": _schedule_from_wire, "groups": _groups_from_wire,
+               **{f: _zero_as_none for f in NONE_AS_ZERO}},
 )
 
 

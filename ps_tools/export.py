@@ -115,6 +115,10 @@ def compile_like_the_server(model, spec, states: dict | None) -> str:
     if spec is None:
         model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         return "no optimizer (the server holds none yet)"
+    if spec.groups:  # a model's own train_step's (a GAN's): no one optimizer of ps-export's models holds them
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return (f"not saved: the server runs {len(spec.groups)} optimizers, each over its own variables; "
+                "tfps.keras' model.save writes them into the model's own")
     optimizer = keras_optimizer(spec)
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     variables = model.trainable_variables

@@ -92,3 +92,29 @@ def test_an_exported_model_holds_the_checkpoint_weights_and_adam_slots_bit_for_b
         for name, keras_slot in zip(names, getattr(optimizer, attribute)):
             assert np.asarray(keras_slot.numpy()).tobytes() == states[name][slot].tobytes(), (slot, name)
     assert int(optimizer.iterations.numpy()) == 5
+
+
+def test_a_checkpoint_of_several_optimizers_exports_its_weights_and_says_the_optimizers_are_not_saved(
+        tmp_path, keras):
+    """``OptimizerSpec.groups`` (a model's own step applied two optimizers): ps-export's models
+    compile one optimizer, so the file holds the weights and the summary says why no optimizer."""
+    from ps_tools.export import export
+    from worker import model as models
+
+    keras.backend.clear_session()
+    model = models.build_model("mlp")
+    rng = np.random.default_rng(2)
+    values = {v.path: rng.standard_normal(tuple(v.shape)).astype(np.float32) for v in model.trainable_variables}
+    names = list(values)
+    adam, sgd = OptimizerSpec("adam", learning_rate=0.01), OptimizerSpec("sgd", learning_rate=0.1)
+    spec = OptimizerSpec("adam", learning_rate=0.01, groups=((tuple(names[:2]), adam), (tuple(names[2:]), sgd)))
+    states = {n: {**({"m": np.zeros_like(a), "v": np.zeros_like(a)} if i < 2 else {}), "iterations": 3}
+              for i, (n, a) in enumerate(values.items())}
+    state = checkpoint.ServerState(mode="sync", num_workers=1, version=3, optimizer=spec, values=values,
+                                   states=states)
+    path = checkpoint.write_checkpoint(str(tmp_path / "ckpt"), state)
+    summary = export(str(tmp_path / "model.keras"), "mlp", checkpoint=path)
+    assert "not saved: the server runs 2 optimizers, each over its own variables" in summary
+    loaded = keras.models.load_model(str(tmp_path / "model.keras"))
+    for name, v in zip(names, loaded.trainable_variables):
+        assert np.asarray(v.numpy()).tobytes() == values[name].tobytes(), name

@@ -40,6 +40,7 @@ from typing import Mapping
 import grpc
 import numpy as np
 
+from protos import tfps_pb2 as pb
 from ps_common import security
 from ps_common.defaults import HEARTBEATS_PER_LEASE
 from ps_common.reasons import Reason
@@ -326,11 +327,12 @@ class Connection:
             diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
             raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
                               "start every worker with the same --model")
-        server_opt = self.client.status().optimizer
-        wanted = self._optimizer_spec()
-        got = {k: getattr(server_opt, k) for k in wanted}
-        if got != wanted:
-            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {wanted}")
+        server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self._optimizer_spec())
+        differ = [k for k in self._optimizer_spec() if getattr(server_opt, k) != getattr(wanted, k)]
+        if differ:
+            got = {k: getattr(server_opt, k) for k in differ}
+            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with "
+                              f"{ {k: getattr(wanted, k) for k in differ} }")
 
 
 class Heartbeat:

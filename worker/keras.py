@@ -429,6 +429,8 @@ class _Attached:
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
         (its last execution), none (``StopIteration``) when they had ended."""
         logs = None
+        if self.wrap.grouped:  # a callback's change of the rate: stopped here, not in the step's graph
+            self._new_learning_rate()
         for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
             # elastic: Keras' batch is only counted; the server deals the examples
             logs = self.round_step() if self.dealt is not None else self.wrap.step(data)
@@ -513,11 +515,14 @@ class _Attached:
         optimizer = self.optimizer
         if not self.strategy.is_chief or _has_schedule(optimizer):
             return 0.0
-        if self.dealt is not None:  # elastic sync takes no learning rate from a push (nor is one sent on tasks)
+        # Elastic sync takes no learning rate from a push (nor is one sent on tasks); nor does a
+        # server of several optimizers (OptimizerSpec.groups).
+        if self.dealt is not None or self.wrap.grouped:
             if float(np.asarray(optimizer.learning_rate)) != self.compiled_learning_rate:
-                raise ValueError("elastic=True: the server runs the compiled learning rate; a callback's change "
-                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when it deals the "
-                                 "data: compile a keras.optimizers.schedules.LearningRateSchedule instead")
+                why = "it deals the data" if self.dealt is not None else "the step applies several optimizers"
+                raise ValueError(f"the server runs the compiled learning rate; a callback's change "
+                                 f"(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when {why}: "
+                                 "compile a keras.optimizers.schedules.LearningRateSchedule instead")
             return 0.0
         # The first push of this worker always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
@@ -598,6 +603,7 @@ class _Wrap:
         self.base: dict = {}  # the non-trainable values the next push's changes are measured from
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
+        self.grouped = False  # served as groups: several optimizers, or one to some variables
         self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
         self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
         self.patch(attached.model.optimizer)
@@ -656,33 +662,29 @@ class _Wrap:
         if len(paths) != len(set(paths)):
             raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
                              "optimizer its own variables")
-        if len(self.served) == 1 and len(paths) != len(everything):
-            raise ValueError(f"{name}.train_step applies gradients to {len(paths)} of the model's "
-                             f"{len(everything)} trainable variables; the server steps them all with one optimizer")
+        # Each optimizer its variables (a group of the server's spec), unless one steps them all.
+        self.grouped = len(self.served) > 1 or len(paths) != len(everything)
         specs = [spec_fields(_inner(o), unscaled=True) for o, _ in self.served]
         if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
                                                self.served[0][0]):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
-        if len(self.served) > 1 and self.attached.strategy.config.elastic:
-            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the "
-                             "server deals the data each micro-batch is one push of a round: one optimizer only")
+        if self.grouped and self.attached.strategy.config.elastic:
+            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
+                             f"{len(paths)} of {len(everything)} trainable variables; where the server deals the data "
+                             "each micro-batch is one push of a round: one optimizer to every variable only")
         if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
                              "served with one optimizer only")
-        if any(spec != specs[0] for spec in specs):
-            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers of different configs "
-                             f"({', '.join(type(o).__name__ for o, _ in self.served)}); the server serves several "
-                             "optimizers of one config only (each variable counting its own steps): give them the "
-                             "same class and options")
 
     def spec(self) -> dict:
-        """The server's optimizer: the one the step applies (several: one config, ``optimizers``)."""
+        """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
         from worker.keras_optimizer import spec_fields
 
-        fields = spec_fields(_inner(self.served[0][0]), unscaled=True)
-        if len(self.served) > 1:
-            fields["optimizers"] = len(self.served)
-        return fields
+        specs = [spec_fields(_inner(o), unscaled=True) for o, _ in self.served]
+        if not self.grouped:
+            return specs[0]
+        return {**specs[0], "groups": [{"variables": [v.path for v in variables], "optimizer": spec}
+                                       for (_, variables), spec in zip(self.served, specs)]}
 
     def step(self, data) -> dict:
         """One call of the model's ``train_step`` on this worker's part of the global batch
@@ -849,7 +851,7 @@ class _Wrap:
             grads = {p: tf.IndexedSlices(g.values / factor, g.indices, g.dense_shape)
                      if isinstance(g, tf.IndexedSlices) else g / factor for p, g in grads.items()}
         payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
-        if len(self.served) > 1:  # this optimizer's variables alone (OptimizerSpec.optimizers)
+        if self.grouped:  # this optimizer's variables alone (OptimizerSpec.groups)
             mine = {v.path for v in variables} | set(now)
             payload = {p: g for p, g in payload.items() if p in mine}
         if self.skip or not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):

@@ -506,25 +506,26 @@ class VariableStore:
             values = {name: _frozen(_native(value, copy=not (owned and value.flags.aligned)))
                       for name, value in variables.items()}
             self._vars = {
-                name: _Variable(name, value, optimizer.init_state(value), non_trainable=name in non_trainable)
+                name: _Variable(name, value, optimizer.of(name).init_state(value), non_trainable=name in non_trainable)
                 for name, value in values.items()
             }
             self._optimizer = optimizer
             return True
 
     def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
-        refusal = sparse.lazy_refusal(spec) if self.sparse_updates == "lazy" else None
-        # The rule a flag gave refuses an optimizer at once; the one an optimizer asks for (the
-        # Keras front door's, for every model) at its first sparse gradient (``prepare``).
-        refusal = refusal or (slices_refusal(spec) if self.rule_given == "keras" else None)
-        if refusal:
-            raise InvalidArgument(refusal)
+        for s in [spec, *(group for _, group in spec.groups or ())]:
+            refusal = sparse.lazy_refusal(s) if self.sparse_updates == "lazy" else None
+            # The rule a flag gave refuses an optimizer at once; the one an optimizer asks for (the
+            # Keras front door's, for every model) at its first sparse gradient (``prepare``).
+            refusal = refusal or (slices_refusal(s) if self.rule_given == "keras" else None)
+            if refusal:
+                raise InvalidArgument(refusal)
 
     def _row_wise_reason(self, var: _Variable) -> str | None:
         """None when a sparse gradient of ``var`` is stepped on its rows alone; else why not."""
         if var.non_trainable:
             return "it is not trainable"
-        return sparse.row_wise(self._optimizer.spec, self.sparse_updates)
+        return sparse.row_wise(self._optimizer.of(var.name).spec, self.sparse_updates)
 
     def _rows_alone(self, name: str, g) -> bool:
         """Whether gradient ``g`` of ``name`` steps the variable's rows alone, in place. With
@@ -647,7 +648,7 @@ class VariableStore:
         if unknown:
             raise NotFound(f"gradient for unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
         missing = [n for n in self._vars if n not in specs]
-        if missing and self._optimizer.spec.optimizers:  # each optimizer pushes its own variables
+        if missing and self._optimizer.groups:  # each optimizer pushes its own variables
             missing = [] if any(n in specs for n, v in self._vars.items() if not v.non_trainable) else missing
         if missing:
             raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
@@ -678,7 +679,7 @@ class VariableStore:
                     raise NotFound(f"gradient for unknown variable(s): {name!r}")
                 sparse.check(name, g, var.value.shape, var.value.dtype)
                 keras = self.sparse_rule == "keras" and not var.non_trainable
-                refusal = slices_refusal(self._optimizer.spec) if keras else None
+                refusal = slices_refusal(self._optimizer.of(name).spec) if keras else None
                 if refusal:  # the optimizer asked for the rule (``_check_sparse_updates``)
                     raise InvalidArgument(f"a sparse gradient for {name!r}: {refusal}")
                 if not (keep_sparse and (keras or self._row_wise_reason(var) is None)):
@@ -712,7 +713,7 @@ class VariableStore:
         but for ``clipnorm``, whose callers pass None). The sync overlap (``core.modes.overlap``)
         computes a round block by block this way, then ``publish`` makes it the step."""
         self._require_initialized()
-        if self._optimizer.spec.global_clipnorm is not None:
+        if any(o.spec.global_clipnorm is not None for o in self._optimizer.every()):
             raise InvalidArgument("global_clipnorm needs every gradient of the step: no step of one variable")
         var, grad = self._vars[name], _native(grad)
         if rows is None:
@@ -723,7 +724,7 @@ class VariableStore:
             raise InvalidArgument(f"{name!r} is not trainable: step it whole")
         state = {k: (v[r0:r1] if isinstance(v, np.ndarray) and v.shape == var.value.shape and v.ndim else v)
                  for k, v in var.state.items()}
-        return self._optimizer.apply(value, grad, state)
+        return self._optimizer.of(name).apply(value, grad, state)
 
     def publish(self, new: Mapping[str, tuple[np.ndarray, dict]], rows: Mapping[str, SparseRows] | None = None,
                 optimizer: Optimizer | None = None, clip_scale=None) -> int:
@@ -779,10 +780,18 @@ class VariableStore:
     def _global_clip_scale(self, optimizer: Optimizer, grads: Mapping[str, np.ndarray], key: str | None = None):
         # Keras takes the norm over the gradients of the trainable variables only, in the
         # model's order (the order the variables were initialized in).
-        if optimizer.spec.global_clipnorm is None:
+        if all(o.spec.global_clipnorm is None for o in optimizer.every()):
             return None
         trainable = {name: self._clipped_as(name, grads[name]) for name in self._vars
                      if name in grads and not self._vars[name].non_trainable}
+        if optimizer.groups:  # each optimizer clips its own update: a push of its own variables
+            owners = {id(o): o for o in map(optimizer.of, trainable)}
+            if len(owners) > 1 or self.clip_across is not None:
+                raise InvalidArgument("global_clipnorm with several optimizers: each optimizer's update is one push "
+                                      "of its own variables, on one server")
+            optimizer = next(iter(owners.values()), optimizer)
+            if optimizer.spec.global_clipnorm is None:
+                return None
         if self.clip_across is None:
             return optimizer.global_clip_scale(trainable.values())
         if key is None:
@@ -849,8 +858,8 @@ class VariableStore:
             values = Occurrences(positions.reshape(-1), grad.values)
         else:
             indices, values = sparse.combine(grad)
-        value, state = (optimizer or self._optimizer).apply_rows(var.value, indices, values, var.state,
-                                                                 lr_scale, clip_scale)
+        value, state = (optimizer or self._optimizer).of(var.name).apply_rows(var.value, indices, values, var.state,
+                                                                              lr_scale, clip_scale)
         return indices, value, state
 
     def _step(self, var: _Variable, grad: np.ndarray, lr_scale: float = 1.0,
@@ -861,7 +870,7 @@ class VariableStore:
             return (var.value + grad).astype(var.value.dtype, copy=False), var.state
         if isinstance(grad, SparseRows):  # --sparse-rule keras, the whole variable stepped
             grad = Occurrences(grad.rows, grad.values)
-        return (optimizer or self._optimizer).apply(var.value, grad, var.state, lr_scale, clip_scale)
+        return (optimizer or self._optimizer).of(var.name).apply(var.value, grad, var.state, lr_scale, clip_scale)
 
     # -- checkpoints -------------------------------------------------------------
     def export_state(self) -> StoreState:
@@ -916,7 +925,7 @@ class VariableStore:
                 raise InvalidArgument(f"cannot restore variable {name!r} of dtype {value.dtype}")
             # A SnapshotArray (a live store's row-wise table) is read whole: that read is the copy.
             value = _frozen(_native(np.asarray(value), copy=not isinstance(value, SnapshotArray)))
-            wanted = optimizer.init_state(value)
+            wanted = optimizer.of(name).init_state(value)
             given = state.states[name]
             if set(given) != set(wanted):
                 raise InvalidArgument(f"variable {name!r} has optimizer state {sorted(given)}; "
@@ -959,6 +968,9 @@ class VariableStore:
             raise InvalidArgument(f"the learning rate must be a finite number > 0; got {value!r}")
         with self._publish:
             spec = self._optimizer.spec
+            if spec.groups:
+                raise InvalidArgument("the model's step applies several optimizers, each with its own learning rate: "
+                                      "set none of them here")
             if getattr(spec, "learning_rate_schedule", None):
                 raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
                                       "its update count and cannot also set a constant one")
@@ -1010,7 +1022,8 @@ class VariableStore:
 
         self._require_initialized()
         optimizer = self._optimizer
-        hogwild.check_supported(optimizer.spec)  # before any variable is touched
+        for o in optimizer.every():  # before any variable is touched
+            hogwild.check_supported(o.spec)
         grads = {name: _native(g) for name, g in grads.items()}
         clip_scale = self._global_clip_scale(optimizer, grads, key)
         writable = self.__dict__.setdefault("_writable", {})  # name -> (published view, writable value, state)
@@ -1023,7 +1036,7 @@ class VariableStore:
                     if owned is None or owned[0] is not var.value:  # first step, or a restored store
                         owned = writable[name] = hogwild.adopt(var.value, var.state)
                         var.value, var.state = owned[0], owned[2]
-            hogwild.step_in_place(optimizer, owned[1], grads[name], owned[2], lr_scale, clip_scale,
+            hogwild.step_in_place(optimizer.of(name), owned[1], grads[name], owned[2], lr_scale, clip_scale,
                                   non_trainable=var.non_trainable)
             with self._publish:
                 if not var.non_trainable:

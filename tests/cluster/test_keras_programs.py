@@ -99,8 +99,9 @@ def test_a_keras_file_written_under_tfps_resumes_in_one_process_as_the_plain_fil
 
 
 def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mirrored_strategy_end(procs, tmp_path):
-    """The discriminator's Adam, then the generator's through the updated discriminator: each
-    ``apply_gradients`` a round of its own variables on the server, the first loaded into the
+    """The discriminator's Adam, then the generator's (another learning rate) through the updated
+    discriminator: each ``apply_gradients`` a round of its own variables on the server, each
+    stepped by its own optimizer (``OptimizerSpec.groups``), the first loaded into the
     step's graph before the second tape runs. Sync, 2 workers: within 1e-6 of one process,
     MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps; over two
     server shards, one server's weights to the bit. Run

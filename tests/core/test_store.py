@@ -6,6 +6,8 @@ Every refusal is checked twice: the exception and its message, then that the
 stored values (byte for byte), the version and the optimizer are unchanged.
 """
 
+import dataclasses
+import json
 import re
 
 import numpy as np
@@ -421,24 +423,41 @@ def test_owned_arrays_are_kept_as_they_are_unless_unaligned_and_the_store_never_
     assert not np.shares_memory(copied.read()[1]["a"], buffer)
 
 
-def test_with_several_optimizers_a_push_steps_the_variables_it_names_each_counting_its_own_steps():
-    """``OptimizerSpec.optimizers``: a GAN's two optimizers of one config, each applied to its
-    own variables. A push names one's variables; the others keep their values and counts."""
+def test_with_optimizer_groups_a_push_steps_the_variables_it_names_each_by_its_group_s_optimizer():
+    """``OptimizerSpec.groups``: a GAN's two optimizers, here of different configs, each applied
+    to its own variables. A push names one's variables; the others keep their values and counts;
+    each variable is stepped, and keeps its state, as its own optimizer alone would. The groups
+    survive a checkpoint's JSON and a restore."""
+    adam, sgd = OptimizerSpec("adam", learning_rate=0.1), OptimizerSpec("sgd", learning_rate=0.5, momentum=0.9)
+    spec = OptimizerSpec("adam", learning_rate=0.1, groups=((("w",), adam), (("b",), sgd)))
     store = VariableStore()
-    store.initialize(initial(), OptimizerSpec("adam", learning_rate=0.1, optimizers=2))
+    store.initialize(initial(), spec)
     store.check_gradients({"w": np.ones((2, 3), np.float32)})
-    before = store.read()[1]["b"]
-    store.apply_all({"w": np.ones((2, 3), np.float32)})
-    store.apply_all({"w": np.ones((2, 3), np.float32)})
-    store.apply_all({"b": np.array([2.0, 4.0])})
+    for g in ({"w": np.ones((2, 3), np.float32)}, {"w": np.full((2, 3), 2, np.float32)}, {"b": np.array([2.0, 4.0])}):
+        store.apply_all(g)
     state = store.export_state()
     assert [state.states["w"]["iterations"], state.states["b"]["iterations"]] == [2, 1]
     assert store.optimizer_iterations() == 1 and store.version == 3
-    alone = VariableStore()  # b's one step is Adam's first, as if it were stepped alone
-    alone.initialize({"b": before}, OptimizerSpec("adam", learning_rate=0.1))
-    alone.apply_all({"b": np.array([2.0, 4.0])})
-    assert store.read()[1]["b"].tobytes() == alone.read()[1]["b"].tobytes()
+    for name, own, pushes in (("w", adam, [np.ones((2, 3), np.float32), np.full((2, 3), 2, np.float32)]),
+                              ("b", sgd, [np.array([2.0, 4.0])])):
+        alone = VariableStore()  # as if stepped alone by its own optimizer
+        alone.initialize({name: initial()[name]}, own)
+        for g in pushes:
+            alone.apply_all({name: g})
+        assert store.read()[1][name].tobytes() == alone.read()[1][name].tobytes()
+        assert set(state.states[name]) == set(alone.export_state().states[name])
+    back = OptimizerSpec.from_dict(json.loads(json.dumps(spec.as_dict())))
+    assert back == spec and "sgd learning_rate=0.5 momentum=0.9 (1 variables)" in back.describe()
+    restored = VariableStore()
+    restored.restore_state(dataclasses.replace(state, optimizer=back))
+    restored.apply_all({"b": np.array([2.0, 4.0])})
+    store.apply_all({"b": np.array([2.0, 4.0])})
+    assert restored.read()[1]["b"].tobytes() == store.read()[1]["b"].tobytes()
     with pytest.raises(InvalidArgument, match="missing gradient"):  # a push that steps nothing
         store.check_gradients({})
-    with pytest.raises(InvalidArgument, match="optimizers must be an integer >= 2"):
-        OptimizerSpec("adam", optimizers=1).validate()
+    with pytest.raises(InvalidArgument, match="several optimizers"):
+        store.set_learning_rate(0.2)
+    with pytest.raises(InvalidArgument, match="'w' twice"):
+        OptimizerSpec("adam", groups=((("w",), adam), (("w", "b"), sgd))).validate()
+    with pytest.raises(InvalidArgument, match="no groups of its own"):
+        OptimizerSpec("adam", groups=((("w",), spec),)).validate()

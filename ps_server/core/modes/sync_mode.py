@@ -270,7 +270,7 @@ class SyncMode(Mode):
         default) the blocks' size when this push is the round's first."""
         spec_of_optimizer = self.store.optimizer_spec
         if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
-                or spec_of_optimizer.global_clipnorm is not None):
+                or spec_of_optimizer.global_clipnorm is not None or spec_of_optimizer.groups):
             return None
         held = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in gradients.values())
         if held * self._book.num_workers > HELD_BYTES:

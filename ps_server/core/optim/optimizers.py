@@ -130,18 +130,24 @@ class OptimizerSpec:
     # Keras' gradient_accumulation_steps (every optimizer; None: none): each update is the mean
     # of that many batches' gradients (the worker's), its schedule at Keras' real iterations.
     gradient_accumulation_steps: int | None = None
-    # How many optimizers of this config a model's step applies, each to its own variables (a
-    # GAN's two; None: one): a push may then name some of the trainable variables, the others
-    # not stepped (each variable counts its own steps, so each optimizer's are its own).
-    optimizers: int | None = None
+    # The optimizers a model's step applies, each to its own variables (a GAN's two, of one
+    # config or not): ((variable names, spec), ...); None: this one, to every variable. A push
+    # may then name some of the trainable variables, each stepped by its group's optimizer
+    # (each variable counts its own steps); the fields above are the first group's.
+    groups: tuple | None = None
 
     def __post_init__(self):
         takes = OPTIMIZER_DEFAULTS.get(self.name)
         object.__setattr__(self, "sparse_rule", self.sparse_rule or None)  # the wire's "" is None
         object.__setattr__(self, "gradient_accumulation_steps", self.gradient_accumulation_steps or None)  # 0: None
-        object.__setattr__(self, "optimizers", self.optimizers or None)  # 0: None
+        try:  # one form: a tuple of (names, OptimizerSpec); a checkpoint's JSON gives lists and dicts
+            groups = tuple((tuple(names), spec if isinstance(spec, OptimizerSpec) else OptimizerSpec.from_dict(spec))
+                           for names, spec in self.groups) if self.groups else None
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"groups must be (variable names, optimizer spec) pairs; got {self.groups!r}")
+        object.__setattr__(self, "groups", groups)
         for f in fields(self):
-            if f.name in ("name", "sparse_rule", "gradient_accumulation_steps", "optimizers"):
+            if f.name in ("name", "sparse_rule", "gradient_accumulation_steps", "groups"):
                 continue
             value = getattr(self, f.name)
             if takes is not None and f.name not in takes and f.name != "learning_rate_schedule":
@@ -183,9 +189,7 @@ class OptimizerSpec:
         steps = self.gradient_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 2):
             raise InvalidArgument(f"gradient_accumulation_steps must be an integer >= 2 or unset; got {steps!r}")
-        count = self.optimizers
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 2):
-            raise InvalidArgument(f"optimizers must be an integer >= 2 or unset; got {count!r}")
+        self._validate_groups()
         if steps is not None and self.use_ema:
             raise InvalidArgument("use_ema with gradient_accumulation_steps: Keras moves the averages at every "
                                   "batch, between the updates, which the server does not see")
@@ -221,6 +225,22 @@ class OptimizerSpec:
         if self.learning_rate_schedule is not None:
             schedules.validate(self.learning_rate_schedule)
 
+    def _validate_groups(self) -> None:
+        seen: set[str] = set()
+        for names, spec in self.groups or ():
+            if spec.groups:
+                raise InvalidArgument("an optimizer group holds no groups of its own")
+            if (spec.sparse_rule, spec.gradient_accumulation_steps) != (self.sparse_rule,
+                                                                       self.gradient_accumulation_steps):
+                raise InvalidArgument("every optimizer group has the sparse_rule and gradient_accumulation_steps "
+                                      "of the spec")
+            twice = seen.intersection(names)
+            if twice or not names or not all(isinstance(n, str) and n for n in names):
+                raise InvalidArgument(f"each optimizer group names its own variables, at least one, each once; "
+                                      f"got {list(names)}" + (f" ({sorted(twice)[0]!r} twice)" if twice else ""))
+            seen.update(names)
+            spec.validate()
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -228,6 +248,8 @@ class OptimizerSpec:
         """One line for a log: the name, the learning rate (or its schedule), and only the
         fields this optimizer takes that differ from its Keras default: ``adam learning_rate=0.001``,
         ``sgd learning_rate=0.1 momentum=0.9``."""
+        if self.groups:
+            return "; ".join(f"{spec.describe()} ({len(names)} variables)" for names, spec in self.groups)
         takes = OPTIMIZER_DEFAULTS.get(self.name, {})
         schedule = self.learning_rate_schedule
         if isinstance(schedule, dict):
@@ -399,6 +421,15 @@ class Optimizer:
         self.spec = spec
         self._constants = {dtype: _constants(spec, dtype) for dtype in FLOAT_DTYPES}
         self._scheduled: tuple[int, np.float32] = (-1, np.float32(0))  # (update count, its scheduled rate)
+        self.groups: dict[str, Optimizer] = {}  # spec.groups: each group's variables' optimizer (make_optimizer)
+
+    def of(self, name: str) -> "Optimizer":
+        """The optimizer that steps variable ``name``: its group's, else this one."""
+        return self.groups.get(name, self)
+
+    def every(self) -> list["Optimizer"]:
+        """This optimizer and each group's."""
+        return [self, *{id(o): o for o in self.groups.values()}.values()]
 
     def _initial_slots(self, value: np.ndarray) -> dict:
         """The slots' values before the first step (zeros, as Keras' ``add_variable_from_reference``)."""

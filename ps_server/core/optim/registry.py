@@ -21,8 +21,14 @@ OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
 
 
 def make_optimizer(spec: OptimizerSpec) -> Optimizer:
-    """The optimizer ``spec`` names; raises InvalidArgument for a bad spec."""
+    """The optimizer ``spec`` names; raises InvalidArgument for a bad spec. With groups,
+    its ``of`` maps each group's variables to that group's optimizer (``Optimizer.of``)."""
     spec.validate()
-    if spec.name not in OPTIMIZER_CLASSES:
-        raise InvalidArgument(f"optimizer {spec.name} is not available on this server")
-    return OPTIMIZER_CLASSES[spec.name](spec)
+    for s in [spec, *(group for _, group in spec.groups or ())]:
+        if s.name not in OPTIMIZER_CLASSES:
+            raise InvalidArgument(f"optimizer {s.name} is not available on this server")
+    optimizer = OPTIMIZER_CLASSES[spec.name](spec)
+    for names, group in spec.groups or ():
+        each = OPTIMIZER_CLASSES[group.name](group)
+        optimizer.groups.update(dict.fromkeys(names, each))
+    return optimizer
