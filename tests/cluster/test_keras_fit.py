@@ -119,12 +119,13 @@ def alone(tmp_path, *flags: str, program: str = PROGRAM, how: str = "--alone") -
     return json.loads((out / "worker0.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_gradient_accumulation_makes_one_update_per_k_batches(procs, tmp_path, mode):
     """``SGD(..., gradient_accumulation_steps=2)``: sync with two workers ends within float
     rounding of one process (each round the mean over its window of the global batches'
     gradients, each part weighing as its share; 1.2e-7 measured, bound 5e-7 on the weights),
-    with Keras' iterations; async runs, one push per window per worker."""
+    with Keras' iterations, and over two server shards at one server's weights to the bit;
+    async and ssp run, one push per window per worker."""
     records = fit(procs, tmp_path, mode, "--accumulate", "2", "--epochs", "2")
     want = alone(tmp_path, "--accumulate", "2", "--epochs", "2")
     windows = 2 * 23 // 2  # 23 batches an epoch: the windows run on across the epochs, as Keras'
@@ -133,6 +134,10 @@ def test_gradient_accumulation_makes_one_update_per_k_batches(procs, tmp_path, m
         assert [r["version"] for r in records] == [r["iterations"] for r in records] == [windows] * 2
         for got, ref in zip(records[0]["weights"], want["weights"]):
             np.testing.assert_allclose(np.array(got), np.array(ref), rtol=0, atol=5e-7)
+        (tmp_path / "two").mkdir()
+        two = fit(procs, tmp_path / "two", mode, "--accumulate", "2", "--epochs", "2",
+                  address=",".join(procs.server("sync", 2)[1] for _ in range(2)))
+        assert two[0]["weights"] == records[0]["weights"] and two[0]["iterations"] == windows
     else:
         assert max(r["version"] for r in records) == 2 * windows  # each worker's window is one push (the
         # worker that ends last has seen every push)
