@@ -217,8 +217,8 @@ class Strategy:
             return
         if self.models:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
-        # refuses what the server cannot run, before any training (the wrapped step unscales a loss_scale_factor)
-        spec_fields(_inner(model.optimizer), unscaled=not self.config.elastic)
+        # refuses what the server cannot run, before any training
+        spec_fields(_inner(model.optimizer))
         if self.config.elastic and _inner(model.optimizer) is not model.optimizer:
             raise ValueError("elastic=True: a loss scale (mixed_float16) is not served where the server deals the "
                              "data (each micro-batch's skip would have to hold for its whole round); train it "
@@ -664,7 +664,7 @@ class _Wrap:
                              "optimizer its own variables")
         # Each optimizer its variables (a group of the server's spec), unless one steps them all.
         self.grouped = len(self.served) > 1 or len(paths) != len(everything)
-        specs = [spec_fields(_inner(o), unscaled=True) for o, _ in self.served]
+        specs = [spec_fields(_inner(o)) for o, _ in self.served]
         if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
                                                self.served[0][0]):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
@@ -680,7 +680,7 @@ class _Wrap:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
         from worker.keras_optimizer import spec_fields
 
-        specs = [spec_fields(_inner(o), unscaled=True) for o, _ in self.served]
+        specs = [spec_fields(_inner(o)) for o, _ in self.served]
         if not self.grouped:
             return specs[0]
         return {**specs[0], "groups": [{"variables": [v.path for v in variables], "optimizer": spec}

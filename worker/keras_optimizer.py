@@ -15,8 +15,7 @@ What the server cannot run is refused here, before any training, with one line
 naming it (ValueError), by the rules the server applies too
 (``ps_common.names.keras_optimizer_fields``): another optimizer class (a subclass
 of a Keras optimizer; Keras' ``LossScaleOptimizer``, ``MultiOptimizer``, ``Muon`` and
-``ScheduleFreeAdamW``, each with its reason, ``REFUSED_KERAS_OPTIMIZERS``), ``loss_scale_factor``
-(but where the wrapped Keras step unscales: ``unscaled``),
+``ScheduleFreeAdamW``, each with its reason, ``REFUSED_KERAS_OPTIMIZERS``),
 ``gradient_accumulation_steps`` with ``use_ema``, ``use_ema`` without ``ema_overwrite_frequency``,
 a learning rate that is neither a number nor one of Keras' schedules, a config key
 the server does not know. Added here, because ``get_config`` does not show it:
@@ -31,10 +30,10 @@ import numpy as np
 from ps_common.names import KERAS_OPTIMIZER_CLASSES, KERAS_SLOTS, keras_optimizer_fields, optimizer_fields
 
 
-def spec_fields(optimizer, unscaled: bool = False) -> dict:
+def spec_fields(optimizer) -> dict:
     """Every OptimizerConfig field of the compiled Keras 3 ``optimizer`` (``model.optimizer``).
-    ``unscaled``: the gradients reach the server divided by its ``loss_scale_factor`` (the
-    wrapped Keras step's ``apply`` divides them, as Keras' does), which is then no field.
+    Its ``loss_scale_factor`` is no field: the gradients reach the server divided by it (the
+    wrapped Keras step's ``apply`` divides them, as Keras' does).
 
     Raises ValueError, one line naming the optimizer, option or schedule, for what the
     server cannot run (module docstring).
@@ -44,8 +43,7 @@ def spec_fields(optimizer, unscaled: bool = False) -> dict:
         raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on the server: it runs "
                          "keras.optimizers' own classes only")
     config = optimizer.get_config()
-    if unscaled:
-        config.pop("loss_scale_factor", None)
+    config.pop("loss_scale_factor", None)
     fields = keras_optimizer_fields(cls.__name__, config)
     excluded = getattr(optimizer, "_exclude_from_weight_decay", None) or \
         getattr(optimizer, "_exclude_from_weight_decay_pattern", None)

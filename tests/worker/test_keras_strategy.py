@@ -46,15 +46,6 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     assert strategy.models == []
 
 
-def test_a_static_loss_scale_is_refused_only_where_the_server_deals_the_data():
-    """``loss_scale_factor``: the wrapped step's ``apply`` unscales the gradients as Keras' does;
-    elastic rounds compute their own gradients, of the loss unscaled, and refuse it."""
-    with Strategy(ps="127.0.0.1:1").scope():
-        small_model().compile(optimizer=keras.optimizers.SGD(loss_scale_factor=128.0), loss="mse")
-    with pytest.raises(ValueError, match="loss_scale_factor"), Strategy(ps="127.0.0.1:1", elastic=True).scope():
-        small_model().compile(optimizer=keras.optimizers.SGD(loss_scale_factor=128.0), loss="mse")
-
-
 def test_a_model_with_its_own_train_step_is_wrapped_and_a_loss_scale_refused_where_the_server_deals_the_data():
     class Custom(keras.Model):
         def train_step(self, data):
@@ -241,15 +232,16 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("step", ["keras", "guide"])
+@pytest.mark.parametrize("step, scale", [("keras", None), ("guide", None), ("keras", 64.0)])
 def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
-        server_config, step):
+        server_config, step, scale):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
     examples (here computed by hand with a tape), and the server's ledger holds every example
     once per epoch. Keras' own step and the guide's overridden one alike: each micro-batch
-    runs the model's step, wrapped."""
+    runs the model's step, wrapped; with a static loss scale (``loss_scale_factor=64``) the
+    step scales the loss and the wrapped ``apply`` unscales the gradients, as Keras' does."""
     import numpy as np
     import tensorflow as tf
 
@@ -261,8 +253,8 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
     with strategy.scope():
         model = small_model() if step == "keras" else GuideStep(small_model().layers)
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
+        model.compile(optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     status = strategy.connection.client.status()
