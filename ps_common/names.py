@@ -167,8 +167,7 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
 
     The one definition of what the server cannot run, for both sides: raises ValueError,
     one line naming it, for an optimizer class it does not know, a config key it does not
-    know, ``loss_scale_factor`` set, ``gradient_accumulation_steps`` with ``use_ema``, ``use_ema`` without
-    ``ema_overwrite_frequency``, and a learning rate that is not a number or one of Keras'
+    know, ``loss_scale_factor`` set, ``gradient_accumulation_steps`` with ``use_ema``, and a learning rate that is not a number or one of Keras'
     own schedules (``LEARNING_RATE_SCHEDULES``; the server checks its config in full).
     """
     name = KERAS_OPTIMIZER_CLASSES.get(class_name)
@@ -188,10 +187,6 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
     unknown = sorted(set(config) - set(OPTIMIZER_DEFAULTS[name]))
     if unknown:
         raise ValueError(f"{class_name} has config keys the server does not know: {', '.join(unknown)}")
-    if config.get("use_ema") and not config.get("ema_overwrite_frequency"):
-        raise ValueError(f"{class_name} with use_ema=True and ema_overwrite_frequency=None cannot run on the "
-                         "server: Keras swaps the variables for their moving averages at the end of fit "
-                         "(finalize_variable_values), which the server does not do; set ema_overwrite_frequency")
     if accumulation and config.get("use_ema"):
         raise ValueError(f"{class_name} with use_ema and gradient_accumulation_steps cannot run on the server: "
                          "Keras moves the averages at every batch, between the updates")

@@ -592,6 +592,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self._work(self._pull_reply, request)
 
     def _pull_reply(self, request) -> pb.PullResponse:
+        if request.averages:
+            self.core.take_averages(request.worker_id, request.averages)
         if request.optimizer_state:
             version, values, states = self.core.optimizer_state(request.worker_id)
             slots = {f"{n}/{k}": (np.asarray(a, np.int64) if k == "iterations" else a)
@@ -628,8 +630,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _pull_prepared(self, request) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """The header of a PullStream and the arrays its data messages carry (none when they
         went through the worker's shared-memory segment)."""
-        if request.optimizer_state:
-            raise errors.InvalidArgument("the optimizer's state comes by Pull, not PullStream")
+        if request.optimizer_state or request.averages:
+            raise errors.InvalidArgument("the optimizer's state and its averages come by Pull, not PullStream")
         version, values, rows = self._pull(request)
         wire = {name: stream.to_wire(a) for name, a in values.items()}
         header = pb.PullHeader(version=version, incarnation=self.core.incarnation,

@@ -54,7 +54,6 @@ def test_the_shared_schedule_names_are_the_ones_the_server_evaluates():
     ("Shampoo", {}, "optimizer Shampoo cannot run on the server; it runs SGD, Adam"),
     ("Muon", {}, "optimizer Muon cannot run on the server: it orthogonalizes each matrix's update"),
     ("Adam", {"loss_scale_factor": 2.0}, "Adam with loss_scale_factor=2.0 cannot run on the server"),
-    ("SGD", {"use_ema": True}, "SGD with use_ema=True and ema_overwrite_frequency=None cannot run"),
     ("SGD", {"beta_1": 0.9}, "SGD has config keys the server does not know: beta_1"),
     ("SGD", {"learning_rate": "0.1"}, "SGD's learning_rate must be a number or a serialized"),
 ])

@@ -416,16 +416,24 @@ class PSClient:
                             fresh=True)
         return reply
 
-    def optimizer_state(self, worker_id: int = -1) -> tuple[int, dict[str, np.ndarray], dict[str, dict]]:
+    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = ()) -> \
+            tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """(version, values, {variable: {slot: array, "iterations": n}}) as of one version:
         the parameters with the server's optimizer state (``PullRequest.optimizer_state``), in
-        one message."""
-        reply = self.unary.call("Pull", pb.PullRequest(worker_id=worker_id, optimizer_state=True))
+        one message. ``averages``: these variables first take their moving averages (the end
+        of a Keras ``fit`` with ``use_ema``), and the pull cache holds the values from then on."""
+        reply = self.unary.call("Pull", pb.PullRequest(worker_id=worker_id, optimizer_state=True,
+                                                       averages=list(averages)))
         states: dict[str, dict] = {}
         for name, a in codec.decode_many(reply.optimizer_state).items():
             variable, slot = name.rsplit("/", 1)
             states.setdefault(variable, {})[slot] = int(a) if slot == "iterations" else a
-        return reply.version, codec.decode_many(reply.variables), states
+        values = codec.decode_many(reply.variables)
+        if averages:  # the version stayed: a pull that knows it would keep the values held before
+            for a in values.values():
+                a.flags.writeable = False
+            self.cache.keep(reply.incarnation, reply.version, values)
+        return reply.version, values, states
 
     def broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> bytes:
         """The chief's (worker 0's) value under ``key``. The chief passes ``value`` and is

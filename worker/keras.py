@@ -339,9 +339,9 @@ class _Attached:
         self.wrap = _Wrap(self)
         self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
         self.original_save, self.original_save_weights = model.save, model.save_weights
-        # The server's optimizer ran every step; the local one never did, so its end-of-fit swap to
-        # its moving averages (use_ema) would load averages that never moved.
-        model.optimizer.finalize_variable_values = lambda var_list: None
+        # The server's optimizer ran every step and holds the moving averages (use_ema) that
+        # Keras' fit swaps in at its end.
+        model.optimizer.finalize_variable_values = lambda var_list: self._take_averages()
         model.make_train_function = self.make_train_function
         model.fit = self.fit
         model.evaluate = self.evaluate
@@ -560,6 +560,22 @@ class _Attached:
         served = self.wrap.served or [(self.model.optimizer, trainable(self.model))]
         for optimizer, variables in served:
             load_state(_inner(optimizer), variables, states, self.window.steps)
+
+    def _take_averages(self) -> None:
+        """The end of ``fit`` with ``use_ema``: the compiled optimizer's variables take their
+        moving averages on the server (every worker asks; the second ask changes nothing), and
+        this worker's model the server's values, as Keras' ``finalize_variable_values`` does."""
+        from worker.gradients import set_values, trainable
+
+        conn = self.strategy.connection
+        if conn is None or not _inner(self.model.optimizer).use_ema:
+            return
+        served = dict((id(o), v) for o, v in self.wrap.served or [(self.model.optimizer, trainable(self.model))])
+        if id(self.model.optimizer) not in served:  # a step of its own that never applies it
+            return
+        names = [v.path for v in served[id(self.model.optimizer)]]
+        _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names)
+        set_values(self.model, values)
 
     def save(self, *args, **kwargs):
         self._load_with_state()

@@ -301,14 +301,18 @@ class ShardedClient:
         for line in placement.describe(self.addresses):
             log.info("  %s", line)
 
-    def optimizer_state(self, worker_id: int = -1) -> tuple[int, dict[str, np.ndarray], dict[str, dict]]:
+    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = ()) -> \
+            tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """``PSClient.optimizer_state`` of the whole model: a variable cut in row slices has
         each slot's slices concatenated (a slot shaped otherwise is refused there:
-        ``sharding.coupling``), its step count its first slice's."""
+        ``sharding.coupling``), its step count its first slice's. ``averages``: each shard's
+        pieces of these variables."""
         if self.placement is None:
             self.pull(worker_id)  # learns the placement
-        replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id))
-        placement = self.placement
+        placement, averages = self.placement, set(averages)
+        pieces = {i: [p.name for p in placement.pieces if p.shard == i and p.variable in averages]
+                  for i in range(self.num_shards)}
+        replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i]))
         values = placement.join([replies[i][1] for i in range(self.num_shards)])
         states = {}
         for variable in placement.variables:

@@ -466,6 +466,11 @@ class ParameterServer:
         finally:
             state.release()
 
+    def take_averages(self, worker_id: int, names: Iterable[str]) -> None:
+        """``VariableStore.take_averages`` for a registered worker (the end of its ``fit``)."""
+        self.members.require(worker_id)
+        self.store.take_averages(list(names))
+
     def pull_rows(self, worker_id: int | None = None, names: Iterable[str] | None = None,
                   since: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(version, values, rows): ``pull``, but with ``since`` a row-wise table (``store``)

@@ -979,6 +979,27 @@ class VariableStore:
                 self._initial_learning_rate = spec.learning_rate
             self._optimizer = optimizer
 
+    def take_averages(self, names: Collection[str]) -> None:
+        """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of ``fit``): each of
+        ``names`` takes its moving average (its ``ema`` slot) as its value. The version stays
+        (a reader that holds it reads the values again whole: ``PullRequest.averages``), and
+        a second call changes nothing. Checks every name first: InvalidArgument, nothing taken."""
+        self._require_initialized()
+        unknown = sorted(n for n in names if n not in self._vars)
+        if unknown:
+            raise NotFound(f"no variable {unknown[0]!r} to take the average of")
+        without = sorted(n for n in names if "ema" not in self._vars[n].state)
+        if without:
+            raise InvalidArgument(f"variable {without[0]!r} has no moving average: its optimizer's use_ema is off")
+        for name in sorted(set(names)):  # name order: the lock order
+            var = self._vars[name]
+            with var.lock, self._publish:
+                average = np.array(var.state["ema"], dtype=var.value.dtype)
+                if var.row_wise:
+                    _replace_whole(var, average, var.state, self._version)
+                else:
+                    var.value, var.changed = _frozen(average), self._version
+
     def optimizer_iterations(self) -> int:
         """The optimizer steps every trainable variable has had: Keras' ``optimizer.iterations``
         (each variable counts its own; they differ only while an async push is half applied)."""

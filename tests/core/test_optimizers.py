@@ -272,7 +272,6 @@ def test_state_missing_a_slot_is_rejected():
          r"ema_momentum must be in \[0, 1\]; got 1.5"),
         (dict(name="adam", use_ema=True, ema_overwrite_frequency=2.5),
          "ema_overwrite_frequency must be an integer >= 1"),
-        (dict(name="adam", use_ema=True), "use_ema=True with ema_overwrite_frequency=None is not supported"),
         (dict(name="sgd", learning_rate_schedule={"class_name": "MySchedule", "config": {}}),
          "learning-rate schedule MySchedule is not one the server can run"),
     ],
@@ -365,6 +364,7 @@ OPTIONS = {
     "clipnorm_not_clipping": dict(clipnorm=100.0),
     "global_clipnorm": dict(global_clipnorm=0.5),
     "ema": dict(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3),
+    "ema_kept": dict(use_ema=True, ema_momentum=0.9),  # never overwritten while training
 }
 SCHEDULES = {
     "exponential": ("ExponentialDecay", dict(initial_learning_rate=0.01, decay_steps=5, decay_rate=0.5)),
@@ -376,7 +376,7 @@ APPLY_CASES = (
     [(case, None) for case in KERAS_OPTIMIZERS]
     + [(case, option) for case in ("sgd_nesterov", "adam_amsgrad", "adagrad", "rmsprop_centered_momentum")
        for option in OPTIONS]
-    + [("adamw", "global_clipnorm"), ("rmsprop", "ema")]
+    + [("adamw", "global_clipnorm"), ("rmsprop", "ema"), ("adam", "ema_kept")]
 )
 
 
@@ -470,8 +470,6 @@ def test_from_keras_reads_every_argument_of_the_keras_config(keras):
     ("SGD", {"loss_scale_factor": 128.0}, "SGD with loss_scale_factor=128.0 cannot run on the server"),
     ("Adam", {"gradient_accumulation_steps": 4, "use_ema": True, "ema_overwrite_frequency": 2},
      "Adam with use_ema and gradient_accumulation_steps cannot run"),
-    ("Adam", {"use_ema": True, "ema_overwrite_frequency": None},
-     "use_ema=True and ema_overwrite_frequency=None cannot run on the server: Keras swaps"),
     ("SGD", {"lr": 0.1}, "SGD has config keys the server does not know: lr"),
     ("SGD", {"learning_rate": {"class_name": "MySchedule", "config": {}, "module": None,
                                "registered_name": "MySchedule"}}, "learning-rate schedule MySchedule"),

@@ -461,3 +461,30 @@ def test_with_optimizer_groups_a_push_steps_the_variables_it_names_each_by_its_g
         OptimizerSpec("adam", groups=((("w",), adam), (("w", "b"), sgd))).validate()
     with pytest.raises(InvalidArgument, match="no groups of its own"):
         OptimizerSpec("adam", groups=((("w",), spec),)).validate()
+
+
+def test_take_averages_makes_each_named_variable_its_moving_average_and_keeps_the_version():
+    """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of fit): the value becomes
+    the ``ema`` slot, bit for bit, the version stays, and a second call changes nothing. A name
+    without an average, or unknown, is refused before anything is taken."""
+    store = VariableStore()
+    store.initialize(initial(), OptimizerSpec("adam", learning_rate=0.1, use_ema=True, ema_momentum=0.5))
+    store.apply_all(grads())
+    store.apply_all(grads(w=np.full((2, 3), -3, np.float32)))
+    state = store.export_state()
+    averages = {n: np.array(s["ema"]) for n, s in state.states.items()}
+    assert all(not np.array_equal(store.read()[1][n], a) for n, a in averages.items())
+    with pytest.raises(NotFound, match="'x'"):
+        store.take_averages(["w", "x"])
+    assert store.read()[1]["w"].tobytes() != averages["w"].tobytes()  # nothing taken
+    store.take_averages(["w"])
+    assert store.version == 2 and store.read()[1]["w"].tobytes() == averages["w"].tobytes()
+    assert store.read()[1]["b"].tobytes() != averages["b"].tobytes()  # not named: as it was
+    store.take_averages(["w", "b"])
+    store.take_averages(["w", "b"])
+    assert {n: a.tobytes() for n, a in store.read()[1].items()} == {n: a.tobytes() for n, a in averages.items()}
+    assert store.read(since=1)[1].keys() == {"w", "b"}  # a reader of an older version reads them
+    plain = VariableStore()
+    plain.initialize(initial(), SGD)
+    with pytest.raises(InvalidArgument, match="'b' has no moving average"):
+        plain.take_averages(["b"])

@@ -93,7 +93,6 @@ def refusals(keras):
         (O.SGD(loss_scale_factor=128.0), "SGD with loss_scale_factor=128.0 cannot run on the server"),
         (O.Adam(gradient_accumulation_steps=4, use_ema=True, ema_overwrite_frequency=2),
          "Adam with use_ema and gradient_accumulation_steps cannot run"),
-        (O.Adam(use_ema=True), "use_ema=True and ema_overwrite_frequency=None cannot run on the server"),
         (O.SGD(learning_rate=MySchedule()), "learning-rate schedule MySchedule .* cannot run on the server"),
         (wd, "AdamW with exclude_from_weight_decay cannot run on the server"),
     ]

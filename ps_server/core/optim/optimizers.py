@@ -13,7 +13,8 @@ The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 (``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
 optimizer's step, then ``use_ema`` (an ``ema`` slot: the moving average, and every
-``ema_overwrite_frequency`` updates the variable overwritten with it). The learning
+``ema_overwrite_frequency`` updates the variable overwritten with it; at the end of a
+Keras ``fit`` too, ``VariableStore.take_averages``). The learning
 rate is a constant or one of Keras' schedules (``ps_server.core.optim.schedules``),
 evaluated at the variable's update count before the update, as Keras evaluates it
 at ``optimizer.iterations``.
@@ -48,9 +49,8 @@ Known limits, on TensorFlow's side:
   it turns a ``-0.0`` into ``+0.0``.
 
 Refused (``OptimizerSpec.validate``/``from_keras``, InvalidArgument naming it):
-another optimizer class, ``loss_scale_factor`` or ``gradient_accumulation_steps``,
-``use_ema`` without ``ema_overwrite_frequency`` (Keras then swaps the variables for
-their averages at the end of ``fit``, which the server does not do), a schedule
+another optimizer class, ``loss_scale_factor`` or ``gradient_accumulation_steps``
+with ``use_ema``, a schedule
 that is not one of Keras' six, and a config key this module does not know
 (``ps_common.names.keras_optimizer_fields``, which the worker applies too).
 
@@ -218,10 +218,6 @@ class OptimizerSpec:
         frequency = self.ema_overwrite_frequency
         if frequency is not None and (isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1):
             raise InvalidArgument(f"ema_overwrite_frequency must be an integer >= 1 (or None); got {frequency!r}")
-        if self.use_ema and frequency is None:
-            raise InvalidArgument("use_ema=True with ema_overwrite_frequency=None is not supported: Keras swaps the "
-                                  "variables for their moving averages at the end of fit, which the server does not "
-                                  "do; set ema_overwrite_frequency")
         if self.learning_rate_schedule is not None:
             schedules.validate(self.learning_rate_schedule)
 
@@ -542,7 +538,7 @@ class Optimizer:
             ema = np.multiply(state["ema"], momentum)
             ema += np.multiply(new_value, c["one"] - momentum)
             slots["ema"] = ema
-            if (iterations + 1) % spec.ema_overwrite_frequency == 0:
+            if spec.ema_overwrite_frequency and (iterations + 1) % spec.ema_overwrite_frequency == 0:
                 new_value = ema.copy()
         # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
         slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
