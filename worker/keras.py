@@ -732,6 +732,8 @@ class _Wrap:
                 a.metrics_before = dict(before)
             self._begin()
             logs = self._run(data) if self.examples else {}
+            if strategy.connection.sync and strategy.batches == "global" and self.examples:
+                _weigh_output_losses(model, before, self.examples / self.batch_examples)
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
                 self._held({}) if not a.window.last() else self._defer(None)
                 for _ in range(self.learned - 1):
@@ -1157,6 +1159,18 @@ def _metric_combined(v, before: np.ndarray, summed: np.ndarray, pushes: int) -> 
     if kind == "sum":
         return before + summed
     return summed / np.asarray(pushes, summed.dtype) if kind == "mean" else summed
+
+
+def _weigh_output_losses(model, before: dict, share: float) -> None:
+    """Keras weighs each output's loss tracker by the batch's static size, which a dataset's
+    step leaves unknown: a step counts once. A worker's step is its part of the global
+    batch, so its change to those trackers is scaled by its share of the examples: the
+    round's sum is then one step of the global batch's mean, as in one process, however
+    the batch divides."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    for v in [v for m in (compile_loss.metrics if compile_loss is not None else ()) for v in m.variables]:
+        start = before.get(v.path, np.zeros(v.shape, v.dtype))
+        v.assign(start + (np.asarray(v.numpy()) - start) * np.asarray(share, v.dtype))
 
 
 def _metric_variables(model) -> list:

@@ -94,6 +94,7 @@ def test_a_keras_file_written_under_tfps_resumes_in_one_process_as_the_plain_fil
     assert after_one == after_plain and after_plain["iterations"] == 46
     shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))  # the state joined from both
     two = fit(procs, tmp_path / "two", "sync", address=shards, program=CHECKPOINT_RESUME)[0]
+    assert two["iterations"] == 23
     after_two = resumed(tmp_path, "r-two", tmp_path / "two" / "out" / "model.keras")
     assert after_two["iterations"] == 46 and len(after_two["optimizer"]) == 10
     assert max(float(np.max(np.abs(np.array(a) - np.array(b))))
@@ -166,7 +167,9 @@ def test_a_text_model_with_two_outputs_and_steps_per_execution_ends_where_one_pr
     partial): sync with two workers ends within 1e-6 of one process (the mean of two halves'
     gradients against one batch's) with the same batch-end callbacks (6 an epoch) and step count;
     over two shards, one server's weights to the bit; async runs. The logged losses, each
-    output's too, are one process's (its partial batch divides evenly: 10 and 10)."""
+    output's too, are one process's, though the last batch divides 11 and 10: each worker's
+    change to an output's loss tracker weighs as its share of the batch (Keras counts the
+    step once)."""
     plain = alone(tmp_path, program=TEXT)
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir(), (tmp_path / "async").mkdir()
     ours = fit(procs, tmp_path / "one", "sync", program=TEXT)

@@ -2,7 +2,7 @@
 the training texts and mapped over a ``tf.data`` pipeline, an ``Embedding`` (its gradient a
 ``tf.IndexedSlices`` of repeated rows), a ``GRU``, and two outputs each with its own loss (the
 class, and the text's length as a regression); Adam; ``steps_per_execution=4`` over 22 batches
-an epoch, the last one partial.
+an epoch, the last one partial and odd.
 
     python text_two_outputs.py --out DIR [--alone]
 
@@ -31,7 +31,7 @@ import keras  # noqa: E402
 keras.utils.set_random_seed(11)
 tf.config.experimental.enable_op_determinism()
 WORDS = ["good", "bad", "fine", "poor", "great", "awful", "the", "a", "movie", "plot", "was", "and"]
-EXAMPLES, BATCH, LENGTH = 21 * 32 + 20, 32, 12  # 22 batches an epoch, the last of 20
+EXAMPLES, BATCH, LENGTH = 21 * 32 + 21, 32, 12  # 22 batches an epoch, the last of 21 (two workers: 11 and 10)
 
 rng = np.random.default_rng(3)
 sizes = rng.integers(3, LENGTH + 1, EXAMPLES)
