@@ -16,7 +16,7 @@ that changed since, and of an embedding table the server steps row by row only
 the rows changed since, which it writes into its copy (the rest come from its
 cache, ``PullCache``, which says what such a copy guarantees); in sync mode
 a dense push's reply may bring the new values of a small model, saving the next
-pull (``SyncShortcut``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
+pull (``PullCache.receive``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
 gradient bytes (the server widens them back; off by default: it costs accuracy).
 
 Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register``
@@ -64,8 +64,8 @@ from ps_common import security
 from ps_common.reasons import Reason
 from ps_common.records import PushReply, Registration
 from ps_common.sparse import SparseRows
-from worker.transports import (OutgoingPush, PSClientError, PullCache, Session, SessionUnsupported, SharedMemory,
-                               Streams, SyncShortcut, Unary)
+from worker.transports import (CallStream, OutgoingPush, PSClientError, PullCache, SharedMemory,
+                               Streams, Unary)
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES", "pull_when_initialized"]
@@ -138,8 +138,8 @@ class PSClient:
         next pull needs no call when the server confirms them. ``overlap_block_bytes`` > 0 (slow
         links): every sync push is a PushPull, however small, and the server speculates in
         blocks of that many bytes (its own 512 KiB otherwise). ``session``: pulls, pushes and
-        Work calls that fit one message ride one long-lived stream (``Session``) instead of
-        a call each (off for good from a server without it)."""
+        Work calls that fit one message ride one long-lived stream (``CallStream``, rpc
+        Session) instead of a call each."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -159,13 +159,13 @@ class PSClient:
         self._beats_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.unary = Unary(self._channel, address, timeout)
-        self.session = Session(self._channel, address, timeout) if session else None
+        self.calls = CallStream(self._channel, address, timeout) if session else None
         self.streams = Streams(self._channel, address, timeout)
         self.shared_memory = SharedMemory(self.streams, address, enabled=shm)
         self.shm = shm  # the fast path was asked for
         self.cache = PullCache()
-        self.shortcut = SyncShortcut(self.cache, address)
-        self.overlap = overlap  # off for good once a server says it has no PushPull
+        self.sync = False  # set by register: the server runs sync (a push may bring the new values back)
+        self.overlap = overlap
         self.overlap_block_bytes = overlap_block_bytes
 
     @property
@@ -179,8 +179,8 @@ class PSClient:
         return self.shared_memory.fallback_reason
 
     def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
+        if self.calls is not None:
+            self.calls.close()
         self._channel.close()
         with self._beats_lock:
             if self._beats is not None:
@@ -242,7 +242,7 @@ class PSClient:
                 slot.lock.release()
         if self.shm and shared.fallback_reason is not None:
             shared.release_segments()
-        self.shortcut.on = reply.mode == pb.SYNC
+        self.sync = reply.mode == pb.SYNC
         return convert.REGISTRATION.from_wire(reply, shm=shared.active)
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
@@ -259,8 +259,7 @@ class PSClient:
         Variables of up to half the channel's message limit (``max_message_bytes``) in all
         go as one Initialize message, which every server takes and the channel retries on
         UNAVAILABLE; larger ones are streamed in ~2 MiB chunks (InitializeStream), so a
-        model of any size can be initialized (a server older than InitializeStream answers
-        UNIMPLEMENTED: it could not have taken such a model in one message either). Half,
+        model of any size can be initialized. Half,
         so that protobuf's own bytes around the tensors never push a message over."""
         optimizer = pb.OptimizerConfig(**optimizer)
         non_trainable = sorted(non_trainable)
@@ -360,53 +359,35 @@ class PSClient:
         return self._one_message(lambda t: t.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout))
 
     def _one_message(self, call):
-        """``call(transport)`` on the session, or as a unary call when it is off or the server
-        has none (then off for good: nothing was sent)."""
-        if self.session is not None:
-            try:
-                return call(self.session)
-            except SessionUnsupported:
-                self.session.close()
-                self.session = None
-                log.info("server at %s has no Session: a call per pull and push", self.address)
-        return call(self.unary)
+        """``call(transport)`` on the call stream, or as a unary call when it is off."""
+        return call(self.calls if self.calls is not None else self.unary)
 
     def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
         rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
-        push_pull = self.overlap and self.shortcut.on and not rows and not set_learning_rate \
+        push_pull = self.overlap and self.sync and not rows and not set_learning_rate \
             and outgoing.micro_batch < 0 and outgoing.task < 0  # server-dealt data takes no PushPull
         fine = push_pull and self.overlap_block_bytes > 0 and not self.shared_memory.active
         if outgoing.nbytes <= self._unary_limit() and not fine:  # one message beats a stream
             # The sync shortcut brings every variable whole: not after a sparse push, whose
             # next pull brings an embedding table's changed rows only (when the server
             # steps it row by row), nor for a large model.
-            outgoing.return_values = (self.shortcut.on and not rows and self.cache.nbytes <= self._unary_limit()
+            outgoing.return_values = (self.sync and not rows and self.cache.nbytes <= self._unary_limit()
                                       and not self.cache.row_deltas_seen)
             reply = self._one_message(lambda t: t.push(outgoing, timeout))
-            self.shortcut.receive(reply)
+            self.cache.receive(reply, self.address)
         else:
             reply = self.shared_memory.push(outgoing, timeout)
-            if reply is None and push_pull:
-                reply = self._push_pull(outgoing, timeout)
             if reply is None:
-                reply = self.streams.push(outgoing, timeout)
+                reply = self._push_pull(outgoing, timeout) if push_pull else self.streams.push(outgoing, timeout)
         return reply
 
-    def _push_pull(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None:
-        """A sync push as PushPull; None (nothing sent) from a server without it. Confirmed
-        values join the pull cache as the next pull's answer: the pushed variables' new
-        values, the others those held at the push's base version (a sync round changes
-        only what was pushed)."""
-        try:
-            reply, values = self.streams.push_pull(outgoing, timeout, self.overlap_block_bytes)
-        except PSClientError as e:
-            if e.code == grpc.StatusCode.UNIMPLEMENTED:
-                self.overlap = False
-                log.info("server at %s has no PushPull: pushing and pulling one after the other", self.address)
-                return None
-            raise
+    def _push_pull(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
+        """A sync push as PushPull. Confirmed values join the pull cache as the next pull's
+        answer: the pushed variables' new values, the others those held at the push's base
+        version (a sync round changes only what was pushed)."""
+        reply, values = self.streams.push_pull(outgoing, timeout, self.overlap_block_bytes)
         held = self.cache.held
         if values is not None and held is not None and held[0] == reply.incarnation \
                 and held[1] == outgoing.base_version and set(values) <= set(held[2]):

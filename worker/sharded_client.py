@@ -269,9 +269,6 @@ class ShardedClient:
                     f"--ps lists {self.num_shards} servers but the model makes only {len(placement.pieces)} "
                     f"pieces (variables and slices): {', '.join(self.addresses[s] for s in empty)} would hold "
                     f"nothing; list at most {len(placement.pieces)} servers")
-        refusal = sharding.coupling(placement, optimizer)
-        if refusal:
-            raise ConfigError(refusal)
         try:
             per_shard = placement.split(variables)
         except sharding.ShardingError as e:
@@ -304,8 +301,8 @@ class ShardedClient:
     def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = ()) -> \
             tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """``PSClient.optimizer_state`` of the whole model: a variable cut in row slices has
-        each slot's slices concatenated (a slot shaped otherwise is refused there:
-        ``sharding.coupling``), its step count its first slice's. ``averages``: each shard's
+        each slot's slices concatenated (a variable whose slots are shaped otherwise, a norm's,
+        is never cut: ``sharding.norms_of``), its step count its first slice's. ``averages``: each shard's
         pieces of these variables."""
         if self.placement is None:
             self.pull(worker_id)  # learns the placement

@@ -299,26 +299,6 @@ def norms_of(optimizer: Mapping) -> list[str]:
                     if optimizer.get("name") == name.lower()]
 
 
-def coupling(placement: Placement, optimizer: Mapping) -> str | None:
-    """Why ``optimizer`` (the server's fields: ``ps_common.names.optimizer_fields``, None as 0)
-    would not compute on ``placement`` what it computes on one server, or None. Each shard steps
-    its own pieces with its own optimizer, so a per-variable norm (``clipnorm``, Lamb's trust
-    ratio, Adafactor's row and column means) would be the norm of one slice. Such a combination
-    is refused, in one line, before any training. ``global_clipnorm`` takes one norm over every
-    shard (the shards' clip group, ``ps_server/core/clip_group.py``), of whole variables: a
-    variable cut in slices would add its squares in another order than one server, so it too
-    is refused with slices. The chief's plan keeps every variable whole with such an optimizer
-    (``norms_of``), so this refuses only a placement made otherwise (shards an older chief
-    initialized)."""
-    n = placement.num_shards
-    per_variable = norms_of(optimizer)
-    cut = [p.variable for p in placement.pieces if p.parts > 1 and p.part == 0]
-    if per_variable and cut:
-        return (f"{per_variable[0]} cannot run with {cut[0]!r} cut in slices over {n} server shards: each would "
-                "use the norm of its own rows; keep every variable whole (a larger min_slice_bytes) or use one server")
-    return None
-
-
 def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
     """The placement that the shards' contents describe.
 

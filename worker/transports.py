@@ -1,6 +1,7 @@
-"""The three ways a PSClient moves a pull or a push, behind one interface.
+"""The ways a PSClient moves a pull or a push, behind one interface.
 
     unary = Unary(channel, address, timeout)              # one message each way
+    calls = CallStream(channel, address, timeout)         # one message each way, on one long-lived stream
     streams = Streams(channel, address, timeout)          # ~2 MiB chunks (protos.stream)
     shared = SharedMemory(streams, address, enabled=True) # same-host segments (protos.shm)
     header, values = transport.pull(request)              # each: (PullHeader, {name: array})
@@ -8,7 +9,7 @@
 
 ``worker.client.PSClient`` picks one per call (small payloads go unary, large
 ones through shared memory when it is on, else streamed) and keeps the pull
-cache and the sync shortcut (``PullCache``, ``SyncShortcut``) above them. Every
+cache (``PullCache``, which also keeps the values a sync push's reply brings) above them. Every
 gRPC call of the worker is in this module or in ``worker.client``; failures
 leave as ``PSClientError`` naming the call, the status code and the server's
 explanation.
@@ -29,7 +30,7 @@ import queue
 import threading
 import time
 from concurrent import futures
-from typing import Mapping, Protocol
+from typing import Mapping
 
 import grpc
 import numpy as np
@@ -79,7 +80,7 @@ class OutgoingPush:
     loss: float
     arrays: dict[str, tuple[int, np.ndarray]]  # name -> (wire dtype code, C-contiguous little-endian array)
     rows: Mapping[str, np.ndarray]  # sparse gradients: name -> the rows its array holds
-    return_values: bool = False  # unary only: the sync shortcut (SyncShortcut)
+    return_values: bool = False  # unary only: the sync shortcut (PullCache.receive)
     # Small tensors the sync server sums over the round (PushRequest.metrics), already
     # encoded: every transport sends them whole, in the request or the stream's header.
     metrics: list[pb.Tensor] = dataclasses.field(default_factory=list)
@@ -113,16 +114,8 @@ class OutgoingPush:
         return {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
 
 
-class Transport(Protocol):
-    """What PSClient asks of each transport (SharedMemory may answer None: stream it)."""
-
-    def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]] | None: ...
-
-    def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse | None: ...
-
-
 class _OneMessage:
-    """Pull and Push as one message each way, through ``call`` (Unary's, or Session's)."""
+    """Pull and Push as one message each way, through ``call`` (Unary's, or CallStream's)."""
 
     address: str
 
@@ -168,17 +161,13 @@ def _pull_reply(reply: pb.PullResponse, address: str) -> tuple[pb.PullHeader, di
 
 # A CallFailure's code number -> its gRPC status code.
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-# The calls a Session repeats on a new stream when the old one broke (UNAVAILABLE), as the
+# The calls a CallStream repeats on a new stream when the old one broke (UNAVAILABLE), as the
 # channel's retry policy repeats them as unary calls (worker.client.SERVICE_CONFIG).
 SESSION_RETRIES = {"Pull": 4}
-_END = object()  # ends a Session's request iterator
+_END = object()  # ends a CallStream's request iterator
 
 
-class SessionUnsupported(Exception):
-    """The server has no Session (an older one): nothing was sent; use the unary calls."""
-
-
-class Session(_OneMessage):
+class CallStream(_OneMessage):
     """One long-lived bidirectional stream (rpc Session) that carries this client's Pull,
     Push and Work calls, each a SessionRequest with an id and answered by the
     SessionReply of that id, so that a step pays no call's setup. Same interface and
@@ -188,7 +177,7 @@ class Session(_OneMessage):
     Pull); a call past its deadline is DEADLINE_EXCEEDED and is cancelled on the
     server. The next call after a break opens a new stream. Heartbeats keep their own
     connection (``PSClient.heartbeat``): on this one they could wait behind a push's
-    bytes. ``SessionUnsupported`` from a server without Session (nothing was applied)."""
+    bytes."""
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
@@ -233,8 +222,6 @@ class Session(_OneMessage):
                     requests.put(pb.SessionRequest(call=call, cancel=True))
             raise PSClientError(name, self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise SessionUnsupported(e.details()) from None
             raise PSClientError.of(name, self.address, e) from None
 
     def _open(self) -> queue.SimpleQueue:
@@ -275,7 +262,7 @@ class Session(_OneMessage):
 
 
 class _StreamEnded(grpc.RpcError):
-    """A Session stream that the server ended with calls still unanswered (it answers
+    """A CallStream that the server ended with calls still unanswered (it answers
     every call before it ends one): UNAVAILABLE, as a connection lost."""
 
     def code(self) -> grpc.StatusCode:
@@ -617,7 +604,7 @@ class PullCache:
 
     def __init__(self) -> None:
         self.held: tuple[str, int, dict[str, np.ndarray]] | None = None
-        self.fresh = False  # held came with a push reply (SyncShortcut): no pull needed
+        self.fresh = False  # held came with a push reply (receive): no pull needed
         self.row_deltas_seen = False  # the server sent row deltas: it holds row-wise tables
         self._owned: dict[str, np.ndarray] = {}  # arrays this cache made, which it may write
 
@@ -671,23 +658,14 @@ class PullCache:
         self.held, self.fresh = (incarnation, version, values), fresh
         self._owned = {n: a for n, a in self._owned.items() if values.get(n) is a}  # those still held
 
-
-class SyncShortcut:
-    """Sync: a push asks for the new parameters with its reply (PushRequest.return_values);
-    the server grants it when they stay current until this worker pushes again (sync
-    without backup workers), and the next full pull is answered from them without a call.
-    Only unary pushes ask (a streamed reply would have to carry the whole model)."""
-
-    def __init__(self, cache: PullCache, address: str):
-        self.cache, self.address = cache, address
-        self.on = False  # set by register: the server runs sync
-
-    def receive(self, reply: pb.PushResponse) -> None:
-        """Keep the values a push's reply carries, if any."""
+    def receive(self, reply: pb.PushResponse, address: str) -> None:
+        """Sync: the new parameters a push's reply carries, if the server granted them
+        (``PushRequest.return_values``: they stay current until this worker pushes again),
+        as the next full pull's answer, without a call."""
         if not reply.variables:
             return
         try:
             values = codec.decode_many(reply.variables)
         except codec.CodecError as e:
-            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
-        self.cache.keep(reply.incarnation, reply.version, values, fresh=True)
+            raise PSClientError("Push", address, None, f"malformed reply: {e}") from None
+        self.keep(reply.incarnation, reply.version, values, fresh=True)

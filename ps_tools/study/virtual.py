@@ -502,7 +502,7 @@ class _Run:
             ps.register(i, n)
         ps.initialize(0, w.initial, OptimizerSpec(**w.worker_config.optimizer_spec()))
         self.syncish = ps.mode.rounds
-        # The sync shortcut (worker.transports.SyncShortcut): without backup workers, a push
+        # The sync shortcut (worker.transports.PullCache.receive): without backup workers, a push
         # of a model that fits one message asks for the round's values with its reply, and
         # the next step starts from them without a pull.
         self.shortcut = (self.syncish and mode_options(cfg.mode, n).get("replicas_to_aggregate", n) == n

@@ -84,7 +84,7 @@ def assert_same_as_fresh(address: str, version: int, values: dict[str, np.ndarra
 def recording(client: PSClient) -> list[pb.PullHeader]:
     """Every pull header the client receives, whatever the transport."""
     headers = []
-    for transport in (client.unary, client.session, client.streams):
+    for transport in (client.unary, client.calls, client.streams):
         if transport is None:  # no session: its calls are unary
             continue
         original = transport.pull

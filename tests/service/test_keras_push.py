@@ -70,7 +70,7 @@ def cluster():
 def used(client, transport):
     """Count the calls of ``transport`` this client makes: a list that grows by one per call."""
     calls = []
-    target = {"unary": client.unary, "session": client.session, "stream": client.streams,
+    target = {"unary": client.unary, "session": client.calls, "stream": client.streams,
               "shm": client.shared_memory}[transport]
     inner = target.push
 

@@ -41,7 +41,7 @@ assert sum(int(np.prod(s)) * 4 for s in SHAPES.values()) > SMALL_BYTES
 
 def _recording(client):
     calls = []
-    for transport, names in ((client.unary, ("call",)), (client.session, ("call",)),
+    for transport, names in ((client.unary, ("call",)), (client.calls, ("call",)),
                              (client.streams, ("pull", "push", "push_pull"))):
         for name in names:
             real = getattr(transport, name)

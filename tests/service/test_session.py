@@ -1,4 +1,4 @@
-"""The Session stream (rpc Session, ``worker.transports.Session``): a worker's one-message
+"""The Session stream (rpc Session, ``worker.transports.CallStream``): a worker's one-message
 Pull, Push and Work calls on one long-lived stream, each answered as its unary call.
 
 What the stream must keep of the unary calls: the same values (the transport tests in
@@ -12,7 +12,6 @@ send it arbitrary calls and bytes; the token tests (tests/security) send it with
 
 from __future__ import annotations
 
-import logging
 import time
 
 import grpc
@@ -24,7 +23,6 @@ from protos import wire
 from ps_common.reasons import Reason
 from ps_server.config import ServerConfig
 from ps_server.server import build_server
-from ps_server.service import ParameterServerServicer
 from worker.client import PSClient, PSClientError
 
 from .conftest import CLIENT_TIMEOUT
@@ -54,14 +52,14 @@ def _worker_1_completes_round_0(running) -> None:
 
 def _streams_opened(client: PSClient) -> list:
     """Every Session stream ``client`` opens from now on."""
-    opened, real = [], client.session._method
+    opened, real = [], client.calls._method
 
     def opening(*a, **kw):
         call = real(*a, **kw)
         opened.append(call)
         return call
 
-    client.session._method = opening
+    client.calls._method = opening
     return opened
 
 
@@ -156,21 +154,6 @@ def _wait_for(predicate, what: str, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.01)
-
-
-def test_a_server_without_session_gets_unary_calls_and_one_log_line(ps, monkeypatch, caplog):
-    async def unimplemented(self, request_iterator, context):
-        await context.abort(Code.UNIMPLEMENTED, "Method not found!")
-        yield  # an async generator, as the real handler
-
-    monkeypatch.setattr(ParameterServerServicer, "Session", unimplemented)
-    running, client = _ready(ps, mode="async")
-    with caplog.at_level(logging.INFO, logger="worker.client"):
-        for step in range(3):
-            assert client.push(0, step, step, 1, {"w": np.ones(3, np.float32)}).version == step + 1
-            version, _ = client.pull(0)
-    assert version == 3 and client.session is None
-    assert sum("has no Session" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_second_call_under_a_running_call_s_id_is_refused_and_the_first_goes_on(ps):

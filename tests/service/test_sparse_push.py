@@ -81,7 +81,7 @@ def test_a_sparse_push_applies_bit_for_bit_what_the_same_push_made_dense_applies
 def test_only_the_rows_travel(servers, monkeypatch):
     client = servers()
     sizes: list[int] = []
-    for transport in (client.unary, client.session):  # one message: on the session, or unary
+    for transport in (client.unary, client.calls):  # one message: on the session, or unary
         def measuring(name, request, *a, _original=transport.call, **kw):
             if name == "Push":
                 sizes.append(request.ByteSize())

@@ -262,7 +262,7 @@ def test_a_small_model_goes_unary_with_the_same_skipping_and_the_same_values(ps,
     running, client, values = _start(ps, mode="async", value={"w": np.arange(10, dtype=np.float32),
                                                               "b": np.array(0.5, np.float32)})
     calls = []
-    for transport in (client.unary, client.session):  # one message: on the session, or unary
+    for transport in (client.unary, client.calls):  # one message: on the session, or unary
         real = transport.call
         transport.call = lambda name, *a, _real=real, **k: (calls.append(name), _real(name, *a, **k))[1]
     v0, first = client.pull(0)  # no cache yet: streamed, learns the size

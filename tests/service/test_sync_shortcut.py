@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/service/test_sync_shortcut.py
 
-SyncShortcut: "Sync: a push asks for the new parameters with its reply; the server
+PullCache.receive: "Sync: a push asks for the new parameters with its reply; the server
 grants it when they stay current until this worker pushes again, and the next full
 pull is answered from them without a call."
 """
@@ -19,7 +19,7 @@ SGD = {"name": "sgd", "learning_rate": 0.5}
 def _recording(client) -> list[str]:
     """The one-message calls the client makes (unary, or on its session) from now on."""
     calls: list[str] = []
-    for transport in (client.unary, client.session):
+    for transport in (client.unary, client.calls):
         real = transport.call
         transport.call = lambda name, *a, _real=real, **k: (calls.append(name), _real(name, *a, **k))[1]
     return calls

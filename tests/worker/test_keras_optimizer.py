@@ -90,7 +90,6 @@ def refusals(keras):
         (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server: it scales"),
         (O.MultiOptimizer(O.OptimizerMap(O.SGD())), "optimizer MultiOptimizer cannot run on the server: it steps"),
         (O.ScheduleFreeAdamW(), "optimizer ScheduleFreeAdamW cannot run on the server: it trains"),
-        (O.SGD(loss_scale_factor=128.0), "SGD with loss_scale_factor=128.0 cannot run on the server"),
         (O.Adam(gradient_accumulation_steps=4, use_ema=True, ema_overwrite_frequency=2),
          "Adam with use_ema and gradient_accumulation_steps cannot run"),
         (O.SGD(learning_rate=MySchedule()), "learning-rate schedule MySchedule .* cannot run on the server"),

@@ -218,25 +218,16 @@ def test_a_sparse_gradient_of_a_sliced_variable_reaches_each_shard_as_its_own_ro
     np.testing.assert_array_equal(p.join([{n: dense_parts[n] for n in shard} for shard in per_shard])["emb"], whole)
 
 
-@pytest.mark.parametrize("optimizer, shards, refused", [
-    ({"name": "adamw", "global_clipnorm": 1.0}, 2, "global_clipnorm cannot run with 'cnn/dense/kernel' cut"),
-    ({"name": "adamw", "global_clipnorm": 1.0}, 1, None),
-    ({"name": "adam", "global_clipnorm": 0}, 2, None),  # the wire's "not set"
-    ({"name": "sgd", "clipnorm": 1.0}, 2, "clipnorm cannot run with 'cnn/dense/kernel' cut in slices"),
-    ({"name": "lamb"}, 2, "Lamb's per-variable norms cannot run with 'cnn/dense/kernel'"),
-    ({"name": "adafactor"}, 3, "Adafactor's per-variable norms cannot run"),
-    ({"name": "sgd", "clipvalue": 1.0}, 2, None),  # elementwise: the same on any placement
+@pytest.mark.parametrize("optimizer, norms", [
+    ({"name": "adamw", "global_clipnorm": 1.0}, ["global_clipnorm"]),
+    ({"name": "adam", "global_clipnorm": 0}, []),  # the wire's "not set"
+    ({"name": "sgd", "clipnorm": 1.0}, ["clipnorm"]),
+    ({"name": "lamb"}, ["Lamb's per-variable norms"]),
+    ({"name": "adafactor"}, ["Adafactor's per-variable norms"]),
+    ({"name": "sgd", "clipvalue": 1.0}, []),  # elementwise: the same on any placement
 ])
-def test_an_option_that_reads_across_pieces_is_refused_where_a_shard_would_see_only_its_part(optimizer, shards, refused):
-    """Each shard steps its own pieces: a per-variable norm would be the slice's (the dense
-    kernel, 846 KiB, is cut at the default 256 KiB); global clipping, whose shards add their
-    squares together, needs whole variables to add them in one server's order."""
-    reason = sharding.coupling(plan(CNN, shards), optimizer)
-    assert (reason is None) if refused is None else refused in reason
-
-
-def test_a_per_variable_norm_is_allowed_when_every_variable_stays_whole():
-    whole = plan(CNN, 2, min_slice_bytes=10**9)
-    assert all(p.parts == 1 for p in whole.pieces)
-    assert sharding.coupling(whole, {"name": "sgd", "clipnorm": 1.0}) is None
-    assert sharding.coupling(whole, {"name": "adamw", "global_clipnorm": 1.0}) is None
+def test_the_options_that_read_a_whole_variable_are_named_so_the_plan_keeps_every_variable_whole(optimizer, norms):
+    """Each shard steps its own pieces: a per-variable norm of a slice would be the slice's, and
+    global clipping's shards add their squares in one server's order only of whole variables,
+    so with these options the chief's plan cuts nothing (``ShardedClient.initialize``)."""
+    assert sharding.norms_of(optimizer) == norms
