@@ -109,7 +109,7 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps; over two
     server shards, one server's weights to the bit. Run
     eagerly (``run_eagerly=True``: the optimizers are found by tracing the step once before
-    fit) the same, within 1e-6 of one process; async runs (eagerly)."""
+    fit) the same, within 1e-6 of one process; async and ssp run (eagerly)."""
     plain = alone(tmp_path, program=GAN)
     mirrored = alone(tmp_path, program=GAN, how="--mirrored")
     ours = fit(procs, tmp_path, "sync", program=GAN)
@@ -122,12 +122,13 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
               program=GAN)
     assert two[0]["weights"] == ours[0]["weights"] and two[0]["iterations"] == [32, 32]
     eager = {}
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "ssp"):
         (tmp_path / f"eager-{mode}").mkdir()
         eager[mode] = fit(procs, tmp_path / f"eager-{mode}", mode, "--eagerly", program=GAN)
     assert gap(eager["sync"][0], plain) < 1e-6 and eager["sync"][0]["weights"] == eager["sync"][1]["weights"]
     assert eager["sync"][0]["iterations"] == [32, 32]
-    assert len(eager["async"]) == 2 and all(np.isfinite(r["history"]["g_loss"]).all() for r in eager["async"])
+    for mode in ("async", "ssp"):
+        assert len(eager[mode]) == 2 and all(np.isfinite(r["history"]["g_loss"]).all() for r in eager[mode])
 
 
 def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_the_step_on_every_worker(
@@ -137,7 +138,8 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     weights to the bit (both 4.6e-3 from one process: float16 sums over half batches). An
     example that overflows float16 on worker 1 alone skips that round on both workers, as in one
     process: the same steps made, the same scale and counter; the weights stay within float16's
-    rounding of one process's. Over two server shards every shard skips it: one server's bits."""
+    rounding of one process's. Over two server shards every shard skips it: one server's bits.
+    Async and ssp run."""
     (tmp_path / "plain").mkdir(), (tmp_path / "overflow").mkdir()
     mirrored = alone(tmp_path / "plain", program=MIXED, how="--mirrored")
     ours = fit(procs, tmp_path / "plain", "sync", program=MIXED)
@@ -156,9 +158,10 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     assert two[0]["weights"] == skipped[0]["weights"]
     assert [(r["iterations"], r["scale"], r["step_counter"]) for r in two] == \
         [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
-    (tmp_path / "async").mkdir()
-    async_ = fit(procs, tmp_path / "async", "async", program=MIXED)
-    assert all(r["history"]["accuracy"][-1] > 0.5 for r in async_), [r["history"] for r in async_]
+    for mode in ("async", "ssp"):
+        (tmp_path / mode).mkdir()
+        records = fit(procs, tmp_path / mode, mode, program=MIXED)
+        assert all(r["history"]["accuracy"][-1] > 0.5 for r in records), [r["history"] for r in records]
 
 
 def test_a_text_model_with_two_outputs_and_steps_per_execution_ends_where_one_process_ends(procs, tmp_path):
