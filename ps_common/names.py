@@ -97,8 +97,8 @@ REFUSED_KERAS_OPTIMIZERS = {
     "LossScaleOptimizer": "it scales the loss for mixed precision around another optimizer, whose steps it may "
                           "skip: tfps.keras serves it (mixed_float16), other front doors push the inner "
                           "optimizer's unscaled gradients",
-    "MultiOptimizer": "it steps each variable with an optimizer its own code chooses, which the server does "
-                      "not see",
+    "MultiOptimizer": "it steps each variable with an optimizer its own code chooses: tfps.keras serves it, "
+                      "each of its optimizers a group of the server's, other front doors push to one optimizer",
     "Muon": "it orthogonalizes each matrix's update with Newton-Schulz matrix products, not reproduced here, and "
             "picks Muon or AdamW per variable by layer name, which the server does not see",
     "ScheduleFreeAdamW": "it trains at an interpolation of two sequences and swaps in the averaged one for "

@@ -217,8 +217,10 @@ class Strategy:
             return
         if self.models:
             raise ValueError("a tfps.keras.Strategy trains one model; make a Strategy per model")
-        # refuses what the server cannot run, before any training
-        spec_fields(_inner(model.optimizer))
+        # refuses what the server cannot run, before any training (a MultiOptimizer's: each it holds yet)
+        inner = _inner(model.optimizer)
+        for optimizer in inner.optimizers if _is_multi(inner) else [inner]:
+            spec_fields(optimizer)
         if self.config.elastic and _inner(model.optimizer) is not model.optimizer:
             raise ValueError("elastic=True: a loss scale (mixed_float16) is not served where the server deals the "
                              "data (each micro-batch's skip would have to hold for its whole round); train it "
@@ -313,6 +315,25 @@ def _inner(optimizer):
     return optimizer.inner_optimizer if type(optimizer).__name__ == "LossScaleOptimizer" else optimizer
 
 
+def _is_multi(optimizer) -> bool:
+    return type(optimizer).__name__ == "MultiOptimizer"
+
+
+def _parts(optimizer, variables: list) -> list:
+    """(optimizer, its variables) of each optimizer the server runs for ``optimizer`` applied
+    to ``variables``: a ``MultiOptimizer``'s choice for each variable (each a group of the
+    server's spec), else the optimizer itself (the inner one under a loss scale)."""
+    inner = _inner(optimizer)
+    if not _is_multi(inner):
+        return [(inner, list(variables))]
+    inner.build(list(variables))  # its choice of optimizer for each variable, made as Keras makes it
+    parts: dict = {}
+    for v in variables:
+        chosen = inner._inner_optimizers[inner._var_to_optimizer_idx[inner._var_key(v)]]
+        parts.setdefault(id(chosen), (chosen, []))[1].append(v)
+    return list(parts.values())
+
+
 def _overrides_train_step(model) -> bool:
     import keras
 
@@ -353,8 +374,9 @@ class _Attached:
     @property
     def optimizer(self):
         """The optimizer the server runs: the compiled one, or the first a wrapped step applies
-        (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused)."""
-        return _inner(self.wrap.served[0][0] if self.wrap.served else self.model.optimizer)
+        (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused; a
+        ``MultiOptimizer``'s first)."""
+        return self.wrap.parts[0][0] if self.wrap.parts else _inner(self.model.optimizer)
 
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         strategy = self.strategy
@@ -559,7 +581,9 @@ class _Attached:
         set_values(self.model, values)
         served = self.wrap.served or [(self.model.optimizer, trainable(self.model))]
         for optimizer, variables in served:
-            load_state(_inner(optimizer), variables, states, self.window.steps)
+            steps = [load_state(o, held, states, self.window.steps) for o, held in _parts(optimizer, variables)]
+            if _is_multi(_inner(optimizer)):
+                _inner(optimizer)._iterations.assign(max(steps))
 
     def _take_averages(self) -> None:
         """The end of ``fit`` with ``use_ema``: the compiled optimizer's variables take their
@@ -568,12 +592,13 @@ class _Attached:
         from worker.gradients import set_values, trainable
 
         conn = self.strategy.connection
-        if conn is None or not _inner(self.model.optimizer).use_ema:
-            return
         served = dict((id(o), v) for o, v in self.wrap.served or [(self.model.optimizer, trainable(self.model))])
-        if id(self.model.optimizer) not in served:  # a step of its own that never applies it
+        if conn is None or id(self.model.optimizer) not in served:  # a step of its own that never applies it
             return
-        names = [v.path for v in served[id(self.model.optimizer)]]
+        names = [v.path for o, held in _parts(self.model.optimizer, served[id(self.model.optimizer)]) if o.use_ema
+                 for v in held]
+        if not names:
+            return
         _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names)
         set_values(self.model, values)
 
@@ -619,6 +644,7 @@ class _Wrap:
         self.base: dict = {}  # the non-trainable values the next push's changes are measured from
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
+        self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
         self.grouped = False  # served as groups: several optimizers, or one to some variables
         self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
         self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
@@ -679,16 +705,17 @@ class _Wrap:
             raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
                              "optimizer its own variables")
         # Each optimizer its variables (a group of the server's spec), unless one steps them all.
-        self.grouped = len(self.served) > 1 or len(paths) != len(everything)
-        specs = [spec_fields(_inner(o)) for o, _ in self.served]
-        if self.attached.window.steps > 1 and (len(self.served) > 1 or _inner(self.served[0][0]) is not
-                                               self.served[0][0]):
+        self.parts = [part for o, variables in self.served for part in _parts(o, variables)]
+        self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
+        specs = [spec_fields(o) for o, _ in self.parts]
+        if (self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)) and (
+                self.grouped or _inner(self.served[0][0]) is not self.served[0][0]):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
         if self.grouped and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
                              f"{len(paths)} of {len(everything)} trainable variables; where the server deals the data "
                              "each micro-batch is one push of a round: one optimizer to every variable only")
-        if len(self.served) > 1 and any(_inner(o) is not o for o, _ in self.served):
+        if len(self.parts) > 1 and any(_inner(o) is not o for o, _ in self.served):
             raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
                              "served with one optimizer only")
 
@@ -696,11 +723,11 @@ class _Wrap:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
         from worker.keras_optimizer import spec_fields
 
-        specs = [spec_fields(_inner(o)) for o, _ in self.served]
+        specs = [spec_fields(o) for o, _ in self.parts]
         if not self.grouped:
             return specs[0]
         return {**specs[0], "groups": [{"variables": [v.path for v in variables], "optimizer": spec}
-                                       for (_, variables), spec in zip(self.served, specs)]}
+                                       for (_, variables), spec in zip(self.parts, specs)]}
 
     def step(self, data) -> dict:
         """One call of the model's ``train_step`` on this worker's part of the global batch

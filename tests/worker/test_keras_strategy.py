@@ -127,6 +127,37 @@ def test_a_train_step_s_optimizers_of_different_configs_or_one_to_some_variables
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_multi_optimizer_s_optimizers_each_step_their_variables_as_model_fit_does(server, clip, tmp_path):
+    """``MultiOptimizer``: Adam for the hidden layer (chosen by path), SGD with momentum for the
+    rest, each a group of the server's spec; with ``clipnorm`` on both (each variable's own
+    norm). One worker's fit ends at the plain ``model.fit``'s weights and losses to the bit, on
+    one server shard and on two; ``model.save`` writes each optimizer's state, so the file's
+    optimizer variables are the plain run's."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64)
+    runs = []
+    for shards in (0, 1, 2):  # 0: the plain process
+        strategy = Strategy(ps=",".join(server("sync", 1).address for _ in range(shards)), num_workers=1) \
+            if shards else None
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu", name="hidden"),
+                                      keras.layers.Dense(3, activation="softmax", name="out")])
+            chosen = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=clip),
+                                                   {"hidden/.*": keras.optimizers.Adam(0.01, clipnorm=clip)})
+            model.compile(optimizer=keras.optimizers.MultiOptimizer(chosen), loss="sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model.save(str(tmp_path / f"multi-{shards}.keras"))  # under tfps: the server's state first
+        state = [np.asarray(v.numpy()).tobytes() for o in model.optimizer.optimizers for v in o.variables]
+        runs.append([[v.numpy().tobytes() for v in model.trainable_variables], history.history["loss"], state])
+        if strategy:
+            strategy.close()
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 def test_a_learning_rate_a_callback_changes_stops_a_fit_of_several_optimizers_in_one_line(server):
     """Each optimizer's learning rate is its own on the server (``OptimizerSpec.groups``): a
     callback's change cannot reach it as one rate, so the chief stops, naming what to do."""
