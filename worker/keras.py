@@ -1281,19 +1281,29 @@ def _dealt(given: dict, config, server_mode) -> tuple:
     arguments are checked before ``server_mode()`` asks the server."""
     from worker.task import DealtArrays, TaskError
 
-    for name, unset, why in (("validation_split", 0.0, "give validation_data"),
-                             ("class_weight", None, "give sample_weight"),
-                             ("steps_per_epoch", None, "an epoch is every example once")):
-        if given.get(name, unset) not in (unset, None, 0):
-            raise ValueError(f"elastic=True: {name} is not supported when the server deals the examples ({why})")
+    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+    if given.get("steps_per_epoch"):
+        raise ValueError("elastic=True: steps_per_epoch is not supported when the server deals the examples (an "
+                         "epoch is every example once)")
     x, y, sample_weight, batch_size = (given.get(k) for k in ("x", "y", "sample_weight", "batch_size"))
+    split = given.get("validation_split") if given.get("validation_data") is None else 0.0
     if _is_dataset(x):
-        if y is not None or sample_weight is not None:
-            raise ValueError("a tf.data.Dataset x carries its own y and sample_weight; give neither")
+        if y is not None or sample_weight is not None or split:
+            raise ValueError("a tf.data.Dataset x carries its own y and sample_weight and takes no "
+                             "validation_split (Keras' rule); give neither")
         x, y, sample_weight, batch_size = _read_once(x)
     elif not all(isinstance(a, np.ndarray) for a in _flat((x, y, sample_weight))) or x is None:
         raise ValueError(f"elastic=True deals the examples of NumPy arrays or of a finite tf.data.Dataset; "
                          f"got x of type {type(x).__name__}")
+    if split:  # as Keras' fit splits them: the last part validates, the rest is dealt
+        (x, y, sample_weight), validation = array_slicing.train_validation_split((x, y, sample_weight), split)
+        given = {**given, "validation_split": 0.0, "validation_data": validation}
+    if given.get("class_weight"):  # as Keras' data adapters weigh the dealt examples
+        if sample_weight is not None or not isinstance(y, np.ndarray):
+            raise ValueError("class_weight goes with neither sample_weight nor several outputs (Keras' rule)")
+        sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
+        given = {**given, "class_weight": None}
     try:
         data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32), seed=config.seed,
                            epochs=int(given.get("epochs", 1)))

@@ -7,6 +7,7 @@ import contextlib
 import re
 
 import keras
+import numpy as np
 
 import pytest
 
@@ -226,8 +227,7 @@ def _elastic(**flags) -> Strategy:
 
 
 @pytest.mark.parametrize("fit, named", [
-    (dict(validation_split=0.2), "validation_split is not supported"),
-    (dict(class_weight={0: 1.0, 1: 2.0, 2: 1.0}), "give sample_weight"),
+    (dict(class_weight={0: 1.0, 1: 2.0, 2: 1.0}, sample_weight=np.ones(8)), "class_weight goes with neither"),
     (dict(steps_per_epoch=3), "steps_per_epoch is not supported"),
     (dict(x=iter([]), y=None), "deals the examples of NumPy arrays or of a finite tf.data.Dataset; got x of type"),
     (dict(y=[0, 1]), "x, y and sample_weight must have the same number of examples"),
@@ -387,6 +387,36 @@ def test_use_ema_swaps_the_averages_in_at_the_end_of_fit_as_model_fit_does(serve
         if strategy:
             strategy.close()
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_an_elastic_fit_s_class_weight_and_validation_split_are_keras_sample_weights_and_validation_data(
+        server_config):
+    """Elastic: ``class_weight`` becomes the dealt examples' sample weights and
+    ``validation_split`` the last part of the arrays, as Keras' fit makes them: each fit ends
+    at the weights and History of the same fit given those sample weights and that
+    validation data, to the bit."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    weights = {0: 1.0, 1: 3.0, 2: 0.5}
+    given = [dict(class_weight=weights, validation_split=0.2),
+             dict(sample_weight=np.array([weights[int(c)] for c in y[:56]], np.float32),
+                  validation_data=(x[56:], y[56:]))]
+    runs = []
+    for fit in given:
+        running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
+        strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = small_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+        n = 70 if "validation_split" in fit else 56
+        history = model.fit(x[:n], y[:n], batch_size=16, epochs=2, verbose=0, **fit)
+        runs.append([[v.numpy().tobytes() for v in model.trainable_variables], history.history])
+        assert strategy.connection.client.status().epoch_examples[0] == 56
+        strategy.close()
+    assert runs[0] == runs[1] and set(runs[0][1]) == {"loss", "val_loss"}
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
