@@ -4,7 +4,6 @@ The training itself, with real servers and workers, is tests/cluster/test_keras_
 """
 
 import contextlib
-import re
 
 import keras
 import numpy as np
@@ -128,6 +127,13 @@ def test_a_train_step_s_optimizers_of_different_configs_or_one_to_some_variables
     assert runs[0] == runs[1]
 
 
+def plain_and_shards(server):
+    """(0, None): the plain process; then (1, a one-worker Strategy over one server shard), (2, over two)."""
+    yield 0, None
+    for shards in (1, 2):
+        yield shards, Strategy(ps=",".join(server("sync", 1).address for _ in range(shards)), num_workers=1)
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_a_multi_optimizer_s_optimizers_each_step_their_variables_as_model_fit_does(server, clip, tmp_path):
     """``MultiOptimizer``: Adam for the hidden layer (chosen by path), SGD with momentum for the
@@ -140,9 +146,7 @@ def test_a_multi_optimizer_s_optimizers_each_step_their_variables_as_model_fit_d
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64)
     runs = []
-    for shards in (0, 1, 2):  # 0: the plain process
-        strategy = Strategy(ps=",".join(server("sync", 1).address for _ in range(shards)), num_workers=1) \
-            if shards else None
+    for shards, strategy in plain_and_shards(server):
         with strategy.scope() if strategy else contextlib.nullcontext():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu", name="hidden"),
@@ -370,9 +374,7 @@ def test_use_ema_swaps_the_averages_in_at_the_end_of_fit_as_model_fit_does(serve
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(80, 4)).astype(np.float32), rng.integers(0, 3, 80)
     runs = []
-    for shards in (0, 1, 2):  # 0: the plain process
-        strategy = Strategy(ps=",".join(server("sync", 1).address for _ in range(shards)), num_workers=1) \
-            if shards else None
+    for shards, strategy in plain_and_shards(server):
         with strategy.scope() if strategy else contextlib.nullcontext():
             keras.utils.set_random_seed(0)
             model = small_model()
