@@ -95,10 +95,12 @@ def test_the_two_tensorflow_examples_reach_90_percent_on_digits_through_ps_launc
     assert float(found[0]) >= 0.90, found
 
 
-def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", pytest.param("ssp", marks=pytest.mark.slow)])  # ssp: the same seed
+def test_an_unseeded_shuffle_reads_the_same_global_batches_on_every_worker(procs, tmp_path, mode):
     """``dataset.shuffle(n)`` with no seed, as most pipelines write it: every worker reads the same
-    order (``Strategy()`` set TensorFlow's global seed); fit's rounds checked every batch's digest."""
-    records = fit(procs, tmp_path, "sync", "--shuffle", "unseeded", "--epochs", "2")
+    order (``Strategy()`` set TensorFlow's global seed); sync's rounds checked every batch's digest,
+    ssp's each epoch's against the chief's."""
+    records = fit(procs, tmp_path, mode, "--shuffle", "unseeded", "--epochs", "2")
     unshuffled = records[0]["next_pass_labels"]
     assert [r["next_pass_labels"] for r in records] == [unshuffled] * 2
     order = np.random.default_rng(0).permutation(1797)  # keras_program.py's split of digits
@@ -119,7 +121,7 @@ def alone(tmp_path, *flags: str, program: str = PROGRAM, how: str = "--alone") -
     return json.loads((out / "worker0.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+@pytest.mark.parametrize("mode", ["sync", "async", pytest.param("ssp", marks=pytest.mark.slow)])  # ssp: async's path
 def test_gradient_accumulation_makes_one_update_per_k_batches(procs, tmp_path, mode):
     """``SGD(..., gradient_accumulation_steps=2)``: sync with two workers ends within float
     rounding of one process (each round the mean over its window of the global batches'

@@ -105,7 +105,9 @@ def test_launch_bad_flag_is_a_one_line_error():
     assert "--global-batch-size" in run.stderr
 
 
-@pytest.mark.parametrize("extra", [("--shm",), ("--shm", "--num-ps", "2", "--grad-wire-dtype", "bfloat16")])
+# --shm alone: slow; the second case takes the same fast path, over two shards and in bfloat16
+@pytest.mark.parametrize("extra", [pytest.param(("--shm",), marks=pytest.mark.slow),
+                                   ("--shm", "--num-ps", "2", "--grad-wire-dtype", "bfloat16")])
 def test_launch_with_the_same_host_fast_path_trains_through_shared_memory(extra, tmp_path):
     """The rule: "Same-host fast path ... opt-in, detected": on one host every worker's
     registration probe succeeds and the run trains as well as over gRPC alone."""
