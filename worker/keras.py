@@ -571,7 +571,7 @@ class _Attached:
         into the Keras optimizer (``worker.keras_optimizer.load_state``), all of one version:
         what ``model.save``, ``ModelCheckpoint`` and ``BackupAndRestore`` then write, so the
         file resumes in one process as that process's own file does."""
-        from worker.gradients import set_values, trainable
+        from worker.gradients import set_values
         from worker.keras_optimizer import load_state
 
         conn = self.strategy.connection
@@ -579,20 +579,25 @@ class _Attached:
             return
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
-        served = self.wrap.served or [(self.model.optimizer, trainable(self.model))]
-        for optimizer, variables in served:
+        for optimizer, variables in self._served():
             steps = [load_state(o, held, states, self.window.steps) for o, held in _parts(optimizer, variables)]
             if _is_multi(_inner(optimizer)):
                 _inner(optimizer)._iterations.assign(max(steps))
+
+    def _served(self) -> list:
+        """(optimizer, variables) of each optimizer the step applies; before the first fit, the compiled one's."""
+        from worker.gradients import trainable
+
+        return self.wrap.served or [(self.model.optimizer, trainable(self.model))]
 
     def _take_averages(self) -> None:
         """The end of ``fit`` with ``use_ema``: the compiled optimizer's variables take their
         moving averages on the server (every worker asks; the second ask changes nothing), and
         this worker's model the server's values, as Keras' ``finalize_variable_values`` does."""
-        from worker.gradients import set_values, trainable
+        from worker.gradients import set_values
 
         conn = self.strategy.connection
-        served = dict((id(o), v) for o, v in self.wrap.served or [(self.model.optimizer, trainable(self.model))])
+        served = {id(o): v for o, v in self._served()}
         if conn is None or id(self.model.optimizer) not in served:  # a step of its own that never applies it
             return
         names = [v.path for o, held in _parts(self.model.optimizer, served[id(self.model.optimizer)]) if o.use_ema

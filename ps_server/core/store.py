@@ -513,7 +513,7 @@ class VariableStore:
             return True
 
     def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
-        for s in [spec, *(group for _, group in spec.groups or ())]:
+        for s in spec.every():
             refusal = sparse.lazy_refusal(s) if self.sparse_updates == "lazy" else None
             # The rule a flag gave refuses an optimizer at once; the one an optimizer asks for (the
             # Keras front door's, for every model) at its first sparse gradient (``prepare``).

@@ -237,6 +237,10 @@ class OptimizerSpec:
             seen.update(names)
             spec.validate()
 
+    def every(self) -> list["OptimizerSpec"]:
+        """This spec and each group's (``Optimizer.every`` of the specs)."""
+        return [self, *(spec for _, spec in self.groups or ())]
+
     def as_dict(self) -> dict:
         return asdict(self)
 

@@ -24,7 +24,7 @@ def make_optimizer(spec: OptimizerSpec) -> Optimizer:
     """The optimizer ``spec`` names; raises InvalidArgument for a bad spec. With groups,
     its ``of`` maps each group's variables to that group's optimizer (``Optimizer.of``)."""
     spec.validate()
-    for s in [spec, *(group for _, group in spec.groups or ())]:
+    for s in spec.every():
         if s.name not in OPTIMIZER_CLASSES:
             raise InvalidArgument(f"optimizer {s.name} is not available on this server")
     optimizer = OPTIMIZER_CLASSES[spec.name](spec)
