@@ -52,7 +52,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
-    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon", "learning_rate_schedule", "amsgrad", "rho", "centered", "initial_accumulator_value", "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency", "beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step", "sparse_rule", "gradient_accumulation_steps", "groups")
+    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon", "learning_rate_schedule", "amsgrad", "rho", "centered", "initial_accumulator_value", "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency", "beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step", "sparse_rule", "gradient_accumulation_steps", "groups", "warmup_steps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class OptimizerConfig(_message.Message):
     SPARSE_RULE_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     learning_rate: float
     momentum: float
@@ -117,7 +118,8 @@ class OptimizerConfig(_message.Message):
     sparse_rule: str
     gradient_accumulation_steps: int
     groups: _containers.RepeatedCompositeFieldContainer[OptimizerGroup]
-    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ..., beta_2_decay: _Optional[float] = ..., epsilon_1: _Optional[float] = ..., epsilon_2: _Optional[float] = ..., clip_threshold: _Optional[float] = ..., relative_step: _Optional[bool] = ..., sparse_rule: _Optional[str] = ..., gradient_accumulation_steps: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[OptimizerGroup, _Mapping]]] = ...) -> None: ...
+    warmup_steps: int
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ..., beta_2_decay: _Optional[float] = ..., epsilon_1: _Optional[float] = ..., epsilon_2: _Optional[float] = ..., clip_threshold: _Optional[float] = ..., relative_step: _Optional[bool] = ..., sparse_rule: _Optional[str] = ..., gradient_accumulation_steps: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[OptimizerGroup, _Mapping]]] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class OptimizerGroup(_message.Message):
     __slots__ = ("variables", "optimizer")

@@ -56,6 +56,8 @@ OPTIMIZER_DEFAULTS: dict[str, dict] = {
     "lamb": {**_ADAM, **_OPTIONS},
     "adafactor": {"learning_rate": 0.001, "beta_2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3,
                   "clip_threshold": 1.0, "relative_step": True, **_OPTIONS},
+    "schedule_free_adamw": {"learning_rate": 0.0025, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-8,
+                            "warmup_steps": 0, **_OPTIONS},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
@@ -63,7 +65,7 @@ OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
                            "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
                            "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
-                           "Adafactor": "adafactor"}
+                           "Adafactor": "adafactor", "ScheduleFreeAdamW": "schedule_free_adamw"}
 
 # A push's metric that skips its update: sync, the whole round when any push of it carries a
 # value > 0 (every worker's reply carries the sum); async and ssp, the push. A Keras
@@ -88,6 +90,7 @@ KERAS_SLOTS: dict[str, dict[str, str]] = {
     "lion": {"m": "_momentums"},
     "adadelta": {"accumulated_grad": "_accumulated_grads", "accumulated_delta_var": "_accumulated_delta_vars"},
     "adafactor": {"r": "_r", "c": "_c", "v": "_v"},
+    "schedule_free_adamw": {"momentum": "_momentums", "velocity": "_velocities"},
 }
 
 # The classes of keras.optimizers the server does not run, each with why (one line; the
@@ -101,8 +104,6 @@ REFUSED_KERAS_OPTIMIZERS = {
                       "each of its optimizers a group of the server's, other front doors push to one optimizer",
     "Muon": "it orthogonalizes each matrix's update with Newton-Schulz matrix products, not reproduced here, and "
             "picks Muon or AdamW per variable by layer name, which the server does not see",
-    "ScheduleFreeAdamW": "it trains at an interpolation of two sequences and swaps in the averaged one for "
-                         "evaluation (finalize_variable_values), which the server does not do",
 }
 
 # A field an optimizer does not take holds this (the first optimizer's default that has it),

@@ -20,12 +20,13 @@ import pytest
 
 from ps_common import names
 from ps_server.core.errors import InvalidArgument
-from ps_server.core.optim.more_optimizers import Adadelta, Adafactor, Adamax, Ftrl, Lamb, Lion, Nadam, _tf_mean, _tf_pow
+from ps_server.core.optim.more_optimizers import (Adadelta, Adafactor, Adamax, Ftrl, Lamb, Lion, Nadam,
+                                                  ScheduleFreeAdamW, _tf_mean, _tf_pow)
 
 CLASSES = {"adamax": Adamax, "nadam": Nadam, "ftrl": Ftrl, "lion": Lion, "adadelta": Adadelta, "lamb": Lamb,
-           "adafactor": Adafactor}
+           "adafactor": Adafactor, "schedule_free_adamw": ScheduleFreeAdamW}
 KERAS_NAMES = {"adamax": "Adamax", "nadam": "Nadam", "ftrl": "Ftrl", "lion": "Lion", "adadelta": "Adadelta",
-               "lamb": "Lamb", "adafactor": "Adafactor"}
+               "lamb": "Lamb", "adafactor": "Adafactor", "schedule_free_adamw": "ScheduleFreeAdamW"}
 # The spec attributes each class reads: Keras' constructor arguments of the same names.
 HYPERPARAMETERS = {
     "adamax": ("learning_rate", "beta_1", "beta_2", "epsilon"),
@@ -37,6 +38,7 @@ HYPERPARAMETERS = {
     "adadelta": ("learning_rate", "rho", "epsilon"),
     "lamb": ("learning_rate", "beta_1", "beta_2", "epsilon"),
     "adafactor": ("learning_rate", "beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step"),
+    "schedule_free_adamw": ("learning_rate", "beta_1", "beta_2", "epsilon", "warmup_steps"),
 }
 # The Keras slots, by our slot names (Keras' private lists, one entry per variable).
 KERAS_SLOTS = {
@@ -47,6 +49,7 @@ KERAS_SLOTS = {
     "adadelta": {"accumulated_grad": "_accumulated_grads", "accumulated_delta_var": "_accumulated_delta_vars"},
     "lamb": {"m": "_momentums", "v": "_velocities"},
     "adafactor": {"v": "_v"},  # and r, c of a matrix (test_adafactor_...)
+    "schedule_free_adamw": {"momentum": "_momentums", "velocity": "_velocities"},
 }
 
 SHAPES = [(3, 4), (5,), (), (37, 9)]  # (37, 9): 41 whole AVX packets of float32 and a tail
@@ -77,6 +80,9 @@ PARITY_CASES = {
     # lr above 1 / sqrt(t) for the first steps; clip_threshold small enough to clip
     "adafactor_clipped": dict(name="adafactor", learning_rate=0.5, beta_2_decay=-0.6, epsilon_1=1e-20,
                               epsilon_2=0.02, clip_threshold=0.05, relative_step=False),
+    "schedule_free_adamw": dict(name="schedule_free_adamw"),
+    "schedule_free_adamw_warmup_decay": dict(name="schedule_free_adamw", learning_rate=0.0123, beta_1=0.85,
+                                             beta_2=0.9876, epsilon=3e-8, warmup_steps=7, weight_decay=0.05),
 }
 
 # (optimizer, dtype) -> how far a variable may be from Keras' where a Keras op has no exact NumPy

@@ -39,6 +39,7 @@ CASES = {
     "ftrl": ("Ftrl", dict(learning_rate=0.1, l1_regularization_strength=0.001,
                           l2_shrinkage_regularization_strength=0.01)),
     "lion": ("Lion", dict(learning_rate=0.1)),
+    "schedule_free_adamw": ("ScheduleFreeAdamW", dict(learning_rate=0.1, warmup_steps=2)),
     "sgd": ("SGD", dict(learning_rate=0.1)),
     "sgd_momentum": ("SGD", dict(learning_rate=0.1, momentum=0.9)),
     "adam_amsgrad_clipvalue": ("Adam", dict(learning_rate=0.1, amsgrad=True, clipvalue=0.5)),
@@ -122,7 +123,7 @@ def test_an_async_run_with_repeated_rows_is_keras_own_step_for_the_rule(keras, c
     assert got_slots == want_slots, f"{case}, rule {rule}: a slot differs"
 
 
-@pytest.mark.parametrize("case", ["adam", "adagrad", "rmsprop", "nadam", "ftrl", "adamax"])
+@pytest.mark.parametrize("case", ["adam", "adagrad", "rmsprop", "nadam", "ftrl", "adamax", "schedule_free_adamw"])
 def test_the_two_rules_differ_for_a_repeated_row_so_the_tests_above_tell_them_apart(keras, case):
     """Keras' own two steps differ on the repeated rows (squares of the occurrences summed,
     not the square of their sum), and agree on a row that occurs once."""

@@ -2,7 +2,7 @@
 what a model file written under tfps carries, so that ``fit`` resumes from it in one process
 as from that process's own file.
 
-For each of the twelve optimizers: the server's optimizer steps three times, its state is
+For each of the thirteen optimizers: the server's optimizer steps three times, its state is
 loaded into a fresh Keras optimizer, and the fourth step taken there gives the bits of a
 Keras optimizer that took all four steps itself (values and every optimizer variable).
 """
@@ -33,6 +33,7 @@ CASES = {
     "adadelta": lambda: keras.optimizers.Adadelta(1.0),
     "lamb": lambda: keras.optimizers.Lamb(0.01),
     "adafactor": lambda: keras.optimizers.Adafactor(0.01),
+    "schedule_free_adamw": lambda: keras.optimizers.ScheduleFreeAdamW(0.01, warmup_steps=2),
     "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=100),
 }
 SHAPES = [(4, 3), (3,)]

@@ -54,7 +54,7 @@ def on_tfps(rule: str, optimizer) -> list:
         running.stop(grace=0.5)
 
 
-@pytest.mark.parametrize("cls", ["Adam", "Adagrad"])
+@pytest.mark.parametrize("cls", ["Adam", "Adagrad", "ScheduleFreeAdamW"])
 def test_the_default_and_rule_keras_end_a_fit_with_one_process_keras_weights_and_rule_sum_does_not(cls):
     """Against Keras' fit run eagerly: its compiled step (a tf.function) is Grappler's, which
     rounds Adagrad's step 1 ulp apart after 4 steps here (docs/sparse.md; Adam: the same bits)."""

@@ -849,3 +849,83 @@ def _tf_sum_columns(y: np.ndarray) -> np.ndarray:
 def _rms(x: np.ndarray) -> np.floating:
     """Adafactor's ``_rms``: ``sqrt(mean(square(x)))``, in x's dtype."""
     return np.sqrt(_tf_mean(np.square(x), None).reshape(()))[()]
+
+
+class ScheduleFreeAdamW(_KerasOptimizer):
+    """``keras.optimizers.ScheduleFreeAdamW``: an Adam step on the sequence ``momentum`` (which
+    starts at the variable's initial value), the variable the interpolation of ``momentum`` and
+    the average ``x`` it recovers from them (Defazio et al., 2024).
+
+    As Keras 3.15 computes it: its ``momentum_old`` is the variable ``momentum`` itself, read
+    after its update, so the ``x`` recovered is ``(y - (1 - b1) m_new) / b1``. Warmup scales the
+    rate by ``min(t / warmup_steps, 1)`` while ``warmup_steps`` > 0."""
+
+    slot_names = ("momentum", "velocity")
+
+    def _validate(self, spec):
+        _check_unit_interval(spec, "beta_1", closed_at_one=True)  # Keras divides by it
+        _check_unit_interval(spec, "beta_2")
+        if _hyper(spec, "epsilon") < 0:
+            raise InvalidArgument(f"epsilon must be >= 0; got {spec.epsilon!r}")
+        if isinstance(spec.warmup_steps, bool) or not isinstance(spec.warmup_steps, int):
+            raise InvalidArgument(f"warmup_steps must be an integer; got {spec.warmup_steps!r}")
+
+    def _more_constants(self, spec, dtype):
+        beta_1, beta_2, one = _via_float32(spec.beta_1, dtype), _via_float32(spec.beta_2, dtype), _direct(1, dtype)
+        return {
+            "sf_beta_1": beta_1,  # ops.cast(self.beta_1, dtype)
+            "sf_beta_2": beta_2,
+            "sf_one_minus_beta_1": one - beta_1,  # 1 - beta_1 with beta_1 a tensor
+            "sf_one_minus_beta_2": one - beta_2,
+            "sf_epsilon": _via_float32(spec.epsilon, dtype),  # ops.cast(self.epsilon, dtype)
+            "sf_warmup_steps": _via_float32(spec.warmup_steps, dtype),
+        }
+
+    def _initial_slots(self, value):
+        return {"momentum": value.copy(), "velocity": np.zeros_like(value)}  # Keras: assign(momentum, copy(var))
+
+    def _step(self, w, g, state, iterations, c):
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # float16's inf and NaN, as Keras'
+            return self._interpolate(w, *self._moments_step(g, np.square(g), state, iterations, c), c)
+
+    def _slices_step(self, w, occ, state, iterations, c):
+        # square(g) - v densifies the occurrences' squares, summed; lr * g / denom is taken per
+        # occurrence at its row's denominator, and assign_sub scatters it into momentum.
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return self._interpolate(w, *self._moments_step(occ, occ.dense(np.square(occ.values)), state,
+                                                            iterations, c), c)
+
+    def _moments_step(self, g, squared, state, iterations, c):
+        """(new momentum, new velocity, 1 / t) for gradient ``g`` (an array, or ``Occurrences``)."""
+        one, lr = c["one"], c["lr"]
+        local_step = _local_step(iterations + 1, squared.dtype)
+        if self.spec.warmup_steps > 0:
+            lr = lr * np.minimum(local_step / c["sf_warmup_steps"], one)
+        with np.errstate(under="ignore"):
+            bias_correction_2 = one - _scalar_pow(c["sf_beta_2"], local_step)
+        v = np.subtract(squared, state["velocity"], out=squared)
+        np.multiply(v, c["sf_one_minus_beta_2"], out=v)
+        np.add(state["velocity"], v, out=v)  # assign_add(velocity, (g^2 - v) * (1 - beta_2))
+        denominator = np.divide(v, bias_correction_2)
+        np.sqrt(denominator, out=denominator)
+        np.add(denominator, c["sf_epsilon"], out=denominator)
+        if isinstance(g, np.ndarray):
+            scaled = np.multiply(lr, g)
+            momentum = np.subtract(state["momentum"], np.divide(scaled, denominator, out=scaled))
+        else:
+            scaled = np.divide(np.multiply(lr, g.values), g.gather(denominator))
+            momentum = g.scatter_sub(state["momentum"], scaled)
+        return momentum, v, one / local_step
+
+    def _interpolate(self, y, momentum, v, weight, c):
+        """y_new = (1 - b1) m + b1 ((1 - 1/t) x + m / t), x = (y - (1 - b1) m) / b1, as Keras writes it."""
+        one_minus_beta_1, beta_1 = c["sf_one_minus_beta_1"], c["sf_beta_1"]
+        x = np.multiply(one_minus_beta_1, momentum)
+        np.subtract(y, x, out=x)
+        np.divide(x, beta_1, out=x)
+        np.multiply(c["one"] - weight, x, out=x)
+        x += np.multiply(weight, momentum)  # x_new = (1 - weight) x_old + weight m
+        new_y = np.multiply(one_minus_beta_1, momentum)
+        np.multiply(beta_1, x, out=x)
+        np.add(new_y, x, out=new_y)
+        return new_y, {"momentum": momentum, "velocity": v}

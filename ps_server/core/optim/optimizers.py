@@ -124,6 +124,7 @@ class OptimizerSpec:
     epsilon_2: float | None = None
     clip_threshold: float | None = None
     relative_step: bool | None = None
+    warmup_steps: int | None = None  # schedule_free_adamw
     # A repeated row of a sparse gradient where the server has no --sparse-rule ("keras", "sum";
     # None: sum): core.optim.sparse. The Keras front door asks "keras".
     sparse_rule: str | None = None
@@ -785,7 +786,8 @@ class RMSprop(Optimizer):
 
 
 # The optimizers whose Keras step of an IndexedSlices gradient ``_slices_step`` repeats.
-SLICES_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "ftrl", "lion")
+SLICES_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "ftrl", "lion",
+                     "schedule_free_adamw")
 
 
 def slices_refusal(spec: OptimizerSpec) -> str | None:

@@ -16,7 +16,7 @@ from ps_server.core.optim.optimizers import SGD, Adagrad, Adam, Optimizer, Optim
 OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
     "sgd": SGD, "adam": Adam, "adamw": Adam, "adagrad": Adagrad, "rmsprop": RMSprop, "adamax": more.Adamax,
     "nadam": more.Nadam, "ftrl": more.Ftrl, "lion": more.Lion, "adadelta": more.Adadelta, "lamb": more.Lamb,
-    "adafactor": more.Adafactor,
+    "adafactor": more.Adafactor, "schedule_free_adamw": more.ScheduleFreeAdamW,
 }
 
 
