@@ -6,41 +6,17 @@
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
     value = client.broadcast(reg.worker_id, "epoch-1", b"stop" if chief else None, timeout=30.0)
 
-NumPy in, NumPy out: no TensorFlow here. Three transports behind one interface
-(``worker.transports``): pulls and pushes of at most ``SMALL_BYTES`` go as one
-unary message (``Unary``), larger ones are streamed in ~2 MiB chunks
-(``Streams``: ``PullStream``, ``PushStream``, ``protos.stream``) or pass through
-shared memory (``SharedMemory``). A full pull sends the server the version and
-incarnation of the values this client holds, and gets back only the variables
-that changed since, and of an embedding table the server steps row by row only
-the rows changed since, which it writes into its copy (the rest come from its
-cache, ``PullCache``, which says what such a copy guarantees); in sync mode
-a dense push's reply may bring the new values of a small model, saving the next
-pull (``PullCache.receive``). ``grad_wire_dtype="float16"`` or ``"bfloat16"`` halves a push's float32
-gradient bytes (the server widens them back; off by default: it costs accuracy).
+NumPy in, NumPy out: no TensorFlow here. How a pull or push travels (one message on the
+Session stream, streamed, PushPull, or shared memory with ``shm=True``, which falls back
+to streaming for good on any refusal: ``shm_fallback_reason``) and what a pull skips are
+in docs/speed.md; the pull cache's guarantees in ``worker.transports.PullCache``.
 
-Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register``
-the client proves that the server can open its shared-memory segments (the
-probe: ``worker.transports.SharedMemory``, which also says how long a segment
-lives); only then do large pushes and pulls pass through them, with gRPC
-carrying the headers alone; ``shm_active`` says whether that is the case. A
-failed probe (a server on another host, one started with ``--no-shm``, an older
-one), a segment that cannot be made (``/dev/shm`` full: a container's is 64 MiB
-unless ``--shm-size`` says more), or any "shared memory:" refusal on a call
-makes the client log one line and stream from then on
-(``shm_fallback_reason``); a refused call is repeated over the stream, which is
-safe because a refusal changes nothing on the server. The values a pull
-returns are copies, valid after the next pull. ``close()`` unlinks the
-segments, and so does interpreter exit.
-
-Each call carries a deadline. Calls
-that are safe to repeat (Register, Initialize, Pull, Leave, Status, Heartbeat, Broadcast)
-are retried on UNAVAILABLE by the channel's service-config retry policy (a large
-model's streamed Initialize is not: ``initialize``). Push
-is retried only by the trainer, deliberately: the server answers a repeated
-(worker, step) from its record instead of applying it twice. Failures surface as
-``PSClientError`` whose message names the call, the status code and the
-server's own explanation.
+Each call carries a deadline. Calls that are safe to repeat (Register, Initialize, Pull,
+Leave, Status, Heartbeat, Broadcast) are retried on UNAVAILABLE by the channel's
+service-config retry policy (a large model's streamed Initialize is not). Push is retried
+only by the trainer, deliberately: the server answers a repeated (worker, step) from its
+record instead of applying it twice. Failures surface as ``PSClientError`` whose message
+names the call, the status code and the server's own explanation.
 """
 
 from __future__ import annotations
@@ -68,27 +44,15 @@ from worker.transports import (CallStream, OutgoingPush, PSClientError, PullCach
                                Streams, Unary)
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
-           "SMALL_SHM_BYTES", "pull_when_initialized"]
+           "SMALL_SHM_BYTES"]
 
 log = logging.getLogger("worker.client")
 
-_RETRY_POLICY = {
-    "maxAttempts": 5,
-    "initialBackoff": "0.1s",
-    "maxBackoff": "2s",
-    "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
-}
-SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{"service": wire.SERVICE_NAME, "method": m} for m in ("Register", "Initialize", "Pull", "Leave", "Status", "Heartbeat", "Broadcast")],
-                "retryPolicy": _RETRY_POLICY,
-            }
-        ]
-    }
-)
+_RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                 "retryableStatusCodes": ["UNAVAILABLE"]}
+_RETRIED = ("Register", "Initialize", "Pull", "Leave", "Status", "Heartbeat", "Broadcast")
+SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": wire.SERVICE_NAME, "method": m} for m in _RETRIED], "retryPolicy": _RETRY_POLICY}]})
 
 
 # Pushes and pulls of at most this many bytes go as one unary message: a streamed
@@ -453,24 +417,19 @@ class PSClient:
         return self.unary.call("Status", pb.StatusRequest())
 
     def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
-        """Pull once the chief has initialized the variables; raise after timeout."""
-        return pull_when_initialized(self, worker_id, timeout)
-
-
-def pull_when_initialized(client, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
-    """``client.pull(worker_id)`` once the chief has initialized the variables (of every
-    shard, for a ``ShardedClient``), retrying with backoff; PSClientError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        try:
-            return client.pull(worker_id)
-        except PSClientError as e:
-            if e.reason is not Reason.NOT_INITIALIZED:
-                raise
-            if time.monotonic() + delay > deadline:
-                raise PSClientError("Pull", e.address, e.code,
-                                    f"variables still not initialized after {timeout:g} s: is the chief "
-                                    "(worker 0) running?", e.reason) from None
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        """``self.pull(worker_id)`` once the chief has initialized the variables (of every shard,
+        for a ``ShardedClient``), retrying with backoff; PSClientError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return self.pull(worker_id)
+            except PSClientError as e:
+                if e.reason is not Reason.NOT_INITIALIZED:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise PSClientError("Pull", e.address, e.code,
+                                        f"variables still not initialized after {timeout:g} s: is the chief "
+                                        "(worker 0) running?", e.reason) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)

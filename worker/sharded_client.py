@@ -1,4 +1,4 @@
-"""Several ps-server shards behind the same methods as ``PSClient``.
+"""Several ps-server shards behind the same methods as ``PSClient`` (docs/speed.md).
 
     client = ShardedClient(["127.0.0.1:50051", "127.0.0.1:50052"], timeout=30.0)
     reg = client.register(worker_index=0, num_workers=2)
@@ -6,68 +6,38 @@
     version, values = client.pull(reg.worker_id)           # whole variables again
     reply = client.push(reg.worker_id, step, version, batch_size, grads, loss)
 
-Each shard is an ordinary ``ps-server`` that owns the pieces it was initialized
-with; it knows nothing of the others. Everything sharded happens here, on top
-of one ``PSClient`` per shard (so every gRPC call still lives in
-``worker.client`` and its ``worker.transports``). Calls go to all shards at once, from a thread pool with one
-thread per shard (gRPC releases the GIL while it waits). Heartbeats and other
-control calls have their own pool: a push that waits in the shards' barriers
-occupies every data thread, and the lease must still be renewed meanwhile.
+Each shard is an ordinary ``ps-server`` that knows nothing of the others; everything
+sharded happens here, on one ``PSClient`` per shard, calling the shards at once.
 
-**Placement.** The chief's ``initialize`` makes the plan (``worker.sharding.plan``,
-balanced by bytes, large variables cut into row slices) from the values it
-sends. The other workers never plan: their first ``pull`` reads every shard
-whole and learns the placement from the piece names and shapes the shards
-hold (``worker.sharding.learn``). The shards are thus the one source of truth,
-and a worker whose model differs sees the same variables-do-not-match error
-as with one server. The plan is deterministic, so a chief that restarts plans
-the same placement and its repeated initialization is harmless. A plan that
-leaves a shard empty is refused (a ps-server cannot hold nothing).
+**Placement.** The chief's ``initialize`` plans (``worker.sharding.plan``); the other
+workers' first ``pull`` learns the placement from the pieces the shards hold
+(``worker.sharding.learn``), so the shards are the one source of truth and a worker whose
+model differs sees the same error as with one server. The plan is deterministic, so a
+restarted chief's repeated initialization is harmless. A plan that leaves a shard empty
+is refused. With an option that takes a whole variable's norm (``sharding.norms_of``) no
+variable is cut; ``global_clipnorm`` takes one norm over the shards.
 
-**Versions.** Every shard has its own version. ``pull`` returns the smallest
-(the version every shard has reached) and remembers each shard's version from
-that pull; ``push(..., base_version=...)`` sends every shard its own version
-from the pull that returned ``base_version`` (a version no pull returned is
-sent to every shard as it is). The push replies are combined by
-``PUSH_RULES`` (version min, staleness max, ...).
+**Versions.** ``pull`` returns the smallest shard version and remembers each shard's;
+``push(..., base_version=...)`` sends every shard its own version from the pull that
+returned ``base_version`` (a version no pull returned goes to every shard as it is).
 
-**Registration.** A worker registers on every shard; they must agree on the
-mode, the worker count and the worker id (otherwise a clear error names the
-shards). The registrations are combined by ``REGISTRATION_RULES``: initialized
-only if every shard is, the incarnations joined with commas (a restart of any
-shard shows as a new incarnation), round the largest any shard is collecting,
-and so on; the statuses by ``STATUS_RULES`` and ``WORKER_RULES``. Each table has
-one rule per field (a test holds it to the record or proto). In sync mode each
-shard runs its own barrier, and every shard counts rounds alike: the worker
-pushes step ``s`` as round ``s`` to each. A shard restored from an older
-checkpoint has lost the rounds since (as one server would); it says so when a
-worker registers (``round_restored``), and its first push sets the round it
-collects. A worker registering while the shards collect different rounds resumes
-at the lowest round of the shards that kept theirs (one of them may be a round
-ahead: it completed the round this worker pushed last, and answers that push
-again from its record), so every worker resumes at the same round, whichever
-registers first, and the lost steps are not applied again on the shards that
-kept them. With an optimizer option that takes a whole variable's norm (``clipnorm``,
-Lamb, Adafactor, ``global_clipnorm``: ``worker.sharding.norms_of``) the chief's plan cuts
-no variable, so each shard's norm is the variable's; ``global_clipnorm`` takes one norm
-over the shards.
+**Registration.** The shards must agree on the mode, the worker count and the worker id.
+Registrations, pushes and statuses are combined field by field by the ``*_RULES`` tables
+below. In sync mode every shard counts rounds alike; a worker registering while the shards
+collect different rounds (one restored from an older checkpoint: ``round_restored``)
+resumes at the lowest round of the shards that kept theirs, so every worker resumes at the
+same round and the kept steps are not applied again.
 
-**Shard 0 decides** (a shard group, ``ps_server.core.modes.base.ShardGroup``) where an
-update's content is one server's choice: elastic sync's micro-batches, async and ssp's
-tasks (``Work`` goes to shard 0 alone), the contributors of a round with backup workers
-(``--replicas-to-aggregate`` below the worker count, the same on every shard). The chief
-sends every shard its place with ``initialize``; each push goes to the other shards
-first and to shard 0 once they took it, and shard 0's reply is the answer; shard 0
-commits each round on the others. A registration that finds such shards at parted
-rounds (one restarted from an older checkpoint) stops the job in one line.
+**Shard 0 decides** (``ps_server.core.modes.base.ShardGroup``) where an update's content
+is one server's choice: elastic sync's micro-batches, tasks (``Work`` goes to shard 0
+alone), the contributors of a round with backup workers. A push then goes to the other
+shards first and to shard 0 once they took it, whose reply is the answer. A registration
+that finds such shards at parted rounds stops the job in one line.
 
-**Failures.** A call waits for every shard's answer (each call has its
-deadline), then raises the first ``PSClientError`` to arrive: its ``call`` and
-``address`` name the shard. A push is not atomic across shards: when one
-shard fails, the others may have applied their pieces. Sync mode keeps the
-rounds aligned as above when the worker registers again;
-in async mode that gradient is partly applied, as the per-variable apply of
-async mode already allows.
+**Failures.** A call waits for every shard, then raises the first ``PSClientError`` to
+arrive (its ``address`` names the shard). A push is not atomic across shards: sync mode
+realigns the rounds when the worker registers again; in async mode that gradient is
+partly applied, as async's per-variable apply already allows.
 """
 
 from __future__ import annotations
@@ -88,7 +58,7 @@ from ps_common.settings import ConfigError
 from ps_common.names import SKIP_UPDATE
 from ps_common.records import PushReply, Registration
 from worker import sharding
-from worker.client import PSClient, PSClientError, pull_when_initialized
+from worker.client import PSClient, PSClientError
 
 log = logging.getLogger("worker")
 
@@ -120,6 +90,8 @@ class ShardedClient:
         self._clients = list(clients) if clients is not None else [
             PSClient(a, timeout, **client_kwargs) for a in addresses]
         n = len(self._clients)
+        # One thread per shard (gRPC releases the GIL while it waits). Control calls have their own
+        # pool: a push waiting in the shards' barriers holds every data thread, and leases must go on.
         self._data = ThreadPoolExecutor(n, thread_name_prefix="shard-data")
         self._control = ThreadPoolExecutor(n, thread_name_prefix="shard-control")
         # Guards the fields below; never held across a call to a shard.
@@ -177,14 +149,14 @@ class ShardedClient:
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "",
                  timeout: float | None = None) -> Registration:
+        def register(i, c):
+            return c.register(worker_index, num_workers, name, timeout=timeout)
+
         regs = {}
         if worker_index < 0:  # auto: shard 0 assigns the index, the others are told it
-            regs = self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name,
-                                                                     timeout=timeout), shards=[0])
+            regs = self._each(self._control, register, shards=[0])
             worker_index = regs[0].worker_id
-        regs.update(self._each(self._control, lambda i, c: c.register(worker_index, num_workers, name,
-                                                                      timeout=timeout),
-                               shards=[i for i in range(self.num_shards) if i not in regs]))
+        regs.update(self._each(self._control, register, shards=[i for i in range(self.num_shards) if i not in regs]))
         regs = [regs[i] for i in range(self.num_shards)]
         if len({(r.mode, r.num_workers, r.worker_id) for r in regs}) > 1:
             runs = ", ".join(f"{a} runs {r.mode} with {r.num_workers} workers (worker id {r.worker_id})"
@@ -384,16 +356,16 @@ class ShardedClient:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
         # A skip (a loss scale's non-finite gradients) is every shard's: each skips the same updates
         others = {SKIP_UPDATE: metrics[SKIP_UPDATE]} if metrics and SKIP_UPDATE in metrics else None
+
+        def push(i, c):
+            return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
+                          metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate,
+                          micro_batch=micro_batch, task=task)
+
         if self._led or micro_batch >= 0 or task >= 0:
-            def push(i, c):
-                return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-                              metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate,
-                              micro_batch=micro_batch, task=task)
             self._each(self._data, push, shards=range(1, self.num_shards))
             return self._each(self._data, push, shards=[0])[0]
-        replies = self._each(self._data, lambda i, c: c.push(
-            worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-            metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate))
+        replies = self._each(self._data, push)
         replies = [replies[i] for i in range(self.num_shards)]
         if len({r.dropped for r in replies}) > 1:
             which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))
@@ -410,9 +382,7 @@ class ShardedClient:
         """``PSClient.broadcast`` on shard 0 alone: one board for the cluster."""
         return self._clients[0].broadcast(worker_id, key, value, timeout)
 
-    def wait_initialized(self, worker_id: int, timeout: float) -> tuple[int, dict[str, np.ndarray]]:
-        """Pull once the chief has initialized every shard; raise after timeout."""
-        return pull_when_initialized(self, worker_id, timeout)
+    wait_initialized = PSClient.wait_initialized  # through this client's pull: every shard's
 
 
 # -- combining the shards' answers: one rule per field ----------------------------------
@@ -470,9 +440,6 @@ PUSH_RULES: dict[str, Callable] = {
     "metrics": first,  # only shard 0 is sent the metrics, so only its round sums them
 }
 
-# A worker a shard never saw counts there as this record: not left, never pushed.
-ABSENT_WORKER = pb.WorkerStatus(last_step=-1)
-
 WORKER_RULES: dict[str, Callable] = {
     "worker_id": first,  # the key the records are merged by
     "worker_name": first_named,
@@ -489,22 +456,12 @@ WORKER_RULES: dict[str, Callable] = {
 
 
 def merge_workers(per_shard) -> list[pb.WorkerStatus]:
-    """Each worker's records on the shards combined by ``WORKER_RULES``, by worker id."""
+    """Each worker's records on the shards combined by ``WORKER_RULES``, by worker id. A worker
+    a shard never saw counts there as not left, never pushed (``last_step`` -1)."""
     ids = sorted({w.worker_id for ws in per_shard for w in ws})
-    merged = []
-    for worker_id in ids:
-        records = []
-        for ws in per_shard:
-            found = [w for w in ws if w.worker_id == worker_id]
-            if found:
-                records.append(found[0])
-            else:
-                absent = pb.WorkerStatus()
-                absent.CopyFrom(ABSENT_WORKER)
-                absent.worker_id = worker_id
-                records.append(absent)
-        merged.append(combine_messages(records, WORKER_RULES))
-    return merged
+    by_id = [{w.worker_id: w for w in reversed(list(ws))} for ws in per_shard]  # a shard's first record of each
+    return [combine_messages([shard.get(i, pb.WorkerStatus(worker_id=i, last_step=-1)) for shard in by_id],
+                             WORKER_RULES) for i in ids]
 
 
 STATUS_RULES: dict[str, Callable] = {

@@ -7,19 +7,10 @@
     header, values = transport.pull(request)              # each: (PullHeader, {name: array})
     reply = transport.push(outgoing, timeout)             # each: PushResponse
 
-``worker.client.PSClient`` picks one per call (small payloads go unary, large
-ones through shared memory when it is on, else streamed) and keeps the pull
-cache (``PullCache``, which also keeps the values a sync push's reply brings) above them. Every
-gRPC call of the worker is in this module or in ``worker.client``; failures
-leave as ``PSClientError`` naming the call, the status code and the server's
-explanation.
-
-``SharedMemory`` returns None instead of an answer when it does not serve a call
-(off, a segment busy with another call of this client, or refused): the caller
-then streams. A refusal ("shared memory: ..." FAILED_PRECONDITION, a segment that
-cannot be made, a reply that does not fit) changes nothing on the server, so
-repeating the call over the stream is safe; the first one turns the fast path
-off for good and logs one line (``fallback_reason`` says why).
+``worker.client.PSClient`` picks one per call and keeps the pull cache (``PullCache``)
+above them; docs/speed.md says when each is used. Failures leave as ``PSClientError``.
+``SharedMemory`` returns None when it does not serve a call (then the caller streams);
+a refusal changes nothing on the server, so repeating the call over the stream is safe.
 """
 
 from __future__ import annotations
@@ -94,24 +85,23 @@ class OutgoingPush:
 
     def request(self) -> pb.PushRequest:
         return pb.PushRequest(
-            worker_id=self.worker_id, step=self.step, base_version=self.base_version, batch_size=self.batch_size,
-            loss=self.loss, return_values=self.return_values, metrics=self.metrics,
-            set_learning_rate=self.set_learning_rate, **self._micro(),
+            **self._fields(), return_values=self.return_values,
             gradients=[pb.Tensor(name=n, dtype=code, shape=a.shape, data=a.tobytes(), sparse=n in self.rows,
                                  rows=self.rows[n].tolist() if n in self.rows else ())
                        for n, (code, a) in self.arrays.items()])
 
     def header(self) -> pb.PushHeader:
-        return pb.PushHeader(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
-                             batch_size=self.batch_size, loss=self.loss, gradients=stream.metas(self.arrays, self.rows),
-                             metrics=self.metrics, set_learning_rate=self.set_learning_rate, **self._micro())
+        return pb.PushHeader(**self._fields(), gradients=stream.metas(self.arrays, self.rows))
 
     def buffers(self) -> list[np.ndarray]:
         return [a for _, a in self.arrays.values()]
 
-    def _micro(self) -> dict:
-        """The optional fields of a server-dealt push that are set: elastic sync's micro-batch, a task."""
-        return {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
+    def _fields(self) -> dict:
+        """The fields a PushRequest and a PushHeader share; a server-dealt push's micro-batch or task if set."""
+        dealt = {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
+        return dict(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
+                    batch_size=self.batch_size, loss=self.loss, metrics=self.metrics,
+                    set_learning_rate=self.set_learning_rate, **dealt)
 
 
 class _OneMessage:
@@ -169,15 +159,10 @@ _END = object()  # ends a CallStream's request iterator
 
 class CallStream(_OneMessage):
     """One long-lived bidirectional stream (rpc Session) that carries this client's Pull,
-    Push and Work calls, each a SessionRequest with an id and answered by the
-    SessionReply of that id, so that a step pays no call's setup. Same interface and
-    same errors as ``Unary``: a refusal is the PSClientError the unary call would raise
-    (its code, details and reason); a stream that breaks fails every call in flight
-    with its status (a Pull is repeated on a new one, as the channel repeats a unary
-    Pull); a call past its deadline is DEADLINE_EXCEEDED and is cancelled on the
-    server. The next call after a break opens a new stream. Heartbeats keep their own
-    connection (``PSClient.heartbeat``): on this one they could wait behind a push's
-    bytes."""
+    Push and Work calls, each a SessionRequest answered by the SessionReply of its id
+    (docs/speed.md). Same interface and errors as ``Unary``; a broken stream fails every
+    call in flight with its status (a Pull is repeated on a new one), and a call past its
+    deadline is DEADLINE_EXCEEDED and cancelled on the server."""
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
@@ -356,7 +341,6 @@ class Streams:
         except grpc.RpcError as e:
             raise PSClientError.of("Push", self.address, e) from None
 
-
     def push_pull(self, outgoing: OutgoingPush, timeout: float,
                   block_bytes: int = 0) -> tuple[pb.PushResponse, dict | None]:
         """One PushPull (sync): the gradients go out while the round's new values come back,
@@ -432,20 +416,12 @@ def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[i
 
 
 class SharedMemory:
-    """The same-host fast path: two segments of this client's in ``/dev/shm``
-    (``protos.shm``: ``tfps-<pid>-<random>``, mode 0600), one for pushes, one for pulls.
-
-    ``register`` probes it (``hold_for_probe``, ``probe_request``, ``probe_answer``):
-    the client writes a random token into the push segment and names both; the server
-    must read the token back and write a nonce into the pull one. Only then is it
-    ``active``: pushes put the gradients into the push segment and pulls have the
-    server write the values into the pull segment, with gRPC carrying the headers
-    alone. The values a pull returns are copies, valid after the next pull. A segment
-    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails
-    in a way that leaves the server possibly still using it (a deadline, a dropped
-    connection): then it is dropped and the next call makes a new one. A SIGKILLed
-    worker leaves its segments behind (``ls /dev/shm/tfps-*``; the pid says whose).
-    """
+    """The same-host fast path (docs/speed.md): two segments of this client's in ``/dev/shm``
+    (``protos.shm``), one for pushes, one for pulls; ``active`` once ``register``'s probe
+    succeeded. The values a pull returns are copies, valid after the next pull. A segment
+    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails in a way
+    that leaves the server possibly still using it (a deadline, a dropped connection): then
+    it is dropped and the next call makes a new one."""
 
     def __init__(self, streams: Streams, address: str, enabled: bool):
         self.streams, self.address, self.enabled = streams, address, enabled
