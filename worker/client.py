@@ -92,18 +92,13 @@ class PSClient:
         overlap_block_bytes: int = 0,
         session: bool = True,
     ):
-        """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token``
-        is sent as ``authorization: Bearer`` on every call (see ``ps_common.security``).
-        ``shm``: try the same-host fast path (module docstring) from ``register`` on.
-        ``small_bytes``: pushes and pulls up to this size go as one unary message.
-        ``max_message_bytes``: the channel's message limit (``WorkerConfig.max_message_bytes``;
-        None: ``protos.wire``'s process-wide setting). ``overlap`` (sync): a streamed push
-        gets the round's new values back while it is still sending (PushPull), so the
-        next pull needs no call when the server confirms them. ``overlap_block_bytes`` > 0 (slow
-        links): every sync push is a PushPull, however small, and the server speculates in
-        blocks of that many bytes (its own 512 KiB otherwise). ``session``: pulls, pushes and
-        Work calls that fit one message ride one long-lived stream (``CallStream``, rpc
-        Session) instead of a call each."""
+        """TLS with ``tls_ca_file`` (plus a client certificate for mutual TLS); ``token`` is sent
+        as ``authorization: Bearer`` on every call (``ps_common.security``). ``shm``: try the
+        same-host fast path from ``register`` on. ``small_bytes``: pushes and pulls up to this
+        size go as one message. ``max_message_bytes``: the channel's limit (None: ``protos.wire``'s
+        process-wide one). ``overlap`` (sync: PushPull), ``overlap_block_bytes`` (> 0: every sync
+        push a PushPull, in blocks of that many bytes) and ``session`` (one-message calls on the
+        Session stream, ``CallStream``; False: unary calls) are in docs/speed.md."""
         if grad_wire_dtype not in stream.WIRE_DTYPES:
             raise ValueError(f"grad_wire_dtype must be one of {stream.WIRE_DTYPES}, got {grad_wire_dtype!r}")
         self.address = address
@@ -214,24 +209,19 @@ class PSClient:
                    clip_group: Mapping | None = None, shard_group: Mapping | None = None) -> bool:
         """Store ``variables`` on the server, unless an identical state is there (False).
         ``non_trainable`` names the variables updated by pushed changes, not the optimizer.
-        ``data_plan`` (elastic sync: ``num_examples``, ``global_batch_size``, ``seed``): the
-        job's data, from which the server deals every round. ``clip_group`` (``shards``,
-        ``shard``, ``order``): the shards this one takes ``global_clipnorm``'s norm with.
-        ``shard_group`` (``shards``, ``shard``): shard 0 decides what each update holds, and
-        this shard follows it (``ps_server.core.modes.base.ShardGroup``).
+        ``data_plan`` (``num_examples``, ``global_batch_size``, ``seed``): the job's data, from
+        which the server deals. ``clip_group`` (``shards``, ``shard``, ``order``): the shards this
+        one takes ``global_clipnorm``'s norm with. ``shard_group`` (``shards``, ``shard``): shard 0
+        decides what each update holds (``ps_server.core.modes.base.ShardGroup``).
 
-        Variables of up to half the channel's message limit (``max_message_bytes``) in all
-        go as one Initialize message, which every server takes and the channel retries on
-        UNAVAILABLE; larger ones are streamed in ~2 MiB chunks (InitializeStream), so a
-        model of any size can be initialized. Half,
-        so that protobuf's own bytes around the tensors never push a message over."""
+        Variables of up to half the message limit in all go as one Initialize message, which the
+        channel retries on UNAVAILABLE; larger ones are streamed (InitializeStream). Half, so
+        that protobuf's own bytes around the tensors never push a message over."""
         optimizer = pb.OptimizerConfig(**optimizer)
         non_trainable = sorted(non_trainable)
-        plan = {} if data_plan is None else {"data_plan": pb.DataPlan(**data_plan)}
-        if clip_group is not None:
-            plan["clip_group"] = pb.ClipGroup(**clip_group)
-        if shard_group is not None:
-            plan["shard_group"] = pb.ShardGroup(**shard_group)
+        plan = {field: make(**value) for field, make, value in (
+            ("data_plan", pb.DataPlan, data_plan), ("clip_group", pb.ClipGroup, clip_group),
+            ("shard_group", pb.ShardGroup, shard_group)) if value is not None}
         if sum(np.asarray(v).nbytes for v in variables.values()) <= self.max_message_bytes // 2:
             reply = self.unary.call(
                 "Initialize",

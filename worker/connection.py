@@ -8,15 +8,10 @@
     conn.leave(); conn.close()
 
 Every way of training on tfps goes through one of these, held by the one engine
-(``worker.engine.Engine``). Its state is
-in plain fields: ``registration`` (the server's answer to the last register),
-``step`` (the step this worker computes next: in sync mode the round the
-server says, a dropped push skipping ahead), ``version`` and ``pulled`` (what
-the model was last loaded with) and ``seen`` (the newest server version this
-worker saw: after a server restart, how much was lost). A thread renews the
-lease (``Heartbeat``) from the start of ``join`` until ``close``: a chief's initialize
-or a worker's first pull of a large model over a slow link takes several lease periods,
-and a worker sending or receiving is alive.
+(``worker.engine.Engine``); its state is in plain fields (``__init__``). A thread renews
+the lease (``Heartbeat``) from the start of ``join`` until ``close``: a chief's initialize
+or a first pull of a large model over a slow link takes several lease periods, and a
+worker sending or receiving is alive.
 
 Guarantees: ``pull`` loads every trainable and floating non-trainable variable,
 or raises with ``version`` and ``pulled`` as they were. ``push`` returns once the server
@@ -116,10 +111,10 @@ class Connection:
         self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
         self.client = client or connect(config)
         self.registration: Registration | None = None
-        self.step = 0  # the step this worker computes next
+        self.step = 0  # the step this worker computes next (sync: the server's round; a dropped push skips ahead)
         self.version = -1  # the version the model holds: the last pull's
         self.pulled: dict[str, np.ndarray] = {}  # the values of the last pull
-        self.seen = -1  # the newest server version this worker saw
+        self.seen = -1  # the newest server version this worker saw (after a server restart: how much was lost)
         self.posted: dict[str, bytes] = {}  # the chief's last broadcasts, posted again to a restarted server
         self.heartbeat: Heartbeat | None = None
         self.data_plan: dict | None = None  # elastic sync: the chief sends it with Initialize (worker.elastic)

@@ -194,8 +194,7 @@ class ShardedClient:
     def _backup_workers(self, num_workers: int) -> bool:
         """Whether the shards run backup workers (then shard 0 picks each round's contributors
         and the others follow it); every shard must run the same ``--replicas-to-aggregate``."""
-        statuses = self._each(self._control, lambda i, c: c.status())
-        ks = [statuses[i].replicas_to_aggregate for i in range(self.num_shards)]
+        ks = [s.replicas_to_aggregate for s in self.statuses()]
         if len(set(ks)) > 1:
             runs = ", ".join(f"{a}: {k}" for a, k in zip(self.addresses, ks))
             raise self._error("Register", grpc.StatusCode.FAILED_PRECONDITION,
@@ -255,8 +254,7 @@ class ShardedClient:
         led = {"shards": list(self.addresses)} if self._led else None  # shard 0 decides what updates hold
         created = self._each(self._data, lambda i, c: c.initialize(
             worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i},
-            **({"data_plan": data_plan} if data_plan is not None else {}),
-            **({"shard_group": {**led, "shard": i}} if led else {})))
+            data_plan=data_plan, shard_group=led and {**led, "shard": i}))
         self._adopt(placement, "planned")
         return any(created.values())
 
@@ -399,11 +397,6 @@ def first(values):
     return values[0]
 
 
-def joined(values):
-    """The shards' strings joined with commas (a restart of any shard shows as a change)."""
-    return ",".join(values)
-
-
 def union_sorted(values):
     """Every worker id any shard lists, once, sorted."""
     return sorted({v for vs in values for v in vs})
@@ -425,7 +418,7 @@ REGISTRATION_RULES: dict[str, Callable] = {
     "round_restored": any,
     "sparse_rule": first,  # every shard is started alike (ps-launch); the first's rule is the job's
     "lease_timeout": min,  # heartbeat within the shortest lease
-    "incarnation": joined,
+    "incarnation": ",".join,  # a restart of any shard shows as a new incarnation
     "shm": all,  # the fast path is on only if every shard's probe succeeded
 }
 
@@ -482,7 +475,7 @@ STATUS_RULES: dict[str, Callable] = {
     "uptime_s": min,
     "rounds_timed_out": max,  # the event counters take the largest: each event happens on every shard
     "last_loss": first,
-    "incarnation": joined,
+    "incarnation": ",".join,
     "pushes_dropped": max,
     "pushes_replayed": max,
     "rounds_aborted": max,

@@ -32,12 +32,8 @@ they spread over the shards instead of all landing on the least-loaded one:
 each costs a tensor on every pull and push, not bandwidth. The largest shard
 holds at most ``total / num_shards + largest piece + ceil(small pieces /
 num_shards) * small_bytes`` bytes (``tests/worker/test_sharding.py`` checks
-it).
-
-**Determinism.** ``plan`` depends only on the names, shapes and dtypes (not on
-the order of ``specs``), so every worker that builds the same model computes
-the same placement without talking to the others, and a chief that restarts
-and initializes again sends every shard exactly what it already holds.
+it). ``plan`` is deterministic: every worker that builds the same model computes the
+same placement without talking to the others.
 """
 
 from __future__ import annotations
@@ -231,10 +227,8 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
          small_bytes: int = DEFAULT_SMALL_BYTES) -> Placement:
     """The placement of ``specs`` (``{name: (shape, dtype)}``) over ``num_shards`` shards.
 
-    Deterministic: the same names, shapes and dtypes give the same placement in
-    every process, whatever the order of ``specs``. A shard may come out empty
-    when there are fewer pieces than shards (``Placement.empty_shards``).
-    """
+    The same names, shapes and dtypes give the same placement, whatever the order of
+    ``specs``. A shard may come out empty when there are fewer pieces than shards."""
     if num_shards < 1:
         raise ShardingError(f"num_shards must be >= 1, got {num_shards}")
     if min_slice_bytes < 1 or small_bytes < 0:
