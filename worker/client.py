@@ -41,7 +41,7 @@ from ps_common.reasons import Reason
 from ps_common.records import PushReply, Registration
 from ps_common.sparse import SparseRows
 from worker.transports import (CallStream, OutgoingPush, PSClientError, PullCache, SharedMemory,
-                               Streams, Unary)
+                               Streams, Unary, failures)
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES"]
@@ -175,10 +175,8 @@ class PSClient:
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def health(self, timeout: float = 5.0) -> str:
-        try:
+        with failures("Health", self.address):
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError as e:
-            raise PSClientError.of("Health", self.address, e) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
@@ -296,10 +294,8 @@ class PSClient:
                                 metrics=metric_tensors, set_learning_rate=float(set_learning_rate),
                                 micro_batch=micro_batch, task=task)
         reply = self._send(outgoing, timeout)
-        try:
+        with failures("Push", self.address):
             record = convert.PUSH_REPLY.from_wire(reply)
-        except codec.CodecError as e:
-            raise PSClientError("Push", self.address, None, f"malformed reply: {e}") from None
         if micro_batch < 0:
             return record
         more = reply.assignment if reply.HasField("assignment") else None

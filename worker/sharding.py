@@ -18,9 +18,8 @@ least 2 rows is cut into ``n = min(num_shards, rows, nbytes // min_slice_bytes)`
 blocks when that is 2 or more, so every slice holds at least ``min_slice_bytes``
 (default 256 KiB) and no variable has more slices than there are shards. Row
 counts differ by at most one, the larger blocks first (``np.array_split``).
-``min_slice_bytes=1`` cuts every variable with 2 or more rows into
-``min(num_shards, rows)`` blocks, as ``FixedShardsPartitioner`` does. A 0-d
-scalar or a 1-row variable is never cut.
+(``min_slice_bytes=1`` is ``FixedShardsPartitioner``.) A 0-d scalar or a 1-row
+variable is never cut.
 
 **Balance.** Pieces larger than ``small_bytes`` (default 16 KiB) are placed
 largest first, each onto the shard holding the fewest bytes (ties: fewer
@@ -39,6 +38,7 @@ same placement without talking to the others.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Mapping, Sequence
@@ -242,13 +242,9 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
         if n == 1:
             groups[name] = [(0, 0, shape[0] if shape else 0, shape)]
             continue
-        base, extra = divmod(shape[0], n)
-        start, parts = 0, []
-        for k in range(n):
-            rows = base + (1 if k < extra else 0)
-            parts.append((k, start, start + rows, (rows,) + shape[1:]))
-            start += rows
-        groups[name] = parts
+        rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)]  # np.array_split's sizes
+        starts = [0, *itertools.accumulate(rows)]
+        groups[name] = [(k, starts[k], starts[k + 1], (rows[k],) + shape[1:]) for k in range(n)]
 
     def group_bytes(name: str) -> int:  # of the variable's largest piece
         return math.prod(groups[name][0][3]) * variables[name][1].itemsize

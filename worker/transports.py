@@ -15,6 +15,7 @@ a refusal changes nothing on the server, so repeating the call over the stream i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -58,6 +59,17 @@ class PSClientError(RuntimeError):
         """The error a failed gRPC call ``e`` is, with the reason its trailing metadata names."""
         sent = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
         return cls(call, address, e.code(), e.details() or "", Reason.of_wire(sent.get(REASON_KEY)))
+
+
+@contextlib.contextmanager
+def failures(call: str, address: str):
+    """A failed gRPC call, or a reply that does not decode, as the ``PSClientError`` of ``call``."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise PSClientError.of(call, address, e) from None
+    except (codec.CodecError, StopIteration) as e:
+        raise PSClientError(call, address, None, f"malformed reply: {e or 'empty stream'}") from None
 
 
 @dataclasses.dataclass
@@ -127,20 +139,15 @@ class Unary(_OneMessage):
         self._stub = pb_grpc.ParameterServerStub(channel)
 
     def call(self, name: str, request, timeout: float | None = None, wait_for_ready: bool = False):
-        try:
+        with failures(name, self.address):
             return getattr(self._stub, name)(
-                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready
-            )
-        except grpc.RpcError as e:
-            raise PSClientError.of(name, self.address, e) from None
+                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready)
 
 
 def _pull_reply(reply: pb.PullResponse, address: str) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
     """A unary pull's reply as a streamed one's: (header, values)."""
-    try:
+    with failures("Pull", address):
         values = codec.decode_many(reply.variables)
-    except codec.CodecError as e:
-        raise PSClientError("Pull", address, None, f"malformed reply: {e}") from None
     header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
     for t in reply.variables:  # row deltas (PullRequest.row_deltas): their rows, as a stream's header has them
         if t.sparse:
@@ -294,17 +301,15 @@ class Streams:
             yield pb.InitializeChunk(header=header)
             yield from stream.chunk_buffers(arrays)
 
-        try:
+        with failures("Initialize", self.address):
             return self.initialize_stream(messages(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise PSClientError.of("Initialize", self.address, e) from None
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
         """One PullStream. ``read_segment(header, layout, rest)`` (SharedMemory's) reads
         the values of a reply whose header says they lie in the caller's segment; without
         it such a reply is an error."""
-        try:
+        with failures("Pull", self.address):
             replies = self.pull_stream(request, timeout=self.timeout, wait_for_ready=False)
             first = next(replies)
             if not isinstance(first, pb.PullChunk) or not first.HasField("header"):
@@ -321,10 +326,6 @@ class Streams:
                     raise PSClientError("PullStream", self.address, None, "a second header in the reply")
                 assembler.feed(chunk)
             return header, assembler.arrays()
-        except grpc.RpcError as e:
-            raise PSClientError.of("Pull", self.address, e) from None
-        except (codec.CodecError, StopIteration) as e:
-            raise PSClientError("Pull", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
     def push(self, outgoing: OutgoingPush, timeout: float, header: pb.PushHeader | None = None) -> pb.PushResponse:
         """One PushStream: ``header`` (default: the push's own), then the gradients' bytes
@@ -336,10 +337,8 @@ class Streams:
             if not header.shm_name:
                 yield from stream.chunk_buffers(outgoing.buffers())
 
-        try:
+        with failures("Push", self.address):
             return self.push_stream(messages(), timeout=timeout)
-        except grpc.RpcError as e:
-            raise PSClientError.of("Push", self.address, e) from None
 
     def push_pull(self, outgoing: OutgoingPush, timeout: float,
                   block_bytes: int = 0) -> tuple[pb.PushResponse, dict | None]:
@@ -356,7 +355,7 @@ class Streams:
             # message holding its last byte has arrived whole.
             yield from stream.chunk_buffers(outgoing.buffers(), block_bytes or PUSH_PULL_CHUNK_BYTES)
 
-        try:
+        with failures("Push", self.address):
             replies = self.push_pull_stream(messages(), timeout=timeout)
             first = next(replies)
             if not isinstance(first, pb.PushPullChunk) or not first.HasField("header"):
@@ -371,10 +370,6 @@ class Streams:
                 else:
                     raise PSClientError("PushPull", self.address, None, "a second header in the reply")
             raise PSClientError("PushPull", self.address, None, "the reply ended without the push's answer")
-        except grpc.RpcError as e:
-            raise PSClientError.of("Push", self.address, e) from None
-        except (codec.CodecError, StopIteration) as e:
-            raise PSClientError("Push", self.address, None, f"malformed reply: {e or 'empty stream'}") from None
 
 
 class _ShmRefused(Exception):
@@ -640,8 +635,6 @@ class PullCache:
         as the next full pull's answer, without a call."""
         if not reply.variables:
             return
-        try:
+        with failures("Push", address):
             values = codec.decode_many(reply.variables)
-        except codec.CodecError as e:
-            raise PSClientError("Push", address, None, f"malformed reply: {e}") from None
         self.keep(reply.incarnation, reply.version, values, fresh=True)
