@@ -179,7 +179,7 @@ class CallStream(_OneMessage):
         self._lock = threading.Lock()  # guards the fields below; leaf lock
         self._requests: queue.SimpleQueue | None = None  # the open stream's outgoing messages
         self._replies = None  # the open stream's call object
-        self._waiting: dict[int, tuple[queue.SimpleQueue, "futures.Future"]] = {}
+        self._waiting: dict[int, tuple[queue.SimpleQueue, "futures.Future", str]] = {}  # id: (stream, answer, name)
         self._next = 0
 
     def call(self, name: str, request, timeout: float | None = None):
@@ -204,7 +204,7 @@ class CallStream(_OneMessage):
             requests = self._open()
             self._next += 1
             call = self._next
-            self._waiting[call] = (requests, answer)
+            self._waiting[call] = (requests, answer, name)
             requests.put(pb.SessionRequest(call=call, **{kind: request}))
         try:
             return answer.result(timeout)
@@ -213,8 +213,6 @@ class CallStream(_OneMessage):
                 if self._waiting.pop(call, None) is not None:
                     requests.put(pb.SessionRequest(call=call, cancel=True))
             raise PSClientError(name, self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except grpc.RpcError as e:
-            raise PSClientError.of(name, self.address, e) from None
 
     def _open(self) -> queue.SimpleQueue:
         """The open stream's request queue (a new stream when none is open); under the lock."""
@@ -226,8 +224,10 @@ class CallStream(_OneMessage):
         return self._requests
 
     def _read(self, requests: queue.SimpleQueue, replies) -> None:
-        """Hand each reply to its call; when the stream ends, fail the calls still waiting on it."""
-        error: grpc.RpcError = _StreamEnded()
+        """Hand each reply to its call; when the stream ends, fail the calls still waiting on it with
+        its status, or UNAVAILABLE (as a connection lost) when the server ended it: it answers every
+        call before it ends one."""
+        error: grpc.RpcError | None = None
         try:
             for reply in replies:
                 with self._lock:
@@ -239,11 +239,12 @@ class CallStream(_OneMessage):
         with self._lock:
             if self._requests is requests:
                 self._requests = self._replies = None
-            ended = [call for call, (q, _) in self._waiting.items() if q is requests]
-            failed = [self._waiting.pop(call)[1] for call in ended]
+            ended = [call for call, (q, _, _) in self._waiting.items() if q is requests]
+            failed = [self._waiting.pop(call)[1:] for call in ended]
         requests.put(_END)
-        for answer in failed:
-            answer.set_exception(error)
+        for answer, name in failed:
+            answer.set_exception(PSClientError.of(name, self.address, error) if error is not None else PSClientError(
+                name, self.address, grpc.StatusCode.UNAVAILABLE, "the session stream ended with this call unanswered"))
 
     def close(self) -> None:
         with self._lock:
@@ -251,20 +252,6 @@ class CallStream(_OneMessage):
         if requests is not None:
             requests.put(_END)
             replies.cancel()
-
-
-class _StreamEnded(grpc.RpcError):
-    """A CallStream that the server ended with calls still unanswered (it answers
-    every call before it ends one): UNAVAILABLE, as a connection lost."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "the session stream ended with this call unanswered"
-
-    def trailing_metadata(self):
-        return ()
 
 
 # PushPull's data messages: about half a speculation block (ps_server.core.overlap), so
