@@ -239,11 +239,9 @@ class PSClient:
         return min(self.small_bytes, SMALL_SHM_BYTES) if self.shared_memory.active else self.small_bytes
 
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
-        """(version, values), streamed or through shared memory. Arrays are read-only and
-        the client's own; a full pull (no ``names``) reuses the previous pull's arrays for
-        the variables that did not change, and a row-wise table's array is the client's one
-        copy of it, into which a later full pull writes the rows that changed
-        (``PullCache``)."""
+        """(version, values). Arrays are read-only and the client's own; a full pull (no
+        ``names``) reuses the previous pull's arrays for the variables that did not change
+        and writes a row-wise table's changed rows into the one copy (``PullCache``)."""
         names = list(names)
         full = not names
         if full:
@@ -272,17 +270,14 @@ class PSClient:
              gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
              metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
              micro_batch: int = -1, task: int = -1) -> PushReply:
-        """Unary, streamed, or through shared memory; either way applied once or refused whole.
-
-        A gradient may be a ``SparseRows`` (an embedding's): only its rows travel.
-        ``metrics`` (sync): small named tensors the server sums over the round, in worker
-        order; the reply's ``metrics`` is that sum ({name: array}), the same for every
-        worker of the round. ``set_learning_rate`` > 0: the optimizer's constant learning
-        rate from this push's update on (sync: its round's). The reply's ``learning_rate``
-        is the rate the optimizer used for this update. Work the server dealt: ``micro_batch``
-        of round ``step`` (elastic sync), answered by a ``MicroReply``; ``task`` (async and
-        ssp with a data plan: an ``Assignment`` of ``work``), a retry of one already applied
-        answered from the server's record (``replayed``)."""
+        """Applied once or refused whole, however it travels. A gradient may be a ``SparseRows``
+        (an embedding's): only its rows travel. ``metrics`` (sync): small named tensors the
+        server sums over the round in worker order; the reply's ``metrics`` is that sum, the
+        same for every worker of the round. ``set_learning_rate`` > 0: the optimizer's constant
+        rate from this update on (sync: its round's); the reply's ``learning_rate`` is the rate
+        used. Work the server dealt: ``micro_batch`` of round ``step`` (elastic sync), answered
+        by a ``MicroReply``; ``task`` (async and ssp with a data plan), a retry of one already
+        applied answered from the server's record (``replayed``)."""
         try:
             arrays = {n: stream.to_wire(g.values if isinstance(g, SparseRows) else g, self.grad_wire_dtype)
                       for n, g in gradients.items()}

@@ -23,10 +23,8 @@ returned ``base_version`` (a version no pull returned goes to every shard as it 
 
 **Registration.** The shards must agree on the mode, the worker count and the worker id.
 Registrations, pushes and statuses are combined field by field by the ``*_RULES`` tables
-below. In sync mode every shard counts rounds alike; a worker registering while the shards
-collect different rounds (one restored from an older checkpoint: ``round_restored``)
-resumes at the lowest round of the shards that kept theirs, so every worker resumes at the
-same round and the kept steps are not applied again.
+below. In sync mode every shard counts rounds alike; when one restored from an older
+checkpoint lost rounds the others kept, ``register`` says where every worker resumes.
 
 **Shard 0 decides** (``ps_server.core.modes.base.ShardGroup``) where an update's content
 is one server's choice: elastic sync's micro-batches, tasks (``Work`` goes to shard 0
@@ -332,16 +330,11 @@ class ShardedClient:
              gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
              metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
              micro_batch: int = -1, task: int = -1) -> PushReply:
-        """Each shard gets its pieces of the gradients, its own base version and
-        (sync) its own round; the replies are combined as the module says.
-        ``set_learning_rate`` goes to every shard (each runs the optimizer on its pieces);
-        ``metrics`` to shard 0 alone, whose round sums them (the reply's ``metrics``), but for
-        ``SKIP_UPDATE``, which every shard gets.
-        Where shard 0 decides what each update holds (a micro-batch of elastic sync, an async
-        or ssp task, a round with backup workers), a push goes to every other shard first,
-        then, once they all took it, to shard 0, whose reply (the work to go on with, the
-        round's answer, the task's) is the answer: so shard 0 never holds a push another
-        shard lacks (``ps_server.core.modes.base.ShardGroup``)."""
+        """Each shard gets its pieces of the gradients, its own base version and (sync) its own
+        round; the replies are combined by ``PUSH_RULES``. ``set_learning_rate`` goes to every
+        shard; ``metrics`` to shard 0 alone, whose round sums them, but for ``SKIP_UPDATE``, which
+        every shard gets. Where shard 0 decides (module docstring), it gets the push last and its
+        reply is the answer, so it never holds a push another shard lacks."""
         placement = self.placement
         if placement is None:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
@@ -384,11 +377,8 @@ class ShardedClient:
 
 
 # -- combining the shards' answers: one rule per field ----------------------------------
-#
-# Each rule takes the shards' values of one field, in shard order, and returns the
-# cluster's. The tables name every field of the record or message they combine (a test
-# holds them to it), and ``combine_records`` / ``combine_messages`` apply them field by
-# field, so a field added to a record or to the proto has no value until it has a rule.
+# Each rule takes the shards' values of one field, in shard order, and returns the cluster's.
+# The tables name every field (a test holds them to it): a new field has no value until it has a rule.
 
 
 def first(values):

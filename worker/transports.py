@@ -549,16 +549,13 @@ class SharedMemory:
 
 
 class PullCache:
-    """The last full pull: (incarnation, version, values). The next full pull sends the
-    server that version and incarnation and gets back only the variables changed since,
-    and of a row-wise table (an embedding the server steps row by row) only the rows
-    changed since (``PullRequest.row_deltas``), which are written into this cache's copy
-    of it; the others are these arrays again (read-only, so sharing them is safe).
-
-    A row-wise table's array is therefore this client's one copy of it, written in place
-    by a later pull (the first delta copies it once, so that the cache owns it): it stays
-    read-only to everyone else, and holds the server's values as of the last pull
-    (sync: exactly that version; async: each row as of it or later, ``store``)."""
+    """The last full pull: (incarnation, version, values). The next full pull names that
+    version and incarnation and gets back only the variables changed since, and of a table
+    the server steps row by row only the rows changed since (``PullRequest.row_deltas``); the
+    others are these arrays again (read-only, so sharing them is safe). A row-wise table's
+    array is therefore this client's one copy, written in place by a later pull (copied once
+    at the first delta): read-only to everyone else, it holds the server's values as of the
+    last pull (sync: exactly that version; async: each row as of it or later)."""
 
     def __init__(self) -> None:
         self.held: tuple[str, int, dict[str, np.ndarray]] | None = None
