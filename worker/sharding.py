@@ -129,12 +129,10 @@ class Placement:
 
     # -- moving arrays ---------------------------------------------------------------
     def split(self, values: Mapping[str, np.ndarray], partial: bool = False) -> list[dict[str, np.ndarray]]:
-        """One ``{piece: array}`` per shard. Whole variables are passed as they are,
-        slices are row views (no copy for an array that is C-contiguous). A sparse
-        gradient (``SparseRows``) of a sliced variable goes to each slice's shard as the
-        rows that fall in the slice, renumbered from the slice's first row. With
-        ``partial`` a variable not in ``values`` is left out (a push of one optimizer's
-        variables: each shard's server refuses it unless the optimizer spec says so)."""
+        """One ``{piece: array}`` per shard: whole variables as they are, slices as row views. A
+        ``SparseRows`` of a sliced variable goes to each slice's shard as the rows in the slice,
+        renumbered from its first row. ``partial``: a variable not in ``values`` is left out
+        (a push of one optimizer's variables: each shard refuses it unless its spec allows)."""
         missing = [n for n in self.variables if n not in values and not partial]
         extra = [n for n in values if n not in self.variables]
         if missing or extra:
@@ -162,14 +160,10 @@ class Placement:
         return out
 
     def join(self, per_shard: Sequence[Mapping[str, np.ndarray]], partial: bool = False) -> dict[str, np.ndarray]:
-        """``{variable: array}`` from one ``{piece: array}`` per shard; slices are
-        concatenated in row order (a copy), whole variables returned as they are.
-
-        A piece on the wrong shard, of the wrong shape or dtype, or unknown to the
-        placement raises ``ShardingError``, and so does a missing piece, except that
-        with ``partial`` a variable none of whose pieces is present is left out
-        (a pull of some variables).
-        """
+        """``{variable: array}`` from one ``{piece: array}`` per shard: slices concatenated in row
+        order (a copy), whole variables as they are. ``ShardingError`` for a piece on the wrong
+        shard, of the wrong shape or dtype, unknown, or missing (but with ``partial`` a variable
+        none of whose pieces is present is left out: a pull of some variables)."""
         if len(per_shard) != self.num_shards:
             raise ShardingError(f"{len(per_shard)} shard replies for {self.num_shards} shards")
         expected = {p.name: p for p in self.pieces}
@@ -290,14 +284,10 @@ def norms_of(optimizer: Mapping) -> list[str]:
 
 
 def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
-    """The placement that the shards' contents describe.
-
-    ``per_shard[s]`` is ``{piece: (shape, dtype)}`` (or ``{piece: array}``) of
-    what shard ``s`` holds, as a pull returns it. Variables come out in the order
-    their first piece appears, shard by shard. Raises ``ShardingError`` when the
-    pieces do not make whole variables (a part missing or doubled, or parts that
-    disagree on dtype or trailing shape).
-    """
+    """The placement that the shards' contents describe: ``per_shard[s]`` is ``{piece: (shape,
+    dtype)}`` (or ``{piece: array}``) of shard ``s``. Variables come out in the order their first
+    piece appears, shard by shard. ``ShardingError`` when the pieces do not make whole variables
+    (a part missing or doubled, or parts that disagree on dtype or trailing shape)."""
     found: dict[str, dict[int, tuple[int, int, tuple[int, ...], np.dtype]]] = {}  # variable -> part -> ...
     totals: dict[str, int] = {}
     for shard, pieces in enumerate(per_shard):
