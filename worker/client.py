@@ -7,9 +7,19 @@
     value = client.broadcast(reg.worker_id, "epoch-1", b"stop" if chief else None, timeout=30.0)
 
 NumPy in, NumPy out: no TensorFlow here. How a pull or push travels (one message on the
-Session stream, streamed, PushPull, or shared memory with ``shm=True``, which falls back
-to streaming for good on any refusal: ``shm_fallback_reason``) and what a pull skips are
-in docs/speed.md; the pull cache's guarantees in ``worker.transports.PullCache``.
+Session stream, streamed, PushPull, or shared memory) is in docs/speed.md. A full pull
+sends the server the version and incarnation of the values this client holds, and gets
+back only the variables that changed since (``worker.transports.PullCache``).
+
+Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register`` the client
+proves that the server can open its shared-memory segments (``SharedMemory``); only then
+do large pushes and pulls pass through them (``shm_active``). A failed probe (a server on
+another host, one started with ``--no-shm``, an older one), a segment that cannot be made
+(``/dev/shm`` full), or any "shared memory:" refusal on a call makes the client log one
+line and stream from then on (``shm_fallback_reason``); a refused call is repeated over the
+stream, which is safe because a refusal changes nothing on the server. The values a pull
+returns are copies, valid after the next pull. ``close()`` unlinks the segments, and so
+does interpreter exit.
 
 Each call carries a deadline. Calls that are safe to repeat (Register, Initialize, Pull,
 Leave, Status, Heartbeat, Broadcast) are retried on UNAVAILABLE by the channel's
@@ -212,9 +222,10 @@ class PSClient:
         one takes ``global_clipnorm``'s norm with. ``shard_group`` (``shards``, ``shard``): shard 0
         decides what each update holds (``ps_server.core.modes.base.ShardGroup``).
 
-        Variables of up to half the message limit in all go as one Initialize message, which the
-        channel retries on UNAVAILABLE; larger ones are streamed (InitializeStream). Half, so
-        that protobuf's own bytes around the tensors never push a message over."""
+        Variables of up to half the channel's message limit in all go as one Initialize message,
+        which the channel retries on UNAVAILABLE; larger ones are streamed in ~2 MiB chunks
+        (InitializeStream), so a model of any size can be initialized. Half, so that protobuf's
+        own bytes around the tensors never push a message over."""
         optimizer = pb.OptimizerConfig(**optimizer)
         non_trainable = sorted(non_trainable)
         plan = {field: make(**value) for field, make, value in (

@@ -398,12 +398,20 @@ def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[i
 
 
 class SharedMemory:
-    """The same-host fast path (docs/speed.md): two segments of this client's in ``/dev/shm``
-    (``protos.shm``), one for pushes, one for pulls; ``active`` once ``register``'s probe
-    succeeded. The values a pull returns are copies, valid after the next pull. A segment
-    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails in a way
-    that leaves the server possibly still using it (a deadline, a dropped connection): then
-    it is dropped and the next call makes a new one."""
+    """The same-host fast path: two segments of this client's in ``/dev/shm``
+    (``protos.shm``: ``tfps-<pid>-<random>``, mode 0600), one for pushes, one for pulls.
+
+    ``register`` probes it (``hold_for_probe``, ``probe_request``, ``probe_answer``):
+    the client writes a random token into the push segment and names both; the server
+    must read the token back and write a nonce into the pull one. Only then is it
+    ``active``: pushes put the gradients into the push segment and pulls have the
+    server write the values into the pull segment, with gRPC carrying the headers
+    alone. The values a pull returns are copies, valid after the next pull. A segment
+    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails
+    in a way that leaves the server possibly still using it (a deadline, a dropped
+    connection): then it is dropped and the next call makes a new one. A SIGKILLed
+    worker leaves its segments behind (``ls /dev/shm/tfps-*``; the pid says whose).
+    """
 
     def __init__(self, streams: Streams, address: str, enabled: bool):
         self.streams, self.address, self.enabled = streams, address, enabled
