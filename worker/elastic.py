@@ -3,58 +3,21 @@
     ps-server --mode sync --num-workers 4 --elastic-min-workers 2 --micro-batches 4
     ps-worker --elastic --worker-index 0 --num-workers 4 ...     # any number of these, at any time
 
-Against ``ps-server --elastic-min-workers`` (``ps_server/core/elastic_mode.py``) the
-data cursor is the server's: every round it deals the fixed micro-batches of that
-round's global batch (``ps_common.batches``) to the workers live at its start. So a
-worker does not own a shard. Each round it asks for its work (the ``Work`` RPC), pulls
-the parameters of that round's version, and takes each micro-batch dealt to it through
-the one engine's step (``worker.engine.Engine``: the mean loss and gradient
-of those examples alone under one tape, pushed naming the micro-batch). The reply either
-names the work to do next (its own rest, or the part of a worker that died) or is the
-round's answer; the round makes one history row. A worker may join at any time and may
-die at any time: its undelivered part is computed by another, and the round's result has
-the same bits (``core.cursor``).
+What the server does and why the bits stay the same: docs/elastic.md. Elastic sync
+(``ps_server/core/elastic_mode.py``): each round a worker asks for its work (``Work``),
+pulls that round's version and takes each micro-batch dealt to it through the engine's
+one step (``worker.engine.Engine``), pushed naming the micro-batch; the reply names more
+work or is the round's answer, and the round makes one history row. Async and ssp
+(``ps_server/core/tasks.py``): each step a worker asks for a task, pulls, computes the
+plan's batch at the task's id and pushes it naming the task. The chief sends the data
+plan (``set_data_plan``). A ``tfps.keras`` fit runs one round (``round_at``) or one task
+(``task_at``) per Keras step.
 
-The chief (worker 0) sends the data plan (examples, global batch size, seed) with its
-Initialize. The job ends at the last step: a worker dealt work of a round at or past
-``total_steps`` stops. The data: the built-in models and datasets (their examples are
-drawn by index), your dataset function's train dataset read once (``worker.task.UserTask``
-with ``elastic``: every worker checks it has the chief's examples, ``same_data``), or the
-arrays of a ``tfps.keras`` fit (``worker.task.DealtArrays``),
-which runs one round per Keras step (``round_at``: a worker that joins late skips the
-rounds the cluster is past), or in async and ssp one task per Keras step (``task_at``);
-one server or several shards (shard 0 deals; ``worker.sharded_client`` pushes dealt work to
-the others first).
-
-Against an async or ssp server (``ps-worker --elastic`` there too) the chief's data plan
-carries ``--epochs``, and the server hands out the job's batches as tasks
-(``ps_server/core/tasks.py``): each epoch's shuffled examples cut into batches of
-``--global-batch-size / --num-workers`` (the examples one async push trains on without
-tasks too). Each step a worker asks for a task, pulls, computes that batch
-(``ps_common.batches.global_batch`` of the plan at the task's id) and pushes it naming
-the task. A dead worker's tasks, an expired lease's, a refused push's go back to the
-queue; only the holder's push of a task is applied, a retry is answered from the
-record: every example is applied exactly once per epoch. The job ends when the server
-says every task is applied; the chief then evaluates at once.
-
-SIGTERM (``ps-launch`` scaling a job down, an operator, a scheduler) makes a worker
-leave the job at once: it tells the server ``Leave`` (over a fresh channel: a call it
-abandoned may still be using the old one), and ``ps-worker`` exits with 143 (128 +
-SIGTERM, ``ps_common.procs.LEFT_JOB_STATUS``). The server moves the micro-batches it
-had not delivered to the live workers, so nothing is lost or computed twice, and no
-round waits for its lease to run out. A push of it still in flight either arrived
-first (delivered) or is refused (its micro-batch went to another).
-
-The handler only sets a flag (``SigtermFlag``), which the engine checks between calls: an
-exception raised from a handler surfaces wherever the main thread is, and inside
-TensorFlow that was a failure (a worker stopped in its gradient step exited 1 through
-``traceback_utils`` and was declared dead). A gradient under way is finished first;
-what may block (registering and joining, ``Work``, a push waiting for its round or
-ssp's bound, a ``--pause-for``) ends within 50 ms. This holds from the engine's start
-until its last round is done (a worker stopped before it registered has nothing to
-leave); a rejoin runs to its end first (``--reconnect-timeout``); in ``finish`` SIGTERM
-ends it as usual. It writes no ``--history-json``. Only in the main thread (where
-signals arrive); a loop run in another keeps SIGTERM as it is.
+SIGTERM makes a worker leave the job at once (``Leave`` over a fresh channel: a call it
+abandoned may still be using the old one; ``ps-worker`` exits 143). The handler only sets
+a flag (``SigtermFlag``, why: docs/elastic.md), which the engine checks between calls: a
+gradient under way is finished first, what may block ends within 50 ms. Only in the main
+thread (where signals arrive); it writes no ``--history-json``.
 """
 
 from __future__ import annotations
@@ -153,17 +116,16 @@ def set_data_plan(engine, registration) -> None:
     ``--epochs`` epochs (``tasks``)."""
     config, task, conn = engine.config, engine.task, engine.conn
     engine.stop.check()  # stopped while it registered: it leaves without joining
+    conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": config.global_batch_size,
+                      "seed": config.seed}
     if registration.mode == "sync":
-        conn.data_plan = {"num_examples": task.num_examples,
-                          "global_batch_size": config.global_batch_size, "seed": config.seed}
         return
     if config.steps:
         raise ConfigError(f"--steps {config.steps}: async and ssp with --elastic train on the server's "
                           f"tasks for whole epochs; say --epochs")
     engine.batch = max(1, config.global_batch_size // config.num_workers)
     conn.step = max(conn.step, registration.round)  # ssp: the slowest live worker's clock
-    conn.data_plan = {"num_examples": task.num_examples, "global_batch_size": engine.batch,
-                      "seed": config.seed, "epochs": config.epochs}
+    conn.data_plan = {**conn.data_plan, "global_batch_size": engine.batch, "epochs": config.epochs}
 
 
 def same_data(engine) -> None:
@@ -180,19 +142,6 @@ def same_data(engine) -> None:
                           "function must give the same examples in the same order (seed any shuffle)")
 
 
-def rounds(engine) -> None:
-    """Elastic sync: the server's rounds, each computed micro-batch by micro-batch, until
-    a worker is dealt a round at or past the last step."""
-    _take(engine, _one_round, _ask_again)
-    engine.conn.step = engine.task.total_steps
-
-
-def tasks(engine) -> None:
-    """Async and ssp: the job's batches as tasks (``core.tasks``), until every one is applied;
-    a push of a task taken away meanwhile (its lease ran out) is refused and dropped."""
-    _take(engine, _one_task, _task_taken_away)
-
-
 def _take(engine, one, passing) -> None:
     """``one(engine)`` until it says the job is done. After a refusal ``passing`` lets pass
     (asked first) it goes on; after one the worker can ride out (this worker declared dead,
@@ -201,22 +150,13 @@ def _take(engine, one, passing) -> None:
         pass
 
 
-def _one_task(engine) -> bool:
-    offer = _offer(engine)
-    if not offer.sizes:
-        if offer.finished:
-            return False
-        engine.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
-        return True
-    _compute_task(engine, offer)
-    return True
-
-
-def task_at(engine, epoch: int) -> None:
-    """Async and ssp one Keras step at a time (``tfps.keras``): the next task the server hands
-    out, computed and pushed, if it is of ``epoch`` or an earlier one; one of a later epoch is
-    kept in ``engine.pending`` for that epoch's steps (this worker's share of an epoch is what it
-    is handed, so its other steps do nothing). Once every task is handed out, a step waits for
+def task_at(engine, epoch: int | None = None) -> None:
+    """Async and ssp: the job's batches as tasks (``core.tasks``), until every one is applied;
+    a push of a task taken away meanwhile (its lease ran out) is refused and dropped. With
+    ``epoch`` (``tfps.keras``, one Keras step): the next task the server hands out, computed and
+    pushed, if it is of ``epoch`` or an earlier one; one of a later epoch is kept in
+    ``engine.pending`` for that epoch's steps (this worker's share of an epoch is what it is
+    handed, so its other steps do nothing). Once every task is handed out, a step waits for
     the job to finish (a task may come back to it); from then on steps do nothing."""
 
     def one(engine) -> bool:
@@ -225,13 +165,13 @@ def task_at(engine, epoch: int) -> None:
             if offer.finished:
                 engine.pending = offer  # the job is done: every later step does nothing
                 return False
-            engine.stop.sleep(WAIT_S)
+            engine.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
             return True
-        if offer.round // engine.task.steps_per_epoch > epoch:
+        if epoch is not None and offer.round // engine.task.steps_per_epoch > epoch:
             engine.pending = offer
             return False
         _compute_task(engine, offer)
-        return False
+        return epoch is None
 
     _take(engine, one, _task_taken_away)
 
@@ -276,8 +216,7 @@ def leave_now(engine) -> str:
     reg = None if conn is None else conn.registration
     if reg is None:
         return "stopped by SIGTERM before it registered"
-    step = conn.step
-    me = reg.worker_id
+    step, me = conn.step, reg.worker_id
     try:
         with connect(engine.config) as client:
             client.leave(me)
@@ -289,33 +228,30 @@ def leave_now(engine) -> str:
     return f"stopped by SIGTERM: left the job at step {step}"
 
 
-def round_at(engine, r: int) -> None:
-    """Elastic sync one round at a time (``tfps.keras``: a Keras step is round ``r``): this
-    worker's part of round ``r``, if the server deals it some; returns once it is done, or at
-    once when the cluster is past ``r`` (a worker that joined late skips to the cluster's
-    round). Work dealt for a later round is kept in ``engine.pending`` for that round's call.
-    Refusals and faults as in ``rounds``."""
+def round_at(engine, r: int | None = None) -> None:
+    """Elastic sync: the server's rounds, each computed micro-batch by micro-batch, until a
+    worker is dealt a round at or past the last step. With ``r`` (``tfps.keras``: a Keras step
+    is round ``r``): this worker's part of round ``r``, if the server deals it some; returns
+    once it is done, or at once when the cluster is past ``r`` (a worker that joined late
+    skips to the cluster's round). Work dealt for a later round is kept in ``engine.pending``
+    for that round's call."""
 
     def one(engine) -> bool:
-        if engine.conn.step > r:
+        if r is not None and engine.conn.step > r:
             return False
         work, engine.pending = engine.pending or _ask(engine), None
-        if work.round > r:
+        if r is None and work.round >= engine.task.total_steps:
+            return False
+        if r is not None and work.round > r:
             engine.pending = work
             return False
-        _compute_if_current(engine, work)
+        if engine.conn.pull() == work.round:  # else it was dealt for a round that ended meanwhile
+            _compute_round(engine, work)
         return True
 
     _take(engine, one, _ask_again)
-
-
-def _one_round(engine) -> bool:
-    """Ask for work, compute and push it micro-batch by micro-batch; False once the job is done."""
-    work = _ask(engine)
-    if work.round >= engine.task.total_steps:
-        return False
-    _compute_if_current(engine, work)
-    return True
+    if r is None:
+        engine.conn.step = engine.task.total_steps
 
 
 def _ask(engine):
@@ -323,13 +259,6 @@ def _ask(engine):
     conn = engine.conn
     conn.check()
     return engine.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
-
-
-def _compute_if_current(engine, work) -> None:
-    """Pull, and compute ``work`` if the parameters are its round's; else it was dealt for a
-    round that ended meanwhile, and the next ``Work`` says what now."""
-    if engine.conn.pull() == work.round:
-        _compute_round(engine, work)
 
 
 def _compute_round(engine, work) -> None:

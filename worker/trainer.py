@@ -2,52 +2,22 @@
 
     result = train(WorkerConfig(ps="127.0.0.1:50051", worker_index=0, num_workers=2))
 
-``TrainingLoop`` holds the loop's state in plain fields: the connection
-(``worker.connection``: registration, step, the version pulled, the newest
-version seen, the lease heartbeat), the task (``worker.task``: model and data),
-the one gradient path (``worker.gradients``), the history and the evals.
-``run`` reads top to bottom: ``start`` (register, join), then each work item
-through the one engine (``worker.engine``) until the last step, then ``finish``. The work is this
-worker's shard of each global batch (``own_shard``) or, with ``--elastic``, what
-the server deals (``worker.elastic``: micro-batches of its rounds, leased tasks).
+``TrainingLoop.run`` reads top to bottom: ``start`` (register, join), then each work
+item through the one engine (``worker.engine``) until the last step, then ``finish``.
+The work is this worker's shard of each global batch (``own_shard``) or, with
+``--elastic``, what the server deals (``worker.elastic``).
 
-One step (``Engine``, for every kind of work): pull the parameters (and the
-server's version) into the model, compute the mean loss and its gradients on the
-work's examples under one tape (``worker.gradients``), push them with the work
-(``Connection.push``), and make its history row. In sync mode
-the push returns when the whole round is applied; in async mode as soon as this
-gradient is; in ssp mode (bounded staleness) the same, unless this worker is too
-far ahead of the slowest, when the reply waits. A failure the worker can ride out
-(the server restarting, this worker declared dead) makes it rejoin and resume
-where the server says. The experiment knobs (``worker.knobs``: slowdown,
-bandwidth, latency, a pause) sleep around those phases.
+A step is the engine's (pull, one tape, push, one history row); after a failure the
+worker can ride out (the server restarting, this worker declared dead) it rejoins and
+resumes where the server says. The history's fields (``--history-json``) and the
+chief's ``--eval-every`` records: docs/compare.md (experiment knobs); ``compute_cpu_s``
+is the CPU time this process spent computing the gradients (on shared cores it leaves
+out the time spent waiting for one).
 
-With ``--history-json`` every step is recorded: loss, batch size, the version
-pulled and the one after the push, staleness, whether it was dropped, and its
-timing: ``t`` (seconds since training started, at the end of the step) and the
-wall time of each phase: ``pull_s`` (the pull and loading the parameters into
-the model), ``compute_s`` (the gradients) and ``push_s`` (with any barrier or
-staleness wait). None of them counts the knobs' sleeps: those are ``knob_s``.
-``compute_cpu_s`` is the CPU time this process spent computing the gradients: on
-a machine whose cores the worker shares, it leaves out the time spent waiting
-for one.
-With ``--eval-every K`` the chief also records, every K steps, the test accuracy
-and loss of the parameters it pulled for that step, timed on their own
-(``eval_s``) and outside every step's phases.
-
-The chief (worker 0) initializes the server from its freshly built model; the
-others wait for that, pull, and check that their model and optimizer match
-what the server holds. At the end the chief (after the other workers have left,
-in async and ssp modes) evaluates the final parameters: test accuracy and loss,
-and the loss on the whole training set.
-
-With several servers in ``--ps`` (shards), the loop is the same: a
-``ShardedClient`` splits every initialize, pull and push over them
-(``worker.sharded_client``).
-
-Logging: one INFO line once registered (index, mode, server, whether chief,
-device, task, steps, any knobs and the metrics address), the progress lines,
-the faults ridden out, and the final scores; the rest of the start-up at DEBUG.
+The chief (worker 0) initializes the server from its freshly built model; the others
+wait for that, pull, and check that their model and optimizer match. At the end the
+chief (after the other workers have left, in async and ssp) evaluates the final
+parameters. Several servers in ``--ps``: the same loop over a ``ShardedClient``.
 """
 
 from __future__ import annotations
@@ -110,20 +80,14 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
             models.load_ordered_npz(model, config.initial_weights)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"--initial-weights: {e}") from None
-    observer = Observer(worker_index=config.worker_index, total_steps=task.total_steps, log_every=config.log_every,
-                        progress=config.progress, logdir=config.logdir,
-                        metrics_port=config.metrics_port or None,
-                        metrics_host=config.metrics_host)
-    if observer.metrics_port:
-        log.debug("serving Prometheus metrics on http://%s:%d/metrics", config.metrics_host, observer.metrics_port)
-    try:
+    with Observer(worker_index=config.worker_index, total_steps=task.total_steps, log_every=config.log_every,
+                  progress=config.progress, logdir=config.logdir, metrics_port=config.metrics_port or None,
+                  metrics_host=config.metrics_host) as observer:
         loop = TrainingLoop(config, task, model, observer, device)
         try:
             return loop.run()
         finally:
             loop.conn.close()
-    finally:
-        observer.close()
 
 
 class TrainingLoop:
@@ -155,7 +119,7 @@ class TrainingLoop:
             if not self.config.elastic:
                 self.own_shard()
             else:
-                (elastic.rounds if self.conn.sync else elastic.tasks)(engine)
+                (elastic.round_at if self.conn.sync else elastic.task_at)(engine)
         return self.finish()
 
     # -- start
