@@ -3,24 +3,13 @@
     config = WorkerConfig.from_args(sys.argv[1:])   # flags, then TFPS_* env, then TF_CONFIG
 
 Every flag ``--global-batch-size`` has the environment fallback
-``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. Four fields mean
-something else to the server and so have variables of their own:
-``TFPS_WORKER_SHM``, ``TFPS_WORKER_TLS_CERT_FILE``, ``TFPS_WORKER_TLS_KEY_FILE``
-(the client certificate) and ``TFPS_WORKER_METRICS_PORT`` (the old shared names
-still work, with a deprecation warning). With ``TF_CONFIG`` (task type
-``worker`` or ``chief``), the servers are every ``cluster.ps`` entry, in order,
-each one shard (a TFJob with two PS replicas trains on both), the worker index
-the task's position (a chief is worker 0) and the worker count the number of
-chief and worker tasks, unless flags say otherwise (``ps_common.settings``).
-With ``TFPS_CLUSTER=slurm``, the Slurm environment of an ``srun`` task stands in
-for ``TF_CONFIG`` (``ps_common.slurm``): the servers are the first
-``TFPS_SLURM_NUM_PS`` tasks, this worker's index its rank after them.
-``--worker-index auto`` (``TFPS_WORKER_INDEX=auto``) lets the server assign the
-index (identical containers under ``docker compose --scale``). ``--ps``
-with a comma-separated list names several ps-server shards
-(``worker.sharded_client``). The experiment knobs (``--slowdown``,
-``--bandwidth-mbps``, ``--added-latency-ms``, ``--pause-at-step``/``--pause-for``)
-make this one worker a straggler or give it a slow link (``worker.knobs``).
+``TFPS_GLOBAL_BATCH_SIZE``; a flag on the command line wins. The fields that mean
+something else to the server have variables of their own (``TFPS_WORKER_SHM``,
+``TFPS_WORKER_TLS_CERT_FILE``, ``TFPS_WORKER_TLS_KEY_FILE``, ``TFPS_WORKER_METRICS_PORT``);
+``TF_CONFIG`` and ``TFPS_CLUSTER=slurm`` give the servers, index and worker count unless
+flags say otherwise (``ps_common.settings``; all of it: docs/running.md). ``--worker-index
+auto`` lets the server assign the index; ``--ps`` may list several shards
+(``worker.sharded_client``); the experiment knobs live in ``worker.knobs``.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ from protos.stream import WIRE_DTYPES
 from protos.wire import check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
 from worker.model import MODELS
+from worker.task import is_function_spec
 
 AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
 
@@ -90,16 +80,10 @@ class WorkerConfig:
     intra_op_threads: int = 0
     log_level: str = "INFO"
     grad_wire_dtype: str = "float32"  # float16/bfloat16 halve the pushed bytes (protos.stream)
-    # Same-host fast path through shared memory (protos.shm), falls back by itself.
     shm: bool = setting(False, env="TFPS_WORKER_SHM", old_env="TFPS_SHM")
-    # Sync: a streamed push gets the round's new values back while it still sends (PushPull).
-    overlap: bool = True
-    # Slow links (hosts apart, <= 1 Gbit/s): every sync push a PushPull, in blocks of this many
-    # KiB (0: pushes over 1 MiB only, in the server's 512 KiB blocks).
-    overlap_block_kib: int = 0
-    # Elastic sync (ps-server --elastic-min-workers): the server deals each round's
-    # micro-batches (worker.elastic); the built-in data or your dataset read once, one server.
-    elastic: bool = False
+    overlap: bool = True  # sync: PushPull, the round's new values back while the push still sends
+    overlap_block_kib: int = 0  # slow links: every sync push a PushPull, in blocks of this many KiB
+    elastic: bool = False  # the server deals the data (worker.elastic)
     max_message_mb: float = d.MAX_MESSAGE_MB  # the largest message either way (protos.wire); as the server's
     # Experiment knobs (worker.knobs): a straggler, a slow link, a stall. The defaults do nothing.
     slowdown: float = 1.0  # compute F times slower: sleep (F-1) * the step's compute time
@@ -146,18 +130,15 @@ class WorkerConfig:
         return [a.strip() for a in self.ps.split(",")] if "," in self.ps else [self.ps]
 
     def validate(self) -> "WorkerConfig":
-        if "," not in self.ps:
-            if not _is_host_port(self.ps):
-                raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}")
-        else:
-            addresses = self.ps_addresses
-            for i, a in enumerate(addresses):
-                if not _is_host_port(a):
-                    raise ConfigError(f"--ps must be HOST:PORT or a comma-separated list of them, got {self.ps!r} "
-                                      f"(entry {i + 1} is {a!r})")
-            twice = sorted({a for a in addresses if addresses.count(a) > 1})
-            if twice:
-                raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
+        addresses = self.ps_addresses  # one unless --ps has a comma
+        for i, a in enumerate(addresses):
+            if not _is_host_port(a):
+                raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}" if len(addresses) == 1 else
+                                  f"--ps must be HOST:PORT or a comma-separated list of them, got {self.ps!r} "
+                                  f"(entry {i + 1} is {a!r})")
+        twice = sorted({a for a in addresses if addresses.count(a) > 1})
+        if twice:
+            raise ConfigError(f"--ps lists {', '.join(twice)} more than once, got {self.ps!r}")
         low, high = d.MIN_OVERLAP_BLOCK_BYTES >> 10, d.MAX_OVERLAP_BLOCK_BYTES >> 10
         if self.overlap_block_kib and not low <= self.overlap_block_kib <= high:
             raise ConfigError(f"--overlap-block-kib must be 0 (off) or {low} to {high}, got {self.overlap_block_kib}")
@@ -165,16 +146,16 @@ class WorkerConfig:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
             raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1} or auto, got {self.worker_index}")
-        if self.dataset not in DATASETS and not _is_function(self.dataset):
+        if self.dataset not in DATASETS and not is_function_spec(self.dataset):
             raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)} or module:function, got {self.dataset!r}")
-        if self.model not in MODELS and not _is_function(self.model):
+        if self.model not in MODELS and not is_function_spec(self.model):
             raise ConfigError(f"--model must be one of {', '.join(MODELS)} or module:function, got {self.model!r}")
-        if _is_function(self.model) != _is_function(self.dataset):
+        if is_function_spec(self.model) != is_function_spec(self.dataset):
             raise ConfigError("--model module:function goes with --dataset module:function (the built-in models fit "
                               "only the built-in datasets, and your model needs your data)")
         if self.train_examples < 0:
             raise ConfigError(f"--train-examples must be >= 0 (0: all), got {self.train_examples}")
-        if self.train_examples and _is_function(self.dataset):
+        if self.train_examples and is_function_spec(self.dataset):
             raise ConfigError("--train-examples subsets the built-in datasets; --dataset module:function makes "
                               "its own data")
         if self.dataset_sharding not in ("batch", "none"):
@@ -192,10 +173,8 @@ class WorkerConfig:
         if self.steps < 0:
             raise ConfigError(f"--steps must be >= 0, got {self.steps}")
         if self.global_batch_size < self.num_workers:
-            raise ConfigError(
-                f"--global-batch-size {self.global_batch_size} is smaller than --num-workers {self.num_workers}: "
-                "some workers would get no examples"
-            )
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} is smaller than --num-workers "
+                              f"{self.num_workers}: some workers would get no examples")
         if self.learning_rate < 0:
             raise ConfigError(f"--learning-rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.momentum < 1:
@@ -277,12 +256,6 @@ class WorkerConfig:
     def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "WorkerConfig":
         environ = os.environ if environ is None else environ
         return resolve(cls, args, environ, role="worker").validate()
-
-
-def _is_function(spec: str) -> bool:
-    """``module:function``: a model or dataset function of the user's (``worker.task``)."""
-    module, sep, attr = spec.partition(":")
-    return bool(sep and module and attr)
 
 
 def _is_host_port(address: str) -> bool:

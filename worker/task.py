@@ -13,43 +13,12 @@ The training loop (``worker.trainer``) sees only this interface, so the CLI and
 the Python API (``worker.api``) run the same loop, and the gradient of every
 task goes through one function (``worker.gradients``).
 
-**Your data** (``dataset_fn``): a function returning a ``tf.data.Dataset`` of
-``(features, labels)`` batches, or a pair ``(train, eval)`` of them. Features
-may be one tensor, a tuple or a dict (a model with several inputs). If the
-function takes an argument it gets an ``InputContext`` (worker index, worker
-count, global batch size, seed). Two ways to shard, ``--dataset-sharding``:
-
-- ``batch`` (default): the dataset yields *global* batches, the same in every
-  worker (seed any shuffle); each worker keeps its contiguous part of each
-  batch, so the union of the parts is the batch one process would see, exactly
-  as with the built-in data.
-- ``none``: the function already returned this worker's own batches (it used
-  ``ctx.worker_index``, e.g. ``ds.shard(ctx.num_workers, ctx.worker_index)``
-  before batching with ``ctx.per_worker_batch_size``); every worker must make
-  the same number of batches, or sync rounds wait for the missing ones.
-
-The number of steps is ``--steps``, else epochs times the train dataset's
-length (``cardinality``); a dataset of unknown length needs ``--steps``.
-
-With ``--elastic`` (``elastic=True``) the server deals the examples: the train
-dataset is read once into arrays (``read_once``; elements ``(features, labels)``
-or ``(features, labels, sample_weight)``, finite), every worker reads all of it
-(a context-taking function gets worker 0 of 1), and rounds or tasks are index
-batches of ``--global-batch-size`` into them, as ``DealtArrays`` deals a Keras fit's.
-
-**Your model** (``model_fn``): returns a Keras model; without an explicit loss
-it must be compiled with one (``model.compile(loss=..., metrics=[...])``: the
-loss and metrics are read from it; the compiled optimizer is ignored, the
-server's applies). The loss is the mean over this worker's examples plus the
-model's regularization losses; the server weights workers by batch share.
-
-**Variables.** Trainable variables go to the server's optimizer; an embedding
-lookup's gradient travels as the rows it touched (``worker.gradients``).
-Floating non-trainable variables (BatchNorm's moving mean and variance) are
-kept on the server too: each step a worker pushes the change its forward pass
-made to them, and the server adds it (sync: the batch-weighted mean of the
-workers' changes), without the optimizer; see ``ps_server.core.store``.
-Integer state (a dropout layer's seed generator) stays in each worker.
+What the model and dataset functions may return, the two ``--dataset-sharding`` ways
+(``batch``: every worker keeps its contiguous part of each global batch; ``none``: the
+function made this worker's own), the step count, ``--elastic`` (the train dataset read
+once, ``read_once``, and dealt by index as ``DealtArrays``) and where the variables live:
+docs/your-model.md. The loss is the mean over this worker's examples plus the model's
+regularization losses; the server weights workers by batch share.
 """
 
 from __future__ import annotations
@@ -64,6 +33,8 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
+
+from ps_common import batches as ps_batches
 
 log = logging.getLogger("worker")
 
@@ -110,8 +81,10 @@ def load_function(spec: str, what: str) -> Callable:
     return obj
 
 
-def is_function_spec(name: str) -> bool:
-    return ":" in name
+def is_function_spec(spec: str) -> bool:
+    """``module:function``: a model or dataset function of the user's."""
+    module, sep, attr = spec.partition(":")
+    return bool(sep and module and attr)
 
 
 def shard_bounds(n: int, worker_index: int, num_workers: int) -> tuple[int, int]:
@@ -157,7 +130,7 @@ class BuiltinTask(Task):
     and an epoch is N examples."""
 
     def __init__(self, config):
-        from worker.data import global_batches, load_dataset, steps_per_epoch, train_subset
+        from worker.data import global_batches, load_dataset, train_subset
 
         self.config = config
         self.name = f"{config.model} on {config.dataset}"
@@ -169,7 +142,7 @@ class BuiltinTask(Task):
                 raise TaskError(str(e)) from None
             self.name += f" ({config.train_examples} training examples)"
         n_train = len(self.data.y_train)
-        per_epoch = steps_per_epoch(n_train, config.global_batch_size)
+        per_epoch = ps_batches.steps_per_epoch(n_train, config.global_batch_size)
         self.total_steps = config.steps or config.epochs * per_epoch
         epochs_needed = -(-self.total_steps // per_epoch)
         self._batches = list(itertools.islice(
@@ -344,9 +317,7 @@ class UserTask(Task):
             for m in self._metric_list:
                 m.update_state(_same_rank(y, pred), pred)
         scores = {"test_loss": total / max(count, 1)}
-        for m in self._metric_list:
-            value = m.result()
-            scores[f"test_{m.name}"] = float(value)
+        scores.update({f"test_{m.name}": float(m.result()) for m in self._metric_list})
         accuracy = [k for k in scores if k.endswith("accuracy")]
         if accuracy and "test_accuracy" not in scores:
             scores["test_accuracy"] = scores[accuracy[0]]
@@ -381,27 +352,23 @@ class _Sequential:
             self._it = iter(self.task._train.repeat().skip(step))
         self._next = step + 1
         x, y = next(self._it)
-        if self.task.sharding == "none":
-            return x, y, int(tf.shape(tf.nest.flatten(y)[0])[0])
         n = int(tf.shape(tf.nest.flatten(y)[0])[0])
+        if self.task.sharding == "none":
+            return x, y, n
         lo, hi = shard_bounds(n, self.worker_index, self.num_workers)
         cut = lambda t: t[lo:hi]
         return tf.nest.map_structure(cut, x), tf.nest.map_structure(cut, y), hi - lo
 
 
 class DealtArrays:
-    """Your arrays when the server deals their examples (``tfps.keras`` with elastic sync):
-    global batch ``step`` is ``ps_common.batches.global_batch(num_examples, global_batch_size,
-    seed, step)``, the sequence the server's cursor cuts into micro-batches (with ``tasks``,
-    async and ssp: task ``step``'s batch, ``core.data.tasks``), and ``examples`` reads the
-    rows at given indices of every array (``x`` may be one array, a tuple, list or dict of
-    them; ``y`` and ``sample_weight`` likewise, or None). ``total_steps``: the ``epochs``
-    given, in batches."""
+    """Your arrays when the server deals their examples (``tfps.keras`` elastic, ``UserTask``
+    with ``elastic``): global batch ``step`` is ``ps_common.batches.global_batch`` of the plan
+    (with ``tasks``, async and ssp: task ``step``'s batch), and ``examples`` reads the rows at
+    given indices of every array (``x``, ``y`` and ``sample_weight``: an array, a tuple, list or
+    dict of them; ``y`` and ``sample_weight`` may be None). ``total_steps``: ``epochs`` of batches."""
 
     def __init__(self, x, y, sample_weight, *, global_batch_size: int, seed: int, epochs: int,
                  tasks: bool = False):
-        from ps_common import batches
-
         self.x, self.y, self.sample_weight = x, y, sample_weight
         sizes = {len(a) for a in _leaves((x, y, sample_weight))}
         if len(sizes) != 1:
@@ -412,7 +379,7 @@ class DealtArrays:
         if self.num_examples < 1:
             raise TaskError("the training arrays are empty")
         self.global_batch_size, self.seed, self.epochs, self.tasks = global_batch_size, seed, epochs, tasks
-        self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, global_batch_size)
+        self.steps_per_epoch = ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
         self.total_steps = epochs * self.steps_per_epoch
 
     def plan(self) -> dict:
@@ -422,9 +389,7 @@ class DealtArrays:
         return {**plan, "epochs": self.epochs} if self.tasks else plan
 
     def global_batch(self, step: int) -> np.ndarray:
-        from ps_common import batches
-
-        return batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)
+        return ps_batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)
 
     def examples(self, indices: np.ndarray) -> tuple:
         """(x, y, sample_weight) at ``indices``, each in the structure given."""
@@ -524,13 +489,10 @@ def _metric(spec, loss):
 
     if isinstance(spec, str) and spec in ("accuracy", "acc"):
         name = loss if isinstance(loss, str) else getattr(loss, "name", "") or getattr(loss, "__name__", "")
-        if "sparse_categorical" in name:
-            return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
-        if "categorical" in name:
-            return keras.metrics.CategoricalAccuracy(name="accuracy")
-        if "binary" in name:
-            return keras.metrics.BinaryAccuracy(name="accuracy")
-        return keras.metrics.Accuracy(name="accuracy")
+        kinds = {"sparse_categorical": "SparseCategoricalAccuracy", "categorical": "CategoricalAccuracy",
+                 "binary": "BinaryAccuracy"}  # the first that the loss's name contains
+        kind = next((k for part, k in kinds.items() if part in name), "Accuracy")
+        return getattr(keras.metrics, kind)(name="accuracy")
     metric = keras.metrics.get(spec)
     if isinstance(metric, keras.metrics.Metric):
         return metric
