@@ -9,52 +9,28 @@
     obs.finish(result)              # the final result dict; ends the bar's line
     obs.close()                     # idempotent; also ends the bar's line if finish was not reached
 
-Flags (``worker.config``): ``--progress {auto,bar,lines,off}``, ``--logdir DIR``,
-``--metrics-port P``, ``--metrics-host H`` (default 127.0.0.1).
+What each shows, and the metric and summary names: docs/observing.md. Flags
+(``worker.config``): ``--progress {auto,bar,lines,off}``, ``--logdir``, ``--metrics-port``,
+``--metrics-host``; ``auto`` is ``bar`` when ``stream`` is a terminal, else ``lines``.
 
-Progress. ``bar``: one line redrawn in place with ``\\r``, like Keras'::
+The bar is redrawn at most every ``refresh_s`` seconds (and always for the last step), cut
+to the terminal's width so it never wraps; a log record headed for a terminal first clears
+it (``_clear_bar_line``), so the record starts at column 0. ``lines``: every ``log_every``
+steps and at the last one, an INFO record in the format tests and scripts grep for.
 
-    step 120/400 [=========>..................] 30% loss 0.4312 1840 ex/s staleness 1 ETA 12s
+TensorBoard (TensorFlow is imported only with a logdir): scalars at x = the number of
+steps done (``record["step"] + 1``), flushed every ``TB_FLUSH_STEPS`` steps, at least every
+10 s, and by ``finish``/``close``. Prometheus (a metrics port of None or negative: no
+exporter; 0: any free port, see ``metrics_port``): a registry of this observer's own,
+labelled ``worker="<index>"``; a port that cannot be bound raises ``ConfigError``.
 
-redrawn at most every ``refresh_s`` seconds (and always for the last step), cut to
-the terminal's width so it never wraps. ``finish`` and ``close`` end it with a
-newline. While a bar is on screen, a log record headed for a handler that writes to
-a terminal first clears the bar's line (a filter on the root's and the "worker"
-logger's stream handlers, removed by ``close``), so the record starts at column 0
-and the next step draws the bar again below it. ``lines``: every ``log_every``
-steps and at the last one, an INFO record on the "worker" logger in the format
-tests and scripts grep for::
+A step's time is ``pull_s + compute_s + push_s + knob_s``, without evaluations, snapshots
+or reconnections between steps. "Recent" throughput (bar, gauge, TensorBoard) is examples
+over the wall time (``t``) of the steps in about the last ``RATE_WINDOW_S`` seconds; the
+bar's ETA uses the same window's steps per second.
 
-    step 120/400 loss 0.4312 examples/s 1840 version 517 staleness 1
-
-(examples/s since the previous line). ``auto`` is ``bar`` when ``stream`` is a
-terminal, else ``lines``; ``off`` shows nothing per step.
-
-TensorBoard (only with a logdir; TensorFlow is imported then, not before): scalars
-in ``<logdir>/worker<index>``, at x = the number of steps done (``record["step"] + 1``,
-as in "step N/M"): per step ``train/loss``, ``train/staleness``, ``time/step_s``,
-``time/pull_s``, ``time/compute_s``, ``time/push_s``, ``throughput/examples_per_s``;
-per evaluation ``eval/test_accuracy`` and ``eval/test_loss``; at the end
-``final/test_accuracy`` (and ``final/test_loss``) when the result has them. Flushed
-every ``TB_FLUSH_STEPS`` steps, at least every 10 s, and by ``finish``/``close``.
-
-Prometheus (only with a metrics port; None or negative: no exporter; 0: any free
-port, see ``metrics_port``): an HTTP exporter on ``metrics_host`` serving, from a
-registry of this observer's own, with the label ``worker="<index>"``:
-``tfps_worker_step_seconds``, ``tfps_worker_{pull,compute,push}_seconds``
-(histograms), ``tfps_worker_steps_total``, ``tfps_worker_examples_total``
-(counters), ``tfps_worker_examples_per_second`` (recent), ``tfps_worker_staleness``,
-``tfps_worker_loss`` and ``tfps_worker_last_step`` (the last record's, as in
-"step N/M") as gauges. A port that cannot be bound raises ``ConfigError``.
-
-Definitions shared by all three. A step's time is its own wall time,
-``pull_s + compute_s + push_s + knob_s``, without evaluations, snapshots or
-reconnections between steps. "Recent" throughput (bar, gauge, TensorBoard) is
-examples over the wall time (``t``) of the steps in about the last
-``RATE_WINDOW_S`` seconds; the bar's ETA uses the same window's steps per second.
-
-Thread safety: call ``step``/``evaluation``/``finish`` from one thread (the
-training loop); the exporter serves scrapes from its own thread.
+Thread safety: call ``step``/``evaluation``/``finish`` from one thread (the training loop);
+the exporter serves scrapes from its own thread.
 """
 
 from __future__ import annotations
@@ -104,7 +80,6 @@ class Observer:
         self._bar_stale = False  # the newest record is not drawn yet
         self._bar_columns = _columns(self.stream)
         self._bar_lock = threading.Lock()  # the bar's writes against other threads' log records clearing it
-        self._clearer = _ClearBarFilter(self)
         self._hooked: list[logging.Handler] = []
         self._tb = self._tb_scalar = None  # the summary writer, created at the first write (the index is known by then)
         self._tb_steps = 0
@@ -178,7 +153,7 @@ class Observer:
         self._closed = True
         self._end_bar_line()
         for handler in self._hooked:
-            handler.removeFilter(self._clearer)
+            handler.removeFilter(self._clear_bar_line)
         self._hooked.clear()
         if self._tb is not None:
             self._tb.flush()
@@ -231,21 +206,21 @@ class Observer:
         self._bar_drawn_at = time.monotonic()
         self._bar_stale = False
 
-    def _end_bar_line(self) -> None:
-        with self._bar_lock:
-            if self._bar_len:
-                self.stream.write("\n")
-                self.stream.flush()
-                self._bar_len = 0
+    def _clear_bar_line(self, record: logging.LogRecord) -> bool:
+        """A terminal's log handler's filter: clears the bar's line before the record is written."""
+        self._end_bar_line(clear=True)
+        return True
 
-    def _clear_bar_line(self) -> None:
-        """Before a log record is written to the terminal: empty the bar's line, draw it again next step."""
+    def _end_bar_line(self, clear: bool = False) -> None:
+        """Ends the bar's line; ``clear`` (before a log record is written to the terminal):
+        empties it instead, and the next step draws it again."""
         with self._bar_lock:
             if self._bar_len:
-                self.stream.write("\r" + " " * self._bar_len + "\r")
+                self.stream.write("\r" + " " * self._bar_len + "\r" if clear else "\n")
                 self.stream.flush()
                 self._bar_len = 0
-                self._bar_drawn_at = float("-inf")
+                if clear:
+                    self._bar_drawn_at = float("-inf")
 
     def _hook_log_handlers(self) -> None:
         # Checked at every draw, not once: logging may be configured after this observer was made.
@@ -253,7 +228,7 @@ class Observer:
             for handler in logger.handlers:
                 stream = getattr(handler, "stream", None)
                 if handler not in self._hooked and stream is not None and (stream is self.stream or _isatty(stream)):
-                    handler.addFilter(self._clearer)
+                    handler.addFilter(self._clear_bar_line)
                     self._hooked.append(handler)
 
     # TensorBoard.
@@ -309,24 +284,14 @@ class _WorkerMetrics:
 
         self.registry = CollectorRegistry()
         r, w = self.registry, ("worker",)
-        self.step_s = Histogram("tfps_worker_step_seconds", "Wall time of a step: pull + compute + push + "
-                                "experiment-knob sleeps", w, registry=r, buckets=TIME_BUCKETS)
-        self.pull_s = Histogram("tfps_worker_pull_seconds", "Pull of the parameters and loading them into the model",
-                                w, registry=r, buckets=TIME_BUCKETS)
-        self.compute_s = Histogram("tfps_worker_compute_seconds", "Loss and gradients with tf.GradientTape",
-                                   w, registry=r, buckets=TIME_BUCKETS)
-        self.push_s = Histogram("tfps_worker_push_seconds", "Push of the gradients, with any barrier or "
-                                "staleness wait", w, registry=r, buckets=TIME_BUCKETS)
+        self.seconds = {k: Histogram(f"tfps_worker_{k}_seconds", doc, w, registry=r, buckets=TIME_BUCKETS)
+                        for k, doc in _SECONDS.items()}
         self.rate = Gauge("tfps_worker_examples_per_second", f"Examples per second over about the last "
                           f"{RATE_WINDOW_S:g} s of steps", w, registry=r)
         self.steps = Counter("tfps_worker_steps_total", "Steps finished", w, registry=r)
         self.examples = Counter("tfps_worker_examples_total", "Examples in the finished steps", w, registry=r)
-        self.staleness = Gauge("tfps_worker_staleness", "Staleness of the last push", w, registry=r)
-        self.loss = Gauge("tfps_worker_loss", "Loss of the last step", w, registry=r)
-        self.last_step = Gauge("tfps_worker_last_step", "The last step finished, counted from 1 "
-                               "(as in 'step N/M')", w, registry=r)
-        self.all = (self.step_s, self.pull_s, self.compute_s, self.push_s, self.rate, self.steps, self.examples,
-                    self.staleness, self.loss, self.last_step)
+        self.gauges = {k: Gauge(f"tfps_worker_{k}", doc, w, registry=r) for k, doc in _GAUGES.items()}
+        self.all = (*self.seconds.values(), self.rate, self.steps, self.examples, *self.gauges.values())
         if label is not None:  # a known index: its series read 0 before the first step
             for metric in self.all:
                 metric.labels(worker=label)
@@ -340,16 +305,22 @@ class _WorkerMetrics:
             metric.labels(worker=new)
 
     def observe(self, label: str, record: dict, step_s: float, examples_per_s: float) -> None:
-        self.step_s.labels(worker=label).observe(step_s)
-        self.pull_s.labels(worker=label).observe(record["pull_s"])
-        self.compute_s.labels(worker=label).observe(record["compute_s"])
-        self.push_s.labels(worker=label).observe(record["push_s"])
+        for k, histogram in self.seconds.items():
+            histogram.labels(worker=label).observe(step_s if k == "step" else record[f"{k}_s"])
         self.rate.labels(worker=label).set(examples_per_s)
         self.steps.labels(worker=label).inc()
         self.examples.labels(worker=label).inc(record["batch_size"])
-        self.staleness.labels(worker=label).set(record["staleness"])
-        self.loss.labels(worker=label).set(record["loss"])
-        self.last_step.labels(worker=label).set(record["step"] + 1)
+        for k, gauge in self.gauges.items():
+            gauge.labels(worker=label).set(record["step"] + 1 if k == "last_step" else record[k])
+
+
+# The exporter's histograms (tfps_worker_<key>_seconds) and last-record gauges (tfps_worker_<key>).
+_SECONDS = {"step": "Wall time of a step: pull + compute + push + experiment-knob sleeps",
+            "pull": "Pull of the parameters and loading them into the model",
+            "compute": "Loss and gradients with tf.GradientTape",
+            "push": "Push of the gradients, with any barrier or staleness wait"}
+_GAUGES = {"staleness": "Staleness of the last push", "loss": "Loss of the last step",
+           "last_step": "The last step finished, counted from 1 (as in 'step N/M')"}
 
 
 class _RecentRate:
@@ -382,18 +353,6 @@ class _RecentRate:
     def steps_per_s(self) -> float:
         seconds, _, steps = self._span()
         return steps / seconds if seconds > 0 else 0.0
-
-
-class _ClearBarFilter(logging.Filter):
-    """On a terminal's log handler: clears the progress bar's line before the record is written."""
-
-    def __init__(self, observer: Observer):
-        super().__init__()
-        self.observer = observer
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.observer._clear_bar_line()
-        return True
 
 
 def _isatty(stream) -> bool:

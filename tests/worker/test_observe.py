@@ -92,7 +92,7 @@ def test_a_log_record_during_the_bar_starts_on_a_clean_line():
         obs.step(record(3))
         obs.finish({})
         obs.close()
-        assert obs._clearer not in handler.filters  # close unhooks it
+        assert obs._clear_bar_line not in handler.filters  # close unhooks it
     finally:
         logger.removeHandler(handler)
     lines = out.getvalue().split("\n")
