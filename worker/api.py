@@ -5,36 +5,17 @@
     result = api.train(build_model, make_dataset, ps="10.0.0.5:50051", worker_index=0, num_workers=2,
                        epochs=3, global_batch_size=128, optimizer="adam")
 
-runs the same loop as ``ps-worker`` (``worker.trainer``) with your functions
-instead of the built-in model and data; ``ps-worker --model mymod:build_model
---dataset mymod:make_dataset`` does the same from the command line. What the
-functions return and how the data is sharded: ``worker.task`` (a model compiled
-with its loss and metrics, or ``loss=``/``metrics=`` here; a dataset of
-``(features, labels)`` global batches that each worker splits by its index, or,
-with ``dataset_sharding="none"``, batches the function made for the worker whose
-``InputContext`` it was given). Every other keyword is a ``ps-worker`` flag
-with ``_`` for ``-`` (``learning_rate=0.01``, ``save_model="m.keras"``); unset
-ones come from ``TFPS_*`` environment variables and ``TF_CONFIG``, as for the
-command line.
+runs the same loop as ``ps-worker`` (``worker.trainer``) with your functions instead of
+the built-in model and data (what they return and how the data is sharded:
+docs/your-model.md, ``worker.task``). Every other keyword is a ``ps-worker`` flag with
+``_`` for ``-``; unset ones come from ``TFPS_*`` and ``TF_CONFIG``, as for the command line.
 
-A hand-written training step keeps its ``tf.GradientTape``; wrap the tape, as
-Horovod's ``DistributedGradientTape`` does, and its ``gradient`` call pushes::
-
-    with api.Session(model, ps="127.0.0.1:50051", worker_index=0, num_workers=2,
-                     optimizer="sgd", learning_rate=0.1) as session:
-        for x, y in batches:
-            session.pull()                                 # the server's parameters into the model
-            with tf.GradientTape() as tape:
-                loss = my_loss(y, model(x, training=True))
-            tape = session.wrap(tape, batch_size=len(y))
-            tape.gradient(loss, model.trainable_variables) # pushed; the server applies its optimizer
-
-Do not apply a local optimizer too: the server holds the optimizer (its state
-and its learning rate), and the next ``pull`` brings its result. In sync mode
-``gradient`` returns once the round is applied; in async and ssp modes once
-this push is. ``Session`` registers (the chief, worker 0, initializes the
-server from the model; the others wait for it and check their model matches),
-renews its lease from a thread, and leaves on ``close``.
+A hand-written training step keeps its ``tf.GradientTape`` (docs/your-model.md shows the
+loop): ``api.Session(model, **flags)`` registers, ``session.pull()`` loads the server's
+parameters, and ``session.wrap(tape, batch_size=n).gradient(loss, variables)`` computes as the
+tape does and pushes, as Horovod's ``DistributedGradientTape`` does. No local optimizer:
+the server's applies, and the next ``pull`` brings its result. In sync mode ``gradient``
+returns once the round is applied; in async and ssp once this push is.
 
 A loop rides out a lost server (restarted from its checkpoint, a link cut, this
 worker declared dead) as ``ps-worker`` and ``tfps.keras`` do: on an error that
@@ -44,7 +25,7 @@ server's parameters; compute that batch's gradients again on them::
         while True:
             try:
                 session.pull()
-                ...                                        # the tape and its push, as above
+                ...                                        # the tape and its push
                 break
             except api.PSClientError as e:
                 if not api.recoverable(e):
@@ -104,7 +85,9 @@ def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Seque
 class Session:
     """A worker's connection for a hand-written loop (module docstring): the ``ps-worker``
     loop's own pull and push (``worker.connection``), with the gradients a tape gave made
-    into a push by the loop's own function (``worker.gradients.as_pushed``)."""
+    into a push by the loop's own function (``worker.gradients.as_pushed``). It registers (the
+    chief initializes the server from ``model``; the others check theirs matches), renews its
+    lease from a thread, and leaves on ``close``."""
 
     def __init__(self, model, **flags):
         from worker.engine import Engine

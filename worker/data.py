@@ -4,12 +4,9 @@
     for step, batch in enumerate(global_batches(len(data.y_train), 64, epochs=3, seed=0)):
         mine = shard(batch, worker_index=1, num_workers=2)
 
-``global_batches`` yields the same index batches in every process (a seeded
-shuffle per epoch), and ``shard`` splits each one into contiguous parts, so the
-union of all workers' shards at a step is exactly the batch one process would
-see, in the same order (MirroredStrategy splits a batch the same way). The last
-batch of an epoch may be smaller; shards are then uneven, and the server's
-batch-weighted aggregation accounts for it.
+``global_batches`` and ``shard`` are ``ps_common.batches``' (the same batches in every
+process; the union of the workers' shards at a step is exactly the batch one process
+would see); the server's batch-weighted aggregation accounts for uneven shards.
 
 Datasets: ``digits`` (scikit-learn's bundled 8x8 digits, resized bilinearly to
 28x28x1, values in [0, 1], a fixed stratified 80/20 split: 1,437 training and 360
@@ -149,14 +146,9 @@ def _synthetic(n_train: int = 1024, n_test: int = 256, seed: int = 1234) -> Data
 
 
 def load_dataset(name: str) -> Dataset:
-    if name == "digits":
-        return _digits()
-    if name == "digits-large":
-        return _digits_large()
-    if name == "mnist":
-        return _mnist()
-    if name == "synthetic":
-        return _synthetic()
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    loaders = {"digits": _digits, "digits-large": _digits_large, "mnist": _mnist, "synthetic": _synthetic}
+    if name not in loaders:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    return loaders[name]()
 
 

@@ -5,15 +5,13 @@
     row, reply = engine(Work(engine.conn.step, n, (x, y)))   # pull, compute, push, one row
     engine.ride_out(fn)                       # fn again after each fault the worker can ride out
 
-It owns the connection (``worker.connection``: registration, step, pulls, pushes,
-rejoin, lease), the one step, the one rejoin loop, and the dealt work that
-``worker.elastic`` reads (``task``, ``stop``, ``pending``, ``batch``, ``record``).
-A step pulls (unless ``pull=False``), computes (``compute(work)``: ``TrainingLoop.compute``,
-``worker.gradients``' one tape, or a Keras elastic micro-batch through the wrapped step; a
-third item is what the push carries besides) and ``push``es the payload (None: zeros, of weight
-0) with its work, timed, as one history row. A hand-written loop (``Session.push``) and the
-wrapped Keras step push gradients of their own tapes with ``push``. ``stop`` (--elastic):
-SIGTERM's flag, checked before the tape and watched while anything may block.
+It owns the connection (``worker.connection``), the one step, the one rejoin loop, and
+the dealt work that ``worker.elastic`` reads (``task``, ``stop``, ``pending``, ``batch``,
+``record``); docs/architecture.md. A step pulls (unless ``pull=False``), computes
+(``compute(work)``: (loss, payload) and optionally a dict of what the push carries
+besides) and ``push``es the payload (None: zeros, of weight 0), timed, as one history
+row. ``stop`` (--elastic): SIGTERM's flag, checked before the tape and watched while
+anything may block.
 """
 
 from __future__ import annotations

@@ -8,14 +8,11 @@
     slept += knobs.before_push(payload_nbytes(grads, config.grad_wire_dtype))   # latency + bytes / bandwidth
     ...push...
 
-The knobs model the conditions under which sync, async and bounded-staleness
-training are compared: a straggler (a slower machine, or one that stalls for a
-while), a slow link. They only sleep, so what they add is exact and known: each
-method sleeps through the injected ``sleep`` and returns the seconds it asked
-for, which the trainer records as the step's ``knob_s``. A knob left at its
-default sleeps nothing. Sleeping happens in the training thread; the heartbeat
-thread keeps renewing the lease meanwhile, so a pause is a straggler, not a
-death. Plain Python and NumPy.
+The knobs model a straggler (a slower machine, or one that stalls for a while) and a
+slow link, to compare the modes under (docs/compare.md). They only sleep, so what they
+add is exact and known: each method sleeps through the injected ``sleep`` and returns
+the seconds it asked for, the step's ``knob_s``. The heartbeat thread renews the lease
+meanwhile, so a pause is a straggler, not a death.
 """
 
 from __future__ import annotations
@@ -57,16 +54,11 @@ class Knobs:
 
     def describe(self) -> str:
         """One line for the log, naming only the knobs that are set."""
-        parts = []
-        if self.slowdown != 1.0:
-            parts.append(f"compute {self.slowdown:g}x slower")
-        if self.bandwidth_mbps:
-            parts.append(f"pushes at {self.bandwidth_mbps:g} Mbit/s")
-        if self.added_latency_ms:
-            parts.append(f"{self.added_latency_ms:g} ms added before every pull and push")
-        if self.pause_for:
-            parts.append(f"a {self.pause_for:g} s pause before step {self.pause_at_step}")
-        return ", ".join(parts) or "none"
+        parts = ((self.slowdown != 1.0, f"compute {self.slowdown:g}x slower"),
+                 (self.bandwidth_mbps, f"pushes at {self.bandwidth_mbps:g} Mbit/s"),
+                 (self.added_latency_ms, f"{self.added_latency_ms:g} ms added before every pull and push"),
+                 (self.pause_for, f"a {self.pause_for:g} s pause before step {self.pause_at_step}"))
+        return ", ".join(text for on, text in parts if on) or "none"
 
     def before_step(self, step: int) -> float:
         """The pause: once, before the first step numbered ``pause_at_step`` or more
