@@ -15,7 +15,8 @@ task goes through one function (``worker.gradients``).
 
 What the model and dataset functions may return, the two ``--dataset-sharding`` ways
 (``batch``: every worker keeps its contiguous part of each global batch; ``none``: the
-function made this worker's own), the step count, ``--elastic`` (the train dataset read
+function made this worker's own, and every worker must make the same number of batches, or
+sync rounds wait for the missing ones), the step count, ``--elastic`` (the train dataset read
 once, ``read_once``, and dealt by index as ``DealtArrays``) and where the variables live:
 docs/your-model.md. The loss is the mean over this worker's examples plus the model's
 regularization losses; the server weights workers by batch share.
