@@ -17,20 +17,12 @@ regularization losses (``model.losses``); the server takes the batch-weighted
 mean of the workers' gradients, which equals MirroredStrategy's
 ``compute_average_loss`` over the global batch with summed replica gradients.
 
-**What a push carries** (``as_pushed``), by variable path:
-
-- each trainable variable's gradient as a NumPy array; ``None`` (a variable the
-  loss does not reach) as zeros;
-- an embedding lookup's gradient (``tf.IndexedSlices``) as ``SparseRows``: the
-  rows it touched in increasing order, each once, repeats summed in their
-  original order; dense instead when half of the table or more is touched. With
-  a server whose ``--sparse-rule`` is ``keras`` (``Registration.sparse_rule``, the
-  callers' ``sparse_rule``): its indices and values as TensorFlow gave them, every
-  occurrence in order, never summed nor made dense (the server applies each as
-  Keras does);
-- each floating non-trainable variable (BatchNorm's moving statistics): the
-  change the forward pass made to it since ``pulled`` (the server adds it,
-  ``ps_server.core.store``). Integer state (a dropout seed) stays in the worker.
+**What a push carries** (``as_pushed``), by variable path: each trainable variable's
+gradient as a NumPy array (``None``, a variable the loss does not reach, as zeros), an
+embedding lookup's as ``SparseRows`` (``to_pushable``; the callers' ``sparse_rule`` is the
+server's ``--sparse-rule``, ``Registration.sparse_rule``), and each floating non-trainable
+variable's (BatchNorm's moving statistics) change since ``pulled``, which the server adds.
+Integer state (a dropout seed) stays in the worker.
 """
 
 from __future__ import annotations
@@ -103,7 +95,8 @@ def as_pushed(model, grads: Mapping, pulled: Mapping[str, np.ndarray], sparse_ru
     missing one or ``None`` counts as zero) and every floating non-trainable one (its change
     since ``pulled``, to its value ``now`` where given, else the model's); ``sparse_rule``:
     the server's (module docstring)."""
-    out = {v.path: _one(grads.get(v.path), v, sparse_rule == "keras") for v in trainable(model)}
+    out = {v.path: np.zeros(v.shape, np.dtype(v.dtype)) if grads.get(v.path) is None
+           else to_pushable(grads[v.path], tuple(v.shape), sparse_rule == "keras") for v in trainable(model)}
     out.update(changes(model, pulled, now))
     return out
 
@@ -117,12 +110,6 @@ def changes(model, pulled: Mapping[str, np.ndarray], now: Mapping[str, np.ndarra
     """``{path: value now - value pulled}`` of the floating non-trainable variables."""
     return {v.path: (np.asarray(v.numpy()) if now is None else now[v.path]) - pulled[v.path]
             for v in non_trainable(model)}
-
-
-def _one(g, variable, occurrences: bool = False):
-    if g is None:
-        return np.zeros(variable.shape, np.dtype(variable.dtype))
-    return to_pushable(g, tuple(variable.shape), occurrences)
 
 
 def to_pushable(g, shape: tuple[int, ...], occurrences: bool = False):

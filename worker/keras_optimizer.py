@@ -4,23 +4,13 @@
     Connection(config, model, optimizer_spec=fields)
     load_state(model.optimizer, model.trainable_variables, states)  # the server's slots, into Keras'
 
-The server runs the optimizer (``ps_server.core.optimizers``: SGD, Adam, AdamW,
-Adagrad, RMSprop, Adamax, Nadam, Ftrl, Lion, Adadelta, Lamb, Adafactor, their options and Keras' six
-learning-rate schedules); the worker's Keras optimizer never steps. ``spec_fields``
-reads ``type(optimizer).__name__`` and ``optimizer.get_config()`` and returns the
-fields as ``ps_common.names.optimizer_fields`` gives them (None as 0, the schedule
-as its JSON), so a program's optimizer reaches the server exactly as compiled.
-
-What the server cannot run is refused here, before any training, with one line
-naming it (ValueError), by the rules the server applies too
-(``ps_common.names.keras_optimizer_fields``): another optimizer class (a subclass
-of a Keras optimizer; Keras' ``LossScaleOptimizer``, ``MultiOptimizer``, ``Muon`` and
-``ScheduleFreeAdamW``, each with its reason, ``REFUSED_KERAS_OPTIMIZERS``),
-``gradient_accumulation_steps`` with ``use_ema``, ``use_ema`` without ``ema_overwrite_frequency``,
-a learning rate that is neither a number nor one of Keras' schedules, a config key
-the server does not know. Added here, because ``get_config`` does not show it:
-``exclude_from_weight_decay``. The server checks a schedule's config in full at
-initialization.
+The server runs the optimizer (``ps_server.core.optimizers``; which ones and options:
+docs/keras.md); the worker's Keras optimizer never steps. ``spec_fields`` reads
+``type(optimizer).__name__`` and ``optimizer.get_config()``, so a program's optimizer reaches
+the server exactly as compiled, and refuses what the server cannot run before any training,
+in one line, by the rules the server applies too (``ps_common.names.keras_optimizer_fields``,
+``REFUSED_KERAS_OPTIMIZERS``). Added here, because ``get_config`` does not show it:
+``exclude_from_weight_decay``.
 """
 
 from __future__ import annotations

@@ -4,23 +4,10 @@
     model = build_model("cnn", seed=0)
     loss, payload = Gradients(model, loss)(x, y, pulled)   # worker.gradients: every runner's path
 
-Every model takes 28x28x1 images and ends in Dense(10, softmax), with sparse
-categorical cross-entropy; from the smallest:
-
-- ``tiny``: Flatten, Dense(10, softmax): logistic regression, 7,850 parameters.
-- ``deepcnn``: Conv2D(16, 3, relu), Conv2D(16, 3, relu), MaxPool(2),
-  Conv2D(32, 3, relu), MaxPool(2), Flatten, Dense(64, relu), Dense(10, softmax):
-  three convolutions deep, 59,034 parameters, so it trains on a few cores.
-- ``cnn``: the model of TensorFlow's tutorials: Conv2D(32, 3, relu), Flatten,
-  Dense(10, softmax), 216,650 parameters.
-- ``mlp``: Flatten, Dense(1024, relu), Dense(128, relu), Dense(10, softmax),
-  936,330 parameters, for throughput runs.
-- ``mlp25m``: Flatten, Dense(8192, relu), Dense(2304, relu), Dense(10, softmax),
-  25,330,442 parameters (~97 MiB of float32), the size of model the training
-  benchmark (``bench/training.py``) compares on.
-
-``ps-compare --models tiny,deepcnn,cnn,mlp`` compares the modes across them (from
-tiny to mlp, 119x the parameters).
+Every model (``MODELS``, from the smallest: ``tiny``, 7,850 parameters, to ``mlp25m``,
+25,330,442, the size the training benchmark ``bench/training.py`` compares on; each with its
+layers and size in docs/your-model.md) takes 28x28x1 images and ends in Dense(10, softmax),
+with sparse categorical cross-entropy.
 
 Loss scaling: each worker differentiates the *mean* loss over its own shard;
 the server takes the batch-weighted mean of those gradients. That equals
@@ -61,8 +48,7 @@ def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_thr
 def device_name() -> str:
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
-    return "/GPU:0" if gpus else "/CPU:0"
+    return "/GPU:0" if tf.config.list_physical_devices("GPU") else "/CPU:0"
 
 
 def build_model(name: str = "cnn", seed: int = 0):
