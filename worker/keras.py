@@ -9,75 +9,23 @@
 
 started once per worker, by ``ps-launch --mode sync --workers 2 -- python train.py``
 (which sets ``TF_CONFIG``) or by hand with ``TF_CONFIG`` / ``TFPS_WORKER_*`` set. Any
-``ps-worker`` flag may be given to ``Strategy(...)`` with ``_`` for ``-``.
+``ps-worker`` flag may be given to ``Strategy(...)`` with ``_`` for ``-``. What it does,
+logs and refuses: docs/keras.md. Where each part lives here:
 
-**What happens.** A model compiled inside ``scope()`` is attached: its ``model.fit``
-keeps Keras' own loop (epochs, ``steps_per_epoch``, ``initial_epoch``, validation,
-``class_weight``, ``sample_weight``, callbacks, progress bar, ``History``) and Keras' own
-train step, the default or the model's override, run in a ``tf.function`` as Keras runs
-it; tfps takes over where the gradients meet the optimizer (``_Wrap``, as Horovod's
-``DistributedOptimizer``). Each step takes the next global batch of the dataset (every
-worker reads the same batches), keeps this worker's contiguous part of it (the first
-workers take one more example when the batch does not divide, as ``ps-worker`` does; with
-``Strategy(batches="per_worker")`` the dataset is already this worker's and is used
-whole) and calls the step on it; the optimizer's ``apply`` pushes the gradients, and the
-server's parameters come back into the variables. The optimizer, its options and its
-learning-rate schedule are the compiled ``model.optimizer``'s (a GAN's: the ones its step
-applies), run on the server (``worker.keras_optimizer``): the local optimizer never steps.
-On the first ``fit`` the chief (worker 0) initializes the server from its model; the
-others wait for it and check their model and optimizer match.
-
-**The same batches on every worker**: ``Strategy()`` sets TensorFlow's global seed to
-``--seed`` where the program set none (``_seed_unseeded_shuffles``), so unseeded shuffles
-draw the same order everywhere; what each worker read is checked (``BatchDigests``: sync
-at every round, async and ssp at each epoch's end) and a difference stops the job in
-one line (``DataMismatch``).
-
-**Logged loss and metrics.** Sync mode: those of the global batch, as
-MirroredStrategy logs them. Each worker pushes the change its step made to every
-metric's state (totals and counts), the server sums those changes over the round in
-worker order and returns the sum to all, and each worker adds it to the state the
-metrics had before the step: every worker then holds the same metric state, that of
-all the round's examples. That is a metric variable's ``aggregation`` "sum" (every Keras
-metric's); one declared "mean" takes the mean of the workers' states, "only_first_replica"
-the chief's, and "none" (a state that does not add up, such as a running maximum) stays
-each worker's own, said once (``_metric_share``). Async and ssp: each worker's own
-examples (said at start).
-
-**Agreement at each epoch's end** (through the server's ``Broadcast``): after the
-callbacks' ``on_epoch_end``, every worker takes the chief's ``stop_training`` (so
-``EarlyStopping`` and ``TerminateOnNaN`` stop every worker at the same epoch) and the
-chief's learning rate; at ``on_train_begin`` the chief's ``initial_epoch`` (what
-``BackupAndRestore`` restored). A learning rate the chief's callbacks set
-(``LearningRateScheduler`` at an epoch's start, ``ReduceLROnPlateau`` at its end) goes
-with the chief's next push and is used from that push's update on (sync: its round).
-
-**Who writes.** ``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger`` and
-``BackupAndRestore`` run on the chief only; on the other workers they are left out,
-and so is the progress bar. ``model.evaluate``, ``model.predict`` and validation first
-load the server's current parameters; ``model.save`` writes the model as it holds them.
-
-**Workers that come and go** (``Strategy(elastic=True)``, ``TFPS_ELASTIC``: ``ps-launch
---elastic MIN:MAX -- python train.py``): the server deals the examples of ``fit``'s NumPy
-arrays (or of a finite ``tf.data.Dataset``, read once into arrays) as it does for
-``ps-worker --elastic`` (``worker.elastic``): Keras' step *k* of epoch *e* is round
-``e * steps_per_epoch + k`` of the job's seeded sequence, and the worker computes the
-micro-batches of it the server deals it (``_Attached.round_step``), each through the
-model's train step, wrapped (``_Wrap.capture``); Keras' own batches are only counted.
-The chief sends the data plan with Initialize; every worker checks its data's digest
-against the chief's; a worker that joins late starts at the cluster's
-round. Each worker's loss and metrics (so the chief's ``History``) are its own
-micro-batches'. Against an async or ssp server the examples are its tasks instead
-(``batch_size / num_workers`` each; ``worker.elastic.task_at``). SIGTERM leaves the job
-and exits 143.
-
-**Model files** (``model.save``, ``save_weights``: ``ModelCheckpoint``,
-``BackupAndRestore``) hold the server's parameters and optimizer state (``_load_with_state``).
-
-**Not supported** (refused with one line before training): an optimizer or option the
-server cannot run (``worker.keras_optimizer``), and a ``train_step`` whose optimizers
-differ in config (``_Wrap._check_served``). A ``LossScaleOptimizer`` (``mixed_float16``) runs
-Keras' own step wrapped, its inner optimizer on the server (``_Wrap._rescale``).
+- Keras' own loop and train step, with the optimizer's ``apply`` taken over (``_Wrap``, as
+  Horovod's ``DistributedOptimizer``), each step on this worker's part of the global batch
+  (``_part``); the optimizer runs on the server (``worker.keras_optimizer``).
+- The same batches on every worker: unseeded shuffles seeded (``Strategy.__init__``), each
+  worker's batches checked (``BatchDigests``, ``DataMismatch``).
+- Sync's logged metrics are the global batch's: each push carries its step's change to every
+  metric's state, combined as the variable's ``aggregation`` says (``_metric_share``).
+- The chief's decisions at each epoch's end (``stop_training``, learning rate, ``initial_epoch``)
+  reach every worker through the server's ``Broadcast`` (``_agreement``); the callbacks that
+  write files run on the chief alone (``CHIEF_ONLY``).
+- ``evaluate``, ``predict`` and validation load the server's parameters first; model files hold
+  its parameters and optimizer state (``_Attached._load_with_state``).
+- Elastic (``Strategy(elastic=True)``): the server deals ``fit``'s arrays (``_dealt``), each
+  Keras step one round of the job (``_Attached.round_step``, ``_Wrap.capture``).
 """
 
 from __future__ import annotations
@@ -86,6 +34,7 @@ import atexit
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -96,7 +45,11 @@ from typing import Iterator
 import numpy as np
 
 from ps_common.names import SKIP_UPDATE
-from worker.task import shard_bounds
+from ps_common.procs import LEFT_JOB_STATUS
+from ps_common.sparse import SparseRows
+from worker.gradients import as_pushed, changes, non_trainable, set_values, trainable, zeros
+from worker.keras_optimizer import load_state, spec_fields
+from worker.task import DealtArrays, TaskError, read_once, shard_bounds
 
 log = logging.getLogger("worker.keras")
 
@@ -132,8 +85,14 @@ class Strategy:
                 raise ValueError("elastic=True: the server deals the examples of your arrays; batches="
                                  f"{batches!r} (a dataset of this worker's own batches) cannot be dealt")
             _seeded(self.config)
-        elif batches == "global":
-            _seed_unseeded_shuffles(self.config)
+        elif batches == "global":  # every worker's unseeded shuffles the same order (seeded ops are unchanged)
+            import tensorflow as tf
+            from tensorflow.python.eager import context
+
+            if context.global_seed() is None:  # a seed the program sets later is the same on every worker too
+                tf.random.set_seed(self.config.seed)
+                log.info("tfps.keras: TensorFlow's global seed set to %d (--seed), so that every worker's "
+                         "unseeded shuffles read the same order", self.config.seed)
         self.engine = None  # the one worker engine (worker.engine), once the first fit connects
         self.models: list = []
         self._lock = threading.Lock()
@@ -178,8 +137,6 @@ class Strategy:
         from protos import wire
         from worker.connection import connect
 
-        if self.connection is not None:
-            return self.connection.registration.mode
         with connect(self.config) as client:
             client.wait_ready(self.config.connect_timeout)
             return wire.mode_from_wire(client.status().mode)
@@ -209,8 +166,6 @@ class Strategy:
 
     def attach(self, model) -> None:
         """Train ``model`` (compiled) on the parameter server from its next ``fit`` on."""
-        from worker.keras_optimizer import spec_fields
-
         if model.optimizer is None:
             raise ValueError("attach a compiled model: call model.compile(optimizer=..., loss=...) first")
         if any(a.model is model for a in self.models):
@@ -221,24 +176,22 @@ class Strategy:
         inner = _inner(model.optimizer)
         for optimizer in inner.optimizers if _is_multi(inner) else [inner]:
             spec_fields(optimizer)
-        if self.config.elastic and _inner(model.optimizer) is not model.optimizer:
+        if self.config.elastic and inner is not model.optimizer:
             raise ValueError("elastic=True: a loss scale (mixed_float16) is not served where the server deals the "
                              "data (each micro-batch's skip would have to hold for its whole round); train it "
                              "without elastic=True")
         self.models.append(_Attached(self, model))
 
     # -- the cluster
-    def connect(self, model, data_plan: dict | None = None, spec: dict | None = None) -> None:
-        """Register, initialize (chief: with ``data_plan`` when the server deals the data; the
-        optimizer ``spec``, else the compiled one's) or check (others) the server, and load its
-        parameters."""
+    def connect(self, model, data_plan: dict | None, spec: dict) -> None:
+        """Register, initialize (chief: with ``data_plan`` when the server deals the data, and the
+        optimizer ``spec``) or check (others) the server, and load its parameters."""
         from worker.engine import Engine
-        from worker.keras_optimizer import spec_fields
 
         with self._lock:
             if self.engine is not None:
                 return
-            engine = Engine(self.config, model, optimizer_spec=spec or spec_fields(_inner(model.optimizer)))
+            engine = Engine(self.config, model, optimizer_spec=spec)
             conn = engine.conn
             conn.data_plan = data_plan
             try:
@@ -277,19 +230,15 @@ class Strategy:
             conn.close()
 
 
-def _build(model, args, kwargs, shapes: bool = False):
-    """A model whose variables do not exist yet (a subclassed one: Keras makes them when it
-    first traces the step) built from the shapes of fit's data, as Keras builds it under a
-    strategy, without reading a batch (which would move a shuffle's order on): the chief
-    initializes the server from its variables before the first step. With ``shapes``, returns
-    what gives the shapes (a dataset's ``element_spec``, the arrays), or None (a generator)."""
-    import inspect
-
+def _build(model, args, kwargs):
+    """What gives the shapes of fit's data (a dataset's ``element_spec``, the arrays), or None (a
+    generator). A model whose variables do not exist yet (a subclassed one: Keras makes them when
+    it first traces the step) is built from them, as Keras builds it under a strategy, without
+    reading a batch (which would move a shuffle's order on): the chief initializes the server
+    from its variables before the first step."""
     import keras
 
     built = all(layer.built for layer in model._flatten_layers(include_self=False))  # a GAN: its parts
-    if built and not shapes:
-        return None
     given = inspect.signature(keras.Model.fit).bind_partial(model, *args, **kwargs).arguments
     x = given.get("x")
     if hasattr(x, "element_spec"):  # a tf.data.Dataset
@@ -334,12 +283,6 @@ def _parts(optimizer, variables: list) -> list:
     return list(parts.values())
 
 
-def _overrides_train_step(model) -> bool:
-    import keras
-
-    return getattr(type(model), "train_step") is not getattr(keras.Model, "train_step")
-
-
 class _Attached:
     """The hooks on one attached model: its train function, fit, evaluate and predict."""
 
@@ -358,17 +301,15 @@ class _Attached:
         # Keras' train_step (the default, or the model's own), run as Keras runs it (elastic: on
         # each micro-batch the server deals, ``compute``)
         self.wrap = _Wrap(self)
-        self.original_fit, self.original_evaluate, self.original_predict = model.fit, model.evaluate, model.predict
-        self.original_save, self.original_save_weights = model.save, model.save_weights
+        self.original_fit = model.fit
         # The server's optimizer ran every step and holds the moving averages (use_ema) that
         # Keras' fit swaps in at its end.
         model.optimizer.finalize_variable_values = lambda var_list: self._take_averages()
-        model.make_train_function = self.make_train_function
-        model.fit = self.fit
-        model.evaluate = self.evaluate
-        model.predict = self.predict
-        model.save, model.save_weights = self.save, self.save_weights
-        model.train_function = None
+        model.make_train_function, model.fit, model.train_function = self.make_train_function, self.fit, None
+        # evaluate and predict on the server's parameters; model files with its optimizer state too
+        for name, load in (("evaluate", self._load), ("predict", self._load), ("save", self._load_with_state),
+                           ("save_weights", self._load_with_state)):
+            setattr(model, name, _after(load, getattr(model, name)))
 
     # -- fit
     @property
@@ -388,33 +329,26 @@ class _Attached:
                 log.debug("worker %d leaves %s to the chief", strategy.worker_index, ", ".join(left))
             verbose = 0
         strategy._fits += 1
-        if strategy.config.elastic:
-            args, kwargs = self._dealt_arguments(args, kwargs)
+        if strategy.config.elastic:  # the fit's data as the server deals them (``_dealt``)
+            if strategy._fits > 1:
+                raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
+                                 "fit's data plan); give all the epochs to one fit")
+            if self.window.steps > 1:
+                raise ValueError("elastic=True: gradient_accumulation_steps is not supported when the server deals "
+                                 "the examples (each round is one update of one global batch); raise the batch "
+                                 "size instead")
+            given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
+            args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode)
         callbacks.append(_agreement(strategy, strategy._fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
-        self.wrap.prepare(_build(self.model, args, kwargs, shapes=True))
+        self.wrap.prepare(_build(self.model, args, kwargs))
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         return self._fit_dealt(args, kwargs, callbacks, verbose)
 
-    def _dealt_arguments(self, args, kwargs) -> tuple[tuple, dict]:
-        """Elastic: the fit's data as the server deals it (``_dealt``), and Keras' arguments."""
-        import inspect
-
-        if self.strategy._fits > 1:
-            raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
-                             "fit's data plan); give all the epochs to one fit")
-        if self.window.steps > 1:
-            raise ValueError("elastic=True: gradient_accumulation_steps is not supported when the server deals the "
-                             "examples (each round is one update of one global batch); raise the batch size instead")
-        given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
-        self.dealt, given = _dealt(given, self.strategy.config, self.strategy.server_mode)
-        return (), given
-
     def _fit_dealt(self, args, kwargs, callbacks, verbose):
         """Keras' fit on data the server deals (module docstring). SIGTERM makes this worker
         leave the job at once and exit 143, as ``ps-worker --elastic`` does (``worker.elastic``)."""
-        from ps_common.procs import LEFT_JOB_STATUS
         from worker import elastic
 
         self.stop = elastic.SigtermFlag()
@@ -434,18 +368,14 @@ class _Attached:
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
-        self._connect()
-        if not _has_schedule(self.optimizer):
-            self.compiled_learning_rate = float(np.asarray(self.optimizer.learning_rate))
-        model.train_function = self.train_function
-        return model.train_function
-
-    def _connect(self) -> None:
-        self.strategy.connect(self.model, self.dealt.plan() if self.dealt is not None else None, self.wrap.spec())
+        self.strategy.connect(model, self.dealt.plan() if self.dealt is not None else None, self.wrap.spec())
         engine = self.strategy.engine
         if self.dealt is not None:  # elastic: each dealt micro-batch through the wrapped step (``compute``)
             engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
             engine.watch(self.stop)
+        self.compiled_learning_rate = _rate(self.optimizer)
+        model.train_function = self.train_function
+        return model.train_function
 
     def train_function(self, iterator):
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
@@ -504,15 +434,18 @@ class _Attached:
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """Elastic: a dealt micro-batch's logged loss and payload through Keras' step, wrapped
         (``_Wrap.capture``; none for a loss or gradient not finite: weight 0), and what its push
-        carries besides (the chief's new learning rate)."""
-        conn = self.strategy.connection
+        carries besides (the chief's new learning rate; no metrics: each worker logs its own)."""
         part = work.batch_size
         loss, payload = self.wrap.capture(work.examples) if part else (0.0, None)
-        if part and payload is None:  # logged (TerminateOnNaN sees it, in sync on every worker)
-            log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
-                        self.strategy.worker_index, conn.step)
+        if part and payload is None:
+            self._not_finite()
             loss = 0.0
-        return loss, payload, {"metrics": self._metric_changes(), "set_learning_rate": self._new_learning_rate()}
+        return loss, payload, {"metrics": None, "set_learning_rate": self._new_learning_rate()}
+
+    def _not_finite(self) -> None:
+        """Logged, so that TerminateOnNaN sees it (in sync on every worker, through the round's sum)."""
+        log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
+                    self.strategy.worker_index, self.strategy.connection.step)
 
     def _metric_changes(self) -> dict | None:
         """What a sync push carries of the metrics (``_metric_share``) and of the batch read."""
@@ -534,13 +467,13 @@ class _Attached:
 
     def _new_learning_rate(self) -> float:
         """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
-        optimizer = self.optimizer
-        if not self.strategy.is_chief or _has_schedule(optimizer):
+        lr = _rate(self.optimizer) if self.strategy.is_chief else None
+        if lr is None:
             return 0.0
         # Elastic sync takes no learning rate from a push (nor is one sent on tasks); nor does a
         # server of several optimizers (OptimizerSpec.groups).
         if self.dealt is not None or self.wrap.grouped:
-            if float(np.asarray(optimizer.learning_rate)) != self.compiled_learning_rate:
+            if lr != self.compiled_learning_rate:
                 why = "it deals the data" if self.dealt is not None else "the step applies several optimizers"
                 raise ValueError(f"the server runs the compiled learning rate; a callback's change "
                                  f"(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when {why}: "
@@ -548,7 +481,6 @@ class _Attached:
             return 0.0
         # The first push of this worker always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
-        lr = float(np.asarray(optimizer.learning_rate))
         if lr == self.sent_learning_rate:
             return 0.0
         self.sent_learning_rate = lr
@@ -556,84 +488,56 @@ class _Attached:
                   self.strategy.connection.step)
         return lr
 
-    # -- the server's parameters for evaluate and predict
     def _load(self) -> None:
         if self.strategy.connection is not None:
             self.strategy.connection.pull()
 
-    def evaluate(self, *args, **kwargs):
-        self._load()
-        return self.original_evaluate(*args, **kwargs)
-
-    # -- model files: the server's parameters and optimizer state
     def _load_with_state(self) -> None:
         """The server's parameters into the model and its optimizer state (slots, step count)
         into the Keras optimizer (``worker.keras_optimizer.load_state``), all of one version:
         what ``model.save``, ``ModelCheckpoint`` and ``BackupAndRestore`` then write, so the
         file resumes in one process as that process's own file does."""
-        from worker.gradients import set_values
-        from worker.keras_optimizer import load_state
-
         conn = self.strategy.connection
         if conn is None:  # before the first fit: the model as built
             return
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
-        for optimizer, variables in self._served():
+        for optimizer, variables in self.wrap.served:  # set by the first fit, before it connected
             steps = [load_state(o, held, states, self.window.steps) for o, held in _parts(optimizer, variables)]
             if _is_multi(_inner(optimizer)):
                 _inner(optimizer)._iterations.assign(max(steps))
-
-    def _served(self) -> list:
-        """(optimizer, variables) of each optimizer the step applies; before the first fit, the compiled one's."""
-        from worker.gradients import trainable
-
-        return self.wrap.served or [(self.model.optimizer, trainable(self.model))]
 
     def _take_averages(self) -> None:
         """The end of ``fit`` with ``use_ema``: the compiled optimizer's variables take their
         moving averages on the server (every worker asks; the second ask changes nothing), and
         this worker's model the server's values, as Keras' ``finalize_variable_values`` does."""
-        from worker.gradients import set_values
-
-        conn = self.strategy.connection
-        served = {id(o): v for o, v in self._served()}
-        if conn is None or id(self.model.optimizer) not in served:  # a step of its own that never applies it
+        conn, optimizer = self.strategy.connection, self.model.optimizer
+        # none before a fit, nor where a step of its own never applies the compiled optimizer
+        held = next((v for o, v in self.wrap.served if o is optimizer), None) if conn is not None else None
+        if held is None:
             return
-        names = [v.path for o, held in _parts(self.model.optimizer, served[id(self.model.optimizer)]) if o.use_ema
-                 for v in held]
-        if not names:
-            return
-        _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names)
-        set_values(self.model, values)
+        names = [v.path for o, part in _parts(optimizer, held) if o.use_ema for v in part]
+        if names:
+            _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names)
+            set_values(self.model, values)
 
-    def save(self, *args, **kwargs):
-        self._load_with_state()
-        return self.original_save(*args, **kwargs)
 
-    def save_weights(self, *args, **kwargs):
-        self._load_with_state()
-        return self.original_save_weights(*args, **kwargs)
+def _after(load, original):
+    """``original`` (a model's bound method), called once ``load()`` has run."""
+    def call(*args, **kwargs):
+        load()
+        return original(*args, **kwargs)
 
-    def predict(self, *args, **kwargs):
-        self._load()
-        return self.original_predict(*args, **kwargs)
+    return call
 
 
 class _Wrap:
-    """Keras' train step (the default; a model's own: the "customizing fit()" guide's, a
-    VAE's, a GAN's), run as Keras runs it, in one ``tf.function``, with the optimizer's
-    ``apply`` taken over, as Horovod's ``DistributedOptimizer`` takes it over for all-reduce.
-
-    Each ``apply`` hands its gradients to the server through a ``tf.py_function``: sync, as
-    this worker's part of the global batch (weighted by its examples), async and ssp on
-    arrival. The step's last ``apply`` is pushed when the step has returned, with the change
-    the step made to every metric's state (``_Attached._metric_changes``), so the metrics
-    are the global batch's as with Keras' own step; an ``apply`` with another after it in
-    the step (counted when the step is traced; eager, in the step before) is pushed at
-    once and the server's values are assigned to the variables in the step's graph, so
-    what follows sees them as it would in one process. Its logs: each metric's combined
-    result under its name; any other value it returns stays this worker's own."""
+    """Keras' train step (the default or a model's own), run as Keras runs it, in one
+    ``tf.function``, with the optimizer's ``apply`` taken over (docs/keras.md): each ``apply``
+    hands its gradients to the server through a ``tf.py_function``. The step's last one is
+    pushed when the step has returned, with its metric changes (``_Attached._metric_changes``);
+    one with another after it (counted when the step is traced; eager, in the step before) is
+    pushed at once and the server's values assigned in the step's graph, for what follows."""
 
     def __init__(self, attached: "_Attached"):
         self.attached = attached
@@ -666,8 +570,6 @@ class _Wrap:
         import keras
         import tensorflow as tf
 
-        from worker.gradients import trainable
-
         model = self.attached.model
         for optimizer in {id(o): o for o in [model.optimizer, *vars(model).values()]
                           if isinstance(o, keras.optimizers.Optimizer)}.values():
@@ -684,7 +586,7 @@ class _Wrap:
             self.function = self.traced if model.run_eagerly else tf.function(self.traced, reduce_retracing=True)
         if self.served is not None:
             return
-        if batch is not None and (_overrides_train_step(model) or not model.run_eagerly):
+        if batch is not None and (type(model).train_step is not keras.Model.train_step or not model.run_eagerly):
             # Traced on the data's shapes with the batch dimension unknown, as Keras' own train
             # function sees a dataset's elements (CompileLoss weighs each output's loss by the
             # static batch size: unknown, each batch counts once); run eagerly, traced apart only
@@ -702,8 +604,6 @@ class _Wrap:
 
     def _check_served(self, everything: list) -> None:
         """Refuse, in one line, what the server cannot serve of the optimizers the step applies."""
-        from worker.keras_optimizer import spec_fields
-
         name = type(self.attached.model).__name__
         paths = [v.path for _, variables in self.served for v in variables]
         if len(paths) != len(set(paths)):
@@ -714,7 +614,7 @@ class _Wrap:
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
         if (self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)) and (
-                self.grouped or _inner(self.served[0][0]) is not self.served[0][0]):
+                self.grouped or self.scaled()):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
         if self.grouped and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
@@ -726,8 +626,6 @@ class _Wrap:
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
-        from worker.keras_optimizer import spec_fields
-
         specs = [spec_fields(o) for o, _ in self.parts]
         if not self.grouped:
             return specs[0]
@@ -755,8 +653,9 @@ class _Wrap:
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         self.examples = _batch_size(x)
         # gradient_accumulation_steps in sync: this worker's part weighs as its share of the global batch
+        parts = strategy.connection.sync and strategy.batches == "global"  # sync: the global batch's parts
         a.window.share = self.examples * strategy.num_replicas_in_sync / self.batch_examples \
-            if strategy.connection.sync and strategy.batches == "global" and self.batch_examples else 1.0
+            if parts and self.batch_examples else 1.0
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
 
         def attempt():
@@ -764,7 +663,7 @@ class _Wrap:
                 a.metrics_before = dict(before)
             self._begin()
             logs = self._run(data) if self.examples else {}
-            if strategy.connection.sync and strategy.batches == "global" and self.examples:
+            if parts and self.examples:
                 _weigh_output_losses(model, before, self.examples / self.batch_examples)
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
                 self._held({}) if not a.window.last() else self._defer(None)
@@ -783,10 +682,8 @@ class _Wrap:
         if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
             model.optimizer._iterations.assign_add(1)
             return model.get_metrics_result()
-        if self.examples and not model.run_eagerly:
-            self.learned = self.sites
-        elif self.examples:
-            self.learned = max(1, self.applies)
+        if self.examples:
+            self.learned = max(1, self.applies) if model.run_eagerly else self.sites
         a.window.clear()
         if pushed is None:
             a._pull()
@@ -829,15 +726,12 @@ class _Wrap:
         self._begin()
         logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         (payload,), self.deferred = self.deferred or [None], None
-        loss = logs.get("loss") if isinstance(logs, dict) else None
-        return (float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0), payload
+        return _logged_loss(logs), payload
 
     def apply(self, grads, trainable_variables, optimizer) -> None:
         """``optimizer``'s ``apply``, in the step's graph: the gradients to ``_exchange``, and
         where it pushed them at once, the server's values into the model's variables."""
         import tensorflow as tf
-
-        from worker.gradients import non_trainable, trainable
 
         model = self.attached.model
         variables = list(trainable_variables) if trainable_variables is not None \
@@ -877,8 +771,6 @@ class _Wrap:
         non-finite one asks the server to skip the update, ``SKIP_UPDATE``); returns [pushed
         at once, the server's values]."""
         import tensorflow as tf
-
-        from worker.gradients import as_pushed, non_trainable, trainable
 
         a = self.attached
         model, conn = a.model, a.strategy.connection
@@ -925,18 +817,14 @@ class _Wrap:
     def _held(self, payload) -> None:
         """A batch of a ``gradient_accumulation_steps`` window before its last: its gradients
         into the window (``Window.add``)."""
-        from worker.gradients import trainable
-
         a = self.attached
-        a.window.add(payload, a.window.share, self.examples, self.batch_examples, trainable(a.model))
+        a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
         self.held = True
 
     def _defer(self, payload) -> None:
         """The step's last apply, pushed when the step has returned (``_flush``); the last batch
         of a window pushes the window's mean (``Window.mean``; an empty part: zeros, which adds
         nothing to it)."""
-        from worker.gradients import trainable, zeros
-
         a = self.attached
         if a.window.steps > 1 and payload is None and not self.examples and not self.skip:
             payload = zeros(a.strategy.connection.pulled)
@@ -945,13 +833,11 @@ class _Wrap:
     def _push(self, payload, now: dict | None = None, metrics=None, loss: float = 0.0):
         """Push ``payload`` of this step (None: weight 0), its non-trainable changes measured to ``now``."""
         from worker.connection import Work
-        from worker.gradients import changes
 
         a = self.attached
         conn = a.strategy.connection
         if payload is None and self.examples and not self.skip:
-            log.warning("worker %d: a loss or gradient that is not finite at step %d; not pushed",
-                        a.strategy.worker_index, conn.step)
+            a._not_finite()
         elif payload is not None:
             payload.update(changes(a.model, self.base, now))
             if now is not None:
@@ -965,12 +851,10 @@ class _Wrap:
         if self.deferred is None:
             return None
         (payload,), self.deferred = self.deferred, None
-        loss = logs.get("loss") if isinstance(logs, dict) else None
-        loss = float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0
         metrics = self.attached._metric_changes()
         if self.scaled():
             metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if self.skip else 0.0])}
-        return self._push(payload, metrics=metrics, loss=loss)
+        return self._push(payload, metrics=metrics, loss=_logged_loss(logs))
 
     def scaled(self) -> bool:
         """Whether the step's optimizer is a ``LossScaleOptimizer`` (``mixed_float16``)."""
@@ -997,11 +881,9 @@ class _Wrap:
 
 
 class Window:
-    """``gradient_accumulation_steps`` (``steps``), as Keras' optimizer accumulates: each
-    batch's gradients are added to zeros in turn, and the window's last batch pushes
-    ``(g + accumulated) / steps``, one server update; the other batches push nothing. Sparse
-    gradients are made dense, as Keras' accumulators are. A batch whose loss or gradients
-    are not finite makes the window's push one of weight 0.
+    """``gradient_accumulation_steps`` (``steps``), as Keras' optimizer accumulates: the
+    window's last batch pushes ``(g + accumulated) / steps``, sparse gradients made dense, as
+    Keras' accumulators are; the others push nothing. A batch not finite: a push of weight 0.
 
     Sync with global batches: a round's update must be the mean over the window of each
     global batch's gradient, whose parts weigh by their examples (a last batch of 29 is
@@ -1028,9 +910,9 @@ class Window:
         """Whether the batch now begun ends the window."""
         return self.batches + 1 >= self.steps
 
-    def add(self, payload: dict | None, share: float, examples: int, batch_examples: int, trainable: list) -> None:
+    def add(self, payload: dict | None, examples: int, batch_examples: int, trainable: list) -> None:
         """One batch's gradients (``payload`` as ``worker.gradients`` gives it, of this worker's
-        ``examples`` of the batch's ``batch_examples``) into the sums."""
+        ``examples`` of the batch's ``batch_examples``; weighed by ``share``) into the sums."""
         self.batches += 1
         self.examples += examples
         self.batch_examples += batch_examples
@@ -1038,7 +920,7 @@ class Window:
             self.finite = False
             return
         for v in (v for v in trainable if v.path in payload):  # none: an empty part of a tiny last batch
-            dense = _shared(_dense(payload[v.path], v), share)
+            dense = self._shared(payload[v.path], v)
             self.sums[v.path] = self.sums[v.path] + dense if v.path in self.sums else np.zeros_like(dense) + dense
 
     def mean(self, payload: dict | None, trainable: list) -> dict | None:
@@ -1050,12 +932,28 @@ class Window:
         out = dict(payload)
         for v in trainable:
             if v.path in self.sums:
-                g = _shared(_dense(payload[v.path], v), self.share)
+                g = self._shared(payload[v.path], v)
                 out[v.path] = np.divide(g + self.sums[v.path], np.asarray(self.steps, g.dtype))
         return out
 
     def clear(self) -> None:
         self.sums, self.batches, self.examples, self.batch_examples, self.finite = {}, 0, 0, 0, True
+
+    def _shared(self, g, variable) -> np.ndarray:
+        """A batch's pushed gradient of ``variable``, dense (sparse rows added into zeros, in
+        order), times the batch's ``share``."""
+        if isinstance(g, SparseRows):
+            dense = np.zeros(tuple(variable.shape), g.values.dtype)
+            np.add.at(dense, np.asarray(g.rows, np.intp), g.values)
+            g = dense
+        g = np.asarray(g)
+        return g if self.share == 1.0 else np.multiply(g, np.asarray(self.share, g.dtype))
+
+
+def _logged_loss(logs) -> float:
+    """The step's logged ``loss`` as a float; 0.0 where it logs none, or not one number."""
+    loss = logs.get("loss") if isinstance(logs, dict) else None
+    return float(np.asarray(loss)) if loss is not None and np.asarray(loss).size == 1 else 0.0
 
 
 def _relaxed(structure):
@@ -1066,40 +964,19 @@ def _relaxed(structure):
     return tree.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype), structure)
 
 
-def _shared(g: np.ndarray, share: float) -> np.ndarray:
-    return g if share == 1.0 else np.multiply(g, np.asarray(share, g.dtype))
-
-
-def _dense(g, variable) -> np.ndarray:
-    """A pushed gradient of ``variable`` as one array (sparse rows added into zeros, in order)."""
-    from ps_common.sparse import SparseRows
-
-    if not isinstance(g, SparseRows):
-        return np.asarray(g)
-    dense = np.zeros(tuple(variable.shape), g.values.dtype)
-    np.add.at(dense, np.asarray(g.rows, np.intp), g.values)
-    return dense
-
-
 class BatchDigests:
-    """What this worker read of the global batches (``batches="global"``): a digest of each,
-    so that workers reading different ones (an unseeded shuffle, a pipeline that differs)
-    stop the job instead of training on halves of two batches.
-
-    Sync: each push's metrics carry its batch's digest as ``KEY``: 1 and four 16-bit chunks of
-    the digest and their squares, as float64 (exact: the server sums the round's in worker
-    order, ``ps_server.core.modes.aggregation.sum_metrics``). Every worker reads the round's
+    """A digest of each global batch this worker read (docs/keras.md). Sync: each push's metrics
+    carry its batch's as ``KEY``: 1 and four 16-bit chunks of the digest and their squares, as
+    float64 (exact: the server sums the round's in worker order). Every worker reads the round's
     sums in its reply: ``n`` pushes, ``S`` the sum of a chunk and ``Q`` of its square; the
     chunks were all equal exactly when ``n * Q == S * S`` (Cauchy-Schwarz), so every worker
-    stops at the same round, the first whose batches differ, after it was applied.
-    Async and ssp: a digest of each epoch's batches, the chief's sent at the epoch's end
-    (``_agreement``); a worker whose epoch differs stops."""
+    stops at the same round. Async and ssp: each epoch's digest, against the chief's (``_agreement``)."""
 
     KEY = "tfps/global_batch_digest"
     SAMPLED = 4096  # elements of a large tensor hashed, evenly spaced
 
     def __init__(self):
-        self.epoch = hashlib.blake2b(digest_size=8)
+        self.new_epoch()
         self.last = np.array([1.0] + [0.0] * 8)  # with batches="per_worker": the push's count alone
 
     def add(self, batch) -> None:
@@ -1120,9 +997,6 @@ class BatchDigests:
         n, sums, squares = int(got[0]), [int(v) for v in got[1:5]], [int(v) for v in got[5:9]]
         if any(n * q != s * s for s, q in zip(sums, squares)):
             raise DataMismatch(f"the {n} workers of step {step} read different global batches")
-
-    def epoch_hex(self) -> str:
-        return self.epoch.hexdigest()
 
     def new_epoch(self) -> None:
         self.epoch = hashlib.blake2b(digest_size=8)
@@ -1155,20 +1029,6 @@ def _sampled_bytes(t, count: int) -> bytes:
     return head + np.ascontiguousarray(a).tobytes()
 
 
-def _seed_unseeded_shuffles(config) -> None:
-    """Every worker's unseeded ``shuffle`` the same order: TensorFlow's global seed, where the
-    program set none before ``Strategy()``, is ``config.seed`` (the same on every worker; a seed
-    the program sets later is its own, the same on every worker too). An op with its own seed
-    and Keras' seeded layers are unchanged; the chief's weights initialize the server."""
-    import tensorflow as tf
-    from tensorflow.python.eager import context
-
-    if context.global_seed() is None:
-        tf.random.set_seed(config.seed)
-        log.info("tfps.keras: TensorFlow's global seed set to %d (--seed), so that every worker's unseeded "
-                 "shuffles read the same order", config.seed)
-
-
 def _aggregation(v) -> str:
     return getattr(v, "aggregation", None) or "none"
 
@@ -1177,7 +1037,7 @@ def _metric_share(v, before: np.ndarray, chief: bool) -> np.ndarray:
     """What a sync push carries of metric variable ``v``, as its ``aggregation`` declares
     (Keras' metrics: "sum"): "sum", the change this step made to it; "mean", its value;
     "only_first_replica", the chief's value (the others' zeros). "none" is not pushed: each
-    worker keeps its own (``compute`` says so once)."""
+    worker keeps its own (``_Attached._metric_changes`` says so once)."""
     now = np.asarray(v.numpy())
     kind = _aggregation(v)
     if kind == "sum":
@@ -1210,10 +1070,13 @@ def _metric_variables(model) -> list:
     return [v for v in model.metrics_variables if np.dtype(v.dtype).kind == "f"]
 
 
-def _has_schedule(optimizer) -> bool:
+def _rate(optimizer) -> float | None:
+    """``optimizer``'s learning rate; None where it is a schedule (which the server runs)."""
     import keras
 
-    return isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+    if isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule):
+        return None
+    return float(np.asarray(optimizer.learning_rate))
 
 
 def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
@@ -1237,8 +1100,15 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             if dealt is not None:
                 from worker import elastic
 
+                # elastic: on the chief's data (the server deals indices into them), from the epoch of the
+                # cluster's round (sync: one that joins late skips the rounds it is past) or of its first task
                 start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(strategy.engine)
-                _join_dealt(model, got["data"], chief["data"], start)
+                if got["data"] != chief["data"]:
+                    raise ValueError(f"elastic=True: this worker's training data (digest {chief['data']}) differ "
+                                     f"from the chief's ({got['data']}); the server deals example indices, so every "
+                                     "worker must give model.fit the same examples in the same order (seed any "
+                                     "shuffle)")
+                model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start)
             strategy.connection.pull()  # the server's state, whatever a callback restored locally
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -1248,14 +1118,12 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                 attached.next_round = epoch * attached.dealt.steps_per_epoch
 
         def on_epoch_end(self, epoch, logs=None):
-            model = self.model
-            optimizer = attached.optimizer
-            lr = None if _has_schedule(optimizer) else float(np.asarray(optimizer.learning_rate))
+            model, optimizer = self.model, attached.optimizer
             # Async and ssp: what each worker read this epoch, against the chief's (sync checks each round).
-            read = attached.read.epoch_hex() if not strategy.connection.sync and strategy.batches == "global" \
+            read = attached.read.epoch.hexdigest() if not strategy.connection.sync and strategy.batches == "global" \
                 and attached.dealt is None else None
-            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "lr": lr,
-                                                              "read": read})
+            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training),
+                                                              "lr": _rate(optimizer), "read": read})
             if got.get("read") != read:
                 raise DataMismatch(f"worker {strategy.worker_index} read other global batches in epoch {epoch} "
                                    "than the chief")
@@ -1266,17 +1134,6 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
     return Agreement()
 
 
-def _join_dealt(model, chief_data: str, my_data: str, start_epoch: int) -> None:
-    """Elastic: refuse data other than the chief's (the server deals indices into it), and
-    start at ``start_epoch``: the epoch of the cluster's round (sync; a worker that joins late
-    skips the rounds the cluster is past: ``_Attached.round_step``), or of its first task."""
-    if chief_data != my_data:
-        raise ValueError(f"elastic=True: this worker's training data (digest {my_data}) differ from the chief's "
-                         f"({chief_data}); the server deals example indices, so every worker must give model.fit "
-                         "the same examples in the same order (seed any shuffle)")
-    model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start_epoch)
-
-
 def _dealt(given: dict, config, server_mode) -> tuple:
     """Elastic: ``fit``'s data as the server deals it (``worker.task.DealtArrays``: NumPy arrays,
     or a finite ``tf.data.Dataset`` read once), and the arguments Keras' loop gets: the same
@@ -1284,7 +1141,7 @@ def _dealt(given: dict, config, server_mode) -> tuple:
     ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
     epoch's steps (each step trains on what the server deals, not on Keras' batch). The
     arguments are checked before ``server_mode()`` asks the server."""
-    from worker.task import DealtArrays, TaskError
+    import tensorflow as tf
 
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
@@ -1293,11 +1150,14 @@ def _dealt(given: dict, config, server_mode) -> tuple:
                          "epoch is every example once)")
     x, y, sample_weight, batch_size = (given.get(k) for k in ("x", "y", "sample_weight", "batch_size"))
     split = given.get("validation_split") if given.get("validation_data") is None else 0.0
-    if _is_dataset(x):
+    if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None or split:
             raise ValueError("a tf.data.Dataset x carries its own y and sample_weight and takes no "
                              "validation_split (Keras' rule); give neither")
-        x, y, sample_weight, batch_size = _read_once(x)
+        try:  # read once, as ``ps-worker --elastic`` reads your dataset function's: every example in order
+            x, y, sample_weight, batch_size = read_once(x)
+        except TaskError as e:
+            raise ValueError(f"elastic=True: {e}") from None
     elif not all(isinstance(a, np.ndarray) for a in _flat((x, y, sample_weight))) or x is None:
         raise ValueError(f"elastic=True deals the examples of NumPy arrays or of a finite tf.data.Dataset; "
                          f"got x of type {type(x).__name__}")
@@ -1321,24 +1181,6 @@ def _dealt(given: dict, config, server_mode) -> tuple:
                   "shuffle": False}
 
 
-def _is_dataset(x) -> bool:
-    import tensorflow as tf
-
-    return isinstance(x, tf.data.Dataset)
-
-
-def _read_once(dataset) -> tuple:
-    """A finite ``tf.data.Dataset`` of batches, read once (``worker.task.read_once``, as
-    ``ps-worker --elastic`` reads your dataset function's): (x, y, sample_weight) of every
-    example in that pass's order, and the batch size (its first batch's)."""
-    from worker.task import TaskError, read_once
-
-    try:
-        return read_once(dataset)
-    except TaskError as e:
-        raise ValueError(f"elastic=True: {e}") from None
-
-
 def _flat(structure) -> list:
     from keras.src import tree
 
@@ -1360,10 +1202,7 @@ def _seeded(config) -> None:
 
 
 def _batch_size(x) -> int:
-    from keras.src import tree
-
-    first = next(i for i in tree.flatten(x) if i is not None)
-    return int(first.shape[0])
+    return int(_flat(x)[0].shape[0])
 
 
 def _part(structure, index: int, count: int):
