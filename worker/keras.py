@@ -298,9 +298,7 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
-        # Keras' train_step (the default, or the model's own), run as Keras runs it (elastic: on
-        # each micro-batch the server deals, ``compute``)
-        self.wrap = _Wrap(self)
+        self.wrap = _Wrap(self)  # Keras' train_step, wrapped
         self.original_fit = model.fit
         # The server's optimizer ran every step and holds the moving averages (use_ema) that
         # Keras' fit swaps in at its end.
@@ -869,12 +867,10 @@ class _Wrap:
         skipped = self.skip if not (reply.metrics and SKIP_UPDATE in reply.metrics) \
             else float(reply.metrics[SKIP_UPDATE][0]) > 0
         self.skipped += skipped
-        if skipped:
+        grow = not skipped and int(scale.step_counter.numpy()) == scale.dynamic_growth_steps - 1
+        if skipped or grow:
             scale.step_counter.assign(0)
-            scale.dynamic_scale.assign(scale.dynamic_scale * 0.5)
-        elif int(scale.step_counter.numpy()) == scale.dynamic_growth_steps - 1:
-            scale.step_counter.assign(0)
-            scale.dynamic_scale.assign(scale.dynamic_scale * 2.0)
+            scale.dynamic_scale.assign(scale.dynamic_scale * (2.0 if grow else 0.5))
         else:
             scale.step_counter.assign_add(1)
         scale.inner_optimizer._iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
