@@ -888,11 +888,8 @@ class Window:
     (``weight``): the server's mean over the round's pushes is then that mean."""
 
     def __init__(self, steps: int):
-        self.steps = steps
-        self.sums: dict[str, np.ndarray] = {}
-        self.batches = self.examples = self.batch_examples = 0
-        self.finite = True
-        self.share = 1.0  # the last batch's
+        self.steps, self.share = steps, 1.0  # share: the last batch's
+        self.clear()
 
     def weight(self, examples: int, batch_examples: int, even: bool, workers: int) -> int:
         """The window's push's batch size: this worker's examples (``examples`` the last batch's),
