@@ -531,7 +531,7 @@ def script_environment(args: argparse.Namespace, index: int, ps_addresses: list[
     env.update(script_settings(args, index))
     if getattr(args, "elastic_workers", None):  # tfps.keras.Strategy() trains on the data the server deals
         env[names["elastic"]] = "true"
-        env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # the same bits in every worker (tfps.keras._seeded)
+        env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # the same bits in every worker (worker.keras._seeded)
     return env
 
 
