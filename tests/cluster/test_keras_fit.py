@@ -121,7 +121,10 @@ def alone(tmp_path, *flags: str, program: str = PROGRAM, how: str = "--alone") -
     return json.loads((out / "worker0.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", pytest.param("ssp", marks=pytest.mark.slow)])  # ssp: async's path
+# async and ssp slow: the window is the worker's in every mode (tests/worker/test_keras_accumulation.py
+# steps it against model.fit), and each push applied on arrival is the rows' one path (test_keras_programs)
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+                                  pytest.param("ssp", marks=pytest.mark.slow)])
 def test_gradient_accumulation_makes_one_update_per_k_batches(procs, tmp_path, mode):
     """``SGD(..., gradient_accumulation_steps=2)``: sync with two workers ends within float
     rounding of one process (each round the mean over its window of the global batches'
