@@ -103,18 +103,10 @@ class Strategy:
         """The engine's connection (``worker.connection``); None before the first fit."""
         return self.engine.conn if self.engine is not None else None
 
-    # -- what a strategy tells its user
-    @property
-    def num_replicas_in_sync(self) -> int:
-        return self.config.num_workers
-
-    @property
-    def worker_index(self) -> int:
-        return self.config.worker_index
-
-    @property
-    def is_chief(self) -> bool:
-        return self.config.is_chief
+    # -- what a strategy tells its user: its configuration's, under TensorFlow's names
+    num_replicas_in_sync = property(lambda self: self.config.num_workers)
+    worker_index = property(lambda self: self.config.worker_index)
+    is_chief = property(lambda self: self.config.is_chief)
 
     @property
     def cluster_resolver(self) -> "ClusterResolver":
@@ -149,11 +141,10 @@ class Strategy:
 
         had_own = "compile" in keras.Model.__dict__
         original = keras.Model.compile
-        strategy = self
 
         def compile(model, *args, **kwargs):
             original(model, *args, **kwargs)
-            strategy.attach(model)
+            self.attach(model)
 
         keras.Model.compile = compile
         try:
@@ -217,13 +208,14 @@ class Strategy:
         raw = self.engine.ride_out(conn.broadcast, key, json.dumps(value).encode() if self.is_chief else None, timeout)
         return json.loads(raw.decode())
 
-    def close(self) -> None:
-        """Leave the cluster and disconnect (also at the process's exit)."""
+    def close(self, leave: bool = True) -> None:
+        """Leave the cluster (unless it has: ``leave=False``) and disconnect (also at the process's exit)."""
         conn, self.engine = self.connection, None
         if conn is None:
             return
         try:
-            conn.leave()
+            if leave:
+                conn.leave()
         except Exception as e:  # the server may be gone at exit; leaving is a courtesy
             log.debug("leave failed: %s", e)
         finally:
@@ -355,9 +347,7 @@ class _Attached:
                 history = self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         except elastic.Stopped as e:
             print(f"tfps.keras: worker {self.strategy.worker_index} {e}", file=sys.stderr, flush=True)
-            conn, self.strategy.engine = self.strategy.connection, None  # it left: no second Leave at exit
-            if conn is not None:
-                conn.close()
+            self.strategy.close(leave=False)  # it left: no second Leave at exit
             raise SystemExit(LEFT_JOB_STATUS) from None
         self._load()
         return history
@@ -664,7 +654,7 @@ class _Wrap:
             if parts and self.examples:
                 _weigh_output_losses(model, before, self.examples / self.batch_examples)
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
-                self._held({}) if not a.window.last() else self._defer(None)
+                self._keep(None if a.window.last() else {})  # {}: nothing added to the window
                 for _ in range(self.learned - 1):
                     self._push(None)
             return logs, None if self.held else self._flush(logs)
@@ -798,32 +788,26 @@ class _Wrap:
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             self._push(self.deferred[0], now)
-        # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
-        unloaded = [False] + [np.zeros((), np.dtype(v.dtype)) for v in trainable(model) + non_trainable(model)]
-        if not a.window.last():  # gradient_accumulation_steps: into the window, nothing pushed
-            self._held(payload)
-            return unloaded
-        if self.applies < (self.sites if graph else self.learned):
+        if a.window.last() and self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
             self._push(payload, now)
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
-        self._defer(payload)
-        return unloaded
+        self._keep(payload)
+        # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
+        return [False] + [np.zeros((), np.dtype(v.dtype)) for v in trainable(model) + non_trainable(model)]
 
-    def _held(self, payload) -> None:
-        """A batch of a ``gradient_accumulation_steps`` window before its last: its gradients
-        into the window (``Window.add``)."""
+    def _keep(self, payload) -> None:
+        """A payload not pushed at once: a batch of a ``gradient_accumulation_steps`` window before
+        its last, into the window (``Window.add``), nothing pushed; else the step's last apply,
+        pushed when the step has returned (``_flush``), the last batch of a window pushing the
+        window's mean (``Window.mean``; an empty part: zeros, which adds nothing to it)."""
         a = self.attached
-        a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
-        self.held = True
-
-    def _defer(self, payload) -> None:
-        """The step's last apply, pushed when the step has returned (``_flush``); the last batch
-        of a window pushes the window's mean (``Window.mean``; an empty part: zeros, which adds
-        nothing to it)."""
-        a = self.attached
+        if not a.window.last():
+            a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
+            self.held = True
+            return
         if a.window.steps > 1 and payload is None and not self.examples and not self.skip:
             payload = zeros(a.strategy.connection.pulled)
         self.deferred = [a.window.mean(payload, trainable(a.model))]
@@ -1143,26 +1127,24 @@ def _dealt(given: dict, config, server_mode) -> tuple:
                          "epoch is every example once)")
     x, y, sample_weight, batch_size = (given.get(k) for k in ("x", "y", "sample_weight", "batch_size"))
     split = given.get("validation_split") if given.get("validation_data") is None else 0.0
-    if isinstance(x, tf.data.Dataset):
-        if y is not None or sample_weight is not None or split:
-            raise ValueError("a tf.data.Dataset x carries its own y and sample_weight and takes no "
-                             "validation_split (Keras' rule); give neither")
-        try:  # read once, as ``ps-worker --elastic`` reads your dataset function's: every example in order
+    try:  # what worker.task refuses (TaskError), refused as elastic=True's
+        if isinstance(x, tf.data.Dataset):
+            if y is not None or sample_weight is not None or split:
+                raise ValueError("a tf.data.Dataset x carries its own y and sample_weight and takes no "
+                                 "validation_split (Keras' rule); give neither")
+            # read once, as ``ps-worker --elastic`` reads your dataset function's: every example in order
             x, y, sample_weight, batch_size = read_once(x)
-        except TaskError as e:
-            raise ValueError(f"elastic=True: {e}") from None
-    elif not all(isinstance(a, np.ndarray) for a in _flat((x, y, sample_weight))) or x is None:
-        raise ValueError(f"elastic=True deals the examples of NumPy arrays or of a finite tf.data.Dataset; "
-                         f"got x of type {type(x).__name__}")
-    if split:  # as Keras' fit splits them: the last part validates, the rest is dealt
-        (x, y, sample_weight), validation = array_slicing.train_validation_split((x, y, sample_weight), split)
-        given = {**given, "validation_split": 0.0, "validation_data": validation}
-    if given.get("class_weight"):  # as Keras' data adapters weigh the dealt examples
-        if sample_weight is not None or not isinstance(y, np.ndarray):
-            raise ValueError("class_weight goes with neither sample_weight nor several outputs (Keras' rule)")
-        sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
-        given = {**given, "class_weight": None}
-    try:
+        elif not all(isinstance(a, np.ndarray) for a in _flat((x, y, sample_weight))) or x is None:
+            raise ValueError(f"elastic=True deals the examples of NumPy arrays or of a finite tf.data.Dataset; "
+                             f"got x of type {type(x).__name__}")
+        if split:  # as Keras' fit splits them: the last part validates, the rest is dealt
+            (x, y, sample_weight), validation = array_slicing.train_validation_split((x, y, sample_weight), split)
+            given = {**given, "validation_split": 0.0, "validation_data": validation}
+        if given.get("class_weight"):  # as Keras' data adapters weigh the dealt examples
+            if sample_weight is not None or not isinstance(y, np.ndarray):
+                raise ValueError("class_weight goes with neither sample_weight nor several outputs (Keras' rule)")
+            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
+            given = {**given, "class_weight": None}
         data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32), seed=config.seed,
                            epochs=int(given.get("epochs", 1)))
     except TaskError as e:
