@@ -423,9 +423,8 @@ class _Attached:
         """Elastic: a dealt micro-batch's logged loss and payload through Keras' step, wrapped
         (``_Wrap.capture``; none for a loss or gradient not finite: weight 0), and what its push
         carries besides (the chief's new learning rate; no metrics: each worker logs its own)."""
-        part = work.batch_size
-        loss, payload = self.wrap.capture(work.examples) if part else (0.0, None)
-        if part and payload is None:
+        loss, payload = self.wrap.capture(work.examples) if work.batch_size else (0.0, None)
+        if work.batch_size and payload is None:
             self._not_finite()
             loss = 0.0
         return loss, payload, {"metrics": None, "set_learning_rate": self._new_learning_rate()}
@@ -533,17 +532,13 @@ class _Wrap:
         self.specs: set = set()  # the input structures it was traced on (``_run``)
         self.sites = 0  # the ``apply`` calls of the traced step
         self.learned = 1  # those of the last eager step
-        self.applies = self.immediate = 0  # this step's: all, and those pushed at once
-        self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
         self.examples = 0  # this worker's part of the step's batch: the push's weight
         self.batch_examples = 0  # the step's global batch (``batches="per_worker"``: this worker's)
-        self.held = False  # the step's gradients went into a gradient_accumulation_steps window
-        self.base: dict = {}  # the non-trainable values the next push's changes are measured from
+        self._begin({})
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
         self.grouped = False  # served as groups: several optimizers, or one to some variables
-        self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
         self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
         self.patch(attached.model.optimizer)
 
@@ -649,7 +644,7 @@ class _Wrap:
         def attempt():
             if not a.window.batches:  # sync: the metric changes of a whole window go with its push
                 a.metrics_before = dict(before)
-            self._begin()
+            self._begin(strategy.connection.pulled)
             logs = self._run(data) if self.examples else {}
             if parts and self.examples:
                 _weigh_output_losses(model, before, self.examples / self.batch_examples)
@@ -686,12 +681,13 @@ class _Wrap:
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
-    def _begin(self) -> None:
-        """A step's state before its first ``apply``: nothing applied, held or skipped; the
-        non-trainable changes measured from the parameters pulled."""
-        self.applies = self.immediate = 0
-        self.held = self.skip = False
-        self.deferred, self.base = None, dict(self.attached.strategy.connection.pulled)
+    def _begin(self, pulled: dict) -> None:
+        """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""
+        self.applies = self.immediate = 0  # this step's applies: all, and those pushed at once
+        self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
+        self.held = False  # the step's gradients went into a gradient_accumulation_steps window
+        self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
+        self.base = dict(pulled)  # the non-trainable values the next push's changes are measured from
 
     def _run(self, data):
         """The step on ``data``, traced (once per structure) on its shapes with the batch
@@ -711,7 +707,7 @@ class _Wrap:
 
         x, y, sample_weight = examples[:3]
         self.examples = self.batch_examples = _batch_size(x)
-        self._begin()
+        self._begin(self.attached.strategy.connection.pulled)
         logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
         (payload,), self.deferred = self.deferred or [None], None
         return _logged_loss(logs), payload
@@ -1086,7 +1082,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                                      "worker must give model.fit the same examples in the same order (seed any "
                                      "shuffle)")
                 model._initial_epoch = max(int(getattr(model, "_initial_epoch", None) or 0), start)
-            strategy.connection.pull()  # the server's state, whatever a callback restored locally
+            conn.pull()  # the server's state, whatever a callback restored locally
 
         def on_epoch_begin(self, epoch, logs=None):
             attached.read.new_epoch()
