@@ -36,6 +36,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ps_common import batches as ps_batches
+from worker import model as models
+from worker.data import load_dataset, train_subset
 
 log = logging.getLogger("worker")
 
@@ -64,9 +66,9 @@ class InputContext:
 def load_function(spec: str, what: str) -> Callable:
     """``module:function`` (``module.sub:obj.attr``) -> the function; ``TaskError`` says what is wrong.
     The current directory is searched too, as ``python -m`` does."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if not is_function_spec(spec):
         raise TaskError(f"{what} must be module:function, got {spec!r}")
+    module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: modules of the current directory
         sys.path.insert(0, os.getcwd())
     try:
@@ -131,8 +133,6 @@ class BuiltinTask(Task):
     and an epoch is N examples."""
 
     def __init__(self, config):
-        from worker.data import global_batches, load_dataset, train_subset
-
         self.config = config
         self.name = f"{config.model} on {config.dataset}"
         self.data = load_dataset(config.dataset)
@@ -142,16 +142,13 @@ class BuiltinTask(Task):
             except ValueError as e:
                 raise TaskError(str(e)) from None
             self.name += f" ({config.train_examples} training examples)"
-        n_train = len(self.data.y_train)
-        per_epoch = ps_batches.steps_per_epoch(n_train, config.global_batch_size)
+        per_epoch = ps_batches.steps_per_epoch(self.num_examples, config.global_batch_size)
         self.total_steps = config.steps or config.epochs * per_epoch
         epochs_needed = -(-self.total_steps // per_epoch)
-        self._batches = list(itertools.islice(
-            global_batches(n_train, config.global_batch_size, epochs_needed, config.seed), self.total_steps))
+        batches = ps_batches.global_batches(self.num_examples, config.global_batch_size, epochs_needed, config.seed)
+        self._batches = list(itertools.islice(batches, self.total_steps))
 
     def build_model(self):
-        from worker import model as models
-
         return models.build_model(self.config.model, self.config.seed)
 
     def batches(self, worker_index: int, num_workers: int) -> "_Indexed":
@@ -170,19 +167,13 @@ class BuiltinTask(Task):
         return len(self.data.y_train)
 
     def loss(self, y_true, y_pred):
-        from worker import model as models
-
         return models.loss(y_true, y_pred)
 
     def evaluate(self, model) -> dict[str, float]:
-        from worker import model as models
-
         loss, acc = models.evaluate(model, self.data.x_test, self.data.y_test)
         return {"test_loss": loss, "test_accuracy": acc}
 
     def train_scores(self, model) -> dict[str, float]:
-        from worker import model as models
-
         loss, acc = models.evaluate(model, self.data.x_train, self.data.y_train)
         return {"final_loss": loss, "train_accuracy": acc}
 
@@ -332,10 +323,8 @@ class _Indexed:
         self.task, self.worker_index, self.num_workers = task, worker_index, num_workers
 
     def get(self, step: int):
-        from worker.data import shard
-
-        mine = shard(self.task._batches[step], self.worker_index, self.num_workers)
-        return self.task.data.x_train[mine], self.task.data.y_train[mine], len(mine)
+        mine = ps_batches.shard(self.task.global_batch(step), self.worker_index, self.num_workers)
+        return (*self.task.examples(mine), len(mine))
 
 
 class _Sequential:
