@@ -111,10 +111,17 @@ class Observer:
         self._last = record
         self._rate.add(record["t"], record["batch_size"])
         step_s = record["pull_s"] + record["compute_s"] + record["push_s"] + record.get("knob_s", 0.0)
+        examples_per_s, _ = self._rate.per_s()
         if self._metrics is not None:
-            self._metrics.observe(str(self.worker_index), record, step_s, self._rate.examples_per_s())
+            self._metrics.observe(str(self.worker_index), record, step_s, examples_per_s)
         if self.logdir:
-            self._write_step_summaries(record, step_s)
+            self._scalars(record["step"] + 1, {
+                "train/loss": record["loss"], "train/staleness": record["staleness"], "time/step_s": step_s,
+                "time/pull_s": record["pull_s"], "time/compute_s": record["compute_s"], "time/push_s": record["push_s"],
+                "throughput/examples_per_s": examples_per_s})
+            self._tb_steps += 1
+            if self._tb_steps % TB_FLUSH_STEPS == 0:
+                self._tb.flush()
         if self.progress == "lines":
             self._log_line(record)
         elif self.progress == "bar":
@@ -181,14 +188,14 @@ class Observer:
 
     def _bar_text(self, record: dict) -> str:
         done, total = record["step"] + 1, max(self.total_steps, 1)
+        examples_per_s, steps_per_s = self._rate.per_s()
         if done >= total:
             when = f"took {_duration(record['t'])}"
         else:
-            steps_per_s = self._rate.steps_per_s()
             when = f"ETA {_duration((total - done) / steps_per_s)}" if steps_per_s > 0 else "ETA ?"
         head = f"step {done}/{self.total_steps} "
         tail = (f" {min(100, 100 * done // total):3d}% loss {record['loss']:.4f} "
-                f"{self._rate.examples_per_s():.0f} ex/s staleness {record['staleness']} {when}")
+                f"{examples_per_s:.0f} ex/s staleness {record['staleness']} {when}")
         room = self._bar_columns - 1 - len(head) - len(tail) - 2  # the last column would wrap on some terminals
         width = max(10, min(BAR_WIDTH, room))
         filled = min(width, width * done // total)
@@ -248,15 +255,6 @@ class Observer:
         with self._tb.as_default():
             for tag, value in values.items():
                 tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=self._tb_scalar)
-
-    def _write_step_summaries(self, record: dict, step_s: float) -> None:
-        self._scalars(record["step"] + 1, {
-            "train/loss": record["loss"], "train/staleness": record["staleness"], "time/step_s": step_s,
-            "time/pull_s": record["pull_s"], "time/compute_s": record["compute_s"], "time/push_s": record["push_s"],
-            "throughput/examples_per_s": self._rate.examples_per_s()})
-        self._tb_steps += 1
-        if self._tb_steps % TB_FLUSH_STEPS == 0:
-            self._tb.flush()
 
     # Prometheus.
 
@@ -336,23 +334,16 @@ class _RecentRate:
         while len(self._steps) > 2 and t - self._steps[1][0] >= self.window_s:
             self._steps.popleft()
 
-    def _span(self) -> tuple[float, int, int]:
-        """(seconds, examples, steps) of the window."""
+    def per_s(self) -> tuple[float, float]:
+        """(examples, steps) per second of the window."""
         if not self._steps:
-            return 0.0, 0, 0
+            return 0.0, 0.0
         if len(self._steps) == 1:  # the first step since training started at t = 0
-            t, n = self._steps[0]
-            return t, n, 1
-        return (self._steps[-1][0] - self._steps[0][0], sum(n for _, n in list(self._steps)[1:]),
-                len(self._steps) - 1)
-
-    def examples_per_s(self) -> float:
-        seconds, examples, _ = self._span()
-        return examples / seconds if seconds > 0 else 0.0
-
-    def steps_per_s(self) -> float:
-        seconds, _, steps = self._span()
-        return steps / seconds if seconds > 0 else 0.0
+            (seconds, examples), steps = self._steps[0], 1
+        else:
+            seconds = self._steps[-1][0] - self._steps[0][0]
+            examples, steps = sum(n for _, n in list(self._steps)[1:]), len(self._steps) - 1
+        return (examples / seconds, steps / seconds) if seconds > 0 else (0.0, 0.0)
 
 
 def _isatty(stream) -> bool:
