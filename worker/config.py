@@ -26,7 +26,8 @@ from protos.stream import WIRE_DTYPES
 from protos.wire import check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
 from worker.model import MODELS
-from worker.task import is_function_spec
+from worker.observe import PROGRESS_MODES
+from worker.task import SHARDINGS, is_function_spec
 
 AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
 
@@ -146,10 +147,9 @@ class WorkerConfig:
             raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
             raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1} or auto, got {self.worker_index}")
-        if self.dataset not in DATASETS and not is_function_spec(self.dataset):
-            raise ConfigError(f"--dataset must be one of {', '.join(DATASETS)} or module:function, got {self.dataset!r}")
-        if self.model not in MODELS and not is_function_spec(self.model):
-            raise ConfigError(f"--model must be one of {', '.join(MODELS)} or module:function, got {self.model!r}")
+        for flag, value, builtin in (("dataset", self.dataset, DATASETS), ("model", self.model, MODELS)):
+            if value not in builtin and not is_function_spec(value):
+                raise ConfigError(f"--{flag} must be one of {', '.join(builtin)} or module:function, got {value!r}")
         if is_function_spec(self.model) != is_function_spec(self.dataset):
             raise ConfigError("--model module:function goes with --dataset module:function (the built-in models fit "
                               "only the built-in datasets, and your model needs your data)")
@@ -158,13 +158,13 @@ class WorkerConfig:
         if self.train_examples and is_function_spec(self.dataset):
             raise ConfigError("--train-examples subsets the built-in datasets; --dataset module:function makes "
                               "its own data")
-        if self.dataset_sharding not in ("batch", "none"):
-            raise ConfigError(f"--dataset-sharding must be batch or none, got {self.dataset_sharding!r}")
+        if self.dataset_sharding not in SHARDINGS:
+            raise ConfigError(f"--dataset-sharding must be one of {', '.join(SHARDINGS)}, got {self.dataset_sharding!r}")
         if self.elastic and self.dataset_sharding != "batch":
             raise ConfigError(f"--dataset-sharding {self.dataset_sharding} with --elastic: the server deals the "
                               "examples, so every worker reads the whole dataset (its function gets worker 0 of 1)")
-        if self.progress not in ("auto", "bar", "lines", "off"):
-            raise ConfigError(f"--progress must be auto, bar, lines or off, got {self.progress!r}")
+        if self.progress not in PROGRESS_MODES:
+            raise ConfigError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         check_shared_fields(self)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
@@ -273,7 +273,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-examples", type=int, help="built-in data: train on N examples of the training set, "
                    "a stratified choice that is the same for every --seed (the test set unchanged; an epoch "
                    "is N examples); default 0: all")
-    p.add_argument("--dataset-sharding", choices=("batch", "none"),
+    p.add_argument("--dataset-sharding", choices=SHARDINGS,
                    help="with --dataset module:function: batch (default) splits every global batch by worker "
                         "index; none: the function made this worker's own batches (it takes a context argument)")
     p.add_argument("--epochs", type=int, help=f"passes over the training data (default {d.EPOCHS})")
@@ -324,7 +324,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-mb", type=float, help=f"largest message either way, in MiB; as the server's "
                    f"(default {d.MAX_MESSAGE_MB:g})")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
-    p.add_argument("--progress", choices=("auto", "bar", "lines", "off"),
+    p.add_argument("--progress", choices=PROGRESS_MODES,
                    help="a progress bar on a terminal, plain log lines otherwise (auto, the default), or force one")
     p.add_argument("--logdir", help="write TensorBoard summaries (loss, accuracy, staleness, step time) under "
                    "DIR/worker<index>")
