@@ -247,24 +247,18 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
     count = [0] * num_shards
     small_count = [0] * num_shards
     shard_of: dict[tuple[str, int], int] = {}
-    # Largest first; the name breaks ties so the order of specs does not matter.
+    # Largest first; the name breaks ties so the order of specs does not matter. The large
+    # pieces go first, by load; then the small ones, by how many small pieces a shard holds.
     order = sorted(variables, key=lambda n: (-group_bytes(n), n))
-    large = [n for n in order if group_bytes(n) > small_bytes or len(groups[n]) > 1]
-    small = [n for n in order if not (group_bytes(n) > small_bytes or len(groups[n]) > 1)]
-    for name in large:
-        parts = groups[name]
-        shards = sorted(range(num_shards), key=lambda s: (load[s], count[s], s))[: len(parts)]
-        itemsize = variables[name][1].itemsize
-        for (k, _, _, shape), s in zip(parts, shards):  # parts are largest first (np.array_split order)
+    small = {n for n in order if group_bytes(n) <= small_bytes and len(groups[n]) == 1}
+    for name in sorted(order, key=lambda n: n in small):  # stable: the large first, each largest first
+        parts, itemsize = groups[name], variables[name][1].itemsize
+        fewest = (lambda s: (small_count[s], load[s], s)) if name in small else (lambda s: (load[s], count[s], s))
+        for (k, _, _, shape), s in zip(parts, sorted(range(num_shards), key=fewest)):  # parts: largest first
             shard_of[(name, k)] = s
             load[s] += math.prod(shape) * itemsize
             count[s] += 1
-    for name in small:
-        s = min(range(num_shards), key=lambda s: (small_count[s], load[s], s))
-        shard_of[(name, 0)] = s
-        load[s] += group_bytes(name)
-        count[s] += 1
-        small_count[s] += 1
+            small_count[s] += name in small
 
     pieces = []
     for name, (shape, dtype) in variables.items():
@@ -288,7 +282,7 @@ def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
     dtype)}`` (or ``{piece: array}``) of shard ``s``. Variables come out in the order their first
     piece appears, shard by shard. ``ShardingError`` when the pieces do not make whole variables
     (a part missing or doubled, or parts that disagree on dtype or trailing shape)."""
-    found: dict[str, dict[int, tuple[int, int, tuple[int, ...], np.dtype]]] = {}  # variable -> part -> ...
+    found: dict[str, dict[int, tuple[int, tuple[int, ...], np.dtype]]] = {}  # variable -> part -> (shard, ...)
     totals: dict[str, int] = {}
     for shard, pieces in enumerate(per_shard):
         for name, spec in pieces.items():
@@ -307,7 +301,7 @@ def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
                 raise ShardingError(f"{name!r} is held twice (shards {found[variable][k][0]} and {shard})")
             if m and not shape:
                 raise ShardingError(f"shard {shard} holds {name!r} as a 0-d scalar: a slice has rows")
-            found[variable][k] = (shard, k, shape, dtype)
+            found[variable][k] = (shard, shape, dtype)
 
     variables: dict[str, Spec] = {}
     pieces: list[Piece] = []
@@ -317,16 +311,16 @@ def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
         if missing:
             raise ShardingError(f"{variable!r} is incomplete: no part(s) {missing} of {n} on any shard")
         first = parts[0]
-        if any(parts[k][3] != first[3] or parts[k][2][1:] != first[2][1:] for k in range(n)):
+        if any(parts[k][2] != first[2] or parts[k][1][1:] != first[1][1:] for k in range(n)):
             raise ShardingError(f"the parts of {variable!r} disagree on dtype or trailing shape")
         start = 0
         for k in range(n):
-            shard, _, shape, dtype = parts[k]
+            shard, shape, dtype = parts[k]
             stop = start + (shape[0] if shape else 0)
             pieces.append(Piece(piece_name(variable, k, n), variable, shard, k, n, start, stop, shape, dtype))
             start = stop
-        whole = first[2] if n == 1 else (start,) + first[2][1:]
-        variables[variable] = (whole, first[3])
+        whole = first[1] if n == 1 else (start,) + first[1][1:]
+        variables[variable] = (whole, first[2])
     return Placement(len(per_shard), variables, tuple(pieces))
 
 
