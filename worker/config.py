@@ -133,7 +133,8 @@ class WorkerConfig:
     def validate(self) -> "WorkerConfig":
         addresses = self.ps_addresses  # one unless --ps has a comma
         for i, a in enumerate(addresses):
-            if not _is_host_port(a):
+            host, sep, port = a.rpartition(":")
+            if not (sep and host and port.isdigit()):
                 raise ConfigError(f"--ps must be HOST:PORT, got {self.ps!r}" if len(addresses) == 1 else
                                   f"--ps must be HOST:PORT or a comma-separated list of them, got {self.ps!r} "
                                   f"(entry {i + 1} is {a!r})")
@@ -256,11 +257,6 @@ class WorkerConfig:
     def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "WorkerConfig":
         environ = os.environ if environ is None else environ
         return resolve(cls, args, environ, role="worker").validate()
-
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit())
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
