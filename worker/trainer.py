@@ -47,12 +47,10 @@ class WorkerLogTag(logging.Filter):
     """Adds ``%(worker)s`` ("worker1") to log records. ps-worker's log format uses it:
     with --worker-index auto the index is known only once the server assigned it."""
 
-    def __init__(self, index: int | None = None):
-        super().__init__()
-        self.index = index
+    index = -1  # "worker?" until ps-worker or the registration sets it
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.worker = f"worker{self.index}" if self.index is not None and self.index >= 0 else "worker?"
+        record.worker = f"worker{self.index}" if self.index >= 0 else "worker?"
         return True
 
 
