@@ -142,11 +142,19 @@ def same_data(engine) -> None:
                           "function must give the same examples in the same order (seed any shuffle)")
 
 
-def _take(engine, one, passing) -> None:
-    """``one(engine)`` until it says the job is done. After a refusal ``passing`` lets pass
-    (asked first) it goes on; after one the worker can ride out (this worker declared dead,
-    a lease missed, the server restarted) it rejoins first (``Engine.ride_out``)."""
-    while engine.ride_out(one, engine, passing=passing, rides=lambda e: recoverable(e) or e.reason is Reason.NOT_JOINED):
+# The refusals after which the work goes on (``_take``'s ``passing``), as after a call that timed out:
+TASK_TAKEN_AWAY = (Reason.TASK_NOT_HELD, Reason.TASK_DONE)  # its lease ran out, another does it: the next task
+ASK_AGAIN = (Reason.LATE, Reason.EARLY)  # a round that ended without this push, or has not started: ask ``Work``
+
+
+def _take(engine, one, passing: tuple[Reason, ...]) -> None:
+    """``one(engine)`` until it says the job is done. After a timeout (ssp's wait for the bound,
+    its push applied; a round's) or a refusal for a reason in ``passing`` it goes on, asked before a
+    rejoin (a sync worker rejoins for a late or early push, an elastic one only asks again); after
+    one the worker can ride out (this worker declared dead, a lease missed, the server restarted)
+    it rejoins first (``Engine.ride_out``)."""
+    goes_on = lambda e: e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in passing
+    while engine.ride_out(one, engine, passing=goes_on, rides=lambda e: recoverable(e) or e.reason is Reason.NOT_JOINED):
         pass
 
 
@@ -173,7 +181,7 @@ def task_at(engine, epoch: int | None = None) -> None:
         _compute_task(engine, offer)
         return epoch is None
 
-    _take(engine, one, _task_taken_away)
+    _take(engine, one, TASK_TAKEN_AWAY)
 
 
 def task_epoch(engine) -> int:
@@ -185,7 +193,7 @@ def task_epoch(engine) -> int:
         engine.pending = engine.pending or _offer(engine)
         return False
 
-    _take(engine, one, _task_taken_away)
+    _take(engine, one, TASK_TAKEN_AWAY)
     offer, task = engine.pending, engine.task
     if offer.sizes:
         return offer.round // task.steps_per_epoch
@@ -249,7 +257,7 @@ def round_at(engine, r: int | None = None) -> None:
             _compute_round(engine, work)
         return True
 
-    _take(engine, one, _ask_again)
+    _take(engine, one, ASK_AGAIN)
     if r is None:
         engine.conn.step = engine.task.total_steps
 
@@ -280,16 +288,3 @@ def _compute_round(engine, work) -> None:
                  "pull_s": 0.0, "push_s": time.monotonic() - started - total["compute_s"],
                  "knob_s": knob_s + total["knob_s"]})
     engine.conn.step = work.round + 1
-
-
-def _task_taken_away(e: PSClientError) -> bool:
-    """A push of a task this worker no longer holds (its lease ran out; another does it),
-    or ssp's wait for the bound timed out after the push was applied: take the next one."""
-    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.TASK_NOT_HELD, Reason.TASK_DONE)
-
-
-def _ask_again(e: PSClientError) -> bool:
-    """A round that ended without this push (a late one), has not started (an early one) or
-    timed out: the next ``Work`` says what now. Asked before a rejoin: a sync worker
-    rejoins for a late or early push, an elastic one only asks again."""
-    return e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in (Reason.LATE, Reason.EARLY)
