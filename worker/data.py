@@ -87,16 +87,16 @@ def _digits_large(copies: int = LARGE_COPIES, max_shift: int = 2, noise_sd: floa
     base = _digits()
     rng = np.random.default_rng(seed)
     n, h, w, _ = base.x_train.shape
-    size = max_shift
-    padded = np.pad(base.x_train[..., 0], ((0, 0), (size, size), (size, size)))
+    s = max_shift
+    padded = np.pad(base.x_train[..., 0], ((0, 0), (s, s), (s, s)))
     out = np.empty((copies * n, h, w), dtype=np.float32)
     for c in range(copies):
-        shifts = rng.integers(-max_shift, max_shift + 1, size=(n, 2))
+        shifts = rng.integers(-s, s + 1, size=(n, 2))
+        copy = out[c * n: (c + 1) * n]  # a view
         for i, (dy, dx) in enumerate(shifts):
             # The image moved by (dy, dx): output pixel (r, q) shows input pixel (r - dy, q - dx).
-            out[c * n + i] = padded[i, size - dy: size - dy + h, size - dx: size - dx + w]
-        noise = rng.normal(0.0, noise_sd, size=(n, h, w))
-        out[c * n: (c + 1) * n] = np.clip(out[c * n: (c + 1) * n] + noise, 0.0, 1.0)
+            copy[i] = padded[i, s - dy: s - dy + h, s - dx: s - dx + w]
+        copy[:] = np.clip(copy + rng.normal(0.0, noise_sd, size=(n, h, w)), 0.0, 1.0)
     y = np.tile(base.y_train, copies)
     return Dataset("digits-large", out[..., None], y, base.x_test, base.y_test)
 
