@@ -172,9 +172,14 @@ class TrainingLoop:
                                   sparse_rule=self.conn.sparse_rule)
 
     def _after_step(self, step: int, version: int) -> None:
-        """The chief's --eval-every scores and --snapshot-steps files, outside the step's timing."""
+        """The chief's --eval-every scores (of the parameters pulled for ``step``: the model holds
+        them) and --snapshot-steps files, outside the step's timing."""
         if self.config.eval_every and (step + 1) % self.config.eval_every == 0:
-            self.evals.append(_evaluate(self.model, self.task, step, version, self.engine.t0))
+            start = time.monotonic()
+            scores = self.task.evaluate(self.model)
+            log.info("eval at step %d: %s (parameters at version %d)", step + 1, _scores_text(scores), version)
+            self.evals.append({"step": step, "t": start - self.engine.t0, "version": version, **scores,
+                               "eval_s": time.monotonic() - start})
             self.observer.evaluation(self.evals[-1])
         if step + 1 in set(self.config.snapshot_step_list):
             from worker import model as models
@@ -246,14 +251,6 @@ class TrainingLoop:
         if config.snapshot_dir:
             models.save_ordered_npz(model, values, os.path.join(config.snapshot_dir, "final.npz"))
         return result
-
-
-def _evaluate(model, task: Task, step: int, version: int, t0: float) -> dict:
-    """--eval-every: test scores of the parameters pulled for ``step`` (the model holds them)."""
-    start = time.monotonic()
-    scores = task.evaluate(model)
-    log.info("eval at step %d: %s (parameters at version %d)", step + 1, _scores_text(scores), version)
-    return {"step": step, "t": start - t0, "version": version, **scores, "eval_s": time.monotonic() - start}
 
 
 def _scores_text(scores: dict) -> str:
