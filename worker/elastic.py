@@ -129,11 +129,11 @@ def set_data_plan(engine, registration) -> None:
 
 
 def same_data(engine) -> None:
-    """Your dataset read once (``worker.task.UserTask`` with ``elastic``): the chief posts a
+    """Your dataset read once (``worker.task.UserTask.dealt``, with ``elastic``): the chief posts a
     digest of its examples, and any other worker whose own differ (an unseeded shuffle, data
     that depends on the worker) stops with one line: the server deals indices into them."""
     conn = engine.conn
-    mine = engine.task.fingerprint()
+    mine = engine.task.dealt.fingerprint()
     timeout = max(60.0, conn.registration.barrier_timeout)
     chief = engine.call(conn.broadcast, "elastic/data", mine.encode() if engine.config.is_chief else None, timeout)
     if chief.decode() != mine:

@@ -284,9 +284,6 @@ class UserTask(Task):
         """(x, y, sample_weight) at ``indices`` of the train dataset read once (``read_once``)."""
         return self._elastic().examples(indices)
 
-    def fingerprint(self) -> str:
-        return self._elastic().fingerprint()
-
     def _elastic(self) -> "DealtArrays":
         if self.dealt is None:
             raise TaskError("the examples are dealt by index only with elastic=True (--elastic)")
