@@ -229,43 +229,34 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
         raise ShardingError("min_slice_bytes must be >= 1 and small_bytes >= 0")
     variables = _normalize(specs)
 
-    # Each variable as a group of (part, start, stop, shape): one group per variable.
-    groups: dict[str, list[tuple[int, int, int, tuple[int, ...]]]] = {}
+    # Each variable's pieces, the largest first (np.array_split's order), on shard 0 until placed below.
+    groups: dict[str, list[Piece]] = {}
     for name, (shape, dtype) in variables.items():
         n = slice_count(shape, dtype, num_shards, min_slice_bytes)
         if n == 1:
-            groups[name] = [(0, 0, shape[0] if shape else 0, shape)]
+            groups[name] = [Piece(name, name, 0, 0, 1, 0, shape[0] if shape else 0, shape, dtype)]
             continue
         rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)]  # np.array_split's sizes
         starts = [0, *itertools.accumulate(rows)]
-        groups[name] = [(k, starts[k], starts[k + 1], (rows[k],) + shape[1:]) for k in range(n)]
-
-    def group_bytes(name: str) -> int:  # of the variable's largest piece
-        return math.prod(groups[name][0][3]) * variables[name][1].itemsize
+        groups[name] = [Piece(piece_name(name, k, n), name, 0, k, n, starts[k], starts[k + 1], (rows[k],) + shape[1:],
+                              dtype) for k in range(n)]
 
     load = [0] * num_shards
     count = [0] * num_shards
     small_count = [0] * num_shards
-    shard_of: dict[tuple[str, int], int] = {}
     # Largest first; the name breaks ties so the order of specs does not matter. The large
     # pieces go first, by load; then the small ones, by how many small pieces a shard holds.
-    order = sorted(variables, key=lambda n: (-group_bytes(n), n))
-    small = {n for n in order if group_bytes(n) <= small_bytes and len(groups[n]) == 1}
+    order = sorted(variables, key=lambda n: (-groups[n][0].nbytes, n))
+    small = {n for n in order if groups[n][0].nbytes <= small_bytes and len(groups[n]) == 1}
     for name in sorted(order, key=lambda n: n in small):  # stable: the large first, each largest first
-        parts, itemsize = groups[name], variables[name][1].itemsize
         fewest = (lambda s: (small_count[s], load[s], s)) if name in small else (lambda s: (load[s], count[s], s))
-        for (k, _, _, shape), s in zip(parts, sorted(range(num_shards), key=fewest)):  # parts: largest first
-            shard_of[(name, k)] = s
-            load[s] += math.prod(shape) * itemsize
-            count[s] += 1
-            small_count[s] += name in small
-
-    pieces = []
-    for name, (shape, dtype) in variables.items():
-        n = len(groups[name])
-        for k, start, stop, pshape in groups[name]:
-            pieces.append(Piece(piece_name(name, k, n), name, shard_of[(name, k)], k, n, start, stop, pshape, dtype))
-    return Placement(num_shards, variables, tuple(pieces))
+        shards = sorted(range(num_shards), key=fewest)
+        groups[name] = [dataclasses.replace(p, shard=s) for p, s in zip(groups[name], shards)]
+        for p in groups[name]:
+            load[p.shard] += p.nbytes
+            count[p.shard] += 1
+            small_count[p.shard] += name in small
+    return Placement(num_shards, variables, tuple(p for name in variables for p in groups[name]))
 
 
 def norms_of(optimizer: Mapping) -> list[str]:
