@@ -112,10 +112,6 @@ class WorkerConfig:
     def snapshot_step_list(self) -> list[int]:
         return [int(s) for s in self.snapshot_steps.split(",") if s.strip()]
 
-    @property
-    def lr(self) -> float:
-        return self.learning_rate or OPTIMIZER_DEFAULTS[self.optimizer]["learning_rate"]
-
     def optimizer_spec(self) -> dict:
         """The optimizer as every field of the wire's OptimizerConfig (``optimizer_fields``):
         Keras' defaults of ``--optimizer`` but the learning rate, momentum and nesterov given
@@ -123,7 +119,8 @@ class WorkerConfig:
         ``--global-clipnorm``."""
         takes = OPTIMIZER_DEFAULTS.get(self.optimizer, {})
         given = {k: getattr(self, k) for k in ("momentum", "nesterov") if k in takes}
-        return optimizer_fields(self.optimizer, learning_rate=self.lr, global_clipnorm=self.global_clipnorm, **given)
+        return optimizer_fields(self.optimizer, learning_rate=self.learning_rate or takes["learning_rate"],
+                                global_clipnorm=self.global_clipnorm, **given)
 
     @property
     def ps_addresses(self) -> list[str]:
