@@ -181,11 +181,10 @@ class Placement:
         out: dict[str, np.ndarray] = {}
         for variable in self.variables:
             parts = [p for p in self.pieces if p.variable == variable]
-            present = [p.name in got for p in parts]
-            if partial and not any(present):
+            lacking = [p.name for p in parts if p.name not in got]
+            if partial and len(lacking) == len(parts):
                 continue
-            if not all(present):
-                lacking = [p.name for p, ok in zip(parts, present) if not ok]
+            if lacking:
                 raise ShardingError(f"{variable!r} is incomplete: no {lacking[:4]}")
             out[variable] = got[parts[0].name] if len(parts) == 1 else np.concatenate([got[p.name] for p in parts])
         return out
