@@ -38,7 +38,6 @@ from worker.connection import TrainingError, Work
 from worker.engine import Engine
 from worker.gradients import Gradients, non_trainable, trainable
 from worker.observe import Observer
-from worker.task import Task
 
 log = logging.getLogger("worker")
 
@@ -57,7 +56,7 @@ class WorkerLogTag(logging.Filter):
 LOG_TAG = WorkerLogTag()
 
 
-def train(config: WorkerConfig, task: Task | None = None) -> dict:
+def train(config: WorkerConfig, task: tasks.Task | None = None) -> dict:
     """Train ``task`` (default: the one ``config`` names, ``worker.task.from_config``) against
     the parameter server; returns the chief's final scores (the others: their step count)."""
     from worker import model as models
@@ -91,7 +90,7 @@ def train(config: WorkerConfig, task: Task | None = None) -> dict:
 class TrainingLoop:
     """One worker's training: its state is the fields set here (module docstring)."""
 
-    def __init__(self, config: WorkerConfig, task: Task, model, observer: Observer, device: str = "/CPU:0"):
+    def __init__(self, config: WorkerConfig, task: tasks.Task, model, observer: Observer, device: str = "/CPU:0"):
         self.task, self.model, self.observer, self.device = task, model, observer, device
         self.gradients = Gradients(model, task.loss)
         self.batches = None  # this worker's part of each global batch, once its index is known
