@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from ps_common.batches import global_batches, shard, steps_per_epoch  # noqa: F401 (this module's API)
+from ps_common.batches import global_batches, shard, steps_per_epoch  # this module's API too (__all__)
 
 DATASETS = ("digits", "digits-large", "mnist", "synthetic")
 LARGE_COPIES = 10  # digits-large: augmented copies of each digits training image
@@ -152,3 +152,5 @@ def load_dataset(name: str) -> Dataset:
     return loaders[name]()
 
 
+__all__ = ["DATASETS", "IMAGE_SHAPE", "NUM_CLASSES", "Dataset", "load_dataset", "resize_images", "train_subset",
+           "global_batches", "shard", "steps_per_epoch"]
