@@ -153,8 +153,9 @@ def _take(engine, one, passing: tuple[Reason, ...]) -> None:
     rejoin (a sync worker rejoins for a late or early push, an elastic one only asks again); after
     one the worker can ride out (this worker declared dead, a lease missed, the server restarted)
     it rejoins first (``Engine.ride_out``)."""
-    goes_on = lambda e: e.code == grpc.StatusCode.DEADLINE_EXCEEDED or e.reason in passing
-    while engine.ride_out(one, engine, passing=goes_on, rides=lambda e: recoverable(e) or e.reason is Reason.NOT_JOINED):
+    timed_out = grpc.StatusCode.DEADLINE_EXCEEDED
+    while engine.ride_out(one, engine, passing=lambda e: e.reason in passing or e.code == timed_out,
+                          rides=lambda e: recoverable(e) or e.reason is Reason.NOT_JOINED):
         pass
 
 
