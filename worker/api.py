@@ -38,12 +38,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Callable, Mapping, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from worker import task as tasks
 from worker.config import ConfigError, WorkerConfig
+
+if TYPE_CHECKING:  # served by the module's __getattr__, on first use
+    from worker.connection import PSClientError, recoverable
 
 log = logging.getLogger("worker")
 
@@ -99,31 +103,14 @@ class Session:
         self.closed = False
         log.info("session: %s; starting at step %d", self.connection.describe(), self.step)
 
-    @property
-    def config(self) -> WorkerConfig:
-        return self.connection.config
-
-    @property
-    def registration(self):
-        return self.connection.registration
-
-    @property
-    def worker_index(self) -> int:
-        return self.connection.worker_id
-
-    @property
-    def sync(self) -> bool:
-        return self.connection.sync
-
-    @property
-    def step(self) -> int:
-        """The step the next push is for (sync: the server's round)."""
-        return self.connection.step
-
-    @property
-    def version(self) -> int:
-        """The version of the parameters the last ``pull`` loaded; -1 before the first."""
-        return self.connection.version
+    # The connection's, read where they are kept.
+    config = property(attrgetter("connection.config"))
+    registration = property(attrgetter("connection.registration"))
+    worker_index = property(attrgetter("connection.worker_id"))
+    sync = property(attrgetter("connection.sync"))
+    step = property(attrgetter("connection.step"), doc="The step the next push is for (sync: the server's round).")
+    version = property(attrgetter("connection.version"),
+                       doc="The version of the parameters the last ``pull`` loaded; -1 before the first.")
 
     def pull(self) -> int:
         """Load the server's parameters (and BatchNorm statistics) into the model; returns their version."""
