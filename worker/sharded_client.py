@@ -117,9 +117,9 @@ class ShardedClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _each(self, pool: ThreadPoolExecutor, call: Callable, shards: Iterable[int] | None = None) -> dict:
-        """``call(i, client)`` on the shards at once; {shard: result} once all answered,
-        or the first exception to arrive."""
+    def _each(self, pool: ThreadPoolExecutor, call: Callable, shards: Sequence[int] | None = None) -> list:
+        """``call(i, client)`` on the shards (default: all) at once; their results in that order
+        once all answered, or the first exception to arrive."""
         shards = range(self.num_shards) if shards is None else shards
         futures = {pool.submit(call, i, self._clients[i]): i for i in shards}
         results, first = {}, None
@@ -130,7 +130,7 @@ class ShardedClient:
                 first = first or e
         if first is not None:
             raise first
-        return results
+        return [results[i] for i in shards]
 
     def _error(self, call: str, code: grpc.StatusCode | None, details: str) -> PSClientError:
         return PSClientError(call, self.address, code, details)
@@ -143,19 +143,18 @@ class ShardedClient:
     def health(self, timeout: float = 5.0) -> str:
         """SERVING when every shard is; otherwise the first other status, in shard order."""
         states = self._each(self._control, lambda i, c: c.health(timeout))
-        return next((states[i] for i in range(self.num_shards) if states[i] != "SERVING"), "SERVING")
+        return next((s for s in states if s != "SERVING"), "SERVING")
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "",
                  timeout: float | None = None) -> Registration:
         def register(i, c):
             return c.register(worker_index, num_workers, name, timeout=timeout)
 
-        regs = {}
+        regs = []
         if worker_index < 0:  # auto: shard 0 assigns the index, the others are told it
             regs = self._each(self._control, register, shards=[0])
             worker_index = regs[0].worker_id
-        regs.update(self._each(self._control, register, shards=[i for i in range(self.num_shards) if i not in regs]))
-        regs = [regs[i] for i in range(self.num_shards)]
+        regs += self._each(self._control, register, shards=range(len(regs), self.num_shards))
         if len({(r.mode, r.num_workers, r.worker_id) for r in regs}) > 1:
             runs = ", ".join(f"{a} runs {r.mode} with {r.num_workers} workers (worker id {r.worker_id})"
                              for a, r in zip(self.addresses, regs))
@@ -202,17 +201,14 @@ class ShardedClient:
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew the lease on every shard; returns the shards' incarnations joined."""
-        incarnations = self._each(self._control, lambda i, c: c.heartbeat(
-            worker_id, step, timeout=timeout))
-        return ",".join(incarnations[i] for i in range(self.num_shards))
+        return ",".join(self._each(self._control, lambda i, c: c.heartbeat(worker_id, step, timeout=timeout)))
 
     def leave(self, worker_id: int) -> None:
         self._each(self._control, lambda i, c: c.leave(worker_id))
 
     def statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own Status, in shard order."""
-        replies = self._each(self._control, lambda i, c: c.status())
-        return [replies[i] for i in range(self.num_shards)]
+        return self._each(self._control, lambda i, c: c.status())
 
     def status(self) -> pb.StatusResponse:
         """One Status for the whole cluster (see ``combine_statuses``)."""
@@ -254,7 +250,7 @@ class ShardedClient:
             worker_id, per_shard[i], optimizer, pieces[i], clip_group=group and {**group, "shard": i},
             data_plan=data_plan, shard_group=led and {**led, "shard": i}))
         self._adopt(placement, "planned")
-        return any(created.values())
+        return any(created)
 
     def _adopt(self, placement: sharding.Placement, how: str) -> None:
         with self._lock:
@@ -278,35 +274,34 @@ class ShardedClient:
         pieces = {i: [p.name for p in placement.pieces if p.shard == i and p.variable in averages]
                   for i in range(self.num_shards)}
         replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i]))
-        values = placement.join([replies[i][1] for i in range(self.num_shards)])
+        values = placement.join([r[1] for r in replies])
         states = {}
         for variable in placement.variables:
             got = [replies[p.shard][2][p.name] for p in placement.pieces if p.variable == variable]
             states[variable] = {k: got[0][k] if len(got) == 1 or np.ndim(got[0][k]) == 0
                                 else np.concatenate([g[k] for g in got]) for k in got[0]}
-        return min(replies[i][0] for i in replies), values, states
+        return min(r[0] for r in replies), values, states
 
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:
         """(the smallest shard version, {variable: array}); the first pull of a worker
         that did not initialize learns the placement from what the shards hold."""
         names = list(names)
         placement = self.placement
-        if placement is None or not names:
-            replies = self._each(self._data, lambda i, c: c.pull(worker_id))
-            per_shard = [replies[i][1] for i in range(self.num_shards)]
-            if placement is None:
-                try:
-                    placement = sharding.learn(per_shard)
-                except sharding.ShardingError as e:
-                    raise self._error("Pull", None, f"the shards do not hold one model's variables: {e}") from None
-                self._adopt(placement, "learned")
-        else:
+        wanted = {i: () for i in range(self.num_shards)}  # every shard's every piece
+        if placement is not None and names:
             try:
                 wanted = placement.shards_of(names)
             except sharding.ShardingError as e:
                 raise self._error("Pull", grpc.StatusCode.NOT_FOUND, str(e)) from None
-            replies = self._each(self._data, lambda i, c: c.pull(worker_id, wanted[i]), shards=sorted(wanted))
-            per_shard = [replies[i][1] if i in replies else {} for i in range(self.num_shards)]
+        shards = sorted(wanted)
+        replies = dict(zip(shards, self._each(self._data, lambda i, c: c.pull(worker_id, wanted[i]), shards)))
+        per_shard = [replies[i][1] if i in replies else {} for i in range(self.num_shards)]
+        if placement is None:
+            try:
+                placement = sharding.learn(per_shard)
+            except sharding.ShardingError as e:
+                raise self._error("Pull", None, f"the shards do not hold one model's variables: {e}") from None
+            self._adopt(placement, "learned")
         try:
             values = placement.join(per_shard, partial=bool(names))
         except sharding.ShardingError as e:
@@ -316,7 +311,7 @@ class ShardedClient:
             if missing:
                 raise self._error("Pull", grpc.StatusCode.NOT_FOUND, f"unknown variable(s) {missing[:4]}")
             values = {n: values[n] for n in names}
-        versions = [replies[i][0] for i in sorted(replies)]
+        versions = [replies[i][0] for i in shards]
         version = min(versions)
         if len(replies) == self.num_shards:
             with self._lock:
@@ -357,7 +352,6 @@ class ShardedClient:
             self._each(self._data, push, shards=range(1, self.num_shards))
             return self._each(self._data, push, shards=[0])[0]
         replies = self._each(self._data, push)
-        replies = [replies[i] for i in range(self.num_shards)]
         if len({r.dropped for r in replies}) > 1:
             which = ", ".join(f"{a}: {'dropped' if r.dropped else 'applied'}" for a, r in zip(self.addresses, replies))
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
