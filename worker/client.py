@@ -128,7 +128,8 @@ class PSClient:
         self._beats_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.unary = Unary(self._channel, address, timeout)
-        self.calls = CallStream(self._channel, address, timeout) if session else None
+        # One-message pulls, pushes and Work calls: on the Session stream, or unary ones when it is off.
+        self.calls = CallStream(self._channel, address, timeout) if session else self.unary
         self.streams = Streams(self._channel, address, timeout)
         self.shared_memory = SharedMemory(self.streams, address, enabled=shm)
         self.shm = shm  # the fast path was asked for
@@ -148,7 +149,7 @@ class PSClient:
         return self.shared_memory.fallback_reason
 
     def close(self) -> None:
-        if self.calls is not None:
+        if self.calls is not self.unary:
             self.calls.close()
         self._channel.close()
         with self._beats_lock:
@@ -226,24 +227,19 @@ class PSClient:
         which the channel retries on UNAVAILABLE; larger ones are streamed in ~2 MiB chunks
         (InitializeStream), so a model of any size can be initialized. Half, so that protobuf's
         own bytes around the tensors never push a message over."""
-        optimizer = pb.OptimizerConfig(**optimizer)
-        non_trainable = sorted(non_trainable)
-        plan = {field: make(**value) for field, make, value in (
-            ("data_plan", pb.DataPlan, data_plan), ("clip_group", pb.ClipGroup, clip_group),
-            ("shard_group", pb.ShardGroup, shard_group)) if value is not None}
+        # The fields an InitializeRequest and an InitializeHeader share.
+        fields = dict(worker_id=worker_id, optimizer=pb.OptimizerConfig(**optimizer),
+                      non_trainable=sorted(non_trainable), **{field: make(**value) for field, make, value in (
+                          ("data_plan", pb.DataPlan, data_plan), ("clip_group", pb.ClipGroup, clip_group),
+                          ("shard_group", pb.ShardGroup, shard_group)) if value is not None})
         if sum(np.asarray(v).nbytes for v in variables.values()) <= self.max_message_bytes // 2:
-            reply = self.unary.call(
-                "Initialize",
-                pb.InitializeRequest(worker_id=worker_id, optimizer=optimizer,
-                                     variables=codec.encode_many(variables), non_trainable=non_trainable, **plan),
-            )
-            return reply.created
+            request = pb.InitializeRequest(**fields, variables=codec.encode_many(variables))
+            return self.unary.call("Initialize", request).created
         try:
             arrays = {n: stream.to_wire(v) for n, v in variables.items()}
         except codec.CodecError as e:
             raise PSClientError("Initialize", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        header = pb.InitializeHeader(worker_id=worker_id, optimizer=optimizer, variables=stream.metas(arrays),
-                                     non_trainable=non_trainable, **plan)
+        header = pb.InitializeHeader(**fields, variables=stream.metas(arrays))
         return self.streams.initialize(header, [a for _, a in arrays.values()]).created
 
     def _unary_limit(self) -> int:
@@ -263,7 +259,7 @@ class PSClient:
         if full:
             self.cache.ask(request)
         if full and self.cache.held is not None and self.cache.nbytes <= self._unary_limit():
-            header, values = self._one_message(lambda t: t.pull(request))  # a small model: one message beats a stream
+            header, values = self.calls.pull(request)  # a small model: one message beats a stream
         else:
             answer = self.shared_memory.pull(request)
             header, values = answer if answer is not None else self.streams.pull(request)
@@ -312,11 +308,7 @@ class PSClient:
         until it has some, at most ``timeout`` (default: the client's). Async and ssp with a
         data plan: a task (``task`` set; ``round`` its id, ``sizes[0]`` its examples), or none
         (no sizes; ``finished`` when every task is applied), at once."""
-        return self._one_message(lambda t: t.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout))
-
-    def _one_message(self, call):
-        """``call(transport)`` on the call stream, or as a unary call when it is off."""
-        return call(self.calls if self.calls is not None else self.unary)
+        return self.calls.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout)
 
     def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
         rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
@@ -331,7 +323,7 @@ class PSClient:
             # steps it row by row), nor for a large model.
             outgoing.return_values = (self.sync and not rows and self.cache.nbytes <= self._unary_limit()
                                       and not self.cache.row_deltas_seen)
-            reply = self._one_message(lambda t: t.push(outgoing, timeout))
+            reply = self.calls.push(outgoing, timeout)
             self.cache.receive(reply, self.address)
         else:
             reply = self.shared_memory.push(outgoing, timeout)
