@@ -259,6 +259,12 @@ class CallStream(_OneMessage):
 PUSH_PULL_CHUNK_BYTES = 256 << 10
 
 
+def _chunked(chunk_type, header, buffers: list[np.ndarray], chunk_bytes: int | None = None):
+    """A streamed call's messages: ``chunk_type(header=header)``, then the buffers' bytes."""
+    yield chunk_type(header=header)
+    yield from stream.chunk_buffers(buffers, chunk_bytes)
+
+
 class Streams:
     """PullStream, PushStream and InitializeStream: a header, then the tensors' bytes in
     ~2 MiB data messages framed by hand (``protos.stream``), so no message ever holds a
@@ -283,13 +289,8 @@ class Streams:
     def initialize(self, header: pb.InitializeHeader, arrays: list[np.ndarray]) -> pb.InitializeResponse:
         """One InitializeStream: ``header``, then the bytes of ``arrays`` (its variables in
         wire form, in its order). Not retried: a stream cannot be replayed by the channel."""
-
-        def messages():
-            yield pb.InitializeChunk(header=header)
-            yield from stream.chunk_buffers(arrays)
-
         with failures("Initialize", self.address):
-            return self.initialize_stream(messages(), timeout=self.timeout)
+            return self.initialize_stream(_chunked(pb.InitializeChunk, header, arrays), timeout=self.timeout)
 
     def pull(self, request: pb.PullRequest,
              read_segment=None) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
@@ -318,14 +319,9 @@ class Streams:
         """One PushStream: ``header`` (default: the push's own), then the gradients' bytes
         unless the header names a segment that holds them."""
         header = outgoing.header() if header is None else header
-
-        def messages():
-            yield pb.PushChunk(header=header)
-            if not header.shm_name:
-                yield from stream.chunk_buffers(outgoing.buffers())
-
+        messages = _chunked(pb.PushChunk, header, [] if header.shm_name else outgoing.buffers())
         with failures("Push", self.address):
-            return self.push_stream(messages(), timeout=timeout)
+            return self.push_stream(messages, timeout=timeout)
 
     def push_pull(self, outgoing: OutgoingPush, timeout: float,
                   block_bytes: int = 0) -> tuple[pb.PushResponse, dict | None]:
@@ -335,15 +331,11 @@ class Streams:
         pushed variables when the server confirms they are the round's, else None (pull them)."""
         header = outgoing.header()
         header.overlap_block_bytes = block_bytes
-
-        def messages():
-            yield pb.PushChunk(header=header)
-            # Smaller chunks than a PushStream's: the server can use a block only once the
-            # message holding its last byte has arrived whole.
-            yield from stream.chunk_buffers(outgoing.buffers(), block_bytes or PUSH_PULL_CHUNK_BYTES)
-
+        # Smaller chunks than a PushStream's: the server can use a block only once the
+        # message holding its last byte has arrived whole.
+        messages = _chunked(pb.PushChunk, header, outgoing.buffers(), block_bytes or PUSH_PULL_CHUNK_BYTES)
         with failures("Push", self.address):
-            replies = self.push_pull_stream(messages(), timeout=timeout)
+            replies = self.push_pull_stream(messages, timeout=timeout)
             first = next(replies)
             if not isinstance(first, pb.PushPullChunk) or not first.HasField("header"):
                 raise PSClientError("PushPull", self.address, None, "the reply did not start with a header")
@@ -366,8 +358,7 @@ class _ShmRefused(Exception):
 class _Slot:
     """One of the client's segments (push or pull), lent to one call at a time (``lock``)."""
 
-    def __init__(self, role: str):
-        self.role = role
+    def __init__(self):
         self.lock = threading.Lock()
         self.segment: shmem.Segment | None = None
         self.want = 0  # bytes the next call will likely need (the server said, or the model's size)
@@ -418,7 +409,7 @@ class SharedMemory:
         self.active = False
         self.fallback_reason: str | None = None  # why it went off for good; None: it did not
         self._lock = threading.Lock()  # guards fallback_reason; leaf lock
-        self.push_slot, self.pull_slot = _Slot("push"), _Slot("pull")
+        self.push_slot, self.pull_slot = _Slot(), _Slot()
 
     def fall_back(self, reason: str) -> None:
         """Stream from now on; say why once."""
