@@ -107,7 +107,8 @@ class Connection:
         replaces ``config.optimizer_spec()``: the chief initializes the server with it, and
         the others check the server's optimizer against it."""
         self.config, self.model = config, model
-        self.optimizer_spec = dict(optimizer_spec) if optimizer_spec is not None else None
+        # The optimizer this worker trains with: the one given, else the flags'.
+        self.optimizer_spec = dict(optimizer_spec) if optimizer_spec is not None else config.optimizer_spec()
         self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
         self.client = client or connect(config)
         self.registration: Registration | None = None
@@ -298,21 +299,16 @@ class Connection:
                                     f"{socket.gethostname()}:{os.getpid()}", timeout=timeout)
 
     def _initialize(self, worker_id: int | None = None) -> bool:
-        plan = {} if self.data_plan is None else {"data_plan": self.data_plan}
         return self.client.initialize(self.worker_id if worker_id is None else worker_id, get_values(self.model),
-                                      self._optimizer_spec(),
-                                      non_trainable=[v.path for v in non_trainable(self.model)], **plan)
+                                      self.optimizer_spec, non_trainable=[v.path for v in non_trainable(self.model)],
+                                      data_plan=self.data_plan)
 
     @property
     def sparse_rule(self) -> str:
         """The rule the server steps repeated rows by (``worker.gradients``): its ``--sparse-rule``,
         or its optimizer's once initialized; before that (a server started without the flag)
         the one this worker's optimizer asks for, which the chief's Initialize gives it."""
-        return self.registration.sparse_rule or self._optimizer_spec().get("sparse_rule") or "sum"
-
-    def _optimizer_spec(self) -> dict:
-        """The optimizer this worker trains with: the one given to ``__init__``, else the flags'."""
-        return dict(self.optimizer_spec) if self.optimizer_spec is not None else self.config.optimizer_spec()
+        return self.registration.sparse_rule or self.optimizer_spec.get("sparse_rule") or "sum"
 
     def _check_against_server(self) -> None:
         _, values = self.client.wait_initialized(self.worker_id, self.config.init_timeout)
@@ -322,8 +318,8 @@ class Connection:
             diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
             raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
                               "start every worker with the same --model")
-        server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self._optimizer_spec())
-        differ = [k for k in self._optimizer_spec() if getattr(server_opt, k) != getattr(wanted, k)]
+        server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self.optimizer_spec)
+        differ = [k for k in self.optimizer_spec if getattr(server_opt, k) != getattr(wanted, k)]
         if differ:
             got = {k: getattr(server_opt, k) for k in differ}
             raise ConfigError(f"the server trains with optimizer {got}, this worker was started with "
