@@ -33,20 +33,22 @@ def gap(a: dict, b: dict) -> float:
     return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a["weights"], b["weights"]))
 
 
-def test_an_overridden_train_step_runs_under_sync_as_in_one_process_and_over_two_shards(procs, tmp_path):
+def two_shards(procs) -> str:
+    """Two new sync servers' addresses, as ``--ps`` lists shards."""
+    return ",".join(procs.server("sync", 2)[1] for _ in range(2))
+
+
+def test_an_overridden_train_step_runs_under_sync_over_two_shards_as_in_one_process(procs, tmp_path):
     """The guide's ``train_step`` (tape, ``self.optimizer.apply``, its own loss tracker and metric)
-    runs as written; the server steps the optimizer. Over two shards: one server's numbers."""
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    runs as written; the server steps the optimizer. Over two shards (one server's bits:
+    ``test_each_row_over_two_shards_is_one_server_s_bits``; one server: the next test)."""
     plain = alone(tmp_path, "--no-norm", program=CUSTOM_STEP)
-    one = fit(procs, tmp_path / "one", "sync", "--no-norm", program=CUSTOM_STEP)
-    assert gap(one[0], plain) < 1e-6 and one[0]["weights"] == one[1]["weights"]
-    assert one[0]["iterations"] == plain["iterations"] == 32
-    assert one[0]["history"] == one[1]["history"]  # the global batch's, on every worker
-    assert one[0]["history"]["accuracy"] == plain["history"]["accuracy"]
-    np.testing.assert_allclose(one[0]["history"]["loss"], plain["history"]["loss"], rtol=1e-6)
-    shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))
-    two = fit(procs, tmp_path / "two", "sync", "--no-norm", address=shards, program=CUSTOM_STEP)
-    assert two[0]["weights"] == one[0]["weights"] and two[0]["history"] == one[0]["history"]
+    two = fit(procs, tmp_path, "sync", "--no-norm", address=two_shards(procs), program=CUSTOM_STEP)
+    assert gap(two[0], plain) < 1e-6 and two[0]["weights"] == two[1]["weights"]
+    assert two[0]["iterations"] == plain["iterations"] == 32
+    assert two[0]["history"] == two[1]["history"]  # the global batch's, on every worker
+    assert two[0]["history"]["accuracy"] == plain["history"]["accuracy"]
+    np.testing.assert_allclose(two[0]["history"]["loss"], plain["history"]["loss"], rtol=1e-6)
 
 
 def test_an_overridden_train_step_with_batch_normalization_ends_where_mirrored_strategy_ends(procs, tmp_path):
@@ -101,8 +103,7 @@ def test_a_keras_file_written_by_two_workers_over_two_shards_holds_the_optimizer
         (tmp_path / name).mkdir()
     plain = alone(tmp_path / "plain", program=CHECKPOINT_RESUME)
     after_plain = resumed(tmp_path, "r-plain", tmp_path / "plain" / "alone" / "model.keras")
-    shards = ",".join(procs.server("sync", 2)[1] for _ in range(2))  # the state joined from both
-    two = fit(procs, tmp_path / "two", "sync", address=shards, program=CHECKPOINT_RESUME)[0]
+    two = fit(procs, tmp_path / "two", "sync", address=two_shards(procs), program=CHECKPOINT_RESUME)[0]  # joined
     assert two["iterations"] == plain["iterations"] == 23
     after_two = resumed(tmp_path, "r-two", tmp_path / "two" / "out" / "model.keras")
     assert after_two["iterations"] == 46 and len(after_two["optimizer"]) == 10
@@ -116,9 +117,8 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     stepped by its own optimizer (``OptimizerSpec.groups``), the first loaded into the
     step's graph before the second tape runs. Sync, 2 workers: within 1e-6 of one process,
     MirroredStrategy(2)'s weights to the bit; each optimizer counts its own steps; over two
-    server shards, one server's weights to the bit. Run
-    eagerly (``run_eagerly=True``: the optimizers are found by tracing the step once before
-    fit) the same, within 1e-6 of one process. Async and ssp: ``test_each_row_trains_async_and_ssp``."""
+    server shards, one server's weights to the bit. Run eagerly: the next test; async and ssp:
+    ``test_each_row_trains_async_and_ssp``."""
     plain = alone(tmp_path, program=GAN)
     mirrored = alone(tmp_path, program=GAN, how="--mirrored")
     ours = fit(procs, tmp_path, "sync", program=GAN)
@@ -127,11 +127,16 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     assert ours[0]["iterations"] == plain["iterations"] == [32, 32]
     np.testing.assert_allclose(ours[0]["history"]["d_loss"], plain["history"]["d_loss"], rtol=1e-6)
     (tmp_path / "two").mkdir()  # over two shards: a push of one optimizer's variables reaches every shard
-    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
-              program=GAN)
+    two = fit(procs, tmp_path / "two", "sync", address=two_shards(procs), program=GAN)
     assert two[0]["weights"] == ours[0]["weights"] and two[0]["iterations"] == [32, 32]
-    (tmp_path / "eager").mkdir()
-    eager = fit(procs, tmp_path / "eager", "sync", "--eagerly", program=GAN)
+
+
+@pytest.mark.slow  # the GAN's sync run is the default tier's; run eagerly, the same step traced once more
+def test_a_gan_run_eagerly_ends_where_one_process_ends(procs, tmp_path):
+    """``run_eagerly=True``: the optimizers are found by tracing the step once before fit, and
+    each eager step's first ``apply`` is pushed at once: within 1e-6 of one process."""
+    plain = alone(tmp_path, program=GAN)
+    eager = fit(procs, tmp_path, "sync", "--eagerly", program=GAN)
     assert gap(eager[0], plain) < 1e-6 and eager[0]["weights"] == eager[1]["weights"]
     assert eager[0]["iterations"] == [32, 32]
 
@@ -143,8 +148,9 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     weights to the bit (both 4.6e-3 from one process: float16 sums over half batches). An
     example that overflows float16 on worker 1 alone skips that round on both workers, as in one
     process: the same steps made, the same scale and counter; the weights stay within float16's
-    rounding of one process's. Over two server shards every shard skips it: one server's bits.
-    Async and ssp: ``test_each_row_trains_async_and_ssp``."""
+    rounding of one process's. That run is over two server shards: every shard skips the round
+    (one server's bits: ``test_each_row_over_two_shards_is_one_server_s_bits``). Async and ssp:
+    ``test_each_row_trains_async_and_ssp``."""
     (tmp_path / "plain").mkdir(), (tmp_path / "overflow").mkdir()
     mirrored = alone(tmp_path / "plain", program=MIXED, how="--mirrored")
     ours = fit(procs, tmp_path / "plain", "sync", program=MIXED)
@@ -152,57 +158,44 @@ def test_mixed_float16_ends_where_mirrored_strategy_ends_and_an_overflow_skips_t
     assert ours[0]["weights"] == ours[1]["weights"] == mirrored["weights"]
     assert ours[0]["scale"] == mirrored["scale"] and ours[0]["iterations"] == mirrored["iterations"] == 32
     plain = alone(tmp_path / "overflow", "--overflow-batch", "3", program=MIXED)
-    skipped = fit(procs, tmp_path / "overflow", "sync", "--overflow-batch", "3", program=MIXED)
+    skipped = fit(procs, tmp_path / "overflow", "sync", "--overflow-batch", "3", program=MIXED,
+                  address=two_shards(procs))
     assert plain["iterations"] == 30 and plain["scale"] == 32768.0 / 4  # one skip an epoch, each halving
     assert [(r["iterations"], r["scale"], r["step_counter"]) for r in skipped] == \
         [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
     assert skipped[0]["weights"] == skipped[1]["weights"] and gap(skipped[0], plain) < 0.05
-    (tmp_path / "two").mkdir()  # over two shards: every shard skips that round (one server's bits)
-    two = fit(procs, tmp_path / "two", "sync", "--overflow-batch", "3", program=MIXED,
-              address=",".join(procs.server("sync", 2)[1] for _ in range(2)))
-    assert two[0]["weights"] == skipped[0]["weights"]
-    assert [(r["iterations"], r["scale"], r["step_counter"]) for r in two] == \
-        [(plain["iterations"], plain["scale"], plain["step_counter"])] * 2
 
 
 def test_a_text_model_with_two_outputs_and_steps_per_execution_ends_where_one_process_ends(procs, tmp_path):
     """TextVectorization, an Embedding (repeated rows, stepped by Keras' own rule by default),
     a GRU and two outputs, Adam, ``steps_per_execution=4`` over 22 batches an epoch (the last
     partial): sync with two workers ends within 1e-6 of one process (the mean of two halves'
-    gradients against one batch's) with the same batch-end callbacks (6 an epoch) and step count;
-    over two shards, one server's weights to the bit (async and ssp: below). The logged losses, each
-    output's too, are one process's, though the last batch divides 11 and 10: each worker's
-    change to an output's loss tracker weighs as its share of the batch (Keras counts the
-    step once)."""
+    gradients against one batch's) with the same batch-end callbacks (6 an epoch) and step count,
+    run over two server shards (one server's bits: ``test_each_row_over_two_shards_is_one_server_s_bits``;
+    async and ssp: ``test_each_row_trains_async_and_ssp``). The logged losses, each output's too,
+    are one process's, though the last batch divides 11 and 10: each worker's change to an
+    output's loss tracker weighs as its share of the batch (Keras counts the step once)."""
     plain = alone(tmp_path, program=TEXT)
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    ours = fit(procs, tmp_path / "one", "sync", program=TEXT)
+    ours = fit(procs, tmp_path, "sync", address=two_shards(procs), program=TEXT)
     assert ours[0]["weights"] == ours[1]["weights"] and gap(ours[0], plain) < 1e-6
     assert ours[0]["batch_ends"] == plain["batch_ends"] == [6, 6] and ours[0]["iterations"] == plain["iterations"]
     for key in ("loss", "cls_loss", "length_loss"):  # each output's too: the step traced as Keras traces it
         np.testing.assert_allclose(ours[0]["history"][key], plain["history"][key], rtol=1e-5)
-    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
-              program=TEXT)
-    assert two[0]["weights"] == ours[0]["weights"]
 
 
 def test_an_lstm_text_model_under_rmsprop_ends_where_one_process_ends(procs, tmp_path):
     """TextVectorization, an Embedding (repeated rows: RMSprop steps them by Keras' own rule by
     default), an LSTM and a Dense output, RMSprop: sync with two workers ends within 1e-6 of one
     process (the mean of two halves' gradients against one batch's: 1.6e-7 measured on weights
-    of order 0.1-1 after 16 steps), the same on both workers, with one process's accuracy; over
-    two shards, one server's weights to the bit. Async and ssp: ``test_each_row_trains_async_and_ssp``."""
+    of order 0.1-1 after 16 steps), the same on both workers, with one process's accuracy. Over
+    two shards: ``test_each_row_over_two_shards_is_one_server_s_bits``; async and ssp:
+    ``test_each_row_trains_async_and_ssp``."""
     plain = alone(tmp_path, program=LSTM_RMSPROP)
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    ours = fit(procs, tmp_path / "one", "sync", program=LSTM_RMSPROP)
+    ours = fit(procs, tmp_path, "sync", program=LSTM_RMSPROP)
     assert ours[0]["weights"] == ours[1]["weights"] and gap(ours[0], plain) < 1e-6
     assert ours[0]["iterations"] == plain["iterations"] == 16
     assert ours[0]["history"]["accuracy"] == plain["history"]["accuracy"]
     np.testing.assert_allclose(ours[0]["history"]["loss"], plain["history"]["loss"], rtol=1e-6)
-    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
-              program=LSTM_RMSPROP)
-    assert two[0]["weights"] == ours[0]["weights"]
-
 
 
 def test_a_running_maximum_declared_aggregation_none_is_each_worker_s_own_under_sync(procs, tmp_path):
@@ -210,8 +203,8 @@ def test_a_running_maximum_declared_aggregation_none_is_each_worker_s_own_under_
     ``aggregation="none"`` (a maximum does not add up): sync with two workers, each worker logs
     the running maximum of its own half of each global batch, and the chief says so in one line.
     The weights end within 2e-6 of one process (4.8e-7 measured: two ulps of the output bias,
-    2.7), the same on both workers, over two shards one server's to the bit, and so is each
-    worker's own maximum.
+    2.7), the same on both workers. Run over two server shards (one server's bits, each worker's
+    own maximum too: ``test_each_row_over_two_shards_is_one_server_s_bits``).
 
     What holds of the maxima: a worker's part of a batch is a contiguous half, so the larger of
     the workers' maxima is one process's, each at most one process's, wherever the weights are one
@@ -221,8 +214,7 @@ def test_a_running_maximum_declared_aggregation_none_is_each_worker_s_own_under_
     one process's: within float rounding of it (worker 0's 6.0541582, one process's 6.0541592,
     both of batch 28's first half; worker 1's 6.0519524 of batch 23's second half), not its bits."""
     plain = alone(tmp_path, program=RUNNING_MAX)
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    ours = fit(procs, tmp_path / "one", "sync", program=RUNNING_MAX)
+    ours = fit(procs, tmp_path, "sync", address=two_shards(procs), program=RUNNING_MAX)
     assert ours[0]["weights"] == ours[1]["weights"] and gap(ours[0], plain) < 2e-6
     assert ours[0]["iterations"] == plain["iterations"] == 32
     assert ours[0]["history"]["loss"] == ours[1]["history"]["loss"]  # aggregation "sum": the global batch's
@@ -233,11 +225,22 @@ def test_a_running_maximum_declared_aggregation_none_is_each_worker_s_own_under_
     assert max(m[0] for m in mine) == plain["history"]["max_error"][0]
     np.testing.assert_allclose(max(m[1] for m in mine), plain["history"]["max_error"][1], rtol=1e-6)
     assert all(m[epoch] <= plain["history"]["max_error"][epoch] * (1 + 1e-6) for m in mine for epoch in (0, 1))
-    chief_log = next(p for p in sorted((tmp_path / "one").iterdir()) if p.name.startswith("keras-worker0")).read_text()
+    chief_log = next(p for p in sorted(tmp_path.iterdir()) if p.name.startswith("keras-worker0")).read_text()
     assert "max_error/max declare aggregation='none'" in chief_log
-    two = fit(procs, tmp_path / "two", "sync", address=",".join(procs.server("sync", 2)[1] for _ in range(2)),
-              program=RUNNING_MAX)
-    assert two[0]["weights"] == ours[0]["weights"] and [r["history"] for r in two] == [r["history"] for r in ours]
+
+
+@pytest.mark.slow  # each row runs over one server or over two shards in the default tier
+@pytest.mark.parametrize("program, flags", [(CUSTOM_STEP, ("--no-norm",)), (MIXED, ("--overflow-batch", "3")),
+                                            (TEXT, ()), (LSTM_RMSPROP, ()), (RUNNING_MAX, ())],
+                         ids=["custom-step", "mixed-overflow", "text", "lstm", "running-max"])
+def test_each_row_over_two_shards_is_one_server_s_bits(procs, tmp_path, program, flags):
+    """Sync with two workers over two server shards: one server's weights and logged history
+    (each worker's own metric state too), to the bit."""
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = fit(procs, tmp_path / "one", "sync", *flags, program=program)
+    two = fit(procs, tmp_path / "two", "sync", *flags, address=two_shards(procs), program=program)
+    assert two[0]["weights"] == one[0]["weights"] == one[1]["weights"]
+    assert [r["history"] for r in two] == [r["history"] for r in one]
 
 
 @pytest.mark.slow  # each row's sync run is the default tier's; a push applied on arrival is the same worker path
