@@ -374,7 +374,8 @@ def test_paused_worker_is_declared_dead_then_rejoins_when_resumed(procs):
 
 # -- backup workers ----------------------------------------------------------------------
 @pytest.mark.recovery
-@pytest.mark.parametrize("shards", [1, 2])
+# over two shards: slow here; tests/cluster/test_shards.py runs backup workers over two shards by default
+@pytest.mark.parametrize("shards", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_backup_workers_complete_rounds_without_the_slow_one_and_drop_its_late_gradients(procs, shards):
     """With 3 workers and --replicas-to-aggregate 2, rounds go on while one worker is
     paused (shorter than the lease), and its push for a completed round "is answered

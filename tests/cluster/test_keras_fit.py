@@ -86,7 +86,9 @@ def launch(tmp_path, mode: str, example: str) -> subprocess.CompletedProcess:
         env={**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")})
 
 
-@pytest.mark.parametrize("mode, example", [("sync", "keras_mwms.py"), ("async", "keras_pss.py")])
+# keras_pss.py runs by default in tests/cluster/test_launch_elastic_keras.py (async tasks, a worker added)
+@pytest.mark.parametrize("mode, example", [("sync", "keras_mwms.py"),
+                                           pytest.param("async", "keras_pss.py", marks=pytest.mark.slow)])
 def test_the_two_tensorflow_examples_reach_90_percent_on_digits_through_ps_launch(mode, example, tmp_path):
     run = launch(tmp_path, mode, example)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -209,6 +211,8 @@ def test_sync_fit_logs_the_global_batch_metrics_the_same_on_every_worker_and_the
     assert a["seen_epochs"] == [0, 1, 2] and a["seen_batches"] == 3 * STEPS
 
 
+@pytest.mark.slow  # the same claim runs by default in test_keras_every_feature.py (one and two shards, the same
+# weights and history) and over two shards in test_keras_programs.py
 def test_sync_fit_over_two_server_shards_gives_one_server_s_numbers_bit_for_bit(procs, tmp_path):
     """Each shard steps its own variables with the same optimizer (SGD with momentum here):
     the loss, the metrics, the final parameters are one server's, to the bit."""
