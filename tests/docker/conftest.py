@@ -2,7 +2,10 @@
 
 Tests marked ``docker`` build the images once per session (the base image with
 docker/build-base.sh, as on a machine without a registry, unless
-TFPS_DOCKER_BASE_IMAGE names one to use, e.g. python:3.11-slim), then run
+TFPS_DOCKER_BASE_IMAGE names one to use, e.g. python:3.11-slim): the build starts
+on a thread as soon as the run's tests are collected, when they hold one of this
+tier and the engine answers, so that its minutes of pip and the engine pass while
+the other tiers run (a build still under way when the run ends is stopped). Then they run
 docker/compose.yaml under a project name of their own (``tfpstest<pid>x<n>``),
 so they never touch a user's `tfps` project. Every project is taken down with
 ``down -v`` when its test ends, pass or fail, and leftovers of an earlier run
@@ -19,7 +22,9 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
+from concurrent import futures
 
 import pytest
 
@@ -60,7 +65,7 @@ def run(argv: list[str], timeout: float = 120, check: bool = True, env: dict | N
 
 def _remove_leftovers() -> None:
     """Containers, networks and volumes of test projects an interrupted run left behind."""
-    ids = run(["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project"], check=False).stdout.split()
+    ids = run(["docker", "ps", "-a", "-q", "--filter", "label=com.docker.compose.project"], check=False).stdout.split()
     for cid in ids:
         project = run(["docker", "inspect", "-f", '{{index .Config.Labels "com.docker.compose.project"}}', cid],
                       check=False).stdout.strip()
@@ -91,25 +96,85 @@ class Images:
         self.server, self.worker = SERVER_IMAGE, WORKER_IMAGE
 
 
-@pytest.fixture(scope="session")
-def images(docker_engine) -> Images:
+def _build_images() -> Images:
     """The base image (docker/build-base.sh, or TFPS_DOCKER_BASE_IMAGE) and both images
-    built from docker/Dockerfile, as docs/docker.md says; the times go to the test report."""
+    built from docker/Dockerfile, as docs/docker.md says, with the seconds each took."""
     seconds = {}
     t0 = time.monotonic()
     base = os.environ.get("TFPS_DOCKER_BASE_IMAGE")
     if not base:
-        out = run(["bash", os.path.join(DOCKER_DIR, "build-base.sh")], timeout=BUILD_TIMEOUT).stdout
-        base = out.strip().splitlines()[-1]
+        base = _build_step(["bash", os.path.join(DOCKER_DIR, "build-base.sh")]).strip().splitlines()[-1]
     seconds["base"] = time.monotonic() - t0
     for target, tag in (("server", SERVER_IMAGE), ("worker", WORKER_IMAGE)):
         t0 = time.monotonic()
-        run(["docker", "build", "-q", "-f", "docker/Dockerfile", "--target", target,
-             "--build-arg", f"BASE_IMAGE={base}", "-t", tag, "."], timeout=BUILD_TIMEOUT)
+        _build_step(["docker", "build", "-q", "-f", "docker/Dockerfile", "--target", target,
+                     "--build-arg", f"BASE_IMAGE={base}", "-t", tag, "."])
         seconds[target] = time.monotonic() - t0
-    print(f"\ncontainer images built: base {base} {seconds['base']:.0f} s, server {seconds['server']:.0f} s, "
-          f"worker {seconds['worker']:.0f} s")
     return Images(base, seconds)
+
+
+class _Build:
+    """The one build of a run (``_build_images`` on a thread), and the command it runs now,
+    which ``stop`` ends."""
+
+    future: futures.Future | None = None
+    running: subprocess.Popen | None = None
+    stopped = False
+    lock = threading.Lock()
+
+
+def _build_step(argv: list[str]) -> str:
+    """``argv``'s standard output; AssertionError if it fails, outlasts BUILD_TIMEOUT or the run ends."""
+    with _Build.lock:
+        if _Build.stopped:
+            raise AssertionError("the test run ended before the images were built")
+        proc = _Build.running = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                 cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(argv)} did not finish within {BUILD_TIMEOUT} s:\n{err[-3000:]}") from None
+    finally:
+        _Build.running = None
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
+    return out
+
+
+def _start_build() -> futures.Future:
+    if _Build.future is None:
+        pool = futures.ThreadPoolExecutor(1, thread_name_prefix="tfps-image-build")
+        _Build.future = pool.submit(_build_images)
+        pool.shutdown(wait=False)
+    return _Build.future
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the build now when a test of this tier will run and the engine answers (else the
+    ``docker_engine`` fixture says why, skipping or failing)."""
+    if any(item.get_closest_marker("docker") for item in session.items) and shutil.which("docker") \
+            and shutil.which("docker-compose") and run(["docker", "info"], check=False, timeout=60).returncode == 0:
+        _start_build()
+
+
+def pytest_sessionfinish(session) -> None:
+    """A build still under way (every docker test deselected by a failure, ``-x``) stops here."""
+    with _Build.lock:
+        _Build.stopped, proc = True, _Build.running
+    if proc is not None:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def images(docker_engine) -> Images:
+    """The images of this run (``_build_images``), its build started at collection's end or now;
+    the times go to the test report."""
+    built = _start_build().result()
+    print(f"\ncontainer images built: base {built.base} {built.seconds['base']:.0f} s, server "
+          f"{built.seconds['server']:.0f} s, worker {built.seconds['worker']:.0f} s")
+    return built
 
 
 class Compose:
