@@ -66,10 +66,17 @@ def test_ps_advise_recommends_async_for_a_3x_straggler_and_sync_for_a_balanced_c
     # straggler's 3x stays far above the 1.25x rule either way.
     one_core_each = ["--workers", "2", "--dataset", "digits", "--global-batch-size", "512",
                      "--intra-op-threads", "1"]
+    # A load beside the run (the image build of the docker tier, another job on the machine) can
+    # hold one worker's core for a whole probe: the balanced launch is probed up to three times
+    # and must be found balanced in one; a rule that calls it a straggler every time still fails.
     straggler = advise("--probe-steps", "20", "--launch", *one_core_each, "--worker-args", "1", "--slowdown 3")
     assert "[rule: straggler]" in straggler and "recommendation: --mode async" in straggler, straggler
-    balanced = advise("--probe-steps", "30", "--launch", *one_core_each)
-    assert "[rule: balanced]" in balanced and "recommendation: --mode sync" in balanced, balanced
+    probes = []
+    for _ in range(3):
+        probes.append(advise("--probe-steps", "30", "--launch", *one_core_each))
+        if "[rule: balanced]" in probes[-1]:
+            break
+    assert "[rule: balanced]" in probes[-1] and "recommendation: --mode sync" in probes[-1], "\n".join(probes)
 
 
 def test_ps_advise_reads_a_running_sync_cluster_and_finds_its_straggler(procs, tmp_path):
