@@ -5,7 +5,8 @@ docker/build-base.sh, as on a machine without a registry, unless
 TFPS_DOCKER_BASE_IMAGE names one to use, e.g. python:3.11-slim): the build starts
 on a thread as soon as the run's tests are collected, when they hold one of this
 tier and the engine answers, so that its minutes of pip and the engine pass while
-the other tiers run (a build still under way when the run ends is stopped). Then they run
+the other tiers run, throttled to half a core beside them (a build still under way
+when the run ends is stopped). Then they run
 docker/compose.yaml under a project name of their own (``tfpstest<pid>x<n>``),
 so they never touch a user's `tfps` project. Every project is taken down with
 ``down -v`` when its test ends, pass or fail, and leftovers of an earlier run
@@ -18,9 +19,11 @@ not answer is a failure, not a skip.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -96,18 +99,27 @@ class Images:
         self.server, self.worker = SERVER_IMAGE, WORKER_IMAGE
 
 
-def _build_images() -> Images:
+# A build beside other tests takes at most half a core (a CFS quota on each of the classic
+# builder's RUN steps; debootstrap at the lowest priority), so that it leaves the tests it runs
+# beside most of the machine; it has the minutes until the docker tier starts.
+BACKGROUND_CPU_QUOTA_US = 50_000  # of every 100,000 us
+
+
+def _build_images(beside: bool) -> Images:
     """The base image (docker/build-base.sh, or TFPS_DOCKER_BASE_IMAGE) and both images
-    built from docker/Dockerfile, as docs/docker.md says, with the seconds each took."""
+    built from docker/Dockerfile, as docs/docker.md says, with the seconds each took;
+    ``beside`` other tests: throttled."""
     seconds = {}
     t0 = time.monotonic()
     base = os.environ.get("TFPS_DOCKER_BASE_IMAGE")
     if not base:
-        base = _build_step(["bash", os.path.join(DOCKER_DIR, "build-base.sh")]).strip().splitlines()[-1]
+        nice = ["nice", "-n", "19"] if beside else []
+        base = _build_step([*nice, "bash", os.path.join(DOCKER_DIR, "build-base.sh")]).strip().splitlines()[-1]
     seconds["base"] = time.monotonic() - t0
+    quota = ["--cpu-period", "100000", "--cpu-quota", str(BACKGROUND_CPU_QUOTA_US)] if beside else []
     for target, tag in (("server", SERVER_IMAGE), ("worker", WORKER_IMAGE)):
         t0 = time.monotonic()
-        _build_step(["docker", "build", "-q", "-f", "docker/Dockerfile", "--target", target,
+        _build_step(["docker", "build", "-q", *quota, "-f", "docker/Dockerfile", "--target", target,
                      "--build-arg", f"BASE_IMAGE={base}", "-t", tag, "."])
         seconds[target] = time.monotonic() - t0
     return Images(base, seconds)
@@ -129,11 +141,11 @@ def _build_step(argv: list[str]) -> str:
         if _Build.stopped:
             raise AssertionError("the test run ended before the images were built")
         proc = _Build.running = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                 cwd=ROOT)
+                                                 cwd=ROOT, start_new_session=True)  # killed with its children
     try:
         out, err = proc.communicate(timeout=BUILD_TIMEOUT)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(argv)} did not finish within {BUILD_TIMEOUT} s:\n{err[-3000:]}") from None
     finally:
@@ -143,20 +155,22 @@ def _build_step(argv: list[str]) -> str:
     return out
 
 
-def _start_build() -> futures.Future:
+def _start_build(beside: bool = False) -> futures.Future:
     if _Build.future is None:
         pool = futures.ThreadPoolExecutor(1, thread_name_prefix="tfps-image-build")
-        _Build.future = pool.submit(_build_images)
+        _Build.future = pool.submit(_build_images, beside)
         pool.shutdown(wait=False)
     return _Build.future
 
 
 def pytest_collection_finish(session) -> None:
     """Start the build now when a test of this tier will run and the engine answers (else the
-    ``docker_engine`` fixture says why, skipping or failing)."""
-    if any(item.get_closest_marker("docker") for item in session.items) and shutil.which("docker") \
-            and shutil.which("docker-compose") and run(["docker", "info"], check=False, timeout=60).returncode == 0:
-        _start_build()
+    ``docker_engine`` fixture says why, skipping or failing), throttled when other tests will
+    run beside it."""
+    docker = [bool(item.get_closest_marker("docker")) for item in session.items]
+    if any(docker) and shutil.which("docker") and shutil.which("docker-compose") \
+            and run(["docker", "info"], check=False, timeout=60).returncode == 0:
+        _start_build(beside=not all(docker))
 
 
 def pytest_sessionfinish(session) -> None:
@@ -164,7 +178,8 @@ def pytest_sessionfinish(session) -> None:
     with _Build.lock:
         _Build.stopped, proc = True, _Build.running
     if proc is not None:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
