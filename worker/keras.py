@@ -318,9 +318,9 @@ class _Attached:
             if left:
                 log.debug("worker %d leaves %s to the chief", strategy.worker_index, ", ".join(left))
             verbose = 0
-        strategy._fits += 1
+        fits = strategy._fits + 1  # a fit refused here does not count
         if strategy.config.elastic:  # the fit's data as the server deals them (``_dealt``)
-            if strategy._fits > 1:
+            if fits > 1:
                 raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
                                  "fit's data plan); give all the epochs to one fit")
             if self.window.steps > 1:
@@ -329,7 +329,8 @@ class _Attached:
                                  "size instead")
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode)
-        callbacks.append(_agreement(strategy, strategy._fits, self))
+        strategy._fits = fits
+        callbacks.append(_agreement(strategy, fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
         self.wrap.prepare(_build(self.model, args, kwargs))
         if self.dealt is None:
@@ -1112,15 +1113,14 @@ def _dealt(given: dict, config, server_mode) -> tuple:
     or a finite ``tf.data.Dataset`` read once), and the arguments Keras' loop gets: the same
     examples in unshuffled batches of the global batch size (async and ssp: of a task's size,
     ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
-    epoch's steps (each step trains on what the server deals, not on Keras' batch). The
-    arguments are checked before ``server_mode()`` asks the server."""
+    epoch's steps (each step trains on what the server deals, not on Keras' batch). Sync with
+    ``steps_per_epoch``: each epoch is that many rounds, going on across passes of the data
+    as one process's iterator goes on, and Keras' loop counts as many batches. The arguments
+    are checked before ``server_mode()`` asks the server."""
     import tensorflow as tf
 
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
-    if given.get("steps_per_epoch"):
-        raise ValueError("elastic=True: steps_per_epoch is not supported when the server deals the examples (an "
-                         "epoch is every example once)")
     x, y, sample_weight, batch_size = (given.get(k) for k in ("x", "y", "sample_weight", "batch_size"))
     split = given.get("validation_split") if given.get("validation_data") is None else 0.0
     try:  # what worker.task refuses (TaskError), refused as elastic=True's
@@ -1142,14 +1142,19 @@ def _dealt(given: dict, config, server_mode) -> tuple:
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
             given = {**given, "class_weight": None}
         data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32), seed=config.seed,
-                           epochs=int(given.get("epochs", 1)))
+                           epochs=int(given.get("epochs", 1)), steps_per_epoch=given.get("steps_per_epoch"))
     except TaskError as e:
         raise ValueError(f"elastic=True: {e}") from None
     if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples
+        if given.get("steps_per_epoch"):
+            raise ValueError("elastic=True: steps_per_epoch is served in sync mode only; async and ssp hand out "
+                             "each epoch's examples as tasks, every example once an epoch")
         data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
                            seed=config.seed, epochs=data.epochs, tasks=True)
+    if given.get("steps_per_epoch"):  # Keras counts exactly that many batches an epoch (their examples unused)
+        x, y, sample_weight = data.examples(np.arange(data.steps_per_epoch * data.global_batch_size) % data.num_examples)
     return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,
-                  "shuffle": False}
+                  "shuffle": False, "steps_per_epoch": None}
 
 
 def _flat(structure) -> list:

@@ -352,10 +352,12 @@ class DealtArrays:
     with ``elastic``): global batch ``step`` is ``ps_common.batches.global_batch`` of the plan
     (with ``tasks``, async and ssp: task ``step``'s batch), and ``examples`` reads the rows at
     given indices of every array (``x``, ``y`` and ``sample_weight``: an array, a tuple, list or
-    dict of them; ``y`` and ``sample_weight`` may be None). ``total_steps``: ``epochs`` of batches."""
+    dict of them; ``y`` and ``sample_weight`` may be None). ``total_steps``: ``epochs`` of
+    ``steps_per_epoch`` batches (by default a pass of the data; given, the rounds go on across
+    passes as the plan's global batches do)."""
 
     def __init__(self, x, y, sample_weight, *, global_batch_size: int, seed: int, epochs: int,
-                 tasks: bool = False):
+                 tasks: bool = False, steps_per_epoch: int | None = None):
         self.x, self.y, self.sample_weight = x, y, sample_weight
         sizes = {len(a) for a in _leaves((x, y, sample_weight))}
         if len(sizes) != 1:
@@ -366,7 +368,9 @@ class DealtArrays:
         if self.num_examples < 1:
             raise TaskError("the training arrays are empty")
         self.global_batch_size, self.seed, self.epochs, self.tasks = global_batch_size, seed, epochs, tasks
-        self.steps_per_epoch = ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
+        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+            raise TaskError(f"steps_per_epoch must be an integer >= 1, got {steps_per_epoch!r}")
+        self.steps_per_epoch = steps_per_epoch or ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
         self.total_steps = epochs * self.steps_per_epoch
 
     def plan(self) -> dict:

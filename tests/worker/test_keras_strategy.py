@@ -232,7 +232,6 @@ def _elastic(**flags) -> Strategy:
 
 @pytest.mark.parametrize("fit, named", [
     (dict(class_weight={0: 1.0, 1: 2.0, 2: 1.0}, sample_weight=np.ones(8)), "class_weight goes with neither"),
-    (dict(steps_per_epoch=3), "steps_per_epoch is not supported"),
     (dict(x=iter([]), y=None), "deals the examples of NumPy arrays or of a finite tf.data.Dataset; got x of type"),
     (dict(y=[0, 1]), "x, y and sample_weight must have the same number of examples"),
 ])
@@ -266,16 +265,19 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("step, scale", [("keras", None), ("guide", None), ("keras", 64.0)])
+@pytest.mark.parametrize("step, scale, steps", [("keras", None, None), ("guide", None, None), ("keras", 64.0, None),
+                                                 ("keras", None, 4)])
 def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
-        server_config, step, scale):
+        server_config, step, scale, steps):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
     examples (here computed by hand with a tape), and the server's ledger holds every example
     once per epoch. Keras' own step and the guide's overridden one alike: each micro-batch
     runs the model's step, wrapped; with a static loss scale (``loss_scale_factor=64``) the
-    step scales the loss and the wrapped ``apply`` unscales the gradients, as Keras' does."""
+    step scales the loss and the wrapped ``apply`` unscales the gradients, as Keras' does.
+    With ``steps_per_epoch=4`` (a pass is 3 rounds) each epoch is 4 rounds, going on into
+    the next pass of the data: 8 rounds, the third pass two batches in."""
     import numpy as np
     import tensorflow as tf
 
@@ -290,13 +292,14 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
         model.compile(optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
-    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=steps)
     status = strategy.connection.client.status()
-    assert (strategy.connection.version, list(status.epoch_examples)) == (6, [70, 70])  # 3 rounds an epoch
+    rounds, passes = (6, [70, 70]) if steps is None else (8, [70, 70, 64])  # a pass is 3 rounds
+    assert (strategy.connection.version, list(status.epoch_examples)) == (rounds, passes)
     assert set(history.history) == {"loss", "accuracy"} and len(history.history["loss"]) == 2
 
     reference = keras.models.clone_model(model)
-    for r in range(6):
+    for r in range(rounds):
         reference.set_weights(weights)
         parts = batches.micro_batches(batches.global_batch(70, 32, 0, r), 3)
         total = [np.zeros(w.shape, np.float64) for w in weights]
@@ -424,7 +427,9 @@ def test_an_elastic_fit_s_class_weight_and_validation_split_are_keras_sample_wei
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_config, mode):
     """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
-    batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all."""
+    batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all.
+    ``steps_per_epoch`` is refused in one line first (each epoch's tasks are every example once),
+    and that refused fit does not count as the job's one fit."""
     import numpy as np
 
     running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
@@ -434,6 +439,8 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     with strategy.scope():
         model = small_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="steps_per_epoch is served in sync mode only"):
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=2)
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
