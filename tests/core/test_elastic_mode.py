@@ -5,6 +5,8 @@ random moments (seeded) and compares the final parameters with the undisturbed r
 for bit, and the ledger's count of every epoch with the dataset's size.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -290,3 +292,21 @@ def test_a_non_finite_micro_batch_is_refused_unless_allow_nonfinite_as_in_fixed_
         with pytest.raises(InvalidArgument, match="NaN or Inf"):
             mode.submit(push).result()
         assert store.version == 0 and not np.isnan(store.read()[1]["w"]).any()
+
+
+def test_a_rate_the_pushes_set_is_the_round_s_and_two_rates_in_one_round_are_refused():
+    """Every worker sends the epoch's agreed learning rate with each push: it is set at the
+    round's completion, before its update (Adam's first step moves each weight by about the
+    rate); a push naming another rate in the same round is refused and changes nothing."""
+    mode, store = make()
+    w0, w1 = mode.work(0).result(), mode.work(1).result()
+    pushes = [(w, work, i) for w, work in ((0, w0), (1, w1)) for i in range(2)]
+    mode.submit(dataclasses.replace(push_of(mode, store, *pushes[0]), set_learning_rate=0.5))
+    other = dataclasses.replace(push_of(mode, store, *pushes[1]), set_learning_rate=0.25)
+    with pytest.raises(InvalidArgument, match="sets the learning rate 0.25 for round 0, another push of it 0.5"):
+        mode.submit(other).result()
+    for w, work, i in pushes[1:]:
+        mode.submit(push_of(mode, store, w, work, i))  # no rate: unchanged, the round's is 0.5
+    assert store.version == 1 and store.current_learning_rate() == 0.5
+    _, params = store.read()
+    assert np.allclose(np.abs(params["b"]), 0.5, rtol=1e-3)  # Adam's first step: lr * sign(g)

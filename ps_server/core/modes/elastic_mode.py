@@ -34,8 +34,12 @@ why the round's result then has the same bits whoever computed what.
 - A round that does not complete within ``barrier_timeout`` of its start is
   discarded (parameters unchanged, nothing counted in the ledger) and started
   again from its first micro-batch; its waiters fail with ``BarrierTimeout``.
+- A learning rate set by a push (``Push.set_learning_rate``, the rate ``tfps.keras``'
+  chief agreed for the epoch, which every worker sends with every push) is set at the
+  round's completion, just before its update, as in ``SyncMode``; the pushes of one round
+  must not name two rates. A discarded round leaves the rate as it was.
 - Not here (refused with InvalidArgument): backup workers, metrics summed over
-  the round, a learning rate set by a push, and PushPull's speculation.
+  the round, and PushPull's speculation.
 
 **Over several shards** (``follow``): shard 0 deals, as above; every
 other shard is a follower. A worker pushes each micro-batch to the followers first,
@@ -116,11 +120,8 @@ class ElasticSyncMode(Mode):
         self._live: set[int] = set()
         self._round = store.version  # one round is one version
         self._first_round = self._round  # the job's first round (0): it alone waits for min_workers
-        self._work: RoundWork | None = None
         self._started = 0.0
-        self._sum = RoundSum(lambda: self.store.sparse_rule)
-        self._contributors: set[int] = set()
-        self._losses: list[tuple[float, int]] = []
+        self._reset_round()  # the round's work, sum, contributors, losses and rate
         self._pushes: dict[int, list[Ticket]] = {}   # worker -> its pushes waiting for the round
         self._asking: dict[int, list[tuple[Ticket, float]]] = {}  # worker -> its waiting ``work`` calls, since
         self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
@@ -288,9 +289,8 @@ class ElasticSyncMode(Mode):
     # -- under the lock -------------------------------------------------------------
     def _take(self, push: Push, ticket: Ticket) -> None:
         push.validate()
-        if push.metrics or push.set_learning_rate:
-            raise InvalidArgument("elastic sync does not sum metrics over a round or take a learning rate from "
-                                  "a push; nothing applied")
+        if push.metrics:
+            raise InvalidArgument("elastic sync does not sum metrics over a round; nothing applied")
         m, r, w = push.micro_batch, push.step, push.worker_id
         if r < self._round:
             if r in self._results and m in self._folded.get(r, ()):
@@ -317,7 +317,12 @@ class ElasticSyncMode(Mode):
             raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
                                   f"{push.batch_size}")
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)  # before anything is taken
+        rate = push.set_learning_rate
+        if rate and self._rate not in (0.0, rate):
+            raise InvalidArgument(f"worker {w} sets the learning rate {rate!r} for round {r}, another push of it "
+                                  f"{self._rate!r}; nothing applied")
         if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
+            self._rate = rate or self._rate
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
             self._losses.append((push.loss, size))
@@ -346,10 +351,14 @@ class ElasticSyncMode(Mode):
         work, completed = self._work, self._round
         started = time.perf_counter()
         followers = self.commit(completed, ()) if self.commit is not None else (lambda: None)
-        failed = None
+        failed, rate = None, self.store.current_learning_rate()
         try:
+            if self._rate:
+                self.store.set_learning_rate(self._rate)
             version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
         except PSError as e:  # nothing applied here (apply_all is all or nothing): the round starts over
+            if self._rate:
+                self.store.set_learning_rate(rate)
             with contextlib.suppress(PSError):
                 followers()  # their applies fail too (global_clipnorm: no norm), or nothing can undo them
             for tickets in self._pushes.values():
@@ -386,10 +395,11 @@ class ElasticSyncMode(Mode):
         return failed
 
     def _reset_round(self) -> None:
-        self._work = None
+        self._work: RoundWork | None = None
         self._sum = RoundSum(lambda: self.store.sparse_rule)
-        self._contributors = set()
-        self._losses = []
+        self._contributors: set[int] = set()
+        self._losses: list[tuple[float, int]] = []
+        self._rate = 0.0  # the learning rate the round's pushes set (0: unchanged)
 
     def _start_if_ready(self) -> None:
         # min_workers gates the job's first round only: later ones go on with whoever is live.
