@@ -282,7 +282,8 @@ class _Attached:
         self.strategy, self.model = strategy, model
         self.metrics_before: dict = {}  # every metric's state before this step
         self.sent_learning_rate: float | None = None
-        self.compiled_learning_rate: float | None = None  # elastic: what the server runs, unchangeable
+        self.compiled_learning_rate: float | None = None  # several optimizers: what the server runs, unchangeable
+        self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
         self.next_round = 0  # elastic: the round the next Keras step is
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
@@ -362,7 +363,7 @@ class _Attached:
         if self.dealt is not None:  # elastic: each dealt micro-batch through the wrapped step (``compute``)
             engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
             engine.watch(self.stop)
-        self.compiled_learning_rate = _rate(self.optimizer)
+        self.compiled_learning_rate = self.epoch_rate = _rate(self.optimizer)
         model.train_function = self.train_function
         return model.train_function
 
@@ -454,18 +455,25 @@ class _Attached:
         return changes
 
     def _new_learning_rate(self) -> float:
-        """The chief's learning rate when its callbacks changed it since it was last sent; else 0."""
+        """The chief's learning rate when its callbacks changed it since it was last sent; else 0.
+        Elastic: the epoch's rate (``epoch_rate``), sent by every worker with every push, so that
+        a round's rate is the same whoever computes its micro-batches (or tasks)."""
+        if self.dealt is not None:
+            lr = _rate(self.optimizer)
+            if lr != self.epoch_rate:
+                raise ValueError(f"elastic=True: a callback changed the learning rate within an epoch ({self.epoch_rate} "
+                                 f"to {lr}); where the server deals the data the chief's rate is "
+                                 "agreed at each epoch's start (LearningRateScheduler, ReduceLROnPlateau change it "
+                                 "there), or compile a keras.optimizers.schedules.LearningRateSchedule")
+            return lr or 0.0
         lr = _rate(self.optimizer) if self.strategy.is_chief else None
         if lr is None:
             return 0.0
-        # Elastic sync takes no learning rate from a push (nor is one sent on tasks); nor does a
-        # server of several optimizers (OptimizerSpec.groups).
-        if self.dealt is not None or self.wrap.grouped:
+        if self.wrap.grouped:  # a server of several optimizers (OptimizerSpec.groups)
             if lr != self.compiled_learning_rate:
-                why = "it deals the data" if self.dealt is not None else "the step applies several optimizers"
-                raise ValueError(f"the server runs the compiled learning rate; a callback's change "
-                                 f"(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when {why}: "
-                                 "compile a keras.optimizers.schedules.LearningRateSchedule instead")
+                raise ValueError("the server runs the compiled learning rate; a callback's change "
+                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when the step applies "
+                                 "several optimizers: compile a keras.optimizers.schedules.LearningRateSchedule instead")
             return 0.0
         # The first push of this worker always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
@@ -1088,8 +1096,11 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
         def on_epoch_begin(self, epoch, logs=None):
             attached.read.new_epoch()
             attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
-            if attached.dealt is not None:
+            if attached.dealt is not None:  # elastic: the epoch's rounds, at the chief's rate for it
                 attached.next_round = epoch * attached.dealt.steps_per_epoch
+                got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizer)})
+                if got["lr"] is not None:
+                    attached.optimizer.learning_rate = attached.epoch_rate = got["lr"]
 
         def on_epoch_end(self, epoch, logs=None):
             model, optimizer = self.model, attached.optimizer

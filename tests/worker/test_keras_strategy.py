@@ -265,10 +265,11 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("step, scale, steps", [("keras", None, None), ("guide", None, None), ("keras", 64.0, None),
-                                                 ("keras", None, 4)])
+@pytest.mark.parametrize("step, scale, steps, scheduled", [
+    ("keras", None, None, False), ("guide", None, None, False), ("keras", 64.0, None, False), ("keras", None, 4, False),
+    ("keras", None, None, True)])
 def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
-        server_config, step, scale, steps):
+        server_config, step, scale, steps, scheduled):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
@@ -277,7 +278,9 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     runs the model's step, wrapped; with a static loss scale (``loss_scale_factor=64``) the
     step scales the loss and the wrapped ``apply`` unscales the gradients, as Keras' does.
     With ``steps_per_epoch=4`` (a pass is 3 rounds) each epoch is 4 rounds, going on into
-    the next pass of the data: 8 rounds, the third pass two batches in."""
+    the next pass of the data: 8 rounds, the third pass two batches in. A LearningRateScheduler
+    (0.5, then 0.25) gives each epoch's rounds its rate: the chief agrees it at the epoch's
+    start and every push of its rounds carries it."""
     import numpy as np
     import tensorflow as tf
 
@@ -292,11 +295,12 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
         model.compile(optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
-    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=steps)
+    callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.5 / (epoch + 1))] if scheduled else []
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=steps, callbacks=callbacks)
     status = strategy.connection.client.status()
     rounds, passes = (6, [70, 70]) if steps is None else (8, [70, 70, 64])  # a pass is 3 rounds
     assert (strategy.connection.version, list(status.epoch_examples)) == (rounds, passes)
-    assert set(history.history) == {"loss", "accuracy"} and len(history.history["loss"]) == 2
+    assert set(history.history) - {"learning_rate"} == {"loss", "accuracy"} and len(history.history["loss"]) == 2
 
     reference = keras.models.clone_model(model)
     for r in range(rounds):
@@ -310,7 +314,8 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
             for t, g in zip(total, tape.gradient(loss, reference.trainable_variables)):
                 t += len(part) * g.numpy().astype(np.float64)
         size = sum(len(p) for p in parts)
-        weights = [w - np.float32(0.5) * (t / size).astype(np.float32) for w, t in zip(weights, total)]
+        lr = np.float32(0.5 / (r // 3 + 1) if scheduled else 0.5)
+        weights = [w - lr * (t / size).astype(np.float32) for w, t in zip(weights, total)]
     for got, want in zip(model.trainable_variables, weights):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
     strategy.close()
@@ -429,7 +434,8 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
     batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all.
     ``steps_per_epoch`` is refused in one line first (each epoch's tasks are every example once),
-    and that refused fit does not count as the job's one fit."""
+    and that refused fit does not count as the job's one fit. A LearningRateScheduler's rate
+    rides each task's push: the server ends at the last epoch's."""
     import numpy as np
 
     running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
@@ -441,16 +447,19 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match="steps_per_epoch is served in sync mode only"):
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=2)
-    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))
+    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[halve])
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
+    assert status.learning_rate_now == pytest.approx(0.05)
     assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
     strategy.close()
 
 
-def test_a_learning_rate_a_callback_changes_stops_an_elastic_fit_in_one_line(server_config):
-    """Elastic sync takes no learning rate from a push: the chief's LearningRateScheduler would
-    be lost, so it stops the fit, naming what to do instead."""
+def test_a_learning_rate_a_callback_changes_within_an_elastic_epoch_stops_the_fit_in_one_line(server_config):
+    """Elastic: the rate of a round must be the same whoever computes it, so it is the chief's
+    at the epoch's start; a callback that changes it at a batch's end stops the fit, naming
+    where it may change and what else runs."""
     import numpy as np
 
     running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
@@ -458,10 +467,14 @@ def test_a_learning_rate_a_callback_changes_stops_an_elastic_fit_in_one_line(ser
     with strategy.scope():
         model = small_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
-    with pytest.raises(ValueError, match="compile a keras.optimizers.schedules.LearningRateSchedule instead"):
+
+    class EveryBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.optimizer.learning_rate = 0.05
+
+    with pytest.raises(ValueError, match="changed the learning rate within an epoch .* agreed at each epoch's start"):
         model.fit(np.zeros((8, 4), np.float32), np.zeros(8, np.int64), batch_size=4, epochs=1, verbose=0,
-                  callbacks=[halve])
+                  callbacks=[EveryBatch()])
     strategy.close()
 
 
