@@ -285,7 +285,7 @@ class _Attached:
         self.compiled_learning_rate: float | None = None  # several optimizers: what the server runs, unchangeable
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
-        self.next_round = 0  # elastic: the round the next Keras step is
+        self.next_round = self.base = 0  # elastic: the round the next Keras step is, and the fit's first
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.read = BatchDigests()  # the global batches this worker read
@@ -321,15 +321,19 @@ class _Attached:
             verbose = 0
         fits = strategy._fits + 1  # a fit refused here does not count
         if strategy.config.elastic:  # the fit's data as the server deals them (``_dealt``)
-            if fits > 1:
-                raise ValueError("elastic=True: one model.fit per job (the server's rounds go on from the first "
-                                 "fit's data plan); give all the epochs to one fit")
+            if fits > 1 and strategy.connection is not None and not strategy.connection.sync:
+                raise ValueError("elastic=True in async and ssp mode: one model.fit per job (the server's tasks are "
+                                 "the first fit's epochs); give all the epochs to one fit")
             if self.window.steps > 1:
                 raise ValueError("elastic=True: gradient_accumulation_steps is not supported when the server deals "
                                  "the examples (each round is one update of one global batch); raise the batch "
                                  "size instead")
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode)
+            if fits > 1 and strategy.connection is not None and self.dealt.plan() != strategy.connection.data_plan:
+                raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
+                                 f"first fit's ({strategy.connection.data_plan}); this fit's is {self.dealt.plan()}: "
+                                 "give it as many examples in batches of the same size")
         strategy._fits = fits
         callbacks.append(_agreement(strategy, fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
@@ -1070,12 +1074,13 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             # Keys name the fit and, in sync mode, the server's round it starts at (the same on every
             # worker, as no round completes before all have pushed): a job restarted on a running
             # server does not read the decisions of the one before. Elastic: a worker may join at
-            # any round, so the fit alone (one per job).
+            # any round, so the fit alone; a later fit's rounds go on from the round the chief
+            # began it at (``base``), which a worker that joins in it reads.
             conn, dealt = strategy.connection, attached.dealt
             self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
             model = self.model
             chief = {"initial_epoch": int(getattr(model, "_initial_epoch", None) or 0),
-                     "data": None if dealt is None else dealt.fingerprint()}
+                     "data": None if dealt is None else dealt.fingerprint(), "base": conn.step if fit > 1 else 0}
             got = strategy.agree(f"{self.tag}/begin", chief)
             if not strategy.is_chief and got["initial_epoch"]:
                 model._initial_epoch = got["initial_epoch"]
@@ -1084,7 +1089,9 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
 
                 # elastic: on the chief's data (the server deals indices into them), from the epoch of the
                 # cluster's round (sync: one that joins late skips the rounds it is past) or of its first task
-                start = conn.step // dealt.steps_per_epoch if conn.sync else elastic.task_epoch(strategy.engine)
+                attached.base = got["base"]
+                start = (max(0, conn.step - attached.base) // dealt.steps_per_epoch if conn.sync
+                         else elastic.task_epoch(strategy.engine))
                 if got["data"] != chief["data"]:
                     raise ValueError(f"elastic=True: this worker's training data (digest {chief['data']}) differ "
                                      f"from the chief's ({got['data']}); the server deals example indices, so every "
@@ -1097,7 +1104,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             attached.read.new_epoch()
             attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
             if attached.dealt is not None:  # elastic: the epoch's rounds, at the chief's rate for it
-                attached.next_round = epoch * attached.dealt.steps_per_epoch
+                attached.next_round = attached.base + epoch * attached.dealt.steps_per_epoch
                 got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizer)})
                 if got["lr"] is not None:
                     attached.optimizer.learning_rate = attached.epoch_rate = got["lr"]

@@ -183,16 +183,18 @@ def test_a_keras_worker_sigkilled_mid_run_changes_no_bit_of_the_result(procs, tm
 # ~90 s: slow. In one process, tests/worker/test_keras_strategy.py checks each epoch's rounds
 # at the scheduled rate and async tasks carrying it.
 @pytest.mark.slow
-def test_rates_callbacks_change_reach_every_round_with_a_worker_added_and_stopped_to_the_undisturbed_bits(tmp_path):
+def test_rates_callbacks_change_and_a_second_fit_with_a_worker_added_and_stopped_end_at_the_undisturbed_bits(
+        tmp_path):
     """tests/cluster/programs/elastic_rates.py: a LearningRateScheduler halving the rate it last
-    set and a ReduceLROnPlateau on val_loss. The chief agrees its rate at each epoch's start
-    and every worker sends it with every push, so the worker started at round 10 (whose own
-    scheduler starts from the compiled rate) pushes at the chief's rate: the rates and the
-    final parameters are the undisturbed run's, bit for bit."""
+    set and a ReduceLROnPlateau on val_loss, over two fits of two epochs (rounds 0-31, 32-63).
+    The chief agrees its rate at each epoch's start and every worker sends it with every push,
+    so the worker started at round 34 (whose own scheduler starts from the compiled rate, and
+    whose first fit finds the cluster past it) pushes the second fit's rounds at the chief's
+    rate: the rates and the final parameters are the undisturbed run's, bit for bit."""
     program = os.path.join(ROOT, "tests", "cluster", "programs", "elastic_rates.py")
     plain_out, plain = launch(tmp_path, "plain", program)
-    out, scaled = launch(tmp_path, "scaled", program, "--scale-at", "10:3", "--scale-at", "40:2",
-                         env={"TFPS_PAUSE_AT_STEP": "20", "TFPS_PAUSE_FOR": "8"})
+    out, scaled = launch(tmp_path, "scaled", program, "--scale-at", "34:3", "--scale-at", "56:2",
+                         env={"TFPS_PAUSE_AT_STEP": "44", "TFPS_PAUSE_FOR": "8"})
     events = re.findall(r"ps-launch: round (\d+): worker (\d) (\w+)", out)
     assert ("joined", "2") in [(e, w) for _, w, e in events] and ("left", "2") in [(e, w) for _, w, e in events]
     (rates,) = re.findall(r"rates=(\[.*\])", plain_out)

@@ -265,11 +265,11 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("step, scale, steps, scheduled", [
-    ("keras", None, None, False), ("guide", None, None, False), ("keras", 64.0, None, False), ("keras", None, 4, False),
-    ("keras", None, None, True)])
+@pytest.mark.parametrize("step, scale, steps, scheduled, fits", [
+    ("keras", None, None, False, 1), ("guide", None, None, False, 1), ("keras", 64.0, None, False, 1),
+    ("keras", None, 4, False, 1), ("keras", None, None, True, 1), ("keras", None, None, False, 2)])
 def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
-        server_config, step, scale, steps, scheduled):
+        server_config, step, scale, steps, scheduled, fits):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
@@ -280,7 +280,8 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     With ``steps_per_epoch=4`` (a pass is 3 rounds) each epoch is 4 rounds, going on into
     the next pass of the data: 8 rounds, the third pass two batches in. A LearningRateScheduler
     (0.5, then 0.25) gives each epoch's rounds its rate: the chief agrees it at the epoch's
-    start and every push of its rounds carries it."""
+    start and every push of its rounds carries it. Two fits of one epoch each are one fit of
+    two: the second fit's rounds go on from the round it began at."""
     import numpy as np
     import tensorflow as tf
 
@@ -296,11 +297,17 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
     callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.5 / (epoch + 1))] if scheduled else []
-    history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=steps, callbacks=callbacks)
+    for _ in range(fits):
+        history = model.fit(x, y, batch_size=32, epochs=2 // fits, verbose=0, steps_per_epoch=steps,
+                            callbacks=callbacks)
     status = strategy.connection.client.status()
     rounds, passes = (6, [70, 70]) if steps is None else (8, [70, 70, 64])  # a pass is 3 rounds
     assert (strategy.connection.version, list(status.epoch_examples)) == (rounds, passes)
-    assert set(history.history) - {"learning_rate"} == {"loss", "accuracy"} and len(history.history["loss"]) == 2
+    assert set(history.history) - {"learning_rate"} == {"loss", "accuracy"}
+    assert len(history.history["loss"]) == 2 // fits
+    if fits == 2:  # a later fit of other batches cannot be dealt from the job's plan
+        with pytest.raises(ValueError, match="deals every fit's rounds from the job's data plan, the first fit's"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
     reference = keras.models.clone_model(model)
     for r in range(rounds):
@@ -435,7 +442,8 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all.
     ``steps_per_epoch`` is refused in one line first (each epoch's tasks are every example once),
     and that refused fit does not count as the job's one fit. A LearningRateScheduler's rate
-    rides each task's push: the server ends at the last epoch's."""
+    rides each task's push: the server ends at the last epoch's. A second fit is refused (the
+    tasks are the first fit's epochs)."""
     import numpy as np
 
     running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
@@ -452,6 +460,8 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
     assert status.learning_rate_now == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="async and ssp mode: one model.fit per job"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
     strategy.close()
 
