@@ -290,7 +290,8 @@ class _Attached:
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
-        self.window = Window(model.optimizer.gradient_accumulation_steps or 1)  # gradient accumulation
+        self.per_update = model.optimizer.gradient_accumulation_steps or 1  # Keras' batches an update counts
+        self.window = Window(self.per_update)  # gradient accumulation
         self.wrap = _Wrap(self)  # Keras' train_step, wrapped
         self.original_fit = model.fit
         # The server's optimizer ran every step and holds the moving averages (use_ema) that
@@ -324,12 +325,9 @@ class _Attached:
             if fits > 1 and strategy.connection is not None and not strategy.connection.sync:
                 raise ValueError("elastic=True in async and ssp mode: one model.fit per job (the server's tasks are "
                                  "the first fit's epochs); give all the epochs to one fit")
-            if self.window.steps > 1:
-                raise ValueError("elastic=True: gradient_accumulation_steps is not supported when the server deals "
-                                 "the examples (each round is one update of one global batch); raise the batch "
-                                 "size instead")
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
-            args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode)
+            args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode, self.per_update)
+            self.window = Window(1)  # gradient_accumulation_steps: each round is the window's whole batch
             if fits > 1 and strategy.connection is not None and self.dealt.plan() != strategy.connection.data_plan:
                 raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
                                  f"first fit's ({strategy.connection.data_plan}); this fit's is {self.dealt.plan()}: "
@@ -418,7 +416,7 @@ class _Attached:
         optimizer's ``iterations`` follow the server's version."""
         conn = self.strategy.connection
         self.strategy.engine.ride_out(conn.pull, rejoined=self._rejoined)
-        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.window.steps)
+        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
 
     def _rejoined(self) -> None:
         """After a rejoin: the chief's next push sends its learning rate again (a restarted
@@ -503,7 +501,7 @@ class _Attached:
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
         for optimizer, variables in self.wrap.served:  # set by the first fit, before it connected
-            steps = [load_state(o, held, states, self.window.steps) for o, held in _parts(optimizer, variables)]
+            steps = [load_state(o, held, states, self.per_update) for o, held in _parts(optimizer, variables)]
             if _is_multi(_inner(optimizer)):
                 _inner(optimizer)._iterations.assign(max(steps))
 
@@ -1126,15 +1124,18 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
     return Agreement()
 
 
-def _dealt(given: dict, config, server_mode) -> tuple:
+def _dealt(given: dict, config, server_mode, per_update: int = 1) -> tuple:
     """Elastic: ``fit``'s data as the server deals it (``worker.task.DealtArrays``: NumPy arrays,
     or a finite ``tf.data.Dataset`` read once), and the arguments Keras' loop gets: the same
     examples in unshuffled batches of the global batch size (async and ssp: of a task's size,
     ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
     epoch's steps (each step trains on what the server deals, not on Keras' batch). Sync with
     ``steps_per_epoch``: each epoch is that many rounds, going on across passes of the data
-    as one process's iterator goes on, and Keras' loop counts as many batches. The arguments
-    are checked before ``server_mode()`` asks the server."""
+    as one process's iterator goes on, and Keras' loop counts as many batches. With
+    ``gradient_accumulation_steps`` (``per_update``) k, a global batch is k batches, one
+    update as Keras' mean over k full batches (a round's micro-batches are the accumulation),
+    and Keras counts it one step (``steps_per_epoch``: of k batches too, rounded up). The
+    arguments are checked before ``server_mode()`` asks the server."""
     import tensorflow as tf
 
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
@@ -1159,17 +1160,19 @@ def _dealt(given: dict, config, server_mode) -> tuple:
                 raise ValueError("class_weight goes with neither sample_weight nor several outputs (Keras' rule)")
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
             given = {**given, "class_weight": None}
-        data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32), seed=config.seed,
-                           epochs=int(given.get("epochs", 1)), steps_per_epoch=given.get("steps_per_epoch"))
+        steps = given.get("steps_per_epoch")
+        data = DealtArrays(x, y, sample_weight, global_batch_size=per_update * int(batch_size or 32),
+                           seed=config.seed, epochs=int(given.get("epochs", 1)),
+                           steps_per_epoch=-(-steps // per_update) if isinstance(steps, int) else steps)
     except TaskError as e:
         raise ValueError(f"elastic=True: {e}") from None
     if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples
-        if given.get("steps_per_epoch"):
+        if steps:
             raise ValueError("elastic=True: steps_per_epoch is served in sync mode only; async and ssp hand out "
                              "each epoch's examples as tasks, every example once an epoch")
         data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
                            seed=config.seed, epochs=data.epochs, tasks=True)
-    if given.get("steps_per_epoch"):  # Keras counts exactly that many batches an epoch (their examples unused)
+    if steps:  # Keras counts exactly that many batches an epoch (their examples unused)
         x, y, sample_weight = data.examples(np.arange(data.steps_per_epoch * data.global_batch_size) % data.num_examples)
     return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,
                   "shuffle": False, "steps_per_epoch": None}

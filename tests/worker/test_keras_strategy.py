@@ -265,11 +265,12 @@ def test_an_endless_dataset_and_per_worker_batches_cannot_be_dealt():
         model.fit(endless, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("step, scale, steps, scheduled, fits", [
-    ("keras", None, None, False, 1), ("guide", None, None, False, 1), ("keras", 64.0, None, False, 1),
-    ("keras", None, 4, False, 1), ("keras", None, None, True, 1), ("keras", None, None, False, 2)])
+@pytest.mark.parametrize("step, scale, steps, scheduled, fits, accumulate", [
+    ("keras", None, None, False, 1, 1), ("guide", None, None, False, 1, 1), ("keras", 64.0, None, False, 1, 1),
+    ("keras", None, 4, False, 1, 1), ("keras", None, None, True, 1, 1), ("keras", None, None, False, 2, 1),
+    ("keras", None, None, False, 1, 2)])
 def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches_every_example_once(
-        server_config, step, scale, steps, scheduled, fits):
+        server_config, step, scale, steps, scheduled, fits, accumulate):
     """One worker against an in-process elastic sync server that cuts each global batch of 32
     into 3 micro-batches: round r trains on global batch r of the seeded sequence
     (ps_common.batches), SGD on the mean of its micro-batches' gradients weighted by their
@@ -281,7 +282,9 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     the next pass of the data: 8 rounds, the third pass two batches in. A LearningRateScheduler
     (0.5, then 0.25) gives each epoch's rounds its rate: the chief agrees it at the epoch's
     start and every push of its rounds carries it. Two fits of one epoch each are one fit of
-    two: the second fit's rounds go on from the round it began at."""
+    two: the second fit's rounds go on from the round it began at. With
+    ``gradient_accumulation_steps=2`` and batches of 16 a round is the window's 32 examples:
+    the same rounds, and Keras' optimizer counts 2 batches an update (its ``iterations``: updates)."""
     import numpy as np
     import tensorflow as tf
 
@@ -293,16 +296,18 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
     with strategy.scope():
         model = small_model() if step == "keras" else GuideStep(small_model().layers)
-        model.compile(optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale),
+        model.compile(optimizer=keras.optimizers.SGD(0.5, loss_scale_factor=scale,
+                                                     gradient_accumulation_steps=accumulate if accumulate > 1 else None),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
     callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.5 / (epoch + 1))] if scheduled else []
     for _ in range(fits):
-        history = model.fit(x, y, batch_size=32, epochs=2 // fits, verbose=0, steps_per_epoch=steps,
+        history = model.fit(x, y, batch_size=32 // accumulate, epochs=2 // fits, verbose=0, steps_per_epoch=steps,
                             callbacks=callbacks)
     status = strategy.connection.client.status()
     rounds, passes = (6, [70, 70]) if steps is None else (8, [70, 70, 64])  # a pass is 3 rounds
     assert (strategy.connection.version, list(status.epoch_examples)) == (rounds, passes)
+    assert (int(model.optimizer.iterations), int(model.optimizer._iterations)) == (rounds, rounds * accumulate)
     assert set(history.history) - {"learning_rate"} == {"loss", "accuracy"}
     assert len(history.history["loss"]) == 2 // fits
     if fits == 2:  # a later fit of other batches cannot be dealt from the job's plan
