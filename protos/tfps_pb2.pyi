@@ -52,7 +52,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
-    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon", "learning_rate_schedule", "amsgrad", "rho", "centered", "initial_accumulator_value", "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency", "beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step", "sparse_rule", "gradient_accumulation_steps", "groups", "warmup_steps")
+    __slots__ = ("name", "learning_rate", "momentum", "nesterov", "beta_1", "beta_2", "epsilon", "learning_rate_schedule", "amsgrad", "rho", "centered", "initial_accumulator_value", "learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum", "ema_overwrite_frequency", "beta_2_decay", "epsilon_1", "epsilon_2", "clip_threshold", "relative_step", "sparse_rule", "gradient_accumulation_steps", "groups", "warmup_steps", "adam_beta_1", "adam_beta_2", "adam_weight_decay", "adam_lr_ratio", "muon_a", "muon_b", "muon_c", "ns_steps", "rms_rate", "exclude_embeddings", "exclude_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,17 @@ class OptimizerConfig(_message.Message):
     GRADIENT_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA_1_FIELD_NUMBER: _ClassVar[int]
+    ADAM_BETA_2_FIELD_NUMBER: _ClassVar[int]
+    ADAM_WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    ADAM_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MUON_A_FIELD_NUMBER: _ClassVar[int]
+    MUON_B_FIELD_NUMBER: _ClassVar[int]
+    MUON_C_FIELD_NUMBER: _ClassVar[int]
+    NS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RMS_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     learning_rate: float
     momentum: float
@@ -119,7 +130,18 @@ class OptimizerConfig(_message.Message):
     gradient_accumulation_steps: int
     groups: _containers.RepeatedCompositeFieldContainer[OptimizerGroup]
     warmup_steps: int
-    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ..., beta_2_decay: _Optional[float] = ..., epsilon_1: _Optional[float] = ..., epsilon_2: _Optional[float] = ..., clip_threshold: _Optional[float] = ..., relative_step: _Optional[bool] = ..., sparse_rule: _Optional[str] = ..., gradient_accumulation_steps: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[OptimizerGroup, _Mapping]]] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+    adam_beta_1: float
+    adam_beta_2: float
+    adam_weight_decay: float
+    adam_lr_ratio: float
+    muon_a: float
+    muon_b: float
+    muon_c: float
+    ns_steps: int
+    rms_rate: float
+    exclude_embeddings: bool
+    exclude_layers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ..., learning_rate_schedule: _Optional[str] = ..., amsgrad: _Optional[bool] = ..., rho: _Optional[float] = ..., centered: _Optional[bool] = ..., initial_accumulator_value: _Optional[float] = ..., learning_rate_power: _Optional[float] = ..., l1_regularization_strength: _Optional[float] = ..., l2_regularization_strength: _Optional[float] = ..., l2_shrinkage_regularization_strength: _Optional[float] = ..., beta: _Optional[float] = ..., weight_decay: _Optional[float] = ..., clipnorm: _Optional[float] = ..., clipvalue: _Optional[float] = ..., global_clipnorm: _Optional[float] = ..., use_ema: _Optional[bool] = ..., ema_momentum: _Optional[float] = ..., ema_overwrite_frequency: _Optional[int] = ..., beta_2_decay: _Optional[float] = ..., epsilon_1: _Optional[float] = ..., epsilon_2: _Optional[float] = ..., clip_threshold: _Optional[float] = ..., relative_step: _Optional[bool] = ..., sparse_rule: _Optional[str] = ..., gradient_accumulation_steps: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[OptimizerGroup, _Mapping]]] = ..., warmup_steps: _Optional[int] = ..., adam_beta_1: _Optional[float] = ..., adam_beta_2: _Optional[float] = ..., adam_weight_decay: _Optional[float] = ..., adam_lr_ratio: _Optional[float] = ..., muon_a: _Optional[float] = ..., muon_b: _Optional[float] = ..., muon_c: _Optional[float] = ..., ns_steps: _Optional[int] = ..., rms_rate: _Optional[float] = ..., exclude_embeddings: _Optional[bool] = ..., exclude_layers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OptimizerGroup(_message.Message):
     __slots__ = ("variables", "optimizer")

@@ -58,6 +58,12 @@ OPTIMIZER_DEFAULTS: dict[str, dict] = {
                   "clip_threshold": 1.0, "relative_step": True, **_OPTIONS},
     "schedule_free_adamw": {"learning_rate": 0.0025, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-8,
                             "warmup_steps": 0, **_OPTIONS},
+    # Its AdamW rule's: adam_*, epsilon; its Muon rule's: momentum, nesterov, muon_*, ns_steps, rms_rate
+    # and weight_decay; which variable takes which rule: exclude_embeddings, exclude_layers.
+    "muon": {"learning_rate": 0.001, "adam_beta_1": 0.9, "adam_beta_2": 0.999, "adam_weight_decay": 0.004,
+             "epsilon": 1e-7, "exclude_layers": (), "exclude_embeddings": True, "muon_a": 3.4445,
+             "muon_b": -4.7750, "muon_c": 2.0315, "adam_lr_ratio": 1.0, "momentum": 0.95, "ns_steps": 5,
+             "nesterov": True, "rms_rate": 0.2, **_OPTIONS, "weight_decay": 0.004},
 }
 OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 
@@ -65,7 +71,7 @@ OPTIMIZERS = tuple(OPTIMIZER_DEFAULTS)
 KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
                            "RMSprop": "rmsprop", "Adamax": "adamax", "Nadam": "nadam", "Ftrl": "ftrl",
                            "Lion": "lion", "Adadelta": "adadelta", "Lamb": "lamb",
-                           "Adafactor": "adafactor", "ScheduleFreeAdamW": "schedule_free_adamw"}
+                           "Adafactor": "adafactor", "ScheduleFreeAdamW": "schedule_free_adamw", "Muon": "muon"}
 
 # A push's metric that skips its update: sync, the whole round when any push of it carries a
 # value > 0 (every worker's reply carries the sum); async and ssp, the push. A Keras
@@ -91,6 +97,7 @@ KERAS_SLOTS: dict[str, dict[str, str]] = {
     "adadelta": {"accumulated_grad": "_accumulated_grads", "accumulated_delta_var": "_accumulated_delta_vars"},
     "adafactor": {"r": "_r", "c": "_c", "v": "_v"},
     "schedule_free_adamw": {"momentum": "_momentums", "velocity": "_velocities"},
+    "muon": {"momentum": "momentums", "velocity": "adam_velocities"},  # velocity: its AdamW rule's only
 }
 
 # The classes of keras.optimizers the server does not run, each with why (one line; the
@@ -102,8 +109,6 @@ REFUSED_KERAS_OPTIMIZERS = {
                           "optimizer's unscaled gradients",
     "MultiOptimizer": "it steps each variable with an optimizer its own code chooses: tfps.keras serves it, "
                       "each of its optimizers a group of the server's, other front doors push to one optimizer",
-    "Muon": "it orthogonalizes each matrix's update with Newton-Schulz matrix products, not reproduced here, and "
-            "picks Muon or AdamW per variable by layer name, which the server does not see",
 }
 
 # A field an optimizer does not take holds this (the first optimizer's default that has it),
@@ -119,7 +124,7 @@ UNUSED_FIELD_VALUES["groups"] = ()  # one optimizer over every variable
 
 # Fields whose Keras value may be None; 0 on the wire (OptimizerConfig) means None.
 NONE_AS_ZERO = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "ema_overwrite_frequency",
-                "gradient_accumulation_steps")
+                "gradient_accumulation_steps", "adam_weight_decay", "rms_rate")
 
 # Keras' learning-rate schedules the server evaluates (ps_server/core/optim/schedules.py), by
 # class name; a serialized one of them names this module.
@@ -189,10 +194,16 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
     unknown = sorted(set(config) - set(OPTIMIZER_DEFAULTS[name]))
     if unknown:
         raise ValueError(f"{class_name} has config keys the server does not know: {', '.join(unknown)}")
+    if name == "muon" and config.get("rms_rate", 0.2) == 0:
+        raise ValueError("Muon with rms_rate=0 cannot run on the server: the wire's 0 is None, no adjustment "
+                         "(rms_rate=0 never moves a matrix)")
     if accumulation and config.get("use_ema"):
         raise ValueError(f"{class_name} with use_ema and gradient_accumulation_steps cannot run on the server: "
                          "Keras moves the averages at every batch, between the updates")
     fields = {"name": name, **config, **({"gradient_accumulation_steps": accumulation} if accumulation else {})}
+    for field in NONE_AS_ZERO:  # None where Keras' default is not (Muon's rms_rate): the wire's None, 0
+        if field in config and config[field] is None and OPTIMIZER_DEFAULTS[name].get(field) is not None:
+            fields[field] = 0
     lr = config.get("learning_rate", OPTIMIZER_DEFAULTS[name]["learning_rate"])
     if isinstance(lr, dict):
         check_schedule_class(lr)

@@ -52,7 +52,7 @@ def test_the_shared_schedule_names_are_the_ones_the_server_evaluates():
 
 @pytest.mark.parametrize("class_name,config,message", [
     ("Shampoo", {}, "optimizer Shampoo cannot run on the server; it runs SGD, Adam"),
-    ("Muon", {}, "optimizer Muon cannot run on the server: it orthogonalizes each matrix's update"),
+    ("Muon", {"rms_rate": 0}, "Muon with rms_rate=0 cannot run on the server: the wire's 0 is None"),
     ("Adam", {"loss_scale_factor": 2.0}, "Adam with loss_scale_factor=2.0 cannot run on the server"),
     ("SGD", {"beta_1": 0.9}, "SGD has config keys the server does not know: beta_1"),
     ("SGD", {"learning_rate": "0.1"}, "SGD's learning_rate must be a number or a serialized"),
@@ -67,3 +67,9 @@ def test_keras_optimizer_fields_keeps_the_arguments_and_moves_a_schedule_aside()
                 "registered_name": None}
     fields = keras_optimizer_fields("Adam", {"name": "adam", "learning_rate": schedule, "amsgrad": True})
     assert fields == {"name": "adam", "learning_rate": 0.001, "learning_rate_schedule": schedule, "amsgrad": True}
+
+
+def test_a_keras_none_whose_default_is_not_none_travels_as_the_wire_s_none_zero():
+    fields = keras_optimizer_fields("Muon", {"rms_rate": None, "adam_weight_decay": None, "weight_decay": None})
+    assert fields == {"name": "muon", "rms_rate": 0, "adam_weight_decay": 0, "weight_decay": 0}
+    assert keras_optimizer_fields("Adam", {"weight_decay": None}) == {"name": "adam", "weight_decay": None}

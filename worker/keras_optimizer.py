@@ -10,7 +10,8 @@ docs/keras.md); the worker's Keras optimizer never steps. ``spec_fields`` reads
 the server exactly as compiled, and refuses what the server cannot run before any training,
 in one line, by the rules the server applies too (``ps_common.names.keras_optimizer_fields``,
 ``REFUSED_KERAS_OPTIMIZERS``). Added here, because ``get_config`` does not show it:
-``exclude_from_weight_decay``.
+``exclude_from_weight_decay``. A Muon travels as its config: the server chooses its rule per
+variable from the variable's name, Keras' path, as Keras does (``ps_server.core.optim.muon``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def spec_fields(optimizer) -> dict:
     fields = keras_optimizer_fields(cls.__name__, config)
     excluded = getattr(optimizer, "_exclude_from_weight_decay", None) or \
         getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
-    if excluded and fields.get("weight_decay"):
+    if excluded and (fields.get("weight_decay") or fields.get("adam_weight_decay")):  # Muon has two
         raise ValueError(f"{cls.__name__} with exclude_from_weight_decay cannot run on the server: it decays "
                          "every variable")
     name = fields.pop("name")

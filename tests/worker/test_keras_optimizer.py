@@ -44,6 +44,7 @@ def optimizers(keras):
         O.Lamb(beta_1=0.8, weight_decay=0.01),
         O.Adafactor(clip_threshold=0.5, relative_step=False, epsilon_2=0.002),
         O.ScheduleFreeAdamW(warmup_steps=10, weight_decay=0.01),
+        O.Muon(exclude_layers=["head"], exclude_embeddings=False, rms_rate=None, adam_weight_decay=None, ns_steps=3),
     ]
 
 
@@ -82,10 +83,12 @@ def refusals(keras):
     class MyAdam(O.Adam):
         pass
 
-    wd = O.AdamW()
+    wd, muon = O.AdamW(), O.Muon(weight_decay=None)
     wd.exclude_from_weight_decay(var_names=["bias"])
+    muon.exclude_from_weight_decay(var_names=["bias"])  # adam_weight_decay is still 0.004
     return [
-        (O.Muon(), "optimizer Muon cannot run on the server: it orthogonalizes"),
+        (O.Muon(rms_rate=0), "Muon with rms_rate=0 cannot run on the server"),
+        (muon, "Muon with exclude_from_weight_decay cannot run on the server"),
         (MyAdam(), r"optimizer tests\.worker\.test_keras_optimizer\.MyAdam cannot run on the server"),
         (type("Adam", (O.Adam,), {"__module__": "my_program"})(), "optimizer my_program.Adam cannot run"),
         (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server: it scales"),
@@ -105,7 +108,7 @@ def test_every_keras_optimizer_is_run_by_the_server_or_refused_with_a_reason(ker
     run, refused = set(names.KERAS_OPTIMIZER_CLASSES), set(names.REFUSED_KERAS_OPTIMIZERS)
     assert not run & refused
     assert classes - run - refused == set(), "neither run nor refused"
-    assert {"Adadelta", "Lamb", "Adafactor"} <= run
+    assert {"Adadelta", "Lamb", "Adafactor", "Muon"} <= run
     for class_name, reason in names.REFUSED_KERAS_OPTIMIZERS.items():
         with pytest.raises(ValueError) as e:
             names.keras_optimizer_fields(class_name, {})
@@ -129,6 +132,7 @@ def test_a_spec_crosses_the_wire_and_back_unchanged():
                       learning_rate_schedule={"class_name": "PolynomialDecay",
                                               "config": {"initial_learning_rate": 0.1, "decay_steps": 50}}),
         OptimizerSpec("sgd", 0.1),
+        OptimizerSpec("muon", exclude_layers=("head", "^out/"), exclude_embeddings=False, rms_rate=None, ns_steps=3),
     ]
     for spec in specs:
         assert optimizer_from_wire(optimizer_to_wire(spec)) == spec

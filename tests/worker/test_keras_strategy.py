@@ -34,7 +34,7 @@ def test_scope_attaches_a_model_compiled_inside_and_puts_compile_back():
 
 
 @pytest.mark.parametrize("optimizer, named", [
-    (keras.optimizers.Muon(), "Muon"),
+    (keras.optimizers.Muon(rms_rate=0), "Muon with rms_rate=0"),
     (keras.optimizers.Adam(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4),
      "use_ema and gradient_accumulation_steps"),
 ])

@@ -5,9 +5,9 @@
 
 Owns:
 
-- ``optimizers`` and ``more_optimizers``: the twelve Keras optimizers with their options,
-  Keras-exact (``registry.make_optimizer`` makes one by name); ``schedules``: Keras'
-  learning-rate schedules at the update count;
+- ``optimizers``, ``more_optimizers`` and ``muon``: the fourteen Keras optimizers with their
+  options, Keras-exact but Muon's matrix products (``registry.make_optimizer`` makes one by
+  name); ``schedules``: Keras' learning-rate schedules at the update count;
 - ``kernels``: one-pass optimizer steps and a round's fold, with numba, NumPy otherwise,
   same bits;
 - ``sparse``: embedding gradients as rows, stepped row-wise or made dense

@@ -8,7 +8,8 @@
 The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 ``AdamW`` (Adam with Keras' weight decay, default 0.004), ``Adagrad``,
 ``RMSprop`` (momentum, centered), and from ``ps_server.core.optim.more_optimizers``
-``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb`` and ``Adafactor``. Options of every one, as Keras'
+``Adamax``, ``Nadam``, ``Ftrl``, ``Lion``, ``Adadelta``, ``Lamb``, ``Adafactor`` and
+``ScheduleFreeAdamW``, and ``Muon`` (``ps_server.core.optim.muon``). Options of every one, as Keras'
 ``BaseOptimizer.apply`` runs them on one update: the gradient clipped
 (``clipnorm`` per variable, ``clipvalue``, or ``global_clipnorm`` over all the
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
@@ -21,7 +22,8 @@ at ``optimizer.iterations``.
 
 Guarantee, against eager Keras 3.15 on TensorFlow 2.21 CPU (``opt.apply(grads,
 vars)`` called eagerly): the values are bit-identical for every optimizer and
-option above, with a constant learning rate or a schedule. Each step repeats
+option above, with a constant learning rate or a schedule (Muon: but for its matrix
+products, ``ps_server.core.optim.muon``). Each step repeats
 Keras' operations in Keras' order, every intermediate in the variable's dtype,
 with Keras' own rounding of each hyperparameter (``_constants``) and of
 ``beta ** step`` (``_scalar_pow``); the norms of ``clipnorm`` and
@@ -125,6 +127,17 @@ class OptimizerSpec:
     clip_threshold: float | None = None
     relative_step: bool | None = None
     warmup_steps: int | None = None  # schedule_free_adamw
+    adam_beta_1: float | None = None  # muon (ps_server.core.optim.muon), momentum and nesterov above
+    adam_beta_2: float | None = None
+    adam_weight_decay: float | None = None
+    adam_lr_ratio: float | None = None
+    muon_a: float | None = None
+    muon_b: float | None = None
+    muon_c: float | None = None
+    ns_steps: int | None = None
+    rms_rate: float | None = None
+    exclude_embeddings: bool | None = None
+    exclude_layers: tuple | None = None  # regular expressions searched in a variable's name (Keras' path)
     # A repeated row of a sparse gradient where the server has no --sparse-rule ("keras", "sum";
     # None: sum): core.optim.sparse. The Keras front door asks "keras".
     sparse_rule: str | None = None
@@ -147,6 +160,8 @@ class OptimizerSpec:
         except (TypeError, ValueError):
             raise InvalidArgument(f"groups must be (variable names, optimizer spec) pairs; got {self.groups!r}")
         object.__setattr__(self, "groups", groups)
+        if isinstance(self.exclude_layers, Iterable) and not isinstance(self.exclude_layers, str):
+            object.__setattr__(self, "exclude_layers", tuple(self.exclude_layers))  # a JSON list, the wire's field
         for f in fields(self):
             if f.name in ("name", "sparse_rule", "gradient_accumulation_steps", "groups"):
                 continue
@@ -183,6 +198,9 @@ class OptimizerSpec:
                     raise InvalidArgument(f"{field} must be True or False; got {x!r}")
             elif x is None and field in NONE_AS_ZERO:
                 continue
+            elif isinstance(default, tuple):
+                if not isinstance(x, tuple) or not all(isinstance(p, str) for p in x):
+                    raise InvalidArgument(f"{field} must be a list of strings; got {x!r}")
             elif isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                 raise InvalidArgument(f"{field} must be a finite number; got {x!r}")
         if self.sparse_rule not in (None, "sum", "keras"):
@@ -425,8 +443,9 @@ class Optimizer:
         self.groups: dict[str, Optimizer] = {}  # spec.groups: each group's variables' optimizer (make_optimizer)
 
     def of(self, name: str) -> "Optimizer":
-        """The optimizer that steps variable ``name``: its group's, else this one."""
-        return self.groups.get(name, self)
+        """The optimizer that steps variable ``name``: its group's (as that one steps it), else this one."""
+        group = self.groups.get(name)
+        return self if group is None else group.of(name)
 
     def every(self) -> list["Optimizer"]:
         """This optimizer and each group's."""
@@ -787,7 +806,7 @@ class RMSprop(Optimizer):
 
 # The optimizers whose Keras step of an IndexedSlices gradient ``_slices_step`` repeats.
 SLICES_OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "ftrl", "lion",
-                     "schedule_free_adamw")
+                     "schedule_free_adamw", "muon")
 
 
 def slices_refusal(spec: OptimizerSpec) -> str | None:

@@ -1,22 +1,23 @@
-"""The optimizer a spec names: every class of ``optimizers`` and ``more_optimizers`` by name.
+"""The optimizer a spec names: every class of ``optimizers``, ``more_optimizers`` and ``muon`` by name.
 
     from ps_server.core.optim.registry import make_optimizer
     opt = make_optimizer(OptimizerSpec("adam", learning_rate=1e-3))
 
-Apart from both modules, which it imports: ``more_optimizers`` builds on ``optimizers``,
-so the table that names them all sits above the two.
+Apart from the modules, which it imports: ``more_optimizers`` and ``muon`` build on
+``optimizers``, so the table that names them all sits above them.
 """
 
 from __future__ import annotations
 
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optim import more_optimizers as more
+from ps_server.core.optim.muon import Muon
 from ps_server.core.optim.optimizers import SGD, Adagrad, Adam, Optimizer, OptimizerSpec, RMSprop
 
 OPTIMIZER_CLASSES: dict[str, type[Optimizer]] = {
     "sgd": SGD, "adam": Adam, "adamw": Adam, "adagrad": Adagrad, "rmsprop": RMSprop, "adamax": more.Adamax,
     "nadam": more.Nadam, "ftrl": more.Ftrl, "lion": more.Lion, "adadelta": more.Adadelta, "lamb": more.Lamb,
-    "adafactor": more.Adafactor, "schedule_free_adamw": more.ScheduleFreeAdamW,
+    "adafactor": more.Adafactor, "schedule_free_adamw": more.ScheduleFreeAdamW, "muon": Muon,
 }
 
 

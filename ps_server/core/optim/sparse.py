@@ -27,8 +27,8 @@ rows and their indices instead of the whole table (``PushRequest`` tensors with
   Not what Keras computes; opt-in. ``weight_decay`` then decays the touched rows
   only (TF Addons' ``DecoupledWeightDecayExtension`` on a sparse gradient does
   the same). ``clipnorm``, ``global_clipnorm`` and ``use_ema`` need the whole
-  variable, as do Lamb (its trust ratio) and Adafactor (its RMS and factored
-  moments): refused at initialization (``lazy_refusal``).
+  variable, as do Lamb (its trust ratio), Adafactor (its RMS and factored moments) and
+  Muon (its orthogonalized matrices): refused at initialization (``lazy_refusal``).
 - ``dense``: every sparse gradient is made dense on arrival and stepped as the
   whole table (what tfps did before; for comparisons).
 
@@ -155,6 +155,8 @@ def _needs_whole_variable(spec) -> str | None:
         return "lamb's trust ratio takes the norms of the whole variable and its update"
     if spec.name == "adafactor":
         return "adafactor scales by the RMS of the whole variable and factors its moments over rows and columns"
+    if spec.name == "muon":
+        return "muon orthogonalizes a matrix's whole update"
     return None
 
 
@@ -163,6 +165,6 @@ def lazy_refusal(spec) -> str | None:
     whole = _needs_whole_variable(spec)
     if whole is None:
         return None
-    drop = "choose another optimizer" if spec.name in ("lamb", "adafactor") else "drop that option"
+    drop = "choose another optimizer" if spec.name in ("lamb", "adafactor", "muon") else "drop that option"
     return (f"--sparse-updates lazy steps only the rows a push touches, but {whole}: {drop}, or run "
             f"the server with --sparse-updates exact")
