@@ -24,8 +24,9 @@ The header describes everything else: ``mode``, ``num_workers``, ``version``,
 ``round``, ``optimizer`` (the ``OptimizerSpec`` fields, the learning rate as
 ``set_learning_rate`` last set it; a file written before the Keras fields holds
 only sgd's and adam's, and reads with Keras' defaults for the rest),
-``initial_learning_rate`` (the one the variables were initialized with, when it
-was changed since; absent or null otherwise), ``variables`` (for each: ``name``,
+``initial_optimizer`` (the spec the variables were initialized with, when a
+learning rate of it, a group's too, was changed since; absent or null otherwise: a
+file from before it may hold ``initial_learning_rate``, that spec's one rate), ``variables`` (for each: ``name``,
 ``dtype`` such as ``"<f4"``, ``shape``, ``iterations`` (the optimizer steps it
 had: with a schedule, where it carries on), the offset of its ``value`` and of
 each optimizer slot in ``slots``, and in ``slot_shapes`` the shape of a slot
@@ -166,7 +167,7 @@ class ServerState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()  # updated by pushed changes, not the optimizer
-    initial_learning_rate: float | None = None  # the store's (StoreState), when set_learning_rate changed it
+    initial_optimizer: OptimizerSpec | None = None  # the store's (StoreState), when set_learning_rate changed it
     mode_status: ModeStatus = ModeStatus()
     members: tuple[WorkerRecord, ...] = ()
     stats: dict = dataclasses.field(default_factory=dict)
@@ -288,7 +289,7 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
                         "rounds_timed_out": state.mode_status.rounds_timed_out,
                         "rounds_aborted": state.mode_status.rounds_aborted},
         "optimizer": state.optimizer.as_dict(),
-        "initial_learning_rate": state.initial_learning_rate,
+        "initial_optimizer": None if state.initial_optimizer is None else state.initial_optimizer.as_dict(),
         "variables": variables,
         "members": [dataclasses.asdict(r) for r in state.members],
         "stats": state.stats,
@@ -434,7 +435,7 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
             values=values,
             states=states,
             non_trainable=frozenset(v["name"] for v in header["variables"] if v.get("non_trainable", False)),
-            initial_learning_rate=_optional_float(header.get("initial_learning_rate")),
+            initial_optimizer=_initial_optimizer(header),
             mode_status=ModeStatus(round=int(status["round"]), rounds_timed_out=int(status["rounds_timed_out"]),
                                    rounds_aborted=int(status["rounds_aborted"])),
             members=tuple(WorkerRecord(**r) for r in header["members"]),
@@ -509,8 +510,14 @@ def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataStat
     )
 
 
-def _optional_float(x) -> float | None:
-    return None if x is None else float(x)
+def _initial_optimizer(header: dict) -> OptimizerSpec | None:
+    """The header's ``initial_optimizer``; in a file from before it, its ``optimizer`` with the
+    ``initial_learning_rate`` it may hold (one rate: no group's was set then)."""
+    if header.get("initial_optimizer") is not None:
+        return OptimizerSpec.from_dict(header["initial_optimizer"])
+    rate = header.get("initial_learning_rate")
+    return None if rate is None else dataclasses.replace(OptimizerSpec.from_dict(header["optimizer"]),
+                                                        learning_rate=float(rate))
 
 
 # -- files -------------------------------------------------------------------------

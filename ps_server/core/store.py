@@ -9,8 +9,8 @@
     store.apply_one("w", g)                      # async: one variable, its own lock
     store.apply_push({"emb": SparseRows(rows, g)})    # a sparse gradient: only its rows, where exact
     version, values, rows = store.read_rows(since=version)  # row-wise tables: only their changed rows
-    store.set_learning_rate(0.05)                # the chief's LearningRateScheduler / ReduceLROnPlateau
-    store.current_learning_rate(), store.optimizer_iterations()
+    store.set_learning_rate(0.05, names)         # the chief's LearningRateScheduler / ReduceLROnPlateau
+    store.current_learning_rate(names), store.optimizer_iterations()  # names: a push's (its group's rate)
 
 One update is one Keras ``optimizer.apply``: ``global_clipnorm`` takes its norm over
 the gradients of all trainable variables of the update, once (``apply_all``: the
@@ -18,7 +18,8 @@ round's mean gradients; ``apply_push``: one push) and hands the factor to each
 variable's step. ``optimizer_iterations`` is Keras' ``optimizer.iterations``, the
 count a learning-rate schedule is evaluated at; it is kept per variable (each
 variable's optimizer state) and so survives a checkpoint, as does a learning rate
-changed by ``set_learning_rate`` (it is in the optimizer spec).
+changed by ``set_learning_rate`` (it is in the optimizer spec: with ``groups``, each
+group's own, set by a push of that group's variables).
 
 Values are copy-on-write: an optimizer step builds a new array and swaps the
 reference, so an array handed to a reader is never modified afterwards (arrays
@@ -382,9 +383,9 @@ class StoreState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()
-    # The learning rate initialize was given, when set_learning_rate has changed it since
-    # (``optimizer`` holds the changed one); None otherwise.
-    initial_learning_rate: float | None = None
+    # The optimizer initialize was given, when set_learning_rate has changed a rate of it
+    # since (``optimizer`` holds the changed one); None otherwise.
+    initial_optimizer: OptimizerSpec | None = None
 
     def release(self) -> None:
         """End the snapshots of its row-wise variables (``RowSnapshot.release``): call it
@@ -419,9 +420,9 @@ class VariableStore:
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
         self._version = 0
-        # The learning rate ``initialize`` was given, once ``set_learning_rate`` changed it:
-        # a worker that initializes again (a restarted chief) still names the first one.
-        self._initial_learning_rate: float | None = None
+        # The optimizer ``initialize`` was given, once ``set_learning_rate`` changed a rate of
+        # it: a worker that initializes again (a restarted chief) still names the first one.
+        self._initial_spec: OptimizerSpec | None = None
         # With global_clipnorm over several shards (``core.clip_group``): ``clip_across(key,
         # {name: squares})`` gives the factor of update ``key`` from every shard's squares.
         self.clip_across = None
@@ -451,11 +452,8 @@ class VariableStore:
     @property
     def initialized_spec(self) -> OptimizerSpec | None:
         """The optimizer as ``initialize`` gave it: what a worker joining later must match,
-        whatever learning rate ``set_learning_rate`` gave it since (``current_learning_rate``)."""
-        spec = self.optimizer_spec
-        if spec is not None and self._initial_learning_rate is not None:
-            spec = dataclasses.replace(spec, learning_rate=self._initial_learning_rate)
-        return spec
+        whatever learning rates ``set_learning_rate`` gave it since (``current_learning_rate``)."""
+        return self._initial_spec if self._initial_spec is not None else self.optimizer_spec
 
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}
@@ -890,7 +888,7 @@ class VariableStore:
                     states = {n: dict(v.state) for n, v in self._vars.items()}
                     snapshot = dict(version=self._version, optimizer=self._optimizer.spec,
                                     non_trainable=self.non_trainable(),
-                                    initial_learning_rate=self._initial_learning_rate)
+                                    initial_optimizer=self._initial_spec)
                 for n in row_wise:
                     var = self._vars[n]
                     shaped = {k for k, a in states[n].items()
@@ -950,34 +948,61 @@ class VariableStore:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")
             self._vars, self._optimizer, self._version = variables, optimizer, state.version
-            self._initial_learning_rate = state.initial_learning_rate
+            self._initial_spec = state.initial_optimizer
 
     # -- the learning rate ------------------------------------------------------
-    def set_learning_rate(self, value: float) -> None:
-        """From the next update on, the constant learning rate is ``value``.
+    def set_learning_rate(self, value: float, names: Iterable[str] = ()) -> None:
+        """From the next update on, the constant learning rate of the optimizer that steps
+        ``names`` (a push's variables; ``_rate_owner``) is ``value``.
 
         What a Keras ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief
-        asks for (it sets ``optimizer.learning_rate``). The optimizer is rebuilt with
-        ``dataclasses.replace(spec, learning_rate=value)`` under ``_publish``; an update
-        already computing keeps the rate it started with. Refused (InvalidArgument)
-        for a non-finite or non-positive value, and when the learning rate is a schedule.
+        asks for (it sets ``optimizer.learning_rate``; with ``groups``, a GAN's
+        ``d_optimizer.learning_rate``: that group's). The optimizer is rebuilt with the
+        rate replaced under ``_publish``; an update already computing keeps the rate it
+        started with. Refused (InvalidArgument) for a non-finite or non-positive value,
+        where that learning rate is a schedule, and for ``names`` of several groups.
         """
         self._require_initialized()
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
                 or not math.isfinite(value) or value <= 0:
             raise InvalidArgument(f"the learning rate must be a finite number > 0; got {value!r}")
         with self._publish:
-            spec = self._optimizer.spec
-            if spec.groups:
-                raise InvalidArgument("the model's step applies several optimizers, each with its own learning rate: "
-                                      "set none of them here")
-            if getattr(spec, "learning_rate_schedule", None):
-                raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
-                                      "its update count and cannot also set a constant one")
-            optimizer = make_optimizer(dataclasses.replace(spec, learning_rate=float(value)))
-            if self._initial_learning_rate is None:
-                self._initial_learning_rate = spec.learning_rate
+            spec, owner = self._optimizer.spec, self.check_learning_rate(names)
+            if spec.groups:  # the group's rate; the spec's own fields are the first group's
+                at = next(i for i, (held, _) in enumerate(spec.groups) if self._optimizer.groups[held[0]] is owner)
+                groups = list(spec.groups)
+                groups[at] = (groups[at][0], dataclasses.replace(groups[at][1], learning_rate=float(value)))
+                changed = dataclasses.replace(spec, groups=tuple(groups), **({"learning_rate": float(value)}
+                                                                             if at == 0 else {}))
+            else:
+                changed = dataclasses.replace(spec, learning_rate=float(value))
+            optimizer = make_optimizer(changed)
+            if self._initial_spec is None:
+                self._initial_spec = spec
             self._optimizer = optimizer
+
+    def check_learning_rate(self, names: Iterable[str] = ()) -> Optimizer:
+        """The optimizer whose rate a push of ``names`` would set (``_rate_owner``); InvalidArgument
+        where it cannot: ``names`` of several groups, or a learning rate that is a schedule."""
+        owner = self._rate_owner(names, one=True)
+        if owner.spec.learning_rate_schedule is not None:
+            raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
+                                  "its update count and cannot also set a constant one")
+        return owner
+
+    def _rate_owner(self, names: Iterable[str], one: bool = False) -> Optimizer:
+        """The optimizer whose learning rate an update of ``names`` (a push's variables) uses:
+        with ``groups``, the group of its trainable variables (none of them: the first group),
+        else the only one. ``one``: InvalidArgument unless they are one group's (one push sets
+        one rate: each Keras ``apply`` of a GAN's step is a push of its optimizer's variables)."""
+        optimizer = self._optimizer
+        if not optimizer.groups:
+            return optimizer
+        owners = list({id(o): o for o in map(optimizer.groups.get, names) if o is not None}.values())
+        if one and len(owners) != 1:
+            raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
+                                  f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
+        return owners[0] if owners else optimizer.of(optimizer.spec.groups[0][0][0])
 
     def take_averages(self, names: Collection[str]) -> None:
         """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of ``fit``): each of
@@ -1000,21 +1025,25 @@ class VariableStore:
                 else:
                     var.value, var.changed = _frozen(average), self._version
 
-    def optimizer_iterations(self) -> int:
-        """The optimizer steps every trainable variable has had: Keras' ``optimizer.iterations``
-        (each variable counts its own; they differ only while an async push is half applied)."""
+    def optimizer_iterations(self, names: Iterable[str] | None = None) -> int:
+        """The optimizer steps every trainable variable (of ``names``) has had: Keras'
+        ``optimizer.iterations`` (each variable counts its own; they differ only while an
+        async push is half applied, or between groups: each optimizer counts its own)."""
         self._require_initialized()
+        chosen = self._vars.values() if names is None else [self._vars[n] for n in names if n in self._vars]
         with self._publish:
-            counts = [int(v.state["iterations"]) for v in self._vars.values() if not v.non_trainable]
+            counts = [int(v.state["iterations"]) for v in chosen if not v.non_trainable]
         return min(counts, default=0)
 
-    def current_learning_rate(self) -> float:
-        """The learning rate of the next update: the schedule's at ``optimizer_iterations()``
+    def current_learning_rate(self, names: Iterable[str] = ()) -> float:
+        """The learning rate of the next update of ``names`` (a push's variables: with ``groups``,
+        its group's; ``_rate_owner``): the schedule's at their ``optimizer_iterations``
         (as Keras reads ``optimizer.learning_rate``), else the constant one."""
         self._require_initialized()
-        spec = self._optimizer.spec
+        spec = self._rate_owner(names).spec
         if spec.learning_rate_schedule is not None:
-            return float(schedules.learning_rate(spec.learning_rate_schedule, self.optimizer_iterations()))
+            counted = [n for n in names if n in self._optimizer.groups] or None
+            return float(schedules.learning_rate(spec.learning_rate_schedule, self.optimizer_iterations(counted)))
         return float(spec.learning_rate)
 
     def bump_version(self) -> int:

@@ -510,13 +510,27 @@ def test_a_checkpoint_written_before_the_keras_fields_reads_with_keras_defaults(
     state = ps.checkpoint_state()
 
     def as_before(header):
-        header.pop("initial_learning_rate")
+        header.pop("initial_optimizer")
         header["optimizer"] = {k: header["optimizer"][k] for k in ("name", "learning_rate", "momentum", "nesterov",
                                                                   "beta_1", "beta_2", "epsilon")}
 
     back = checkpoint.decode(_rewrite_header(checkpoint.encode(state), as_before))
-    assert back.optimizer == state.optimizer and back.initial_learning_rate is None
+    assert back.optimizer == state.optimizer and back.initial_optimizer is None
     assert_same_state(state, back)
+
+
+def test_a_checkpoint_from_before_the_groups_rates_reads_its_one_initial_rate_as_the_initial_spec():
+    """A file that holds ``initial_learning_rate`` (one rate: no group's could be set then)."""
+    ps = started(OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9))
+    ps.store.set_learning_rate(0.025)
+    state = ps.checkpoint_state()
+    assert state.initial_optimizer == OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9)
+
+    def as_before(header):
+        header["initial_learning_rate"] = header.pop("initial_optimizer")["learning_rate"]
+
+    back = checkpoint.decode(_rewrite_header(checkpoint.encode(state), as_before))
+    assert back.initial_optimizer == state.initial_optimizer and back.optimizer.learning_rate == 0.025
 
 
 def test_a_zero_dimensional_slot_round_trips():

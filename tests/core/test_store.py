@@ -455,8 +455,8 @@ def test_with_optimizer_groups_a_push_steps_the_variables_it_names_each_by_its_g
     assert restored.read()[1]["b"].tobytes() == store.read()[1]["b"].tobytes()
     with pytest.raises(InvalidArgument, match="missing gradient"):  # a push that steps nothing
         store.check_gradients({})
-    with pytest.raises(InvalidArgument, match="several optimizers"):
-        store.set_learning_rate(0.2)
+    with pytest.raises(InvalidArgument, match="carries the variables of one of the step's optimizers"):
+        store.set_learning_rate(0.2, ["w", "b"])
     with pytest.raises(InvalidArgument, match="'w' twice"):
         OptimizerSpec("adam", groups=((("w",), adam), (("w", "b"), sgd))).validate()
     with pytest.raises(InvalidArgument, match="no groups of its own"):

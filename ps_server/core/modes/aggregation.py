@@ -302,6 +302,11 @@ class RoundSum:
     def sparse_rule(self) -> str:
         return self._rule() if callable(self._rule) else self._rule
 
+    @property
+    def names(self) -> frozenset[str]:
+        """The variables the round's pushes carry (every push the same)."""
+        return frozenset(self._names)
+
     def add(self, worker_id: int, batch_size: int, gradients: Mapping[str, np.ndarray]) -> None:
         if self.count and set(gradients) != self._names:
             raise InvalidArgument("every push of a round carries the same variables")

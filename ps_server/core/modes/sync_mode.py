@@ -49,10 +49,11 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   finite under a Keras loss scale) is completed without an update: the version counts
   it, no variable changes, and every reply carries the sum, so every worker skips alike;
 - a round in which any contributor set the learning rate is applied with it: it
-  is set (``VariableStore.set_learning_rate``) at completion, just before the
+  is set (``VariableStore.set_learning_rate``: with optimizer groups, the rate of
+  the group whose variables the round carries) at completion, just before the
   optimizer step, and stays for later rounds. Two different values in one round,
-  or any value while the optimizer runs a schedule, refuse the push that brings
-  it, before it joins. Every reply's ``learning_rate`` is the rate the round was
+  or any value while that optimizer runs a schedule, or for a push of several
+  groups' variables, refuse the push that brings it, before it joins. Every reply's ``learning_rate`` is the rate the round was
   applied with.
 
 **Backup workers over several shards** (``follow``): shard 0 picks each round's
@@ -318,7 +319,8 @@ class SyncMode(Mode):
         """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
         round's pushes so far: other metric names, shapes or dtypes (every push of a round
         carries the same or none), another learning rate than one already asked for, or a
-        learning rate while the optimizer runs a schedule. Lock held."""
+        learning rate the store cannot set for the push's variables (``check_learning_rate``: a
+        schedule, several groups). Lock held."""
         pending = self._book.peek()
         if pending:
             first = pending[0]
@@ -333,10 +335,11 @@ class SyncMode(Mode):
                 raise InvalidArgument(
                     f"worker {push.worker_id} sets the learning rate to {push.set_learning_rate!r} for round "
                     f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
-            if getattr(self.store.optimizer_spec, "learning_rate_schedule", ""):
-                raise InvalidArgument(
-                    f"worker {push.worker_id} sets the learning rate, but the optimizer's learning rate is a "
-                    "schedule (the server evaluates it at its update count); nothing applied")
+            try:  # the rate of the optimizer (group) that steps the push's variables
+                self.store.check_learning_rate(push.gradients)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"worker {push.worker_id} sets the learning rate for round {push.step}, "
+                                      f"but {e}; nothing applied") from None
 
     def _deadline(self) -> float:
         started = self._round_started if self._round_started is not None else self._clock()
@@ -359,6 +362,7 @@ class SyncMode(Mode):
         started = time.perf_counter()
         rates = [p.set_learning_rate for p in pushes if p.set_learning_rate]  # all alike (_check_round_extras)
         previous = None
+        names = self._sum.names.union(*(p.gradients for p in pushes))  # the rate's: their optimizer (group)'s
         speculation = self._speculation if self._speculation is not None \
             and self._speculation.generation == generation and not rates else None
         metrics = sum_metrics([p.metrics for p in pushes])
@@ -373,16 +377,16 @@ class SyncMode(Mode):
                         self._sum.add(p.worker_id, p.batch_size, p.gradients)
                 mean = self._sum.mean()
             if rates:
-                previous = self.store.current_learning_rate()
-                self.store.set_learning_rate(rates[0])  # this round is applied with it
-            learning_rate = self.store.current_learning_rate()
+                previous = self.store.current_learning_rate(names)
+                self.store.set_learning_rate(rates[0], names)  # this round is applied with it
+            learning_rate = self.store.current_learning_rate(names)
             version = self.store.bump_version() if skip else self.store.publish(kept) if kept is not None \
                 else self.store.apply_all(mean, key=f"round {self._book.round}")
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
             with contextlib.suppress(PSError):
                 followers()  # their steps fail too (global_clipnorm: no norm), or nothing can undo them
-            if previous is not None and self.store.current_learning_rate() != previous:
-                self.store.set_learning_rate(previous)  # the round left no trace: its rate neither
+            if previous is not None and self.store.current_learning_rate(names) != previous:
+                self.store.set_learning_rate(previous, names)  # the round left no trace: its rate neither
             self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
