@@ -281,8 +281,9 @@ class _Attached:
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
         self.metrics_before: dict = {}  # every metric's state before this step
-        self.sent_learning_rate: float | None = None
-        self.compiled_learning_rate: float | None = None  # several optimizers: what the server runs, unchangeable
+        # The chief, by optimizer (id): its learning rate read before the steps (``_read_learning_rates``),
+        # the one its pushes last sent, and the one the server was initialized with.
+        self.rates, self.sent_rates, self.compiled_rates = {}, {}, {}
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
         self.next_round = self.base = 0  # elastic: the round the next Keras step is, and the fit's first
@@ -305,11 +306,11 @@ class _Attached:
 
     # -- fit
     @property
-    def optimizer(self):
-        """The optimizer the server runs: the compiled one, or the first a wrapped step applies
-        (a GAN's ``d_optimizer``; ``super().compile()`` left ``model.optimizer`` unused; a
-        ``MultiOptimizer``'s first)."""
-        return self.wrap.parts[0][0] if self.wrap.parts else _inner(self.model.optimizer)
+    def optimizers(self) -> list:
+        """The optimizers the server runs, each a group of its spec: the compiled one, or each a
+        wrapped step applies (a GAN's ``d_optimizer`` and ``g_optimizer``; ``super().compile()``
+        left ``model.optimizer`` unused; a ``MultiOptimizer``'s each)."""
+        return [o for o, _ in self.wrap.parts] or [_inner(self.model.optimizer)]
 
     def fit(self, *args, callbacks=None, verbose="auto", **kwargs):
         strategy = self.strategy
@@ -365,7 +366,7 @@ class _Attached:
         if self.dealt is not None:  # elastic: each dealt micro-batch through the wrapped step (``compute``)
             engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
             engine.watch(self.stop)
-        self.compiled_learning_rate = self.epoch_rate = _rate(self.optimizer)
+        self.compiled_rates = self.compiled_rates or {id(o): _rate(o) for o in self.optimizers}
         model.train_function = self.train_function
         return model.train_function
 
@@ -373,8 +374,7 @@ class _Attached:
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
         (its last execution), none (``StopIteration``) when they had ended."""
         logs = None
-        if self.wrap.grouped:  # a callback's change of the rate: stopped here, not in the step's graph
-            self._new_learning_rate()
+        self._read_learning_rates()  # here, not in the step's graph
         for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
             # elastic: Keras' batch is only counted; the server deals the examples
             logs = self.round_step() if self.dealt is not None else self.wrap.step(data)
@@ -401,14 +401,13 @@ class _Attached:
 
     def _answered(self, row: dict, reply) -> None:
         """After a step's push: the round's metric state (sync: the global batch's, and whether
-        every worker read the same batch), the server's learning rate and parameters."""
+        every worker read the same batch) and the server's parameters."""
         if self.strategy.connection.sync and reply.metrics:
             self.read.check_round(reply.metrics, row["step"])
             pushes = int(reply.metrics[BatchDigests.KEY][0])
             for v in _metric_variables(self.model):
                 if v.path in reply.metrics:
                     v.assign(_metric_combined(v, self.metrics_before[v.path], reply.metrics[v.path], pushes))
-        self.learning_rates.append(float(reply.learning_rate))
         self._pull()
 
     def _pull(self) -> None:
@@ -421,7 +420,7 @@ class _Attached:
     def _rejoined(self) -> None:
         """After a rejoin: the chief's next push sends its learning rate again (a restarted
         server holds its checkpoint's)."""
-        self.sent_learning_rate = None
+        self.sent_rates = {}
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """Elastic: a dealt micro-batch's logged loss and payload through Keras' step, wrapped
@@ -431,7 +430,7 @@ class _Attached:
         if work.batch_size and payload is None:
             self._not_finite()
             loss = 0.0
-        return loss, payload, {"metrics": None, "set_learning_rate": self._new_learning_rate()}
+        return loss, payload, {"metrics": None, "set_learning_rate": self._new_learning_rate(self.optimizers)}
 
     def _not_finite(self) -> None:
         """Logged, so that TerminateOnNaN sees it (in sync on every worker, through the round's sum)."""
@@ -456,34 +455,47 @@ class _Attached:
         changes[BatchDigests.KEY] = self.read.last
         return changes
 
-    def _new_learning_rate(self) -> float:
-        """The chief's learning rate when its callbacks changed it since it was last sent; else 0.
-        Elastic: the epoch's rate (``epoch_rate``), sent by every worker with every push, so that
-        a round's rate is the same whoever computes its micro-batches (or tasks)."""
+    def _read_learning_rates(self) -> None:
+        """The chief, before its steps: each optimizer's learning rate, which the next push of its
+        variables sends where a callback changed it (``_new_learning_rate``). Where no push can
+        carry it, a change stops ``fit`` in one line: one push steps several optimizers (a
+        ``MultiOptimizer``'s ``apply``)."""
+        if not self.strategy.is_chief:
+            return
+        self.rates = {id(o): _rate(o) for o in self.optimizers}
+        fixed = [o for parts in self.wrap.owned.values() if len(parts) > 1 for o in parts]
+        changed = next((o for o in fixed if self.rates[id(o)] != self.compiled_rates.get(id(o))), None)
+        if changed is not None:
+            raise ValueError(f"the server runs the compiled learning rate of {type(changed).__name__}; a callback's "
+                             "change (LearningRateScheduler, ReduceLROnPlateau) cannot reach it when one push (a "
+                             "MultiOptimizer's apply) steps several optimizers: compile a "
+                             "keras.optimizers.schedules.LearningRateSchedule instead")
+
+    def _new_learning_rate(self, optimizers: list) -> float:
+        """The chief's learning rate of ``optimizers`` (what one push steps: one optimizer, whose rate
+        the server sets for that push's update on) where its callbacks changed it since that
+        optimizer's pushes last sent it; else 0. Elastic: the epoch's rate (``epoch_rate``), sent
+        by every worker with every push, so that a round's rate is the same whoever computes its
+        micro-batches (or tasks)."""
         if self.dealt is not None:
             lr = _rate(self.optimizer)
             if lr != self.epoch_rate:
                 raise ValueError(f"elastic=True: a callback changed the learning rate within an epoch ({self.epoch_rate} "
-                                 f"to {lr}); where the server deals the data the chief's rate is "
-                                 "agreed at each epoch's start (LearningRateScheduler, ReduceLROnPlateau change it "
-                                 "there), or compile a keras.optimizers.schedules.LearningRateSchedule")
+                                 f"to {lr}); where the server deals the data the chief's rate is agreed at each "
+                                 "epoch's start (LearningRateScheduler, ReduceLROnPlateau change it there), or compile "
+                                 "a keras.optimizers.schedules.LearningRateSchedule")
             return lr or 0.0
-        lr = _rate(self.optimizer) if self.strategy.is_chief else None
-        if lr is None:
+        if len(optimizers) != 1:
             return 0.0
-        if self.wrap.grouped:  # a server of several optimizers (OptimizerSpec.groups)
-            if lr != self.compiled_learning_rate:
-                raise ValueError("the server runs the compiled learning rate; a callback's change "
-                                 "(LearningRateScheduler, ReduceLROnPlateau) cannot reach it when the step applies "
-                                 "several optimizers: compile a keras.optimizers.schedules.LearningRateSchedule instead")
-            return 0.0
-        # The first push of this worker always sends it: a callback may have set it before the first
+        key = id(optimizers[0])
+        lr = self.rates.get(key)
+        # The first push of each optimizer always sends it: a callback may have set it before the first
         # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
-        if lr == self.sent_learning_rate:
+        if lr is None or lr == self.sent_rates.get(key):
             return 0.0
-        self.sent_learning_rate = lr
-        log.debug("tfps.keras: learning rate %g from the chief's update at step %d", lr,
-                  self.strategy.connection.step)
+        self.sent_rates[key] = lr
+        log.debug("tfps.keras: learning rate %g of %s from the chief's update at step %d", lr,
+                  type(optimizers[0]).__name__, self.strategy.connection.step)
         return lr
 
     def _load(self) -> None:
@@ -549,6 +561,7 @@ class _Wrap:
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
+        self.owned: dict = {}  # id of each optimizer the step applies: the ones of ``parts`` its push steps
         self.grouped = False  # served as groups: several optimizers, or one to some variables
         self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
         self.patch(attached.model.optimizer)
@@ -604,7 +617,9 @@ class _Wrap:
             raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
                              "optimizer its own variables")
         # Each optimizer its variables (a group of the server's spec), unless one steps them all.
-        self.parts = [part for o, variables in self.served for part in _parts(o, variables)]
+        split = [(o, _parts(o, variables)) for o, variables in self.served]
+        self.parts = [part for _, parts in split for part in parts]
+        self.owned = {id(o): [p for p, _ in parts] for o, parts in split}
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
         if (self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)) and (
@@ -695,7 +710,7 @@ class _Wrap:
     def _begin(self, pulled: dict) -> None:
         """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""
         self.applies = self.immediate = 0  # this step's applies: all, and those pushed at once
-        self.deferred: list | None = None  # [payload] of the step's last apply (None: not finite)
+        self.deferred: list | None = None  # [payload, optimizer] of the step's last apply (payload None: not finite)
         self.held = False  # the step's gradients went into a gradient_accumulation_steps window
         self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
         self.base = dict(pulled)  # the non-trainable values the next push's changes are measured from
@@ -720,7 +735,7 @@ class _Wrap:
         self.examples = self.batch_examples = _batch_size(x)
         self._begin(self.attached.strategy.connection.pulled)
         logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
-        (payload,), self.deferred = self.deferred or [None], None
+        (payload, _), self.deferred = self.deferred or [None, None], None
         return _logged_loss(logs), payload
 
     def apply(self, grads, trainable_variables, optimizer) -> None:
@@ -794,18 +809,18 @@ class _Wrap:
         if self.skip or not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
-            self._push(self.deferred[0], now)
+            self._push(*self.deferred, now)
         if a.window.last() and self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
-            self._push(payload, now)
+            self._push(payload, optimizer, now)
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
-        self._keep(payload)
+        self._keep(payload, optimizer)
         # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
         return [False] + [np.zeros((), np.dtype(v.dtype)) for v in trainable(model) + non_trainable(model)]
 
-    def _keep(self, payload) -> None:
+    def _keep(self, payload, optimizer=None) -> None:
         """A payload not pushed at once: a batch of a ``gradient_accumulation_steps`` window before
         its last, into the window (``Window.add``), nothing pushed; else the step's last apply,
         pushed when the step has returned (``_flush``), the last batch of a window pushing the
@@ -817,10 +832,12 @@ class _Wrap:
             return
         if a.window.steps > 1 and payload is None and not self.examples and not self.skip:
             payload = zeros(a.strategy.connection.pulled)
-        self.deferred = [a.window.mean(payload, trainable(a.model))]
+        self.deferred = [a.window.mean(payload, trainable(a.model)), optimizer]
 
-    def _push(self, payload, now: dict | None = None, metrics=None, loss: float = 0.0):
-        """Push ``payload`` of this step (None: weight 0), its non-trainable changes measured to ``now``."""
+    def _push(self, payload, optimizer=None, now: dict | None = None, metrics=None, loss: float = 0.0):
+        """Push ``payload`` of this step (None: weight 0) of ``optimizer``'s apply (None: a tiny last
+        batch's zeros), its non-trainable changes measured to ``now``, with the chief's new learning
+        rate of the one optimizer the server steps it with (several optimizers: that apply's own)."""
         from worker.connection import Work
 
         a = self.attached
@@ -832,18 +849,21 @@ class _Wrap:
             if now is not None:
                 self.base = dict(now)
         weight = a.window.weight(self.examples, self.batch_examples, conn.sync, a.strategy.num_replicas_in_sync)
-        return a.strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics,
-                                      set_learning_rate=a._new_learning_rate())
+        row, reply = a.strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics,
+                                            set_learning_rate=a._new_learning_rate(
+                                                self.owned.get(id(optimizer), []) if self.grouped else a.optimizers))
+        a.learning_rates.append(float(reply.learning_rate))
+        return row, reply
 
     def _flush(self, logs):
         """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
         if self.deferred is None:
             return None
-        (payload,), self.deferred = self.deferred, None
+        (payload, optimizer), self.deferred = self.deferred, None
         metrics = self.attached._metric_changes()
         if self.scaled():
             metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if self.skip else 0.0])}
-        return self._push(payload, metrics=metrics, loss=_logged_loss(logs))
+        return self._push(payload, optimizer, metrics=metrics, loss=_logged_loss(logs))
 
     def scaled(self) -> bool:
         """Whether the step's optimizer is a ``LossScaleOptimizer`` (``mixed_float16``)."""
@@ -1108,18 +1128,19 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                     attached.optimizer.learning_rate = attached.epoch_rate = got["lr"]
 
         def on_epoch_end(self, epoch, logs=None):
-            model, optimizer = self.model, attached.optimizer
+            model = self.model
             # Async and ssp: what each worker read this epoch, against the chief's (sync checks each round).
             read = attached.read.epoch.hexdigest() if not strategy.connection.sync and strategy.batches == "global" \
                 and attached.dealt is None else None
-            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training),
-                                                              "lr": _rate(optimizer), "read": read})
+            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "read": read,
+                                                              "lr": [_rate(o) for o in attached.optimizers]})
             if got.get("read") != read:
                 raise DataMismatch(f"worker {strategy.worker_index} read other global batches in epoch {epoch} "
                                    "than the chief")
             model.stop_training = got["stop"]
-            if got["lr"] is not None and not strategy.is_chief:
-                optimizer.learning_rate = got["lr"]
+            for optimizer, lr in zip(attached.optimizers, got["lr"]):
+                if lr is not None and not strategy.is_chief:
+                    optimizer.learning_rate = lr
 
     return Agreement()
 

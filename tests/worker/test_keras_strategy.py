@@ -163,19 +163,61 @@ def test_a_multi_optimizer_s_optimizers_each_step_their_variables_as_model_fit_d
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
-def test_a_learning_rate_a_callback_changes_stops_a_fit_of_several_optimizers_in_one_line(server):
-    """Each optimizer's learning rate is its own on the server (``OptimizerSpec.groups``): a
-    callback's change cannot reach it as one rate, so the chief stops, naming what to do."""
+class SetAt(keras.callbacks.Callback):
+    """A user's callback: ``optimizer(model).learning_rate = rate`` at the start of epoch ``epoch``."""
+
+    def __init__(self, epoch, optimizer, rate):
+        super().__init__()
+        self.epoch, self.optimizer, self.rate = epoch, optimizer, rate
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.optimizer(self.model).learning_rate = self.rate
+
+
+def test_callbacks_changing_each_optimizer_s_rate_reach_its_group_and_fit_ends_where_model_fit_ends(server):
+    """Each optimizer's rate is its own group's on the server (``OptimizerSpec.groups``): the
+    compiled Adam's halved each epoch by ``LearningRateScheduler``, the second optimizer's set
+    by a user's callback at epoch 1, each sent with the next push of its own variables. One
+    worker ends at the plain ``model.fit``'s weights and losses to the bit, and the server used
+    each push's rate."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 4)).astype(np.float32), rng.normal(size=(48, 2)).astype(np.float32)
+    runs = []
+    for strategy in (None, Strategy(ps=server("sync", 1).address, num_workers=1)):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = TwoParts(keras.optimizers.SGD(0.05, momentum=0.9))
+            model.compile(optimizer=keras.optimizers.Adam(0.01))
+        callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 / 2 ** epoch),
+                     SetAt(1, lambda m: m.other, 0.0125)]
+        history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+        runs.append([v.numpy().tobytes() for v in model.trainable_variables] + [history.history["loss"]])
+        if strategy:
+            strategy.close()
+    assert runs[0] == runs[1]
+    each_step = [[0.01, 0.05], [0.005, 0.0125], [0.0025, 0.0125]]  # (Adam's, SGD's) in epochs 0, 1, 2
+    assert strategy.server_learning_rates == [float(np.float32(r)) for rates in each_step for _ in range(3)
+                                              for r in rates]
+
+
+def test_a_callback_s_change_of_a_multi_optimizer_s_rate_stops_fit_in_one_line(server):
+    """A ``MultiOptimizer``'s ``apply`` is one push of several groups' variables, which carries
+    one rate: a change of one of its optimizers' rates stops the chief, naming what to do."""
     import numpy as np
 
     strategy = Strategy(ps=server("sync", 1).address, num_workers=1)
     with strategy.scope():
-        model = TwoParts(keras.optimizers.SGD(0.05))
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
-    with pytest.raises(ValueError, match="the step applies several optimizers: compile a keras.optimizers"):
-        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, verbose=0,
-                  callbacks=[halve])
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="hidden"), keras.layers.Dense(2)])
+        chosen = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.1), {".*/hidden/.*": keras.optimizers.Adam(0.01)})
+        model.compile(optimizer=keras.optimizers.MultiOptimizer(chosen), loss="mse")
+    with pytest.raises(ValueError, match="of Adam; .* when one push \\(a MultiOptimizer's apply\\) steps several "
+                                         "optimizers: compile a keras.optimizers"):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, epochs=2, verbose=0,
+                  callbacks=[SetAt(1, lambda m: m.optimizer.optimizers[0], 0.05)])  # the Adam
+    assert len(strategy.server_learning_rates) == 2  # the first epoch's two steps, none of the second's
     strategy.close()
 
 
