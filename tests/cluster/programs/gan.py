@@ -2,13 +2,15 @@
 part): ``compile(d_optimizer=..., g_optimizer=...)`` and a ``train_step`` that applies the
 discriminator's optimizer, then the generator's through the updated discriminator.
 
-    python gan.py --out DIR [--alone | --mirrored] [--eagerly]
+    python gan.py --out DIR [--alone | --mirrored] [--eagerly] [--d-learning-rate-at-1 RATE]
 
 The latent vectors come with the data (two per image, drawn once from a seeded generator), so
 that every example's noise is the same however the batch is split: a worker's part of a global
 batch has the noise one process gives those examples. Digits as 64 pixels; both optimizers Adam, of
-two learning rates (3e-4 and 1e-3).
-Writes ``DIR/worker<i>.json``: History, the final weights, each optimizer's iterations.
+two learning rates (3e-4 and 1e-3); ``--d-learning-rate-at-1``: a callback of the user's sets the
+discriminator's rate at epoch 1's start (``self.model.d_optimizer.learning_rate = RATE``).
+Writes ``DIR/worker<i>.json``: History, the final weights, each optimizer's iterations (under
+tfps, the rate the server used for each of this worker's updates too).
 """
 
 import argparse
@@ -27,6 +29,7 @@ p.add_argument("--mirrored", action="store_true")
 p.add_argument("--eagerly", action="store_true", help="run_eagerly=True")
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--g-learning-rate", type=float, default=1e-3)
+p.add_argument("--d-learning-rate-at-1", type=float, default=0.0)
 args = p.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -109,11 +112,22 @@ with strategy.scope():
     if args.mirrored:  # MirroredStrategy needs them built in its scope (a placeholder error otherwise)
         gan.d_optimizer.build(discriminator.trainable_variables)
         gan.g_optimizer.build(generator.trainable_variables)
+
+
+class DiscriminatorRate(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.d_optimizer.learning_rate = args.d_learning_rate_at_1
+
+
 gan.run_eagerly = args.eagerly
-history = gan.fit(train, epochs=args.epochs, verbose=0)
+history = gan.fit(train, epochs=args.epochs, verbose=0,
+                  callbacks=[DiscriminatorRate()] if args.d_learning_rate_at_1 else [])
 record = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
           "weights": [np.asarray(w).tolist() for w in gan.get_weights()],
           "iterations": [int(gan.d_optimizer.iterations.numpy()), int(gan.g_optimizer.iterations.numpy())]}
+if hasattr(strategy, "server_learning_rates"):
+    record["server_learning_rates"] = strategy.server_learning_rates
 os.makedirs(args.out, exist_ok=True)
 with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
     json.dump(record, f)
