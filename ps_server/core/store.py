@@ -953,7 +953,7 @@ class VariableStore:
     # -- the learning rate ------------------------------------------------------
     def set_learning_rate(self, value: float, names: Iterable[str] = ()) -> None:
         """From the next update on, the constant learning rate of the optimizer that steps
-        ``names`` (a push's variables; ``_rate_owner``) is ``value``.
+        ``names`` (a push's variables; ``rate_owner``) is ``value``.
 
         What a Keras ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief
         asks for (it sets ``optimizer.learning_rate``; with ``groups``, a GAN's
@@ -967,7 +967,7 @@ class VariableStore:
                 or not math.isfinite(value) or value <= 0:
             raise InvalidArgument(f"the learning rate must be a finite number > 0; got {value!r}")
         with self._publish:
-            spec, owner = self._optimizer.spec, self.check_learning_rate(names)
+            spec, owner = self._optimizer.spec, self.rate_owner(names, setting=True)
             if spec.groups:  # the group's rate; the spec's own fields are the first group's
                 at = next(i for i, (held, _) in enumerate(spec.groups) if self._optimizer.groups[held[0]] is owner)
                 groups = list(spec.groups)
@@ -981,28 +981,23 @@ class VariableStore:
                 self._initial_spec = spec
             self._optimizer = optimizer
 
-    def check_learning_rate(self, names: Iterable[str] = ()) -> Optimizer:
-        """The optimizer whose rate a push of ``names`` would set (``_rate_owner``); InvalidArgument
-        where it cannot: ``names`` of several groups, or a learning rate that is a schedule."""
-        owner = self._rate_owner(names, one=True)
-        if owner.spec.learning_rate_schedule is not None:
+    def rate_owner(self, names: Iterable[str] = (), setting: bool = False) -> Optimizer:
+        """The optimizer whose learning rate an update of ``names`` (a push's variables) uses:
+        with ``groups``, the group of its trainable variables (none of them: the first group),
+        else the only one. ``setting``: InvalidArgument where a push of ``names`` cannot set it:
+        they are not one group's (one push, one rate: each Keras ``apply`` of a GAN's step is a
+        push of its optimizer's variables), or its rate is a schedule."""
+        optimizer = self._optimizer
+        owners = list({id(o): o for o in map(optimizer.groups.get, names) if o is not None}.values())
+        if setting and optimizer.groups and len(owners) != 1:
+            raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
+                                  f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
+        first = optimizer.spec.groups[0][0][0] if optimizer.groups else ""
+        owner = owners[0] if owners else optimizer.of(first)
+        if setting and owner.spec.learning_rate_schedule is not None:
             raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
                                   "its update count and cannot also set a constant one")
         return owner
-
-    def _rate_owner(self, names: Iterable[str], one: bool = False) -> Optimizer:
-        """The optimizer whose learning rate an update of ``names`` (a push's variables) uses:
-        with ``groups``, the group of its trainable variables (none of them: the first group),
-        else the only one. ``one``: InvalidArgument unless they are one group's (one push sets
-        one rate: each Keras ``apply`` of a GAN's step is a push of its optimizer's variables)."""
-        optimizer = self._optimizer
-        if not optimizer.groups:
-            return optimizer
-        owners = list({id(o): o for o in map(optimizer.groups.get, names) if o is not None}.values())
-        if one and len(owners) != 1:
-            raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
-                                  f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
-        return owners[0] if owners else optimizer.of(optimizer.spec.groups[0][0][0])
 
     def take_averages(self, names: Collection[str]) -> None:
         """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of ``fit``): each of
@@ -1037,10 +1032,10 @@ class VariableStore:
 
     def current_learning_rate(self, names: Iterable[str] = ()) -> float:
         """The learning rate of the next update of ``names`` (a push's variables: with ``groups``,
-        its group's; ``_rate_owner``): the schedule's at their ``optimizer_iterations``
+        its group's; ``rate_owner``): the schedule's at their ``optimizer_iterations``
         (as Keras reads ``optimizer.learning_rate``), else the constant one."""
         self._require_initialized()
-        spec = self._rate_owner(names).spec
+        spec = self.rate_owner(names).spec
         if spec.learning_rate_schedule is not None:
             counted = [n for n in names if n in self._optimizer.groups] or None
             return float(schedules.learning_rate(spec.learning_rate_schedule, self.optimizer_iterations(counted)))

@@ -319,7 +319,7 @@ class SyncMode(Mode):
         """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
         round's pushes so far: other metric names, shapes or dtypes (every push of a round
         carries the same or none), another learning rate than one already asked for, or a
-        learning rate the store cannot set for the push's variables (``check_learning_rate``: a
+        learning rate the store cannot set for the push's variables (``rate_owner``: a
         schedule, several groups). Lock held."""
         pending = self._book.peek()
         if pending:
@@ -336,7 +336,7 @@ class SyncMode(Mode):
                     f"worker {push.worker_id} sets the learning rate to {push.set_learning_rate!r} for round "
                     f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
             try:  # the rate of the optimizer (group) that steps the push's variables
-                self.store.check_learning_rate(push.gradients)
+                self.store.rate_owner(push.gradients, setting=True)
             except InvalidArgument as e:
                 raise InvalidArgument(f"worker {push.worker_id} sets the learning rate for round {push.step}, "
                                       f"but {e}; nothing applied") from None
