@@ -478,7 +478,7 @@ class _Attached:
         by every worker with every push, so that a round's rate is the same whoever computes its
         micro-batches (or tasks)."""
         if self.dealt is not None:
-            lr = _rate(self.optimizer)
+            lr = _rate(self.optimizers[0])  # elastic: one optimizer
             if lr != self.epoch_rate:
                 raise ValueError(f"elastic=True: a callback changed the learning rate within an epoch ({self.epoch_rate} "
                                  f"to {lr}); where the server deals the data the chief's rate is agreed at each "
@@ -1123,9 +1123,9 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
             if attached.dealt is not None:  # elastic: the epoch's rounds, at the chief's rate for it
                 attached.next_round = attached.base + epoch * attached.dealt.steps_per_epoch
-                got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizer)})
+                got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizers[0])})
                 if got["lr"] is not None:
-                    attached.optimizer.learning_rate = attached.epoch_rate = got["lr"]
+                    attached.optimizers[0].learning_rate = attached.epoch_rate = got["lr"]
 
         def on_epoch_end(self, epoch, logs=None):
             model = self.model
