@@ -12,14 +12,9 @@ sends the server the version and incarnation of the values this client holds, an
 back only the variables that changed since (``worker.transports.PullCache``).
 
 Same-host fast path, opt-in: ``PSClient(address, shm=True)``. At ``register`` the client
-proves that the server can open its shared-memory segments (``SharedMemory``); only then
-do large pushes and pulls pass through them (``shm_active``). A failed probe (a server on
-another host, one started with ``--no-shm``, an older one), a segment that cannot be made
-(``/dev/shm`` full), or any "shared memory:" refusal on a call makes the client log one
-line and stream from then on (``shm_fallback_reason``); a refused call is repeated over the
-stream, which is safe because a refusal changes nothing on the server. The values a pull
-returns are copies, valid after the next pull. ``close()`` unlinks the segments, and so
-does interpreter exit.
+proves that the server can open its shared-memory segments; only then do large pushes and
+pulls pass through them (``shm_active``), until a refusal turns it off for good
+(``shm_fallback_reason``; what it guarantees: ``worker.transports.SharedMemory``).
 
 Each call carries a deadline. Calls that are safe to repeat (Register, Initialize, Pull,
 Leave, Status, Heartbeat, Broadcast) are retried on UNAVAILABLE by the channel's
@@ -191,27 +186,14 @@ class PSClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def register(self, worker_index: int, num_workers: int = 0, name: str = "", timeout: float | None = None) -> Registration:
-        """Join the cluster; with ``shm``, probe the same-host fast path too (every time:
-        a restarted server may run elsewhere)."""
+        """Join the cluster; with ``shm``, probe the same-host fast path too (``SharedMemory.register``)."""
         request = pb.RegisterRequest(worker_index=worker_index, num_workers=num_workers, worker_name=name,
                                      process=self.process)
-        shared = self.shared_memory
-        shared.active = False
         self.cache.fresh = False
-        held = shared.hold_for_probe()
-        try:
-            token = shared.probe_request(request) if held else None
-            reply = self.unary.call("Register", request, timeout=timeout,
-                                    wait_for_ready=True)  # the server may still be starting
-            if token is not None:
-                shared.probe_answer(reply, token)
-        finally:
-            for slot in held:
-                slot.lock.release()
-        if self.shm and shared.fallback_reason is not None:
-            shared.release_segments()
+        reply = self.shared_memory.register(request, lambda r: self.unary.call(
+            "Register", r, timeout=timeout, wait_for_ready=True))  # the server may still be starting
         self.sync = reply.mode == pb.SYNC
-        return convert.REGISTRATION.from_wire(reply, shm=shared.active)
+        return convert.REGISTRATION.from_wire(reply, shm=self.shared_memory.active)
 
     def initialize(self, worker_id: int, variables: Mapping[str, np.ndarray], optimizer: Mapping,
                    non_trainable: Iterable[str] = (), data_plan: Mapping | None = None,
@@ -339,8 +321,6 @@ class PSClient:
         held = self.cache.held
         if values is not None and held is not None and held[0] == reply.incarnation \
                 and held[1] == outgoing.base_version and set(values) <= set(held[2]):
-            for a in values.values():
-                a.flags.writeable = False
             self.cache.keep(reply.incarnation, reply.version, {n: values.get(n, held[2][n]) for n in held[2]},
                             fresh=True)
         return reply
@@ -359,8 +339,6 @@ class PSClient:
             states.setdefault(variable, {})[slot] = int(a) if slot == "iterations" else a
         values = codec.decode_many(reply.variables)
         if averages:  # the version stayed: a pull that knows it would keep the values held before
-            for a in values.values():
-                a.flags.writeable = False
             self.cache.keep(reply.incarnation, reply.version, values)
         return reply.version, values, states
 

@@ -124,7 +124,14 @@ class _OneMessage:
     def call(self, name: str, request, timeout: float | None = None): ...
 
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        return _pull_reply(self.call("Pull", request), self.address)
+        """The reply as a streamed one's: (header, values), a row delta's rows in the header."""
+        reply = self.call("Pull", request)
+        with failures("Pull", self.address):
+            values = codec.decode_many(reply.variables)
+        header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
+        header.variables.extend(pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, sparse=True, rows=t.rows)
+                                for t in reply.variables if t.sparse)  # row deltas (PullRequest.row_deltas)
+        return header, values
 
     def push(self, outgoing: OutgoingPush, timeout: float) -> pb.PushResponse:
         return self.call("Push", outgoing.request(), timeout=timeout)
@@ -142,18 +149,6 @@ class Unary(_OneMessage):
         with failures(name, self.address):
             return getattr(self._stub, name)(
                 request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready)
-
-
-def _pull_reply(reply: pb.PullResponse, address: str) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-    """A unary pull's reply as a streamed one's: (header, values)."""
-    with failures("Pull", address):
-        values = codec.decode_many(reply.variables)
-    header = pb.PullHeader(version=reply.version, incarnation=reply.incarnation)
-    for t in reply.variables:  # row deltas (PullRequest.row_deltas): their rows, as a stream's header has them
-        if t.sparse:
-            header.variables.append(pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, sparse=True,
-                                                  rows=t.rows))
-    return header, values
 
 
 # A CallFailure's code number -> its gRPC status code.
@@ -365,9 +360,13 @@ class _Slot:
 
     def ensure(self, nbytes: int) -> shmem.Segment:
         """A segment of at least ``nbytes`` (and ``want``): this one, or a new one. Sizes are
-        fixed for a segment's life, so growing means a new name. OSError if it cannot be made."""
-        if self.segment is None or self.segment.size < max(nbytes, self.want):
-            new = shmem.Segment.create(max(nbytes, self.want))
+        fixed for a segment's life, so growing means a new name. _ShmRefused if it cannot be made."""
+        size = max(nbytes, self.want)
+        if self.segment is None or self.segment.size < size:
+            try:
+                new = shmem.Segment.create(size)
+            except OSError as e:
+                raise _ShmRefused(f"cannot create a segment of {size} bytes in {shmem.DIRECTORY}: {e}") from None
             self.close()
             self.segment = new
         return self.segment
@@ -378,29 +377,20 @@ class _Slot:
             self.segment = None
 
 
-def _read_segment(segment: shmem.Segment, layout: stream.Layout, offsets: list[int]) -> dict[str, np.ndarray]:
-    """Copies of the values the server wrote into ``segment``; _ShmRefused if an offset
-    does not fit (``shm.views`` checks every one first)."""
-    try:
-        views = shmem.views(segment, layout.entries, offsets)
-    except shmem.ShmError as e:
-        raise _ShmRefused(f"the reply's {e}") from None
-    return {name: v.copy() for name, v in views.items()}
-
-
 class SharedMemory:
     """The same-host fast path: two segments of this client's in ``/dev/shm``
     (``protos.shm``: ``tfps-<pid>-<random>``, mode 0600), one for pushes, one for pulls.
 
-    ``register`` probes it (``hold_for_probe``, ``probe_request``, ``probe_answer``):
-    the client writes a random token into the push segment and names both; the server
-    must read the token back and write a nonce into the pull one. Only then is it
-    ``active``: pushes put the gradients into the push segment and pulls have the
-    server write the values into the pull segment, with gRPC carrying the headers
-    alone. The values a pull returns are copies, valid after the next pull. A segment
-    lives until ``close()`` (or interpreter exit) unlinks it, or until a call fails
-    in a way that leaves the server possibly still using it (a deadline, a dropped
-    connection): then it is dropped and the next call makes a new one. A SIGKILLed
+    ``register`` probes it: the client writes a random token into the push segment and
+    names both; the server must read the token back and write a nonce into the pull one.
+    Only then is it ``active``: pushes put the gradients into the push segment and pulls
+    have the server write the values into the pull segment, with gRPC carrying the headers
+    alone. A failed probe, a segment that cannot be made, or a "shared memory:" refusal of a
+    call turns it off for good with one log line (``fallback_reason``); a refused call is
+    repeated over the stream. The values a pull returns are copies, valid after the next
+    pull. A segment lives until ``close()`` (or interpreter exit) unlinks it, or until a
+    call fails in a way that leaves the server possibly still using it (a deadline, a
+    dropped connection): then it is dropped and the next call makes a new one. A SIGKILLed
     worker leaves its segments behind (``ls /dev/shm/tfps-*``; the pid says whose).
     """
 
@@ -434,27 +424,32 @@ class SharedMemory:
             slot.close()
 
     # -- the probe, at register ----------------------------------------------------
-    def hold_for_probe(self) -> list[_Slot]:
-        """Both slots, locked, when a probe is due; [] otherwise (or while a call uses one)."""
-        if not self.enabled or self.fallback_reason is not None:
-            return []
-        held = []
-        for slot in (self.push_slot, self.pull_slot):
-            if not slot.lock.acquire(blocking=False):
-                for h in held:
-                    h.lock.release()
-                return []
-            held.append(slot)
-        return held
+    def register(self, request: pb.RegisterRequest, call) -> pb.RegisterResponse:
+        """``call(request)``'s reply (Register), with the probe when one is due: on, not off for
+        good, and no call using a slot. Every register probes again: a restarted server may run
+        elsewhere."""
+        self.active = False
+        due = self.enabled and self.fallback_reason is None
+        held = [slot for slot in (self.push_slot, self.pull_slot) if due and slot.lock.acquire(blocking=False)]
+        try:
+            token = self._probe_request(request) if len(held) == 2 else None
+            reply = call(request)
+            if token is not None:
+                self._probe_answer(reply, token)
+        finally:
+            for slot in held:
+                slot.lock.release()
+        if self.fallback_reason is not None:
+            self.release_segments()
+        return reply
 
-    def probe_request(self, request: pb.RegisterRequest) -> bytes | None:
+    def _probe_request(self, request: pb.RegisterRequest) -> bytes | None:
         """Name both segments in ``request`` with a fresh token in the push one; the token,
         or None when the segments cannot be made (then the client streams for good)."""
         try:
-            push = self.push_slot.ensure(shmem.TOKEN_BYTES)
-            pull = self.pull_slot.ensure(shmem.TOKEN_BYTES)
-        except OSError as e:
-            self.fall_back(f"cannot create a segment in {shmem.DIRECTORY}: {e}")
+            push, pull = self.push_slot.ensure(shmem.TOKEN_BYTES), self.pull_slot.ensure(shmem.TOKEN_BYTES)
+        except _ShmRefused as e:
+            self.fall_back(str(e))
             return None
         token = shmem.new_token()
         push.array[:shmem.TOKEN_BYTES] = np.frombuffer(token, np.uint8)
@@ -462,7 +457,7 @@ class SharedMemory:
         request.shm_push_name, request.shm_pull_name = push.name, pull.name
         return token
 
-    def probe_answer(self, reply: pb.RegisterResponse, token: bytes) -> None:
+    def _probe_answer(self, reply: pb.RegisterResponse, token: bytes) -> None:
         nonce = self.pull_slot.segment.array[:shmem.TOKEN_BYTES].tobytes()
         if reply.shm_error:
             self.fall_back(f"the server refused the probe: {reply.shm_error}")
@@ -509,17 +504,18 @@ class SharedMemory:
                 self.release_segments()
 
     def _pull_once(self, request: pb.PullRequest, slot: _Slot) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
-        try:
-            segment = slot.ensure(shmem.MIN_BYTES)
-        except OSError as e:
-            raise _ShmRefused(f"cannot create a segment in {shmem.DIRECTORY}: {e}") from None
+        segment = slot.ensure(shmem.MIN_BYTES)
         request.shm_name = segment.name
 
         def read(header: pb.PullHeader, layout: stream.Layout, rest) -> dict[str, np.ndarray]:
-            values = _read_segment(segment, layout, list(header.shm_offsets))
+            """Copies of the values the server wrote into the segment (``shm.views`` checks every offset first)."""
+            try:
+                views = shmem.views(segment, layout.entries, list(header.shm_offsets))
+            except shmem.ShmError as e:
+                raise _ShmRefused(f"the reply's {e}") from None
             if next(rest, None) is not None:
                 raise _ShmRefused("a shared-memory reply went on with data messages")
-            return values
+            return {name: v.copy() for name, v in views.items()}
 
         header, values = self.streams.pull(request, read_segment=read)
         if not header.shm and header.shm_bytes_needed > segment.size:
@@ -535,10 +531,7 @@ class SharedMemory:
     def _push_once(self, outgoing: OutgoingPush, slot: _Slot, timeout: float) -> pb.PushResponse:
         arrays = outgoing.buffers()
         offsets, needed = shmem.aligned_offsets(a.nbytes for a in arrays)
-        try:
-            segment = slot.ensure(needed)
-        except OSError as e:
-            raise _ShmRefused(f"cannot create a segment of {needed} bytes in {shmem.DIRECTORY}: {e}") from None
+        segment = slot.ensure(needed)
         for a, off in zip(arrays, offsets):
             segment.array[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
         header = outgoing.header()
@@ -609,6 +602,9 @@ class PullCache:
         return copy
 
     def keep(self, incarnation: str, version: int, values: dict[str, np.ndarray], fresh: bool = False) -> None:
+        """Hold ``values`` (made read-only) as the next full pull's base; ``fresh``: its answer."""
+        for a in values.values():
+            a.flags.writeable = False
         self.held, self.fresh = (incarnation, version, values), fresh
         self._owned = {n: a for n, a in self._owned.items() if values.get(n) is a}  # those still held
 
