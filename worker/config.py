@@ -30,6 +30,10 @@ from worker.observe import PROGRESS_MODES
 from worker.task import SHARDINGS, is_function_spec
 
 AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
+# (field, floor, note): "--field must be >= floor", checked before the rest; NaN and infinity never pass.
+FLOORS = (("num_workers", 1, ""), ("train_examples", 0, " (0: all)"), ("steps", 0, ""), ("log_every", 1, ""),
+          ("eval_every", 0, ""), ("slowdown", 1, ""), ("bandwidth_mbps", 0, ""), ("added_latency_ms", 0, ""),
+          ("pause_at_step", 0, ""), ("pause_for", 0, ""))
 
 
 def _index(raw: str) -> int:
@@ -141,8 +145,10 @@ class WorkerConfig:
         low, high = d.MIN_OVERLAP_BLOCK_BYTES >> 10, d.MAX_OVERLAP_BLOCK_BYTES >> 10
         if self.overlap_block_kib and not low <= self.overlap_block_kib <= high:
             raise ConfigError(f"--overlap-block-kib must be 0 (off) or {low} to {high}, got {self.overlap_block_kib}")
-        if self.num_workers < 1:
-            raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
+        for name, floor, note in FLOORS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= floor):
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {floor}{note}, got {value:g}")
         if self.worker_index != AUTO_INDEX and not 0 <= self.worker_index < self.num_workers:
             raise ConfigError(f"--worker-index must be in 0..{self.num_workers - 1} or auto, got {self.worker_index}")
         for flag, value, builtin in (("dataset", self.dataset, DATASETS), ("model", self.model, MODELS)):
@@ -151,25 +157,19 @@ class WorkerConfig:
         if is_function_spec(self.model) != is_function_spec(self.dataset):
             raise ConfigError("--model module:function goes with --dataset module:function (the built-in models fit "
                               "only the built-in datasets, and your model needs your data)")
-        if self.train_examples < 0:
-            raise ConfigError(f"--train-examples must be >= 0 (0: all), got {self.train_examples}")
         if self.train_examples and is_function_spec(self.dataset):
             raise ConfigError("--train-examples subsets the built-in datasets; --dataset module:function makes "
                               "its own data")
-        if self.dataset_sharding not in SHARDINGS:
-            raise ConfigError(f"--dataset-sharding must be one of {', '.join(SHARDINGS)}, got {self.dataset_sharding!r}")
+        for flag, value, choices in (("dataset-sharding", self.dataset_sharding, SHARDINGS),
+                                     ("progress", self.progress, PROGRESS_MODES), ("optimizer", self.optimizer, OPTIMIZERS)):
+            if value not in choices:
+                raise ConfigError(f"--{flag} must be one of {', '.join(choices)}, got {value!r}")
         if self.elastic and self.dataset_sharding != "batch":
             raise ConfigError(f"--dataset-sharding {self.dataset_sharding} with --elastic: the server deals the "
                               "examples, so every worker reads the whole dataset (its function gets worker 0 of 1)")
-        if self.progress not in PROGRESS_MODES:
-            raise ConfigError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         check_shared_fields(self)
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.epochs < 1 and self.steps < 1:
             raise ConfigError("give --epochs >= 1 or --steps >= 1")
-        if self.steps < 0:
-            raise ConfigError(f"--steps must be >= 0, got {self.steps}")
         if self.global_batch_size < self.num_workers:
             raise ConfigError(f"--global-batch-size {self.global_batch_size} is smaller than --num-workers "
                               f"{self.num_workers}: some workers would get no examples")
@@ -182,8 +182,6 @@ class WorkerConfig:
         for name in ("connect_timeout", "init_timeout", "final_wait"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
-        if self.log_every < 1:
-            raise ConfigError(f"--log-every must be >= 1, got {self.log_every}")
         if self.heartbeat_interval < 0 or self.reconnect_timeout <= 0:
             raise ConfigError("--heartbeat-interval must be >= 0 and --reconnect-timeout > 0")
         if self.tls_cert_file and not self.tls_ca_file:
@@ -198,25 +196,12 @@ class WorkerConfig:
             raise ConfigError(f"--snapshot-steps must be comma-separated step numbers, got {self.snapshot_steps!r}") from None
         if any(s < 1 for s in steps):
             raise ConfigError(f"--snapshot-steps counts steps from 1, got {self.snapshot_steps!r}")
-        self._validate_knobs()
-        check_max_message_mb(self.max_message_mb)
-        return self
-
-    def _validate_knobs(self) -> None:
-        if not (math.isfinite(self.slowdown) and self.slowdown >= 1):
-            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown:g}")
-        for name in ("bandwidth_mbps", "added_latency_ms", "pause_for"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value:g}")
-        if self.pause_at_step < 0:
-            raise ConfigError(f"--pause-at-step must be >= 0, got {self.pause_at_step}")
         if self.pause_for > 0 and self.pause_at_step == 0:
             raise ConfigError("--pause-for needs --pause-at-step K >= 1 (the step to pause before, from 0)")
         if self.pause_at_step > 0 and self.pause_for == 0:
             raise ConfigError("--pause-at-step needs --pause-for S > 0 (seconds)")
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
+        check_max_message_mb(self.max_message_mb)
+        return self
 
     @classmethod
     def parser(cls, prog: str = "ps-worker") -> argparse.ArgumentParser:
