@@ -119,7 +119,7 @@ class PSClient:
         self._security = dict(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file,
                               server_name=tls_server_name, token=token)
         self._channel = security.client_channel(address, options=self._options, **self._security)
-        self._beats: Unary | None = None  # heartbeats' own connection, made at the first one
+        self._beats: tuple[grpc.Channel, Unary] | None = None  # heartbeats' own connection, made at the first one
         self._beats_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.unary = Unary(self._channel, address, timeout)
@@ -149,7 +149,7 @@ class PSClient:
         self._channel.close()
         with self._beats_lock:
             if self._beats is not None:
-                self._beats_channel.close()
+                self._beats[0].close()
         self.shared_memory.close()
 
     def __enter__(self) -> "PSClient":
@@ -365,9 +365,8 @@ class PSClient:
             if self._beats is None:
                 channel = security.client_channel(
                     self.address, options=self._options + [("grpc.use_local_subchannel_pool", 1)], **self._security)
-                self._beats = Unary(channel, self.address, self.timeout)
-                self._beats_channel = channel
-            beats = self._beats
+                self._beats = channel, Unary(channel, self.address, self.timeout)
+            beats = self._beats[1]
         reply = beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step, process=self.process),
                            timeout=timeout)
         return reply.incarnation

@@ -95,7 +95,6 @@ class ShardedClient:
         # Guards the fields below; never held across a call to a shard.
         self._lock = threading.Lock()
         self.placement: sharding.Placement | None = None
-        self._sync = False
         # Shard 0 decides what each update holds (a shard group: elastic sync, tasks, backup
         # workers): set by a data plan, a Work call, or backup workers seen at registration.
         self._led = False
@@ -184,7 +183,6 @@ class ShardedClient:
                                   for a, r, g in zip(self.addresses, rounds, regs)), resume, resume)
             combined = dataclasses.replace(combined, round=resume)
         with self._lock:
-            self._sync = sync
             self._pulled.clear()
         return combined
 

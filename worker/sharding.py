@@ -312,8 +312,3 @@ def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
         whole = first[1] if n == 1 else (start,) + first[1][1:]
         variables[variable] = (whole, first[2])
     return Placement(len(per_shard), variables, tuple(pieces))
-
-
-def join(per_shard: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """``{variable: array}`` from what the shards hold, with no plan: ``learn`` then join."""
-    return learn(per_shard).join(per_shard)

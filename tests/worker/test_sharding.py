@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from worker import sharding
-from worker.sharding import ShardingError, join, learn, plan
+from worker.sharding import ShardingError, learn, plan
 
 KIB = 1024
 # The tutorial CNN of worker/model.py, as the chief's model reports it.
@@ -118,7 +118,7 @@ def test_join_needs_no_plan_the_piece_names_describe_the_placement():
     learned = learn(per_shard)
     assert sorted(learned.pieces, key=lambda p: p.name) == sorted(placement.pieces, key=lambda p: p.name)
     assert learned.variables == {n: (shape, np.dtype(dtype)) for n, (shape, dtype) in specs.items()}
-    back = join(per_shard)
+    back = learned.join(per_shard)
     assert all(back[n].tobytes() == values[n].tobytes() for n in values)
 
 
@@ -165,7 +165,7 @@ def test_one_row_variables_and_0d_scalars_are_never_cut():
     placement = plan(specs, 4, min_slice_bytes=1)
     assert [(p.name, p.parts) for p in placement.pieces] == [("row", 1), ("scalar", 1)]
     values = {"row": np.ones((1, 1_000_000), np.float32), "scalar": np.array(2.5)}
-    back = join(placement.split(values))
+    back = placement.join(placement.split(values))
     assert back["scalar"].shape == () and back["scalar"] == 2.5 and back["row"].shape == (1, 1_000_000)
 
 
