@@ -107,7 +107,6 @@ class Connection:
         replaces ``config.optimizer_spec()``: the chief initializes the server with it, and
         the others check the server's optimizer against it."""
         self.config, self.model = config, model
-        # The optimizer this worker trains with: the one given, else the flags'.
         self.optimizer_spec = dict(optimizer_spec) if optimizer_spec is not None else config.optimizer_spec()
         self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
         self.client = client or connect(config)
@@ -226,8 +225,7 @@ class Connection:
             if value is None:
                 raise ValueError(f"the chief must post a value for broadcast key {key!r}")
             self.posted = {**dict(list(self.posted.items())[-(POSTS_KEPT - 1):]), key: bytes(value)}
-            return self.client.broadcast(self.worker_id, key, bytes(value), timeout)
-        return self.client.broadcast(self.worker_id, key, None, timeout)
+        return self.client.broadcast(self.worker_id, key, self.posted[key] if self.config.is_chief else None, timeout)
 
     def read(self) -> dict[str, np.ndarray]:
         """The server's values now, leaving the model as it is (a snapshot)."""

@@ -169,7 +169,7 @@ def task_at(engine, epoch: int | None = None) -> None:
     the job to finish (a task may come back to it); from then on steps do nothing."""
 
     def one(engine) -> bool:
-        offer, engine.pending = engine.pending or _offer(engine), None
+        offer, engine.pending = engine.pending or _work(engine), None
         if not offer.sizes:
             if offer.finished:
                 engine.pending = offer  # the job is done: every later step does nothing
@@ -179,7 +179,9 @@ def task_at(engine, epoch: int | None = None) -> None:
         if epoch is not None and offer.round // engine.task.steps_per_epoch > epoch:
             engine.pending = offer
             return False
-        _compute_task(engine, offer)
+        # Task offer.round: its batch of the plan (engine.batch examples), through the one step.
+        indices = global_batch(engine.task.num_examples, engine.batch, engine.config.seed, offer.round)
+        engine.record(engine(Work(engine.conn.step, len(indices), engine.task.examples(indices), task=offer.round))[0])
         return epoch is None
 
     _take(engine, one, TASK_TAKEN_AWAY)
@@ -191,7 +193,7 @@ def task_epoch(engine) -> int:
     last epoch when every task is held by others, its epochs once it is finished."""
 
     def one(engine) -> bool:
-        engine.pending = engine.pending or _offer(engine)
+        engine.pending = engine.pending or _work(engine)
         return False
 
     _take(engine, one, TASK_TAKEN_AWAY)
@@ -201,22 +203,6 @@ def task_epoch(engine) -> int:
     if not offer.finished:
         engine.pending = None  # nothing to hand out now: the first step asks again
     return task.epochs if offer.finished else task.epochs - 1
-
-
-def _offer(engine):
-    """The server's next task for this worker, at once (``TaskOffer``: none when every task is held)."""
-    engine.stop.check()
-    conn = engine.conn
-    conn.check()
-    return conn.client.work(conn.worker_id)
-
-
-def _compute_task(engine, offer) -> None:
-    """Task ``offer.round``: its batch of the plan (``engine.batch`` examples), through the one step."""
-    conn, task = engine.conn, engine.task
-    indices = global_batch(task.num_examples, engine.batch, engine.config.seed, offer.round)
-    row, _ = engine(Work(conn.step, len(indices), task.examples(indices), task=offer.round))
-    engine.record(row)
 
 
 def leave_now(engine) -> str:
@@ -248,7 +234,7 @@ def round_at(engine, r: int | None = None) -> None:
     def one(engine) -> bool:
         if r is not None and engine.conn.step > r:
             return False
-        work, engine.pending = engine.pending or _ask(engine), None
+        work, engine.pending = engine.pending or _work(engine, wait=True), None
         if r is None and work.round >= engine.task.total_steps:
             return False
         if r is not None and work.round > r:
@@ -263,11 +249,16 @@ def round_at(engine, r: int | None = None) -> None:
         engine.conn.step = engine.task.total_steps
 
 
-def _ask(engine):
-    """The server's next work for this worker (``Work``: waits until it deals some)."""
+def _work(engine, wait: bool = False):
+    """The server's next work for this worker (``Work``): elastic sync's micro-batches, waiting
+    until it deals some (``wait``), or at once a task (none when every task is held)."""
     conn = engine.conn
     conn.check()
-    return engine.call(conn.client.work, conn.worker_id, timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    if wait:
+        return engine.call(conn.client.work, conn.worker_id,
+                           timeout=conn.registration.barrier_timeout + conn.client.timeout)
+    engine.stop.check()
+    return conn.client.work(conn.worker_id)
 
 
 def _compute_round(engine, work) -> None:
