@@ -25,6 +25,7 @@ regularization losses; the server weights workers by batch share.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import itertools
@@ -388,8 +389,6 @@ class DealtArrays:
 
     def fingerprint(self) -> str:
         """A digest of every array's bytes, shapes and dtypes: every worker must deal from the same data."""
-        import hashlib
-
         digest = hashlib.sha256()
         for a in _leaves((self.x, self.y, self.sample_weight)):
             digest.update(f"{a.dtype}{a.shape}".encode())

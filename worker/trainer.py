@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from worker import elastic
+from worker import model as models
 from worker import task as tasks
 from worker.client import PSClientError
 from worker.config import ConfigError, WorkerConfig
@@ -59,8 +60,6 @@ LOG_TAG = WorkerLogTag()
 def train(config: WorkerConfig, task: tasks.Task | None = None) -> dict:
     """Train ``task`` (default: the one ``config`` names, ``worker.task.from_config``) against
     the parameter server; returns the chief's final scores (the others: their step count)."""
-    from worker import model as models
-
     tf = models.tf_setup(config.deterministic, config.intra_op_threads)
     device = models.device_name()
     log.debug("computes on %s (TensorFlow %s)", device, tf.__version__)
@@ -181,8 +180,6 @@ class TrainingLoop:
                                "eval_s": time.monotonic() - start})
             self.observer.evaluation(self.evals[-1])
         if step + 1 in set(self.config.snapshot_step_list):
-            from worker import model as models
-
             models.save_ordered_npz(self.model, self.conn.read(),
                                     os.path.join(self.config.snapshot_dir, f"step{step + 1}.npz"))
 
@@ -209,8 +206,6 @@ class TrainingLoop:
         return result
 
     def _finish_as_chief(self, train_s: float) -> dict:
-        from worker import model as models
-
         config, reg, model, task = self.config, self.conn.registration, self.model, self.task
         if reg.mode != "sync" and not config.elastic:  # async, ssp: nobody waits at a barrier, so wait for the others
             _wait_for_others(config, self.conn.client)
