@@ -272,6 +272,9 @@ def test_state_missing_a_slot_is_rejected():
          r"ema_momentum must be in \[0, 1\]; got 1.5"),
         (dict(name="adam", use_ema=True, ema_overwrite_frequency=2.5),
          "ema_overwrite_frequency must be an integer >= 1"),
+        (dict(name="adam", use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=3),
+         r"use_ema with ema_overwrite_frequency and gradient_accumulation_steps: Keras counts the overwrites in "
+         r"updates \(iterations // k\), so it overwrites the variables .* at every batch of an overwrite's window"),
         (dict(name="sgd", learning_rate_schedule={"class_name": "MySchedule", "config": {}}),
          "learning-rate schedule MySchedule is not one the server can run"),
     ],
@@ -513,6 +516,96 @@ def test_ema_slot_is_the_moving_average_and_overwrites_the_variable_every_freque
     assert w[0] == -1.0 and state["ema"][0] == -1.0
     w, state = opt.apply(w, np.ones(1, np.float32), state)  # w = -2; ema = 0.5*-1 + 0.5*-2; w = ema
     assert state["ema"][0] == -1.5 and w[0] == -1.5
+
+
+K = 3  # gradient_accumulation_steps of the tests below
+
+
+def ours_windows(spec, values, states, windows):
+    """One update per window of K batches' gradients, with the mean the worker pushes
+    (``worker.keras.Window``: each batch's added to zeros in turn, ``(g + sum) / K``)."""
+    opt = make_optimizer(spec)
+    for window in windows:
+        for i in range(len(values)):
+            sums = np.zeros_like(values[i]) + window[0][i]
+            for batch in window[1:-1]:
+                sums = sums + batch[i]
+            mean = np.asarray(np.divide(window[-1][i] + sums, np.asarray(K, values[i].dtype)))  # 0-d: an array
+            values[i], states[i] = opt.apply(values[i], mean, states[i])
+    return opt
+
+
+@pytest.mark.parametrize("case,option,schedule", [("adam", None, None), ("sgd_nesterov", "weight_decay", None),
+                                                  ("rmsprop_centered_momentum", "clipvalue", "exponential")])
+def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, case, option, schedule):
+    """Keras moves the average at each of a window's K batches, momentum 0 through the
+    first window (its ``iterations``, ``_iterations // K``, is 0): the server's update
+    moves it K - 1 times with the value before, then once after. After 11 batches (three
+    updates, two batches of the fourth window) the variables and the averages are Keras',
+    bit for bit, the averages once the end of a fit (``averaged``) moves them for the batches
+    held, a second ask moving nothing. Then, as a second fit after Keras'
+    ``finalize_variable_values``: the variables are the averages, the window's last batch
+    comes (its update moves the average once, after the step: the fit's end moved it for the
+    window's other batches, ``ema_moved``) and one window more."""
+    init, grads = apply_problem(seed=3)
+    optimizer = make_keras(keras, case, option, schedule)
+    optimizer.gradient_accumulation_steps = K
+    optimizer.use_ema, optimizer.ema_momentum = True, 0.8
+    spec = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
+    assert spec.gradient_accumulation_steps == K and spec.use_ema
+    variables = [keras.Variable(x) for x in init]
+
+    def keras_batches(batches):
+        for step_grads in batches:
+            optimizer.apply([keras.ops.convert_to_tensor(g) for g in step_grads], variables)
+        return [v.numpy() for v in variables], [a.numpy() for a in optimizer._model_variables_moving_average]
+
+    values, averages = keras_batches(grads[:11])
+    ours = list(init)
+    states = [make_optimizer(spec).init_state(v) for v in ours]
+    opt = ours_windows(spec, ours, states, [grads[0:3], grads[3:6], grads[6:9]])
+    assert_like_keras(ours, values)
+    taken = [opt.averaged(v, s, batches=2) for v, s in zip(ours, states)]
+    assert_like_keras([t[0] for t in taken], averages)
+    ours, states = [t[0] for t in taken], [t[1] for t in taken]
+    again = [opt.averaged(v, s, batches=2) for v, s in zip(ours, states)]  # another worker's ask
+    assert all(a[0] is s["ema"] and a[1] is s for a, s in zip(again, states))
+    optimizer.finalize_variable_values(variables)
+    values, averages = keras_batches(grads[11:15])
+    ours_windows(spec, ours, states, [grads[9:12], grads[12:15]])
+    assert_like_keras(ours, values)
+    assert_like_keras([s["ema"] for s in states], averages)
+    assert all(s["ema_moved"] == 0 and s["iterations"] == 5 for s in states)
+
+
+def test_keras_overwrites_at_every_batch_of_an_overwrite_window_so_that_is_refused(keras):
+    """Why ``ema_overwrite_frequency`` with accumulation is refused (``EMA_WINDOWS``): with
+    frequency 2 and K = 3 batches an update, Keras overwrites at every batch of the windows
+    whose ``iterations`` is 1 and 3, not only at updates: batch 10, the first of the fourth
+    window, changes the variable to the average, and the window's next gradients are taken there."""
+    optimizer = keras.optimizers.SGD(1.0, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2,
+                                     gradient_accumulation_steps=K)
+    w = keras.Variable(np.zeros(1, np.float32))
+    seen = []
+    for _ in range(3 * K + 1):
+        optimizer.apply([keras.ops.ones((1,))], [w])
+        seen.append(float(w.numpy()[0]))
+    # by hand: the updates (batches 3, 6, 9) step by -1; the average a, momentum 0 in the first window:
+    # a = -1 after batch 3; batch 6: a = (-1 + -2) / 2, overwritten; batch 9: a = (-1.5 + -2.5) / 2,
+    # not overwritten (iterations 2); batch 10: a = (-2 + -2.5) / 2, overwritten, though no update
+    assert seen == [0.0, 0.0, -1.0, -1.0, -1.0, -1.5, -1.5, -1.5, -2.5, -2.25]
+    with pytest.raises(InvalidArgument, match="cannot run on the server with ema_overwrite_frequency: Keras counts"):
+        OptimizerSpec.from_keras("SGD", optimizer.get_config())
+
+
+def test_averaged_takes_the_batches_of_a_window_under_way_only_under_accumulation():
+    w = np.zeros(2, np.float32)
+    plain = make_optimizer(OptimizerSpec("sgd", use_ema=True))
+    with pytest.raises(InvalidArgument, match="a window under way holds 1 to gradient_accumulation_steps - 1"):
+        plain.averaged(w, plain.init_state(w), batches=1)
+    windowed = make_optimizer(OptimizerSpec("sgd", use_ema=True, gradient_accumulation_steps=K))
+    with pytest.raises(InvalidArgument, match=f"this optimizer's {K}\\); got {K}"):
+        windowed.averaged(w, windowed.init_state(w), batches=K)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

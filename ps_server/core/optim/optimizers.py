@@ -15,7 +15,9 @@ The optimizers: ``SGD`` (plain, momentum, Nesterov), ``Adam`` (and amsgrad),
 variables of the update), then ``weight_decay`` (``w - w * wd * lr``), then the
 optimizer's step, then ``use_ema`` (an ``ema`` slot: the moving average, and every
 ``ema_overwrite_frequency`` updates the variable overwritten with it; at the end of a
-Keras ``fit`` too, ``VariableStore.take_averages``). The learning
+Keras ``fit`` too, ``averaged``, ``VariableStore.take_averages``). With
+``gradient_accumulation_steps`` k Keras moves the average at each of the window's k
+batches: the update moves it k - 1 times with the value before it, then once after. The learning
 rate is a constant or one of Keras' schedules (``ps_server.core.optim.schedules``),
 evaluated at the variable's update count before the update, as Keras evaluates it
 at ``optimizer.iterations``.
@@ -51,8 +53,8 @@ Known limits, on TensorFlow's side:
   it turns a ``-0.0`` into ``+0.0``.
 
 Refused (``OptimizerSpec.validate``/``from_keras``, InvalidArgument naming it):
-another optimizer class, ``loss_scale_factor`` or ``gradient_accumulation_steps``
-with ``use_ema``, a schedule
+another optimizer class, ``loss_scale_factor``, ``gradient_accumulation_steps`` with
+``ema_overwrite_frequency`` (``ps_common.names.EMA_WINDOWS`` says why), a schedule
 that is not one of Keras' six, and a config key this module does not know
 (``ps_common.names.keras_optimizer_fields``, which the worker applies too).
 
@@ -78,7 +80,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
+from ps_common.names import (EMA_WINDOWS, NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
                              keras_optimizer_fields)
 from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
@@ -209,9 +211,8 @@ class OptimizerSpec:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 2):
             raise InvalidArgument(f"gradient_accumulation_steps must be an integer >= 2 or unset; got {steps!r}")
         self._validate_groups()
-        if steps is not None and self.use_ema:
-            raise InvalidArgument("use_ema with gradient_accumulation_steps: Keras moves the averages at every "
-                                  "batch, between the updates, which the server does not see")
+        if steps is not None and self.use_ema and self.ema_overwrite_frequency:
+            raise InvalidArgument(f"use_ema with ema_overwrite_frequency and gradient_accumulation_steps: {EMA_WINDOWS}")
         if self.learning_rate <= 0:
             raise InvalidArgument(f"learning_rate must be > 0; got {self.learning_rate!r}")
         ranges = {"momentum": (0, 1), "rho": (0, 1)}
@@ -456,11 +457,15 @@ class Optimizer:
         return {name: np.zeros_like(value) for name in self.slot_names}
 
     def init_state(self, value: np.ndarray) -> dict:
-        """The slots shaped like ``value`` (with ``use_ema`` an ``ema`` slot), plus ``iterations = 0``."""
+        """The slots shaped like ``value`` (with ``use_ema`` an ``ema`` slot, and with
+        ``gradient_accumulation_steps`` too a 0-d ``ema_moved``: the batches of the window under
+        way whose moves a fit's end made already, ``averaged``), plus ``iterations = 0``."""
         _check_float_array("variable", value)
         state: dict = self._initial_slots(value)
         if self.spec.use_ema:
             state["ema"] = np.zeros_like(value)  # Keras' "average" variables start at zero
+            if self.spec.gradient_accumulation_steps:
+                state["ema_moved"] = np.zeros((), value.dtype)
         state["iterations"] = 0
         return state
 
@@ -538,12 +543,12 @@ class Optimizer:
         if spec.global_clipnorm is not None and clip_scale is None:
             raise InvalidArgument("global_clipnorm clips by the norm of the whole update: pass its "
                                   "global_clip_scale (VariableStore.apply_all/apply_push do)")
-        iterations = int(state["iterations"])
+        iterations, moved = int(state["iterations"]), int(state.get("ema_moved", 0))
         shape = value.shape
         if not shape:  # NumPy turns 0-d results into scalars, which take no ``out=``: step on shape [1]
             value, grad = value.reshape(1), grad.reshape(1)
             state = {name: state[name].reshape(1) for name in slot_names}
-        dtype = value.dtype
+        dtype, before = value.dtype, value
         c = self.step_constants(dtype, iterations, lr_scale)
         with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
             grad = grad.clipped(self._clip, c) if isinstance(grad, Occurrences) else self._clip(grad, c, clip_scale)
@@ -556,17 +561,46 @@ class Optimizer:
         else:
             new_value, slots = self._step(value, grad, state, iterations, c)
         if spec.use_ema:
-            # average = momentum * average + (1 - momentum) * w, momentum 0 at the first step;
-            # then every ema_overwrite_frequency steps w = average (Keras, iterations before +1).
-            momentum = c["ema_momentum"] if iterations != 0 else c["zero"]
-            ema = np.multiply(state["ema"], momentum)
-            ema += np.multiply(new_value, c["one"] - momentum)
-            slots["ema"] = ema
+            # Keras moves the average at every batch, with the variable as it is then. With
+            # gradient_accumulation_steps k: k - 1 batches that only accumulated, with w before
+            # the update (but those a fit's end moved already: ema_moved), then the update's.
+            k = spec.gradient_accumulation_steps
+            ema = self._moved(state["ema"], before, iterations, c, k - 1 - moved if k else 0)
+            slots["ema"] = ema = self._moved(ema, new_value, iterations, c)
+            if k:
+                slots["ema_moved"] = np.zeros((), dtype)
+            # every ema_overwrite_frequency steps w = average (Keras, iterations before +1)
             if spec.ema_overwrite_frequency and (iterations + 1) % spec.ema_overwrite_frequency == 0:
                 new_value = ema.copy()
         # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
         slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
+
+    @staticmethod
+    def _moved(ema: np.ndarray, value: np.ndarray, iterations: int, c: dict, times: int = 1) -> np.ndarray:
+        """``times`` of Keras' moves of the average (a new array): ``momentum * average + (1 -
+        momentum) * w``, momentum 0 while ``iterations`` (updates; Keras' ``_iterations // k``) is 0."""
+        momentum = c["ema_momentum"] if iterations != 0 else c["zero"]
+        for _ in range(times):
+            ema = np.multiply(ema, momentum)
+            ema += np.multiply(value, c["one"] - momentum)
+        return ema
+
+    def averaged(self, value: np.ndarray, state: dict, batches: int = 0) -> tuple[np.ndarray, dict]:
+        """Pure: (the moving average, the new state), Keras' ``finalize_variable_values`` with
+        ``use_ema`` (the end of ``fit``). ``batches``: those of a ``gradient_accumulation_steps``
+        window under way, for each of which Keras moved the average with the variable's ``value``;
+        they are moved here first, those an earlier call moved (``ema_moved``) not again."""
+        k = self.spec.gradient_accumulation_steps
+        if batches and (not k or isinstance(batches, bool) or not 0 < batches < k):
+            raise InvalidArgument(f"a window under way holds 1 to gradient_accumulation_steps - 1 batches "
+                                  f"(this optimizer's {k}); got {batches!r}")
+        moved = int(state.get("ema_moved", 0))
+        if batches <= moved:
+            return state["ema"], state
+        c = self._constants[value.dtype]
+        ema = np.asarray(self._moved(state["ema"], value, int(state["iterations"]), c, batches - moved), value.dtype)
+        return ema, {**state, "ema": ema, "ema_moved": np.asarray(batches, value.dtype)}
 
     def apply_rows(self, value: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict,
                    lr_scale: float = 1.0, clip_scale: np.floating | None = None) -> tuple[np.ndarray, dict]:
