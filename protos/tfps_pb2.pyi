@@ -344,7 +344,7 @@ class InitializeResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name", "row_deltas", "optimizer_state", "averages")
+    __slots__ = ("worker_id", "names", "known_version", "known_incarnation", "shm_name", "row_deltas", "optimizer_state", "averages", "window_batches")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,7 @@ class PullRequest(_message.Message):
     ROW_DELTAS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     AVERAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BATCHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     names: _containers.RepeatedScalarFieldContainer[str]
     known_version: int
@@ -361,7 +362,8 @@ class PullRequest(_message.Message):
     row_deltas: bool
     optimizer_state: bool
     averages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ..., row_deltas: _Optional[bool] = ..., optimizer_state: _Optional[bool] = ..., averages: _Optional[_Iterable[str]] = ...) -> None: ...
+    window_batches: int
+    def __init__(self, worker_id: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., known_version: _Optional[int] = ..., known_incarnation: _Optional[str] = ..., shm_name: _Optional[str] = ..., row_deltas: _Optional[bool] = ..., optimizer_state: _Optional[bool] = ..., averages: _Optional[_Iterable[str]] = ..., window_batches: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("version", "variables", "incarnation", "optimizer_state")

@@ -593,7 +593,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _pull_reply(self, request) -> pb.PullResponse:
         if request.averages:
-            self.core.take_averages(request.worker_id, request.averages)
+            self.core.take_averages(request.worker_id, request.averages, request.window_batches)
         if request.optimizer_state:
             version, values, states = self.core.optimizer_state(request.worker_id)
             slots = {f"{n}/{k}": (np.asarray(a, np.int64) if k == "iterations" else a)

@@ -325,14 +325,16 @@ class PSClient:
                             fresh=True)
         return reply
 
-    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = ()) -> \
+    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = (), window_batches: int = 0) -> \
             tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """(version, values, {variable: {slot: array, "iterations": n}}) as of one version:
         the parameters with the server's optimizer state (``PullRequest.optimizer_state``), in
         one message. ``averages``: these variables first take their moving averages (the end
-        of a Keras ``fit`` with ``use_ema``), and the pull cache holds the values from then on."""
+        of a Keras ``fit`` with ``use_ema``; moved for the ``window_batches`` of a
+        ``gradient_accumulation_steps`` window under way), and the pull cache holds the values
+        from then on."""
         reply = self.unary.call("Pull", pb.PullRequest(worker_id=worker_id, optimizer_state=True,
-                                                       averages=list(averages)))
+                                                       averages=list(averages), window_batches=window_batches))
         states: dict[str, dict] = {}
         for name, a in codec.decode_many(reply.optimizer_state).items():
             variable, slot = name.rsplit("/", 1)

@@ -520,7 +520,9 @@ class _Attached:
     def _take_averages(self) -> None:
         """The end of ``fit`` with ``use_ema``: the compiled optimizer's variables take their
         moving averages on the server (every worker asks; the second ask changes nothing), and
-        this worker's model the server's values, as Keras' ``finalize_variable_values`` does."""
+        this worker's model the server's values, as Keras' ``finalize_variable_values`` does.
+        A ``gradient_accumulation_steps`` window under way: Keras moved the averages at each of
+        its batches, so the server moves them first (``Window.batches``)."""
         conn, optimizer = self.strategy.connection, self.model.optimizer
         # none before a fit, nor where a step of its own never applies the compiled optimizer
         held = next((v for o, v in self.wrap.served if o is optimizer), None) if conn is not None else None
@@ -528,7 +530,8 @@ class _Attached:
             return
         names = [v.path for o, part in _parts(optimizer, held) if o.use_ema for v in part]
         if names:
-            _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names)
+            _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names,
+                                                       window_batches=self.window.batches)
             set_values(self.model, values)
 
 

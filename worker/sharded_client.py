@@ -260,7 +260,7 @@ class ShardedClient:
         for line in placement.describe(self.addresses):
             log.info("  %s", line)
 
-    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = ()) -> \
+    def optimizer_state(self, worker_id: int = -1, averages: Iterable[str] = (), window_batches: int = 0) -> \
             tuple[int, dict[str, np.ndarray], dict[str, dict]]:
         """``PSClient.optimizer_state`` of the whole model: a variable cut in row slices has
         each slot's slices concatenated (a variable whose slots are shaped otherwise, a norm's,
@@ -271,7 +271,7 @@ class ShardedClient:
         placement, averages = self.placement, set(averages)
         pieces = {i: [p.name for p in placement.pieces if p.shard == i and p.variable in averages]
                   for i in range(self.num_shards)}
-        replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i]))
+        replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i], window_batches))
         values = placement.join([r[1] for r in replies])
         states = {}
         for variable in placement.variables:

@@ -466,10 +466,10 @@ class ParameterServer:
         finally:
             state.release()
 
-    def take_averages(self, worker_id: int, names: Iterable[str]) -> None:
+    def take_averages(self, worker_id: int, names: Iterable[str], batches: int = 0) -> None:
         """``VariableStore.take_averages`` for a registered worker (the end of its ``fit``)."""
         self.members.require(worker_id)
-        self.store.take_averages(list(names))
+        self.store.take_averages(list(names), batches)
 
     def pull_rows(self, worker_id: int | None = None, names: Iterable[str] | None = None,
                   since: int | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:

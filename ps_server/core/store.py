@@ -999,11 +999,13 @@ class VariableStore:
                                   "its update count and cannot also set a constant one")
         return owner
 
-    def take_averages(self, names: Collection[str]) -> None:
+    def take_averages(self, names: Collection[str], batches: int = 0) -> None:
         """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of ``fit``): each of
-        ``names`` takes its moving average (its ``ema`` slot) as its value. The version stays
-        (a reader that holds it reads the values again whole: ``PullRequest.averages``), and
-        a second call changes nothing. Checks every name first: InvalidArgument, nothing taken."""
+        ``names`` takes its moving average (its ``ema`` slot) as its value, first moved for the
+        ``batches`` of a ``gradient_accumulation_steps`` window under way (``Optimizer.averaged``).
+        The version stays (a reader that holds it reads the values again whole:
+        ``PullRequest.averages``), and a second call changes nothing. Checks every name first:
+        InvalidArgument, nothing taken."""
         self._require_initialized()
         unknown = sorted(n for n in names if n not in self._vars)
         if unknown:
@@ -1014,11 +1016,12 @@ class VariableStore:
         for name in sorted(set(names)):  # name order: the lock order
             var = self._vars[name]
             with var.lock, self._publish:
-                average = np.array(var.state["ema"], dtype=var.value.dtype)
+                average, state = self._optimizer.of(name).averaged(var.value, var.state, batches)
+                average = np.array(average, dtype=var.value.dtype)
                 if var.row_wise:
-                    _replace_whole(var, average, var.state, self._version)
+                    _replace_whole(var, average, state, self._version)
                 else:
-                    var.value, var.changed = _frozen(average), self._version
+                    var.value, var.state, var.changed = _frozen(average), state, self._version
 
     def optimizer_iterations(self, names: Iterable[str] | None = None) -> int:
         """The optimizer steps every trainable variable (of ``names``) has had: Keras'

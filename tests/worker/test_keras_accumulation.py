@@ -9,6 +9,8 @@ update is ``(g + accumulated) / k``, with Adam's step count the updates (``itera
 ``_iterations // k``) and the schedule at the batches (``_iterations``); the other batches
 change no weight. So the weights end where ``model.fit``'s end, bit for bit (one worker,
 as the one-worker sparse-rule test), and the local ``optimizer.iterations`` is Keras'.
+With ``use_ema`` Keras moves the averages at every batch, and the server's update moves them
+for each of its window's batches (``ps_server.core.optim.optimizers``).
 """
 
 import os
@@ -31,35 +33,63 @@ def optimizer(kind: str):
     if kind == "adam-schedule":
         schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
         return keras.optimizers.Adam(schedule, gradient_accumulation_steps=K)
+    if kind == "adamw-ema":
+        return keras.optimizers.AdamW(0.05, use_ema=True, ema_momentum=0.8, gradient_accumulation_steps=K)
     return keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=K)
 
 
-def fit(kind: str, server: bool) -> tuple[list, int]:
+def fit(kind: str, server: int, batches: int = BATCHES, fits: int = 1, path=None) -> list:
+    """[the trainable weights after each of ``fits`` fits of 2 epochs of ``batches`` batches, the
+    optimizer's ``iterations`` at the end; with ``path``, then the averages ``model.save_weights``
+    writes there, under ``tfps.keras`` the server's]. ``server``: its shards (0: plain Keras)."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCHES * BATCH, 5)).astype(np.float32)
+    x = rng.normal(size=(batches * BATCH, 5)).astype(np.float32)
     y = (x @ rng.normal(size=(5, 1))).astype(np.float32)
-    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1)).start() \
-        if server else None
+    running = [build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1)).start()
+               for _ in range(server)]
     try:
-        strategy = Strategy(ps=running.address, num_workers=1) if server else tf.distribute.get_strategy()
+        strategy = Strategy(ps=",".join(r.address for r in running), num_workers=1) if server \
+            else tf.distribute.get_strategy()
         with strategy.scope():
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
                                       keras.layers.Dense(1)])
             model.compile(optimizer=optimizer(kind), loss="mse", run_eagerly=not server)
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        weights = []
+        for _ in range(fits):
+            model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+            weights.append([v.numpy() for v in model.trainable_variables])
+        out = [weights, int(model.optimizer.iterations)]
+        if path is not None:
+            model.save_weights(path)
+            out.append([a.numpy() for a in model.optimizer._model_variables_moving_average])
         if server:
             strategy.close()
-        return [v.numpy() for v in model.trainable_variables], int(model.optimizer.iterations)
+        return out
     finally:
-        if running is not None:
-            running.stop(grace=0.5)
+        for r in running:
+            r.stop(grace=0.5)
 
 
 @pytest.mark.parametrize("kind", ["sgd-momentum", "adam-schedule"])
 def test_one_server_update_per_k_batches_ends_where_model_fit_ends(kind):
-    weights, iterations = fit(kind, server=True)
-    alone, alone_iterations = fit(kind, server=False)
+    (weights,), iterations = fit(kind, server=1)
+    (alone,), alone_iterations = fit(kind, server=0)
     assert iterations == alone_iterations == 2 * BATCHES // K
     assert [w.tobytes() for w in weights] == [w.tobytes() for w in alone], \
         f"max difference {max(float(np.max(np.abs(a - b))) for a, b in zip(weights, alone))}"
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_window_as_model_fit(tmp_path, shards):
+    """``use_ema``: Keras moves the averages at each batch, the window's accumulating ones too,
+    and ``fit`` ends by swapping them in (``finalize_variable_values``). Two fits of 2 epochs of
+    5 batches with K = 3: the first ends 1 batch into a window, whose averages the server moves
+    for it at the end (``Window.batches``), the second completes that window and ends 2 batches
+    into another. Each fit's weights, the iterations and the averages ``model.save_weights``
+    writes are the plain ``model.fit``'s, to the bit, on one server shard and on two."""
+    served = fit("adamw-ema", server=shards, batches=5, fits=2, path=tmp_path / "served.weights.h5")
+    alone = fit("adamw-ema", server=0, batches=5, fits=2, path=tmp_path / "alone.weights.h5")
+    assert served[1] == alone[1] == 20 // K
+    assert [[w.tobytes() for w in ws] for ws in served[0]] == [[w.tobytes() for w in ws] for ws in alone[0]]
+    assert [a.tobytes() for a in served[2]] == [a.tobytes() for a in alone[2]]
