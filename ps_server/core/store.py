@@ -988,7 +988,8 @@ class VariableStore:
         they are not one group's (one push, one rate: each Keras ``apply`` of a GAN's step is a
         push of its optimizer's variables), or its rate is a schedule."""
         optimizer = self._optimizer
-        owners = list({id(o): o for o in map(optimizer.groups.get, names) if o is not None}.values())
+        held = {id(o) for o in map(optimizer.groups.get, names) if o is not None}
+        owners = [o for o in {id(o): o for o in optimizer.groups.values()}.values() if id(o) in held]  # spec order
         if setting and optimizer.groups and len(owners) != 1:
             raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
                                   f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
