@@ -519,3 +519,26 @@ def test_a_round_any_push_of_which_asks_to_skip_changes_nothing_and_every_reply_
     assert all(float(r.metrics[SKIP_UPDATE][0]) == 1.0 for r in results)
     assert store.read()[1]["w"].tolist() == [1.0, 1.0, 1.0]
     assert store.optimizer_iterations() == 0
+
+
+def test_a_group_s_round_every_push_of_which_weighs_nothing_and_asks_to_skip_is_skipped_and_the_next_applies():
+    """A GAN under ``mixed_float16`` whose discriminator's gradients overflow on every worker:
+    each push of that round weighs 0 and asks to skip. The round completes (the version counts
+    it, no variable changes), and the next round, the generator's group, applies as usual,
+    its optimizer counting its own step alone."""
+    from ps_common.names import SKIP_UPDATE
+
+    store = VariableStore()
+    sgd = OptimizerSpec("sgd", learning_rate=0.5)
+    store.initialize({"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)},
+                     OptimizerSpec("sgd", learning_rate=0.5, groups=((("a",), sgd), (("b",), sgd))))
+    mode = SyncMode(store, Membership(2), num_workers=2, barrier_timeout=10.0)
+    skipped = [mode.submit(Push(w, 0, 0, 0, {"a": np.zeros(2, np.float32)}, metrics={SKIP_UPDATE: np.array([1.0])}))
+               for w in range(2)]
+    assert [t.result(5).version for t in skipped] == [1, 1]
+    applied = [mode.submit(Push(w, 1, 1, 2, {"b": np.full(2, 1.0 + w, np.float32)},
+                                metrics={SKIP_UPDATE: np.array([0.0])})) for w in range(2)]
+    assert [t.result(5).version for t in applied] == [2, 2]
+    values = store.read()[1]
+    assert values["a"].tolist() == [1.0, 1.0] and values["b"].tolist() == [0.25, 0.25]  # 1 - 0.5 * 1.5
+    assert (store.optimizer_iterations(["a"]), store.optimizer_iterations(["b"])) == (0, 1)

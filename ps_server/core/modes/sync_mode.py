@@ -47,7 +47,8 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   push none;
 - a round whose summed ``SKIP_UPDATE`` metric is > 0 (some worker's gradients were not
   finite under a Keras loss scale) is completed without an update: the version counts
-  it, no variable changes, and every reply carries the sum, so every worker skips alike;
+  it, no variable changes, and every reply carries the sum, so every worker skips alike
+  (also where every push of it weighs 0: every worker's gradients were not finite);
 - a round in which any contributor set the learning rate is applied with it: it
   is set (``VariableStore.set_learning_rate``: with optimizer groups, the rate of
   the group whose variables the round carries) at completion, just before the
@@ -404,7 +405,8 @@ class SyncMode(Mode):
             pushes=len(pushes),
             examples=sum(sizes),
             staleness=[0] * len(pushes),
-            loss=weighted_loss([p.loss for p in pushes], sizes),
+            # a skipped round may weigh nothing (every worker's gradients not finite): no loss then
+            loss=weighted_loss([p.loss for p in pushes], sizes) if sum(sizes) else float("nan"),
         )
         result = PushResult(version=version, staleness=0, contributors=len(pushes), next_step=self._book.round,
                             learning_rate=learning_rate, metrics=metrics)
