@@ -253,7 +253,17 @@ def _build(model, args, kwargs):
 def _inner(optimizer):
     """The optimizer the server runs of a Keras ``LossScaleOptimizer`` (``mixed_float16``): its
     inner one; the optimizer itself otherwise."""
-    return optimizer.inner_optimizer if type(optimizer).__name__ == "LossScaleOptimizer" else optimizer
+    return optimizer.inner_optimizer if _scaled(optimizer) else optimizer
+
+
+def _scaled(optimizer) -> bool:
+    """Whether ``optimizer`` is a Keras ``LossScaleOptimizer`` (``mixed_float16``'s dynamic loss scale)."""
+    return type(optimizer).__name__ == "LossScaleOptimizer"
+
+
+def _scale_variables(optimizer) -> list:
+    """A ``LossScaleOptimizer``'s scale and step counter; [] for another optimizer."""
+    return [optimizer.dynamic_scale, optimizer.step_counter] if _scaled(optimizer) else []
 
 
 def _is_multi(optimizer) -> bool:
@@ -566,7 +576,7 @@ class _Wrap:
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
         self.owned: dict = {}  # id of each optimizer the step applies: the ones of ``parts`` its push steps
         self.grouped = False  # served as groups: several optimizers, or one to some variables
-        self.skipped = 0  # the updates skipped so far (a loss scale's), on every worker alike in sync
+        self.skipped: dict = {}  # id of each optimizer under a loss scale: its skipped updates (sync: every worker's)
         self.patch(attached.model.optimizer)
 
     def patch(self, optimizer) -> None:
@@ -584,7 +594,7 @@ class _Wrap:
         for optimizer in {id(o): o for o in [model.optimizer, *vars(model).values()]
                           if isinstance(o, keras.optimizers.Optimizer)}.values():
             self.patch(optimizer)
-            if _inner(optimizer) is not optimizer and not optimizer.built:  # its scale, read in the step's graph
+            if _scaled(optimizer) and not optimizer.built:  # its scale, read in the step's graph
                 optimizer.build(trainable(model))
                 optimizer.built = True
         if self.function is None:
@@ -626,15 +636,12 @@ class _Wrap:
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
         if (self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)) and (
-                self.grouped or self.scaled()):
+                self.grouped or any(_scaled(o) for o, _ in self.served)):
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
         if self.grouped and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
                              f"{len(paths)} of {len(everything)} trainable variables; where the server deals the data "
                              "each micro-batch is one push of a round: one optimizer to every variable only")
-        if len(self.parts) > 1 and any(_inner(o) is not o for o, _ in self.served):
-            raise ValueError(f"{name}.train_step applies {len(specs)} optimizers under a loss scale (mixed_float16): "
-                             "served with one optimizer only")
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
@@ -677,10 +684,11 @@ class _Wrap:
             logs = self._run(data) if self.examples else {}
             if parts and self.examples:
                 _weigh_output_losses(model, before, self.examples / self.batch_examples)
-            if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0
-                self._keep(None if a.window.last() else {})  # {}: nothing added to the window
-                for _ in range(self.learned - 1):
-                    self._push(None)
+            if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0, each apply's
+                sites = self._sites()
+                for i in range(self.learned - 1):
+                    self._pushed(None, sites[i] if i < len(sites) else None, False)
+                self._keep(None if a.window.last() else {}, sites[-1])  # {}: nothing added to the window
             return logs, None if self.held else self._flush(logs)
 
         def undo() -> None:  # after a rejoin: the step's metric updates, on the server's parameters
@@ -701,21 +709,22 @@ class _Wrap:
             a._pull()
         else:
             a._answered(*pushed)
-            if self.scaled():
-                self._rescale(pushed[1])
-        if len(self.served) > 1:  # each optimizer's own steps: its applies of the server's updates
-            sites = [o for o, _ in self.plan] or [o for o, _ in self.served]
-            for optimizer, _ in self.served:
-                optimizer._iterations.assign(strategy.connection.version * sites.count(optimizer) // len(sites))
+        # Each optimizer's own steps: its applies of the server's updates, less those its loss scale skipped
+        # (the inner optimizer's, as LossScaleOptimizer's counts only the updates made).
+        sites, version = self._sites(), max(0, int(strategy.connection.version))
+        for optimizer, _ in self.served:
+            made = version * sites.count(optimizer) // len(sites) * a.per_update - self.skipped.get(id(optimizer), 0)
+            _inner(optimizer)._iterations.assign(max(0, made))
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
 
     def _begin(self, pulled: dict) -> None:
         """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""
         self.applies = self.immediate = 0  # this step's applies: all, and those pushed at once
-        self.deferred: list | None = None  # [payload, optimizer] of the step's last apply (payload None: not finite)
+        self.deferred: list | None = None  # [payload, optimizer, skip] of the step's last apply (payload None: not
+        # finite; skip: it asks the server to skip the update, a loss scale's non-finite gradients)
         self.held = False  # the step's gradients went into a gradient_accumulation_steps window
-        self.skip = False  # the held push asks to skip its update (a loss scale's non-finite gradients)
+        self.skip = False  # the apply now exchanged asks to skip its update
         self.base = dict(pulled)  # the non-trainable values the next push's changes are measured from
 
     def _run(self, data):
@@ -738,7 +747,7 @@ class _Wrap:
         self.examples = self.batch_examples = _batch_size(x)
         self._begin(self.attached.strategy.connection.pulled)
         logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
-        (payload, _), self.deferred = self.deferred or [None, None], None
+        (payload, _, _), self.deferred = self.deferred or [None, None, False], None
         return _logged_loss(logs), payload
 
     def apply(self, grads, trainable_variables, optimizer) -> None:
@@ -765,7 +774,8 @@ class _Wrap:
             else:
                 kinds.append("none" if g is None else "dense")
                 inputs += [] if g is None else [g]
-        held = trainable(model) + non_trainable(model)
+        # a loss scale's state too, stepped on the push's reply: what the step reads of it after this apply is that
+        held = trainable(model) + non_trainable(model) + _scale_variables(optimizer)
         inputs += [tf.identity(v.value) for v in non_trainable(model)]  # read after the forward pass's updates
         graph = not tf.executing_eagerly()
         out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph, optimizer), inputs,
@@ -797,7 +807,7 @@ class _Wrap:
                 grads[v.path] = tf.IndexedSlices(values, indices, tf.constant(v.shape, tf.int64))
         now = {v.path: next(given).numpy() for v in non_trainable(model)}
         self.skip = False
-        if _inner(optimizer) is not optimizer:  # LossScaleOptimizer._stateful_handle_finite_grads' arithmetic
+        if _scaled(optimizer):  # LossScaleOptimizer._stateful_handle_finite_grads' arithmetic
             dense = {p: tf.convert_to_tensor(g) for p, g in grads.items()}
             self.skip = not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in dense.values())
             grads = {p: tf.divide(g, optimizer.dynamic_scale) for p, g in dense.items()}
@@ -809,19 +819,25 @@ class _Wrap:
         if self.grouped:  # this optimizer's variables alone (OptimizerSpec.groups)
             mine = {v.path for v in variables} | set(now)
             payload = {p: g for p, g in payload.items() if p in mine}
-        if self.skip or not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
+        if self.skip:  # zeros, which the server skips; its examples weigh as any push's (async refuses none)
+            payload = zeros(payload)
+        elif not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
-            self._push(*self.deferred, now)
+            payload_before, optimizer_before, skip_before = self.deferred
+            self.deferred = None
+            self._pushed(payload_before, optimizer_before, skip_before, now=now)
         if a.window.last() and self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
-            self._push(payload, optimizer, now)
+            _, reply = self._push(payload, optimizer, now, skip=self.skip)
+            scale = self._rescale(optimizer, self.skip, reply)  # assigned in the step's graph, before what follows
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
-            return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)]
+            return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)] + scale
         self._keep(payload, optimizer)
         # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
-        return [False] + [np.zeros((), np.dtype(v.dtype)) for v in trainable(model) + non_trainable(model)]
+        return [False] + [np.zeros((), np.dtype(v.dtype))
+                          for v in trainable(model) + non_trainable(model) + _scale_variables(optimizer)]
 
     def _keep(self, payload, optimizer=None) -> None:
         """A payload not pushed at once: a batch of a ``gradient_accumulation_steps`` window before
@@ -833,19 +849,24 @@ class _Wrap:
             a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
             self.held = True
             return
-        if a.window.steps > 1 and payload is None and not self.examples and not self.skip:
+        if a.window.steps > 1 and payload is None and not self.examples:
             payload = zeros(a.strategy.connection.pulled)
-        self.deferred = [a.window.mean(payload, trainable(a.model)), optimizer]
+        self.deferred = [a.window.mean(payload, trainable(a.model)), optimizer, self.skip]
 
-    def _push(self, payload, optimizer=None, now: dict | None = None, metrics=None, loss: float = 0.0):
+    def _push(self, payload, optimizer=None, now: dict | None = None, metrics=None, loss: float = 0.0,
+              skip: bool = False):
         """Push ``payload`` of this step (None: weight 0) of ``optimizer``'s apply (None: a tiny last
         batch's zeros), its non-trainable changes measured to ``now``, with the chief's new learning
-        rate of the one optimizer the server steps it with (several optimizers: that apply's own)."""
+        rate of the one optimizer the server steps it with (several optimizers: that apply's own).
+        Under a loss scale it carries ``SKIP_UPDATE`` (``skip``: 1, else 0), whatever else it carries:
+        every push of a sync round alike, whose sum decides the round."""
         from worker.connection import Work
 
         a = self.attached
         conn = a.strategy.connection
-        if payload is None and self.examples and not self.skip:
+        if _scaled(optimizer):
+            metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if skip else 0.0])}
+        if payload is None and self.examples:
             a._not_finite()
         elif payload is not None:
             payload.update(changes(a.model, self.base, now))
@@ -862,32 +883,37 @@ class _Wrap:
         """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
         if self.deferred is None:
             return None
-        (payload, optimizer), self.deferred = self.deferred, None
-        metrics = self.attached._metric_changes()
-        if self.scaled():
-            metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if self.skip else 0.0])}
-        return self._push(payload, optimizer, metrics=metrics, loss=_logged_loss(logs))
+        (payload, optimizer, skip), self.deferred = self.deferred, None
+        return self._pushed(payload, optimizer, skip, metrics=self.attached._metric_changes(), loss=_logged_loss(logs))
 
-    def scaled(self) -> bool:
-        """Whether the step's optimizer is a ``LossScaleOptimizer`` (``mixed_float16``)."""
-        return bool(self.served) and _inner(self.served[0][0]) is not self.served[0][0]
+    def _pushed(self, payload, optimizer, skip: bool, **push) -> tuple:
+        """``_push`` outside the step's graph, then its loss scale's step (``_rescale``) assigned."""
+        row, reply = self._push(payload, optimizer, skip=skip, **push)
+        for v, value in zip(_scale_variables(optimizer), self._rescale(optimizer, skip, reply)):
+            v.assign(value)
+        return row, reply
 
-    def _rescale(self, reply) -> None:
-        """The loss scale's step, as ``LossScaleOptimizer`` takes it, on what every worker agreed
-        (sync: the round's summed ``SKIP_UPDATE``; async and ssp: this push's): a skipped update
-        halves the scale, else every ``dynamic_growth_steps``-th doubles it. Its inner optimizer
-        counts the updates that were made."""
-        scale = self.served[0][0]
-        skipped = self.skip if not (reply.metrics and SKIP_UPDATE in reply.metrics) \
-            else float(reply.metrics[SKIP_UPDATE][0]) > 0
-        self.skipped += skipped
-        grow = not skipped and int(scale.step_counter.numpy()) == scale.dynamic_growth_steps - 1
-        if skipped or grow:
-            scale.step_counter.assign(0)
-            scale.dynamic_scale.assign(scale.dynamic_scale * (2.0 if grow else 0.5))
+    def _sites(self) -> list:
+        """The optimizer of each ``apply`` of the step, in order (as traced, or as the last eager step ran)."""
+        return [o for o, _ in self.plan] or [o for o, _ in self.served]
+
+    def _rescale(self, optimizer, skip: bool, reply) -> list:
+        """``optimizer``'s loss scale after one of its updates, as ``LossScaleOptimizer`` steps it, on
+        what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp: ``skip``,
+        this push's own): a skipped update (counted in ``skipped``) halves the scale, else every
+        ``dynamic_growth_steps``-th doubles it; [scale, counter], to assign. [] without a loss scale."""
+        if not _scaled(optimizer):
+            return []
+        if reply.metrics and SKIP_UPDATE in reply.metrics:
+            skip = float(reply.metrics[SKIP_UPDATE][0]) > 0
+        self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
+        scale, counter = optimizer.dynamic_scale.numpy(), int(optimizer.step_counter.numpy())
+        grow = not skip and counter == optimizer.dynamic_growth_steps - 1
+        if skip or grow:  # Keras multiplies the float32 scale by 2.0 or 0.5: exact
+            scale, counter = scale * np.asarray(2.0 if grow else 0.5, scale.dtype), 0
         else:
-            scale.step_counter.assign_add(1)
-        scale.inner_optimizer._iterations.assign(max(0, self.attached.strategy.connection.version - self.skipped))
+            counter += 1
+        return [np.asarray(scale), np.asarray(counter, np.dtype(optimizer.step_counter.dtype))]
 
 
 class Window:

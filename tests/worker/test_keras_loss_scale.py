@@ -1,0 +1,146 @@
+"""A loss scale (``mixed_float16``) around each of several optimizers under ``tfps.keras``.
+
+    python -m pytest tests/worker/test_keras_loss_scale.py -q
+
+One worker's fit in this process against a real in-process server, against one-process Keras
+``model.fit`` of the same program. The rule (Keras 3's ``LossScaleOptimizer``): each optimizer
+checks its own scaled gradients; where they are not finite its update is skipped (the inner
+optimizer's ``iterations`` not counted), its scale halves and its counter resets; otherwise
+the update is made and its counter counts, the scale doubling every ``dynamic_growth_steps``.
+The other optimizers of the step go on. So one worker ends at ``model.fit``'s weights to the
+bit, with each optimizer's scale, counter and step count.
+"""
+
+import os
+
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from worker.keras import Strategy  # noqa: E402
+
+BATCHES, BATCH, OVERFLOW = 6, 16, 2  # the batch (of each epoch) with one example's input 1e4
+
+
+class TwoScaled(keras.Model):
+    """Two layers, each trained by its own optimizer under its own loss scale as the keras.io
+    mixed-precision guide's custom loops do (``scale_loss``, then ``apply``): the first on
+    ``x``, then the second on ``z``. It logs the first's scale as read after both applies."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = keras.layers.Dense(2), keras.layers.Dense(2)
+
+    def call(self, data):
+        return self.first(data["x"]) + self.second(data["z"])
+
+    def compile(self, first, second):
+        super().compile()
+        self.first_optimizer, self.second_optimizer = first, second
+
+    def train_step(self, data):
+        inputs, y = data
+        logs = {}
+        for name, layer, optimizer in (("x", self.first, self.first_optimizer), ("z", self.second,
+                                                                                  self.second_optimizer)):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((keras.ops.cast(layer(inputs[name]), "float32") - y) ** 2)
+                scaled = optimizer.scale_loss(loss)
+            optimizer.apply(tape.gradient(scaled, layer.trainable_weights), layer.trainable_weights)
+            logs[f"{name}_loss"] = loss
+        logs["first_scale"] = keras.ops.convert_to_tensor(self.first_optimizer.dynamic_scale)
+        return logs
+
+
+class BatchLogs(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append({k: float(v) for k, v in logs.items()})
+
+
+def fit(overflow: str, strategy) -> dict:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(0)
+        data = {"x": rng.normal(size=(BATCHES * BATCH, 4)).astype(np.float32),
+                "z": rng.normal(size=(BATCHES * BATCH, 3)).astype(np.float32)}
+        y = rng.normal(size=(BATCHES * BATCH, 2)).astype(np.float32)
+        data[overflow][OVERFLOW * BATCH + 5] = 1e4  # its float16 gradients overflow at any scale here
+        with strategy.scope():
+            model = TwoScaled()
+            model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 8,
+                                                              dynamic_growth_steps=3),
+                          keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 6,
+                                                              dynamic_growth_steps=4))
+        logs = BatchLogs()
+        model.fit(data, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[logs])
+        return {"weights": [v.numpy().tobytes() for v in model.trainable_variables], "logs": logs.logs,
+                "optimizers": [(float(o.dynamic_scale.numpy()), int(o.step_counter.numpy()), int(o.iterations.numpy()))
+                               for o in (model.first_optimizer, model.second_optimizer)]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("overflow, mode", [("x", "sync"), ("z", "sync"), ("x", "async")],
+                         ids=["first-pushed-in-the-step-sync", "last-pushed-after-the-step-sync",
+                              "first-pushed-in-the-step-async"])
+def test_an_overflow_skips_only_its_own_optimizer_s_update_and_halves_only_its_scale_as_model_fit_does(
+        server, overflow, mode):
+    """The overflowing example feeds one optimizer's gradients alone: the first's (pushed at once
+    inside the step, its scale stepped in the step's graph: the scale the step reads after it is
+    the new one, as in one process) or the last's (pushed after the step). Only that optimizer's
+    update is skipped (one an epoch) and only its scale halves; every scale grows on its own
+    counter; the weights are ``model.fit``'s to the bit."""
+    plain = fit(overflow, tf.distribute.get_strategy())
+    strategy = Strategy(ps=server(mode, 1).address, num_workers=1)
+    try:
+        ours = fit(overflow, strategy)
+    finally:
+        strategy.close()
+    steps = 2 * BATCHES
+    skipped = [2, 0] if overflow == "x" else [0, 2]
+    assert [iterations for _, _, iterations in plain["optimizers"]] == [steps - s for s in skipped]
+    assert ours["optimizers"] == plain["optimizers"]
+    assert ours["logs"] == plain["logs"]  # the first's scale read after its apply: halved at the overflow if its own
+    halved = plain["logs"][OVERFLOW]["first_scale"] < plain["logs"][OVERFLOW - 1]["first_scale"]
+    assert halved == (overflow == "x")
+    assert ours["weights"] == plain["weights"]
+
+
+def test_a_loss_scale_around_a_multi_optimizer_skips_its_one_push_as_model_fit_does(server):
+    """``mixed_float16`` around a ``MultiOptimizer`` (Adam for the hidden layer, SGD with momentum
+    for the rest): its ``apply`` is one push of both groups' variables, with one skip flag, as
+    Keras' one ``LossScaleOptimizer`` skips both. An overflowing example (one an epoch): one
+    worker ends at ``model.fit``'s weights and losses to the bit, with its scale, counter and
+    iterations."""
+    runs = []
+    for strategy in (tf.distribute.get_strategy(), Strategy(ps=server("sync", 1).address, num_workers=1)):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            rng = np.random.default_rng(0)
+            x, y = rng.normal(size=(BATCHES * BATCH, 4)).astype(np.float32), rng.integers(0, 3, BATCHES * BATCH)
+            x[OVERFLOW * BATCH + 5] = 1e4
+            with strategy.scope():
+                keras.utils.set_random_seed(0)
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu", name="hidden"),
+                                          keras.layers.Dense(3, name="out"),
+                                          keras.layers.Activation("softmax", dtype="float32")])
+                chosen = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                       {"hidden/.*": keras.optimizers.Adam(0.01)})
+                model.compile(optimizer=keras.optimizers.MultiOptimizer(chosen), loss="sparse_categorical_crossentropy")
+            history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        scale = model.optimizer
+        runs.append([[v.numpy().tobytes() for v in model.trainable_variables], history.history["loss"],
+                     float(scale.dynamic_scale.numpy()), int(scale.step_counter.numpy()), int(scale.iterations.numpy())])
+        if isinstance(strategy, Strategy):
+            strategy.close()
+    assert type(scale).__name__ == "LossScaleOptimizer" and runs[0][2:] == [2.0 ** 15 / 4, BATCHES - OVERFLOW - 1, 2 * BATCHES - 2]
+    assert runs[1] == runs[0]
