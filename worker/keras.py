@@ -301,7 +301,7 @@ class _Attached:
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
-        self.per_update = model.optimizer.gradient_accumulation_steps or 1  # Keras' batches an update counts
+        self.per_update = _inner(model.optimizer).gradient_accumulation_steps or 1  # Keras' batches an update counts
         self.window = Window(self.per_update)  # gradient accumulation
         self.wrap = _Wrap(self)  # Keras' train_step, wrapped
         self.original_fit = model.fit
@@ -635,9 +635,14 @@ class _Wrap:
         self.owned = {id(o): [p for p, _ in parts] for o, parts in split}
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
-        if (self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)) and (
-                self.grouped or any(_scaled(o) for o, _ in self.served)):
-            raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer and no loss scale")
+        if self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs):
+            strategy = self.attached.strategy
+            if self.grouped:
+                raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
+            if _scaled(self.served[0][0]) and (strategy.mode or strategy.server_mode()) == "sync":
+                raise ValueError(f"{name}: a loss scale (mixed_float16) with gradient_accumulation_steps is served in "
+                                 "async and ssp: in sync, whether a batch held in a window is skipped must be every "
+                                 "worker's, which no push carries before the window's last batch")
         if self.grouped and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
                              f"{len(paths)} of {len(everything)} trainable variables; where the server deals the data "
@@ -699,8 +704,11 @@ class _Wrap:
 
         logs, pushed = strategy.engine.ride_out(attempt, rejoined=undo,
                                                 rides=lambda e: recoverable(e) and not self.immediate)
-        if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch
-            model.optimizer._iterations.assign_add(1)
+        if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch, unless its loss
+            optimizer = self.served[0][0]  # scale skipped it (not in the window), which it steps as for an update
+            for v, value in zip(_scale_variables(optimizer), self._rescale(optimizer, self.skip)):
+                v.assign(value)
+            _inner(model.optimizer)._iterations.assign_add(0 if self.skip else 1)
             return model.get_metrics_result()
         if self.examples:
             self.learned = max(1, self.applies) if model.run_eagerly else self.sites
@@ -845,8 +853,9 @@ class _Wrap:
         pushed when the step has returned (``_flush``), the last batch of a window pushing the
         window's mean (``Window.mean``; an empty part: zeros, which adds nothing to it)."""
         a = self.attached
-        if not a.window.last():
-            a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
+        if not a.window.last() or (self.skip and a.window.steps > 1):  # a loss scale's skip: not in the window
+            if not self.skip:
+                a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
             self.held = True
             return
         if a.window.steps > 1 and payload is None and not self.examples:
@@ -897,16 +906,18 @@ class _Wrap:
         """The optimizer of each ``apply`` of the step, in order (as traced, or as the last eager step ran)."""
         return [o for o, _ in self.plan] or [o for o, _ in self.served]
 
-    def _rescale(self, optimizer, skip: bool, reply) -> list:
-        """``optimizer``'s loss scale after one of its updates, as ``LossScaleOptimizer`` steps it, on
-        what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp: ``skip``,
-        this push's own): a skipped update (counted in ``skipped``) halves the scale, else every
-        ``dynamic_growth_steps``-th doubles it; [scale, counter], to assign. [] without a loss scale."""
+    def _rescale(self, optimizer, skip: bool, reply=None) -> list:
+        """``optimizer``'s loss scale after one of its applies, as ``LossScaleOptimizer`` steps it, on
+        what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp, and a
+        batch held in a ``gradient_accumulation_steps`` window, no ``reply``: ``skip``, its own): a
+        skip halves the scale (a push's counted in ``skipped``), else every ``dynamic_growth_steps``-th
+        doubles it; [scale, counter], to assign. [] without a loss scale."""
         if not _scaled(optimizer):
             return []
-        if reply.metrics and SKIP_UPDATE in reply.metrics:
+        if reply is not None and reply.metrics and SKIP_UPDATE in reply.metrics:
             skip = float(reply.metrics[SKIP_UPDATE][0]) > 0
-        self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
+        if reply is not None:
+            self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
         scale, counter = optimizer.dynamic_scale.numpy(), int(optimizer.step_counter.numpy())
         grow = not skip and counter == optimizer.dynamic_growth_steps - 1
         if skip or grow:  # Keras multiplies the float32 scale by 2.0 or 0.5: exact

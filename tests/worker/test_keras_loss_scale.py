@@ -144,3 +144,53 @@ def test_a_loss_scale_around_a_multi_optimizer_skips_its_one_push_as_model_fit_d
             strategy.close()
     assert type(scale).__name__ == "LossScaleOptimizer" and runs[0][2:] == [2.0 ** 15 / 4, BATCHES - OVERFLOW - 1, 2 * BATCHES - 2]
     assert runs[1] == runs[0]
+
+
+def accumulated(strategy, k: int = 3) -> dict:
+    """A ``mixed_float16`` fit with ``gradient_accumulation_steps=k`` inside the loss scale;
+    batches 4 and 8 of each epoch overflow (one in a window's middle, one at a window's end)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(12 * 8, 5)).astype(np.float32)
+        y = (x @ rng.normal(size=(5, 1))).astype(np.float32)
+        x[[4 * 8 + 3, 8 * 8]] *= 1e4
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                                      keras.layers.Dense(1), keras.layers.Activation("linear", dtype="float32")])
+            model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.01, momentum=0.5, gradient_accumulation_steps=k), initial_scale=2.0 ** 8,
+                dynamic_growth_steps=4), loss="mse", run_eagerly=not isinstance(strategy, Strategy))
+            # eagerly: Keras' (g + accumulated) / k in a graph is rewritten to * (1 / k), one ulp off at k = 3
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        scale = model.optimizer
+        return {"weights": [v.numpy().tobytes() for v in model.trainable_variables],
+                "scale": (float(scale.dynamic_scale.numpy()), int(scale.step_counter.numpy()),
+                          int(scale.iterations.numpy()))}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window_as_model_fit_does(server, mode):
+    """Async and ssp: each worker's batches are its own, each skipped or not as one process skips
+    it. A batch whose scaled gradients are not finite is not accumulated (the window waits for
+    another), not counted, and halves the scale; every finite batch counts towards the doubling.
+    One worker ends at ``model.fit``'s weights to the bit, with its scale, counter and iterations."""
+    plain = accumulated(tf.distribute.get_strategy())
+    strategy = Strategy(ps=server(mode, 1).address, num_workers=1)
+    try:
+        ours = accumulated(strategy)
+    finally:
+        strategy.close()
+    assert plain["scale"][2] == (2 * 12 - 4) // 3  # the updates: of the batches accumulated, all but 4 skipped
+    assert ours == plain
+
+
+def test_a_loss_scale_with_gradient_accumulation_is_refused_in_sync_before_this_worker_registers(server):
+    """Sync: a held batch's skip would have to be every worker's before the window's push."""
+    strategy = Strategy(ps=server("sync", 1).address, num_workers=1)
+    with pytest.raises(ValueError, match="served in async and ssp: in sync, whether a batch held in a window"):
+        accumulated(strategy)
+    assert strategy.connection is None
