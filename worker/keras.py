@@ -705,9 +705,7 @@ class _Wrap:
         logs, pushed = strategy.engine.ride_out(attempt, rejoined=undo,
                                                 rides=lambda e: recoverable(e) and not self.immediate)
         if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch, unless its loss
-            optimizer = self.served[0][0]  # scale skipped it (not in the window), which it steps as for an update
-            for v, value in zip(_scale_variables(optimizer), self._rescale(optimizer, self.skip)):
-                v.assign(value)
+            self._rescale(self.served[0][0], self.skip)  # scale skipped it (not in the window)
             _inner(model.optimizer)._iterations.assign_add(0 if self.skip else 1)
             return model.get_metrics_result()
         if self.examples:
@@ -832,13 +830,12 @@ class _Wrap:
         elif not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
-            payload_before, optimizer_before, skip_before = self.deferred
-            self.deferred = None
-            self._pushed(payload_before, optimizer_before, skip_before, now=now)
+            deferred, self.deferred = self.deferred, None
+            self._pushed(*deferred, now=now)
         if a.window.last() and self.applies < (self.sites if graph else self.learned):
             self.immediate += 1
             _, reply = self._push(payload, optimizer, now, skip=self.skip)
-            scale = self._rescale(optimizer, self.skip, reply)  # assigned in the step's graph, before what follows
+            scale = self._rescale(optimizer, self.skip, reply, graph=True)
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)] + scale
@@ -896,27 +893,27 @@ class _Wrap:
         return self._pushed(payload, optimizer, skip, metrics=self.attached._metric_changes(), loss=_logged_loss(logs))
 
     def _pushed(self, payload, optimizer, skip: bool, **push) -> tuple:
-        """``_push`` outside the step's graph, then its loss scale's step (``_rescale``) assigned."""
+        """``_push`` outside the step's graph, then its loss scale's step (``_rescale``)."""
         row, reply = self._push(payload, optimizer, skip=skip, **push)
-        for v, value in zip(_scale_variables(optimizer), self._rescale(optimizer, skip, reply)):
-            v.assign(value)
+        self._rescale(optimizer, skip, reply)
         return row, reply
 
     def _sites(self) -> list:
         """The optimizer of each ``apply`` of the step, in order (as traced, or as the last eager step ran)."""
         return [o for o, _ in self.plan] or [o for o, _ in self.served]
 
-    def _rescale(self, optimizer, skip: bool, reply=None) -> list:
-        """``optimizer``'s loss scale after one of its applies, as ``LossScaleOptimizer`` steps it, on
-        what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp, and a
-        batch held in a ``gradient_accumulation_steps`` window, no ``reply``: ``skip``, its own): a
-        skip halves the scale (a push's counted in ``skipped``), else every ``dynamic_growth_steps``-th
-        doubles it; [scale, counter], to assign. [] without a loss scale."""
+    def _rescale(self, optimizer, skip: bool, reply=None, graph: bool = False) -> list:
+        """``optimizer``'s loss scale stepped after one of its applies, as ``LossScaleOptimizer`` steps
+        it, on what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp,
+        and a batch held in a ``gradient_accumulation_steps`` window, no ``reply``: ``skip``, its
+        own): a skip halves the scale (a push's counted in ``skipped``), else every
+        ``dynamic_growth_steps``-th doubles it. Returns [scale, counter] ([] without a loss scale);
+        ``graph``: not assigned here, but in the step's graph after the py_function, so that
+        what the step reads of them after the ``apply`` is ordered after it."""
         if not _scaled(optimizer):
             return []
-        if reply is not None and reply.metrics and SKIP_UPDATE in reply.metrics:
-            skip = float(reply.metrics[SKIP_UPDATE][0]) > 0
         if reply is not None:
+            skip = float(reply.metrics[SKIP_UPDATE][0]) > 0 if SKIP_UPDATE in (reply.metrics or {}) else skip
             self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
         scale, counter = optimizer.dynamic_scale.numpy(), int(optimizer.step_counter.numpy())
         grow = not skip and counter == optimizer.dynamic_growth_steps - 1
@@ -924,7 +921,10 @@ class _Wrap:
             scale, counter = scale * np.asarray(2.0 if grow else 0.5, scale.dtype), 0
         else:
             counter += 1
-        return [np.asarray(scale), np.asarray(counter, np.dtype(optimizer.step_counter.dtype))]
+        values = [np.asarray(scale), np.asarray(counter, np.dtype(optimizer.step_counter.dtype))]
+        for v, value in zip([] if graph else _scale_variables(optimizer), values):
+            v.assign(value)
+        return values
 
 
 class Window:
