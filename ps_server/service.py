@@ -38,7 +38,7 @@ from ps_server import peers
 from ps_server.core import broadcast, errors
 from ps_server.core.clip_group import ClipGroup, ClipTimeout
 from ps_server.core.data.cursor import DataPlan
-from ps_server.core.modes.elastic_mode import ElasticReply, Work
+from ps_server.core.modes.elastic_mode import ElasticReply
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes.base import Push, ShardGroup
 from ps_server.core.modes.overlap import HELD_BYTES, MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, NOT_YET

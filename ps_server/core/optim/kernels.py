@@ -196,7 +196,6 @@ class _Split:
 
 def _helpers() -> list:
     """The queues of THREADS - 1 daemon threads, each running ``split.work`` for what it is handed."""
-    global _queues
     if len(_queues) != THREADS - 1:
         with _lock:
             while len(_queues) < THREADS - 1:
