@@ -84,7 +84,16 @@ class Strategy:
             if batches != "global":
                 raise ValueError("elastic=True: the server deals the examples of your arrays; batches="
                                  f"{batches!r} (a dataset of this worker's own batches) cannot be dealt")
-            _seeded(self.config)
+            import keras
+
+            # A micro-batch's gradient the same bits in every worker and every run: the initial weights
+            # seeded and TensorFlow's ops deterministic (oneDNN is TF_ENABLE_ONEDNN_OPTS's, read when
+            # TensorFlow loads: ps-launch --elastic sets it to 0).
+            keras.utils.set_random_seed(self.config.seed)
+            if self.config.deterministic:
+                import tensorflow as tf
+
+                tf.config.experimental.enable_op_determinism()
         elif batches == "global":  # every worker's unseeded shuffles the same order (seeded ops are unchanged)
             import tensorflow as tf
             from tensorflow.python.eager import context
@@ -296,17 +305,16 @@ class _Attached:
         self.rates, self.sent_rates, self.compiled_rates = {}, {}, {}
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
-        self.next_round = self.base = 0  # elastic: the round the next Keras step is, and the fit's first
+        self.next_round = 0  # elastic: the round the next Keras step is
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.per_update = _inner(model.optimizer).gradient_accumulation_steps or 1  # Keras' batches an update counts
-        self.window = Window(self.per_update)  # gradient accumulation
+        # gradient accumulation; elastic: each round is the window's whole batch (``_dealt``)
+        self.window = Window(1 if strategy.config.elastic else self.per_update)
         self.wrap = _Wrap(self)  # Keras' train_step, wrapped
         self.original_fit = model.fit
-        # The server's optimizer ran every step and holds the moving averages (use_ema) that
-        # Keras' fit swaps in at its end.
         model.optimizer.finalize_variable_values = lambda var_list: self._take_averages()
         model.make_train_function, model.fit, model.train_function = self.make_train_function, self.fit, None
         # evaluate and predict on the server's parameters; model files with its optimizer state too
@@ -338,7 +346,6 @@ class _Attached:
                                  "the first fit's epochs); give all the epochs to one fit")
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode, self.per_update)
-            self.window = Window(1)  # gradient_accumulation_steps: each round is the window's whole batch
             if fits > 1 and strategy.connection is not None and self.dealt.plan() != strategy.connection.data_plan:
                 raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
                                  f"first fit's ({strategy.connection.data_plan}); this fit's is {self.dealt.plan()}: "
@@ -409,10 +416,11 @@ class _Attached:
             return {}  # a worker that joined late and skipped its first steps has updated no metric yet
         return self.model.get_metrics_result()
 
-    def _answered(self, row: dict, reply) -> None:
-        """After a step's push: the round's metric state (sync: the global batch's, and whether
-        every worker read the same batch) and the server's parameters."""
-        if self.strategy.connection.sync and reply.metrics:
+    def _answered(self, pushed: tuple | None) -> None:
+        """After a step: where it pushed (``pushed``: row, reply), the round's metric state (sync: the
+        global batch's, and whether every worker read the same batch); the server's parameters."""
+        row, reply = pushed or (None, None)
+        if reply is not None and self.strategy.connection.sync and reply.metrics:
             self.read.check_round(reply.metrics, row["step"])
             pushes = int(reply.metrics[BatchDigests.KEY][0])
             for v in _metric_variables(self.model):
@@ -450,7 +458,7 @@ class _Attached:
     def _metric_changes(self) -> dict | None:
         """What a sync push carries of the metrics (``_metric_share``) and of the batch read."""
         model = self.model
-        if not self.strategy.connection.sync or self.dealt is not None:  # elastic sync: each worker logs its own
+        if not self.strategy.connection.sync:  # (elastic pushes carry none: ``compute``)
             return None
         # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
         before = self.metrics_before
@@ -566,12 +574,11 @@ class _Wrap:
         self.attached = attached
         self.traced = self.function = None  # the step; traced on its first call (``model.run_eagerly``: not)
         self.specs: set = set()  # the input structures it was traced on (``_run``)
-        self.sites = 0  # the ``apply`` calls of the traced step
-        self.learned = 1  # those of the last eager step
+        self.learned = 1  # the ``apply`` calls of the last eager step
         self.examples = 0  # this worker's part of the step's batch: the push's weight
         self.batch_examples = 0  # the step's global batch (``batches="per_worker"``: this worker's)
         self._begin({})
-        self.plan: list = []  # (optimizer, variables) of each apply of the traced step, in order
+        self.plan: list = []  # (optimizer, variables) of each apply of the traced step (eager: the step so far)
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
         self.owned: dict = {}  # id of each optimizer the step applies: the ones of ``parts`` its push steps
@@ -599,7 +606,7 @@ class _Wrap:
                 optimizer.built = True
         if self.function is None:
             def traced(data):
-                self.sites, self.plan = 0, []
+                self.plan = []
                 return model.train_step(data)
 
             self.traced = tf.autograph.experimental.do_not_convert(traced)
@@ -607,13 +614,10 @@ class _Wrap:
         if self.served is not None:
             return
         if batch is not None and (type(model).train_step is not keras.Model.train_step or not model.run_eagerly):
-            # Traced on the data's shapes with the batch dimension unknown, as Keras' own train
-            # function sees a dataset's elements (CompileLoss weighs each output's loss by the
-            # static batch size: unknown, each batch counts once); run eagerly, traced apart only
-            # to see which optimizers it applies.
+            # traced as ``_run`` traces it; run eagerly, traced apart only to see which optimizers it applies
             spec = _relaxed(keras.utils.pack_x_y_sample_weight(*keras.utils.unpack_x_y_sample_weight(batch)))
             (tf.function(self.traced) if model.run_eagerly else self.function).get_concrete_function(spec)
-            self.learned = max(1, self.sites)  # an eager step's first apply is pushed at once too
+            self.learned = max(1, len(self.plan))  # an eager step's first apply is pushed at once too
         served: dict = {}
         for optimizer, variables in self.plan:
             served.setdefault(id(optimizer), (optimizer, {}))[1].update({v.path: v for v in variables})
@@ -692,7 +696,7 @@ class _Wrap:
             if not self.examples:  # a tiny last batch left this worker nothing: pushes of weight 0, each apply's
                 sites = self._sites()
                 for i in range(self.learned - 1):
-                    self._pushed(None, sites[i] if i < len(sites) else None, False)
+                    self._push(None, sites[i] if i < len(sites) else None, False)
                 self._keep(None if a.window.last() else {}, sites[-1])  # {}: nothing added to the window
             return logs, None if self.held else self._flush(logs)
 
@@ -709,12 +713,9 @@ class _Wrap:
             _inner(model.optimizer)._iterations.assign_add(0 if self.skip else 1)
             return model.get_metrics_result()
         if self.examples:
-            self.learned = max(1, self.applies) if model.run_eagerly else self.sites
+            self.learned = max(1, self.applies) if model.run_eagerly else len(self.plan)
         a.window.clear()
-        if pushed is None:
-            a._pull()
-        else:
-            a._answered(*pushed)
+        a._answered(pushed)
         # Each optimizer's own steps: its applies of the server's updates, less those its loss scale skipped
         # (the inner optimizer's, as LossScaleOptimizer's counts only the updates made).
         sites, version = self._sites(), max(0, int(strategy.connection.version))
@@ -727,15 +728,15 @@ class _Wrap:
     def _begin(self, pulled: dict) -> None:
         """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""
         self.applies = self.immediate = 0  # this step's applies: all, and those pushed at once
-        self.deferred: list | None = None  # [payload, optimizer, skip] of the step's last apply (payload None: not
-        # finite; skip: it asks the server to skip the update, a loss scale's non-finite gradients)
+        self.deferred: list | None = None  # [payload (None: not finite), optimizer, skip] of the step's last apply
         self.held = False  # the step's gradients went into a gradient_accumulation_steps window
         self.skip = False  # the apply now exchanged asks to skip its update
         self.base = dict(pulled)  # the non-trainable values the next push's changes are measured from
 
     def _run(self, data):
-        """The step on ``data``, traced (once per structure) on its shapes with the batch
-        dimension unknown, as Keras' own train function sees a dataset's elements (``prepare``)."""
+        """The step on ``data``, traced (once per structure) on its shapes with the batch dimension
+        unknown, as Keras' own train function sees a dataset's elements (CompileLoss weighs each
+        output's loss by the static batch size: unknown, each batch counts once)."""
         if self.function is not self.traced:
             spec = _relaxed(data)
             if repr(spec) not in self.specs:
@@ -749,10 +750,9 @@ class _Wrap:
         not finite), which the engine pushes naming the micro-batch."""
         import keras
 
-        x, y, sample_weight = examples[:3]
-        self.examples = self.batch_examples = _batch_size(x)
+        self.examples = self.batch_examples = _batch_size(examples[0])
         self._begin(self.attached.strategy.connection.pulled)
-        logs = self._run(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        logs = self._run(keras.utils.pack_x_y_sample_weight(*examples[:3]))
         (payload, _, _), self.deferred = self.deferred or [None, None, False], None
         return _logged_loss(logs), payload
 
@@ -762,8 +762,7 @@ class _Wrap:
         import tensorflow as tf
 
         model = self.attached.model
-        variables = list(trainable_variables) if trainable_variables is not None \
-            else list(optimizer._trainable_variables)
+        variables = list(optimizer._trainable_variables if trainable_variables is None else trainable_variables)
         self.plan.append((optimizer, variables))
         if self.served is not None:  # traced again, or eager: the optimizers the server was set up with
             group = next((held for o, held in self.served if o is optimizer), None)
@@ -771,7 +770,6 @@ class _Wrap:
                 raise ValueError(f"{type(model).__name__}.train_step applies {type(optimizer).__name__} to "
                                  f"{len(variables)} variables, not as its first step did (the server serves "
                                  f"{len(self.served)} optimizer(s) of fixed variables)")
-        self.sites += 1
         kinds, inputs = [], []
         for g in grads:
             if isinstance(g, tf.IndexedSlices):
@@ -784,7 +782,7 @@ class _Wrap:
         held = trainable(model) + non_trainable(model) + _scale_variables(optimizer)
         inputs += [tf.identity(v.value) for v in non_trainable(model)]  # read after the forward pass's updates
         graph = not tf.executing_eagerly()
-        out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph, optimizer), inputs,
+        out = tf.py_function(lambda *t: self._exchange(variables, kinds, t, graph, optimizer, held), inputs,
                              Tout=[tf.bool] + [tf.as_dtype(v.dtype) for v in held])
 
         def load():
@@ -794,11 +792,11 @@ class _Wrap:
 
         tf.cond(tf.reshape(out[0], []), load, lambda: tf.constant(False))
 
-    def _exchange(self, variables, kinds, tensors, graph: bool, optimizer) -> list:
+    def _exchange(self, variables, kinds, tensors, graph: bool, optimizer, held: list) -> list:
         """One ``apply``'s gradients as pushed (``as_pushed``; a non-finite one: a push of
         weight 0; under a ``LossScaleOptimizer``, unscaled as it unscales them, and a
         non-finite one asks the server to skip the update, ``SKIP_UPDATE``); returns [pushed
-        at once, the server's values]."""
+        at once, the server's values of ``held``]."""
         import tensorflow as tf
 
         a = self.attached
@@ -831,18 +829,16 @@ class _Wrap:
             payload = None
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             deferred, self.deferred = self.deferred, None
-            self._pushed(*deferred, now=now)
-        if a.window.last() and self.applies < (self.sites if graph else self.learned):
+            self._push(*deferred, now=now)
+        if a.window.last() and self.applies < (len(self.plan) if graph else self.learned):
             self.immediate += 1
-            _, reply = self._push(payload, optimizer, now, skip=self.skip)
-            scale = self._rescale(optimizer, self.skip, reply, graph=True)
+            _, reply, scale = self._push(payload, optimizer, self.skip, now, graph=True)
             conn.pull(load=False)
             self.base = {v.path: conn.pulled[v.path] for v in non_trainable(model)}
             return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)] + scale
         self._keep(payload, optimizer)
         # not loaded (the cond's other branch takes nothing): a scalar of each dtype, not a copy of the model
-        return [False] + [np.zeros((), np.dtype(v.dtype))
-                          for v in trainable(model) + non_trainable(model) + _scale_variables(optimizer)]
+        return [False] + [np.zeros((), np.dtype(v.dtype)) for v in held]
 
     def _keep(self, payload, optimizer=None) -> None:
         """A payload not pushed at once: a batch of a ``gradient_accumulation_steps`` window before
@@ -859,17 +855,18 @@ class _Wrap:
             payload = zeros(a.strategy.connection.pulled)
         self.deferred = [a.window.mean(payload, trainable(a.model)), optimizer, self.skip]
 
-    def _push(self, payload, optimizer=None, now: dict | None = None, metrics=None, loss: float = 0.0,
-              skip: bool = False):
+    def _push(self, payload, optimizer, skip: bool, now: dict | None = None, metrics=None, loss: float = 0.0,
+              graph: bool = False) -> tuple:
         """Push ``payload`` of this step (None: weight 0) of ``optimizer``'s apply (None: a tiny last
         batch's zeros), its non-trainable changes measured to ``now``, with the chief's new learning
         rate of the one optimizer the server steps it with (several optimizers: that apply's own).
         Under a loss scale it carries ``SKIP_UPDATE`` (``skip``: 1, else 0), whatever else it carries:
-        every push of a sync round alike, whose sum decides the round."""
+        every push of a sync round alike, whose sum decides the round; then the scale steps
+        (``_rescale``, ``graph`` as there). Returns (row, reply, the scale's values)."""
         from worker.connection import Work
 
         a = self.attached
-        conn = a.strategy.connection
+        strategy, conn = a.strategy, a.strategy.connection
         if _scaled(optimizer):
             metrics = {**(metrics or {}), SKIP_UPDATE: np.array([1.0 if skip else 0.0])}
         if payload is None and self.examples:
@@ -878,24 +875,19 @@ class _Wrap:
             payload.update(changes(a.model, self.base, now))
             if now is not None:
                 self.base = dict(now)
-        weight = a.window.weight(self.examples, self.batch_examples, conn.sync, a.strategy.num_replicas_in_sync)
-        row, reply = a.strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics,
-                                            set_learning_rate=a._new_learning_rate(
-                                                self.owned.get(id(optimizer), []) if self.grouped else a.optimizers))
+        weight = a.window.weight(self.examples, self.batch_examples, conn.sync, strategy.num_replicas_in_sync)
+        lr = a._new_learning_rate(self.owned.get(id(optimizer), a.optimizers))  # of the optimizers it steps
+        row, reply = strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics, set_learning_rate=lr)
         a.learning_rates.append(float(reply.learning_rate))
-        return row, reply
+        return row, reply, self._rescale(optimizer, skip, reply, graph)
 
     def _flush(self, logs):
         """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
         if self.deferred is None:
             return None
         (payload, optimizer, skip), self.deferred = self.deferred, None
-        return self._pushed(payload, optimizer, skip, metrics=self.attached._metric_changes(), loss=_logged_loss(logs))
-
-    def _pushed(self, payload, optimizer, skip: bool, **push) -> tuple:
-        """``_push`` outside the step's graph, then its loss scale's step (``_rescale``)."""
-        row, reply = self._push(payload, optimizer, skip=skip, **push)
-        self._rescale(optimizer, skip, reply)
+        row, reply, _ = self._push(payload, optimizer, skip, metrics=self.attached._metric_changes(),
+                                   loss=_logged_loss(logs))
         return row, reply
 
     def _sites(self) -> list:
@@ -1098,11 +1090,10 @@ def _metric_combined(v, before: np.ndarray, summed: np.ndarray, pushes: int) -> 
 
 
 def _weigh_output_losses(model, before: dict, share: float) -> None:
-    """Keras weighs each output's loss tracker by the batch's static size, which a dataset's
-    step leaves unknown: a step counts once. A worker's step is its part of the global
-    batch, so its change to those trackers is scaled by its share of the examples: the
-    round's sum is then one step of the global batch's mean, as in one process, however
-    the batch divides."""
+    """Keras counts each output's loss tracker once a step (``_Wrap._run``), and a worker's step
+    is its part of the global batch, so its change to those trackers is scaled by its ``share``
+    of the examples: the round's sum is then one step of the global batch's mean, as in one
+    process, however the batch divides."""
     compile_loss = getattr(model, "_compile_loss", None)
     for v in [v for m in (compile_loss.metrics if compile_loss is not None else ()) for v in m.variables]:
         start = before.get(v.path, np.zeros(v.shape, v.dtype))
@@ -1133,7 +1124,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             # worker, as no round completes before all have pushed): a job restarted on a running
             # server does not read the decisions of the one before. Elastic: a worker may join at
             # any round, so the fit alone; a later fit's rounds go on from the round the chief
-            # began it at (``base``), which a worker that joins in it reads.
+            # began it at (``self.base``), which a worker that joins in it reads.
             conn, dealt = strategy.connection, attached.dealt
             self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
             model = self.model
@@ -1147,8 +1138,8 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
 
                 # elastic: on the chief's data (the server deals indices into them), from the epoch of the
                 # cluster's round (sync: one that joins late skips the rounds it is past) or of its first task
-                attached.base = got["base"]
-                start = (max(0, conn.step - attached.base) // dealt.steps_per_epoch if conn.sync
+                self.base = got["base"]
+                start = (max(0, conn.step - self.base) // dealt.steps_per_epoch if conn.sync
                          else elastic.task_epoch(strategy.engine))
                 if got["data"] != chief["data"]:
                     raise ValueError(f"elastic=True: this worker's training data (digest {chief['data']}) differ "
@@ -1162,7 +1153,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             attached.read.new_epoch()
             attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
             if attached.dealt is not None:  # elastic: the epoch's rounds, at the chief's rate for it
-                attached.next_round = attached.base + epoch * attached.dealt.steps_per_epoch
+                attached.next_round = self.base + epoch * attached.dealt.steps_per_epoch
                 got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizers[0])})
                 if got["lr"] is not None:
                     attached.optimizers[0].learning_rate = attached.epoch_rate = got["lr"]
@@ -1243,20 +1234,6 @@ def _flat(structure) -> list:
     from keras.src import tree
 
     return [a for a in tree.flatten(structure) if a is not None]
-
-
-def _seeded(config) -> None:
-    """Elastic: a micro-batch's gradient the same bits in every worker and every run: the
-    initial weights seeded (``config.seed``) and TensorFlow's ops deterministic (with
-    ``config.deterministic``; oneDNN is ``TF_ENABLE_ONEDNN_OPTS``'s, read when TensorFlow loads:
-    ``ps-launch --elastic`` sets it to 0)."""
-    import keras
-
-    keras.utils.set_random_seed(config.seed)
-    if config.deterministic:
-        import tensorflow as tf
-
-        tf.config.experimental.enable_op_determinism()
 
 
 def _batch_size(x) -> int:
