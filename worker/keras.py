@@ -85,14 +85,13 @@ class Strategy:
                 raise ValueError("elastic=True: the server deals the examples of your arrays; batches="
                                  f"{batches!r} (a dataset of this worker's own batches) cannot be dealt")
             import keras
+            import tensorflow as tf
 
             # A micro-batch's gradient the same bits in every worker and every run: the initial weights
             # seeded and TensorFlow's ops deterministic (oneDNN is TF_ENABLE_ONEDNN_OPTS's, read when
             # TensorFlow loads: ps-launch --elastic sets it to 0).
             keras.utils.set_random_seed(self.config.seed)
             if self.config.deterministic:
-                import tensorflow as tf
-
                 tf.config.experimental.enable_op_determinism()
         elif batches == "global":  # every worker's unseeded shuffles the same order (seeded ops are unchanged)
             import tensorflow as tf
@@ -260,8 +259,7 @@ def _build(model, args, kwargs):
 
 
 def _inner(optimizer):
-    """The optimizer the server runs of a Keras ``LossScaleOptimizer`` (``mixed_float16``): its
-    inner one; the optimizer itself otherwise."""
+    """The optimizer the server runs for ``optimizer``: a ``LossScaleOptimizer``'s inner one, else itself."""
     return optimizer.inner_optimizer if _scaled(optimizer) else optimizer
 
 
@@ -300,8 +298,7 @@ class _Attached:
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
         self.metrics_before: dict = {}  # every metric's state before this step
-        # The chief, by optimizer (id): its learning rate read before the steps (``_read_learning_rates``),
-        # the one its pushes last sent, and the one the server was initialized with.
+        # the chief's learning rate of each optimizer (id): read before its steps, last sent, and compiled
         self.rates, self.sent_rates, self.compiled_rates = {}, {}, {}
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
@@ -356,20 +353,16 @@ class _Attached:
         self.wrap.prepare(_build(self.model, args, kwargs))
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
-        return self._fit_dealt(args, kwargs, callbacks, verbose)
-
-    def _fit_dealt(self, args, kwargs, callbacks, verbose):
-        """Keras' fit on data the server deals (module docstring). SIGTERM makes this worker
-        leave the job at once and exit 143, as ``ps-worker --elastic`` does (``worker.elastic``)."""
         from worker import elastic
 
+        # elastic: SIGTERM makes this worker leave the job at once and exit 143, as ps-worker --elastic does
         self.stop = elastic.SigtermFlag()
         try:
-            with elastic.leaving_at_sigterm(self.stop, lambda: self.strategy.engine):
-                history = self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
+            with elastic.leaving_at_sigterm(self.stop, lambda: strategy.engine):
+                history = self.original_fit(callbacks=callbacks, verbose=verbose, **kwargs)
         except elastic.Stopped as e:
-            print(f"tfps.keras: worker {self.strategy.worker_index} {e}", file=sys.stderr, flush=True)
-            self.strategy.close(leave=False)  # it left: no second Leave at exit
+            print(f"tfps.keras: worker {strategy.worker_index} {e}", file=sys.stderr, flush=True)
+            strategy.close(leave=False)  # it left: no second Leave at exit
             raise SystemExit(LEFT_JOB_STATUS) from None
         self._load()
         return history
@@ -481,7 +474,7 @@ class _Attached:
         if not self.strategy.is_chief:
             return
         self.rates = {id(o): _rate(o) for o in self.optimizers}
-        fixed = [o for parts in self.wrap.owned.values() if len(parts) > 1 for o in parts]
+        fixed = [o for parts in self.wrap.owned.values() if len(parts) > 1 for o, _ in parts]
         changed = next((o for o in fixed if self.rates[id(o)] != self.compiled_rates.get(id(o))), None)
         if changed is not None:
             raise ValueError(f"the server runs the compiled learning rate of {type(changed).__name__}; a callback's "
@@ -530,8 +523,8 @@ class _Attached:
             return
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
-        for optimizer, variables in self.wrap.served:  # set by the first fit, before it connected
-            steps = [load_state(o, held, states, self.per_update) for o, held in _parts(optimizer, variables)]
+        for optimizer, _ in self.wrap.served:  # set by the first fit, before it connected
+            steps = [load_state(o, held, states, self.per_update) for o, held in self.wrap.owned[id(optimizer)]]
             if _is_multi(_inner(optimizer)):
                 _inner(optimizer)._iterations.assign(max(steps))
 
@@ -543,10 +536,8 @@ class _Attached:
         its batches, so the server moves them first (``Window.batches``)."""
         conn, optimizer = self.strategy.connection, self.model.optimizer
         # none before a fit, nor where a step of its own never applies the compiled optimizer
-        held = next((v for o, v in self.wrap.served if o is optimizer), None) if conn is not None else None
-        if held is None:
-            return
-        names = [v.path for o, part in _parts(optimizer, held) if o.use_ema for v in part]
+        parts = self.wrap.owned.get(id(optimizer), []) if conn is not None else []
+        names = [v.path for o, part in parts if o.use_ema for v in part]
         if names:
             _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names,
                                                        window_batches=self.window.batches)
@@ -581,7 +572,7 @@ class _Wrap:
         self.plan: list = []  # (optimizer, variables) of each apply of the traced step (eager: the step so far)
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
-        self.owned: dict = {}  # id of each optimizer the step applies: the ones of ``parts`` its push steps
+        self.owned: dict = {}  # id of each optimizer the step applies: its ``parts`` (what its push steps)
         self.grouped = False  # served as groups: several optimizers, or one to some variables
         self.skipped: dict = {}  # id of each optimizer under a loss scale: its skipped updates (sync: every worker's)
         self.patch(attached.model.optimizer)
@@ -634,9 +625,8 @@ class _Wrap:
             raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
                              "optimizer its own variables")
         # Each optimizer its variables (a group of the server's spec), unless one steps them all.
-        split = [(o, _parts(o, variables)) for o, variables in self.served]
-        self.parts = [part for _, parts in split for part in parts]
-        self.owned = {id(o): [p for p, _ in parts] for o, parts in split}
+        self.owned = {id(o): _parts(o, variables) for o, variables in self.served}
+        self.parts = [part for parts in self.owned.values() for part in parts]
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
         if self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs):
@@ -680,8 +670,8 @@ class _Wrap:
             x, y, sample_weight = _part((x, y, sample_weight), strategy.worker_index, strategy.num_replicas_in_sync)
             data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
         self.examples = _batch_size(x)
-        # gradient_accumulation_steps in sync: this worker's part weighs as its share of the global batch
-        parts = strategy.connection.sync and strategy.batches == "global"  # sync: the global batch's parts
+        # sync, the global batch's parts: this worker's part weighs as its share (gradient_accumulation_steps)
+        parts = strategy.connection.sync and strategy.batches == "global"
         a.window.share = self.examples * strategy.num_replicas_in_sync / self.batch_examples \
             if parts and self.batch_examples else 1.0
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
@@ -757,8 +747,7 @@ class _Wrap:
         return _logged_loss(logs), payload
 
     def apply(self, grads, trainable_variables, optimizer) -> None:
-        """``optimizer``'s ``apply``, in the step's graph: the gradients to ``_exchange``, and
-        where it pushed them at once, the server's values into the model's variables."""
+        """``optimizer``'s ``apply`` in the step's graph (class docstring): its gradients through ``_exchange``."""
         import tensorflow as tf
 
         model = self.attached.model
@@ -806,9 +795,8 @@ class _Wrap:
         for v, kind in zip(variables, kinds):
             if kind == "dense":
                 grads[v.path] = next(given)
-            elif kind == "slices":
-                values, indices = next(given), next(given)
-                grads[v.path] = tf.IndexedSlices(values, indices, tf.constant(v.shape, tf.int64))
+            elif kind == "slices":  # its values, then its indices
+                grads[v.path] = tf.IndexedSlices(next(given), next(given), tf.constant(v.shape, tf.int64))
         now = {v.path: next(given).numpy() for v in non_trainable(model)}
         self.skip = False
         if _scaled(optimizer):  # LossScaleOptimizer._stateful_handle_finite_grads' arithmetic
@@ -876,7 +864,7 @@ class _Wrap:
             if now is not None:
                 self.base = dict(now)
         weight = a.window.weight(self.examples, self.batch_examples, conn.sync, strategy.num_replicas_in_sync)
-        lr = a._new_learning_rate(self.owned.get(id(optimizer), a.optimizers))  # of the optimizers it steps
+        lr = a._new_learning_rate([p for p, _ in self.owned.get(id(optimizer), self.parts)])  # the ones it steps
         row, reply = strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics, set_learning_rate=lr)
         a.learning_rates.append(float(reply.learning_rate))
         return row, reply, self._rescale(optimizer, skip, reply, graph)
@@ -895,13 +883,12 @@ class _Wrap:
         return [o for o, _ in self.plan] or [o for o, _ in self.served]
 
     def _rescale(self, optimizer, skip: bool, reply=None, graph: bool = False) -> list:
-        """``optimizer``'s loss scale stepped after one of its applies, as ``LossScaleOptimizer`` steps
-        it, on what every worker agreed (sync: the round's summed ``SKIP_UPDATE``; async and ssp,
-        and a batch held in a ``gradient_accumulation_steps`` window, no ``reply``: ``skip``, its
-        own): a skip halves the scale (a push's counted in ``skipped``), else every
-        ``dynamic_growth_steps``-th doubles it. Returns [scale, counter] ([] without a loss scale);
-        ``graph``: not assigned here, but in the step's graph after the py_function, so that
-        what the step reads of them after the ``apply`` is ordered after it."""
+        """``optimizer``'s loss scale stepped after one of its applies as ``LossScaleOptimizer`` steps it:
+        a skip halves it (a push's counted in ``skipped``), else every ``dynamic_growth_steps``-th doubles
+        it. The skip is the round's summed ``SKIP_UPDATE`` where the ``reply`` carries it (sync), else
+        ``skip``, this worker's own (async and ssp; a batch held in a window: no ``reply``). Returns
+        [scale, counter] ([] without a loss scale), assigned here unless ``graph`` (then in the step's
+        graph after the py_function, so that what the step reads of them is ordered after the ``apply``)."""
         if not _scaled(optimizer):
             return []
         if reply is not None:
@@ -1120,11 +1107,10 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
 
     class Agreement(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            # Keys name the fit and, in sync mode, the server's round it starts at (the same on every
-            # worker, as no round completes before all have pushed): a job restarted on a running
-            # server does not read the decisions of the one before. Elastic: a worker may join at
-            # any round, so the fit alone; a later fit's rounds go on from the round the chief
-            # began it at (``self.base``), which a worker that joins in it reads.
+            # Keys name the fit and, in sync mode, the server's round it starts at (the same on every worker,
+            # as no round completes before all have pushed): a job restarted on a running server does not read
+            # the decisions of the one before. Elastic: a worker may join at any round, so the fit alone; a
+            # later fit's rounds go on from the round the chief began it at (``self.base``), which joiners read.
             conn, dealt = strategy.connection, attached.dealt
             self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
             model = self.model
