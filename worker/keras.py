@@ -434,9 +434,9 @@ class _Attached:
         self.sent_rates = {}
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
-        """Elastic: a dealt micro-batch's logged loss and payload through Keras' step, wrapped
-        (``_Wrap.capture``; none for a loss or gradient not finite: weight 0), and what its push
-        carries besides (the chief's new learning rate; no metrics: each worker logs its own)."""
+        """Elastic: a dealt micro-batch through Keras' step, wrapped (``_Wrap.capture``): its logged loss
+        and payload (none where not finite: weight 0), its push's learning rate, and no metrics (each
+        worker logs its own)."""
         loss, payload = self.wrap.capture(work.examples) if work.batch_size else (0.0, None)
         if work.batch_size and payload is None:
             self._not_finite()
@@ -468,9 +468,8 @@ class _Attached:
 
     def _read_learning_rates(self) -> None:
         """The chief, before its steps: each optimizer's learning rate, which the next push of its
-        variables sends where a callback changed it (``_new_learning_rate``). Where no push can
-        carry it, a change stops ``fit`` in one line: one push steps several optimizers (a
-        ``MultiOptimizer``'s ``apply``)."""
+        variables sends where a callback changed it (``_new_learning_rate``); a change that no push
+        can carry (one push steps several optimizers: a ``MultiOptimizer``'s) stops ``fit`` in one line."""
         if not self.strategy.is_chief:
             return
         self.rates = {id(o): _rate(o) for o in self.optimizers}
