@@ -614,7 +614,11 @@ class _Wrap:
         everything = trainable(model)
         self.served = [(o, [v for v in everything if v.path in held]) for o, held in served.values()] \
             or [(model.optimizer, everything)]
-        self._check_served(everything)
+        try:
+            self._check_served(everything)
+        except ValueError:
+            self.served = None  # a fit tried again is traced and checked again
+            raise
 
     def _check_served(self, everything: list) -> None:
         """Refuse, in one line, what the server cannot serve of the optimizers the step applies."""
