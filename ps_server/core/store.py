@@ -987,14 +987,14 @@ class VariableStore:
         else the only one. ``setting``: InvalidArgument where a push of ``names`` cannot set it:
         they are not one group's (one push, one rate: each Keras ``apply`` of a GAN's step is a
         push of its optimizer's variables), or its rate is a schedule."""
-        optimizer = self._optimizer
-        held = {id(o) for o in map(optimizer.groups.get, names) if o is not None}
-        owners = [o for o in {id(o): o for o in optimizer.groups.values()}.values() if id(o) in held]  # spec order
-        if setting and optimizer.groups and len(owners) != 1:
-            raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
-                                  f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
-        first = optimizer.spec.groups[0][0][0] if optimizer.groups else ""
-        owner = owners[0] if owners else optimizer.of(first)
+        optimizer = owner = self._optimizer
+        if optimizer.groups:  # without, the only one: no look at each name of every round's push
+            held = {id(o) for o in map(optimizer.groups.get, names) if o is not None}
+            owners = [o for o in {id(o): o for o in optimizer.groups.values()}.values() if id(o) in held]  # spec order
+            if setting and len(owners) != 1:
+                raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
+                                      f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
+            owner = owners[0] if owners else optimizer.of(optimizer.spec.groups[0][0][0])
         if setting and owner.spec.learning_rate_schedule is not None:
             raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
                                   "its update count and cannot also set a constant one")
