@@ -119,6 +119,7 @@ import time
 
 from protos import wire
 from ps_common import security
+from ps_common.ports import free_ports
 from ps_common.procs import LEFT_JOB_STATUS, ServerStartError, dying_with_parent, wait_for_port_file
 from ps_common.settings import deprecated_env, env_names, to_json
 from ps_server.config import ServerConfig
@@ -486,20 +487,9 @@ def built_in_only_flags(args: argparse.Namespace) -> list[str]:
 def placeholder_worker_addresses(count: int) -> list[str]:
     """One 127.0.0.1:PORT per worker for TF_CONFIG's ``cluster.worker``. tfps workers do not
     listen: the entries only give TF_CONFIG the shape TensorFlow gives it. The ports are
-    distinct and were unused when picked (held open together, then closed), so a script that
-    does bind its own entry is unlikely to collide with anything."""
-    import socket
-
-    held = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{s.getsockname()[1]}" for s in held]
-    finally:
-        for s in held:
-            s.close()
+    distinct and free when picked (``ps_common.ports``), so a script that does bind its own
+    entry is unlikely to collide with anything."""
+    return [f"127.0.0.1:{port}" for port in free_ports(count)]
 
 
 def script_settings(args: argparse.Namespace, index: int) -> dict[str, str]:

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 
+from ps_common.ports import free_ports  # noqa: F401  (runners and bench/ import it from here)
 from ps_common.procs import die_with_parent, dying_with_parent  # noqa: F401  (runners import them from here)
 
 
@@ -49,20 +50,3 @@ def _probe() -> tuple[list[str] | None, str]:
 def isolated(argv: list[str]) -> tuple[list[str], str]:
     prefix, note = _probe()
     return ([*prefix, *argv] if prefix else list(argv)), note
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (ask inside the namespace that will use them)."""
-    import socket
-
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports

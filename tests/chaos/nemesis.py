@@ -44,7 +44,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ps_common.ports import free_port
 from ps_common.procs import dying_with_parent
 from worker.client import PSClient, PSClientError
 
@@ -181,7 +181,7 @@ class Run:
         self.job, self.schedule, self.dir = job, schedule, workdir
         self.cache = cache or workdir.parent  # where the undisturbed run's weights are kept
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.server: subprocess.Popen | None = None
         self.servers = 0
@@ -432,12 +432,6 @@ def _continue(proc: subprocess.Popen) -> None:
         proc.send_signal(signal.SIGCONT)
     except ProcessLookupError:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _seeds(text: str) -> list[int]:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import time
 import numpy as np
 import pytest
 
+from ps_common.ports import free_port  # noqa: F401  (the other chaos tests import it from here)
 from ps_server.core.checkpoint import latest_valid, list_checkpoints
 from ps_server.core.optim.optimizers import OptimizerSpec
 from tests.cluster.conftest import Procs, read_log, wait_exit
@@ -46,12 +46,6 @@ KILL_AT_VERSION = 12
 SLACK_S = 0.5
 WORKER_FLAGS = ("--dataset", "digits", "--epochs", "3", "--reconnect-timeout", "60", "--log-every", "5")
 QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(procs: Procs, port: int, ckpt_dir, log_name: str, mode: str = "sync", num_workers: int = 2,

@@ -7,7 +7,6 @@ serves http://HOST:P/metrics from start to SIGTERM, with the status the workers 
 """
 
 import signal
-import socket
 import urllib.error
 import urllib.request
 
@@ -15,18 +14,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ps_common.ports import free_port
 from tests.cluster.conftest import read_log, wait_exit
 from worker.client import PSClient
 
 pytestmark = pytest.mark.cluster
-
-
-def free_port() -> int:
-    # The flag takes a number (0 is off), so a real process needs one picked beforehand;
-    # another process could take it in between, which the assertion's log would show.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -7,7 +7,6 @@ shard)."
 """
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from ps_common.ports import free_port
 from tests.cluster.conftest import port_of, read_log, wait_exit
 from worker.client import PSClient
 from worker.model import load_npz
@@ -111,12 +111,6 @@ def test_async_over_two_shards_trains_digits(procs, tmp_path):
     assert [s.pushes_applied for s in shards] == [92, 92]
     assert sum(s.num_parameters for s in shards) == CNN_PARAMETERS and all(s.num_parameters for s in shards)
     assert "learned the placement" in read_log(procs.procs[-2])  # worker 1 read it from the shards
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.chaos

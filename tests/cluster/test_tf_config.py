@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from protos import wire
+from ps_common.ports import free_ports
 from ps_common.procs import dying_with_parent
 from tests.cluster.conftest import port_of, read_log, wait_exit
 from worker.client import PSClient
@@ -28,17 +28,6 @@ from worker.client import PSClient
 pytestmark = pytest.mark.cluster
 
 STEPS = 4
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def start(procs, argv: list[str], name: str, tf_config: dict) -> subprocess.Popen:

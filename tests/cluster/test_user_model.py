@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,32 +18,12 @@ import urllib.request
 import numpy as np
 import pytest
 
+from ps_common.ports import free_ports
 from ps_common.procs import dying_with_parent
 from tests.cluster.conftest import ROOT as REPO
 from tests.cluster.conftest import read_log, wait_exit
 
 pytestmark = pytest.mark.cluster
-
-
-def _free_ports(n: int) -> int:
-    """A port P with P .. P+n-1 all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 def _scrape(port: int) -> dict[str, list]:
@@ -65,7 +44,7 @@ def _value(families: dict, family: str, sample: str | None = None, **labels) -> 
 def recommender_run(tmp_path_factory):
     """One sync run of the example with 2 workers, its server and chief scraped mid-run."""
     tmp = tmp_path_factory.mktemp("recommender")
-    port = _free_ports(3)  # server P, worker 0 P+1, worker 1 P+2
+    port = free_ports(3, consecutive=True)[0]  # server P, worker 0 P+1, worker 1 P+2
     argv = [sys.executable, "-m", "ps_tools.launch", "--mode", "sync", "--workers", "2",
             "--model", "examples.recommender:build_model", "--dataset", "examples.recommender:make_dataset",
             "--epochs", "6", "--global-batch-size", "256", "--learning-rate", "0.01",

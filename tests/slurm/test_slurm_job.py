@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ps_common import slurm as slurm_env
+from ps_common.ports import free_port  # "": the server listens on all interfaces
 from tests.slurm.conftest import wait_no_job_processes
 
 pytestmark = pytest.mark.slurm
@@ -48,13 +48,6 @@ def finish(slurm, proc: subprocess.Popen, output: Path) -> int:
         pytest.fail(f"job {proc.job_id} still running after {JOB_TIMEOUT:g} s; cancelled\n{read(output)[-4000:]}")
 
 
-def free_port() -> int:
-    """A port nobody listens on now: the server's (--port-base), so the job needs no fixed one."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def task_lines(text: str) -> dict[int, str]:
     """{rank: what ps-slurm said it is} from the job's output (srun --label)."""
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^(\d+): ps-slurm: Slurm task \d+ of \d+: (.*)$",
@@ -70,7 +63,7 @@ def test_scontrol_and_our_expansion_agree_on_node_lists(local_slurm):
 
 def test_job_script_trains_digits_with_one_server_and_two_workers(local_slurm, tmp_path):
     output, result = tmp_path / "job.out", tmp_path / "result.json"
-    port = free_port()
+    port = free_port("")
     proc = local_slurm.submit(output, ["--port-base", str(port), "--server-args", "--mode sync", "--dataset", "digits",
                                        "--epochs", "3", "--result-json", str(result), "--progress", "lines"],
                               cwd=tmp_path)
@@ -92,7 +85,7 @@ def test_job_script_trains_digits_with_one_server_and_two_workers(local_slurm, t
 def test_job_whose_worker_is_killed_under_abort_fails(local_slurm, tmp_path):
     output = tmp_path / "job.out"
     # Long enough that worker 1 is still training when it is killed; the lease is short.
-    proc = local_slurm.submit(output, ["--port-base", str(free_port()),
+    proc = local_slurm.submit(output, ["--port-base", str(free_port("")),
                                        "--server-args", "--mode sync --dead-worker-policy abort --lease-timeout 2",
                                        "--dataset", "digits", "--epochs", "200", "--heartbeat-interval", "0.3",
                                        "--progress", "lines", "--log-every", "5"], cwd=tmp_path)
