@@ -20,6 +20,12 @@ import pytest
 
 from tests.withheld import messages_withheld
 
+# oneDNN changes TensorFlow's bits, and eager and traced steps differently (its fused kernels are
+# a graph's): the tests' bit-for-bit comparisons need it off before any test module imports
+# TensorFlow, whichever runs first (``tests/worker`` alone once imported it first from a module
+# that did not set this). Processes the tests start inherit it.
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+
 _watchdog: threading.Timer | None = None
 
 

@@ -13,18 +13,14 @@ With ``use_ema`` Keras moves the averages at every batch, and the server's updat
 for each of its window's batches (``ps_server.core.optim.optimizers``).
 """
 
-import os
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from ps_server.config import ServerConfig  # noqa: E402
-from ps_server.server import build_server  # noqa: E402
-from worker.keras import Strategy  # noqa: E402
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from worker.keras import Strategy
 
 BATCHES, BATCH, K = 12, 8, 3
 

@@ -11,16 +11,12 @@ The other optimizers of the step go on. So one worker ends at ``model.fit``'s we
 bit, with each optimizer's scale, counter and step count.
 """
 
-import os
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
 
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from worker.keras import Strategy  # noqa: E402
+from worker.keras import Strategy
 
 BATCHES, BATCH, OVERFLOW = 6, 16, 2  # the batch (of each epoch) with one example's input 1e4
 

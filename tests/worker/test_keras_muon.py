@@ -12,16 +12,13 @@ the wrong rule, or a slot loaded into the wrong one, is 1e-3 and more apart.
 """
 
 import contextlib
-import os
 
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ps_server.config import ServerConfig  # noqa: E402
-from ps_server.server import build_server  # noqa: E402
-from worker.keras import Strategy  # noqa: E402
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from worker.keras import Strategy
 
 ATOL = 1e-6
 

@@ -9,15 +9,12 @@ matrix, stepped by its Muon rule, is within the bound of its matrix products ins
 (``ps_server.core.optim.muon``; its slots to the bit).
 """
 
-import os
-
 import numpy as np
 import pytest
 
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.optim.registry import make_optimizer
 
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 keras = pytest.importorskip("keras")
 
 from worker.keras_optimizer import load_state  # noqa: E402

@@ -10,17 +10,13 @@ with repeated ids in every batch, against one-process Keras ``model.fit`` on the
 - rule "sum" ends elsewhere on the table: the repeated rows were summed first.
 """
 
-import os
+import keras
+import numpy as np
+import pytest
 
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from ps_server.config import ServerConfig  # noqa: E402
-from ps_server.server import build_server  # noqa: E402
-from worker.keras import Strategy  # noqa: E402
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from worker.keras import Strategy
 
 VOCAB, BATCH = 12, 8
 

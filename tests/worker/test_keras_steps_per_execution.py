@@ -9,17 +9,13 @@ So 22 batches at 4 per call are 6 calls an epoch, and the steps are those of
 ``steps_per_execution=1``, the same batches in the same order: the same weights, bit for bit.
 """
 
-import os
+import keras
+import numpy as np
+import tensorflow as tf
 
-os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN changes TensorFlow's bits; off before it loads
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from ps_server.config import ServerConfig  # noqa: E402
-from ps_server.server import build_server  # noqa: E402
-from worker.keras import Strategy  # noqa: E402
+from ps_server.config import ServerConfig
+from ps_server.server import build_server
+from worker.keras import Strategy
 
 BATCHES, BATCH, EPOCHS = 22, 8, 2
 
