@@ -392,7 +392,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sparse: _Optional[bool] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rate", "micro_batch", "task", "overlap_block_bytes")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "loss", "gradients", "shm_name", "shm_offsets", "metrics", "set_learning_rates", "micro_batch", "task", "overlap_block_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -402,7 +402,7 @@ class PushHeader(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
-    SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SET_LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -415,11 +415,11 @@ class PushHeader(_message.Message):
     shm_name: str
     shm_offsets: _containers.RepeatedScalarFieldContainer[int]
     metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
-    set_learning_rate: float
+    set_learning_rates: _containers.RepeatedScalarFieldContainer[float]
     micro_batch: int
     task: int
     overlap_block_bytes: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ..., overlap_block_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., loss: _Optional[float] = ..., gradients: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_offsets: _Optional[_Iterable[int]] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rates: _Optional[_Iterable[float]] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ..., overlap_block_bytes: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -466,7 +466,7 @@ class PushPullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., done: _Optional[_Union[PushResponse, _Mapping]] = ..., confirmed: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rate", "micro_batch", "task")
+    __slots__ = ("worker_id", "step", "base_version", "batch_size", "gradients", "loss", "return_values", "metrics", "set_learning_rates", "micro_batch", "task")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -475,7 +475,7 @@ class PushRequest(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     RETURN_VALUES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
-    SET_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SET_LEARNING_RATES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
@@ -486,10 +486,10 @@ class PushRequest(_message.Message):
     loss: float
     return_values: bool
     metrics: _containers.RepeatedCompositeFieldContainer[Tensor]
-    set_learning_rate: float
+    set_learning_rates: _containers.RepeatedScalarFieldContainer[float]
     micro_batch: int
     task: int
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rate: _Optional[float] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., base_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., return_values: _Optional[bool] = ..., metrics: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., set_learning_rates: _Optional[_Iterable[float]] = ..., micro_batch: _Optional[int] = ..., task: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "staleness", "contributors", "dropped", "next_step", "replayed", "variables", "incarnation", "metrics", "learning_rate", "assignment")

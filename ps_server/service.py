@@ -717,13 +717,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _check(self, h: pb.PushHeader, layout: stream.Layout, metrics: dict) -> None:
         self.core.check_push(h.worker_id, h.step, h.base_version, h.batch_size, stream.arriving(layout.entries, self.core.store.specs()),
                              sparse=codec.sparse_names(h.gradients), metrics=metrics,
-                             set_learning_rate=h.set_learning_rate)
+                             set_learning_rates=h.set_learning_rates)
 
     @staticmethod
     def _push_of(h: "pb.PushHeader | pb.PushRequest", gradients, metrics: dict) -> Push:
         """The core's Push of a PushStream's header or a unary PushRequest (the same fields)."""
         return Push(worker_id=h.worker_id, step=h.step, base_version=h.base_version, batch_size=h.batch_size,
-                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rate=h.set_learning_rate,
+                    gradients=gradients, loss=h.loss, metrics=metrics, set_learning_rates=h.set_learning_rates,
                     micro_batch=h.micro_batch if h.HasField("micro_batch") else -1,
                     task=h.task if h.HasField("task") else -1)
 
@@ -775,7 +775,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise errors.InvalidArgument(f"PushPull: overlap_block_bytes is {h.overlap_block_bytes}; 0 (the "
                                          f"server's) or {MIN_BLOCK_BYTES} to {MAX_BLOCK_BYTES}; nothing applied")
         spec = await self._work(self.core.overlap, h.worker_id, h.step, h.batch_size,
-                                {e.name: (e.dtype, e.shape) for e in layout.entries}, h.set_learning_rate,
+                                {e.name: (e.dtype, e.shape) for e in layout.entries}, tuple(h.set_learning_rates),
                                 bool(sparse), h.overlap_block_bytes)
         specs = self.core.store.specs()
         values_header = pb.PullHeader(variables=[

@@ -33,7 +33,7 @@ import math
 import secrets
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -257,14 +257,14 @@ class PSClient:
 
     def push(self, worker_id: int, step: int, base_version: int, batch_size: int,
              gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
-             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rates: Sequence[float] = (),
              micro_batch: int = -1, task: int = -1) -> PushReply:
         """Applied once or refused whole, however it travels. A gradient may be a ``SparseRows``
         (an embedding's): only its rows travel. ``metrics`` (sync): small named tensors the
         server sums over the round in worker order; the reply's ``metrics`` is that sum, the
-        same for every worker of the round. ``set_learning_rate`` > 0: the optimizer's constant
-        rate from this update on (sync: its round's); the reply's ``learning_rate`` is the rate
-        used. Work the server dealt: ``micro_batch`` of round ``step`` (elastic sync), answered
+        same for every worker of the round. ``set_learning_rates[i]`` > 0: the constant rate
+        of the spec's group i (without groups, i = 0: the optimizer's) from this update on
+        (sync: its round's); the reply's ``learning_rate`` is the rate used. Work the server dealt: ``micro_batch`` of round ``step`` (elastic sync), answered
         by a ``MicroReply``; ``task`` (async and ssp with a data plan), a retry of one already
         applied answered from the server's record (``replayed``)."""
         try:
@@ -275,7 +275,7 @@ class PSClient:
             raise PSClientError("Push", self.address, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         rows = {n: np.asarray(g.rows, dtype=np.int64) for n, g in gradients.items() if isinstance(g, SparseRows)}
         outgoing = OutgoingPush(worker_id, step, base_version, batch_size, loss, arrays, rows,
-                                metrics=metric_tensors, set_learning_rate=float(set_learning_rate),
+                                metrics=metric_tensors, set_learning_rates=[float(r) for r in set_learning_rates],
                                 micro_batch=micro_batch, task=task)
         reply = self._send(outgoing, timeout)
         with failures("Push", self.address):
@@ -293,10 +293,10 @@ class PSClient:
         return self.calls.call("Work", pb.WorkRequest(worker_id=worker_id), timeout=timeout)
 
     def _send(self, outgoing: OutgoingPush, timeout: float | None) -> pb.PushResponse:
-        rows, set_learning_rate = outgoing.rows, outgoing.set_learning_rate
+        rows, set_learning_rates = outgoing.rows, outgoing.set_learning_rates
         timeout = self.timeout if timeout is None else timeout
         self.cache.fresh = False
-        push_pull = self.overlap and self.sync and not rows and not set_learning_rate \
+        push_pull = self.overlap and self.sync and not rows and not set_learning_rates \
             and outgoing.micro_batch < 0 and outgoing.task < 0  # server-dealt data takes no PushPull
         fine = push_pull and self.overlap_block_bytes > 0 and not self.shared_memory.active
         if outgoing.nbytes <= self._unary_limit() and not fine:  # one message beats a stream

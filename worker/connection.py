@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -197,19 +197,19 @@ class Connection:
         return version
 
     def push(self, payload: Mapping, work: Work, loss: float = 0.0, *,
-             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> PushReply:
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rates: Sequence[float] = ()) -> PushReply:
         """Push ``payload`` (``worker.gradients.as_pushed``) of ``work``, computed from the last
         pull. ``step`` moves on: past own work once pushed (sync: to where the server says, a
         dropped push skipping ahead); past a task before it is sent (the mode answers a step
         pushed twice from its record); a micro-batch's is the round's to move. ``metrics`` and
-        ``set_learning_rate`` as in ``PSClient.push``."""
+        ``set_learning_rates`` as in ``PSClient.push``."""
         self.check()
         dealt = work.micro_batch >= 0 or work.task >= 0  # waits the client's timeout, then asks again
         if work.task >= 0:
             self.step = work.step + 1
         timeout = None if dealt else self.registration.barrier_timeout + 30.0 if self.sync else 120.0
         reply = self.client.push(self.worker_id, work.step, self.version, work.batch_size, payload, loss,
-                                 timeout=timeout, metrics=metrics, set_learning_rate=set_learning_rate,
+                                 timeout=timeout, metrics=metrics, set_learning_rates=set_learning_rates,
                                  micro_batch=work.micro_batch, task=work.task)
         self.seen = max(self.seen, reply.version)
         if not dealt:

@@ -101,7 +101,7 @@ class Engine:
                          compute_s=compute_s, compute_cpu_s=compute_cpu_s,
                          knob_s=knob_s + self.knobs.after_compute(compute_s))
 
-    def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rate: float = 0.0,
+    def push(self, work: Work, loss: float, payload: dict | None, *, metrics=None, set_learning_rates=(),
              knob_s: float = 0.0, **timing) -> tuple[dict, PushReply]:
         """Push ``payload`` of ``work`` (None: zeros, of weight 0); (its history row, the reply)."""
         if payload is None:
@@ -109,7 +109,7 @@ class Engine:
         push_bytes = payload_nbytes(payload, self.config.grad_wire_dtype)
         knob_s += self.knobs.before_push(push_bytes)
         version, push_start = self.conn.version, time.monotonic()
-        reply = self.call(self.conn.push, payload, work, loss, metrics=metrics, set_learning_rate=set_learning_rate)
+        reply = self.call(self.conn.push, payload, work, loss, metrics=metrics, set_learning_rates=set_learning_rates)
         end = time.monotonic()
         row = {"step": work.step, "loss": loss, "batch_size": work.batch_size, "base_version": version,
                "version": reply.version, "staleness": reply.staleness, "dropped": reply.dropped, "t": end - self.t0,

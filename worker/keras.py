@@ -298,8 +298,8 @@ class _Attached:
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
         self.metrics_before: dict = {}  # every metric's state before this step
-        # the chief's learning rate of each optimizer (id): read before its steps, last sent, and compiled
-        self.rates, self.sent_rates, self.compiled_rates = {}, {}, {}
+        # the chief's learning rate of each optimizer (id): read before its steps, and last sent
+        self.rates, self.sent_rates = {}, {}
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
         self.next_round = 0  # elastic: the round the next Keras step is
@@ -376,7 +376,6 @@ class _Attached:
         if self.dealt is not None:  # elastic: each dealt micro-batch through the wrapped step (``compute``)
             engine.compute, engine.task, engine.batch = self.compute, self.dealt, self.dealt.global_batch_size
             engine.watch(self.stop)
-        self.compiled_rates = self.compiled_rates or {id(o): _rate(o) for o in self.optimizers}
         model.train_function = self.train_function
         return model.train_function
 
@@ -441,7 +440,7 @@ class _Attached:
         if work.batch_size and payload is None:
             self._not_finite()
             loss = 0.0
-        return loss, payload, {"metrics": None, "set_learning_rate": self._new_learning_rate(self.optimizers)}
+        return loss, payload, {"metrics": None, "set_learning_rates": self._new_learning_rates(self.optimizers)}
 
     def _not_finite(self) -> None:
         """Logged, so that TerminateOnNaN sees it (in sync on every worker, through the round's sum)."""
@@ -468,25 +467,16 @@ class _Attached:
 
     def _read_learning_rates(self) -> None:
         """The chief, before its steps: each optimizer's learning rate, which the next push of its
-        variables sends where a callback changed it (``_new_learning_rate``); a change that no push
-        can carry (one push steps several optimizers: a ``MultiOptimizer``'s) stops ``fit`` in one line."""
-        if not self.strategy.is_chief:
-            return
-        self.rates = {id(o): _rate(o) for o in self.optimizers}
-        fixed = [o for parts in self.wrap.owned.values() if len(parts) > 1 for o, _ in parts]
-        changed = next((o for o in fixed if self.rates[id(o)] != self.compiled_rates.get(id(o))), None)
-        if changed is not None:
-            raise ValueError(f"the server runs the compiled learning rate of {type(changed).__name__}; a callback's "
-                             "change (LearningRateScheduler, ReduceLROnPlateau) cannot reach it when one push (a "
-                             "MultiOptimizer's apply) steps several optimizers: compile a "
-                             "keras.optimizers.schedules.LearningRateSchedule instead")
+        variables sends where a callback changed it (``_new_learning_rates``)."""
+        if self.strategy.is_chief:
+            self.rates = {id(o): _rate(o) for o in self.optimizers}
 
-    def _new_learning_rate(self, optimizers: list) -> float:
-        """The chief's learning rate of ``optimizers`` (what one push steps: one optimizer, whose rate
-        the server sets for that push's update on) where its callbacks changed it since that
-        optimizer's pushes last sent it; else 0. Elastic: the epoch's rate (``epoch_rate``), sent
-        by every worker with every push, so that a round's rate is the same whoever computes its
-        micro-batches (or tasks)."""
+    def _new_learning_rates(self, optimizers: list) -> tuple[float, ...]:
+        """What a push of ``optimizers``' variables (what it steps) sends: entry i the chief's rate
+        of the server's group i (``self.optimizers[i]``) where it is one of them and callbacks
+        changed its rate since its pushes last sent it, else 0; () for none. Elastic: the
+        epoch's rate (``epoch_rate``), sent by every worker with every push, so that a round's
+        rate is the same whoever computes its micro-batches (or tasks)."""
         if self.dealt is not None:
             lr = _rate(self.optimizers[0])  # elastic: one optimizer
             if lr != self.epoch_rate:
@@ -494,19 +484,20 @@ class _Attached:
                                  f"to {lr}); where the server deals the data the chief's rate is agreed at each "
                                  "epoch's start (LearningRateScheduler, ReduceLROnPlateau change it there), or compile "
                                  "a keras.optimizers.schedules.LearningRateSchedule")
-            return lr or 0.0
-        if len(optimizers) != 1:
-            return 0.0
-        key = id(optimizers[0])
-        lr = self.rates.get(key)
-        # The first push of each optimizer always sends it: a callback may have set it before the first
-        # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
-        if lr is None or lr == self.sent_rates.get(key):
-            return 0.0
-        self.sent_rates[key] = lr
-        log.debug("tfps.keras: learning rate %g of %s from the chief's update at step %d", lr,
-                  type(optimizers[0]).__name__, self.strategy.connection.step)
-        return lr
+            return (lr,) if lr else ()
+        stepped, rates = {id(o) for o in optimizers}, [0.0] * len(self.optimizers)
+        for i, optimizer in enumerate(self.optimizers):
+            key = id(optimizer)
+            lr = self.rates.get(key)
+            # The first push of each optimizer always sends it: a callback may have set it before the first
+            # step (LearningRateScheduler at epoch 0), and a server that outlived a job may hold another.
+            if key in stepped and lr is not None and lr != self.sent_rates.get(key):
+                rates[i] = self.sent_rates[key] = lr
+                log.debug("tfps.keras: learning rate %g of %s from the chief's update at step %d", lr,
+                          type(optimizer).__name__, self.strategy.connection.step)
+        while rates and not rates[-1]:
+            rates.pop()
+        return tuple(rates)
 
     def _load(self) -> None:
         if self.strategy.connection is not None:
@@ -867,8 +858,9 @@ class _Wrap:
             if now is not None:
                 self.base = dict(now)
         weight = a.window.weight(self.examples, self.batch_examples, conn.sync, strategy.num_replicas_in_sync)
-        lr = a._new_learning_rate([p for p, _ in self.owned.get(id(optimizer), self.parts)])  # the ones it steps
-        row, reply = strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics, set_learning_rate=lr)
+        rates = a._new_learning_rates([p for p, _ in self.owned.get(id(optimizer), self.parts)])  # the ones it steps
+        row, reply = strategy.engine.push(Work(conn.step, weight), loss, payload, metrics=metrics,
+                                          set_learning_rates=rates)
         a.learning_rates.append(float(reply.learning_rate))
         return row, reply, self._rescale(optimizer, skip, reply, graph)
 

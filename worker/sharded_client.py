@@ -321,10 +321,10 @@ class ShardedClient:
 
     def push(self, worker_id: int, step: int, base_version: int, batch_size: int,
              gradients: Mapping[str, np.ndarray], loss: float = 0.0, timeout: float | None = None,
-             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0,
+             metrics: Mapping[str, np.ndarray] | None = None, set_learning_rates: Sequence[float] = (),
              micro_batch: int = -1, task: int = -1) -> PushReply:
         """Each shard gets its pieces of the gradients, its own base version and (sync) its own
-        round; the replies are combined by ``PUSH_RULES``. ``set_learning_rate`` goes to every
+        round; the replies are combined by ``PUSH_RULES``. ``set_learning_rates`` go to every
         shard; ``metrics`` to shard 0 alone, whose round sums them, but for ``SKIP_UPDATE``, which
         every shard gets. Where shard 0 decides (module docstring), it gets the push last and its
         reply is the answer, so it never holds a push another shard lacks."""
@@ -343,7 +343,7 @@ class ShardedClient:
 
         def push(i, c):
             return c.push(worker_id, step, bases[i], batch_size, per_shard[i], loss, timeout=timeout,
-                          metrics=metrics if i == 0 else others, set_learning_rate=set_learning_rate,
+                          metrics=metrics if i == 0 else others, set_learning_rates=set_learning_rates,
                           micro_batch=micro_batch, task=task)
 
         if self._led or micro_batch >= 0 or task >= 0:

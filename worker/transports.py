@@ -87,7 +87,7 @@ class OutgoingPush:
     # Small tensors the sync server sums over the round (PushRequest.metrics), already
     # encoded: every transport sends them whole, in the request or the stream's header.
     metrics: list[pb.Tensor] = dataclasses.field(default_factory=list)
-    set_learning_rate: float = 0.0  # > 0: the optimizer's constant learning rate from this update on
+    set_learning_rates: list[float] = dataclasses.field(default_factory=list)  # PushRequest's: groups' new rates
     micro_batch: int = -1  # elastic sync: the micro-batch of the round this gradient is of
     task: int = -1  # async and ssp with a data plan: the task this gradient trains on
 
@@ -113,7 +113,7 @@ class OutgoingPush:
         dealt = {name: value for name, value in (("micro_batch", self.micro_batch), ("task", self.task)) if value >= 0}
         return dict(worker_id=self.worker_id, step=self.step, base_version=self.base_version,
                     batch_size=self.batch_size, loss=self.loss, metrics=self.metrics,
-                    set_learning_rate=self.set_learning_rate, **dealt)
+                    set_learning_rates=self.set_learning_rates, **dealt)
 
 
 class _OneMessage:

@@ -22,7 +22,7 @@ integers little-endian)::
 
 The header describes everything else: ``mode``, ``num_workers``, ``version``,
 ``round``, ``optimizer`` (the ``OptimizerSpec`` fields, the learning rate as
-``set_learning_rate`` last set it; a file written before the Keras fields holds
+``set_learning_rates`` last set it; a file written before the Keras fields holds
 only sgd's and adam's, and reads with Keras' defaults for the rest),
 ``initial_optimizer`` (the spec the variables were initialized with, when a
 learning rate of it, a group's too, was changed since; absent or null otherwise: a
@@ -167,7 +167,7 @@ class ServerState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()  # updated by pushed changes, not the optimizer
-    initial_optimizer: OptimizerSpec | None = None  # the store's (StoreState), when set_learning_rate changed it
+    initial_optimizer: OptimizerSpec | None = None  # the store's (StoreState), when set_learning_rates changed it
     mode_status: ModeStatus = ModeStatus()
     members: tuple[WorkerRecord, ...] = ()
     stats: dict = dataclasses.field(default_factory=dict)

@@ -7,7 +7,7 @@
     version, values = ps.pull()
     version, changed = ps.pull(since=version)     # only variables updated after it
     ticket = ps.submit(Push(worker_id=0, step=0, base_version=version, batch_size=32, gradients=g,
-                            metrics={"acc/total": d}, set_learning_rate=0.05))   # both optional
+                            metrics={"acc/total": d}, set_learning_rates=(0.05,)))  # both optional
     result = ticket.result(timeout=60.0)   # settled once the push is answered (a sync round)
     ps.submit_broadcast(0, "epoch-1", b"stop", 30.0)   # the chief posts; another worker's ticket: once posted
     state = ps.checkpoint_state()    # for core.checkpoint.write_checkpoint; None before initialize
@@ -481,17 +481,17 @@ class ParameterServer:
 
     def check_push(self, worker_id: int, step: int, base_version: int, batch_size: int,
                    specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], sparse: Iterable[str] = (),
-                   metrics: Mapping[str, np.ndarray] | None = None, set_learning_rate: float = 0.0) -> None:
+                   metrics: Mapping[str, np.ndarray] | None = None, set_learning_rates=()) -> None:
         """Refuse a push from its header alone, before its gradients arrive (streamed pushes):
         the worker, the step bounds, the metrics' limits and the learning rate's value, and
         every gradient's name, shape and dtype (for the names in ``sparse``, rows of the
         variable). ``push`` checks all of it again, with the values."""
         self.members.require(worker_id)
         Push(worker_id, step, base_version, batch_size, {}, metrics=metrics or {},
-             set_learning_rate=set_learning_rate).validate()
+             set_learning_rates=set_learning_rates).validate()
         self.store.check_gradient_specs(specs, frozenset(sparse))
 
-    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rates=(),
                 sparse: bool = False, block_bytes: int = 0):
         """Sync: the speculation (``core.modes.overlap``) a streamed push joins, to ``offer`` its
         gradients to block by block (``gradients``: {name: (dtype, shape)} in the order
@@ -499,7 +499,7 @@ class ParameterServer:
         other modes, or when its round is not speculated."""
         if not self.store.initialized:
             return None
-        return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rate, sparse, block_bytes)
+        return self.mode.overlap(worker_id, step, batch_size, gradients, set_learning_rates, sparse, block_bytes)
 
     def offer(self, spec, worker_id: int, arrived) -> None:
         """``arrived``: [(name, block, gradient)] of one push (``SyncMode.offer``)."""

@@ -9,7 +9,7 @@
     store.apply_one("w", g)                      # async: one variable, its own lock
     store.apply_push({"emb": SparseRows(rows, g)})    # a sparse gradient: only its rows, where exact
     version, values, rows = store.read_rows(since=version)  # row-wise tables: only their changed rows
-    store.set_learning_rate(0.05, names)         # the chief's LearningRateScheduler / ReduceLROnPlateau
+    store.set_learning_rates([0.05])             # the chief's LearningRateScheduler / ReduceLROnPlateau
     store.current_learning_rate(names), store.optimizer_iterations()  # names: a push's (its group's rate)
 
 One update is one Keras ``optimizer.apply``: ``global_clipnorm`` takes its norm over
@@ -18,8 +18,8 @@ round's mean gradients; ``apply_push``: one push) and hands the factor to each
 variable's step. ``optimizer_iterations`` is Keras' ``optimizer.iterations``, the
 count a learning-rate schedule is evaluated at; it is kept per variable (each
 variable's optimizer state) and so survives a checkpoint, as does a learning rate
-changed by ``set_learning_rate`` (it is in the optimizer spec: with ``groups``, each
-group's own, set by a push of that group's variables).
+changed by ``set_learning_rates`` (it is in the optimizer spec: with ``groups``, each
+group's own).
 
 Values are copy-on-write: an optimizer step builds a new array and swaps the
 reference, so an array handed to a reader is never modified afterwards (arrays
@@ -127,7 +127,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -383,7 +383,7 @@ class StoreState:
     values: dict[str, np.ndarray]
     states: dict[str, dict]
     non_trainable: frozenset[str] = frozenset()
-    # The optimizer initialize was given, when set_learning_rate has changed a rate of it
+    # The optimizer initialize was given, when set_learning_rates has changed a rate of it
     # since (``optimizer`` holds the changed one); None otherwise.
     initial_optimizer: OptimizerSpec | None = None
 
@@ -420,7 +420,7 @@ class VariableStore:
         self._vars: dict[str, _Variable] = {}
         self._optimizer: Optimizer | None = None
         self._version = 0
-        # The optimizer ``initialize`` was given, once ``set_learning_rate`` changed a rate of
+        # The optimizer ``initialize`` was given, once ``set_learning_rates`` changed a rate of
         # it: a worker that initializes again (a restarted chief) still names the first one.
         self._initial_spec: OptimizerSpec | None = None
         # With global_clipnorm over several shards (``core.clip_group``): ``clip_across(key,
@@ -452,7 +452,7 @@ class VariableStore:
     @property
     def initialized_spec(self) -> OptimizerSpec | None:
         """The optimizer as ``initialize`` gave it: what a worker joining later must match,
-        whatever learning rates ``set_learning_rate`` gave it since (``current_learning_rate``)."""
+        whatever learning rates ``set_learning_rates`` gave it since (``current_learning_rate``)."""
         return self._initial_spec if self._initial_spec is not None else self.optimizer_spec
 
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
@@ -695,7 +695,7 @@ class VariableStore:
         steps that variable's rows alone, in place (module docstring).
         """
         new = {}
-        optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rate)
+        optimizer = self._optimizer  # one learning rate for the whole step (set_learning_rates)
         grads = {name: _native_gradient(g) for name, g in grads.items()}
         clip_scale = self._global_clip_scale(optimizer, grads, key)
         for name, g in grads.items():
@@ -951,54 +951,81 @@ class VariableStore:
             self._initial_spec = state.initial_optimizer
 
     # -- the learning rate ------------------------------------------------------
-    def set_learning_rate(self, value: float, names: Iterable[str] = ()) -> None:
-        """From the next update on, the constant learning rate of the optimizer that steps
-        ``names`` (a push's variables; ``rate_owner``) is ``value``.
+    def set_learning_rates(self, rates: Sequence[float]) -> None:
+        """From the next update on, the constant learning rate of the spec's group i (without
+        groups, i = 0: the optimizer) is ``rates[i]`` where that is not 0.
 
-        What a Keras ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief
-        asks for (it sets ``optimizer.learning_rate``; with ``groups``, a GAN's
-        ``d_optimizer.learning_rate``: that group's). The optimizer is rebuilt with the
-        rate replaced under ``_publish``; an update already computing keeps the rate it
-        started with. Refused (InvalidArgument) for a non-finite or non-positive value,
-        where that learning rate is a schedule, and for ``names`` of several groups.
+        What a Keras ``LearningRateScheduler`` or ``ReduceLROnPlateau`` on the chief asks
+        for (it sets ``optimizer.learning_rate``: a GAN's ``d_optimizer``'s is its group's, a
+        ``MultiOptimizer``'s sets each it holds). The optimizer is rebuilt with the rates
+        replaced under ``_publish``; an update already computing keeps the rates it started
+        with. Refused (InvalidArgument), nothing changed: a rate not a finite number > 0 (or
+        0), an entry past the groups, or a rate that is a schedule (``check_learning_rates``).
         """
         self._require_initialized()
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                or not math.isfinite(value) or value <= 0:
-            raise InvalidArgument(f"the learning rate must be a finite number > 0; got {value!r}")
         with self._publish:
-            spec, owner = self._optimizer.spec, self.rate_owner(names, setting=True)
-            if spec.groups:  # the group's rate; the spec's own fields are the first group's
-                at = next(i for i, (held, _) in enumerate(spec.groups) if self._optimizer.groups[held[0]] is owner)
-                groups = list(spec.groups)
-                groups[at] = (groups[at][0], dataclasses.replace(groups[at][1], learning_rate=float(value)))
-                changed = dataclasses.replace(spec, groups=tuple(groups), **({"learning_rate": float(value)}
-                                                                             if at == 0 else {}))
+            spec = self._optimizer.spec
+            changes = self.check_learning_rates(rates)
+            if not changes:
+                return
+            if spec.groups:  # each group's rate; the spec's own fields are the first group's
+                groups = tuple((held, dataclasses.replace(group, learning_rate=changes[i]) if i in changes else group)
+                               for i, (held, group) in enumerate(spec.groups))
+                changed = dataclasses.replace(spec, groups=groups, **({"learning_rate": changes[0]}
+                                                                      if 0 in changes else {}))
             else:
-                changed = dataclasses.replace(spec, learning_rate=float(value))
+                changed = dataclasses.replace(spec, learning_rate=changes[0])
             optimizer = make_optimizer(changed)
             if self._initial_spec is None:
                 self._initial_spec = spec
             self._optimizer = optimizer
 
-    def rate_owner(self, names: Iterable[str] = (), setting: bool = False) -> Optimizer:
+    def check_learning_rates(self, rates: Sequence[float]) -> dict[int, float]:
+        """{group: rate} of ``rates`` where not 0 (``set_learning_rates``); InvalidArgument
+        where it cannot be set."""
+        self._require_initialized()
+        spec = self._optimizer.spec
+        specs = [group for _, group in spec.groups] if spec.groups else [spec]
+        changes = {}
+        for i, value in enumerate(rates):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                    or not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"a learning rate must be a finite number > 0; got {value!r}")
+            if not value:
+                continue
+            if i >= len(specs):
+                raise InvalidArgument(f"a learning rate for optimizer group {i}; the spec has {len(specs)} "
+                                      "(OptimizerSpec.groups)")
+            if specs[i].learning_rate_schedule is not None:
+                raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
+                                      "its update count and cannot also set a constant one")
+            changes[i] = float(value)
+        return changes
+
+    @contextlib.contextmanager
+    def learning_rates(self, rates: Sequence[float]):
+        """``set_learning_rates`` for the update run inside (a sync round's), taken back where
+        that raises: a round that leaves no trace leaves no rate either."""
+        with self._publish:
+            before = self._optimizer, self._initial_spec
+        self.set_learning_rates(rates)
+        try:
+            yield
+        except BaseException:
+            with self._publish:
+                self._optimizer, self._initial_spec = before
+            raise
+
+    def rate_owner(self, names: Iterable[str] = ()) -> Optimizer:
         """The optimizer whose learning rate an update of ``names`` (a push's variables) uses:
-        with ``groups``, the group of its trainable variables (none of them: the first group),
-        else the only one. ``setting``: InvalidArgument where a push of ``names`` cannot set it:
-        they are not one group's (one push, one rate: each Keras ``apply`` of a GAN's step is a
-        push of its optimizer's variables), or its rate is a schedule."""
-        optimizer = owner = self._optimizer
-        if optimizer.groups:  # without, the only one: no look at each name of every round's push
-            held = {id(o) for o in map(optimizer.groups.get, names) if o is not None}
-            owners = [o for o in {id(o): o for o in optimizer.groups.values()}.values() if id(o) in held]  # spec order
-            if setting and len(owners) != 1:
-                raise InvalidArgument(f"a push that sets the learning rate carries the variables of one of the "
-                                      f"step's optimizers (OptimizerSpec.groups); this one's are of {len(owners)}")
-            owner = owners[0] if owners else optimizer.of(optimizer.spec.groups[0][0][0])
-        if setting and owner.spec.learning_rate_schedule is not None:
-            raise InvalidArgument("the optimizer's learning rate is a schedule; the server evaluates it at "
-                                  "its update count and cannot also set a constant one")
-        return owner
+        with ``groups``, the first group of its trainable variables (none of them: the first
+        group), else the only one."""
+        optimizer = self._optimizer
+        if not optimizer.groups:  # the only one: no look at each name of every round's push
+            return optimizer
+        held = {id(o) for o in map(optimizer.groups.get, names) if o is not None}
+        first = next((o for o in {id(o): o for o in optimizer.groups.values()}.values() if id(o) in held), None)
+        return first or optimizer.of(optimizer.spec.groups[0][0][0])
 
     def take_averages(self, names: Collection[str], batches: int = 0) -> None:
         """Keras' ``finalize_variable_values`` with ``use_ema`` (the end of ``fit``): each of

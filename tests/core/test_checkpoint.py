@@ -463,7 +463,7 @@ def test_the_checkpoint_module_loads_neither_grpc_nor_tensorflow():
 def test_a_learning_rate_set_by_the_chief_and_the_update_count_survive_a_restore(tmp_path):
     first = started(OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9))
     train_sync(first, 0, 2)
-    first.store.set_learning_rate(0.025)
+    first.store.set_learning_rates([0.025])
     train_sync(first, 2, 3)
     path = write_checkpoint(str(tmp_path), first.checkpoint_state())
     restarted = ParameterServer("sync", 2, barrier_timeout=30.0)
@@ -522,7 +522,7 @@ def test_a_checkpoint_written_before_the_keras_fields_reads_with_keras_defaults(
 def test_a_checkpoint_from_before_the_groups_rates_reads_its_one_initial_rate_as_the_initial_spec():
     """A file that holds ``initial_learning_rate`` (one rate: no group's could be set then)."""
     ps = started(OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9))
-    ps.store.set_learning_rate(0.025)
+    ps.store.set_learning_rates([0.025])
     state = ps.checkpoint_state()
     assert state.initial_optimizer == OptimizerSpec("sgd", learning_rate=0.1, momentum=0.9)
 

@@ -301,9 +301,9 @@ def test_a_rate_the_pushes_set_is_the_round_s_and_two_rates_in_one_round_are_ref
     mode, store = make()
     w0, w1 = mode.work(0).result(), mode.work(1).result()
     pushes = [(w, work, i) for w, work in ((0, w0), (1, w1)) for i in range(2)]
-    mode.submit(dataclasses.replace(push_of(mode, store, *pushes[0]), set_learning_rate=0.5))
-    other = dataclasses.replace(push_of(mode, store, *pushes[1]), set_learning_rate=0.25)
-    with pytest.raises(InvalidArgument, match="sets the learning rate 0.25 for round 0, another push of it 0.5"):
+    mode.submit(dataclasses.replace(push_of(mode, store, *pushes[0]), set_learning_rates=(0.5,)))
+    other = dataclasses.replace(push_of(mode, store, *pushes[1]), set_learning_rates=(0.25,))
+    with pytest.raises(InvalidArgument, match=r"sets the learning rates \(0.25,\) for round 0, another push of it \(0.5,\)"):
         mode.submit(other).result()
     for w, work, i in pushes[1:]:
         mode.submit(push_of(mode, store, w, work, i))  # no rate: unchanged, the round's is 0.5

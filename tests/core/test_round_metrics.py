@@ -1,4 +1,4 @@
-"""Round-summed metrics and set_learning_rate in the core's modes, with real threads.
+"""Round-summed metrics and set_learning_rates in the core's modes, with real threads.
 
     python -m pytest tests/core/test_round_metrics.py -q
 
@@ -6,7 +6,7 @@ sync_mode's docstring: "the round's metrics are summed element by element in
 worker-id order, in the tensors' own dtype ... over the round's contributors
 only"; "every push of a round carries metrics of the same names, shapes and
 dtypes, or none"; "a round in which any contributor set the learning rate is
-applied with it". async_mode's: a push's set_learning_rate holds from its own
+applied with it". async_mode's: a push's set_learning_rates hold from its own
 update on; metrics are ignored. Expected values are computed by hand, with
 numbers whose float32 sum depends on the order of the additions.
 """
@@ -44,7 +44,7 @@ def make(num_workers=3, lr=0.5, quorum=0, mode="sync", **kwargs):
 
 def push(mode, worker, step=0, metrics=None, rate=0.0, base=None):
     return mode.submit(Push(worker_id=worker, step=step, base_version=step if base is None else base, batch_size=1,
-                            gradients=GRAD, metrics=metrics or {}, set_learning_rate=rate)).result(JOIN)
+                            gradients=GRAD, metrics=metrics or {}, set_learning_rates=(rate,) if rate else ())).result(JOIN)
 
 
 def values(store):
@@ -193,7 +193,7 @@ def test_a_round_in_which_a_worker_sets_the_learning_rate_is_applied_with_it_and
     assert store.current_learning_rate() == 0.25
 
 
-def test_without_set_learning_rate_the_reply_names_the_optimizer_s_rate():
+def test_without_set_learning_rates_the_reply_names_the_optimizer_s_rate():
     mode, _ = make(lr=0.5)
     assert {r.learning_rate for r in run_round(mode, [None] * 3).values()} == {0.5}
 
@@ -202,7 +202,7 @@ def test_two_different_learning_rates_in_one_round_refuse_the_second_and_change_
     mode, store = make(lr=0.5)
     t0 = start(lambda: push(mode, 0, rate=0.25))
     wait_until(lambda: mode.status().waiting_for == (1, 2))
-    with pytest.raises(InvalidArgument, match="another push of that round set 0.25"):
+    with pytest.raises(InvalidArgument, match=r"another push of that round set \(0.25,\)"):
         push(mode, 1, rate=0.125)
     assert store.version == 0 and store.current_learning_rate() == 0.5
     t1 = start(lambda: push(mode, 1, rate=0.25))  # the same value again is fine
@@ -215,7 +215,7 @@ def test_two_different_learning_rates_in_one_round_refuse_the_second_and_change_
 def test_a_bad_learning_rate_is_refused_and_changes_nothing(rate):
     for mode_name in ("sync", "async"):
         mode, store = make(num_workers=1, mode=mode_name)
-        with pytest.raises(InvalidArgument, match="set_learning_rate must be a finite number"):
+        with pytest.raises(InvalidArgument, match="set_learning_rates holds finite numbers"):
             push(mode, 0, rate=rate)
         assert store.version == 0 and store.current_learning_rate() == 0.5
 
@@ -237,7 +237,7 @@ def test_a_learning_rate_is_refused_while_the_optimizer_runs_a_schedule():
 # -- async and ssp -------------------------------------------------------------------------
 
 
-def test_async_applies_a_set_learning_rate_to_its_own_update_on_and_ignores_metrics():
+def test_async_applies_set_learning_rates_to_its_own_update_on_and_ignores_metrics():
     mode, store = make(num_workers=2, mode="async")
     first = push(mode, 0, step=0, metrics={"m": f32(1)}, rate=0.25, base=0)
     assert first.learning_rate == 0.25 and first.metrics == {}
@@ -260,7 +260,7 @@ def test_async_reply_names_the_rate_before_the_scale_policy_s_factor_and_zero_wh
     assert store.current_learning_rate() == 0.5  # a dropped push sets nothing
 
 
-def test_ssp_applies_a_set_learning_rate_from_its_own_update_on_like_async():
+def test_ssp_applies_set_learning_rates_from_its_own_update_on_like_async():
     store = VariableStore()
     store.initialize(W0, OptimizerSpec("sgd", learning_rate=0.5))
     mode = SSPMode(store, Membership(1), staleness_bound=2, barrier_timeout=JOIN)

@@ -1,12 +1,13 @@
-"""Round-summed metrics, set_learning_rate and Broadcast through a real server on port 0.
+"""Round-summed metrics, set_learning_rates and Broadcast through a real server on port 0.
 
     python -m pytest tests/service/test_keras_push.py -q
 
 The wire contract (protos/tfps.proto): PushRequest.metrics "the server sums over
 the round's pushes, element by element in worker order, and returns to every
-participant in PushResponse.metrics"; set_learning_rate "from the update this
-push belongs to on (sync: its round), the optimizer's constant learning rate is
-this"; PushResponse.learning_rate "the learning rate the optimizer used for this
+participant in PushResponse.metrics"; set_learning_rates "from the update this
+push belongs to on (sync: its round), the constant learning rate of
+OptimizerConfig.groups[i] (without groups, entry 0: of the optimizer) is this";
+PushResponse.learning_rate "the learning rate the optimizer used for this
 update". The same through each of the three transports (unary, PushStream, shared
 memory), which carry both in PushRequest or PushHeader. Broadcast: "the chief
 posts a value under a key (returns at once); every other worker asks for the key
@@ -119,7 +120,7 @@ def test_a_sync_round_s_metrics_are_summed_in_worker_order_and_its_set_rate_appl
     pending = []
     for w in (2, 1):  # worker 0 last
         pending.append(bg(clients[w].push, w, 0, 0, 1, {"w": f32(2, 4)}, metrics=METRICS[w],
-                          set_learning_rate=0.25 if w == 1 else 0.0))
+                          set_learning_rates=(0.25,) if w == 1 else ()))
         wait_until(lambda w=w: w not in clients[0].status().waiting_for and clients[0].status().waiting_for,
                    what=f"worker {w} waiting")
     last = clients[0].push(0, 0, 0, 1, {"w": f32(2, 4)}, metrics=METRICS[0])
@@ -142,7 +143,7 @@ def test_async_ignores_metrics_and_names_the_rate_it_applied(cluster, transport)
     calls = used(client, transport)
     first = client.push(0, 0, 0, 1, {"w": f32(2, 4)}, metrics=METRICS[0])
     assert (first.metrics, first.learning_rate) == ({}, 0.5)
-    second = client.push(0, 1, 1, 1, {"w": f32(2, 4)}, set_learning_rate=0.125)
+    second = client.push(0, 1, 1, 1, {"w": f32(2, 4)}, set_learning_rates=[0.125])
     assert second.learning_rate == 0.125
     _, values = client.pull()
     np.testing.assert_array_equal(values["w"], f32(1 - 1 - 0.25, 2 - 2 - 0.5))
@@ -174,8 +175,8 @@ def test_too_many_metrics_are_invalid_argument(cluster):
         client.push(0, 0, 0, 1, {"w": f32(2, 4)}, metrics={f"m{i}": f32(1) for i in range(65)})
     assert e.value.code == Code.INVALID_ARGUMENT and "at most 64 metric tensors" in e.value.details
     with pytest.raises(PSClientError) as e:
-        client.push(0, 0, 0, 1, {"w": f32(2, 4)}, set_learning_rate=-1.0)
-    assert e.value.code == Code.INVALID_ARGUMENT and "set_learning_rate" in e.value.details
+        client.push(0, 0, 0, 1, {"w": f32(2, 4)}, set_learning_rates=[-1.0])
+    assert e.value.code == Code.INVALID_ARGUMENT and "set_learning_rates" in e.value.details
     assert client.pull()[0] == 0
 
 
@@ -225,7 +226,7 @@ def test_an_unregistered_worker_s_broadcast_is_refused(cluster):
 # -- several shards ------------------------------------------------------------------------------
 
 
-def test_sharded_set_learning_rate_reaches_every_shard_and_the_metrics_come_from_shard_0(cluster, bg):
+def test_sharded_set_learning_rates_reach_every_shard_and_the_metrics_come_from_shard_0(cluster, bg):
     from worker.sharded_client import ShardedClient
 
     servers = [cluster.server("sync", 2), cluster.server("sync", 2)]
@@ -244,7 +245,7 @@ def test_sharded_set_learning_rate_reaches_every_shard_and_the_metrics_come_from
         version, _ = clients[1].pull(1)
         grads = {"a": f32(2, 4), "b": f32(4, 8)}
         first = bg(clients[0].push, 0, 0, version, 1, grads, metrics={"m": f32(1.5)})
-        reply = clients[1].push(1, 0, version, 1, grads, metrics={"m": f32(2.25)}, set_learning_rate=0.25)
+        reply = clients[1].push(1, 0, version, 1, grads, metrics={"m": f32(2.25)}, set_learning_rates=(0.25,))
         other = first.result(timeout=30)
         for r in (reply, other):
             assert r.learning_rate == 0.25 and r.metrics["m"].tobytes() == f32(3.75).tobytes()

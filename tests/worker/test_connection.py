@@ -4,7 +4,7 @@
 
 Claims of Connection's docstrings: ``optimizer_spec`` "replaces config.optimizer_spec():
 the chief initializes the server with it, and the others check the server's
-optimizer against it"; ``push`` passes ``metrics`` and ``set_learning_rate`` on;
+optimizer against it"; ``push`` passes ``metrics`` and ``set_learning_rates`` on;
 ``broadcast``: "the chief posts value ... and gets it back at once; every other
 worker waits for the chief's". No TensorFlow: the model is a stand-in with the
 attributes ``worker.gradients`` reads.
@@ -88,7 +88,7 @@ def test_a_worker_joining_after_the_chief_set_a_learning_rate_checks_against_the
     chief, other = connections("async", 2)
     chief.join()
     chief.pull()
-    chief.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, Work(chief.step, 8), 0.5, set_learning_rate=0.0625)
+    chief.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, Work(chief.step, 8), 0.5, set_learning_rates=(0.0625,))
     other.join()  # no complaint: the optimizer is the one the chief initialized
     status = other.client.status()
     assert (status.optimizer.learning_rate, status.learning_rate_now) == (0.125, 0.0625)
@@ -99,7 +99,7 @@ def test_push_carries_metrics_and_a_learning_rate_to_the_server(connections):
     conn.join()
     conn.pull()
     reply = conn.push({"dense/kernel": np.array([2.0, 4.0], np.float32)}, Work(conn.step, 8), 0.5,
-                      metrics={"acc/total": np.array([3.0], np.float32)}, set_learning_rate=0.25)
+                      metrics={"acc/total": np.array([3.0], np.float32)}, set_learning_rates=(0.25,))
     assert reply.learning_rate == 0.25 and reply.metrics["acc/total"].tolist() == [3.0]
     conn.pull()
     assert conn.pulled["dense/kernel"].tolist() == [0.5, 1.0]  # [1, 2] - 0.25 * [2, 4]

@@ -203,22 +203,35 @@ def test_callbacks_changing_each_optimizer_s_rate_reach_its_group_and_fit_ends_w
                                               for r in rates]
 
 
-def test_a_callback_s_change_of_a_multi_optimizer_s_rate_stops_fit_in_one_line(server):
-    """A ``MultiOptimizer``'s ``apply`` is one push of several groups' variables, which carries
-    one rate: a change of one of its optimizers' rates stops the chief, naming what to do."""
+def test_callbacks_changing_a_multi_optimizer_s_rates_reach_each_group_and_fit_ends_where_model_fit_ends(server):
+    """A ``MultiOptimizer``'s ``apply`` is one push of several groups' variables: it carries each
+    group's new rate (``set_learning_rates``). ``ReduceLROnPlateau`` halves every optimizer it
+    holds (Keras 3 walks ``.optimizers``) and a user's callback sets the Adam's alone; one worker,
+    on one server shard and on two, ends at the plain ``model.fit``'s weights and losses to the bit."""
     import numpy as np
 
-    strategy = Strategy(ps=server("sync", 1).address, num_workers=1)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="hidden"), keras.layers.Dense(2)])
-        chosen = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.1), {".*/hidden/.*": keras.optimizers.Adam(0.01)})
-        model.compile(optimizer=keras.optimizers.MultiOptimizer(chosen), loss="mse")
-    with pytest.raises(ValueError, match="of Adam; .* when one push \\(a MultiOptimizer's apply\\) steps several "
-                                         "optimizers: compile a keras.optimizers"):
-        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, epochs=2, verbose=0,
-                  callbacks=[SetAt(1, lambda m: m.optimizer.optimizers[0], 0.05)])  # the Adam
-    assert len(strategy.server_learning_rates) == 2  # the first epoch's two steps, none of the second's
-    strategy.close()
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.normal(size=(32, 2)).astype(np.float32)
+    runs = []
+    for shards, strategy in plain_and_shards(server):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="hidden"), keras.layers.Dense(2)])
+            chosen = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.1, momentum=0.5),
+                                                   {".*/hidden/.*": keras.optimizers.Adam(0.01)})
+            model.compile(optimizer=keras.optimizers.MultiOptimizer(chosen), loss="mse")
+        callbacks = [keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=1e9),  # every epoch
+                     SetAt(2, lambda m: m.optimizer.optimizers[0], 0.02)]  # the Adam
+        history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+        rates = [float(np.asarray(o.learning_rate)) for o in model.optimizer.optimizers]
+        runs.append([[v.numpy().tobytes() for v in model.trainable_variables], history.history["loss"], rates])
+        if strategy:
+            # each reply's rate is the Adam's (the push's first group): halved after epoch 1, set at 2, halved
+            assert strategy.server_learning_rates == [float(np.float32(r)) for r in (0.01, 0.01, 0.02, 0.01)
+                                                      for _ in range(4)]
+            strategy.close()
+    assert runs[0][2] == [np.float32(0.005), np.float32(0.0125)]  # Adam's 0.02 halved twice; SGD's 0.1 three times
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def test_two_optimizers_applied_to_one_variable_are_refused_before_any_connection():

@@ -68,13 +68,13 @@ class FakeShard:
         return self.version, {n: self.values[n].copy() for n in (names or self.values)}
 
     def push(self, worker_id, step, base_version, batch_size, gradients, loss=0.0, timeout=None, metrics=None,
-             set_learning_rate=0.0, micro_batch=-1, task=-1):
+             set_learning_rates=(), micro_batch=-1, task=-1):
         if self.block:
             self.block.wait(10)
         if self.fail:
             raise self.fail
         self.pushes.append({"step": step, "base_version": base_version, "gradients": dict(gradients),
-                            "metrics": metrics, "set_learning_rate": set_learning_rate, "micro_batch": micro_batch,
+                            "metrics": metrics, "set_learning_rates": set_learning_rates, "micro_batch": micro_batch,
                             "task": task, "at": time.monotonic()})
         if self.reply:
             return self.reply
@@ -84,7 +84,7 @@ class FakeShard:
         self.round = step + 1
         # A one-worker round: the sum of the metrics is this push's own.
         return PushReply(version=self.version, staleness=self.version - 1 - base_version, contributors=2,
-                         next_step=step + 1, learning_rate=set_learning_rate or 1.0, metrics=dict(metrics or {}))
+                         next_step=step + 1, learning_rate=(set_learning_rates or [1.0])[0], metrics=dict(metrics or {}))
 
     def heartbeat(self, worker_id, step=-1, timeout=5.0):
         self.heartbeats.append(step)
@@ -196,15 +196,15 @@ def test_push_replies_combine_as_documented():
     assert reply == PushReply(version=8, staleness=2, contributors=1, dropped=False, next_step=1, replayed=False)
 
 
-def test_set_learning_rate_goes_to_every_shard_and_metrics_to_shard_0_whose_sum_is_the_reply_s():
+def test_set_learning_rates_go_to_every_shard_and_metrics_to_shard_0_whose_sum_is_the_reply_s():
     shards, client = cluster()
     client.register(0, 2)
     client.initialize(0, VALUES, SGD)
     version, _ = client.pull(0)
     metrics = {"acc/total": np.array([3.0], np.float32)}
     reply = client.push(0, 0, version, 32, {n: np.zeros_like(a) for n, a in VALUES.items()}, metrics=metrics,
-                        set_learning_rate=0.25)
-    assert [p["set_learning_rate"] for p in (shards[0].pushes[-1], shards[1].pushes[-1])] == [0.25, 0.25]
+                        set_learning_rates=(0.25, 0.5))
+    assert [p["set_learning_rates"] for p in (shards[0].pushes[-1], shards[1].pushes[-1])] == [(0.25, 0.5)] * 2
     assert shards[0].pushes[-1]["metrics"] is metrics and shards[1].pushes[-1]["metrics"] is None
     assert reply.learning_rate == 0.25 and list(reply.metrics) == ["acc/total"]
     assert reply.metrics["acc/total"] is metrics["acc/total"]

@@ -78,11 +78,10 @@ Stale gradients (``stale_policy``): "none" applies every push as it is;
 (counted, nothing applied); "scale" applies it with the learning rate times
 1/(1 + staleness) (counted as ``scaled`` when staleness > 0).
 
-Learning rate: a push with ``set_learning_rate`` sets the optimizer's constant
-learning rate (``VariableStore.set_learning_rate``; with optimizer groups, that of
-the group whose variables it carries) just before its own update, so this update
-and every later one use it; refused (a schedule, several groups) before anything
-is applied. A dropped push sets nothing. The reply's ``learning_rate`` is the
+Learning rate: a push with ``set_learning_rates`` sets the optimizer's constant
+learning rate (``VariableStore.set_learning_rates``; with optimizer groups, each
+group's it names) just before its own update, so this update and every later one
+use it; refused (a schedule, a group past the spec's) before anything is applied. A dropped push sets nothing. The reply's ``learning_rate`` is the
 store's rate read just before the update, before the "scale" factor; a push of
 another worker that sets a new rate meanwhile may change it under a concurrent
 update, as any async interleaving may. Metrics (``Push.metrics``) are a sync
@@ -209,8 +208,7 @@ class AsyncMode(Mode):
             self.stats.count("dropped")
             return PushResult(version=seen, staleness=staleness, contributors=0, dropped=True,
                               next_step=push.step + 1)
-        if push.set_learning_rate:  # refused (a schedule, several groups) before anything is applied
-            self.store.set_learning_rate(push.set_learning_rate, push.gradients)
+        self.store.set_learning_rates(push.set_learning_rates)  # refused (a schedule) before anything is applied
         learning_rate = self.store.current_learning_rate(push.gradients)  # before the "scale" policy's factor
         lr_scale = 1.0 / (1 + staleness) if self.stale_policy == "scale" else 1.0
         started = time.perf_counter()

@@ -53,15 +53,18 @@ class Push:
     # summed over the round in worker order (``aggregation.sum_metrics``); async and ssp
     # ignore them. At most MAX_METRICS of them, MAX_METRIC_BYTES in all.
     metrics: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    # > 0: the optimizer's constant learning rate from this push's update on (sync: its
-    # round's); 0: unchanged.
-    set_learning_rate: float = 0.0
+    # Entry i > 0: the constant learning rate of the spec's group i (without groups, entry 0:
+    # the optimizer's) from this push's update on (sync: its round's); 0: unchanged.
+    set_learning_rates: tuple[float, ...] = ()
     # Elastic sync (``core.modes.elastic_mode``): the micro-batch of the round this gradient is
     # for (``core.data.cursor``); -1 elsewhere.
     micro_batch: int = -1
     # Async and ssp with a data plan (``core.data.tasks``): the task (batch) this gradient is
     # of, which this worker holds; -1 elsewhere.
     task: int = -1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "set_learning_rates", tuple(self.set_learning_rates))  # a round compares them
 
     def validate(self) -> None:
         # The upper bounds keep every answer and counter a signed 64-bit integer:
@@ -76,10 +79,10 @@ class Push:
             raise InvalidArgument(f"batch_size must be >= 0, got {self.batch_size}")
         if self.batch_size > MAX_BATCH_SIZE:
             raise InvalidArgument(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
-        rate = self.set_learning_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)) \
-                or not math.isfinite(rate) or rate < 0:
-            raise InvalidArgument(f"set_learning_rate must be a finite number > 0 (or 0: unchanged), got {rate!r}")
+        for rate in self.set_learning_rates:
+            if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)) \
+                    or not math.isfinite(rate) or rate < 0:
+                raise InvalidArgument(f"set_learning_rates holds finite numbers > 0 (or 0: unchanged), got {rate!r}")
         check_metrics(self.metrics)
 
 
@@ -275,7 +278,7 @@ class Mode:
         """``data_plan`` "elastic": a ticket for this worker's micro-batches."""
         raise NotImplementedError(f"{self.name} mode deals no micro-batches")
 
-    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rates=(),
                 sparse: bool = False, block_bytes: int = 0):
         """The speculation (``core.modes.overlap``) a streamed push joins; None: not speculated."""
         return None

@@ -34,10 +34,10 @@ why the round's result then has the same bits whoever computed what.
 - A round that does not complete within ``barrier_timeout`` of its start is
   discarded (parameters unchanged, nothing counted in the ledger) and started
   again from its first micro-batch; its waiters fail with ``BarrierTimeout``.
-- A learning rate set by a push (``Push.set_learning_rate``, the rate ``tfps.keras``'
+- A learning rate set by a push (``Push.set_learning_rates``, the rate ``tfps.keras``'
   chief agreed for the epoch, which every worker sends with every push) is set at the
   round's completion, just before its update, as in ``SyncMode``; the pushes of one round
-  must not name two rates. A discarded round leaves the rate as it was.
+  must not name two. A discarded round leaves the rate as it was.
 - Not here (refused with InvalidArgument): backup workers, metrics summed over
   the round, and PushPull's speculation.
 
@@ -317,12 +317,13 @@ class ElasticSyncMode(Mode):
             raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
                                   f"{push.batch_size}")
         self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)  # before anything is taken
-        rate = push.set_learning_rate
-        if rate and self._rate not in (0.0, rate):
-            raise InvalidArgument(f"worker {w} sets the learning rate {rate!r} for round {r}, another push of it "
-                                  f"{self._rate!r}; nothing applied")
+        rates = push.set_learning_rates
+        self.store.check_learning_rates(rates)
+        if rates and self._rates not in ((), rates):
+            raise InvalidArgument(f"worker {w} sets the learning rates {rates!r} for round {r}, another push of it "
+                                  f"{self._rates!r}; nothing applied")
         if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
-            self._rate = rate or self._rate
+            self._rates = rates or self._rates
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
             self._losses.append((push.loss, size))
@@ -351,14 +352,11 @@ class ElasticSyncMode(Mode):
         work, completed = self._work, self._round
         started = time.perf_counter()
         followers = self.commit(completed, ()) if self.commit is not None else (lambda: None)
-        failed, rate = None, self.store.current_learning_rate()
+        failed = None
         try:
-            if self._rate:
-                self.store.set_learning_rate(self._rate)
-            version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
+            with self.store.learning_rates(self._rates):
+                version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
         except PSError as e:  # nothing applied here (apply_all is all or nothing): the round starts over
-            if self._rate:
-                self.store.set_learning_rate(rate)
             with contextlib.suppress(PSError):
                 followers()  # their applies fail too (global_clipnorm: no norm), or nothing can undo them
             for tickets in self._pushes.values():
@@ -399,7 +397,7 @@ class ElasticSyncMode(Mode):
         self._sum = RoundSum(lambda: self.store.sparse_rule)
         self._contributors: set[int] = set()
         self._losses: list[tuple[float, int]] = []
-        self._rate = 0.0  # the learning rate the round's pushes set (0: unchanged)
+        self._rates: tuple = ()  # the learning rates the round's pushes set (none: unchanged)
 
     def _start_if_ready(self) -> None:
         # min_workers gates the job's first round only: later ones go on with whoever is live.

@@ -36,7 +36,7 @@ Guarantees:
   expecting the dead worker and finishes rounds with the live ones, weighted by
   their batch shares (a worker that registers again is expected again).
 
-Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
+Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rates``):
 - every push of a round carries metrics of the same names, shapes and dtypes, or
   none; a push that differs from the round's first is refused (InvalidArgument
   naming the difference) before it joins, and the round goes on without it;
@@ -49,13 +49,13 @@ Metrics and the learning rate (``Push.metrics``, ``Push.set_learning_rate``):
   finite under a Keras loss scale) is completed without an update: the version counts
   it, no variable changes, and every reply carries the sum, so every worker skips alike
   (also where every push of it weighs 0: every worker's gradients were not finite);
-- a round in which any contributor set the learning rate is applied with it: it
-  is set (``VariableStore.set_learning_rate``: with optimizer groups, the rate of
-  the group whose variables the round carries) at completion, just before the
-  optimizer step, and stays for later rounds. Two different values in one round,
-  or any value while that optimizer runs a schedule, or for a push of several
-  groups' variables, refuse the push that brings it, before it joins. Every reply's ``learning_rate`` is the rate the round was
-  applied with.
+- a round in which any contributor set learning rates is applied with them: they
+  are set (``VariableStore.set_learning_rates``: with optimizer groups, each
+  group's) at completion, just before the optimizer step, and stay for later
+  rounds. Other rates than another push of the round set, or any rate while that
+  optimizer runs a schedule, refuse the push that brings them, before it joins.
+  Every reply's ``learning_rate`` is the rate the round was applied with (with
+  groups, that of the first group whose variables the round carries).
 
 **Backup workers over several shards** (``follow``): shard 0 picks each round's
 contributors (its first ``replicas_to_aggregate`` pushes), and every shard must step
@@ -264,14 +264,14 @@ class SyncMode(Mode):
         return dataclasses.replace(push, gradients={})
 
     # -- overlap: new values while the round still arrives (core.modes.overlap) --------------------
-    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rate: float = 0.0,
+    def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rates=(),
                 sparse: bool = False, block_bytes: int = 0) -> Speculation | None:
         """The speculation a streamed push joins, or None when its round is not speculated
         (``core.modes.overlap``; the push itself then goes on as any other). ``gradients``: the
         push's {name: (dtype, shape)} in the order its bytes come; ``block_bytes`` (0: the
         default) the blocks' size when this push is the round's first."""
         spec_of_optimizer = self.store.optimizer_spec
-        if (self._book.quorum or set_learning_rate or sparse or spec_of_optimizer is None
+        if (self._book.quorum or set_learning_rates or sparse or spec_of_optimizer is None
                 or spec_of_optimizer.global_clipnorm is not None or spec_of_optimizer.groups):
             return None
         held = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in gradients.values())
@@ -319,9 +319,8 @@ class SyncMode(Mode):
     def _check_round_extras(self, push: Push) -> None:
         """Refuse, changing nothing, a push whose metrics or learning rate cannot join the
         round's pushes so far: other metric names, shapes or dtypes (every push of a round
-        carries the same or none), another learning rate than one already asked for, or a
-        learning rate the store cannot set for the push's variables (``rate_owner``: a
-        schedule, several groups). Lock held."""
+        carries the same or none), other learning rates than those already asked for, or a
+        learning rate the store cannot set (``check_learning_rates``: a schedule). Lock held."""
         pending = self._book.peek()
         if pending:
             first = pending[0]
@@ -330,14 +329,14 @@ class SyncMode(Mode):
                 raise InvalidArgument(
                     f"worker {push.worker_id}'s push for round {push.step} {difference}, unlike worker "
                     f"{first.worker_id}'s: every push of a round carries the same metrics (or none); nothing applied")
-        if push.set_learning_rate:
-            asked = {p.set_learning_rate for p in pending if p.set_learning_rate}
-            if asked and push.set_learning_rate not in asked:
+        if push.set_learning_rates:
+            asked = {p.set_learning_rates for p in pending if p.set_learning_rates}
+            if asked and push.set_learning_rates not in asked:
                 raise InvalidArgument(
-                    f"worker {push.worker_id} sets the learning rate to {push.set_learning_rate!r} for round "
+                    f"worker {push.worker_id} sets the learning rates {push.set_learning_rates!r} for round "
                     f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
-            try:  # the rate of the optimizer (group) that steps the push's variables
-                self.store.rate_owner(push.gradients, setting=True)
+            try:
+                self.store.check_learning_rates(push.set_learning_rates)
             except InvalidArgument as e:
                 raise InvalidArgument(f"worker {push.worker_id} sets the learning rate for round {push.step}, "
                                       f"but {e}; nothing applied") from None
@@ -361,9 +360,9 @@ class SyncMode(Mode):
         followers = (self.commit(self._book.round, tuple(p.worker_id for p in pushes)) if self.commit is not None
                      else (lambda: None))
         started = time.perf_counter()
-        rates = [p.set_learning_rate for p in pushes if p.set_learning_rate]  # all alike (_check_round_extras)
-        previous = None
-        names = self._sum.names.union(*(p.gradients for p in pushes))  # the rate's: their optimizer (group)'s
+        rates = next((p.set_learning_rates for p in pushes if p.set_learning_rates), ())  # all alike
+        # the reply's rate: their optimizer (group)'s
+        names = self._sum.names.union(*(p.gradients for p in pushes)) if self.store.optimizer_spec.groups else ()
         speculation = self._speculation if self._speculation is not None \
             and self._speculation.generation == generation and not rates else None
         metrics = sum_metrics([p.metrics for p in pushes])
@@ -377,17 +376,13 @@ class SyncMode(Mode):
                     if p.gradients:  # kept whole for a speculation that did not hold
                         self._sum.add(p.worker_id, p.batch_size, p.gradients)
                 mean = self._sum.mean()
-            if rates:
-                previous = self.store.current_learning_rate(names)
-                self.store.set_learning_rate(rates[0], names)  # this round is applied with it
-            learning_rate = self.store.current_learning_rate(names)
-            version = self.store.bump_version() if skip else self.store.publish(kept) if kept is not None \
-                else self.store.apply_all(mean, key=f"round {self._book.round}")
+            with self.store.learning_rates(rates):  # this round is applied with them
+                learning_rate = self.store.current_learning_rate(names)
+                version = self.store.bump_version() if skip else self.store.publish(kept) if kept is not None \
+                    else self.store.apply_all(mean, key=f"round {self._book.round}")
         except PSError as e:  # every shard was empty, or the step was refused: drop the round,
             with contextlib.suppress(PSError):
                 followers()  # their steps fail too (global_clipnorm: no norm), or nothing can undo them
-            if previous is not None and self.store.current_learning_rate(names) != previous:
-                self.store.set_learning_rate(previous, names)  # the round left no trace: its rate neither
             self._book.abort()  # state unchanged (apply_all publishes all or nothing); answer every waiter
             self._settle(generation, e)
             raise
