@@ -26,7 +26,10 @@ FIXED = {
     # minimum of two: the minimum gated the restored round, and nothing moved.
     "a server restored below the minimum of workers (sync)": (Job("sync", 1, 20), "term:1@4 term:2@8 server@20"),
 }
-DEFAULT_SEEDS = [("sync", 3), ("async", 4)]  # each: an auto index, a pause past the lease, a kill, a server restart
+# each: an auto index, a pause past the lease, a kill, a server restart. Sync's seed 3 (~65 s) is
+# slow with the other seeds: sync's schedule that hung a job stays (FIXED), and so do the kills,
+# pauses and restarts of elastic sync one by one (tests/cluster/test_elastic_*.py, tests/chaos).
+DEFAULT_SEEDS = [("async", 4)]
 SLOW_SEEDS = [("sync", s) for s in range(50)] + [("async", s) for s in range(30)]
 
 
