@@ -188,21 +188,24 @@ def task_at(engine, epoch: int | None = None) -> None:
 
 
 def task_epoch(engine) -> int:
-    """Async and ssp (``tfps.keras``, at its fit's start): the epoch of the task this worker is
-    handed first (kept in ``engine.pending``): a worker that joins late starts there. The job's
-    last epoch when every task is held by others, its epochs once it is finished."""
+    """Async and ssp (``tfps.keras``, at its fit's start): the job's epoch of the task this worker
+    is handed first (kept in ``engine.pending``): a worker that joins late starts there. The job's
+    last epoch when every task is held by others, its epochs once it is finished (a later fit's
+    plan goes on to more: ``conn.data_plan``, which its Initialize gave the server, first)."""
 
     def one(engine) -> bool:
         engine.pending = engine.pending or _work(engine)
         return False
 
+    if engine.pending is not None and not engine.pending.sizes:
+        engine.pending = None  # an earlier fit's end: ask again
     _take(engine, one, TASK_TAKEN_AWAY)
-    offer, task = engine.pending, engine.task
+    offer, epochs = engine.pending, engine.conn.data_plan["epochs"]
     if offer.sizes:
-        return offer.round // task.steps_per_epoch
+        return offer.round // engine.task.steps_per_epoch
     if not offer.finished:
         engine.pending = None  # nothing to hand out now: the first step asks again
-    return task.epochs if offer.finished else task.epochs - 1
+    return epochs if offer.finished else epochs - 1
 
 
 def leave_now(engine) -> str:

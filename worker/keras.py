@@ -302,6 +302,7 @@ class _Attached:
         self.rates, self.sent_rates = {}, {}
         self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
+        self.first_epoch = 0  # elastic async and ssp: the job's epoch this fit's first one is (``_go_on``)
         self.next_round = 0  # elastic: the round the next Keras step is
         self.stop = None  # elastic: SIGTERM's flag (worker.elastic.SigtermFlag), while fit runs
         self.learning_rates: list[float] = []  # what the server used for each of this worker's updates
@@ -338,15 +339,10 @@ class _Attached:
             verbose = 0
         fits = strategy._fits + 1  # a fit refused here does not count
         if strategy.config.elastic:  # the fit's data as the server deals them (``_dealt``)
-            if fits > 1 and strategy.connection is not None and not strategy.connection.sync:
-                raise ValueError("elastic=True in async and ssp mode: one model.fit per job (the server's tasks are "
-                                 "the first fit's epochs); give all the epochs to one fit")
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode, self.per_update)
-            if fits > 1 and strategy.connection is not None and self.dealt.plan() != strategy.connection.data_plan:
-                raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
-                                 f"first fit's ({strategy.connection.data_plan}); this fit's is {self.dealt.plan()}: "
-                                 "give it as many examples in batches of the same size")
+            if fits > 1 and strategy.connection is not None:
+                self._go_on(strategy.connection, int(kwargs.get("initial_epoch") or 0))
         strategy._fits = fits
         callbacks.append(_agreement(strategy, fits, self))
         self.model.train_function = None  # ours is made again by make_train_function
@@ -366,6 +362,19 @@ class _Attached:
             raise SystemExit(LEFT_JOB_STATUS) from None
         self._load()
         return history
+
+    def _go_on(self, conn, initial_epoch: int) -> None:
+        """Elastic, a later fit: the server deals it from the job's data plan, the first fit's. In
+        async and ssp its epochs go on after the job's (``first_epoch``): the plan grows by them,
+        and the chief's Initialize at the fit's start extends the server's tasks (``Agreement``)."""
+        plan, job = self.dealt.plan(), conn.data_plan
+        if plan != job and (conn.sync or {**plan, "epochs": job["epochs"]} != job):
+            raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
+                             f"first fit's ({job}); this fit's is {plan}: give it as many examples in batches "
+                             "of the same size")
+        if not conn.sync:
+            self.first_epoch = job["epochs"]
+            conn.data_plan = {**job, "epochs": job["epochs"] + max(0, plan["epochs"] - initial_epoch)}
 
     def make_train_function(self, force: bool = False):
         model = self.model
@@ -1109,8 +1118,13 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             conn, dealt = strategy.connection, attached.dealt
             self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
             model = self.model
-            chief = {"initial_epoch": int(getattr(model, "_initial_epoch", None) or 0),
-                     "data": None if dealt is None else dealt.fingerprint(), "base": conn.step if fit > 1 else 0}
+            initial = int(getattr(model, "_initial_epoch", None) or 0)
+            # a later fit's first round: sync, the chief's; async and ssp, its first epoch's in the job (``_go_on``)
+            base = 0 if fit == 1 else conn.step if conn.sync or dealt is None \
+                else (attached.first_epoch - initial) * dealt.steps_per_epoch
+            if fit > 1 and dealt is not None and not conn.sync and strategy.is_chief:
+                strategy.engine.join()  # Initialize: the server's tasks go on to this fit's epochs
+            chief = {"initial_epoch": initial, "data": None if dealt is None else dealt.fingerprint(), "base": base}
             got = strategy.agree(f"{self.tag}/begin", chief)
             if not strategy.is_chief and got["initial_epoch"]:
                 model._initial_epoch = got["initial_epoch"]
@@ -1120,8 +1134,9 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                 # elastic: on the chief's data (the server deals indices into them), from the epoch of the
                 # cluster's round (sync: one that joins late skips the rounds it is past) or of its first task
                 self.base = got["base"]
-                start = (max(0, conn.step - self.base) // dealt.steps_per_epoch if conn.sync
-                         else elastic.task_epoch(strategy.engine))
+                start = (max(0, conn.step - self.base) if conn.sync
+                         else elastic.task_epoch(strategy.engine) * dealt.steps_per_epoch - self.base)
+                start //= dealt.steps_per_epoch
                 if got["data"] != chief["data"]:
                     raise ValueError(f"elastic=True: this worker's training data (digest {chief['data']}) differ "
                                      f"from the chief's ({got['data']}); the server deals example indices, so every "

@@ -263,7 +263,8 @@ class ParameterServer:
         """(created, version). Repeating an identical initialization is harmless.
         ``owned``: the arrays are given up to the store, not copied (``store.initialize``).
         ``data_plan``: elastic sync's (required there, refused elsewhere): the job's examples,
-        global batch and seed, from which the server's cursor deals every round.
+        global batch and seed, from which the server's cursor deals every round; async and
+        ssp's tasks, whose epochs a later plan of the same data extends (a later ``fit``).
         ``non_trainable``: variables updated by their pushed change, not the optimizer (``store``).
         ``shard_group``: this server's place among shards that follow shard 0 (``ShardGroup``).
         With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
@@ -285,6 +286,8 @@ class ParameterServer:
             self.mode.set_cursor(cursor)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
+        elif tasks is not None and tasks.epochs > self.tasks.epochs:  # a later fit: the job goes on
+            self.tasks.extend(tasks.epochs)
         return created, self.store.version
 
     # -- global_clipnorm over several shards (core.clip_group) -------------------------------
@@ -353,9 +356,9 @@ class ParameterServer:
             raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
         queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
                           self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0)
-        if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed,
-                                       self.tasks.epochs) != (queue.num_examples, queue.batch_size,
-                                                              queue.seed, queue.epochs):
+        # the same data; a later fit's plan goes on to more epochs, a restarted chief's first fit's to fewer
+        if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed) \
+                != (queue.num_examples, queue.batch_size, queue.seed):
             raise SpecConflict(f"the job's data plan is {self._plan_text()}; this initialize brings "
                                f"{plan.num_examples} examples, batches of {plan.global_batch_size}, seed "
                                f"{plan.seed}, {plan.epochs} epoch(s)")

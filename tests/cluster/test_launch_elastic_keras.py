@@ -204,3 +204,22 @@ def test_rates_callbacks_change_and_a_second_fit_with_a_worker_added_and_stopped
     assert plain.version == scaled.version == 4 * 16
     for name in plain.values:
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+
+
+# ~40 s: slow. In one process, tests/worker/test_keras_strategy.py goes on to a second and a third
+# fit on async and ssp tasks, every task once.
+@pytest.mark.slow
+def test_a_second_fit_on_async_tasks_goes_on_to_its_epochs_with_a_worker_added_and_stopped(tmp_path):
+    """tests/cluster/programs/elastic_rates.py under async: two fits of two epochs each, 1,024
+    examples in tasks of 64 / 3 = 21 (49 an epoch); the chief's second Initialize extends the
+    job to four epochs. A worker started at version 40 (in the first fit, which finds the
+    cluster past its epoch 0) and stopped at version 120 (in the second): every example once in
+    each of the four epochs, every task applied once."""
+    program = os.path.join(ROOT, "tests", "cluster", "programs", "elastic_rates.py")
+    out, state = launch(tmp_path, "async", program, "--mode", "async", "--scale-at", "40:3", "--scale-at", "120:2",
+                        env={"TFPS_PAUSE_AT_STEP": "30", "TFPS_PAUSE_FOR": "6"})
+    events = re.findall(r"ps-launch: round \d+: worker (\d) (\w+)", out)
+    assert ("2", "joined") in events and ("2", "left") in events, events
+    assert "examples per epoch [1024, 1024, 1024, 1024] of 1024; tasks done 196 of 196" in out, out[-3000:]
+    assert state.version == 196 and re.search(r"rates=\[", out), out[-2000:]
+

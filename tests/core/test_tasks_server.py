@@ -125,6 +125,30 @@ def test_a_dead_or_leaving_workers_tasks_go_back_and_its_late_push_is_refused():
     assert ps.status().pushes_applied == 0
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_later_plan_of_more_epochs_extends_a_finished_job_by_their_tasks_each_applied_once(mode):
+    """A second ``fit`` of the same data: the chief initializes again with the epochs the job goes
+    on to; a worker that found the job finished is handed the new epochs' tasks, in order."""
+    clock = Clock()
+    ps = started(clock, mode, workers=(0,), num_workers=1)
+    per_epoch = -(-EXAMPLES // 16)
+    step = 0
+    while (task := take(ps, 0)) is not None:
+        ps.submit(push_of(ps, 0, task, step)).result(JOIN)
+        step += 1
+    assert ps.work(0).result().finished
+    assert ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=5)) == (False, step)
+    ids = []
+    while (task := take(ps, 0)) is not None:
+        ps.submit(push_of(ps, 0, task, step)).result(JOIN)
+        ids.append(task.task_id)
+        step += 1
+    assert ids == list(range(3 * per_epoch, 5 * per_epoch))
+    status = ps.status()
+    assert status.tasks_total == status.tasks_done == 5 * per_epoch and status.epoch_examples == (EXAMPLES,) * 5
+    assert ps.work(0).result().finished
+
+
 def test_the_data_plan_must_fit_the_job():
     clock = Clock()
     ps = server(clock)
@@ -135,7 +159,11 @@ def test_the_data_plan_must_fit_the_job():
     ps.initialize(0, zeros(), ADAM, data_plan=PLAN)
     assert ps.initialize(0, zeros(), ADAM, data_plan=PLAN) == (False, 0)
     with pytest.raises(SpecConflict, match="data plan"):
-        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=2))
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 6, epochs=3))  # another seed
+    with pytest.raises(SpecConflict, match="data plan"):
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 8, 5, epochs=3))  # other batches
+    assert ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=2)) == (False, 0)  # fewer
+    assert ps.status().tasks_total == 3 * -(-EXAMPLES // 16)  # a restarted chief's first fit changes nothing
     with pytest.raises(SpecConflict, match="dealt as tasks"):
         ps.initialize(0, zeros(), ADAM)
     plain = server(clock)

@@ -502,9 +502,10 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
     batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all.
     ``steps_per_epoch`` is refused in one line first (each epoch's tasks are every example once),
-    and that refused fit does not count as the job's one fit. A LearningRateScheduler's rate
-    rides each task's push: the server ends at the last epoch's. A second fit is refused (the
-    tasks are the first fit's epochs)."""
+    and that refused fit does not count. A LearningRateScheduler's rate rides each task's push: the
+    server ends at the last epoch's. A later fit of the same data goes on to its epochs after the
+    job's (the chief's Initialize extends the tasks), as one process's goes on: ``epochs=1``, then
+    ``epochs=4, initial_epoch=3``; one of other data is refused in one line."""
     import numpy as np
 
     running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
@@ -521,9 +522,14 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (10, 10, [70, 70])
     assert status.learning_rate_now == pytest.approx(0.05)
-    with pytest.raises(ValueError, match="async and ssp mode: one model.fit per job"):
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert strategy.connection.version == 10 and len(history.history["loss"]) == 2
+    with pytest.raises(ValueError, match="from the job's data plan, the first fit's"):
+        model.fit(x[:60], y[:60], batch_size=32, epochs=1, verbose=0)
+    second = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    third = model.fit(x, y, batch_size=32, epochs=4, initial_epoch=3, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (20, 20, [70] * 4)
+    assert strategy.connection.version == 20 and second.epoch == [0] and third.epoch == [3]
     strategy.close()
 
 

@@ -9,6 +9,7 @@
     queue.given_back(1, task.task_id)       # or: the push was refused (too stale): back in the queue
     queue.lost(1); queue.expire()           # a dead worker's, or overdue, tasks go back
     queue.examples_done(0), queue.epoch_complete(0), queue.status(), queue.finished
+    queue.extend(5)                         # a later fit of the same data: epochs 3 and 4 too
 
 What it serves (issue 17, item 3): "Batches are handed out as tasks; a batch is done
 when its push is applied; a batch whose worker dies (lease) or whose push is refused
@@ -185,6 +186,14 @@ class TaskQueue:
         if len(self._orders) > ORDERS_KEPT:
             del self._orders[next(iter(self._orders))]
         return Task(task_id, epoch, index, order[index * self.batch_size:(index + 1) * self.batch_size])
+
+    def extend(self, epochs: int) -> None:
+        """The job goes on to ``epochs`` (a later ``fit`` of the same data): the tasks of the
+        epochs added are handed out after every task before them."""
+        if not _is_int(epochs) or epochs < self.epochs:
+            raise InvalidArgument(f"a job of {self.epochs} epoch(s) goes on to more, not {epochs!r}")
+        with self._lock:
+            self.epochs, self.total_tasks = int(epochs), int(epochs) * self.steps_per_epoch
 
     # -- handing out -------------------------------------------------------------------
     def take(self, worker_id: int) -> Task | None:
