@@ -168,7 +168,6 @@ def test_a_session_with_backup_workers_applies_one_contributor_per_round_and_dro
     other worker's push for that round is answered ``dropped`` and moves it to the next.
     Over two shards shard 0 picks the contributor and shard 1 steps with it alike."""
     runnings = [server("sync", 2, replicas_to_aggregate=1) for _ in range(shards)]
-    running = runnings[0]
     models = [dense_model(8), dense_model(8)]
     sessions = [api.Session(m, ps=",".join(r.address for r in runnings), worker_index=i, num_workers=2,
                             optimizer="sgd", learning_rate=LR) for i, m in enumerate(models)]
