@@ -200,7 +200,8 @@ def task_epoch(engine) -> int:
     if engine.pending is not None and not engine.pending.sizes:
         engine.pending = None  # an earlier fit's end: ask again
     _take(engine, one, TASK_TAKEN_AWAY)
-    offer, epochs = engine.pending, engine.conn.data_plan["epochs"]
+    offer, plan, task = engine.pending, engine.conn.data_plan, engine.task
+    epochs = -(-(plan.get("tasks") or plan["epochs"] * task.per_pass) // task.steps_per_epoch)  # the fits' so far
     if offer.sizes:
         return offer.round // engine.task.steps_per_epoch
     if not offer.finished:

@@ -367,14 +367,21 @@ class _Attached:
         """Elastic, a later fit: the server deals it from the job's data plan, the first fit's. In
         async and ssp its epochs go on after the job's (``first_epoch``): the plan grows by them,
         and the chief's Initialize at the fit's start extends the server's tasks (``Agreement``)."""
-        plan, job = self.dealt.plan(), conn.data_plan
-        if plan != job and (conn.sync or {**plan, "epochs": job["epochs"]} != job):
+        dealt, plan, job = self.dealt, self.dealt.plan(), conn.data_plan
+        data = {k: job[k] for k in ("num_examples", "global_batch_size", "seed")}
+        if plan != job and (conn.sync or {k: plan[k] for k in data} != data):
             raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
                              f"first fit's ({job}); this fit's is {plan}: give it as many examples in batches "
                              "of the same size")
-        if not conn.sync:
-            self.first_epoch = job["epochs"]
-            conn.data_plan = {**job, "epochs": job["epochs"] + max(0, plan["epochs"] - initial_epoch)}
+        if conn.sync:
+            return
+        done, per_epoch = job.get("tasks") or job["epochs"] * dealt.per_pass, dealt.steps_per_epoch
+        if done % per_epoch:
+            raise ValueError(f"elastic=True: this fit's epochs of {per_epoch} tasks cannot go on after the job's "
+                             f"{done}: give every fit the same steps_per_epoch")
+        self.first_epoch, total = done // per_epoch, done + max(0, dealt.epochs - initial_epoch) * per_epoch
+        passes = -(-total // dealt.per_pass)
+        conn.data_plan = {**data, "epochs": passes, **({"tasks": total} if total != passes * dealt.per_pass else {})}
 
     def make_train_function(self, force: bool = False):
         model = self.model
@@ -1179,7 +1186,8 @@ def _dealt(given: dict, config, server_mode, per_update: int = 1) -> tuple:
     ``batch_size / num_workers`` as for ``ps-worker --elastic``), whose count makes each
     epoch's steps (each step trains on what the server deals, not on Keras' batch). Sync with
     ``steps_per_epoch``: each epoch is that many rounds, going on across passes of the data
-    as one process's iterator goes on, and Keras' loop counts as many batches. With
+    as one process's iterator goes on, and Keras' loop counts as many batches (async and ssp:
+    that many times ``num_workers`` tasks, as many examples, across passes too). With
     ``gradient_accumulation_steps`` (``per_update``) k, a global batch is k batches, one
     update as Keras' mean over k full batches (a round's micro-batches are the accumulation),
     and Keras counts it one step (``steps_per_epoch``: of k batches too, rounded up). The
@@ -1214,12 +1222,10 @@ def _dealt(given: dict, config, server_mode, per_update: int = 1) -> tuple:
                            steps_per_epoch=-(-steps // per_update) if isinstance(steps, int) else steps)
     except TaskError as e:
         raise ValueError(f"elastic=True: {e}") from None
-    if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples
-        if steps:
-            raise ValueError("elastic=True: steps_per_epoch is served in sync mode only; async and ssp hand out "
-                             "each epoch's examples as tasks, every example once an epoch")
+    if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples (steps: as many)
         data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
-                           seed=config.seed, epochs=data.epochs, tasks=True)
+                           seed=config.seed, epochs=data.epochs, tasks=True,
+                           steps_per_epoch=data.steps_per_epoch * config.num_workers if steps else None)
     if steps:  # Keras counts exactly that many batches an epoch (their examples unused)
         x, y, sample_weight = data.examples(np.arange(data.steps_per_epoch * data.global_batch_size) % data.num_examples)
     return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,

@@ -371,14 +371,19 @@ class DealtArrays:
         self.global_batch_size, self.seed, self.epochs, self.tasks = global_batch_size, seed, epochs, tasks
         if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
             raise TaskError(f"steps_per_epoch must be an integer >= 1, got {steps_per_epoch!r}")
-        self.steps_per_epoch = steps_per_epoch or ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
+        self.per_pass = ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
+        self.steps_per_epoch = steps_per_epoch or self.per_pass
         self.total_steps = epochs * self.steps_per_epoch
 
     def plan(self) -> dict:
         """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``;
-        with ``tasks`` the job's epochs too)."""
+        with ``tasks`` the job's passes too, and its tasks where epochs are not passes)."""
         plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
-        return {**plan, "epochs": self.epochs} if self.tasks else plan
+        if not self.tasks:
+            return plan
+        if self.steps_per_epoch == self.per_pass:
+            return {**plan, "epochs": self.epochs}
+        return {**plan, "epochs": -(-self.total_steps // self.per_pass), "tasks": self.total_steps}
 
     def global_batch(self, step: int) -> np.ndarray:
         return ps_batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)

@@ -132,6 +132,7 @@ class DataState:
     seed: int
     epochs: int = 0
     micro_batches: int = 0
+    tasks: int = 0  # "tasks": the job's, where they do not fill its last pass (``TaskQueue``)
     done_task_ids: np.ndarray = dataclasses.field(default_factory=_no_ids)
     done_workers: np.ndarray = dataclasses.field(default_factory=_no_ids)
     done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
@@ -318,6 +319,7 @@ def _data_header(data: DataState, put) -> dict:
         "seed": int(data.seed),
         "epochs": int(data.epochs),
         "micro_batches": int(data.micro_batches),
+        "tasks": int(data.tasks),
         **{k: ref(getattr(data, k), np.int64) for k in _TASK_ARRAYS},
         "epochs_complete": [int(e) for e in data.epochs_complete],
         "epochs_seen": {str(int(e)): ref(bits, np.uint8) for e, bits in sorted(data.epochs_seen.items())},
@@ -503,7 +505,7 @@ def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataStat
     return DataState(
         kind=header["kind"], num_examples=int(header["num_examples"]),
         global_batch_size=int(header["global_batch_size"]), seed=int(header["seed"]),
-        epochs=int(header["epochs"]), micro_batches=int(header["micro_batches"]),
+        epochs=int(header["epochs"]), micro_batches=int(header["micro_batches"]), tasks=int(header.get("tasks", 0)),
         **{k: read(header[k], "i").astype(np.int64) for k in _TASK_ARRAYS},
         epochs_complete=tuple(int(e) for e in header["epochs_complete"]),
         epochs_seen={int(e): read(ref, "u") for e, ref in header["epochs_seen"].items()},

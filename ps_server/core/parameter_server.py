@@ -286,8 +286,8 @@ class ParameterServer:
             self.mode.set_cursor(cursor)
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
-        elif tasks is not None and tasks.epochs > self.tasks.epochs:  # a later fit: the job goes on
-            self.tasks.extend(tasks.epochs)
+        elif tasks is not None and tasks.total_tasks > self.tasks.total_tasks:  # a later fit: the job goes on
+            self.tasks.extend(tasks.epochs, tasks.total_tasks)
         return created, self.store.version
 
     # -- global_clipnorm over several shards (core.clip_group) -------------------------------
@@ -355,7 +355,8 @@ class ParameterServer:
         if plan.epochs < 1:
             raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
         queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
-                          self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0)
+                          self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0,
+                          tasks=plan.tasks)
         # the same data; a later fit's plan goes on to more epochs, a restarted chief's first fit's to fewer
         if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed) \
                 != (queue.num_examples, queue.batch_size, queue.seed):
@@ -721,7 +722,7 @@ class ParameterServer:
     def _data_state(self, tasks: dict | None, ledger: tuple | None) -> DataState | None:
         if tasks is not None:
             return DataState("tasks", tasks["num_examples"], tasks["batch_size"], tasks["seed"], tasks["epochs"],
-                             done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
+                             tasks=tasks["tasks"], done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
                              done_versions=tasks["done_versions"])
         if ledger is not None:
             c = self.mode.cursor
@@ -742,7 +743,7 @@ class ParameterServer:
                                      f"server runs sync: {where}")
             try:
                 return TaskQueue.restore({"num_examples": data.num_examples, "batch_size": data.global_batch_size,
-                                          "seed": data.seed, "epochs": data.epochs,
+                                          "seed": data.seed, "epochs": data.epochs, "tasks": data.tasks,
                                           **{k: getattr(data, k) for k in
                                              ("done_task_ids", "done_workers", "done_versions")}},
                                          self.members.lease_timeout, self._clock,

@@ -149,6 +149,39 @@ def test_a_later_plan_of_more_epochs_extends_a_finished_job_by_their_tasks_each_
     assert ps.work(0).result().finished
 
 
+def test_tasks_that_stop_within_a_pass_are_the_job_through_a_later_plan_and_a_checkpoint(tmp_path):
+    """Keras' ``steps_per_epoch`` on tasks: a plan of ``tasks`` ends within its last pass (the
+    ledger counts that pass short), a later one goes on within it and past it, and a
+    checkpoint keeps the count: the restarted server hands out only what is left."""
+    from ps_server.core.checkpoint import read_checkpoint, write_checkpoint
+
+    clock = Clock()
+    per_pass = -(-EXAMPLES // 16)
+    ps = server(clock, num_workers=1)
+    ps.register(0, 1)
+    with pytest.raises(InvalidArgument, match="do not reach exactly 3 pass"):
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=3, tasks=per_pass))
+    ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=2, tasks=per_pass + 3))
+    step = 0
+    while (task := take(ps, 0)) is not None:
+        ps.submit(push_of(ps, 0, task, step)).result(JOIN)
+        step += 1
+    assert step == per_pass + 3 and ps.work(0).result().finished
+    assert ps.status().epoch_examples == (EXAMPLES, 3 * 16)
+    ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=3, tasks=2 * per_pass + 1))
+    for _ in range(per_pass - 3):
+        task = take(ps, 0)
+        ps.submit(push_of(ps, 0, task, step)).result(JOIN)
+        step += 1
+    restarted = ParameterServer("async", num_workers=1, lease_timeout=5.0, clock=clock)
+    restarted.restore(read_checkpoint(write_checkpoint(str(tmp_path), ps.checkpoint_state())))
+    restarted.register(0, 1)
+    task = take(restarted, 0)
+    assert task.task_id == 2 * per_pass and take(restarted, 0) is None  # the one left: pass 2's first
+    restarted.submit(push_of(restarted, 0, task, step)).result(JOIN)
+    assert restarted.status().epoch_examples == (EXAMPLES, EXAMPLES, 16) and restarted.work(0).result().finished
+
+
 def test_the_data_plan_must_fit_the_job():
     clock = Clock()
     ps = server(clock)

@@ -501,11 +501,12 @@ def test_an_elastic_fit_s_class_weight_and_validation_split_are_keras_sample_wei
 def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_config, mode):
     """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
     batches of batch_size / num_workers = 16 examples, 5 an epoch of 70; one worker does them all.
-    ``steps_per_epoch`` is refused in one line first (each epoch's tasks are every example once),
-    and that refused fit does not count. A LearningRateScheduler's rate rides each task's push: the
-    server ends at the last epoch's. A later fit of the same data goes on to its epochs after the
-    job's (the chief's Initialize extends the tasks), as one process's goes on: ``epochs=1``, then
-    ``epochs=4, initial_epoch=3``; one of other data is refused in one line."""
+    A LearningRateScheduler's rate rides each task's push: the server ends at the last epoch's. A
+    later fit of the same data goes on to its epochs after the job's (the chief's Initialize
+    extends the tasks), as one process's goes on: ``epochs=1``, then ``epochs=4, initial_epoch=3``;
+    one of other data is refused in one line. ``steps_per_epoch=2``: epochs of 2 x 2 workers = 4
+    tasks, across passes (the job's last pass cut short); 3 (epochs of 6) cannot follow the
+    job's 28 tasks, and is refused without counting."""
     import numpy as np
 
     running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
@@ -515,8 +516,6 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     with strategy.scope():
         model = small_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-    with pytest.raises(ValueError, match="steps_per_epoch is served in sync mode only"):
-        model.fit(x, y, batch_size=32, epochs=2, verbose=0, steps_per_epoch=2)
     halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[halve])
     status = strategy.connection.client.status()
@@ -530,6 +529,32 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (20, 20, [70] * 4)
     assert strategy.connection.version == 20 and second.epoch == [0] and third.epoch == [3]
+    stepped = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=2, verbose=0)
+    with pytest.raises(ValueError, match="epochs of 6 tasks cannot go on after the job's 28"):
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=3, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (28, 28, [70] * 5 + [48])
+    assert strategy.connection.version == 28 and len(stepped.history["loss"]) == 2
+    strategy.close()
+
+
+def test_an_elastic_fit_s_steps_per_epoch_on_async_tasks_goes_on_across_passes(server_config):
+    """``steps_per_epoch=3`` with two workers' tasks of 16 (5 a pass of 70): each epoch is 3 x 2 = 6
+    tasks, as many examples as 3 global batches, going on across passes as one process's iterator
+    goes on; two epochs are 12 tasks, the third pass cut short after two (32 examples)."""
+    import numpy as np
+
+    running = server_config(mode="async", num_workers=2)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=3, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (12, 12, [70, 70, 32])
+    assert strategy.connection.version == 12 and history.epoch == [0, 1]
     strategy.close()
 
 

@@ -56,13 +56,15 @@ from ps_server.core.errors import InvalidArgument
 class DataPlan:
     """What the server must know of the job's data to deal its rounds (the chief sends it).
     Async and ssp: ``global_batch_size`` is each task's batch (one push's examples) and
-    ``epochs`` how many passes the job makes (``core.data.tasks``); elastic sync's rounds go on
-    while workers ask (``epochs`` 0)."""
+    ``epochs`` how many passes the job makes (``core.data.tasks``; with ``tasks``, its tasks, the
+    last pass cut short: Keras' ``steps_per_epoch``); elastic sync's rounds go on while workers
+    ask (``epochs`` 0)."""
 
     num_examples: int
     global_batch_size: int
     seed: int
     epochs: int = 0
+    tasks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

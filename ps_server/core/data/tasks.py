@@ -10,6 +10,7 @@
     queue.lost(1); queue.expire()           # a dead worker's, or overdue, tasks go back
     queue.examples_done(0), queue.epoch_complete(0), queue.status(), queue.finished
     queue.extend(5)                         # a later fit of the same data: epochs 3 and 4 too
+    TaskQueue(..., epochs=2, tasks=7)       # Keras' steps_per_epoch: 7 tasks, the 2nd pass cut short
 
 What it serves (issue 17, item 3): "Batches are handed out as tasks; a batch is done
 when its push is applied; a batch whose worker dies (lease) or whose push is refused
@@ -146,7 +147,7 @@ class TaskStatus:
 
 class TaskQueue:
     def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
-                 clock: Callable[[], float] = time.monotonic, follows: bool = False):
+                 clock: Callable[[], float] = time.monotonic, follows: bool = False, tasks: int = 0):
         for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs)):
             if not _is_int(value) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
@@ -155,7 +156,7 @@ class TaskQueue:
         self.num_examples, self.batch_size = int(num_examples), int(batch_size)
         self.seed, self.epochs, self.lease_timeout = int(seed), int(epochs), float(lease_timeout)
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
-        self.total_tasks = self.epochs * self.steps_per_epoch
+        self.total_tasks = self._total(self.epochs, tasks)
         self._clock = clock
         self.follows = follows  # a shard but 0: takes a task from whoever brings it (module docstring)
         self._lock = threading.Lock()  # guards everything below (module docstring)
@@ -187,13 +188,22 @@ class TaskQueue:
             del self._orders[next(iter(self._orders))]
         return Task(task_id, epoch, index, order[index * self.batch_size:(index + 1) * self.batch_size])
 
-    def extend(self, epochs: int) -> None:
-        """The job goes on to ``epochs`` (a later ``fit`` of the same data): the tasks of the
-        epochs added are handed out after every task before them."""
-        if not _is_int(epochs) or epochs < self.epochs:
-            raise InvalidArgument(f"a job of {self.epochs} epoch(s) goes on to more, not {epochs!r}")
+    def _total(self, epochs: int, tasks: int) -> int:
+        """The job's tasks: ``epochs`` whole passes, or ``tasks`` (> 0) within those passes, the
+        last one reached (Keras' ``steps_per_epoch``: epochs that are not passes)."""
+        if not _is_int(tasks) or tasks < 0 or tasks and -(-tasks // self.steps_per_epoch) != epochs:
+            raise InvalidArgument(f"{tasks!r} tasks of {self.steps_per_epoch} a pass do not reach exactly "
+                                  f"{epochs} pass(es)")
+        return int(tasks) or epochs * self.steps_per_epoch
+
+    def extend(self, epochs: int, tasks: int = 0) -> None:
+        """The job goes on to ``epochs`` (``tasks``: as ``__init__`` takes them), a later ``fit``
+        of the same data: the tasks added are handed out after every task before them."""
+        total = self._total(epochs, tasks)
+        if total < self.total_tasks:
+            raise InvalidArgument(f"a job of {self.total_tasks} tasks goes on to more, not {total}")
         with self._lock:
-            self.epochs, self.total_tasks = int(epochs), int(epochs) * self.steps_per_epoch
+            self.epochs, self.total_tasks = int(epochs), total
 
     # -- handing out -------------------------------------------------------------------
     def take(self, worker_id: int) -> Task | None:
@@ -367,7 +377,7 @@ class TaskQueue:
             ids = sorted(self._records)
             return {
                 "num_examples": self.num_examples, "batch_size": self.batch_size,
-                "seed": self.seed, "epochs": self.epochs,
+                "seed": self.seed, "epochs": self.epochs, "tasks": self.total_tasks,
                 "done_task_ids": np.array(ids, np.int64),
                 "done_workers": np.array([self._records[t].worker_id for t in ids], np.int64),
                 "done_versions": np.array([self._records[t].version for t in ids], np.int64),
@@ -378,7 +388,7 @@ class TaskQueue:
                 clock: Callable[[], float] = time.monotonic, follows: bool = False) -> "TaskQueue":
         """A queue with ``state``'s done tasks done; every other task is handed out again."""
         queue = cls(int(state["num_examples"]), int(state["batch_size"]), int(state["seed"]),
-                    int(state["epochs"]), lease_timeout, clock, follows)
+                    int(state["epochs"]), lease_timeout, clock, follows, int(state.get("tasks", 0)))
         ids, workers, versions = (np.asarray(state[k], np.int64).reshape(-1)
                                   for k in ("done_task_ids", "done_workers", "done_versions"))
         if not ids.size == workers.size == versions.size:
