@@ -379,11 +379,13 @@ class DealtArrays:
         """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``;
         with ``tasks`` the job's passes too, and its tasks where epochs are not passes)."""
         plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
-        if not self.tasks:
-            return plan
-        if self.steps_per_epoch == self.per_pass:
-            return {**plan, "epochs": self.epochs}
-        return {**plan, "epochs": -(-self.total_steps // self.per_pass), "tasks": self.total_steps}
+        return self.tasks_plan(self.total_steps) if self.tasks else plan
+
+    def tasks_plan(self, tasks: int) -> dict:
+        """The plan of a job of ``tasks``: the passes they reach, and their count where they stop within one."""
+        passes = -(-tasks // self.per_pass)
+        return {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed,
+                "epochs": passes, **({"tasks": tasks} if tasks != passes * self.per_pass else {})}
 
     def global_batch(self, step: int) -> np.ndarray:
         return ps_batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)

@@ -497,6 +497,20 @@ def test_an_elastic_fit_s_class_weight_and_validation_split_are_keras_sample_wei
     assert runs[0] == runs[1] and set(runs[0][1]) == {"loss", "val_loss"}
 
 
+def on_tasks(server_config, mode: str):
+    """Worker 0 of 2, elastic, against an async (ssp) server; a small model, 70 examples."""
+    import numpy as np
+
+    running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    return strategy, model, x, y
+
+
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_config, mode):
     """Against an async (ssp) server the fit's examples are the server's tasks (core.data.tasks):
@@ -507,15 +521,7 @@ def test_an_elastic_fit_on_async_or_ssp_tasks_applies_each_task_once(server_conf
     one of other data is refused in one line. ``steps_per_epoch=2``: epochs of 2 x 2 workers = 4
     tasks, across passes (the job's last pass cut short); 3 (epochs of 6) cannot follow the
     job's 28 tasks, and is refused without counting."""
-    import numpy as np
-
-    running = server_config(mode=mode, num_workers=2, **({"staleness": 1} if mode == "ssp" else {}))
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
-    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
-    with strategy.scope():
-        model = small_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    strategy, model, x, y = on_tasks(server_config, mode)
     halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[halve])
     status = strategy.connection.client.status()
@@ -542,15 +548,7 @@ def test_an_elastic_fit_s_steps_per_epoch_on_async_tasks_goes_on_across_passes(s
     """``steps_per_epoch=3`` with two workers' tasks of 16 (5 a pass of 70): each epoch is 3 x 2 = 6
     tasks, as many examples as 3 global batches, going on across passes as one process's iterator
     goes on; two epochs are 12 tasks, the third pass cut short after two (32 examples)."""
-    import numpy as np
-
-    running = server_config(mode="async", num_workers=2)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
-    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
-    with strategy.scope():
-        model = small_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    strategy, model, x, y = on_tasks(server_config, "async")
     history = model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=3, verbose=0)
     status = strategy.connection.client.status()
     assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (12, 12, [70, 70, 32])
