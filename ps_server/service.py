@@ -775,7 +775,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise errors.InvalidArgument(f"PushPull: overlap_block_bytes is {h.overlap_block_bytes}; 0 (the "
                                          f"server's) or {MIN_BLOCK_BYTES} to {MAX_BLOCK_BYTES}; nothing applied")
         spec = await self._work(self.core.overlap, h.worker_id, h.step, h.batch_size,
-                                {e.name: (e.dtype, e.shape) for e in layout.entries}, tuple(h.set_learning_rates),
+                                {e.name: (e.dtype, e.shape) for e in layout.entries}, h.set_learning_rates,
                                 bool(sparse), h.overlap_block_bytes)
         specs = self.core.store.specs()
         values_header = pb.PullHeader(variables=[

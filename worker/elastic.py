@@ -200,10 +200,10 @@ def task_epoch(engine) -> int:
     if engine.pending is not None and not engine.pending.sizes:
         engine.pending = None  # an earlier fit's end: ask again
     _take(engine, one, TASK_TAKEN_AWAY)
-    offer, plan, task = engine.pending, engine.conn.data_plan, engine.task
-    epochs = -(-(plan.get("tasks") or plan["epochs"] * task.per_pass) // task.steps_per_epoch)  # the fits' so far
+    offer, task = engine.pending, engine.task
+    epochs = -(-task.job_tasks(engine.conn.data_plan) // task.steps_per_epoch)  # the fits' so far
     if offer.sizes:
-        return offer.round // engine.task.steps_per_epoch
+        return offer.round // task.steps_per_epoch
     if not offer.finished:
         engine.pending = None  # nothing to hand out now: the first step asks again
     return epochs if offer.finished else epochs - 1

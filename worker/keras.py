@@ -373,13 +373,14 @@ class _Attached:
             raise ValueError(f"elastic=True: the server deals every fit's rounds from the job's data plan, the "
                              f"first fit's ({job}); this fit's is {plan}: give it as many examples in batches "
                              "of the same size")
-        done, per_epoch = job.get("tasks") or job.get("epochs", 0) * dealt.per_pass, dealt.steps_per_epoch
-        if not conn.sync and done % per_epoch:
+        if conn.sync:
+            return
+        done, per_epoch = dealt.job_tasks(job), dealt.steps_per_epoch
+        if done % per_epoch:
             raise ValueError(f"elastic=True: this fit's epochs of {per_epoch} tasks cannot go on after the job's "
                              f"{done}: give every fit the same steps_per_epoch")
-        if not conn.sync:
-            self.first_epoch = done // per_epoch
-            conn.data_plan = dealt.tasks_plan(done + max(0, dealt.epochs - initial_epoch) * per_epoch)
+        self.first_epoch = done // per_epoch
+        conn.data_plan = dealt.plan(done + max(0, dealt.epochs - initial_epoch) * per_epoch)
 
     def make_train_function(self, force: bool = False):
         model = self.model

@@ -375,17 +375,21 @@ class DealtArrays:
         self.steps_per_epoch = steps_per_epoch or self.per_pass
         self.total_steps = epochs * self.steps_per_epoch
 
-    def plan(self) -> dict:
-        """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``;
-        with ``tasks`` the job's passes too, and its tasks where epochs are not passes)."""
+    def plan(self, tasks: int | None = None) -> dict:
+        """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``).
+        With ``tasks`` (async and ssp) also the passes of the job's ``tasks`` (by default this fit's
+        ``total_steps``; a later fit's: the job's with them), and their count where they stop
+        within a pass (epochs that are not passes)."""
         plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
-        return self.tasks_plan(self.total_steps) if self.tasks else plan
-
-    def tasks_plan(self, tasks: int) -> dict:
-        """The plan of a job of ``tasks``: the passes they reach, and their count where they stop within one."""
+        if not self.tasks:
+            return plan
+        tasks = self.total_steps if tasks is None else tasks
         passes = -(-tasks // self.per_pass)
-        return {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed,
-                "epochs": passes, **({"tasks": tasks} if tasks != passes * self.per_pass else {})}
+        return {**plan, "epochs": passes, **({"tasks": tasks} if tasks != passes * self.per_pass else {})}
+
+    def job_tasks(self, plan: dict) -> int:
+        """The tasks of a job whose data plan is ``plan`` (``plan``'s, read back)."""
+        return plan.get("tasks") or plan.get("epochs", 0) * self.per_pass
 
     def global_batch(self, step: int) -> np.ndarray:
         return ps_batches.global_batch(self.num_examples, self.global_batch_size, self.seed, step)

@@ -493,6 +493,7 @@ class ParameterServer:
         self.members.require(worker_id)
         Push(worker_id, step, base_version, batch_size, {}, metrics=metrics or {},
              set_learning_rates=set_learning_rates).validate()
+        self.store.check_learning_rates(set_learning_rates)
         self.store.check_gradient_specs(specs, frozenset(sparse))
 
     def overlap(self, worker_id: int, step: int, batch_size: int, gradients, set_learning_rates=(),

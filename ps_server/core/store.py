@@ -962,12 +962,11 @@ class VariableStore:
         with. Refused (InvalidArgument), nothing changed: a rate not a finite number > 0 (or
         0), an entry past the groups, or a rate that is a schedule (``check_learning_rates``).
         """
-        self._require_initialized()
+        changes = self.check_learning_rates(rates)  # the groups and their schedules: fixed at initialize
+        if not changes:  # most pushes: no lock taken
+            return
         with self._publish:
             spec = self._optimizer.spec
-            changes = self.check_learning_rates(rates)
-            if not changes:
-                return
             if spec.groups:  # each group's rate; the spec's own fields are the first group's
                 groups = tuple((held, dataclasses.replace(group, learning_rate=changes[i]) if i in changes else group)
                                for i, (held, group) in enumerate(spec.groups))
@@ -983,6 +982,8 @@ class VariableStore:
     def check_learning_rates(self, rates: Sequence[float]) -> dict[int, float]:
         """{group: rate} of ``rates`` where not 0 (``set_learning_rates``); InvalidArgument
         where it cannot be set."""
+        if not rates:
+            return {}
         self._require_initialized()
         spec = self._optimizer.spec
         specs = [group for _, group in spec.groups] if spec.groups else [spec]
@@ -1006,6 +1007,9 @@ class VariableStore:
     def learning_rates(self, rates: Sequence[float]):
         """``set_learning_rates`` for the update run inside (a sync round's), taken back where
         that raises: a round that leaves no trace leaves no rate either."""
+        if not rates:  # most rounds
+            yield
+            return
         with self._publish:
             before = self._optimizer, self._initial_spec
         self.set_learning_rates(rates)

@@ -215,7 +215,7 @@ def test_two_different_learning_rates_in_one_round_refuse_the_second_and_change_
 def test_a_bad_learning_rate_is_refused_and_changes_nothing(rate):
     for mode_name in ("sync", "async"):
         mode, store = make(num_workers=1, mode=mode_name)
-        with pytest.raises(InvalidArgument, match="set_learning_rates holds finite numbers"):
+        with pytest.raises(InvalidArgument, match="a learning rate must be a finite number > 0"):
             push(mode, 0, rate=rate)
         assert store.version == 0 and store.current_learning_rate() == 0.5
 

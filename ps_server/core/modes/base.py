@@ -79,11 +79,7 @@ class Push:
             raise InvalidArgument(f"batch_size must be >= 0, got {self.batch_size}")
         if self.batch_size > MAX_BATCH_SIZE:
             raise InvalidArgument(f"batch_size must be <= {MAX_BATCH_SIZE}, got {self.batch_size}")
-        for rate in self.set_learning_rates:
-            if isinstance(rate, bool) or not isinstance(rate, (int, float, np.floating)) \
-                    or not math.isfinite(rate) or rate < 0:
-                raise InvalidArgument(f"set_learning_rates holds finite numbers > 0 (or 0: unchanged), got {rate!r}")
-        check_metrics(self.metrics)
+        check_metrics(self.metrics)  # the learning rates: the store's (``check_learning_rates``), as it sets them
 
 
 def check_metrics(metrics: Mapping[str, np.ndarray]) -> None:

@@ -330,16 +330,16 @@ class SyncMode(Mode):
                     f"worker {push.worker_id}'s push for round {push.step} {difference}, unlike worker "
                     f"{first.worker_id}'s: every push of a round carries the same metrics (or none); nothing applied")
         if push.set_learning_rates:
-            asked = {p.set_learning_rates for p in pending if p.set_learning_rates}
-            if asked and push.set_learning_rates not in asked:
-                raise InvalidArgument(
-                    f"worker {push.worker_id} sets the learning rates {push.set_learning_rates!r} for round "
-                    f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
             try:
                 self.store.check_learning_rates(push.set_learning_rates)
             except InvalidArgument as e:
                 raise InvalidArgument(f"worker {push.worker_id} sets the learning rate for round {push.step}, "
                                       f"but {e}; nothing applied") from None
+            asked = {p.set_learning_rates for p in pending if p.set_learning_rates}
+            if asked and push.set_learning_rates not in asked:
+                raise InvalidArgument(
+                    f"worker {push.worker_id} sets the learning rates {push.set_learning_rates!r} for round "
+                    f"{push.step}, but another push of that round set {asked.pop()!r}; nothing applied")
 
     def _deadline(self) -> float:
         started = self._round_started if self._round_started is not None else self._clock()
