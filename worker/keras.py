@@ -300,7 +300,7 @@ class _Attached:
         self.metrics_before: dict = {}  # every metric's state before this step
         # the chief's learning rate of each optimizer (id): read before its steps, and last sent
         self.rates, self.sent_rates = {}, {}
-        self.epoch_rate: float | None = None  # elastic: the rate the chief agreed for this epoch
+        self.epoch_rates: tuple = ()  # elastic: each optimizer's rate the chief agreed for this epoch
         self.dealt = None  # elastic: the fit's data, dealt by the server (worker.task.DealtArrays)
         self.first_epoch = 0  # elastic async and ssp: the job's epoch this fit's first one is (``_go_on``)
         self.next_round = 0  # elastic: the round the next Keras step is
@@ -490,16 +490,16 @@ class _Attached:
         """What a push of ``optimizers``' variables (what it steps) sends: entry i the chief's rate
         of the server's group i (``self.optimizers[i]``) where it is one of them and callbacks
         changed its rate since its pushes last sent it, else 0; () for none. Elastic: the
-        epoch's rate (``epoch_rate``), sent by every worker with every push, so that a round's
+        epoch's rates (``epoch_rates``), sent by every worker with every push, so that a round's
         rate is the same whoever computes its micro-batches (or tasks)."""
         if self.dealt is not None:
-            lr = _rate(self.optimizers[0])  # elastic: one optimizer
-            if lr != self.epoch_rate:
-                raise ValueError(f"elastic=True: a callback changed the learning rate within an epoch ({self.epoch_rate} "
-                                 f"to {lr}); where the server deals the data the chief's rate is agreed at each "
-                                 "epoch's start (LearningRateScheduler, ReduceLROnPlateau change it there), or compile "
-                                 "a keras.optimizers.schedules.LearningRateSchedule")
-            return (lr,) if lr else ()
+            rates = tuple(_rate(o) or 0.0 for o in self.optimizers)
+            if rates != self.epoch_rates:
+                raise ValueError(f"elastic=True: a callback changed the learning rate within an epoch "
+                                 f"({self.epoch_rates} to {rates}); where the server deals the data the chief's rate "
+                                 "is agreed at each epoch's start (LearningRateScheduler, ReduceLROnPlateau change it "
+                                 "there), or compile a keras.optimizers.schedules.LearningRateSchedule")
+            return rates if any(rates) else ()
         stepped, rates = {id(o) for o in optimizers}, [0.0] * len(self.optimizers)
         for i, optimizer in enumerate(self.optimizers):
             key = id(optimizer)
@@ -646,10 +646,10 @@ class _Wrap:
                 raise ValueError(f"{name}: a loss scale (mixed_float16) with gradient_accumulation_steps is served in "
                                  "async and ssp: in sync, whether a batch held in a window is skipped must be every "
                                  "worker's, which no push carries before the window's last batch")
-        if self.grouped and self.attached.strategy.config.elastic:
-            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizer(s) to "
-                             f"{len(paths)} of {len(everything)} trainable variables; where the server deals the data "
-                             "each micro-batch is one push of a round: one optimizer to every variable only")
+        if len(self.served) > 1 and self.attached.strategy.config.elastic:
+            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the server "
+                             "deals the data each micro-batch is one push of a round: one optimizer's apply a step "
+                             "(a MultiOptimizer's groups too)")
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
@@ -1156,9 +1156,11 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             attached.metrics_before = {}  # Keras reset the metrics: a window under way goes on from zeros
             if attached.dealt is not None:  # elastic: the epoch's rounds, at the chief's rate for it
                 attached.next_round = self.base + epoch * attached.dealt.steps_per_epoch
-                got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": _rate(attached.optimizers[0])})
-                if got["lr"] is not None:
-                    attached.optimizers[0].learning_rate = attached.epoch_rate = got["lr"]
+                got = strategy.agree(f"{self.tag}/epoch{epoch}/begin", {"lr": [_rate(o) for o in attached.optimizers]})
+                for optimizer, lr in zip(attached.optimizers, got["lr"]):
+                    if lr is not None:
+                        optimizer.learning_rate = lr
+                attached.epoch_rates = tuple(_rate(o) or 0.0 for o in attached.optimizers)
 
         def on_epoch_end(self, epoch, logs=None):
             model = self.model

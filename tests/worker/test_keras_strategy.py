@@ -389,6 +389,75 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     strategy.close()
 
 
+@pytest.mark.parametrize("optimizer", ["multi", "some"])
+def test_an_elastic_fit_serves_a_multi_optimizer_s_groups_or_one_optimizer_to_some_variables(server_config, optimizer):
+    """Elastic sync, one worker against an in-process server that cuts each global batch of 24
+    into 3 micro-batches. ``multi``: a ``MultiOptimizer`` (Adam for the hidden layer, SGD with
+    momentum for the rest), whose Adam a user's callback sets to 0.02 at epoch 1: each round
+    steps each group by its own optimizer, at the rates the chief agreed at the epoch's start,
+    on the weighted mean of the round's micro-batches (computed here by hand and stepped by the
+    same Keras optimizers). ``some``: a step that applies Adam to its first layer alone; the
+    second stays as built. A step applying two optimizers is refused in one line."""
+    import numpy as np
+    import tensorflow as tf
+
+    from ps_common import batches
+
+    running = server_config(mode="sync", num_workers=2, elastic_min_workers=1, micro_batches=3)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.normal(size=(60, 2)).astype(np.float32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        if optimizer == "some":
+            return TwoParts(), keras.optimizers.Adam(0.01)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="hidden"), keras.layers.Dense(2)])
+        return model, keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.1, momentum=0.5), {".*/hidden/.*": keras.optimizers.Adam(0.01)}))
+
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model, chosen = build()
+        model.compile(optimizer=chosen, loss="mse")
+    model(x[:1])  # built
+    weights = [v.numpy() for v in model.trainable_variables]  # the chief's initial ones, the server's
+    callbacks = [SetAt(1, lambda m: m.optimizer.optimizers[0], 0.02)] if optimizer == "multi" else []
+    model.fit(x, y, batch_size=24, epochs=2, verbose=0, callbacks=callbacks)
+    assert strategy.connection.version == 6 and list(strategy.connection.client.status().epoch_examples) == [60, 60]
+    strategy.close()
+
+    reference, plain = build()
+    reference(x[:1])
+    stepped = reference.trainable_variables if optimizer == "multi" else reference.first.trainable_variables
+    for v, w in zip(reference.trainable_variables, weights):
+        v.assign(w)
+    for r in range(6):
+        if r == 3 and optimizer == "multi":
+            plain.optimizers[0].learning_rate = 0.02
+        parts = batches.micro_batches(batches.global_batch(60, 24, 0, r), 3)
+        total = [np.zeros(v.shape, np.float64) for v in stepped]
+        for part in parts:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((reference(x[part]) - y[part]) ** 2)
+            for t, g in zip(total, tape.gradient(loss, stepped)):
+                t += len(part) * g.numpy().astype(np.float64)
+        size = sum(len(p) for p in parts)
+        plain.apply([(t / size).astype(np.float32) for t in total], stepped)
+    for got, want in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    if optimizer == "some":
+        assert np.array_equal(model.second.kernel.numpy(), weights[2])
+
+    running = server_config(mode="sync", num_workers=2, elastic_min_workers=1, micro_batches=3)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = TwoParts(keras.optimizers.SGD(0.05))
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    with pytest.raises(ValueError, match="elastic=True: TwoParts.train_step applies 2 optimizers; where the server"):
+        model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    assert strategy.connection is None
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_fit_over_two_server_shards_ends_with_one_server_s_weights(server, mode, clip):
