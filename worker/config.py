@@ -33,7 +33,8 @@ AUTO_INDEX = -1  # --worker-index auto: the server assigns one at registration
 # (field, floor, note): "--field must be >= floor", checked before the rest; NaN and infinity never pass.
 FLOORS = (("num_workers", 1, ""), ("train_examples", 0, " (0: all)"), ("steps", 0, ""), ("log_every", 1, ""),
           ("eval_every", 0, ""), ("slowdown", 1, ""), ("bandwidth_mbps", 0, ""), ("added_latency_ms", 0, ""),
-          ("pause_at_step", 0, ""), ("pause_for", 0, ""))
+          ("pause_at_step", 0, ""), ("pause_for", 0, ""), ("learning_rate", 0, " (0: the optimizer's default)"),
+          ("global_clipnorm", 0, " (0: off)"), ("heartbeat_interval", 0, " (0: from the server's lease)"))
 
 
 def _index(raw: str) -> int:
@@ -173,17 +174,11 @@ class WorkerConfig:
         if self.global_batch_size < self.num_workers:
             raise ConfigError(f"--global-batch-size {self.global_batch_size} is smaller than --num-workers "
                               f"{self.num_workers}: some workers would get no examples")
-        if self.learning_rate < 0:
-            raise ConfigError(f"--learning-rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if not (self.global_clipnorm >= 0 and math.isfinite(self.global_clipnorm)):
-            raise ConfigError(f"--global-clipnorm must be a finite number >= 0 (0: off), got {self.global_clipnorm}")
-        for name in ("connect_timeout", "init_timeout", "final_wait"):
+        for name in ("connect_timeout", "init_timeout", "final_wait", "reconnect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds")
-        if self.heartbeat_interval < 0 or self.reconnect_timeout <= 0:
-            raise ConfigError("--heartbeat-interval must be >= 0 and --reconnect-timeout > 0")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ConfigError("a client certificate (--tls-cert-file) needs --tls-ca-file")
         if self.save_model and not self.save_model.endswith((".keras", ".h5")):
@@ -204,9 +199,9 @@ class WorkerConfig:
         return self
 
     @classmethod
-    def parser(cls, prog: str = "ps-worker") -> argparse.ArgumentParser:
+    def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(
-            prog=prog,
+            prog="ps-worker",
             description="tfps worker: pulls parameters, computes gradients with tf.GradientTape on its shard "
             "of each global batch, pushes them. Every flag falls back to TFPS_<FLAG> in the environment.",
         )
@@ -237,8 +232,7 @@ class WorkerConfig:
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "WorkerConfig":
-        environ = os.environ if environ is None else environ
-        return resolve(cls, args, environ, role="worker").validate()
+        return resolve(cls, args, os.environ if environ is None else environ, role="worker").validate()
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
