@@ -33,7 +33,7 @@ import math
 import secrets
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Self, Sequence
 
 import grpc
 import numpy as np
@@ -152,7 +152,7 @@ class PSClient:
                 self._beats[0].close()
         self.shared_memory.close()
 
-    def __enter__(self) -> "PSClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -41,6 +41,7 @@ partly applied, as async's per-variable apply already allows.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
 import logging
@@ -110,12 +111,6 @@ class ShardedClient:
         self._data.shutdown(wait=True, cancel_futures=True)
         self._control.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> "ShardedClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _each(self, pool: ThreadPoolExecutor, call: Callable, shards: Sequence[int] | None = None) -> list:
         """``call(i, client)`` on the shards (default: all) at once; their results in that order
         once all answered, or the first exception to arrive."""
@@ -133,6 +128,14 @@ class ShardedClient:
 
     def _error(self, call: str, code: grpc.StatusCode | None, details: str) -> PSClientError:
         return PSClientError(call, self.address, code, details)
+
+    @contextlib.contextmanager
+    def _refusing(self, call: str, code: grpc.StatusCode | None, why: str = ""):
+        """A ``ShardingError`` inside as the ``PSClientError`` of ``call``, its message after ``why``."""
+        try:
+            yield
+        except sharding.ShardingError as e:
+            raise self._error(call, code, f"{why}{e}") from None
 
     # -- control -----------------------------------------------------------------
     def wait_ready(self, timeout: float) -> None:
@@ -232,10 +235,8 @@ class ShardedClient:
                     f"--ps lists {self.num_shards} servers but the model makes only {len(placement.pieces)} "
                     f"pieces (variables and slices): {', '.join(self.addresses[s] for s in empty)} would hold "
                     f"nothing; list at most {len(placement.pieces)} servers")
-        try:
+        with self._refusing("Initialize", grpc.StatusCode.INVALID_ARGUMENT):
             per_shard = placement.split(variables)
-        except sharding.ShardingError as e:
-            raise self._error("Initialize", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         non_trainable = set(non_trainable)  # each shard is told which of its pieces they are
         of = {p.name: p.variable for p in placement.pieces}
         pieces = [{piece for piece in per_shard[i] if of[piece] in non_trainable} for i in range(self.num_shards)]
@@ -287,23 +288,17 @@ class ShardedClient:
         placement = self.placement
         wanted = {i: () for i in range(self.num_shards)}  # every shard's every piece
         if placement is not None and names:
-            try:
+            with self._refusing("Pull", grpc.StatusCode.NOT_FOUND):
                 wanted = placement.shards_of(names)
-            except sharding.ShardingError as e:
-                raise self._error("Pull", grpc.StatusCode.NOT_FOUND, str(e)) from None
         shards = sorted(wanted)
         replies = dict(zip(shards, self._each(self._data, lambda i, c: c.pull(worker_id, wanted[i]), shards)))
         per_shard = [replies[i][1] if i in replies else {} for i in range(self.num_shards)]
         if placement is None:
-            try:
+            with self._refusing("Pull", None, "the shards do not hold one model's variables: "):
                 placement = sharding.learn(per_shard)
-            except sharding.ShardingError as e:
-                raise self._error("Pull", None, f"the shards do not hold one model's variables: {e}") from None
             self._adopt(placement, "learned")
-        try:
+        with self._refusing("Pull", None, "the shards' contents do not match the placement: "):
             values = placement.join(per_shard, partial=bool(names))
-        except sharding.ShardingError as e:
-            raise self._error("Pull", None, f"the shards' contents do not match the placement: {e}") from None
         if names:
             missing = [n for n in names if n not in values]
             if missing:
@@ -332,10 +327,8 @@ class ShardedClient:
         if placement is None:
             raise self._error("Push", grpc.StatusCode.FAILED_PRECONDITION,
                               "no placement yet: initialize or pull before the first push")
-        try:
+        with self._refusing("Push", grpc.StatusCode.INVALID_ARGUMENT):
             per_shard = placement.split(gradients, partial=True)  # each shard refuses what is missing
-        except sharding.ShardingError as e:
-            raise self._error("Push", grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         with self._lock:
             bases = self._pulled.get(base_version, [base_version] * self.num_shards)
         # A skip (a loss scale's non-finite gradients) is every shard's: each skips the same updates
@@ -366,6 +359,7 @@ class ShardedClient:
         return self._clients[0].broadcast(worker_id, key, value, timeout)
 
     wait_initialized = PSClient.wait_initialized  # through this client's pull: every shard's
+    __enter__, __exit__ = PSClient.__enter__, PSClient.__exit__  # this client's close
 
 
 # -- combining the shards' answers: one rule per field ----------------------------------
@@ -435,7 +429,7 @@ def merge_workers(per_shard) -> list[pb.WorkerStatus]:
     a shard never saw counts there as not left, never pushed (``last_step`` -1)."""
     ids = sorted({w.worker_id for ws in per_shard for w in ws})
     by_id = [{w.worker_id: w for w in reversed(list(ws))} for ws in per_shard]  # a shard's first record of each
-    return [combine_messages([shard.get(i, pb.WorkerStatus(worker_id=i, last_step=-1)) for shard in by_id],
+    return [combine_records([shard.get(i, pb.WorkerStatus(worker_id=i, last_step=-1)) for shard in by_id],
                              WORKER_RULES) for i in ids]
 
 
@@ -488,18 +482,13 @@ STATUS_RULES: dict[str, Callable] = {
 
 
 def combine_records(records: Sequence, rules: Mapping[str, Callable]):
-    """One dataclass record from the shards' (in shard order), field by field by ``rules``."""
-    return type(records[0])(**{f.name: rules[f.name]([getattr(r, f.name) for r in records])
-                               for f in dataclasses.fields(records[0])})
-
-
-def combine_messages(messages: Sequence, rules: Mapping[str, Callable]):
-    """One protobuf message from the shards' (in shard order), field by field by ``rules``."""
-    cls = type(messages[0])
-    return cls(**{f.name: rules[f.name]([getattr(m, f.name) for m in messages]) for f in cls.DESCRIPTOR.fields})
+    """One dataclass record or protobuf message from the shards' (in shard order), field by field by ``rules``."""
+    cls = type(records[0])
+    fields = cls.DESCRIPTOR.fields if hasattr(cls, "DESCRIPTOR") else dataclasses.fields(cls)
+    return cls(**{f.name: rules[f.name]([getattr(r, f.name) for r in records]) for f in fields})
 
 
 def combine_statuses(statuses: Sequence[pb.StatusResponse]) -> pb.StatusResponse:
     """One Status for several shards, with the meaning the trainer reads from one server
     (``STATUS_RULES``, and ``WORKER_RULES`` for each worker)."""
-    return combine_messages(statuses, STATUS_RULES)
+    return combine_records(statuses, STATUS_RULES)
