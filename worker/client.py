@@ -233,10 +233,9 @@ class PSClient:
         and writes a row-wise table's changed rows into the one copy (``PullCache``)."""
         names = list(names)
         full = not names
-        if full:
-            fresh = self.cache.take_fresh()
-            if fresh is not None:
-                return fresh
+        fresh = self.cache.take_fresh() if full else None
+        if fresh is not None:
+            return fresh
         request = pb.PullRequest(worker_id=worker_id, names=names)
         if full:
             self.cache.ask(request)

@@ -81,13 +81,12 @@ def _digits() -> Dataset:
     return Dataset("digits", x_train, y_train, x_test, y_test)
 
 
-def _digits_large(copies: int = LARGE_COPIES, max_shift: int = 2, noise_sd: float = 0.05,
-                  seed: int = 0) -> Dataset:
-    """digits' training images, each ``copies`` times, shifted and noised (module docstring)."""
+def _digits_large() -> Dataset:
+    """digits' training images, each ``LARGE_COPIES`` times, shifted and noised (module docstring)."""
     base = _digits()
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     n, h, w, _ = base.x_train.shape
-    s = max_shift
+    copies, s, noise_sd = LARGE_COPIES, 2, 0.05  # s: the largest shift each way
     padded = np.pad(base.x_train[..., 0], ((0, 0), (s, s), (s, s)))
     out = np.empty((copies * n, h, w), dtype=np.float32)
     for c in range(copies):

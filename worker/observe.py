@@ -36,6 +36,7 @@ the exporter serves scrapes from its own thread.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -169,7 +170,6 @@ class Observer:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._http_thread.join(timeout=5.0)
-            self._httpd = None
 
     # Log lines.
 
@@ -296,10 +296,8 @@ class _WorkerMetrics:
 
     def relabel(self, old: str, new: str) -> None:
         for metric in self.all:
-            try:
+            with contextlib.suppress(KeyError):  # no series of the old index yet
                 metric.remove(old)
-            except KeyError:
-                pass
             metric.labels(worker=new)
 
     def observe(self, label: str, record: dict, step_s: float, examples_per_s: float) -> None:

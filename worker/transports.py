@@ -267,19 +267,17 @@ class Streams:
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
-        method = f"/{wire.SERVICE_NAME}/"
-        self.pull_stream = channel.unary_stream(
-            method + "PullStream", request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=stream.deserializer(pb.PullChunk))
-        self.push_stream = channel.stream_unary(
-            method + "PushStream", request_serializer=stream.serializer(pb.PushChunk),
-            response_deserializer=pb.PushResponse.FromString)
-        self.push_pull_stream = channel.stream_stream(
-            method + "PushPull", request_serializer=stream.serializer(pb.PushChunk),
-            response_deserializer=stream.deserializer(pb.PushPullChunk))
-        self.initialize_stream = channel.stream_unary(
-            method + "InitializeStream", request_serializer=stream.serializer(pb.InitializeChunk),
-            response_deserializer=pb.InitializeResponse.FromString)
+        def method(make, name: str, request_serializer, response_deserializer):
+            return make(f"/{wire.SERVICE_NAME}/{name}", request_serializer, response_deserializer)
+
+        self.pull_stream = method(channel.unary_stream, "PullStream", pb.PullRequest.SerializeToString,
+                                  stream.deserializer(pb.PullChunk))
+        self.push_stream = method(channel.stream_unary, "PushStream", stream.serializer(pb.PushChunk),
+                                  pb.PushResponse.FromString)
+        self.push_pull_stream = method(channel.stream_stream, "PushPull", stream.serializer(pb.PushChunk),
+                                       stream.deserializer(pb.PushPullChunk))
+        self.initialize_stream = method(channel.stream_unary, "InitializeStream", stream.serializer(pb.InitializeChunk),
+                                        pb.InitializeResponse.FromString)
 
     def initialize(self, header: pb.InitializeHeader, arrays: list[np.ndarray]) -> pb.InitializeResponse:
         """One InitializeStream: ``header``, then the bytes of ``arrays`` (its variables in
