@@ -169,10 +169,8 @@ class PSClient:
                 raise PSClientError("Health", self.address, grpc.StatusCode.UNAVAILABLE,
                                     f"server not serving within {timeout:g} s ({last})")
             try:
-                reply = self._health.Check(
-                    health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME),
-                    timeout=min(remaining, 5.0), wait_for_ready=True,
-                )
+                reply = self._health.Check(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME),
+                                           timeout=min(remaining, 5.0), wait_for_ready=True)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -127,8 +127,7 @@ class Observer:
             self._log_line(record)
         elif self.progress == "bar":
             self._bar_stale = True
-            done = record["step"] + 1
-            if done >= self.total_steps or time.monotonic() - self._bar_drawn_at >= self.refresh_s:
+            if record["step"] + 1 >= self.total_steps or time.monotonic() - self._bar_drawn_at >= self.refresh_s:
                 self._draw_bar()
 
     def evaluation(self, record: dict) -> None:
