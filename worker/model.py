@@ -24,7 +24,7 @@ import numpy as np
 MODELS = ("tiny", "deepcnn", "cnn", "mlp", "mlp25m")
 
 
-def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_threads: int = 0):
+def tf_setup(deterministic: bool = True, intra_op_threads: int = 0):
     """Configure TensorFlow before first use; returns the tensorflow module.
 
     With ``deterministic``, oneDNN is switched off (it must be, before TensorFlow
@@ -38,8 +38,6 @@ def tf_setup(deterministic: bool = True, intra_op_threads: int = 0, inter_op_thr
 
     if intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
-    if inter_op_threads:
-        tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
     if deterministic:
         tf.config.experimental.enable_op_determinism()
     return tf

@@ -232,13 +232,10 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
     groups: dict[str, list[Piece]] = {}
     for name, (shape, dtype) in variables.items():
         n = slice_count(shape, dtype, num_shards, min_slice_bytes)
-        if n == 1:
-            groups[name] = [Piece(name, name, 0, 0, 1, 0, shape[0] if shape else 0, shape, dtype)]
-            continue
-        rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)]  # np.array_split's sizes
+        rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)] if shape else [0]  # np.array_split's sizes
         starts = [0, *itertools.accumulate(rows)]
-        groups[name] = [Piece(piece_name(name, k, n), name, 0, k, n, starts[k], starts[k + 1], (rows[k],) + shape[1:],
-                              dtype) for k in range(n)]
+        groups[name] = [Piece(piece_name(name, k, n), name, 0, k, n, starts[k], starts[k + 1],
+                              (rows[k], *shape[1:]) if shape else (), dtype) for k in range(n)]
 
     load = [0] * num_shards
     count = [0] * num_shards
