@@ -28,7 +28,6 @@ a generator of fixed seed 0; the test set is unchanged.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -52,14 +51,11 @@ class Dataset:
 
 def _bilinear_matrix(n_in: int, n_out: int) -> np.ndarray:
     """(n_out, n_in) matrix resizing a 1-D signal bilinearly (align-centers)."""
+    src = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5  # each output sample's position in the input
+    lo = np.floor(src).astype(np.int64)
     m = np.zeros((n_out, n_in), dtype=np.float64)
-    scale = n_in / n_out
-    for i in range(n_out):
-        src = (i + 0.5) * scale - 0.5
-        lo = int(math.floor(src))
-        frac = src - lo
-        for j, w in ((lo, 1.0 - frac), (lo + 1, frac)):
-            m[i, min(max(j, 0), n_in - 1)] += w
+    for j, w in ((lo, 1.0 - (src - lo)), (lo + 1, src - lo)):
+        np.add.at(m, (np.arange(n_out), np.clip(j, 0, n_in - 1)), w)  # the edges clamp, both weights on one pixel
     return m
 
 
@@ -114,8 +110,7 @@ def train_subset(data: Dataset, n: int) -> Dataset:
     exact = counts * n / total
     share = np.floor(exact).astype(np.int64)
     # Largest remainders get the examples flooring left over (ties to the smaller label).
-    for j in np.argsort(-(exact - share), kind="stable")[: n - int(share.sum())]:
-        share[j] += 1
+    share[np.argsort(-(exact - share), kind="stable")[: n - int(share.sum())]] += 1
     rng = np.random.default_rng(SUBSET_SEED)
     keep = [rng.choice(np.flatnonzero(data.y_train == label), size=k, replace=False)
             for label, k in zip(labels, share)]
