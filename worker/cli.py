@@ -14,6 +14,7 @@ their warnings (``ps_common.logs``).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import logging
@@ -30,10 +31,8 @@ def _dump_stacks_on_crash() -> None:
     """A crash in TensorFlow or gRPC (SIGSEGV, SIGABRT ...) leaves each thread's Python stack
     on the process's own stderr (fd 2, whatever ``sys.stderr`` is now: a test may have
     replaced it with an object that has no file descriptor)."""
-    try:
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # no stderr to write to
         faulthandler.enable(file=sys.__stderr__)
-    except (AttributeError, ValueError, io.UnsupportedOperation):
-        pass  # no stderr to write to
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,13 +222,12 @@ class UserTask(Task):
     def _make_datasets(self, worker_index: int, num_workers: int):
         import tensorflow as tf
 
-        fn = self.dataset_fn
         try:
-            takes_context = len(inspect.signature(fn).parameters) > 0
+            takes_context = len(inspect.signature(self.dataset_fn).parameters) > 0
         except (TypeError, ValueError):
             takes_context = False
         ctx = InputContext(max(worker_index, 0), num_workers, self.global_batch_size, self.seed)
-        out = fn(ctx) if takes_context else fn()
+        out = self.dataset_fn(ctx) if takes_context else self.dataset_fn()
         train, evaluation = (out if isinstance(out, tuple) and len(out) == 2
                              and all(isinstance(d, tf.data.Dataset) for d in out) else (out, None))
         if not isinstance(train, tf.data.Dataset):
@@ -466,11 +465,7 @@ def _per_example(loss) -> Callable:
         fn = fn.call
     if not callable(fn):
         raise TaskError(f"unknown loss {loss!r}")
-
-    def per_example(y_true, y_pred):
-        return fn(_same_rank(y_true, y_pred), y_pred)
-
-    return per_example
+    return lambda y_true, y_pred: fn(_same_rank(y_true, y_pred), y_pred)
 
 
 def _same_rank(y_true, y_pred):
