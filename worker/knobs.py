@@ -40,9 +40,9 @@ class Knobs:
     warmed_up: bool = dataclasses.field(default=False, compare=False)
 
     @classmethod
-    def from_config(cls, config, sleep: Callable[[float], None] = time.sleep) -> "Knobs":
+    def from_config(cls, config) -> "Knobs":
         """From a validated ``WorkerConfig`` (its fields carry the same names)."""
-        return cls(**{f: getattr(config, f) for f in SETTINGS}, sleep=sleep)
+        return cls(**{f: getattr(config, f) for f in SETTINGS})
 
     def settings(self) -> dict:
         """The knob values, as the history JSON records them."""

@@ -208,10 +208,8 @@ class UserTask(Task):
         elif steps:
             self.total_steps = steps
         else:
-            import tensorflow as tf
-
             n = int(self._train.cardinality())
-            if n == tf.data.INFINITE_CARDINALITY or n < 0:
+            if n < 0:  # tf.data.INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2)
                 raise TaskError("the train dataset's length is unknown (or infinite): give --steps (steps=)")
             if n == 0:
                 raise TaskError("the train dataset is empty")
