@@ -101,11 +101,9 @@ class Observer:
 
     def set_index(self, index: int) -> None:
         """The worker's index, when the server assigned it after this observer was made."""
-        if index == self.worker_index:
-            return
-        old, self.worker_index = self.worker_index, index
-        if self._metrics is not None:
-            self._metrics.relabel(str(old), str(index))
+        if index != self.worker_index and self._metrics is not None:
+            self._metrics.relabel(str(self.worker_index), str(index))
+        self.worker_index = index
 
     def step(self, record: dict) -> None:
         """One step's history record (worker.trainer): shows it, writes it, counts it."""
