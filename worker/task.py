@@ -341,8 +341,7 @@ class _Sequential:
         if self.task.sharding == "none":
             return x, y, n
         lo, hi = shard_bounds(n, self.worker_index, self.num_workers)
-        cut = lambda t: t[lo:hi]
-        return tf.nest.map_structure(cut, x), tf.nest.map_structure(cut, y), hi - lo
+        return (*tf.nest.map_structure(lambda t: t[lo:hi], (x, y)), hi - lo)
 
 
 class DealtArrays:
