@@ -95,14 +95,10 @@ class Placement:
         return [p for p in self.pieces if p.shard == shard]
 
     def shard_bytes(self) -> list[int]:
-        total = [0] * self.num_shards
-        for p in self.pieces:
-            total[p.shard] += p.nbytes
-        return total
+        return [sum(p.nbytes for p in self.on_shard(s)) for s in range(self.num_shards)]
 
     def empty_shards(self) -> list[int]:
-        used = {p.shard for p in self.pieces}
-        return [s for s in range(self.num_shards) if s not in used]
+        return [s for s in range(self.num_shards) if not self.on_shard(s)]
 
     def shards_of(self, names: Sequence[str]) -> dict[int, list[str]]:
         """Shard -> the piece names that hold the given variables (unknown names raise)."""
