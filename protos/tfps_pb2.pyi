@@ -308,20 +308,22 @@ class DataPlan(_message.Message):
     def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ..., tasks: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished")
+    __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished", "skipped_rounds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     micro_batches: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     parts: int
     task: bool
     finished: bool
-    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., parts: _Optional[int] = ..., task: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
+    skipped_rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., micro_batches: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., parts: _Optional[int] = ..., task: _Optional[bool] = ..., finished: _Optional[bool] = ..., skipped_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -390,7 +390,7 @@ def _assignment(work, parts: int) -> pb.Assignment:
             return pb.Assignment(round=-1, task=True, finished=work.finished)
         return pb.Assignment(round=work.task.task_id, sizes=[work.task.size], task=True)
     return pb.Assignment(round=work.round, micro_batches=list(work.micro_batches), sizes=list(work.sizes),
-                         parts=parts)
+                         parts=parts, skipped_rounds=list(work.skipped_rounds))
 
 
 def status_to_wire(s: Status, now: float) -> pb.StatusResponse:

@@ -32,6 +32,7 @@ from typing import Iterator
 import grpc
 
 from ps_common.batches import global_batch, micro_batches
+from ps_common.names import SKIP_UPDATE
 from ps_common.reasons import Reason
 from worker.client import PSClientError
 from worker.config import ConfigError
@@ -269,6 +270,7 @@ def _compute_round(engine, work) -> None:
     """Each micro-batch dealt (and any the replies add) through the engine's one step; one
     history row for the round."""
     task = engine.task
+    engine.skipped_rounds = tuple(work.skipped_rounds)  # those before it (tfps.keras: its loss scale)
     knob_s = engine.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
     started, todo, rows = time.monotonic(), list(work.micro_batches), []
     while todo:
@@ -278,6 +280,8 @@ def _compute_round(engine, work) -> None:
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:
             todo = list(reply.more.micro_batches)  # the rest of ours, or a dead worker's part
+    if float(reply.metrics.get(SKIP_UPDATE, [0])[0]) > 0:  # the round completed without an update
+        engine.skipped_rounds += (work.round,)
     total = {k: sum(r[k] for r in rows) for k in ("batch_size", "compute_s", "compute_cpu_s", "knob_s", "push_bytes")}
     loss = sum(r["loss"] * r["batch_size"] for r in rows) / max(total["batch_size"], 1)
     engine.record({**rows[-1], **total, "loss": loss, "micro_batches": len(rows), "staleness": 0, "dropped": False,

@@ -175,10 +175,6 @@ class Strategy:
         inner = _inner(model.optimizer)
         for optimizer in inner.optimizers if _is_multi(inner) else [inner]:
             spec_fields(optimizer)
-        if self.config.elastic and inner is not model.optimizer:
-            raise ValueError("elastic=True: a loss scale (mixed_float16) is not served where the server deals the "
-                             "data (each micro-batch's skip would have to hold for its whole round); train it "
-                             "without elastic=True")
         self.models.append(_Attached(self, model))
 
     # -- the cluster
@@ -266,6 +262,13 @@ def _inner(optimizer):
 def _scaled(optimizer) -> bool:
     """Whether ``optimizer`` is a Keras ``LossScaleOptimizer`` (``mixed_float16``'s dynamic loss scale)."""
     return type(optimizer).__name__ == "LossScaleOptimizer"
+
+
+def _grown(scale, counter: int, steps: int, growth: int) -> tuple:
+    """A ``LossScaleOptimizer``'s float32 scale and step counter after ``steps`` finite steps: it
+    doubles the scale at every ``growth``-th (times 2 and halving: exact)."""
+    grows, counter = divmod(counter + steps, growth)
+    return np.ldexp(scale, grows), counter
 
 
 def _scale_variables(optimizer) -> list:
@@ -437,10 +440,27 @@ class _Attached:
 
     def _pull(self) -> None:
         """The server's parameters into the model (riding out a lost server); the local
-        optimizer's ``iterations`` follow the server's version."""
+        optimizer's ``iterations`` follow the server's version (elastic under a loss scale: less the
+        rounds that skipped, and the scale theirs, as far as this worker knows them)."""
         conn = self.strategy.connection
         self.strategy.engine.ride_out(conn.pull, rejoined=self._rejoined)
-        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
+        version = max(0, int(conn.version))
+        self.model.optimizer._iterations.assign(version * self.per_update)
+        if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
+            skipped = self._scale_to(version)
+            _inner(self.model.optimizer)._iterations.assign(version - len(skipped))
+
+    def _scale_to(self, round_: int) -> list:
+        """Elastic sync: the loss scale of round ``round_``, from the job's rounds before it that
+        skipped (the server's ``Assignment.skipped_rounds``), the same on every worker; those rounds."""
+        optimizer, skipped = self.model.optimizer, [r for r in self.strategy.engine.skipped_rounds if r < round_]
+        scale, counter, at = np.float32(optimizer.initial_scale), 0, 0
+        for r in skipped:  # LossScaleOptimizer's arithmetic: the good rounds before each, then its halving
+            scale, counter, at = _grown(scale, counter, r - at, optimizer.dynamic_growth_steps)[0] / 2, 0, r + 1
+        for v, value in zip(_scale_variables(optimizer), _grown(scale, counter, round_ - at,
+                                                                 optimizer.dynamic_growth_steps)):
+            v.assign(value)
+        return skipped
 
     def _rejoined(self) -> None:
         """After a rejoin: the chief's next push sends its learning rate again (a restarted
@@ -450,12 +470,19 @@ class _Attached:
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """Elastic: a dealt micro-batch through Keras' step, wrapped (``_Wrap.capture``): its logged loss
         and payload (none where not finite: weight 0), its push's learning rate, and no metrics (each
-        worker logs its own)."""
+        worker logs its own) but a loss scale's ``SKIP_UPDATE``."""
+        optimizer, sync, metrics = self.model.optimizer, self.strategy.connection.sync, None
+        if _scaled(optimizer) and sync:  # the round's scale, every worker's
+            self._scale_to(work.step)
         loss, payload = self.wrap.capture(work.examples) if work.batch_size else (0.0, None)
         if work.batch_size and payload is None:
             self._not_finite()
             loss = 0.0
-        return loss, payload, {"metrics": None, "set_learning_rates": self._new_learning_rates(self.optimizers)}
+        if _scaled(optimizer):  # the round skips its update (sync), or the task its own (async and ssp)
+            metrics = {SKIP_UPDATE: np.array([1.0 if self.wrap.skip else 0.0])}
+            if not sync:  # async and ssp: this worker's own scale, as without elastic=True
+                self.wrap._rescale(optimizer, self.wrap.skip)
+        return loss, payload, {"metrics": metrics, "set_learning_rates": self._new_learning_rates(self.optimizers)}
 
     def _not_finite(self) -> None:
         """Logged, so that TerminateOnNaN sees it (in sync on every worker, through the round's sum)."""
@@ -905,11 +932,7 @@ class _Wrap:
             skip = float(reply.metrics[SKIP_UPDATE][0]) > 0 if SKIP_UPDATE in (reply.metrics or {}) else skip
             self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
         scale, counter = optimizer.dynamic_scale.numpy(), int(optimizer.step_counter.numpy())
-        grow = not skip and counter == optimizer.dynamic_growth_steps - 1
-        if skip or grow:  # Keras multiplies the float32 scale by 2.0 or 0.5: exact
-            scale, counter = scale * np.asarray(2.0 if grow else 0.5, scale.dtype), 0
-        else:
-            counter += 1
+        scale, counter = (scale / 2, 0) if skip else _grown(scale, counter, 1, optimizer.dynamic_growth_steps)
         values = [np.asarray(scale), np.asarray(counter, np.dtype(optimizer.step_counter.dtype))]
         for v, value in zip([] if graph else _scale_variables(optimizer), values):
             v.assign(value)

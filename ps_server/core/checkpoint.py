@@ -31,7 +31,8 @@ file from before it may hold ``initial_learning_rate``, that spec's one rate), `
 had: with a schedule, where it carries on), the offset of its ``value`` and of
 each optimizer slot in ``slots``, and in ``slot_shapes`` the shape of a slot
 that is not the variable's, such as a 0-d one), ``members``
-(the membership records), ``mode_status`` and ``stats`` (counters),
+(the membership records), ``mode_status`` (the round, counters, and elastic sync's
+``skipped_rounds``: absent in a file from before them, none) and ``stats`` (counters),
 ``incarnation`` of the server that wrote it and ``wall_time`` (Unix seconds),
 and ``data``: the data plan and how far the job got through it (``DataState``),
 null or absent without one (a file written before it reads as "no plan"). Its
@@ -288,7 +289,8 @@ def _layout(state: ServerState) -> tuple[dict, list[tuple[int, np.ndarray]], int
         "round": state.mode_status.round,
         "mode_status": {"round": state.mode_status.round,
                         "rounds_timed_out": state.mode_status.rounds_timed_out,
-                        "rounds_aborted": state.mode_status.rounds_aborted},
+                        "rounds_aborted": state.mode_status.rounds_aborted,
+                        "skipped_rounds": list(state.mode_status.skipped_rounds)},
         "optimizer": state.optimizer.as_dict(),
         "initial_optimizer": None if state.initial_optimizer is None else state.initial_optimizer.as_dict(),
         "variables": variables,
@@ -439,7 +441,8 @@ def _read(f, size: int, what: str, lazy: bool = False) -> ServerState:
             non_trainable=frozenset(v["name"] for v in header["variables"] if v.get("non_trainable", False)),
             initial_optimizer=_initial_optimizer(header),
             mode_status=ModeStatus(round=int(status["round"]), rounds_timed_out=int(status["rounds_timed_out"]),
-                                   rounds_aborted=int(status["rounds_aborted"])),
+                                   rounds_aborted=int(status["rounds_aborted"]),
+                                   skipped_rounds=tuple(int(r) for r in status.get("skipped_rounds", ()))),
             members=tuple(WorkerRecord(**r) for r in header["members"]),
             stats=dict(header["stats"]),
             incarnation=str(header["incarnation"]),

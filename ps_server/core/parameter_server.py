@@ -710,7 +710,7 @@ class ParameterServer:
             num_workers=self.num_workers,
             **_store_part(store_state),
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
-                                   rounds_aborted=mode_status.rounds_aborted),
+                                   rounds_aborted=mode_status.rounds_aborted, skipped_rounds=mode_status.skipped_rounds),
             members=tuple(self.members.snapshot()),
             stats=stats,
             incarnation=self.incarnation,

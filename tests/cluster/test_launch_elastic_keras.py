@@ -206,6 +206,31 @@ def test_rates_callbacks_change_and_a_second_fit_with_a_worker_added_and_stopped
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
+# ~50 s: slow. In one process, tests/worker/test_keras_strategy.py checks the rounds that skip and
+# the scale each round is computed at.
+@pytest.mark.slow
+def test_a_dynamic_loss_scale_with_a_worker_added_and_stopped_ends_at_the_undisturbed_bits(tmp_path):
+    """tests/cluster/programs/elastic_mixed.py: mixed_float16 under a LossScaleOptimizer whose
+    scale overflows the gradients at the start and again after each growth, so rounds skip all
+    through the job. The worker started at round 8 joins during round 16's pause, past five
+    skipped rounds it never saw: it computes each round at the scale the server's record of the
+    skipped rounds gives (Assignment.skipped_rounds), so the same rounds skip and the final
+    parameters are the undisturbed run's, bit for bit."""
+    program = os.path.join(ROOT, "tests", "cluster", "programs", "elastic_mixed.py")
+    plain_out, plain = launch(tmp_path, "plain", program)
+    out, scaled = launch(tmp_path, "scaled", program, "--scale-at", "8:3", "--scale-at", "36:2",
+                         env={"TFPS_PAUSE_AT_STEP": "16", "TFPS_PAUSE_FOR": "10"})
+    joined = [int(r) for r, w, e in re.findall(r"ps-launch: round (\d+): worker (\d) (\w+)", out)
+              if (w, e) == ("2", "joined")]
+    assert joined and 5 < joined[0] < 30, out[-3000:]
+    skipped = plain.mode_status.skipped_rounds
+    assert len([r for r in skipped if r < joined[0]]) >= 5 and [r for r in skipped if r > joined[0]], skipped
+    assert scaled.mode_status.skipped_rounds == skipped and plain.version == scaled.version == 3 * 16
+    assert re.findall(r"scale=(\S+)", out) == re.findall(r"scale=(\S+)", plain_out)
+    for name in plain.values:
+        np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+
+
 # ~40 s: slow. In one process, tests/worker/test_keras_strategy.py goes on to a second and a third
 # fit on async and ssp tasks, every task once.
 @pytest.mark.slow

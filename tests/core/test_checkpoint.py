@@ -142,8 +142,10 @@ def test_round_trip_keeps_every_bit_of_special_values_and_any_byte_order():
         values={"a": weird, "b": np.arange(6, dtype=">f8").reshape(2, 3), "h": np.ones(2, np.float16),
                 "empty": np.zeros((0, 3), np.float32)},
         states={n: {"iterations": 4} for n in ("a", "b", "h", "empty")},
+        mode_status=ModeStatus(round=9, skipped_rounds=(2, 5)),  # elastic sync's rounds without an update
     )
     back = checkpoint.decode(checkpoint.encode(state))
+    assert back.mode_status == ModeStatus(round=9, skipped_rounds=(2, 5))
     assert back.values["a"].tobytes() == weird.tobytes()
     assert back.values["b"].dtype == np.float64 and back.values["b"].dtype.isnative
     np.testing.assert_array_equal(back.values["b"], np.arange(6).reshape(2, 3))

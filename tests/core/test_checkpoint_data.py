@@ -139,6 +139,7 @@ def test_an_elastic_job_restored_mid_epoch_goes_on_counting_and_ends_with_the_un
     assert back.data.kind == "elastic" and back.data.micro_batches == 4 and back.round == steps + 2
     assert back.data.epochs_complete == (0,) and list(back.data.epochs_seen) == [1]
     assert back.data.epochs_seen[1].dtype == np.uint8 and back.data.epochs_seen[1].size == -(-90 // 8)
+    assert back.mode_status.skipped_rounds == ()
 
     fresh = elastic.server(Clock())
     fresh.restore(back)

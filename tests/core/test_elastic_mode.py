@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from ps_common.names import SKIP_UPDATE
 from ps_server.core.data.cursor import Cursor
 from ps_server.core.modes.elastic_mode import ElasticReply, ElasticSyncMode, Work
 from ps_server.core.errors import BarrierTimeout, FutureRound, InvalidArgument, StaleRound, WorkerDead
@@ -145,7 +146,7 @@ def test_repeats_are_answered_not_folded_and_bad_pushes_change_nothing():
         (Push(5, 0, 0, 4, good.gradients, micro_batch=0), InvalidArgument, "has not joined"),
         (Push(0, 0, 0, 4, {"w": good.gradients["w"]}, micro_batch=0), InvalidArgument, "missing gradient"),
         (Push(0, 0, 0, 4, good.gradients, micro_batch=0, metrics={"m": np.zeros(1, np.float32)}),
-         InvalidArgument, "does not sum metrics"),
+         InvalidArgument, "sums no metrics over a round"),
     ]:
         with pytest.raises(error, match=match):
             mode.submit(bad).result()
@@ -310,3 +311,38 @@ def test_a_rate_the_pushes_set_is_the_round_s_and_two_rates_in_one_round_are_ref
     assert store.version == 1 and store.current_learning_rate() == 0.5
     _, params = store.read()
     assert np.allclose(np.abs(params["b"]), 0.5, rtol=1e-3)  # Adam's first step: lr * sign(g)
+
+
+def test_a_push_asking_to_skip_completes_its_round_without_an_update_and_later_work_names_the_round():
+    """A loss scale's skip (``SKIP_UPDATE`` > 0 on any micro-batch's push, as ``tfps.keras``
+    sends it under ``mixed_float16``): the round completes at the next version with no
+    variable changed and its examples counted; every later round's work names it, as does the
+    mode's status, which a restored mode deals on with. Any other metric is refused."""
+    mode, store = make()
+    works = {w: mode.work(w).result() for w in (0, 1)}
+    replies = []
+    for w, work in works.items():
+        for i in range(2):
+            flag = np.array([1.0 if (w, i) == (1, 0) else 0.0])
+            replies.append(mode.submit(dataclasses.replace(push_of(mode, store, w, work, i),
+                                                           metrics={SKIP_UPDATE: flag})))
+    done = replies[-1].result()
+    assert done.result.version == store.version == 1 and float(done.result.metrics[SKIP_UPDATE][0]) == 1.0
+    assert all(np.array_equal(v, np.zeros_like(v)) for v in store.read()[1].values())
+    assert mode.ledger.count(0) == 16
+    later = mode.work(0).result()
+    assert later.round == 1 and later.skipped_rounds == (0,)
+    for w in (0, 1):
+        work = mode.work(w).result()
+        for i in range(2):
+            reply = mode.submit(dataclasses.replace(push_of(mode, store, w, work, i),
+                                                    metrics={SKIP_UPDATE: np.zeros(1)}))
+    assert reply.result().result.metrics == {} and store.version == 2
+    assert np.abs(store.read()[1]["b"]).max() > 0  # round 1 applied
+    assert mode.work(0).result().skipped_rounds == (0,)
+    _, status = mode.export_state()
+    assert status.skipped_rounds == (0,)
+    restored, _ = make(workers=())
+    restored.restore(status)
+    restored.worker_joined(0)
+    assert restored.work(0).result(5.0) == Work(2, (0, 1, 2, 3), (4, 4, 4, 4), (0,))

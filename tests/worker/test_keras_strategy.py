@@ -45,7 +45,7 @@ def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_nami
     assert strategy.models == []
 
 
-def test_a_model_with_its_own_train_step_is_wrapped_and_a_loss_scale_refused_where_the_server_deals_the_data():
+def test_a_model_with_its_own_train_step_is_wrapped_where_the_server_deals_the_data_or_not():
     class Custom(keras.Model):
         def train_step(self, data):
             return {}
@@ -57,9 +57,6 @@ def test_a_model_with_its_own_train_step_is_wrapped_and_a_loss_scale_refused_whe
         strategy = Strategy(ps="127.0.0.1:1", elastic=elastic)
         strategy.attach(model)
         assert strategy.models[0].wrap is not None and "apply" in vars(model.optimizer)  # taken over
-    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
-    with pytest.raises(ValueError, match="elastic=True: a loss scale"):
-        Strategy(ps="127.0.0.1:1", elastic=True).attach(model)
 
 
 class GuideStep(keras.Sequential):
@@ -389,6 +386,68 @@ def test_an_elastic_fit_steps_by_the_weighted_mean_of_each_round_s_micro_batches
     strategy.close()
 
 
+def scaled_and_overflowing(running):
+    """Worker 0 of 2, elastic, against ``running``: SGD(0.5) under a ``LossScaleOptimizer`` (scale 64,
+    doubled every 2 finite steps); 70 examples, example 11 not finite (a loss and gradients that
+    are not finite, whatever the scale)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype(np.float32), rng.integers(0, 3, 70)
+    x[11] = np.nan
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=64.0,
+                                                                    dynamic_growth_steps=2),
+                      loss="sparse_categorical_crossentropy")
+    return strategy, model, x, y
+
+
+def test_an_elastic_fit_under_a_dynamic_loss_scale_skips_every_round_a_micro_batch_overflows(server_config):
+    """Elastic sync, one worker against an in-process server that cuts each global batch of 32
+    into 3 micro-batches, SGD under a ``LossScaleOptimizer`` (doubling every 2 finite rounds).
+    One example is huge: each micro-batch holding it has gradients that are not finite, so its
+    push asks to skip and the whole round completes without an update (once an epoch); the
+    scale halves there and doubles after every 2 finite rounds, as Keras' arithmetic steps it
+    from the job's rounds that skipped (``Assignment.skipped_rounds``: a worker joining late
+    derives the same). The weights are the hand-computed rounds' without the skipped ones."""
+    import numpy as np
+    import tensorflow as tf
+
+    from ps_common import batches
+
+    strategy, model, x, y = scaled_and_overflowing(server_config(mode="sync", num_workers=2, elastic_min_workers=1,
+                                                                 micro_batches=3))
+    weights = [v.numpy() for v in model.trainable_variables]
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    skipped = [r for r in range(9) if 11 in batches.global_batch(70, 32, 0, r)]
+    assert strategy.connection.version == 9 and len(skipped) == 3
+    assert strategy.engine.skipped_rounds == tuple(skipped)
+    scale, counter = 64.0, 0
+    for r in range(9):  # Keras' LossScaleOptimizer, round by round
+        scale, counter = (scale / 2, 0) if r in skipped else (scale * 2, 0) if counter == 1 else (scale, counter + 1)
+    assert (float(model.optimizer.dynamic_scale.numpy()), int(model.optimizer.step_counter.numpy())) == (scale, counter)
+    assert int(model.optimizer.iterations) == 6  # the updates made
+    strategy.close()
+
+    reference = keras.models.clone_model(model)
+    for r in range(9):
+        if r in skipped:
+            continue
+        reference.set_weights(weights)
+        parts = batches.micro_batches(batches.global_batch(70, 32, 0, r), 3)
+        total = [np.zeros(w.shape, np.float64) for w in weights]
+        for part in parts:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y[part], reference(x[part])))
+            for t, g in zip(total, tape.gradient(loss, reference.trainable_variables)):
+                t += len(part) * g.numpy().astype(np.float64)
+        weights = [w - np.float32(0.5) * (t / sum(map(len, parts))).astype(np.float32) for w, t in zip(weights, total)]
+    for got, want in zip(model.trainable_variables, weights):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", ["multi", "some"])
 def test_an_elastic_fit_serves_a_multi_optimizer_s_groups_or_one_optimizer_to_some_variables(server_config, optimizer):
     """Elastic sync, one worker against an in-process server that cuts each global batch of 24
@@ -578,6 +637,27 @@ def on_tasks(server_config, mode: str):
         model = small_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
     return strategy, model, x, y
+
+
+def test_an_elastic_fit_on_async_tasks_under_a_dynamic_loss_scale_skips_each_task_that_overflows(server_config):
+    """Async tasks of 16 examples under a ``LossScaleOptimizer``: each task holding the one
+    example that is not finite is pushed asking to skip, done without an update; the worker's
+    scale steps on its own tasks, as without ``elastic=True``."""
+    import numpy as np
+
+    from ps_common import batches
+
+    strategy, model, x, y = scaled_and_overflowing(server_config(mode="async", num_workers=2))
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_done, list(status.epoch_examples)) == (10, [70, 70])
+    scale, counter = 64.0, 0
+    for t in range(10):
+        skip = 11 in batches.global_batch(70, 16, 0, t)
+        scale, counter = (scale / 2, 0) if skip else (scale * 2, 0) if counter == 1 else (scale, counter + 1)
+    assert (float(model.optimizer.dynamic_scale.numpy()), int(model.optimizer.step_counter.numpy())) == (scale, counter)
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+    strategy.close()
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])

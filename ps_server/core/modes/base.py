@@ -112,6 +112,7 @@ class ModeStatus:
     rounds_aborted: int = 0
     active_workers: tuple[int, ...] = ()
     max_ahead: int = 0  # SSP: the most steps any applied push was ahead of the slowest worker
+    skipped_rounds: tuple[int, ...] = ()  # elastic sync: the rounds completed without an update (a loss scale's skip)
 
 
 class Ticket:

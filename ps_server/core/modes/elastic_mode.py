@@ -38,7 +38,13 @@ why the round's result then has the same bits whoever computed what.
   chief agreed for the epoch, which every worker sends with every push) is set at the
   round's completion, just before its update, as in ``SyncMode``; the pushes of one round
   must not name two. A discarded round leaves the rate as it was.
-- Not here (refused with InvalidArgument): backup workers, metrics summed over
+- A round one of whose pushes carries ``SKIP_UPDATE`` > 0 (``tfps.keras``: a micro-batch's
+  gradients were not finite under a dynamic loss scale) completes without an update, as in
+  ``SyncMode``: the version counts it, no variable changes, its examples are trained on.
+  Such rounds are kept (``ModeStatus.skipped_rounds``, in checkpoints) and each work dealt
+  names those before it (``Work.skipped_rounds``): a round's loss scale follows from them,
+  so every worker, one that joined late too, computes the round at the same scale.
+- Not here (refused with InvalidArgument): backup workers, other metrics summed over
   the round, and PushPull's speculation.
 
 **Over several shards** (``follow``): shard 0 deals, as above; every
@@ -69,6 +75,9 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
+from ps_common.names import SKIP_UPDATE
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, weighted_loss
 from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
@@ -87,6 +96,7 @@ class Work:
     round: int
     micro_batches: tuple[int, ...]
     sizes: tuple[int, ...]  # each one's examples: its push's batch_size
+    skipped_rounds: tuple[int, ...] = ()  # the job's rounds before it completed without an update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +137,7 @@ class ElasticSyncMode(Mode):
         self._results: dict[int, PushResult] = {}    # completed round -> its answer, for repeats
         self._folded: dict[int, set[int]] = {}       # completed round -> its micro-batches, for repeats
         self._timed_out = 0
+        self._skipped: list[int] = []  # the rounds completed without an update (a loss scale's skip)
         self.shard = 0  # over several shards: this one's index (0 deals; the others follow)
         self.commit: Commit | None = None  # shard 0 over several shards (``follow``)
         if cursor is not None:
@@ -258,7 +269,7 @@ class ElasticSyncMode(Mode):
         with self._lock:
             return (self.store.export_state(),
                     ModeStatus(round=self._round, rounds_timed_out=self._timed_out,
-                               active_workers=tuple(sorted(self._live))),
+                               active_workers=tuple(sorted(self._live)), skipped_rounds=tuple(self._skipped)),
                     None if self.ledger is None else self.ledger.state(),
                     self.stats.export())
 
@@ -284,13 +295,15 @@ class ElasticSyncMode(Mode):
         with self._lock:
             self._round = status.round  # the job's first round stays the one that waits for min_workers
             self._timed_out = status.rounds_timed_out
+            self._skipped = list(status.skipped_rounds)
             self._reset_round()
 
     # -- under the lock -------------------------------------------------------------
     def _take(self, push: Push, ticket: Ticket) -> None:
         push.validate()
-        if push.metrics:
-            raise InvalidArgument("elastic sync does not sum metrics over a round; nothing applied")
+        if set(push.metrics or ()) - {SKIP_UPDATE}:
+            raise InvalidArgument("elastic sync sums no metrics over a round (but a loss scale's "
+                                  f"{SKIP_UPDATE}); nothing applied")
         m, r, w = push.micro_batch, push.step, push.worker_id
         if r < self._round:
             if r in self._results and m in self._folded.get(r, ()):
@@ -324,6 +337,7 @@ class ElasticSyncMode(Mode):
                                   f"{self._rates!r}; nothing applied")
         if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
             self._rates = rates or self._rates
+            self._skip = self._skip or bool(push.metrics) and float(np.sum(push.metrics[SKIP_UPDATE])) > 0
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
             self._losses.append((push.loss, size))
@@ -355,7 +369,8 @@ class ElasticSyncMode(Mode):
         failed = None
         try:
             with self.store.learning_rates(self._rates):
-                version = self.store.apply_all(self._sum.mean(), key=f"round {completed}")
+                version = self.store.bump_version() if self._skip else \
+                    self.store.apply_all(self._sum.mean(), key=f"round {completed}")
         except PSError as e:  # nothing applied here (apply_all is all or nothing): the round starts over
             with contextlib.suppress(PSError):
                 followers()  # their applies fail too (global_clipnorm: no norm), or nothing can undo them
@@ -371,6 +386,8 @@ class ElasticSyncMode(Mode):
         except PSError as e:  # applied here, not on every shard: the job cannot go on as one model
             failed = ConfigMismatch(f"round {completed} was applied on shard 0 but not on every other shard: {e}")
         self.stats.applied(time.perf_counter() - started)
+        if self._skip:
+            self._skipped.append(completed)
         micro = range(self.cursor.micro_batches)
         for m in micro:
             self.ledger.fold(work.epoch, work.indices(m))
@@ -378,7 +395,8 @@ class ElasticSyncMode(Mode):
         self.stats.record(pushes=len(sizes), examples=sum(sizes), staleness=[0] * len(sizes),
                           loss=weighted_loss([loss for loss, _ in self._losses], sizes))
         result = PushResult(version=version, staleness=0, contributors=len(self._contributors),
-                            next_step=completed + 1, learning_rate=self.store.current_learning_rate())
+                            next_step=completed + 1, learning_rate=self.store.current_learning_rate(),
+                            metrics={SKIP_UPDATE: np.ones(1)} if self._skip else {})
         self._results[completed] = result
         self._folded[completed] = set(micro)
         self._results.pop(completed - ROUNDS_REMEMBERED, None)
@@ -398,6 +416,7 @@ class ElasticSyncMode(Mode):
         self._contributors: set[int] = set()
         self._losses: list[tuple[float, int]] = []
         self._rates: tuple = ()  # the learning rates the round's pushes set (none: unchanged)
+        self._skip = False  # a push of the round asks to skip its update (SKIP_UPDATE: a loss scale's)
 
     def _start_if_ready(self) -> None:
         # min_workers gates the job's first round only: later ones go on with whoever is live.
@@ -417,7 +436,7 @@ class ElasticSyncMode(Mode):
         micro = self._work.assigned(worker_id)
         if not micro:
             return None
-        return Work(self._round, micro, tuple(self._work.size(m) for m in micro))
+        return Work(self._round, micro, tuple(self._work.size(m) for m in micro), tuple(self._skipped))
 
     def _hand_out(self, given: dict[int, tuple[int, ...]]) -> None:
         """Tell workers given more micro-batches: a waiting push is answered with them, a
