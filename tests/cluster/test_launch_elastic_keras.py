@@ -206,7 +206,7 @@ def test_rates_callbacks_change_and_a_second_fit_with_a_worker_added_and_stopped
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
-# ~50 s: slow. In one process, tests/worker/test_keras_strategy.py checks the rounds that skip and
+# ~75 s: slow. In one process, tests/worker/test_keras_strategy.py checks the rounds that skip and
 # the scale each round is computed at.
 @pytest.mark.slow
 def test_a_dynamic_loss_scale_with_a_worker_added_and_stopped_ends_at_the_undisturbed_bits(tmp_path):
@@ -215,7 +215,8 @@ def test_a_dynamic_loss_scale_with_a_worker_added_and_stopped_ends_at_the_undist
     through the job. The worker started at round 8 joins during round 16's pause, past five
     skipped rounds it never saw: it computes each round at the scale the server's record of the
     skipped rounds gives (Assignment.skipped_rounds), so the same rounds skip and the final
-    parameters are the undisturbed run's, bit for bit."""
+    parameters are the undisturbed run's, bit for bit; over two server shards too (every shard
+    gets each push's skip: both skip the same rounds)."""
     program = os.path.join(ROOT, "tests", "cluster", "programs", "elastic_mixed.py")
     plain_out, plain = launch(tmp_path, "plain", program)
     out, scaled = launch(tmp_path, "scaled", program, "--scale-at", "8:3", "--scale-at", "36:2",
@@ -227,8 +228,13 @@ def test_a_dynamic_loss_scale_with_a_worker_added_and_stopped_ends_at_the_undist
     assert len([r for r in skipped if r < joined[0]]) >= 5 and [r for r in skipped if r > joined[0]], skipped
     assert scaled.mode_status.skipped_rounds == skipped and plain.version == scaled.version == 3 * 16
     assert re.findall(r"scale=(\S+)", out) == re.findall(r"scale=(\S+)", plain_out)
+    _, shards = launch(tmp_path, "shards", program, "--num-ps", "2", "--scale-at", "8:3", "--scale-at", "36:2",
+                       env={"TFPS_PAUSE_AT_STEP": "16", "TFPS_PAUSE_FOR": "10"})
+    assert [s.mode_status.skipped_rounds for s in shards] == [skipped, skipped]
+    over_shards = {**shards[0].values, **shards[1].values}
     for name in plain.values:
         np.testing.assert_array_equal(np.asarray(scaled.values[name]), np.asarray(plain.values[name]), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(over_shards[name]), np.asarray(plain.values[name]), err_msg=name)
 
 
 # ~40 s: slow. In one process, tests/worker/test_keras_strategy.py goes on to a second and a third
