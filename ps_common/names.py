@@ -79,6 +79,13 @@ KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adag
 # as an all-reduced gradient would (worker.keras).
 SKIP_UPDATE = "tfps/skip_update"
 
+
+def broadcast_poster(key: str) -> int:
+    """The worker that posts broadcast ``key``: the one a key ending in ``@w<i>`` names (a vote:
+    each worker posts its own key and reads the others'), else the chief (worker 0)."""
+    _, named, index = key.rpartition("@w")
+    return int(index) if named and index.isdigit() else 0
+
 # Where a Keras 3 optimizer keeps each of the server's slots (``ps_server.core.optim``): the
 # attribute holding one variable per trainable variable, in the order it was built with
 # (Nadam's ``u_product`` is one variable, every variable's alike on the server). With

@@ -38,6 +38,7 @@ import numpy as np
 from protos import tfps_pb2 as pb
 from ps_common import security
 from ps_common.defaults import HEARTBEATS_PER_LEASE
+from ps_common.names import broadcast_poster
 from ps_common.reasons import Reason
 from worker.client import PSClient, PSClientError, PushReply, Registration
 from worker.config import AUTO_INDEX, ConfigError, WorkerConfig
@@ -217,15 +218,17 @@ class Connection:
         return reply
 
     def broadcast(self, key: str, value: bytes | None, timeout: float) -> bytes:
-        """The chief's decision under ``key``: the chief posts ``value`` (bytes; it must give
-        one) and gets it back at once; every other worker waits for the chief's, at most
-        ``timeout`` seconds (and the server's barrier timeout), else ``PSClientError``
-        DEADLINE_EXCEEDED. What a Keras fit agrees on at each epoch's end."""
-        if self.config.is_chief:
+        """The poster's decision under ``key`` (the chief's, or the worker's a vote's key names:
+        ``broadcast_poster``): the poster posts ``value`` (bytes; it must give one) and gets it
+        back at once; every other worker waits for it, at most ``timeout`` seconds (and the
+        server's barrier timeout), else ``PSClientError`` DEADLINE_EXCEEDED. What a Keras fit
+        agrees on at each epoch's end."""
+        poster = broadcast_poster(key) == self.worker_id
+        if poster:
             if value is None:
-                raise ValueError(f"the chief must post a value for broadcast key {key!r}")
+                raise ValueError(f"the poster must give a value for broadcast key {key!r}")
             self.posted = {**dict(list(self.posted.items())[-(POSTS_KEPT - 1):]), key: bytes(value)}
-        return self.client.broadcast(self.worker_id, key, self.posted[key] if self.config.is_chief else None, timeout)
+        return self.client.broadcast(self.worker_id, key, self.posted[key] if poster else None, timeout)
 
     def read(self) -> dict[str, np.ndarray]:
         """The server's values now, leaving the model as it is (a snapshot)."""

@@ -212,6 +212,15 @@ class Strategy:
         raw = self.engine.ride_out(conn.broadcast, key, json.dumps(value).encode() if self.is_chief else None, timeout)
         return json.loads(raw.decode())
 
+    def vote(self, key: str, yes: bool) -> bool:
+        """Whether any worker says yes under ``key``: each posts its own ``key@w<i>`` and reads the
+        others' (``broadcast_poster``). Not ridden out: a lost server fails the step, which runs again."""
+        conn, me = self.connection, self.worker_index
+        timeout = max(60.0, conn.registration.barrier_timeout)
+        said = [conn.broadcast(f"{key}@w{me}", b"1" if yes else b"0", timeout)]  # its own first: none waits on it
+        said += [conn.broadcast(f"{key}@w{i}", None, timeout) for i in range(self.num_replicas_in_sync) if i != me]
+        return b"1" in said
+
     def close(self, leave: bool = True) -> None:
         """Leave the cluster (unless it has: ``leave=False``) and disconnect (also at the process's exit)."""
         conn, self.engine = self.connection, None
@@ -301,6 +310,7 @@ class _Attached:
     def __init__(self, strategy: Strategy, model):
         self.strategy, self.model = strategy, model
         self.metrics_before: dict = {}  # every metric's state before this step
+        self.tag = ""  # the fit's keys on the server's broadcast board (``_agreement``)
         # the chief's learning rate of each optimizer (id): read before its steps, and last sent
         self.rates, self.sent_rates = {}, {}
         self.epoch_rates: tuple = ()  # elastic: each optimizer's rate the chief agreed for this epoch
@@ -669,10 +679,10 @@ class _Wrap:
             strategy = self.attached.strategy
             if self.grouped:
                 raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
-            if _scaled(self.served[0][0]) and (strategy.mode or strategy.server_mode()) == "sync":
-                raise ValueError(f"{name}: a loss scale (mixed_float16) with gradient_accumulation_steps is served in "
-                                 "async and ssp: in sync, whether a batch held in a window is skipped must be every "
-                                 "worker's, which no push carries before the window's last batch")
+            if _scaled(self.served[0][0]) and strategy.config.elastic and strategy.server_mode() == "sync":
+                raise ValueError(f"elastic=True: {name}: a loss scale (mixed_float16) with gradient_accumulation_steps "
+                                 "is not served in sync: a round is its window's batches, and a skip would be the "
+                                 "whole window's, where one process skips one batch")
         if len(self.served) > 1 and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the server "
                              "deals the data each micro-batch is one push of a round: one optimizer's apply a step "
@@ -838,6 +848,8 @@ class _Wrap:
         if _scaled(optimizer):  # LossScaleOptimizer._stateful_handle_finite_grads' arithmetic
             dense = {p: tf.convert_to_tensor(g) for p, g in grads.items()}
             self.skip = not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in dense.values())
+            if a.window.steps > 1 and conn.sync:  # a window's batch: skipped where any worker's part overflows
+                self.skip = a.strategy.vote(f"{a.tag}/skip{conn.step}.{a.window.batches}.{a.window.skipped}", self.skip)
             grads = {p: tf.divide(g, optimizer.dynamic_scale) for p, g in dense.items()}
         factor = _inner(optimizer).loss_scale_factor  # a static scale: unscaled as Keras' apply unscales it
         if factor is not None:
@@ -873,6 +885,7 @@ class _Wrap:
         if not a.window.last() or (self.skip and a.window.steps > 1):  # a loss scale's skip: not in the window
             if not self.skip:
                 a.window.add(payload, self.examples, self.batch_examples, trainable(a.model))
+            a.window.skipped += self.skip
             self.held = True
             return
         if a.window.steps > 1 and payload is None and not self.examples:
@@ -994,6 +1007,7 @@ class Window:
 
     def clear(self) -> None:
         self.sums, self.batches, self.examples, self.batch_examples, self.finite = {}, 0, 0, 0, True
+        self.skipped = 0  # batches a loss scale skipped (not in the window)
 
     def _shared(self, g, variable) -> np.ndarray:
         """A batch's pushed gradient of ``variable``, dense (sparse rows added into zeros, in
@@ -1146,6 +1160,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             # later fit's rounds go on from the round the chief began it at (``self.base``), which joiners read.
             conn, dealt = strategy.connection, attached.dealt
             self.tag = f"fit{fit}@" + ("dealt" if dealt is not None else str(conn.step if conn.sync else 0))
+            attached.tag = self.tag
             model = self.model
             initial = int(getattr(model, "_initial_epoch", None) or 0)
             # a later fit's first round: sync, the chief's; async and ssp, its first epoch's in the job (``_go_on``)

@@ -32,6 +32,7 @@ import numpy as np
 
 from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, REPLACEMENT_TIMEOUT, STALENESS,
                                  server_settings_conflict, sparse_rule_conflict)
+from ps_common.names import broadcast_poster
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
 from ps_server.core.optim import hogwild
@@ -642,12 +643,14 @@ class ParameterServer:
             self._tasks_back(worker_id, self.tasks.lost(worker_id), "it left")
 
     def submit_broadcast(self, worker_id: int, key: str, value: bytes | None, timeout: float) -> Ticket:
-        """The chief's (worker 0's) value under ``key``, as a ticket. The chief posts ``value``
-        and is answered at once; any other registered worker's ticket is settled once the
-        chief posted ``key`` (its own ``value`` is ignored), or with BroadcastTimeout after
-        ``timeout`` seconds, never more than the barrier timeout (``core.broadcast``)."""
-        if worker_id == 0:
-            return Ticket.of(lambda: self.members.require(0) or self.broadcasts.post(key, value or b""))
+        """The poster's value under ``key``, as a ticket: the chief's (worker 0's), or the worker's a
+        key ending in ``@w<i>`` names (``broadcast_poster``). The poster posts ``value`` and is
+        answered at once; any other registered worker's ticket is settled once it posted ``key``
+        (its own ``value`` is ignored), or with BroadcastTimeout after ``timeout`` seconds, never
+        more than the barrier timeout (``core.broadcast``)."""
+        poster = broadcast_poster(key)
+        if worker_id == poster:
+            return Ticket.of(lambda: self.members.require(poster) or self.broadcasts.post(key, value or b""))
         try:
             self.members.require(worker_id)
         except PSError as e:

@@ -126,6 +126,21 @@ def test_worker_zero_posts_and_the_others_wait_for_its_value_ignoring_their_own(
     assert ps.submit_broadcast(1, "stop", None, 0.0).result() == b"yes"
 
 
+def test_a_key_naming_a_worker_is_that_worker_s_to_post_a_vote_of_each():
+    """``<key>@w<i>``: worker i posts, the chief and the rest wait for it (``broadcast_poster``);
+    so each worker posts its vote under its own key and reads the others'."""
+    from ps_common.names import broadcast_poster
+
+    assert [broadcast_poster(k) for k in ("stop", "skip@w2", "a@wx", "x@w1@w0", "@w12")] == [0, 2, 0, 0, 12]
+    ps = ParameterServer("sync", 3, barrier_timeout=30.0)
+    for w in range(3):
+        ps.register(w, 3)
+    chief = ps.submit_broadcast(0, "skip@w2", b"0", 30.0)
+    assert not chief.done()
+    assert ps.submit_broadcast(2, "skip@w2", b"1", 0.0).result() == b"1" and chief.result() == b"1"
+    assert ps.submit_broadcast(1, "skip@w1", b"0", 0.0).result() == b"0"
+
+
 def test_an_unregistered_worker_cannot_broadcast():
     ps = ParameterServer("async", 2)
     ps.register(0, 2)

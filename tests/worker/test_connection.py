@@ -116,7 +116,7 @@ def test_the_chief_broadcasts_and_another_worker_waits_for_its_value(connections
     assert chief.broadcast("epoch-0", b"stop", 10.0) == b"stop"
     finish(waiting, timeout=10.0)
     assert waiting.error is None and waiting.result == b"stop"
-    with pytest.raises(ValueError, match="the chief must post a value"):
+    with pytest.raises(ValueError, match="the poster must give a value"):
         chief.broadcast("epoch-1", None, 1.0)
 
 

@@ -168,12 +168,14 @@ def accumulated(strategy, k: int = 3) -> dict:
         keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window_as_model_fit_does(server, mode):
-    """Async and ssp: each worker's batches are its own, each skipped or not as one process skips
-    it. A batch whose scaled gradients are not finite is not accumulated (the window waits for
+    """A batch whose scaled gradients are not finite is not accumulated (the window waits for
     another), not counted, and halves the scale; every finite batch counts towards the doubling.
-    One worker ends at ``model.fit``'s weights to the bit, with its scale, counter and iterations."""
+    Sync: the workers vote on each batch of a window (``Strategy.vote``: skipped where any part
+    overflows; two workers: tests/cluster/test_keras_programs.py); async and ssp: each worker's
+    batches are its own. One worker ends at ``model.fit``'s weights to the bit, with its scale,
+    counter and iterations."""
     plain = accumulated(tf.distribute.get_strategy())
     strategy = Strategy(ps=server(mode, 1).address, num_workers=1)
     try:
@@ -184,9 +186,11 @@ def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window
     assert ours == plain
 
 
-def test_a_loss_scale_with_gradient_accumulation_is_refused_in_sync_before_this_worker_registers(server):
-    """Sync: a held batch's skip would have to be every worker's before the window's push."""
-    strategy = Strategy(ps=server("sync", 1).address, num_workers=1)
-    with pytest.raises(ValueError, match="served in async and ssp: in sync, whether a batch held in a window"):
+def test_a_loss_scale_with_gradient_accumulation_is_refused_in_elastic_sync_before_this_worker_registers(
+        server_config):
+    """Elastic sync: a round is its window's batches, and a skip would be the whole window's."""
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
+    strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
+    with pytest.raises(ValueError, match="elastic=True: Sequential: a loss scale .* is not served in sync"):
         accumulated(strategy)
     assert strategy.connection is None

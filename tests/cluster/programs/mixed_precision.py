@@ -2,10 +2,12 @@
 Keras mixed-precision guide writes it: layers compute in float16, the last one's outputs are
 float32, and ``compile`` wraps the optimizer in a ``LossScaleOptimizer`` (dynamic loss scaling).
 
-    python mixed_precision.py --out DIR [--alone | --mirrored] [--overflow-batch K]
+    python mixed_precision.py --out DIR [--alone | --mirrored] [--overflow-batch K] [--accumulate N]
 
 ``--overflow-batch K``: the last example of global batch K (of each epoch) is 1e5 in every pixel,
 which overflows float16: its gradients are not finite and the step is skipped, the scale halved.
+``--accumulate N``: Adam's ``gradient_accumulation_steps`` (an update every N batches; a skipped
+batch is not one of them).
 Writes ``DIR/worker<i>.json``: History, the final weights, the loss scale, the step counts.
 """
 
@@ -23,6 +25,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--alone", action="store_true")
 p.add_argument("--mirrored", action="store_true")
 p.add_argument("--overflow-batch", type=int, default=-1)
+p.add_argument("--accumulate", type=int, default=0)
 args = p.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -61,7 +64,8 @@ if args.mirrored:
 with strategy.scope():
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10),
                               keras.layers.Activation("softmax", dtype="float32")])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+    model.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=args.accumulate or None),
+                  loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 history = model.fit(train, epochs=2, verbose=0)
 optimizer = model.optimizer
