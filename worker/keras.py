@@ -454,23 +454,21 @@ class _Attached:
         rounds that skipped, and the scale theirs, as far as this worker knows them)."""
         conn = self.strategy.connection
         self.strategy.engine.ride_out(conn.pull, rejoined=self._rejoined)
-        version = max(0, int(conn.version))
-        self.model.optimizer._iterations.assign(version * self.per_update)
+        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
         if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
-            skipped = self._scale_to(version)
-            _inner(self.model.optimizer)._iterations.assign(version - len(skipped))
+            self._scale_to(max(0, int(conn.version)))
 
-    def _scale_to(self, round_: int) -> list:
-        """Elastic sync: the loss scale of round ``round_``, from the job's rounds before it that
-        skipped (the server's ``Assignment.skipped_rounds``), the same on every worker; those rounds."""
+    def _scale_to(self, round_: int) -> None:
+        """Elastic sync: the loss scale of round ``round_`` (and the updates before it), from the
+        job's rounds before it that skipped (the server's ``Assignment.skipped_rounds``), the same
+        on every worker."""
         optimizer, skipped = self.model.optimizer, [r for r in self.strategy.engine.skipped_rounds if r < round_]
-        scale, counter, at = np.float32(optimizer.initial_scale), 0, 0
+        scale, counter, at, growth = np.float32(optimizer.initial_scale), 0, 0, optimizer.dynamic_growth_steps
         for r in skipped:  # LossScaleOptimizer's arithmetic: the good rounds before each, then its halving
-            scale, counter, at = _grown(scale, counter, r - at, optimizer.dynamic_growth_steps)[0] / 2, 0, r + 1
-        for v, value in zip(_scale_variables(optimizer), _grown(scale, counter, round_ - at,
-                                                                 optimizer.dynamic_growth_steps)):
+            scale, counter, at = _grown(scale, counter, r - at, growth)[0] / 2, 0, r + 1
+        for v, value in zip(_scale_variables(optimizer) + [_inner(optimizer)._iterations],
+                            [*_grown(scale, counter, round_ - at, growth), round_ - len(skipped)]):
             v.assign(value)
-        return skipped
 
     def _rejoined(self) -> None:
         """After a rejoin: the chief's next push sends its learning rate again (a restarted
