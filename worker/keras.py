@@ -411,7 +411,9 @@ class _Attached:
         """Up to ``steps_per_execution`` steps, as Keras' own: fewer where the epoch's data end
         (its last execution), none (``StopIteration``) when they had ended."""
         logs = None
-        self._read_learning_rates()  # here, not in the step's graph
+        # the chief's learning rates, read here, not in the step's graph: pushes send changes (``_new_learning_rates``)
+        if self.strategy.is_chief:
+            self.rates = {id(o): _rate(o) for o in self.optimizers}
         for data in itertools.islice(iterator, max(1, int(self.model.steps_per_execution))):
             # elastic: Keras' batch is only counted; the server deals the examples
             logs = self.round_step() if self.dealt is not None else self.wrap.step(data)
@@ -514,12 +516,6 @@ class _Attached:
                   "of them, not the global batch's", file=sys.stderr, flush=True)
         changes[BatchDigests.KEY] = self.read.last
         return changes
-
-    def _read_learning_rates(self) -> None:
-        """The chief, before its steps: each optimizer's learning rate, which the next push of its
-        variables sends where a callback changed it (``_new_learning_rates``)."""
-        if self.strategy.is_chief:
-            self.rates = {id(o): _rate(o) for o in self.optimizers}
 
     def _new_learning_rates(self, optimizers: list) -> tuple[float, ...]:
         """What a push of ``optimizers``' variables (what it steps) sends: entry i the chief's rate
