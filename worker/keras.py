@@ -439,9 +439,9 @@ class _Attached:
         return self.model.get_metrics_result()
 
     def _answered(self, pushed: tuple | None) -> None:
-        """After a step: where it pushed (``pushed``: row, reply), the round's metric state (sync: the
+        """After a step: where it pushed (``pushed``: row, reply, scale), the round's metric state (sync: the
         global batch's, and whether every worker read the same batch); the server's parameters."""
-        row, reply = pushed or (None, None)
+        row, reply, _ = pushed or (None, None, None)
         if reply is not None and self.strategy.connection.sync and reply.metrics:
             self.read.check_round(reply.metrics, row["step"])
             pushes = int(reply.metrics[BatchDigests.KEY][0])
@@ -728,7 +728,10 @@ class _Wrap:
                 for i in range(self.learned - 1):
                     self._push(None, sites[i] if i < len(sites) else None, False)
                 self._keep(None if a.window.last() else {}, sites[-1])  # {}: nothing added to the window
-            return logs, None if self.held else self._flush(logs)
+            if self.held or self.deferred is None:  # in a window (``_keep``), or no apply: nothing to push
+                return logs, None
+            deferred, self.deferred = self.deferred, None  # the step's last apply, with its metric changes
+            return logs, self._push(*deferred, metrics=a._metric_changes(), loss=_logged_loss(logs))
 
         def undo() -> None:  # after a rejoin: the step's metric updates, on the server's parameters
             for v in _metric_variables(model):
@@ -873,7 +876,7 @@ class _Wrap:
     def _keep(self, payload, optimizer=None) -> None:
         """A payload not pushed at once: a batch of a ``gradient_accumulation_steps`` window before
         its last, into the window (``Window.add``), nothing pushed; else the step's last apply,
-        pushed when the step has returned (``_flush``), the last batch of a window pushing the
+        pushed when the step has returned (``step``), the last batch of a window pushing the
         window's mean (``Window.mean``; an empty part: zeros, which adds nothing to it)."""
         a = self.attached
         if not a.window.last() or (self.skip and a.window.steps > 1):  # a loss scale's skip: not in the window
@@ -912,15 +915,6 @@ class _Wrap:
                                           set_learning_rates=rates)
         a.learning_rates.append(float(reply.learning_rate))
         return row, reply, self._rescale(optimizer, skip, reply, graph)
-
-    def _flush(self, logs):
-        """The step's held push, with its metric changes: (row, reply), or None (nothing held)."""
-        if self.deferred is None:
-            return None
-        (payload, optimizer, skip), self.deferred = self.deferred, None
-        row, reply, _ = self._push(payload, optimizer, skip, metrics=self.attached._metric_changes(),
-                                   loss=_logged_loss(logs))
-        return row, reply
 
     def _sites(self) -> list:
         """The optimizer of each ``apply`` of the step, in order (as traced, or as the last eager step ran)."""
