@@ -1039,10 +1039,8 @@ class BatchDigests:
 
     def add(self, batch) -> None:
         """Digest one global batch (before this worker takes its part)."""
-        one = hashlib.blake2b(digest_size=8)
-        for t in _flat(batch):
-            one.update(_sampled_bytes(t, self.SAMPLED))
-        raw = one.digest()
+        sampled = b"".join(_sampled_bytes(t, self.SAMPLED) for t in _flat(batch))
+        raw = hashlib.blake2b(sampled, digest_size=8).digest()
         self.epoch.update(raw)
         chunks = [float(int.from_bytes(raw[2 * i:2 * i + 2], "little")) for i in range(4)]
         self.last = np.array([1.0, *chunks, *(c * c for c in chunks)], np.float64)
