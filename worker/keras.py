@@ -501,15 +501,14 @@ class _Attached:
 
     def _metric_changes(self) -> dict | None:
         """What a sync push carries of the metrics (``_metric_share``) and of the batch read."""
-        model = self.model
         if not self.strategy.connection.sync:  # (elastic pushes carry none: ``compute``)
             return None
         # Keras builds the compiled metrics' state at their first update: from zeros, as ours start.
-        before = self.metrics_before
-        before.update({v.path: np.zeros(v.shape, v.dtype) for v in _metric_variables(model) if v.path not in before})
+        before, variables = self.metrics_before, _metric_variables(self.model)
+        before.update({v.path: np.zeros(v.shape, v.dtype) for v in variables if v.path not in before})
         changes = {v.path: _metric_share(v, before[v.path], self.strategy.is_chief)
-                   for v in _metric_variables(model) if _aggregation(v) != "none"}
-        own = sorted(v.path for v in _metric_variables(model) if _aggregation(v) == "none")
+                   for v in variables if _aggregation(v) != "none"}
+        own = sorted(v.path for v in variables if _aggregation(v) == "none")
         if own and not self.said_own and self.strategy.is_chief:
             self.said_own = True
             print(f"tfps.keras: {', '.join(own)} declare aggregation='none': each worker logs its own state "
@@ -987,10 +986,9 @@ class Window:
         if not self.finite:
             return None
         out = dict(payload)
-        for v in trainable:
-            if v.path in self.sums:
-                g = self._shared(payload[v.path], v)
-                out[v.path] = np.divide(g + self.sums[v.path], np.asarray(self.steps, g.dtype))
+        for v in (v for v in trainable if v.path in self.sums):
+            g = self._shared(payload[v.path], v)
+            out[v.path] = np.divide(g + self.sums[v.path], np.asarray(self.steps, g.dtype))
         return out
 
     def clear(self) -> None:
@@ -1094,8 +1092,7 @@ def _metric_share(v, before: np.ndarray, chief: bool) -> np.ndarray:
     (Keras' metrics: "sum"): "sum", the change this step made to it; "mean", its value;
     "only_first_replica", the chief's value (the others' zeros). "none" is not pushed: each
     worker keeps its own (``_Attached._metric_changes`` says so once)."""
-    now = np.asarray(v.numpy())
-    kind = _aggregation(v)
+    now, kind = np.asarray(v.numpy()), _aggregation(v)
     if kind == "sum":
         return now - before
     return now if kind == "mean" or chief else np.zeros_like(now)
@@ -1187,16 +1184,15 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                 attached.epoch_rates = tuple(_rate(o) or 0.0 for o in attached.optimizers)
 
         def on_epoch_end(self, epoch, logs=None):
-            model = self.model
             # Async and ssp: what each worker read this epoch, against the chief's (sync checks each round).
             read = attached.read.epoch.hexdigest() if not strategy.connection.sync and strategy.batches == "global" \
                 and attached.dealt is None else None
-            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(model.stop_training), "read": read,
+            got = strategy.agree(f"{self.tag}/epoch{epoch}", {"stop": bool(self.model.stop_training), "read": read,
                                                               "lr": [_rate(o) for o in attached.optimizers]})
             if got.get("read") != read:
                 raise DataMismatch(f"worker {strategy.worker_index} read other global batches in epoch {epoch} "
                                    "than the chief")
-            model.stop_training = got["stop"]
+            self.model.stop_training = got["stop"]
             for optimizer, lr in zip(attached.optimizers, got["lr"]):
                 if lr is not None and not strategy.is_chief:
                     optimizer.learning_rate = lr
@@ -1271,8 +1267,7 @@ def _part(structure, index: int, count: int):
     """This worker's contiguous rows of every tensor in ``structure`` (``shard_bounds``)."""
     from keras.src import tree
 
-    n = _batch_size(structure[0])
-    lo, hi = shard_bounds(n, index, count)
+    lo, hi = shard_bounds(_batch_size(structure[0]), index, count)
     return tree.map_structure(lambda t: None if t is None else t[lo:hi], structure)
 
 
