@@ -215,7 +215,7 @@ class Strategy:
     def vote(self, key: str, yes: bool) -> bool:
         """Whether any worker says yes under ``key``: each posts its own ``key@w<i>`` and reads the
         others' (``broadcast_poster``). Not ridden out: a lost server fails the step, which runs again."""
-        conn, me = self.connection, self.worker_index
+        conn, me = self.connection, self.connection.worker_id  # the index the server knows (auto: it assigned)
         timeout = max(60.0, conn.registration.barrier_timeout)
         said = [conn.broadcast(f"{key}@w{me}", b"1" if yes else b"0", timeout)]  # its own first: none waits on it
         said += [conn.broadcast(f"{key}@w{i}", None, timeout) for i in range(self.num_replicas_in_sync) if i != me]
