@@ -212,14 +212,18 @@ class Strategy:
         raw = self.engine.ride_out(conn.broadcast, key, json.dumps(value).encode() if self.is_chief else None, timeout)
         return json.loads(raw.decode())
 
-    def vote(self, key: str, yes: bool) -> bool:
-        """Whether any worker says yes under ``key``: each posts its own ``key@w<i>`` and reads the
-        others' (``broadcast_poster``). Not ridden out: a lost server fails the step, which runs again."""
+    def gather(self, key: str, value: bytes) -> list[bytes]:
+        """Every worker's ``value`` under ``key`` (this one's first): each posts its own ``key@w<i>``
+        and reads the others' (``broadcast_poster``). Not ridden out: a lost server fails the caller."""
         conn, me = self.connection, self.connection.worker_id  # the index the server knows (auto: it assigned)
         timeout = max(60.0, conn.registration.barrier_timeout)
-        said = [conn.broadcast(f"{key}@w{me}", b"1" if yes else b"0", timeout)]  # its own first: none waits on it
-        said += [conn.broadcast(f"{key}@w{i}", None, timeout) for i in range(self.num_replicas_in_sync) if i != me]
-        return b"1" in said
+        said = [conn.broadcast(f"{key}@w{me}", value, timeout)]  # its own first: none waits on it
+        others = [i for i in range(self.num_replicas_in_sync) if i != me]
+        return said + [conn.broadcast(f"{key}@w{i}", None, timeout) for i in others]
+
+    def vote(self, key: str, yes: bool) -> bool:
+        """Whether any worker says yes under ``key`` (``gather``)."""
+        return b"1" in self.gather(key, b"1" if yes else b"0")
 
     def close(self, leave: bool = True) -> None:
         """Leave the cluster (unless it has: ``leave=False``) and disconnect (also at the process's exit)."""
@@ -454,8 +458,8 @@ class _Attached:
         """The server's parameters into the model (riding out a lost server); the local
         optimizer's ``iterations`` follow the server's version (elastic under a loss scale: less the
         rounds that skipped, and the scale theirs, as far as this worker knows them)."""
-        conn = self.strategy.connection
-        self.strategy.engine.ride_out(conn.pull, rejoined=self._rejoined)
+        conn, seen = self.strategy.connection, self.strategy.connection.registration.incarnation
+        self.strategy.engine.ride_out(conn.pull, rejoined=lambda: self._rejoined(seen, self.wrap.position + 1))
         self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
         if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
             self._scale_to(max(0, int(conn.version)))
@@ -472,10 +476,24 @@ class _Attached:
                             [*_grown(scale, counter, round_ - at, growth), round_ - len(skipped)]):
             v.assign(value)
 
-    def _rejoined(self) -> None:
+    def _rejoined(self, seen: str | None = None, position: int = 0) -> bool:
         """After a rejoin: the chief's next push sends its learning rate again (a restarted
-        server holds its checkpoint's)."""
+        server holds its checkpoint's). Sync, the server restarted (not incarnation ``seen``):
+        whether this worker is behind another (``position``: the step whose batch it pushes
+        next), one round's reply lost to it in the restart and not to the other: it then drops
+        its batch, so that every worker's next push is of the same global batch."""
         self.sent_rates = {}
+        strategy, conn = self.strategy, self.strategy.connection
+        if seen in (None, conn.registration.incarnation) or not conn.sync or self.dealt is not None \
+                or strategy.num_replicas_in_sync == 1:
+            return False
+        said = strategy.gather(f"{self.tag}/restart-{conn.registration.incarnation}", str(position).encode())
+        if position < max(int(p) for p in said):
+            log.warning("worker %d: the restart lost the reply of the round the others saw complete; this "
+                        "worker drops its batch of that round, the others' next push being of the next one",
+                        strategy.worker_index)
+            return True
+        return False
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
         """Elastic: a dealt micro-batch through Keras' step, wrapped (``_Wrap.capture``): its logged loss
@@ -601,6 +619,7 @@ class _Wrap:
         self.traced = self.function = None  # the step; traced on its first call (``model.run_eagerly``: not)
         self.specs: set = set()  # the input structures it was traced on (``_run``)
         self.learned = 1  # the ``apply`` calls of the last eager step
+        self.position = 0  # the steps this worker has begun: the batch it pushes next
         self.examples = 0  # this worker's part of the step's batch: the push's weight
         self.batch_examples = 0  # the step's global batch (``batches="per_worker"``: this worker's)
         self._begin({})
@@ -714,8 +733,11 @@ class _Wrap:
         a.window.share = self.examples * strategy.num_replicas_in_sync / self.batch_examples \
             if parts and self.batch_examples else 1.0
         before = {v.path: np.array(v.numpy()) for v in _metric_variables(model)}
+        self.position, seen, behind = self.position + 1, strategy.connection.registration.incarnation, []
 
         def attempt():
+            if behind:  # a batch the others are past, after a restart: dropped (``_Attached._rejoined``)
+                return model.get_metrics_result(), None
             if not a.window.batches:  # sync: the metric changes of a whole window go with its push
                 a.metrics_before = dict(before)
             self._begin(strategy.connection.pulled)
@@ -736,7 +758,7 @@ class _Wrap:
             for v in _metric_variables(model):
                 v.assign(before.get(v.path, np.zeros(v.shape, v.dtype)))
             strategy.connection.pull()
-            a._rejoined()
+            behind[:] = [True] if a._rejoined(seen, self.position) else []
 
         logs, pushed = strategy.engine.ride_out(attempt, rejoined=undo,
                                                 rides=lambda e: recoverable(e) and not self.immediate)
