@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 # How the server applies pushes: a barrier per step, on arrival, or on arrival
 # within a staleness bound. The proto's Mode enum has one value per name, upper-cased.
 MODES = ("sync", "async", "ssp")
@@ -78,6 +80,11 @@ KERAS_OPTIMIZER_CLASSES = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "Adag
 # LossScaleOptimizer's gradients that are not finite on some worker skip the step everywhere,
 # as an all-reduced gradient would (worker.keras).
 SKIP_UPDATE = "tfps/skip_update"
+
+
+def asks_skip(metrics) -> bool:
+    """Whether ``metrics`` (a push's, or the round's sum a reply carries) hold ``SKIP_UPDATE`` > 0."""
+    return bool(metrics) and SKIP_UPDATE in metrics and float(np.sum(metrics[SKIP_UPDATE])) > 0
 
 
 def broadcast_poster(key: str) -> int:

@@ -32,7 +32,7 @@ from typing import Iterator
 import grpc
 
 from ps_common.batches import global_batch, micro_batches
-from ps_common.names import SKIP_UPDATE
+from ps_common.names import asks_skip
 from ps_common.reasons import Reason
 from worker.client import PSClientError
 from worker.config import ConfigError
@@ -280,7 +280,7 @@ def _compute_round(engine, work) -> None:
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:
             todo = list(reply.more.micro_batches)  # the rest of ours, or a dead worker's part
-    if float(reply.metrics.get(SKIP_UPDATE, [0])[0]) > 0:  # the round completed without an update
+    if asks_skip(reply.metrics):  # the round completed without an update
         engine.skipped_rounds += (work.round,)
     total = {k: sum(r[k] for r in rows) for k in ("batch_size", "compute_s", "compute_cpu_s", "knob_s", "push_bytes")}
     loss = sum(r["loss"] * r["batch_size"] for r in rows) / max(total["batch_size"], 1)

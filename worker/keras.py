@@ -44,7 +44,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ps_common.names import SKIP_UPDATE
+from ps_common.names import SKIP_UPDATE, asks_skip
 from ps_common.procs import LEFT_JOB_STATUS
 from ps_common.sparse import SparseRows
 from worker.gradients import as_pushed, changes, non_trainable, set_values, trainable, zeros
@@ -951,7 +951,7 @@ class _Wrap:
         if not _scaled(optimizer):
             return []
         if reply is not None:
-            skip = float(reply.metrics[SKIP_UPDATE][0]) > 0 if SKIP_UPDATE in (reply.metrics or {}) else skip
+            skip = asks_skip(reply.metrics) if SKIP_UPDATE in (reply.metrics or {}) else skip
             self.skipped[id(optimizer)] = self.skipped.get(id(optimizer), 0) + skip
         scale, counter = optimizer.dynamic_scale.numpy(), int(optimizer.step_counter.numpy())
         scale, counter = (scale / 2, 0) if skip else _grown(scale, counter, 1, optimizer.dynamic_growth_steps)

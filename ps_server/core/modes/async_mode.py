@@ -112,7 +112,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.defaults import MAX_STALENESS
-from ps_common.names import ASYNC_APPLIES, SKIP_UPDATE, STALE_POLICIES
+from ps_common.names import ASYNC_APPLIES, STALE_POLICIES, asks_skip
 from ps_server.core.errors import InvalidArgument, StaleRound
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Mode, ModeStatus, Push, PushResult, Stats, Ticket
@@ -215,7 +215,7 @@ class AsyncMode(Mode):
         # One optimizer for the whole push (its learning rate, global_clipnorm's factor over all
         # of it), variable by variable in name order: reproducible; correctness does not depend on it.
         apply = self.store.apply_in_place if self.apply == "hogwild" else self.store.apply_push
-        if not (push.metrics and float(np.sum(push.metrics.get(SKIP_UPDATE, 0))) > 0):  # SKIP_UPDATE: nothing
+        if not asks_skip(push.metrics):  # SKIP_UPDATE: nothing
             apply(push.gradients, lr_scale, key=f"push {push.worker_id}:{push.step}")
         version = self.store.bump_version()
         self.stats.applied(time.perf_counter() - started)

@@ -77,7 +77,7 @@ from typing import Callable
 
 import numpy as np
 
-from ps_common.names import SKIP_UPDATE
+from ps_common.names import SKIP_UPDATE, asks_skip
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, weighted_loss
 from ps_server.core.data.cursor import Cursor, EpochLedger, RoundWork
@@ -337,7 +337,7 @@ class ElasticSyncMode(Mode):
                                   f"{self._rates!r}; nothing applied")
         if self._work.receive(w, m, dealt_elsewhere=bool(self.shard)):
             self._rates = rates or self._rates
-            self._skip = self._skip or bool(push.metrics) and float(np.sum(push.metrics[SKIP_UPDATE])) > 0
+            self._skip = self._skip or asks_skip(push.metrics)
             self._sum.add(m, size, push.gradients)  # keyed by micro-batch: who computed it is no input
             self._contributors.add(w)
             self._losses.append((push.loss, size))

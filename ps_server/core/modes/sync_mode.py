@@ -88,7 +88,7 @@ from typing import Callable
 import numpy as np
 
 from ps_common.defaults import REPLACEMENT_TIMEOUT
-from ps_common.names import DEAD_WORKER_POLICIES, SKIP_UPDATE
+from ps_common.names import DEAD_WORKER_POLICIES, asks_skip
 from ps_common.reasons import Reason
 from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
@@ -366,7 +366,7 @@ class SyncMode(Mode):
         speculation = self._speculation if self._speculation is not None \
             and self._speculation.generation == generation and not rates else None
         metrics = sum_metrics([p.metrics for p in pushes])
-        skip = bool(metrics) and SKIP_UPDATE in metrics and float(np.sum(metrics[SKIP_UPDATE])) > 0
+        skip = asks_skip(metrics)
         kept = speculation.confirm(pushes) if speculation is not None and not skip else None  # core.modes.overlap
         try:
             # Every variable speculated from exactly these pushes: those values are the round's.
