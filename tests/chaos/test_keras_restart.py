@@ -12,6 +12,7 @@ with the same evaluation and predictions (the same parameters).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -66,3 +67,48 @@ def test_keras_fit_rides_out_a_server_restart_and_every_worker_ends_with_the_sam
     assert len(records) == 2 and records[0]["evaluate"] == records[1]["evaluate"]
     assert records[0]["predict"] == records[1]["predict"]
     assert records[0]["evaluate"]["accuracy"] > 0.8
+
+
+LOST_AT_STEP = 10
+
+
+def restart_when_pushed(procs, server, port: int, ckpt_dir, folder, finished: threading.Event) -> None:
+    """Once worker 1's push of ``LOST_AT_STEP`` is in (``lost_reply_keras.py``), kill the server
+    a checkpoint interval later, start it again, and tell worker 1 its reply is lost."""
+    deadline = time.monotonic() + 240
+    while not (folder / "pushed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.6)  # one checkpoint interval: the restored state is at most that old
+    server.kill()
+    server.wait()
+    start_server(procs, port, ckpt_dir, "ps-restarted")
+    (folder / "restarted").write_text("")
+    finished.wait(600)
+
+
+@pytest.mark.recovery
+def test_a_restart_that_lost_one_worker_s_reply_drops_its_batch_so_both_push_the_same_global_batch(
+        procs, tmp_path, monkeypatch):
+    """The server completes round 10 and dies; worker 0 had the reply (it pushes its batch 11 next),
+    worker 1 lost it (it would push its batch 10 again). After the restart the workers post the
+    batch each pushes next, and worker 1 drops batch 10, so the restored round is of one global
+    batch: both fits end with the same parameters. Without it ``BatchDigests`` stops both workers
+    (``DataMismatch``: each half of the round came from another global batch)."""
+    port, ckpt, folder = free_port(), tmp_path / "ckpt", tmp_path / "signals"
+    folder.mkdir()
+    monkeypatch.setenv("TFPS_LOSE_REPLY", f"1:{LOST_AT_STEP}:{folder}")
+    server = start_server(procs, port, ckpt, "ps")
+    finished = threading.Event()
+    killer = threading.Thread(target=restart_when_pushed, args=(procs, server, port, ckpt, folder, finished),
+                              daemon=True)
+    killer.start()
+    try:
+        records = fit(procs, tmp_path, "sync", "--epochs", "2", address=f"127.0.0.1:{port}",
+                      program=os.path.join(os.path.dirname(__file__), "lost_reply_keras.py"))
+    finally:
+        finished.set()
+        killer.join(60)
+    assert (folder / "restarted").exists(), read_log(server)[-2000:]
+    logs = [p.read_text() for p in sorted(tmp_path.glob("keras-worker*.log"))]
+    assert "drops its batch" not in logs[0] and "drops its batch" in logs[1], logs[1][-3000:]
+    assert records[0]["evaluate"] == records[1]["evaluate"] and records[0]["predict"] == records[1]["predict"]
