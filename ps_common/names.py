@@ -125,11 +125,6 @@ REFUSED_KERAS_OPTIMIZERS = {
                       "each of its optimizers a group of the server's, other front doors push to one optimizer",
 }
 
-# Why use_ema's ema_overwrite_frequency with gradient_accumulation_steps is refused (both sides say it).
-EMA_WINDOWS = ("Keras counts the overwrites in updates (iterations // k), so it overwrites the variables with "
-               "their averages at every batch of an overwrite's window, and takes the window's later gradients "
-               "at averages the worker does not hold")
-
 # A field an optimizer does not take holds this (the first optimizer's default that has it),
 # so that two specs of one optimizer are equal exactly when the maths is.
 UNUSED_FIELD_VALUES: dict = {}
@@ -193,8 +188,7 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
 
     The one definition of what the server cannot run, for both sides: raises ValueError,
     one line naming it, for an optimizer class it does not know, a config key it does not
-    know, ``loss_scale_factor`` set, ``gradient_accumulation_steps`` with ``use_ema``'s
-    ``ema_overwrite_frequency``, and a learning rate that is not a number or one of Keras'
+    know, ``loss_scale_factor`` set, and a learning rate that is not a number or one of Keras'
     own schedules (``LEARNING_RATE_SCHEDULES``; the server checks its config in full).
     """
     name = KERAS_OPTIMIZER_CLASSES.get(class_name)
@@ -217,9 +211,6 @@ def keras_optimizer_fields(class_name: str, config: dict) -> dict:
     if name == "muon" and config.get("rms_rate", 0.2) == 0:
         raise ValueError("Muon with rms_rate=0 cannot run on the server: the wire's 0 is None, no adjustment "
                          "(rms_rate=0 never moves a matrix)")
-    if accumulation and config.get("use_ema") and config.get("ema_overwrite_frequency"):
-        raise ValueError(f"{class_name} with use_ema and gradient_accumulation_steps cannot run on the server with "
-                         f"ema_overwrite_frequency: {EMA_WINDOWS}")
     fields = {"name": name, **config, **({"gradient_accumulation_steps": accumulation} if accumulation else {})}
     for field in NONE_AS_ZERO:  # None where Keras' default is not (Muon's rms_rate): the wire's None, 0
         if field in config and config[field] is None and OPTIMIZER_DEFAULTS[name].get(field) is not None:

@@ -277,6 +277,14 @@ def _scaled(optimizer) -> bool:
     return type(optimizer).__name__ == "LossScaleOptimizer"
 
 
+def _overwriting(optimizer) -> bool:
+    """Whether ``optimizer``'s window now under way overwrites the variables with their averages at
+    each of its batches (``use_ema`` with ``ema_overwrite_frequency`` and accumulation: Keras counts
+    the overwrites in updates, ``iterations``), and takes its later gradients there."""
+    frequency = optimizer.ema_overwrite_frequency if optimizer.use_ema else None
+    return bool(frequency) and (int(optimizer.iterations) + 1) % frequency == 0
+
+
 def _grown(scale, counter: int, steps: int, growth: int) -> tuple:
     """A ``LossScaleOptimizer``'s float32 scale and step counter after ``steps`` finite steps: it
     doubles the scale at every ``growth``-th (times 2 and halving: exact)."""
@@ -457,10 +465,11 @@ class _Attached:
     def _pull(self) -> None:
         """The server's parameters into the model (riding out a lost server); the local
         optimizer's ``iterations`` follow the server's version (elastic under a loss scale: less the
-        rounds that skipped, and the scale theirs, as far as this worker knows them)."""
+        rounds that skipped, and the scale theirs, as far as this worker knows them); ``_averaged``."""
         conn, seen = self.strategy.connection, self.strategy.connection.registration.incarnation
         self.strategy.engine.ride_out(conn.pull, rejoined=lambda: self._rejoined(seen, self.wrap.position + 1))
         self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
+        self._averaged()
         if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
             self._scale_to(max(0, int(conn.version)))
 
@@ -565,6 +574,14 @@ class _Attached:
     def _load(self) -> None:
         if self.strategy.connection is not None:
             self.strategy.connection.pull()
+            self._averaged()
+
+    def _averaged(self) -> None:
+        """After a pull: within a window that overwrites (``_overwriting``; a validation at an
+        epoch's end may fall in it) the variables are the averages, as this worker moved them."""
+        optimizer = _inner(self.model.optimizer)
+        if self.window.batches and _overwriting(optimizer):
+            optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables)
 
     def _load_with_state(self) -> None:
         """The server's parameters into the model and its optimizer state (slots, step count)
@@ -691,6 +708,11 @@ class _Wrap:
             strategy = self.attached.strategy
             if self.grouped:
                 raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
+            ema = _inner(self.served[0][0])
+            if ema.use_ema and ema.ema_overwrite_frequency and strategy.config.elastic:
+                raise ValueError(f"elastic=True: {name}: use_ema's ema_overwrite_frequency with "
+                                 "gradient_accumulation_steps is not served: Keras takes a window's later gradients at "
+                                 "the averages, and a round deals the window's batches at once")
             if _scaled(self.served[0][0]) and strategy.config.elastic and strategy.server_mode() == "sync":
                 raise ValueError(f"elastic=True: {name}: a loss scale (mixed_float16) with gradient_accumulation_steps "
                                  "is not served in sync: a round is its window's batches, and a skip would be the "
@@ -764,6 +786,8 @@ class _Wrap:
                                                 rides=lambda e: recoverable(e) and not self.immediate)
         if self.held:  # gradient_accumulation_steps: the window goes on; Keras counts the batch, unless its loss
             self._rescale(self.served[0][0], self.skip)  # scale skipped it (not in the window)
+            if not self.skip:
+                self._overwrite(_inner(model.optimizer), self.served[0][1])
             _inner(model.optimizer)._iterations.assign_add(0 if self.skip else 1)
             return model.get_metrics_result()
         if self.examples:
@@ -778,6 +802,23 @@ class _Wrap:
             _inner(optimizer)._iterations.assign(max(0, made))
         fresh = model.get_metrics_result()
         return {k: fresh.get(k, v) for k, v in logs.items()} if logs else fresh
+
+    def _overwrite(self, optimizer, variables: list) -> None:
+        """After a batch held in a window that overwrites (``_overwriting``): Keras moves the
+        averages and overwrites the variables with them. Its own code does that here, on the
+        server's averages as of the window's start (read at its first batch); the server's update
+        then steps from the same averages (``ps_server.core.optim.optimizers``)."""
+        if not _overwriting(optimizer):
+            return
+        if self.attached.window.batches == 1:
+            if not optimizer.built:  # where the server steps, the local optimizer is built for this alone
+                optimizer.build(variables)
+            conn = self.attached.strategy.connection
+            _, _, states = self.attached.strategy.engine.ride_out(conn.client.optimizer_state, conn.worker_id)
+            for v, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
+                average.assign(states[v.path]["ema"])
+        optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+        optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables)
 
     def _begin(self, pulled: dict) -> None:
         """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""

@@ -40,6 +40,7 @@ p.add_argument("--per-worker", action="store_true", help="each worker's own batc
 p.add_argument("--count-metrics", action="store_true",
                help="four metrics counting the examples of each step, one per variable aggregation")
 p.add_argument("--accumulate", type=int, default=0, help="the optimizer's gradient_accumulation_steps")
+p.add_argument("--ema-overwrite", type=int, default=0, help="use_ema with this ema_overwrite_frequency")
 p.add_argument("--alone", action="store_true", help="one plain process, no tfps: the reference")
 p.add_argument("--arrays", action="store_true",
                help="fit on the NumPy arrays (batch_size=64, Keras' default shuffle=True, unseeded)")
@@ -122,7 +123,9 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(10, activation="softmax")])
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=args.learning_rate, momentum=0.9,
-                                                 gradient_accumulation_steps=args.accumulate or None),
+                                                 gradient_accumulation_steps=args.accumulate or None,
+                                                 use_ema=bool(args.ema_overwrite), ema_momentum=0.5,
+                                                 ema_overwrite_frequency=args.ema_overwrite or None),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"] + ([Examples(a) for a in ("sum", "mean", "only_first_replica", "none")]
                                           if args.count_metrics else []))

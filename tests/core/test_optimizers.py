@@ -272,9 +272,6 @@ def test_state_missing_a_slot_is_rejected():
          r"ema_momentum must be in \[0, 1\]; got 1.5"),
         (dict(name="adam", use_ema=True, ema_overwrite_frequency=2.5),
          "ema_overwrite_frequency must be an integer >= 1"),
-        (dict(name="adam", use_ema=True, ema_overwrite_frequency=3, gradient_accumulation_steps=3),
-         r"use_ema with ema_overwrite_frequency and gradient_accumulation_steps: Keras counts the overwrites in "
-         r"updates \(iterations // k\), so it overwrites the variables .* at every batch of an overwrite's window"),
         (dict(name="sgd", learning_rate_schedule={"class_name": "MySchedule", "config": {}}),
          "learning-rate schedule MySchedule is not one the server can run"),
     ],
@@ -480,8 +477,6 @@ def test_from_keras_reads_every_argument_of_the_keras_config(keras):
     ("Muon", {"rms_rate": 0}, "Muon with rms_rate=0 cannot run on the server"),
     ("LossScaleOptimizer", {}, "optimizer LossScaleOptimizer cannot run on the server"),
     ("SGD", {"loss_scale_factor": 128.0}, "SGD with loss_scale_factor=128.0 cannot run on the server"),
-    ("Adam", {"gradient_accumulation_steps": 4, "use_ema": True, "ema_overwrite_frequency": 2},
-     "Adam with use_ema and gradient_accumulation_steps cannot run"),
     ("SGD", {"lr": 0.1}, "SGD has config keys the server does not know: lr"),
     ("SGD", {"learning_rate": {"class_name": "MySchedule", "config": {}, "module": None,
                                "registered_name": "MySchedule"}}, "learning-rate schedule MySchedule"),
@@ -535,12 +530,16 @@ def ours_windows(spec, values, states, windows):
     return opt
 
 
+@pytest.mark.parametrize("frequency", [None, 2])
 @pytest.mark.parametrize("case,option,schedule", [("adam", None, None), ("sgd_nesterov", "weight_decay", None),
                                                   ("rmsprop_centered_momentum", "clipvalue", "exponential")])
-def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, case, option, schedule):
+def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, case, option, schedule, frequency):
     """Keras moves the average at each of a window's K batches, momentum 0 through the
     first window (its ``iterations``, ``_iterations // K``, is 0): the server's update
-    moves it K - 1 times with the value before, then once after. After 11 batches (three
+    moves it K - 1 times with the value before, then once after. With
+    ``ema_overwrite_frequency`` 2 the windows of ``iterations`` 1 and 3 overwrite the variable
+    at each batch: the moves after the first are of the average with itself, and the update
+    steps from the average (the 11 batches end 2 batches into such a window). After 11 batches (three
     updates, two batches of the fourth window) the variables and the averages are Keras',
     bit for bit, the averages once the end of a fit (``averaged``) moves them for the batches
     held, a second ask moving nothing. Then, as a second fit after Keras'
@@ -550,9 +549,9 @@ def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, ca
     init, grads = apply_problem(seed=3)
     optimizer = make_keras(keras, case, option, schedule)
     optimizer.gradient_accumulation_steps = K
-    optimizer.use_ema, optimizer.ema_momentum = True, 0.8
+    optimizer.use_ema, optimizer.ema_momentum, optimizer.ema_overwrite_frequency = True, 0.8, frequency
     spec = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
-    assert spec.gradient_accumulation_steps == K and spec.use_ema
+    assert spec.gradient_accumulation_steps == K and spec.use_ema and spec.ema_overwrite_frequency == frequency
     variables = [keras.Variable(x) for x in init]
 
     def keras_batches(batches):
@@ -560,11 +559,12 @@ def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, ca
             optimizer.apply([keras.ops.convert_to_tensor(g) for g in step_grads], variables)
         return [v.numpy() for v in variables], [a.numpy() for a in optimizer._model_variables_moving_average]
 
-    values, averages = keras_batches(grads[:11])
+    values, _ = keras_batches(grads[:9])
     ours = list(init)
     states = [make_optimizer(spec).init_state(v) for v in ours]
     opt = ours_windows(spec, ours, states, [grads[0:3], grads[3:6], grads[6:9]])
     assert_like_keras(ours, values)
+    _, averages = keras_batches(grads[9:11])
     taken = [opt.averaged(v, s, batches=2) for v, s in zip(ours, states)]
     assert_like_keras([t[0] for t in taken], averages)
     ours, states = [t[0] for t in taken], [t[1] for t in taken]
@@ -578,11 +578,12 @@ def test_ema_under_accumulation_moves_at_every_batch_as_keras_moves_it(keras, ca
     assert all(s["ema_moved"] == 0 and s["iterations"] == 5 for s in states)
 
 
-def test_keras_overwrites_at_every_batch_of_an_overwrite_window_so_that_is_refused(keras):
-    """Why ``ema_overwrite_frequency`` with accumulation is refused (``EMA_WINDOWS``): with
-    frequency 2 and K = 3 batches an update, Keras overwrites at every batch of the windows
-    whose ``iterations`` is 1 and 3, not only at updates: batch 10, the first of the fourth
-    window, changes the variable to the average, and the window's next gradients are taken there."""
+def test_keras_overwrites_at_every_batch_of_an_overwrite_window_and_the_server_steps_from_the_average(keras):
+    """``ema_overwrite_frequency`` with accumulation, by hand: with frequency 2 and K = 3
+    batches an update, Keras overwrites at every batch of the windows whose ``iterations`` is 1
+    and 3, not only at updates: batch 10, the first of the fourth window, changes the variable
+    to the average, and the window's next gradients are taken there (``tfps.keras`` moves the
+    server's average for them). The server's updates are Keras' at batches 3, 6 and 9."""
     optimizer = keras.optimizers.SGD(1.0, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2,
                                      gradient_accumulation_steps=K)
     w = keras.Variable(np.zeros(1, np.float32))
@@ -594,8 +595,11 @@ def test_keras_overwrites_at_every_batch_of_an_overwrite_window_so_that_is_refus
     # a = -1 after batch 3; batch 6: a = (-1 + -2) / 2, overwritten; batch 9: a = (-1.5 + -2.5) / 2,
     # not overwritten (iterations 2); batch 10: a = (-2 + -2.5) / 2, overwritten, though no update
     assert seen == [0.0, 0.0, -1.0, -1.0, -1.0, -1.5, -1.5, -1.5, -2.5, -2.25]
-    with pytest.raises(InvalidArgument, match="cannot run on the server with ema_overwrite_frequency: Keras counts"):
-        OptimizerSpec.from_keras("SGD", optimizer.get_config())
+    spec, ours = OptimizerSpec.from_keras("SGD", optimizer.get_config()), [np.zeros(1, np.float32)]
+    states, one = [make_optimizer(spec).init_state(ours[0])], [np.ones(1, np.float32)]
+    for update in range(3):
+        ours_windows(spec, ours, states, [[one] * K])
+        assert float(ours[0][0]) == seen[K * update + K - 1]
 
 
 def test_averaged_takes_the_batches_of_a_window_under_way_only_under_accumulation():

@@ -29,8 +29,9 @@ def optimizer(kind: str):
     if kind == "adam-schedule":
         schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
         return keras.optimizers.Adam(schedule, gradient_accumulation_steps=K)
-    if kind == "adamw-ema":
-        return keras.optimizers.AdamW(0.05, use_ema=True, ema_momentum=0.8, gradient_accumulation_steps=K)
+    if kind.startswith("adamw-ema"):  # adamw-ema-overwrite: the windows of updates 1, 3, 5... overwrite
+        return keras.optimizers.AdamW(0.05, use_ema=True, ema_momentum=0.8, gradient_accumulation_steps=K,
+                                      ema_overwrite_frequency=2 if kind.endswith("overwrite") else None)
     return keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=K)
 
 
@@ -76,16 +77,39 @@ def test_one_server_update_per_k_batches_ends_where_model_fit_ends(kind):
         f"max difference {max(float(np.max(np.abs(a - b))) for a, b in zip(weights, alone))}"
 
 
+@pytest.mark.parametrize("kind", ["adamw-ema", "adamw-ema-overwrite"])
 @pytest.mark.parametrize("shards", [1, 2])
-def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_window_as_model_fit(tmp_path, shards):
+def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_window_as_model_fit(tmp_path, shards,
+                                                                                               kind):
     """``use_ema``: Keras moves the averages at each batch, the window's accumulating ones too,
     and ``fit`` ends by swapping them in (``finalize_variable_values``). Two fits of 2 epochs of
     5 batches with K = 3: the first ends 1 batch into a window, whose averages the server moves
     for it at the end (``Window.batches``), the second completes that window and ends 2 batches
     into another. Each fit's weights, the iterations and the averages ``model.save_weights``
-    writes are the plain ``model.fit``'s, to the bit, on one server shard and on two."""
-    served = fit("adamw-ema", server=shards, batches=5, fits=2, path=tmp_path / "served.weights.h5")
-    alone = fit("adamw-ema", server=0, batches=5, fits=2, path=tmp_path / "alone.weights.h5")
+    writes are the plain ``model.fit``'s, to the bit, on one server shard and on two. With
+    ``ema_overwrite_frequency=2`` the windows of ``iterations`` 1, 3 and 5 overwrite the
+    variables with the averages at each of their batches, and the window's later gradients are
+    taken there (the worker moves the server's averages for them): the first fit ends 1 batch
+    into the window of 3, the second fit completes it."""
+    served = fit(kind, server=shards, batches=5, fits=2, path=tmp_path / "served.weights.h5")
+    alone = fit(kind, server=0, batches=5, fits=2, path=tmp_path / "alone.weights.h5")
     assert served[1] == alone[1] == 20 // K
     assert [[w.tobytes() for w in ws] for ws in served[0]] == [[w.tobytes() for w in ws] for ws in alone[0]]
     assert [a.tobytes() for a in served[2]] == [a.tobytes() for a in alone[2]]
+
+
+def test_ema_overwrites_inside_windows_are_refused_under_elastic_before_this_worker_registers():
+    """Elastic: a round deals a window's batches at once, so none is taken at the averages."""
+    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1, elastic_min_workers=1,
+                                        micro_batches=2)).start()
+    try:
+        strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+            model.compile(optimizer=optimizer("adamw-ema-overwrite"), loss="mse")
+        with pytest.raises(ValueError, match="elastic=True: Sequential: use_ema's ema_overwrite_frequency with "
+                                             "gradient_accumulation_steps is not served"):
+            model.fit(np.zeros((16, 5), np.float32), np.zeros((16, 1), np.float32), batch_size=4, verbose=0)
+        assert strategy.connection is None
+    finally:
+        running.stop(grace=0.5)

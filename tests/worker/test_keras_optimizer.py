@@ -93,8 +93,6 @@ def refusals(keras):
         (type("Adam", (O.Adam,), {"__module__": "my_program"})(), "optimizer my_program.Adam cannot run"),
         (O.LossScaleOptimizer(O.SGD()), "optimizer LossScaleOptimizer cannot run on the server: it scales"),
         (O.MultiOptimizer(O.OptimizerMap(O.SGD())), "optimizer MultiOptimizer cannot run on the server: it steps"),
-        (O.Adam(gradient_accumulation_steps=4, use_ema=True, ema_overwrite_frequency=2),
-         "Adam with use_ema and gradient_accumulation_steps cannot run"),
         (O.SGD(learning_rate=MySchedule()), "learning-rate schedule MySchedule .* cannot run on the server"),
         (wd, "AdamW with exclude_from_weight_decay cannot run on the server"),
     ]

@@ -35,8 +35,6 @@ def test_scope_attaches_a_model_compiled_inside_and_puts_compile_back():
 
 @pytest.mark.parametrize("optimizer, named", [
     (keras.optimizers.Muon(rms_rate=0), "Muon with rms_rate=0"),
-    (keras.optimizers.Adam(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4),
-     "use_ema and gradient_accumulation_steps"),
 ])
 def test_an_optimizer_or_option_the_server_cannot_run_is_refused_at_compile_naming_it(optimizer, named):
     strategy = Strategy(ps="127.0.0.1:1")

@@ -17,7 +17,11 @@ optimizer's step, then ``use_ema`` (an ``ema`` slot: the moving average, and eve
 ``ema_overwrite_frequency`` updates the variable overwritten with it; at the end of a
 Keras ``fit`` too, ``averaged``, ``VariableStore.take_averages``). With
 ``gradient_accumulation_steps`` k Keras moves the average at each of the window's k
-batches: the update moves it k - 1 times with the value before it, then once after. The learning
+batches: the update moves it k - 1 times with the value before it, then once after. In a
+window whose update overwrites (Keras counts the overwrites in updates, ``iterations // k``),
+Keras overwrites the variable at each of its batches: the moves after the first are of the
+average with itself, and the update steps from the average (the worker computed the window's
+later gradients there: ``tfps.keras``). The learning
 rate is a constant or one of Keras' schedules (``ps_server.core.optim.schedules``),
 evaluated at the variable's update count before the update, as Keras evaluates it
 at ``optimizer.iterations``.
@@ -53,8 +57,7 @@ Known limits, on TensorFlow's side:
   it turns a ``-0.0`` into ``+0.0``.
 
 Refused (``OptimizerSpec.validate``/``from_keras``, InvalidArgument naming it):
-another optimizer class, ``loss_scale_factor``, ``gradient_accumulation_steps`` with
-``ema_overwrite_frequency`` (``ps_common.names.EMA_WINDOWS`` says why), a schedule
+another optimizer class, ``loss_scale_factor``, a schedule
 that is not one of Keras' six, and a config key this module does not know
 (``ps_common.names.keras_optimizer_fields``, which the worker applies too).
 
@@ -80,7 +83,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ps_common.names import (EMA_WINDOWS, NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
+from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
                              keras_optimizer_fields)
 from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
@@ -211,8 +214,6 @@ class OptimizerSpec:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 2):
             raise InvalidArgument(f"gradient_accumulation_steps must be an integer >= 2 or unset; got {steps!r}")
         self._validate_groups()
-        if steps is not None and self.use_ema and self.ema_overwrite_frequency:
-            raise InvalidArgument(f"use_ema with ema_overwrite_frequency and gradient_accumulation_steps: {EMA_WINDOWS}")
         if self.learning_rate <= 0:
             raise InvalidArgument(f"learning_rate must be > 0; got {self.learning_rate!r}")
         ranges = {"momentum": (0, 1), "rho": (0, 1)}
@@ -550,6 +551,12 @@ class Optimizer:
             state = {name: state[name].reshape(1) for name in slot_names}
         dtype, before = value.dtype, value
         c = self.step_constants(dtype, iterations, lr_scale)
+        k = spec.gradient_accumulation_steps
+        if spec.use_ema and k:  # the window's k - 1 batches that only accumulated (those a fit's end moved aside)
+            state = {**state, "ema": self._moved(state["ema"], before, iterations, c, k - 1 - moved,
+                                                 self._overwrites(iterations))}
+            if self._overwrites(iterations):
+                value = state["ema"]
         with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
             grad = grad.clipped(self._clip, c) if isinstance(grad, Occurrences) else self._clip(grad, c, clip_scale)
         if spec.weight_decay is not None:  # TensorFlow's _apply_weight_decay: w.assign_sub(w * wd * lr)
@@ -561,29 +568,34 @@ class Optimizer:
         else:
             new_value, slots = self._step(value, grad, state, iterations, c)
         if spec.use_ema:
-            # Keras moves the average at every batch, with the variable as it is then. With
-            # gradient_accumulation_steps k: k - 1 batches that only accumulated, with w before
-            # the update (but those a fit's end moved already: ema_moved), then the update's.
-            k = spec.gradient_accumulation_steps
-            ema = self._moved(state["ema"], before, iterations, c, k - 1 - moved if k else 0)
-            slots["ema"] = ema = self._moved(ema, new_value, iterations, c)
+            # Keras moves the average at every batch, with the variable as it is then: here the
+            # update's (with gradient_accumulation_steps the window's others moved above).
+            slots["ema"] = ema = self._moved(state["ema"], new_value, iterations, c)
             if k:
                 slots["ema_moved"] = np.zeros((), dtype)
-            # every ema_overwrite_frequency steps w = average (Keras, iterations before +1)
-            if spec.ema_overwrite_frequency and (iterations + 1) % spec.ema_overwrite_frequency == 0:
+            if self._overwrites(iterations):
                 new_value = ema.copy()
         # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
         slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 
+    def _overwrites(self, iterations: int) -> bool:
+        """Whether the update after ``iterations`` overwrites the variable with its average (every
+        ``ema_overwrite_frequency`` updates: Keras, ``(iterations + 1) % frequency == 0``)."""
+        frequency = self.spec.ema_overwrite_frequency
+        return bool(self.spec.use_ema and frequency and (iterations + 1) % frequency == 0)
+
     @staticmethod
-    def _moved(ema: np.ndarray, value: np.ndarray, iterations: int, c: dict, times: int = 1) -> np.ndarray:
+    def _moved(ema: np.ndarray, value: np.ndarray, iterations: int, c: dict, times: int = 1,
+               overwriting: bool = False) -> np.ndarray:
         """``times`` of Keras' moves of the average (a new array): ``momentum * average + (1 -
-        momentum) * w``, momentum 0 while ``iterations`` (updates; Keras' ``_iterations // k``) is 0."""
+        momentum) * w``, momentum 0 while ``iterations`` (updates; Keras' ``_iterations // k``) is 0.
+        ``overwriting``: ``w`` is ``value`` for the first move, then the average (Keras overwrote it)."""
         momentum = c["ema_momentum"] if iterations != 0 else c["zero"]
         for _ in range(times):
             ema = np.multiply(ema, momentum)
             ema += np.multiply(value, c["one"] - momentum)
+            value = ema if overwriting else value
         return ema
 
     def averaged(self, value: np.ndarray, state: dict, batches: int = 0) -> tuple[np.ndarray, dict]:
@@ -599,7 +611,9 @@ class Optimizer:
         if batches <= moved:
             return state["ema"], state
         c = self._constants[value.dtype]
-        ema = np.asarray(self._moved(state["ema"], value, int(state["iterations"]), c, batches - moved), value.dtype)
+        iterations = int(state["iterations"])
+        ema = np.asarray(self._moved(state["ema"], value, iterations, c, batches - moved, self._overwrites(iterations)),
+                         value.dtype)
         return ema, {**state, "ema": ema, "ema_moved": np.asarray(batches, value.dtype)}
 
     def apply_rows(self, value: np.ndarray, rows: np.ndarray, grad: np.ndarray, state: dict,
