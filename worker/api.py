@@ -79,11 +79,7 @@ def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Seque
     from worker.trainer import train as run
 
     config = make_config(model=_label(model_fn), dataset=_label(dataset_fn), **flags)
-    try:
-        task = tasks.from_config(config, model_fn, dataset_fn, loss=loss, metrics=metrics)
-    except tasks.TaskError as e:
-        raise ConfigError(str(e)) from None
-    return run(config, task)
+    return run(config, tasks.from_config(config, model_fn, dataset_fn, loss=loss, metrics=metrics))
 
 
 class Session:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ps_common import batches as ps_batches
+from ps_common.errors import ConfigError
 from worker import model as models
 from worker.data import load_dataset, train_subset
 
@@ -45,8 +46,8 @@ log = logging.getLogger("worker")
 SHARDINGS = ("batch", "none")
 
 
-class TaskError(ValueError):
-    """The model or data cannot be used as given; the message says why."""
+class TaskError(ConfigError):
+    """The model or data cannot be used as given: a ``ConfigError`` whose message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,12 +63,9 @@ def train(config: WorkerConfig, task: tasks.Task | None = None) -> dict:
     tf = models.tf_setup(config.deterministic, config.intra_op_threads)
     device = models.device_name()
     log.debug("computes on %s (TensorFlow %s)", device, tf.__version__)
-    try:
-        task = task or tasks.from_config(config)
-        with tf.device(device):
-            model = task.build_model()
-    except tasks.TaskError as e:
-        raise ConfigError(str(e)) from None
+    task = task or tasks.from_config(config)
+    with tf.device(device):
+        model = task.build_model()
     log.debug("training %s: %d steps, %d trainable and %d non-trainable variables", task.name, task.total_steps,
               len(trainable(model)), len(non_trainable(model)))
     if config.initial_weights:
