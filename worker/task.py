@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
-import itertools
 import logging
 import os
 import sys
@@ -146,9 +145,6 @@ class BuiltinTask(Task):
             self.name += f" ({config.train_examples} training examples)"
         per_epoch = ps_batches.steps_per_epoch(self.num_examples, config.global_batch_size)
         self.total_steps = config.steps or config.epochs * per_epoch
-        epochs_needed = -(-self.total_steps // per_epoch)
-        batches = ps_batches.global_batches(self.num_examples, config.global_batch_size, epochs_needed, config.seed)
-        self._batches = list(itertools.islice(batches, self.total_steps))
 
     def build_model(self):
         return models.build_model(self.config.model, self.config.seed)
@@ -158,7 +154,8 @@ class BuiltinTask(Task):
 
     def global_batch(self, step: int) -> np.ndarray:
         """The examples (indices) of global batch ``step``: the data plan the server deals from."""
-        return self._batches[step]
+        config = self.config
+        return ps_batches.global_batch(self.num_examples, config.global_batch_size, config.seed, step)
 
     def examples(self, indices: np.ndarray):
         """(x, y) of the training examples at ``indices``."""
@@ -195,8 +192,7 @@ class UserTask(Task):
         self.global_batch_size, self.epochs, self.steps, self.seed = global_batch_size, epochs, steps, seed
         self.loss_spec, self.metric_specs, self.sharding = loss, metrics, sharding
         self.name = name or f"{getattr(model_fn, '__name__', 'model')} on {getattr(dataset_fn, '__name__', 'data')}"
-        self._worker_index, self._num_workers = worker_index, num_workers
-        self._train, self._eval = self._make_datasets(worker_index, num_workers)
+        self._bind(worker_index, num_workers)
         self.dealt: DealtArrays | None = None  # elastic: the train dataset read once, dealt by index
         if elastic:
             x, y, sample_weight, _ = read_once(self._train)
@@ -218,7 +214,7 @@ class UserTask(Task):
         self._loss_fn = None
         self._metric_list: list | None = None
 
-    def _make_datasets(self, worker_index: int, num_workers: int):
+    def _bind(self, worker_index: int, num_workers: int) -> None:
         import tensorflow as tf
 
         try:
@@ -232,14 +228,14 @@ class UserTask(Task):
         if not isinstance(train, tf.data.Dataset):
             raise TaskError(f"the dataset function must return a tf.data.Dataset or a (train, eval) pair of them, "
                             f"got {type(out).__name__}")
-        return train, evaluation
+        self._worker_index, self._num_workers = worker_index, num_workers
+        self._train, self._eval = train, evaluation
 
     def rebind(self, worker_index: int, num_workers: int) -> None:
         """The worker learned its index (``--worker-index auto``): a context-taking
         dataset function is asked again with it (not when elastic: every worker reads it all)."""
         if self.dealt is None and (worker_index, num_workers) != (self._worker_index, self._num_workers):
-            self._worker_index, self._num_workers = worker_index, num_workers
-            self._train, self._eval = self._make_datasets(worker_index, num_workers)
+            self._bind(worker_index, num_workers)
 
     # -- the model, the loss and the metrics
     def build_model(self):
@@ -405,23 +401,19 @@ class DealtArrays:
 
 
 def _leaves(structure) -> list[np.ndarray]:
-    if structure is None:
-        return []
     if isinstance(structure, dict):
         return [a for k in sorted(structure) for a in _leaves(structure[k])]
     if isinstance(structure, (list, tuple)):
         return [a for item in structure for a in _leaves(item)]
-    return [np.asarray(structure)]
+    return [] if structure is None else [np.asarray(structure)]
 
 
 def _rows(structure, indices: np.ndarray):
-    if structure is None:
-        return None
     if isinstance(structure, dict):
         return {k: _rows(v, indices) for k, v in structure.items()}
     if isinstance(structure, (list, tuple)):
         return type(structure)(_rows(v, indices) for v in structure)
-    return np.asarray(structure)[indices]
+    return None if structure is None else np.asarray(structure)[indices]
 
 
 def read_once(dataset) -> tuple:

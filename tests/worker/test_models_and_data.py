@@ -64,7 +64,7 @@ def test_the_subset_does_not_depend_on_the_run_seed():
 def test_an_epoch_follows_the_number_of_training_examples():
     task = BuiltinTask(WorkerConfig(train_examples=130, epochs=2, global_batch_size=64))
     assert task.total_steps == 2 * 3  # 130 examples: batches of 64, 64, 2
-    assert max(int(b.max()) for b in task._batches) < 130
+    assert max(int(task.global_batch(step).max()) for step in range(task.total_steps)) < 130
     assert BuiltinTask(WorkerConfig(epochs=1, global_batch_size=64)).total_steps == 23  # 1437, all of digits
 
 
