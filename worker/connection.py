@@ -102,15 +102,14 @@ class Work:
 class Connection:
     """A worker's registration, step and lease for one model (module docstring)."""
 
-    def __init__(self, config: WorkerConfig, model, client: PSClient | ShardedClient | None = None,
-                 optimizer_spec: dict | None = None):
+    def __init__(self, config: WorkerConfig, model, optimizer_spec: dict | None = None):
         """``optimizer_spec`` (OptimizerConfig fields: a Keras model's compiled optimizer)
         replaces ``config.optimizer_spec()``: the chief initializes the server with it, and
         the others check the server's optimizer against it."""
         self.config, self.model = config, model
         self.optimizer_spec = dict(optimizer_spec) if optimizer_spec is not None else config.optimizer_spec()
         self.auto = config.worker_index == AUTO_INDEX  # the server assigns the index
-        self.client = client or connect(config)
+        self.client = connect(config)
         self.registration: Registration | None = None
         self.step = 0  # the step this worker computes next (sync: the server's round; a dropped push skips ahead)
         self.version = -1  # the version the model holds: the last pull's

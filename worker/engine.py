@@ -37,8 +37,7 @@ class Engine:
         self.pending = None  # elastic: work dealt for a later round than the step asking (worker.elastic)
         self.batch = 0  # elastic async and ssp: a task's examples
         self.skipped_rounds: tuple = ()  # elastic sync: the job's rounds without an update, as far as known
-        self.stop = None
-        self.watch(stop)
+        self.watch(stop)  # sets self.stop
         self.t0 = time.monotonic()  # what the rows' t counts from
 
     @property

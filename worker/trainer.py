@@ -97,10 +97,7 @@ class TrainingLoop:
                              task=task, record=self.record)
         self.conn, self.knobs = self.engine.conn, self.engine.knobs  # registration, step, pulls; the knobs
 
-    @property
-    def config(self) -> WorkerConfig:
-        """The configuration, with the index the server assigned (``--worker-index auto``)."""
-        return self.conn.config
+    config = Engine.config  # the configuration, with the index the server assigned (``--worker-index auto``)
 
     def run(self) -> dict:
         """Start, take the work where the registration says (this worker's own shard; with
