@@ -204,14 +204,6 @@ def _normalize(specs: Mapping[str, tuple]) -> dict[str, Spec]:
     return out
 
 
-def slice_count(shape: tuple[int, ...], dtype, num_shards: int, min_slice_bytes: int) -> int:
-    """How many row blocks ``plan`` cuts a variable into (1: kept whole)."""
-    if len(shape) == 0 or shape[0] < 2:
-        return 1
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    return max(1, min(num_shards, shape[0], nbytes // min_slice_bytes))
-
-
 def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEFAULT_MIN_SLICE_BYTES,
          small_bytes: int = DEFAULT_SMALL_BYTES) -> Placement:
     """The placement of ``specs`` (``{name: (shape, dtype)}``) over ``num_shards`` shards.
@@ -227,7 +219,9 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
     # Each variable's pieces, the largest first (np.array_split's order), on shard 0 until placed below.
     groups: dict[str, list[Piece]] = {}
     for name, (shape, dtype) in variables.items():
-        n = slice_count(shape, dtype, num_shards, min_slice_bytes)
+        # Slicing (module docstring): a 0-d scalar stays whole, and so does a 1-row variable (min <= 1).
+        nbytes = math.prod(shape) * dtype.itemsize
+        n = max(1, min(num_shards, shape[0], nbytes // min_slice_bytes)) if shape else 1
         rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)] if shape else [0]  # np.array_split's sizes
         starts = [0, *itertools.accumulate(rows)]
         groups[name] = [Piece(piece_name(name, k, n), name, 0, k, n, starts[k], starts[k + 1],
