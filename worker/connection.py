@@ -229,12 +229,6 @@ class Connection:
             self.posted = {**dict(list(self.posted.items())[-(POSTS_KEPT - 1):]), key: bytes(value)}
         return self.client.broadcast(self.worker_id, key, self.posted[key] if poster else None, timeout)
 
-    def read(self) -> dict[str, np.ndarray]:
-        """The server's values now, leaving the model as it is (a snapshot)."""
-        version, values = self.client.pull(self.worker_id)
-        self.seen = max(self.seen, version)
-        return values
-
     # -- faults
     def rejoin(self, error: PSClientError) -> None:
         """Reconnect within --reconnect-timeout, register again, and set where to resume:

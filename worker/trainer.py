@@ -173,8 +173,9 @@ class TrainingLoop:
             self.evals.append({"step": step, "t": start - self.engine.t0, "version": version, **scores,
                                "eval_s": time.monotonic() - start})
             self.observer.evaluation(self.evals[-1])
-        if step + 1 in set(self.config.snapshot_step_list):
-            models.save_ordered_npz(self.model, self.conn.read(),
+        if step + 1 in set(self.config.snapshot_step_list):  # the server's values now; the next step loads them
+            self.conn.pull(load=False)
+            models.save_ordered_npz(self.model, self.conn.pulled,
                                     os.path.join(self.config.snapshot_dir, f"step{step + 1}.npz"))
 
     # -- finish
