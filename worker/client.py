@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import secrets
 import threading
@@ -50,8 +49,6 @@ from worker.transports import (CallStream, OutgoingPush, PSClientError, PullCach
 
 __all__ = ["PSClient", "PSClientError", "PushReply", "MicroReply", "Registration", "SERVICE_CONFIG", "SMALL_BYTES",
            "SMALL_SHM_BYTES"]
-
-log = logging.getLogger("worker.client")
 
 _RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s", "backoffMultiplier": 2,
                  "retryableStatusCodes": ["UNAVAILABLE"]}

@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
-import logging
 import os
 import sys
 from typing import Any, Callable
@@ -39,8 +38,6 @@ from ps_common import batches as ps_batches
 from ps_common.errors import ConfigError
 from worker import model as models
 from worker.data import load_dataset, train_subset
-
-log = logging.getLogger("worker")
 
 SHARDINGS = ("batch", "none")
 
