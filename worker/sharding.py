@@ -191,19 +191,6 @@ def specs_of(values: Mapping[str, np.ndarray]) -> dict[str, Spec]:
     return {n: (tuple(np.shape(a)), np.asarray(a).dtype) for n, a in values.items()}
 
 
-def _normalize(specs: Mapping[str, tuple]) -> dict[str, Spec]:
-    out: dict[str, Spec] = {}
-    for name, (shape, dtype) in specs.items():
-        if not name or _PART.match(name):
-            raise ShardingError(f"variable name {name!r} cannot be sharded: it is empty or ends like a slice "
-                                "name (/part_<k>_of_<n>)")
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise ShardingError(f"variable {name!r} has a negative dimension: {list(shape)}")
-        out[name] = (shape, np.dtype(dtype))
-    return out
-
-
 def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEFAULT_MIN_SLICE_BYTES,
          small_bytes: int = DEFAULT_SMALL_BYTES) -> Placement:
     """The placement of ``specs`` (``{name: (shape, dtype)}``) over ``num_shards`` shards.
@@ -214,11 +201,18 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
         raise ShardingError(f"num_shards must be >= 1, got {num_shards}")
     if min_slice_bytes < 1 or small_bytes < 0:
         raise ShardingError("min_slice_bytes must be >= 1 and small_bytes >= 0")
-    variables = _normalize(specs)
 
     # Each variable's pieces, the largest first (np.array_split's order), on shard 0 until placed below.
+    variables: dict[str, Spec] = {}
     groups: dict[str, list[Piece]] = {}
-    for name, (shape, dtype) in variables.items():
+    for name, (shape, dtype) in specs.items():
+        if not name or _PART.match(name):
+            raise ShardingError(f"variable name {name!r} cannot be sharded: it is empty or ends like a slice "
+                                "name (/part_<k>_of_<n>)")
+        shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        if any(d < 0 for d in shape):
+            raise ShardingError(f"variable {name!r} has a negative dimension: {list(shape)}")
+        variables[name] = (shape, dtype)
         # Slicing (module docstring): a 0-d scalar stays whole, and so does a 1-row variable (min <= 1).
         nbytes = math.prod(shape) * dtype.itemsize
         n = max(1, min(num_shards, shape[0], nbytes // min_slice_bytes)) if shape else 1
