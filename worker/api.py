@@ -59,8 +59,7 @@ def make_config(**flags) -> WorkerConfig:
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are ps-worker's flags: "
                         f"{', '.join(sorted(names))}")
-    base = WorkerConfig.from_args([], os.environ)
-    return dataclasses.replace(base, **flags).validate()
+    return dataclasses.replace(WorkerConfig.from_args([], os.environ), **flags).validate()
 
 
 def _label(fn: Callable) -> str:

@@ -348,8 +348,7 @@ class PSClient:
             raise ValueError(f"broadcast timeout must be a finite number of seconds >= 0, got {timeout!r}")
         request = pb.BroadcastRequest(worker_id=worker_id, key=key, value=value or b"", timeout_s=timeout)
         # The server answers by timeout_s; the deadline leaves it room to say so itself.
-        reply = self.unary.call("Broadcast", request, timeout=timeout + max(5.0, 0.1 * timeout))
-        return reply.value
+        return self.unary.call("Broadcast", request, timeout=timeout + max(5.0, 0.1 * timeout)).value
 
     def heartbeat(self, worker_id: int, step: int = -1, timeout: float = 5.0) -> str:
         """Renew this worker's lease; returns the server's incarnation. Over a connection of
@@ -363,9 +362,8 @@ class PSClient:
                     self.address, options=self._options + [("grpc.use_local_subchannel_pool", 1)], **self._security)
                 self._beats = channel, Unary(channel, self.address, self.timeout)
             beats = self._beats[1]
-        reply = beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id, step=step, process=self.process),
-                           timeout=timeout)
-        return reply.incarnation
+        request = pb.HeartbeatRequest(worker_id=worker_id, step=step, process=self.process)
+        return beats.call("Heartbeat", request, timeout=timeout).incarnation
 
     def leave(self, worker_id: int) -> None:
         self.unary.call("Leave", pb.LeaveRequest(worker_id=worker_id))

@@ -92,8 +92,7 @@ def _digits_large() -> Dataset:
             # The image moved by (dy, dx): output pixel (r, q) shows input pixel (r - dy, q - dx).
             copy[i] = padded[i, s - dy: s - dy + h, s - dx: s - dx + w]
         copy[:] = np.clip(copy + rng.normal(0.0, noise_sd, size=(n, h, w)), 0.0, 1.0)
-    y = np.tile(base.y_train, copies)
-    return Dataset("digits-large", out[..., None], y, base.x_test, base.y_test)
+    return Dataset("digits-large", out[..., None], np.tile(base.y_train, copies), base.x_test, base.y_test)
 
 
 def train_subset(data: Dataset, n: int) -> Dataset:
