@@ -116,12 +116,18 @@ class OutgoingPush:
                     set_learning_rates=self.set_learning_rates, **dealt)
 
 
-class _OneMessage:
-    """Pull and Push as one message each way, through ``call`` (Unary's, or CallStream's)."""
+class Unary:
+    """One message each way, through ``call``: every control call, and pushes and pulls up to
+    ``small_bytes`` (a streamed call costs a thread on each side and ~0.3 ms more, bench/barrier.py)."""
 
-    address: str
+    def __init__(self, channel: grpc.Channel, address: str, timeout: float):
+        self.address, self.timeout = address, timeout
+        self._stub = pb_grpc.ParameterServerStub(channel)
 
-    def call(self, name: str, request, timeout: float | None = None): ...
+    def call(self, name: str, request, timeout: float | None = None, wait_for_ready: bool = False):
+        with failures(name, self.address):
+            return getattr(self._stub, name)(
+                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready)
 
     def pull(self, request: pb.PullRequest) -> tuple[pb.PullHeader, dict[str, np.ndarray]]:
         """The reply as a streamed one's: (header, values), a row delta's rows in the header."""
@@ -137,20 +143,6 @@ class _OneMessage:
         return self.call("Push", outgoing.request(), timeout=timeout)
 
 
-class Unary(_OneMessage):
-    """One message each way: every control call, and pushes and pulls up to ``small_bytes``
-    (a streamed call costs a thread on each side and ~0.3 ms more, bench/barrier.py)."""
-
-    def __init__(self, channel: grpc.Channel, address: str, timeout: float):
-        self.address, self.timeout = address, timeout
-        self._stub = pb_grpc.ParameterServerStub(channel)
-
-    def call(self, name: str, request, timeout: float | None = None, wait_for_ready: bool = False):
-        with failures(name, self.address):
-            return getattr(self._stub, name)(
-                request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready)
-
-
 # A CallFailure's code number -> its gRPC status code.
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # The calls a CallStream repeats on a new stream when the old one broke (UNAVAILABLE), as the
@@ -159,12 +151,14 @@ SESSION_RETRIES = {"Pull": 4}
 _END = object()  # ends a CallStream's request iterator
 
 
-class CallStream(_OneMessage):
+class CallStream:
     """One long-lived bidirectional stream (rpc Session) that carries this client's Pull,
     Push and Work calls, each a SessionRequest answered by the SessionReply of its id
     (docs/speed.md). Same interface and errors as ``Unary``; a broken stream fails every
     call in flight with its status (a Pull is repeated on a new one), and a call past its
     deadline is DEADLINE_EXCEEDED and cancelled on the server."""
+
+    pull, push = Unary.pull, Unary.push  # Unary's, through this stream's call
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
