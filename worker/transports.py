@@ -521,11 +521,10 @@ class SharedMemory:
         return self._serve(self.push_slot, outgoing.worker_id, lambda slot: self._push_once(outgoing, slot, timeout))
 
     def _push_once(self, outgoing: OutgoingPush, slot: _Slot, timeout: float) -> pb.PushResponse:
-        arrays = outgoing.buffers()
-        offsets, needed = shmem.aligned_offsets(a.nbytes for a in arrays)
+        arrays = {name: a for name, (_, a) in outgoing.arrays.items()}
+        offsets, needed = shmem.aligned_offsets(a.nbytes for a in arrays.values())
         segment = slot.ensure(needed)
-        for a, off in zip(arrays, offsets):
-            segment.array[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        shmem.write(segment, arrays, offsets)  # as the server writes a pull's values (offsets checked)
         header = outgoing.header()
         header.shm_name = segment.name
         header.shm_offsets.extend(offsets)
