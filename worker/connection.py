@@ -315,9 +315,8 @@ class Connection:
         server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self.optimizer_spec)
         differ = [k for k in self.optimizer_spec if getattr(server_opt, k) != getattr(wanted, k)]
         if differ:
-            got = {k: getattr(server_opt, k) for k in differ}
-            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with "
-                              f"{ {k: getattr(wanted, k) for k in differ} }")
+            got, want = ({k: getattr(optimizer, k) for k in differ} for optimizer in (server_opt, wanted))
+            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {want}")
 
 
 class Heartbeat:

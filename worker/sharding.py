@@ -290,6 +290,5 @@ def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
             stop = start + (shape[0] if shape else 0)
             pieces.append(Piece(piece_name(variable, k, n), variable, shard, k, n, start, stop, shape, dtype))
             start = stop
-        whole = first[1] if n == 1 else (start,) + first[1][1:]
-        variables[variable] = (whole, first[2])
+        variables[variable] = (first[1] if n == 1 else (start, *first[1][1:]), first[2])
     return Placement(len(per_shard), variables, tuple(pieces))

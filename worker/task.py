@@ -186,7 +186,7 @@ class UserTask(Task):
         if elastic:  # every worker reads the whole data, as one worker of one: the server deals its examples
             worker_index, num_workers = 0, 1
         self.model_fn, self.dataset_fn = model_fn, dataset_fn
-        self.global_batch_size, self.epochs, self.steps, self.seed = global_batch_size, epochs, steps, seed
+        self.global_batch_size, self.seed = global_batch_size, seed
         self.loss_spec, self.metric_specs, self.sharding = loss, metrics, sharding
         self.name = name or f"{getattr(model_fn, '__name__', 'model')} on {getattr(dataset_fn, '__name__', 'data')}"
         self._bind(worker_index, num_workers)

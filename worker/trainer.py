@@ -190,10 +190,8 @@ class TrainingLoop:
                                               "eval_every": config.eval_every if config.is_chief else 0,
                                               "steps": self.history, "evals": self.evals})
         log.info("worker %d finished %d steps in %.1f s", reg.worker_id, self.task.total_steps, train_s)
-        if config.is_chief:
-            result = self._finish_as_chief(train_s)
-        else:
-            result = {"worker_index": config.worker_index, "steps": self.task.total_steps, "train_s": train_s}
+        result = self._finish_as_chief(train_s) if config.is_chief else {
+            "worker_index": config.worker_index, "steps": self.task.total_steps, "train_s": train_s}
         self.observer.finish(result)  # ends the progress bar; the chief's final scores go to TensorBoard
         # The chief leaves last, after its final pull, with its lease renewed until then:
         # a server started with --exit-when-done stops once everyone left.
