@@ -25,8 +25,6 @@ import numpy as np
 
 from ps_common.sparse import SparseRows
 
-SETTINGS = ("slowdown", "bandwidth_mbps", "added_latency_ms", "pause_at_step", "pause_for")  # WorkerConfig fields
-
 
 @dataclasses.dataclass
 class Knobs:
@@ -42,11 +40,11 @@ class Knobs:
     @classmethod
     def from_config(cls, config) -> "Knobs":
         """From a validated ``WorkerConfig`` (its fields carry the same names)."""
-        return cls(**{f: getattr(config, f) for f in SETTINGS})
+        return cls(**{name: getattr(config, name) for name in cls().settings()})
 
     def settings(self) -> dict:
-        """The knob values, as the history JSON records them."""
-        return {f: getattr(self, f) for f in SETTINGS}
+        """The knob values (the fields equality compares), as the history JSON records them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
 
     @property
     def active(self) -> bool:

@@ -606,5 +606,4 @@ class PullCache:
         if not reply.variables:
             return
         with failures("Push", address):
-            values = codec.decode_many(reply.variables)
-        self.keep(reply.incarnation, reply.version, values, fresh=True)
+            self.keep(reply.incarnation, reply.version, codec.decode_many(reply.variables), fresh=True)
