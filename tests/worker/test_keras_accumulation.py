@@ -35,15 +35,15 @@ def optimizer(kind: str):
     return keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=K)
 
 
-def fit(kind: str, server: int, batches: int = BATCHES, fits: int = 1, path=None) -> list:
+def fit(kind: str, server: int, batches: int = BATCHES, fits: int = 1, path=None, mode: str = "sync") -> list:
     """[the trainable weights after each of ``fits`` fits of 2 epochs of ``batches`` batches, the
     optimizer's ``iterations`` at the end; with ``path``, then the averages ``model.save_weights``
-    writes there, under ``tfps.keras`` the server's]. ``server``: its shards (0: plain Keras)."""
+    writes there, under ``tfps.keras`` the server's]. ``server``: its shards (0: plain Keras) in ``mode``."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batches * BATCH, 5)).astype(np.float32)
     y = (x @ rng.normal(size=(5, 1))).astype(np.float32)
-    running = [build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1)).start()
+    running = [build_server(ServerConfig(host="127.0.0.1", port=0, mode=mode, num_workers=1)).start()
                for _ in range(server)]
     try:
         strategy = Strategy(ps=",".join(r.address for r in running), num_workers=1) if server \
@@ -77,10 +77,11 @@ def test_one_server_update_per_k_batches_ends_where_model_fit_ends(kind):
         f"max difference {max(float(np.max(np.abs(a - b))) for a, b in zip(weights, alone))}"
 
 
-@pytest.mark.parametrize("kind", ["adamw-ema", "adamw-ema-overwrite"])
+@pytest.mark.parametrize("kind, mode", [("adamw-ema", "sync"), ("adamw-ema-overwrite", "sync"),
+                                        ("adamw-ema-overwrite", "async")])
 @pytest.mark.parametrize("shards", [1, 2])
 def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_window_as_model_fit(tmp_path, shards,
-                                                                                               kind):
+                                                                                               kind, mode):
     """``use_ema``: Keras moves the averages at each batch, the window's accumulating ones too,
     and ``fit`` ends by swapping them in (``finalize_variable_values``). Two fits of 2 epochs of
     5 batches with K = 3: the first ends 1 batch into a window, whose averages the server moves
@@ -90,8 +91,9 @@ def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_win
     ``ema_overwrite_frequency=2`` the windows of ``iterations`` 1, 3 and 5 overwrite the
     variables with the averages at each of their batches, and the window's later gradients are
     taken there (the worker moves the server's averages for them): the first fit ends 1 batch
-    into the window of 3, the second fit completes it."""
-    served = fit(kind, server=shards, batches=5, fits=2, path=tmp_path / "served.weights.h5")
+    into the window of 3, the second fit completes it. One worker in async (its window's push
+    applied on arrival) ends at the same bits."""
+    served = fit(kind, server=shards, batches=5, fits=2, path=tmp_path / "served.weights.h5", mode=mode)
     alone = fit(kind, server=0, batches=5, fits=2, path=tmp_path / "alone.weights.h5")
     assert served[1] == alone[1] == 20 // K
     assert [[w.tobytes() for w in ws] for ws in served[0]] == [[w.tobytes() for w in ws] for ws in alone[0]]
