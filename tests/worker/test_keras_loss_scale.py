@@ -142,9 +142,10 @@ def test_a_loss_scale_around_a_multi_optimizer_skips_its_one_push_as_model_fit_d
     assert runs[1] == runs[0]
 
 
-def accumulated(strategy, k: int = 3) -> dict:
+def accumulated(strategy, k: int = 3, overwrite: int | None = None) -> dict:
     """A ``mixed_float16`` fit with ``gradient_accumulation_steps=k`` inside the loss scale;
-    batches 4 and 8 of each epoch overflow (one in a window's middle, one at a window's end)."""
+    batches 4 and 8 of each epoch overflow (one in a window's middle, one at a window's end).
+    ``overwrite``: ``use_ema`` with that ``ema_overwrite_frequency``."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         rng = np.random.default_rng(0)
@@ -156,7 +157,8 @@ def accumulated(strategy, k: int = 3) -> dict:
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
                                       keras.layers.Dense(1), keras.layers.Activation("linear", dtype="float32")])
             model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-                keras.optimizers.SGD(0.01, momentum=0.5, gradient_accumulation_steps=k), initial_scale=2.0 ** 8,
+                keras.optimizers.SGD(0.01, momentum=0.5, gradient_accumulation_steps=k, use_ema=bool(overwrite),
+                                     ema_momentum=0.5, ema_overwrite_frequency=overwrite), initial_scale=2.0 ** 8,
                 dynamic_growth_steps=4), loss="mse", run_eagerly=not isinstance(strategy, Strategy))
             # eagerly: Keras' (g + accumulated) / k in a graph is rewritten to * (1 / k), one ulp off at k = 3
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -168,18 +170,20 @@ def accumulated(strategy, k: int = 3) -> dict:
         keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window_as_model_fit_does(server, mode):
+@pytest.mark.parametrize("mode, overwrite", [("sync", None), ("async", None), ("ssp", None), ("sync", 2)])
+def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window_as_model_fit_does(server, mode,
+                                                                                                  overwrite):
     """A batch whose scaled gradients are not finite is not accumulated (the window waits for
     another), not counted, and halves the scale; every finite batch counts towards the doubling.
     Sync: the workers vote on each batch of a window (``Strategy.vote``: skipped where any part
     overflows; two workers: tests/cluster/test_keras_programs.py); async and ssp: each worker's
     batches are its own. One worker ends at ``model.fit``'s weights to the bit, with its scale,
-    counter and iterations."""
-    plain = accumulated(tf.distribute.get_strategy())
+    counter and iterations; with ``use_ema`` overwriting every second update too (a skipped
+    batch moves no average)."""
+    plain = accumulated(tf.distribute.get_strategy(), overwrite=overwrite)
     strategy = Strategy(ps=server(mode, 1).address, num_workers=1)
     try:
-        ours = accumulated(strategy)
+        ours = accumulated(strategy, overwrite=overwrite)
     finally:
         strategy.close()
     assert plain["scale"][2] == (2 * 12 - 4) // 3  # the updates: of the batches accumulated, all but 4 skipped
