@@ -551,12 +551,10 @@ class Optimizer:
             state = {name: state[name].reshape(1) for name in slot_names}
         dtype, before = value.dtype, value
         c = self.step_constants(dtype, iterations, lr_scale)
-        k = spec.gradient_accumulation_steps
+        k, overwrites = spec.gradient_accumulation_steps, self._overwrites(iterations)
         if spec.use_ema and k:  # the window's k - 1 batches that only accumulated (those a fit's end moved aside)
-            state = {**state, "ema": self._moved(state["ema"], before, iterations, c, k - 1 - moved,
-                                                 self._overwrites(iterations))}
-            if self._overwrites(iterations):
-                value = state["ema"]
+            state = {**state, "ema": self._moved(state["ema"], before, iterations, c, k - 1 - moved, overwrites)}
+            value = state["ema"] if overwrites else value
         with np.errstate(invalid="ignore", divide="ignore"):  # Keras' NaN/inf where it has them
             grad = grad.clipped(self._clip, c) if isinstance(grad, Occurrences) else self._clip(grad, c, clip_scale)
         if spec.weight_decay is not None:  # TensorFlow's _apply_weight_decay: w.assign_sub(w * wd * lr)
@@ -573,7 +571,7 @@ class Optimizer:
             slots["ema"] = ema = self._moved(state["ema"], new_value, iterations, c)
             if k:
                 slots["ema_moved"] = np.zeros((), dtype)
-            if self._overwrites(iterations):
+            if overwrites:
                 new_value = ema.copy()
         # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
         slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
