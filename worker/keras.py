@@ -334,7 +334,7 @@ class _Attached:
         self.read = BatchDigests()  # the global batches this worker read
         self.said_own = False  # the note on metrics of aggregation "none"
         self.per_update = _inner(model.optimizer).gradient_accumulation_steps or 1  # Keras' batches an update counts
-        # gradient accumulation; elastic: each round is the window's whole batch (``_dealt``)
+        # gradient accumulation; elastic: the server's (sync) or each task's (async, ssp: ``_dealt``)
         self.window = Window(1 if strategy.config.elastic else self.per_update)
         self.wrap = _Wrap(self)  # Keras' train_step, wrapped
         self.original_fit = model.fit
@@ -468,7 +468,9 @@ class _Attached:
         rounds that skipped, and the scale theirs, as far as this worker knows them); ``_averaged``."""
         conn, seen = self.strategy.connection, self.strategy.connection.registration.incarnation
         self.strategy.engine.ride_out(conn.pull, rejoined=lambda: self._rejoined(seen, self.wrap.position + 1))
-        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * self.per_update)
+        # elastic sync: a round is a batch, as Keras counts them (the server holds the window)
+        per_version = 1 if self.dealt is not None and conn.sync else self.per_update
+        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * per_version)
         self._averaged()
         if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
             self._scale_to(max(0, int(conn.version)))
@@ -704,19 +706,9 @@ class _Wrap:
         self.parts = [part for parts in self.owned.values() for part in parts]
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         specs = [spec_fields(o) for o, _ in self.parts]
-        if self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs):
-            strategy = self.attached.strategy
-            if self.grouped:
-                raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
-            ema = _inner(self.served[0][0])
-            if ema.use_ema and ema.ema_overwrite_frequency and strategy.config.elastic:
-                raise ValueError(f"elastic=True: {name}: use_ema's ema_overwrite_frequency with "
-                                 "gradient_accumulation_steps is not served: Keras takes a window's later gradients at "
-                                 "the averages, and a round deals the window's batches at once")
-            if _scaled(self.served[0][0]) and strategy.config.elastic and strategy.server_mode() == "sync":
-                raise ValueError(f"elastic=True: {name}: a loss scale (mixed_float16) with gradient_accumulation_steps "
-                                 "is not served in sync: a round is its window's batches, and a skip would be the "
-                                 "whole window's, where one process skips one batch")
+        accumulates = self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)
+        if self.grouped and accumulates:
+            raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
         if len(self.served) > 1 and self.attached.strategy.config.elastic:
             raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the server "
                              "deals the data each micro-batch is one push of a round: one optimizer's apply a step "
@@ -1272,10 +1264,10 @@ def _dealt(given: dict, config, server_mode, per_update: int = 1) -> tuple:
     ``steps_per_epoch``: each epoch is that many rounds, going on across passes of the data
     as one process's iterator goes on, and Keras' loop counts as many batches (async and ssp:
     that many times ``num_workers`` tasks, as many examples, across passes too). With
-    ``gradient_accumulation_steps`` (``per_update``) k, a global batch is k batches, one
-    update as Keras' mean over k full batches (a round's micro-batches are the accumulation),
-    and Keras counts it one step (``steps_per_epoch``: of k batches too, rounded up). The
-    arguments are checked before ``server_mode()`` asks the server."""
+    ``gradient_accumulation_steps`` (``per_update``) k, sync: a round is a batch, as in one
+    process, the server holding the window (``VariableStore.accumulate_all``); async and ssp: a
+    task is k batches' examples, one update, counted one step (``steps_per_epoch``: of k
+    batches too, rounded up). The arguments are checked before ``server_mode()`` asks the server."""
     import tensorflow as tf
 
     from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
@@ -1301,15 +1293,15 @@ def _dealt(given: dict, config, server_mode, per_update: int = 1) -> tuple:
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, given["class_weight"])
             given = {**given, "class_weight": None}
         steps = given.get("steps_per_epoch")
-        data = DealtArrays(x, y, sample_weight, global_batch_size=per_update * int(batch_size or 32),
-                           seed=config.seed, epochs=int(given.get("epochs", 1)),
-                           steps_per_epoch=-(-steps // per_update) if isinstance(steps, int) else steps)
+        data = DealtArrays(x, y, sample_weight, global_batch_size=int(batch_size or 32),
+                           seed=config.seed, epochs=int(given.get("epochs", 1)), steps_per_epoch=steps)
     except TaskError as e:
         raise ValueError(f"elastic=True: {e}") from None
     if server_mode() != "sync":  # the server's tasks, each batch_size / num_workers examples (steps: as many)
-        data = DealtArrays(x, y, sample_weight, global_batch_size=max(1, data.global_batch_size // config.num_workers),
-                           seed=config.seed, epochs=data.epochs, tasks=True,
-                           steps_per_epoch=data.steps_per_epoch * config.num_workers if steps else None)
+        tasks = -(-steps // per_update) * config.num_workers if isinstance(steps, int) else None
+        data = DealtArrays(x, y, sample_weight, seed=config.seed, epochs=data.epochs, tasks=True,
+                           global_batch_size=max(1, per_update * data.global_batch_size // config.num_workers),
+                           steps_per_epoch=tasks)
     if steps:  # Keras counts exactly that many batches an epoch (their examples unused)
         x, y, sample_weight = data.examples(np.arange(data.steps_per_epoch * data.global_batch_size) % data.num_examples)
     return data, {**given, "x": x, "y": y, "sample_weight": sample_weight, "batch_size": data.global_batch_size,

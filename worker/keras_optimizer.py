@@ -50,14 +50,15 @@ def load_state(optimizer, variables: list, states: dict, batches_per_update: int
     """Build the Keras ``optimizer`` over ``variables`` (the model's trainable ones, in order)
     and give it the server's state: each slot (``KERAS_SLOTS``) and its step count (the
     highest of the variables': an async checkpoint may hold a push half applied; with
-    ``gradient_accumulation_steps``, Keras counts ``batches_per_update`` batches an update).
+    ``gradient_accumulation_steps``, Keras counts ``batches_per_update`` batches an update, and
+    the batches of a window the server holds, whose sum is its ``accumulated`` slot).
     A model file saved after this holds what the server holds, so ``fit`` resumes from it in
     one process as from a file that process wrote. Returns the step count."""
     name = KERAS_OPTIMIZER_CLASSES.get(type(optimizer).__name__)
     if name is None:
         raise ValueError(f"{type(optimizer).__name__} has no server state to load")
     optimizer.build(variables)
-    slots = {**KERAS_SLOTS[name], "ema": "_model_variables_moving_average"}
+    slots = {**KERAS_SLOTS[name], "ema": "_model_variables_moving_average", "accumulated": "_accumulated_gradients"}
     for slot, attribute in slots.items():
         held = getattr(optimizer, attribute, None)
         for index, v in enumerate(variables):
@@ -70,5 +71,7 @@ def load_state(optimizer, variables: list, states: dict, batches_per_update: int
                                  f"otherwise than this Keras does ({attribute}); cannot load it")
             target.assign(np.asarray(value))
     steps = max((int(states[v.path]["iterations"]) for v in variables), default=0)
-    optimizer._iterations.assign(steps * batches_per_update)  # counting batches: iterations is computed then
+    held = max((int(states[v.path].get("accumulated_batches", 0)) for v in variables), default=0)
+    # counting batches (iterations is computed then), and those of a window the server holds (elastic sync)
+    optimizer._iterations.assign(steps * batches_per_update + held)
     return steps

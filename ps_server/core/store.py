@@ -704,6 +704,26 @@ class VariableStore:
         return self.publish(new, {n: g for n, g in grads.items() if self._rows_alone(n, g)},
                             optimizer=optimizer, clip_scale=clip_scale)
 
+    def accumulate_all(self, grads: Mapping[str, "np.ndarray | SparseRows"], key: str | None = None) -> int:
+        """``apply_all`` of one batch where the server holds the ``gradient_accumulation_steps``
+        window (elastic sync: a round is a batch, any worker may compute any of them): before the
+        window's last batch each trainable gradient goes into its variable's accumulator
+        (``Optimizer.accumulate``; sparse ones dense, as Keras' accumulators are), each
+        non-trainable change is added as every batch adds it; at the last, ``apply_all`` of
+        the window's mean. Returns the new version (every batch counts one)."""
+        self._require_initialized()
+        optimizer, dense = self._optimizer, {}
+        for name, g in grads.items():
+            var = self._vars[name]
+            g = _native_gradient(g)
+            dense[name] = sparse.densify(g, var.value.shape, var.value.dtype) if isinstance(g, SparseRows) else g
+        trainable = {n: self._vars[n] for n in dense if not self._vars[n].non_trainable}
+        if all(optimizer.of(n).window_ends(var.state) for n, var in trainable.items()):
+            return self.apply_all({n: optimizer.of(n).window_mean(g, trainable[n].state) if n in trainable else g
+                                   for n, g in dense.items()}, key)
+        return self.publish({n: optimizer.of(n).accumulate(trainable[n].value, g, trainable[n].state)
+                             if n in trainable else self._step(self._vars[n], g) for n, g in dense.items()})
+
     def step_rows(self, name: str, rows: tuple[int, int] | None, grad: np.ndarray) -> tuple[np.ndarray, dict]:
         """(new value, new optimizer state) of rows ``r0:r1`` of one variable (None: all of
         it) for their ``grad``, changing nothing: those rows' bits of what ``apply_all``

@@ -29,10 +29,11 @@ class Clock:
         return self.now
 
 
-def make(micro_batches=4, min_workers=2, workers=(0, 1), batch=16, clock=None):
-    store = VariableStore()
-    store.initialize({"w": np.zeros((FEATURES, CLASSES), np.float32), "b": np.zeros(CLASSES, np.float32)},
-                     OptimizerSpec("adam", learning_rate=0.05))
+def make(micro_batches=4, min_workers=2, workers=(0, 1), batch=16, clock=None, spec=None, store=None):
+    if store is None:
+        store = VariableStore()
+        store.initialize({"w": np.zeros((FEATURES, CLASSES), np.float32), "b": np.zeros(CLASSES, np.float32)},
+                         spec or OptimizerSpec("adam", learning_rate=0.05))
     mode = ElasticSyncMode(store, Membership(16), Cursor(EXAMPLES, batch, seed=5, micro_batches=micro_batches),
                            min_workers=min_workers, barrier_timeout=30.0, clock=clock or Clock())
     for w in workers:
@@ -346,3 +347,45 @@ def test_a_push_asking_to_skip_completes_its_round_without_an_update_and_later_w
     restored.restore(status)
     restored.worker_joined(0)
     assert restored.work(0).result(5.0) == Work(2, (0, 1, 2, 3), (4, 4, 4, 4), (0,))
+
+
+def test_with_gradient_accumulation_a_round_is_a_batch_held_by_the_server_through_skips_and_a_restore():
+    """``gradient_accumulation_steps`` 2: round 0 goes into the accumulators (a new version, the
+    variables as they were), round 1 asks to skip (nothing added, as Keras skips the batch), round
+    2 ends the window: Adam's first update, from (round 2's mean + round 0's) / 2. A store and mode
+    restored from a checkpoint taken inside the window end at the same bits."""
+    spec = OptimizerSpec("adam", learning_rate=0.05, use_ema=True, gradient_accumulation_steps=2)
+    mode, store = make(spec=spec)
+
+    def round_(mode, store, skip=False):
+        for w in (0, 1):
+            work = mode.work(w).result(5.0)
+            for i in range(len(work.micro_batches)):
+                reply = mode.submit(dataclasses.replace(push_of(mode, store, w, work, i),
+                                                        metrics={SKIP_UPDATE: np.array([float(skip)])}))
+        return reply.result(5.0)
+
+    round_(mode, store)
+    state = store.export_state()
+    assert store.version == 1 and all(not v.any() for v in store.read()[1].values())
+    assert all(int(s["accumulated_batches"]) == 1 and s["accumulated"].any() for s in state.states.values())
+    held = state.states["b"]["accumulated"].copy()
+    checkpoint = mode.export_state()
+    round_(mode, store, skip=True)
+    assert store.version == 2 and np.array_equal(store.export_state().states["b"]["accumulated"], held)
+    round_(mode, store)
+    after = store.export_state()
+    assert store.version == 3 and all(int(s["iterations"]) == 1 and not s["accumulated"].any()
+                                      and int(s["accumulated_batches"]) == 0 for s in after.states.values())
+    assert np.allclose(np.abs(store.read()[1]["b"]), 0.05, rtol=1e-3)  # Adam's first step: lr * sign(g)
+    restored_store = VariableStore()
+    restored_store.restore_state(checkpoint[0])
+    restored, _ = make(spec=spec, store=restored_store, workers=())
+    restored.restore(checkpoint[1])
+    for w in (0, 1):
+        restored.worker_joined(w)
+    round_(restored, restored_store, skip=True)
+    round_(restored, restored_store)
+    for name, value in store.read()[1].items():
+        np.testing.assert_array_equal(restored_store.read()[1][name], value)
+        np.testing.assert_array_equal(restored_store.export_state().states[name]["ema"], after.states[name]["ema"])

@@ -602,6 +602,47 @@ def test_keras_overwrites_at_every_batch_of_an_overwrite_window_and_the_server_s
         assert float(ours[0][0]) == seen[K * update + K - 1]
 
 
+@pytest.mark.parametrize("ema", [None, "ema", "ema-overwrite"])
+@pytest.mark.parametrize("case,option,schedule", [("adam", "global_clipnorm", None),
+                                                  ("rmsprop_centered_momentum", "clipvalue", "exponential")])
+def test_a_window_the_server_holds_is_keras_accumulation_batch_by_batch(keras, case, option, schedule, ema):
+    """Elastic sync: each round a batch, the server holds the window (``accumulate``, then
+    ``apply`` of ``window_mean`` at its K-th batch). After every one of 14 batches the variables,
+    the averages and Keras' accumulators are Keras' own, bit for bit: between updates the
+    variables stand still, but in a window whose update overwrites (``ema_overwrite_frequency``
+    2) they are the moved average after each batch, as Keras overwrites them."""
+    init, grads = apply_problem(seed=5)
+    optimizer = make_keras(keras, case, option, schedule)
+    optimizer.gradient_accumulation_steps = K
+    if ema:
+        optimizer.use_ema, optimizer.ema_momentum = True, 0.8
+        optimizer.ema_overwrite_frequency = 2 if ema == "ema-overwrite" else None
+    spec = OptimizerSpec.from_keras(type(optimizer).__name__, optimizer.get_config())
+    opt, variables, ours = make_optimizer(spec), [keras.Variable(x) for x in init], list(init)
+    states = [opt.init_state(v) for v in ours]
+    moved_between = False  # the variables changed at a batch that was not an update
+    for batch, step_grads in enumerate(grads[:14]):
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in step_grads], variables)
+        ends, before = opt.window_ends(states[0]), ours
+        if ends:
+            means = [opt.window_mean(g, s) for g, s in zip(step_grads, states)]
+            scale = opt.global_clip_scale(means)
+            stepped = [opt.apply(v, g, s, clip_scale=scale) for v, g, s in zip(ours, means, states)]
+        else:
+            stepped = [opt.accumulate(v, g, s) for v, g, s in zip(ours, step_grads, states)]
+        ours, states = [x[0] for x in stepped], [x[1] for x in stepped]
+        moved_between |= not ends and any(not np.array_equal(a, b) for a, b in zip(ours, before))
+        assert_like_keras(ours, [v.numpy() for v in variables])
+        assert_like_keras([s["accumulated"] for s in states], [a.numpy() for a in optimizer._accumulated_gradients])
+        if ema:
+            averages = optimizer._model_variables_moving_average
+            assert_like_keras([s["ema"] for s in states], [a.numpy() for a in averages])
+        assert all(int(s["iterations"]) * K + int(s["accumulated_batches"]) == batch + 1 for s in states)
+    assert moved_between == (ema == "ema-overwrite")
+    with pytest.raises(InvalidArgument, match="is its update: apply window_mean"):
+        opt.accumulate(ours[0], grads[0][0], {**states[0], "accumulated_batches": np.asarray(K - 1, np.float32)})
+
+
 def test_averaged_takes_the_batches_of_a_window_under_way_only_under_accumulation():
     w = np.zeros(2, np.float32)
     plain = make_optimizer(OptimizerSpec("sgd", use_ema=True))

@@ -100,18 +100,64 @@ def test_use_ema_moves_the_averages_at_every_batch_and_a_fit_ending_inside_a_win
     assert [a.tobytes() for a in served[2]] == [a.tobytes() for a in alone[2]]
 
 
-def test_ema_overwrites_inside_windows_are_refused_under_elastic_before_this_worker_registers():
-    """Elastic: a round deals a window's batches at once, so none is taken at the averages."""
-    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1, elastic_min_workers=1,
-                                        micro_batches=2)).start()
+def test_ema_overwrites_inside_windows_run_on_elastic_async_tasks_each_one_update():
+    """Elastic async: a task is a window's batches (K x batch_size / workers examples), one
+    update, as every async step taken at the parameters the worker pulled; the server moves the
+    averages K times an update and overwrites every second one (the averages change, the
+    variables finite). Elastic sync, a round a batch, ends at ``model.fit``'s bits:
+    tests/worker/test_keras_loss_scale.py."""
+    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="async", num_workers=1)).start()
     try:
         strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
         with strategy.scope():
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
             model.compile(optimizer=optimizer("adamw-ema-overwrite"), loss="mse")
-        with pytest.raises(ValueError, match="elastic=True: Sequential: use_ema's ema_overwrite_frequency with "
-                                             "gradient_accumulation_steps is not served"):
-            model.fit(np.zeros((16, 5), np.float32), np.zeros((16, 1), np.float32), batch_size=4, verbose=0)
-        assert strategy.connection is None
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(48, 5)).astype(np.float32)
+        model.fit(x, x[:, :1] * 2, batch_size=4, epochs=2, verbose=0)
+        status = strategy.connection.client.status()
+        assert (status.tasks_done, list(status.epoch_examples)) == (8, [48, 48])
+        _, _, states = strategy.connection.client.optimizer_state(strategy.connection.worker_id)
+        assert all(int(s["iterations"]) == 8 and np.abs(s["ema"]).max() > 0 for s in states.values())
+        assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+        strategy.close()
     finally:
         running.stop(grace=0.5)
+
+
+def test_a_model_file_saved_inside_a_window_the_elastic_server_holds_resumes_there_in_one_process(tmp_path):
+    """Elastic sync: after 5 batches of windows of 2 the server holds one batch in its
+    accumulators; ``model.save`` writes them as Keras' ``_accumulated_gradients`` with
+    ``iterations`` 5, so ``load_model`` and ``fit`` on in one process complete that window and
+    end at the bits of one process that ran all 10 batches (in the order the server dealt them)."""
+    from ps_common.batches import global_batch
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype(np.float32)
+    y = x @ rng.normal(size=(5, 1)).astype(np.float32)
+
+    def model_of(scope):
+        with scope:
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=2), loss="mse")
+        return model
+
+    running = build_server(ServerConfig(host="127.0.0.1", port=0, mode="sync", num_workers=1, elastic_min_workers=1,
+                                        micro_batches=1)).start()
+    try:
+        strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
+        served = model_of(strategy.scope())
+        served.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        served.save(tmp_path / "served.keras")
+        strategy.close()
+    finally:
+        running.stop(grace=0.5)
+    order = np.concatenate([global_batch(40, 8, strategy.config.seed, r) for r in range(10)])
+    resumed = keras.models.load_model(tmp_path / "served.keras")
+    assert int(resumed.optimizer._iterations.numpy()) == 5 and resumed.optimizer._accumulated_gradients[0].numpy().any()
+    resumed.fit(x[order[40:]], y[order[40:]], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain = model_of(tf.distribute.get_strategy().scope())
+    plain.fit(x[order], y[order], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert [v.numpy().tobytes() for v in resumed.trainable_variables] == \
+        [v.numpy().tobytes() for v in plain.trainable_variables]

@@ -142,16 +142,18 @@ def test_a_loss_scale_around_a_multi_optimizer_skips_its_one_push_as_model_fit_d
     assert runs[1] == runs[0]
 
 
-def accumulated(strategy, k: int = 3, overwrite: int | None = None) -> dict:
+def accumulated(strategy, k: int = 3, overwrite: int | None = None, order=None) -> dict:
     """A ``mixed_float16`` fit with ``gradient_accumulation_steps=k`` inside the loss scale;
     batches 4 and 8 of each epoch overflow (one in a window's middle, one at a window's end).
-    ``overwrite``: ``use_ema`` with that ``ema_overwrite_frequency``."""
+    ``overwrite``: ``use_ema`` with that ``ema_overwrite_frequency``. ``order``: the two
+    epochs' examples in this order, one epoch of them (as an elastic server deals them)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(12 * 8, 5)).astype(np.float32)
         y = (x @ rng.normal(size=(5, 1))).astype(np.float32)
         x[[4 * 8 + 3, 8 * 8]] *= 1e4
+        x, y, epochs = (x, y, 2) if order is None else (x[order], y[order], 1)
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
@@ -161,7 +163,7 @@ def accumulated(strategy, k: int = 3, overwrite: int | None = None) -> dict:
                                      ema_momentum=0.5, ema_overwrite_frequency=overwrite), initial_scale=2.0 ** 8,
                 dynamic_growth_steps=4), loss="mse", run_eagerly=not isinstance(strategy, Strategy))
             # eagerly: Keras' (g + accumulated) / k in a graph is rewritten to * (1 / k), one ulp off at k = 3
-        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
         scale = model.optimizer
         return {"weights": [v.numpy().tobytes() for v in model.trainable_variables],
                 "scale": (float(scale.dynamic_scale.numpy()), int(scale.step_counter.numpy()),
@@ -190,11 +192,24 @@ def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window
     assert ours == plain
 
 
-def test_a_loss_scale_with_gradient_accumulation_is_refused_in_elastic_sync_before_this_worker_registers(
-        server_config):
-    """Elastic sync: a round is its window's batches, and a skip would be the whole window's."""
-    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=2)
+@pytest.mark.parametrize("overwrite", [None, 2])
+def test_a_loss_scale_with_gradient_accumulation_in_elastic_sync_skips_one_batch_as_model_fit_does(
+        server_config, overwrite):
+    """Elastic sync: a round is one batch and the server holds the window (its accumulators), so a
+    batch that overflows is skipped alone, as in one process, and with ``use_ema`` overwriting the
+    variables are the averages at each round of such a window. One worker, each round one
+    micro-batch: ``model.fit`` on the examples in the order the server deals them, to the bit,
+    with the scale, its counter and the iterations."""
+    from ps_common.batches import global_batch
+
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=1)
     strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
-    with pytest.raises(ValueError, match="elastic=True: Sequential: a loss scale .* is not served in sync"):
-        accumulated(strategy)
-    assert strategy.connection is None
+    try:
+        ours = accumulated(strategy, overwrite=overwrite)
+        assert strategy.connection.client.status().epoch_examples == [96, 96]
+    finally:
+        strategy.close()
+    order = np.concatenate([global_batch(96, 8, strategy.config.seed, r) for r in range(24)])
+    plain = accumulated(tf.distribute.get_strategy(), overwrite=overwrite, order=order)
+    assert plain["scale"][2] == (2 * 12 - 4) // 3  # the overflowing batches: 4, wherever they fall
+    assert ours == plain

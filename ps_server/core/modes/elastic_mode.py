@@ -44,6 +44,11 @@ why the round's result then has the same bits whoever computed what.
   Such rounds are kept (``ModeStatus.skipped_rounds``, in checkpoints) and each work dealt
   names those before it (``Work.skipped_rounds``): a round's loss scale follows from them,
   so every worker, one that joined late too, computes the round at the same scale.
+- With ``gradient_accumulation_steps`` k (``tfps.keras``: Keras' own option), a round is one
+  batch, as one process takes it: the server holds the window (``VariableStore.accumulate_all``:
+  each round's mean into the variables' ``accumulated`` slots, in checkpoints with the rest;
+  the update at the window's k-th round that did not skip). So a loss scale's skip drops one
+  batch, as in one process, and ``use_ema``'s averages move, and overwrite, at every round.
 - Not here (refused with InvalidArgument): backup workers, other metrics summed over
   the round, and PushPull's speculation.
 
@@ -368,9 +373,11 @@ class ElasticSyncMode(Mode):
         followers = self.commit(completed, ()) if self.commit is not None else (lambda: None)
         failed = None
         try:
+            # gradient_accumulation_steps: a round is a batch, the server holds the window
+            apply = self.store.accumulate_all if self.store.optimizer_spec.gradient_accumulation_steps \
+                else self.store.apply_all
             with self.store.learning_rates(self._rates):
-                version = self.store.bump_version() if self._skip else \
-                    self.store.apply_all(self._sum.mean(), key=f"round {completed}")
+                version = self.store.bump_version() if self._skip else apply(self._sum.mean(), key=f"round {completed}")
         except PSError as e:  # nothing applied here (apply_all is all or nothing): the round starts over
             with contextlib.suppress(PSError):
                 followers()  # their applies fail too (global_clipnorm: no norm), or nothing can undo them

@@ -458,17 +458,49 @@ class Optimizer:
         return {name: np.zeros_like(value) for name in self.slot_names}
 
     def init_state(self, value: np.ndarray) -> dict:
-        """The slots shaped like ``value`` (with ``use_ema`` an ``ema`` slot, and with
-        ``gradient_accumulation_steps`` too a 0-d ``ema_moved``: the batches of the window under
-        way whose moves a fit's end made already, ``averaged``), plus ``iterations = 0``."""
+        """The slots shaped like ``value`` (with ``use_ema`` an ``ema`` slot), plus ``iterations =
+        0``. With ``gradient_accumulation_steps`` also Keras' accumulator, ``accumulated``, and
+        0-d counts of the window under way: its batches in the accumulator (``accumulate``) and,
+        with ``use_ema``, those whose moves are made already (``ema_moved``: ``averaged``)."""
         _check_float_array("variable", value)
         state: dict = self._initial_slots(value)
         if self.spec.use_ema:
             state["ema"] = np.zeros_like(value)  # Keras' "average" variables start at zero
-            if self.spec.gradient_accumulation_steps:
+        if self.spec.gradient_accumulation_steps:
+            state["accumulated"] = np.zeros_like(value)
+            state["accumulated_batches"] = np.zeros((), value.dtype)
+            if self.spec.use_ema:
                 state["ema_moved"] = np.zeros((), value.dtype)
         state["iterations"] = 0
         return state
+
+    def accumulate(self, value: np.ndarray, grad: np.ndarray, state: dict) -> tuple[np.ndarray, dict]:
+        """Pure, like ``apply``: a batch of a ``gradient_accumulation_steps`` window before its
+        last, as Keras' optimizer takes it where the server holds the window (elastic sync: a
+        round is a batch): the gradient added to ``accumulated``, the average moved for the batch
+        (``averaged``) and, in a window whose update overwrites, the variable made the average.
+        The window's last batch is ``apply`` of ``window_mean``."""
+        held = int(state["accumulated_batches"])
+        if held + 1 >= (self.spec.gradient_accumulation_steps or 0):
+            raise InvalidArgument(f"batch {held + 1} of a window of {self.spec.gradient_accumulation_steps} "
+                                  "is its update: apply window_mean")
+        _check_like("gradient", grad, value)
+        state = {**state, "accumulated": np.add(state["accumulated"], grad),
+                 "accumulated_batches": np.asarray(held + 1, value.dtype)}
+        if self.spec.use_ema:
+            average, state = self.averaged(value, state, held + 1)
+            value = average.copy() if self._overwrites(int(state["iterations"])) else value
+        return value, state
+
+    def window_ends(self, state: dict) -> bool:
+        """Whether the next batch ends the window ``accumulate`` holds (its update)."""
+        return int(state["accumulated_batches"]) + 1 >= self.spec.gradient_accumulation_steps
+
+    def window_mean(self, grad: np.ndarray, state: dict) -> np.ndarray:
+        """The window's last batch's gradient as Keras' update takes it: ``(g + accumulated) / k``."""
+        _check_like("gradient", grad, state["accumulated"])
+        return np.asarray(np.divide(np.add(grad, state["accumulated"]),
+                                    np.asarray(self.spec.gradient_accumulation_steps, grad.dtype)))
 
     def global_clip_scale(self, grads: Iterable[np.ndarray]) -> np.floating | None:
         """With ``global_clipnorm``: the factor Keras' ``clip_by_global_norm`` multiplies every
@@ -545,6 +577,7 @@ class Optimizer:
             raise InvalidArgument("global_clipnorm clips by the norm of the whole update: pass its "
                                   "global_clip_scale (VariableStore.apply_all/apply_push do)")
         iterations, moved = int(state["iterations"]), int(state.get("ema_moved", 0))
+        accumulated, accumulated_batches = state.get("accumulated"), state.get("accumulated_batches", 0)
         shape = value.shape
         if not shape:  # NumPy turns 0-d results into scalars, which take no ``out=``: step on shape [1]
             value, grad = value.reshape(1), grad.reshape(1)
@@ -575,6 +608,10 @@ class Optimizer:
                 new_value = ema.copy()
         # Back to the variable's shape: the slots shaped like it (not Adafactor's factored moments).
         slots = {name: (x.reshape(shape) if name in slot_names else x) for name, x in slots.items()}
+        if k:  # the window stepped: an empty accumulator (the one it was, where accumulate held none)
+            slots["accumulated"] = accumulated if accumulated is not None and not int(accumulated_batches) \
+                else np.zeros(shape, dtype)
+            slots["accumulated_batches"] = np.zeros((), dtype)
         return new_value.reshape(shape), {**slots, "iterations": iterations + 1}
 
     def _overwrites(self, iterations: int) -> bool:
