@@ -294,18 +294,20 @@ class InitializeHeader(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., variables: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., non_trainable: _Optional[_Iterable[str]] = ..., data_plan: _Optional[_Union[DataPlan, _Mapping]] = ..., clip_group: _Optional[_Union[ClipGroup, _Mapping]] = ..., shard_group: _Optional[_Union[ShardGroup, _Mapping]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
-    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs", "tasks")
+    __slots__ = ("num_examples", "global_batch_size", "seed", "epochs", "tasks", "applies")
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    APPLIES_FIELD_NUMBER: _ClassVar[int]
     num_examples: int
     global_batch_size: int
     seed: int
     epochs: int
     tasks: int
-    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ..., tasks: _Optional[int] = ...) -> None: ...
+    applies: int
+    def __init__(self, num_examples: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., epochs: _Optional[int] = ..., tasks: _Optional[int] = ..., applies: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("round", "micro_batches", "sizes", "parts", "task", "finished", "skipped_rounds")

@@ -562,7 +562,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         created, version = self.core.initialize(
             request.worker_id, variables, optimizer_from_wire(request.optimizer),
             non_trainable=list(request.non_trainable), owned=owned,
-            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs, plan.tasks)
+            data_plan=DataPlan(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs, plan.tasks,
+                               plan.applies or 1)
             if plan is not None else None,
             shard_group=ShardGroup(tuple(request.shard_group.shards), request.shard_group.shard)
             if request.HasField("shard_group") else None,

@@ -273,9 +273,10 @@ def _compute_round(engine, work) -> None:
     engine.skipped_rounds = tuple(work.skipped_rounds)  # those before it (tfps.keras: its loss scale)
     knob_s = engine.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
     started, todo, rows = time.monotonic(), list(work.micro_batches), []
+    applies = (engine.conn.data_plan or {}).get("applies", 1)  # the rounds each batch is (a step's applies)
     while todo:
         m = todo.pop(0)
-        batch = micro_batches(task.global_batch(work.round), work.parts)[m]
+        batch = micro_batches(task.global_batch(work.round // applies), work.parts)[m]
         row, reply = engine(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:

@@ -366,12 +366,14 @@ class _Attached:
         if strategy.config.elastic:  # the fit's data as the server deals them (``_dealt``)
             given = inspect.signature(self.original_fit).bind_partial(*args, **kwargs).arguments
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode, self.per_update)
+        self.model.train_function = None  # ours is made again by make_train_function
+        self.wrap.prepare(_build(self.model, args, kwargs))
+        if self.dealt is not None:  # sync: a round for each apply of the step (a GAN's two optimizers: two)
+            self.dealt.applies = self.wrap.learned if strategy.server_mode() == "sync" else 1
             if fits > 1 and strategy.connection is not None:
                 self._go_on(strategy.connection, int(kwargs.get("initial_epoch") or 0))
         strategy._fits = fits
         callbacks.append(_agreement(strategy, fits, self))
-        self.model.train_function = None  # ours is made again by make_train_function
-        self.wrap.prepare(_build(self.model, args, kwargs))
         if self.dealt is None:
             return self.original_fit(*args, callbacks=callbacks, verbose=verbose, **kwargs)
         from worker import elastic
@@ -434,15 +436,17 @@ class _Attached:
         return logs
 
     def round_step(self) -> dict:
-        """Elastic: one Keras step is round ``next_round`` of the job: this worker's micro-batches
-        of it, if the server deals it some (``worker.elastic.round_at``: a worker that joined
+        """Elastic: one Keras step is round ``next_round`` of the job (sync, a step of n applies: the
+        n rounds from n x ``next_round``, one each, ``compute``): this worker's micro-batches of it,
+        if the server deals it some (``worker.elastic.round_at``: a worker that joined
         late skips the rounds the cluster is past), then the server's parameters. Async and
         ssp: the next task the server hands out, if it is of this epoch (``task_at``)."""
         from worker import elastic
 
         r, self.next_round = self.next_round, self.next_round + 1
-        if self.strategy.connection.sync:
-            elastic.round_at(self.strategy.engine, r)
+        if self.strategy.connection.sync:  # a round for each of the step's applies, in turn
+            for phase in range(self.dealt.applies):
+                elastic.round_at(self.strategy.engine, r * self.dealt.applies + phase)
         else:
             elastic.task_at(self.strategy.engine, r // self.dealt.steps_per_epoch)
         self._pull()
@@ -468,23 +472,33 @@ class _Attached:
         rounds that skipped, and the scale theirs, as far as this worker knows them); ``_averaged``."""
         conn, seen = self.strategy.connection, self.strategy.connection.registration.incarnation
         self.strategy.engine.ride_out(conn.pull, rejoined=lambda: self._rejoined(seen, self.wrap.position + 1))
-        # elastic sync: a round is a batch, as Keras counts them (the server holds the window)
-        per_version = 1 if self.dealt is not None and conn.sync else self.per_update
-        self.model.optimizer._iterations.assign(max(0, int(conn.version)) * per_version)
+        version, elastic_sync = max(0, int(conn.version)), self.dealt is not None and conn.sync
+        # elastic sync: a round is a batch, as Keras counts them (the server holds a window), or one apply of it
+        self.model.optimizer._iterations.assign(version // self.dealt.applies if elastic_sync else
+                                                version * self.per_update)
         self._averaged()
-        if self.dealt is not None and conn.sync and _scaled(self.model.optimizer):
-            self._scale_to(max(0, int(conn.version)))
+        for optimizer in {id(o): o for o in self.wrap._sites()}.values() if elastic_sync else ():
+            self._count_to(version, optimizer)
 
-    def _scale_to(self, round_: int) -> None:
-        """Elastic sync: the loss scale of round ``round_`` (and the updates before it), from the
-        job's rounds before it that skipped (the server's ``Assignment.skipped_rounds``), the same
-        on every worker."""
-        optimizer, skipped = self.model.optimizer, [r for r in self.strategy.engine.skipped_rounds if r < round_]
+    def _count_to(self, round_: int, optimizer) -> None:
+        """Elastic sync: ``optimizer``'s updates before round ``round_`` and, under a loss scale, its
+        scale then, from the job's rounds before it that skipped (the server's
+        ``Assignment.skipped_rounds``), the same on every worker. A step of n applies is n rounds a
+        batch: the optimizer's own are those of its applies' places (``_Wrap._sites``)."""
+        n, sites = self.dealt.applies, self.wrap._sites()
+        places = [p for p in range(n) if n == 1 or sites[p] is optimizer]
+
+        def own(r: int) -> int:  # the optimizer's rounds before round r
+            return sum(-(-(r - p) // n) for p in places)
+
+        skipped = [own(r) for r in self.strategy.engine.skipped_rounds if r < round_ and r % n in places]
+        _inner(optimizer)._iterations.assign(own(round_) - len(skipped))
+        if not _scaled(optimizer):
+            return
         scale, counter, at, growth = np.float32(optimizer.initial_scale), 0, 0, optimizer.dynamic_growth_steps
         for r in skipped:  # LossScaleOptimizer's arithmetic: the good rounds before each, then its halving
             scale, counter, at = _grown(scale, counter, r - at, growth)[0] / 2, 0, r + 1
-        for v, value in zip(_scale_variables(optimizer) + [_inner(optimizer)._iterations],
-                            [*_grown(scale, counter, round_ - at, growth), round_ - len(skipped)]):
+        for v, value in zip(_scale_variables(optimizer), _grown(scale, counter, own(round_) - at, growth)):
             v.assign(value)
 
     def _rejoined(self, seen: str | None = None, position: int = 0) -> bool:
@@ -507,13 +521,16 @@ class _Attached:
         return False
 
     def compute(self, work) -> tuple[float, dict | None, dict]:
-        """Elastic: a dealt micro-batch through Keras' step, wrapped (``_Wrap.capture``): its logged loss
-        and payload (none where not finite: weight 0), its push's learning rate, and no metrics (each
-        worker logs its own) but a loss scale's ``SKIP_UPDATE``."""
-        optimizer, sync, metrics = self.model.optimizer, self.strategy.connection.sync, None
+        """Elastic: a dealt micro-batch through Keras' step, wrapped (``_Wrap.capture``; in sync the
+        round's apply of it, ``_Wrap.phase``): its logged loss and payload (none where not finite:
+        weight 0), its push's learning rate, and no metrics (each worker logs its own) but a loss
+        scale's ``SKIP_UPDATE``."""
+        sync, metrics = self.strategy.connection.sync, None
+        phase = work.step % self.dealt.applies if sync else 0  # the step's apply this round pushes
+        optimizer = self.wrap._sites()[phase] if self.dealt.applies > 1 else self.model.optimizer
         if _scaled(optimizer) and sync:  # the round's scale, every worker's
-            self._scale_to(work.step)
-        loss, payload = self.wrap.capture(work.examples) if work.batch_size else (0.0, None)
+            self._count_to(work.step, optimizer)
+        loss, payload = self.wrap.capture(work.examples, phase) if work.batch_size else (0.0, None)
         if work.batch_size and payload is None:
             self._not_finite()
             loss = 0.0
@@ -709,10 +726,12 @@ class _Wrap:
         accumulates = self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)
         if self.grouped and accumulates:
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
-        if len(self.served) > 1 and self.attached.strategy.config.elastic:
-            raise ValueError(f"elastic=True: {name}.train_step applies {len(self.served)} optimizers; where the server "
-                             "deals the data each micro-batch is one push of a round: one optimizer's apply a step "
-                             "(a MultiOptimizer's groups too)")
+        strategy = self.attached.strategy
+        if self.learned > 1 and strategy.config.elastic:
+            if strategy.server_mode() != "sync":
+                raise ValueError(f"elastic=True: {name}.train_step applies {self.learned} times; on the server's "
+                                 f"{strategy.server_mode()} tasks each is one push: one apply a step (a "
+                                 "MultiOptimizer's groups too), or run sync")
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""
@@ -812,8 +831,10 @@ class _Wrap:
         optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
         optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables)
 
-    def _begin(self, pulled: dict) -> None:
-        """A step's state before its first ``apply``, its non-trainable changes measured from ``pulled``."""
+    def _begin(self, pulled: dict, phase: int | None = None) -> None:
+        """A step's state before its first ``apply``, its non-trainable changes measured from
+        ``pulled``; ``phase``: the one apply it pushes (elastic sync, ``capture``)."""
+        self.phase = phase
         self.applies = self.immediate = 0  # this step's applies: all, and those pushed at once
         self.deferred: list | None = None  # [payload (None: not finite), optimizer, skip] of the step's last apply
         self.held = False  # the step's gradients went into a gradient_accumulation_steps window
@@ -831,14 +852,17 @@ class _Wrap:
                 self.function.get_concrete_function(spec)
         return self.function(data)
 
-    def capture(self, examples) -> tuple[float, dict | None]:
+    def capture(self, examples, phase: int = 0) -> tuple[float, dict | None]:
         """Elastic: Keras' step on a dealt micro-batch (x, y, sample weight) against the
-        parameters pulled for its round: its logged loss, and its ``apply``'s payload (None:
-        not finite), which the engine pushes naming the micro-batch."""
+        parameters pulled for its round: its logged loss, and the payload of its ``apply``
+        number ``phase`` (None: not finite), which the engine pushes naming the micro-batch. A
+        step of several applies is as many rounds (``Cursor.applies``): the applies before
+        ``phase`` push nothing and take the pulled values (their rounds' updates made, with the
+        non-trainable state they left), those after it are not exchanged."""
         import keras
 
         self.examples = self.batch_examples = _batch_size(examples[0])
-        self._begin(self.attached.strategy.connection.pulled)
+        self._begin(self.attached.strategy.connection.pulled, phase)
         logs = self._run(keras.utils.pack_x_y_sample_weight(*examples[:3]))
         (payload, _, _), self.deferred = self.deferred or [None, None, False], None
         return _logged_loss(logs), payload
@@ -888,6 +912,11 @@ class _Wrap:
         a = self.attached
         model, conn = a.model, a.strategy.connection
         self.applies += 1
+        if self.phase is not None and self.applies - 1 != self.phase:  # another round's apply (``capture``)
+            if self.applies - 1 < self.phase:  # (a loss scale's as it is: each round's is set by ``compute``)
+                return [True] + [conn.pulled[v.path] for v in trainable(model) + non_trainable(model)] + \
+                    [v.numpy() for v in _scale_variables(optimizer)]
+            return [False] + [np.zeros((), np.dtype(v.dtype)) for v in held]
         grads, given = {}, iter(tensors)
         for v, kind in zip(variables, kinds):
             if kind == "dense":
@@ -917,7 +946,7 @@ class _Wrap:
         if self.deferred is not None:  # an apply after the one held (an eager step's first): it goes first
             deferred, self.deferred = self.deferred, None
             self._push(*deferred, now=now)
-        if a.window.last() and self.applies < (len(self.plan) if graph else self.learned):
+        if a.window.last() and self.applies < (len(self.plan) if graph else self.learned) and self.phase is None:
             self.immediate += 1
             _, reply, scale = self._push(payload, optimizer, self.skip, now, graph=True)
             conn.pull(load=False)
@@ -1202,7 +1231,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
             model = self.model
             initial = int(getattr(model, "_initial_epoch", None) or 0)
             # a later fit's first round: sync, the chief's; async and ssp, its first epoch's in the job (``_go_on``)
-            base = 0 if fit == 1 else conn.step if conn.sync or dealt is None \
+            base = 0 if fit == 1 else conn.step // (dealt.applies if dealt else 1) if conn.sync or dealt is None \
                 else (attached.first_epoch - initial) * dealt.steps_per_epoch
             if fit > 1 and dealt is not None and not conn.sync and strategy.is_chief:
                 strategy.engine.join()  # Initialize: the server's tasks go on to this fit's epochs
@@ -1216,7 +1245,7 @@ def _agreement(strategy: Strategy, fit: int, attached: "_Attached"):
                 # elastic: on the chief's data (the server deals indices into them), from the epoch of the
                 # cluster's round (sync: one that joins late skips the rounds it is past) or of its first task
                 self.base = got["base"]
-                start = (max(0, conn.step - self.base) if conn.sync
+                start = (max(0, conn.step // dealt.applies - self.base) if conn.sync
                          else elastic.task_epoch(strategy.engine) * dealt.steps_per_epoch - self.base)
                 start //= dealt.steps_per_epoch
                 if got["data"] != chief["data"]:

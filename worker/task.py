@@ -364,6 +364,7 @@ class DealtArrays:
         self.per_pass = ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
         self.steps_per_epoch = steps_per_epoch or self.per_pass
         self.total_steps = epochs * self.steps_per_epoch
+        self.applies = 1  # sync: the rounds each batch is (tfps.keras: the applies of its step; ``Cursor.applies``)
 
     def plan(self, tasks: int | None = None) -> dict:
         """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``).
@@ -372,7 +373,7 @@ class DealtArrays:
         within a pass (epochs that are not passes)."""
         plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
         if not self.tasks:
-            return plan
+            return {**plan, "applies": self.applies} if self.applies > 1 else plan
         tasks = self.total_steps if tasks is None else tasks
         passes = -(-tasks // self.per_pass)
         return {**plan, "epochs": passes, **({"tasks": tasks} if tasks != passes * self.per_pass else {})}

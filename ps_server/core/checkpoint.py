@@ -139,13 +139,15 @@ class DataState:
     done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
     epochs_complete: tuple[int, ...] = ()
     epochs_seen: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    applies: int = 1  # "elastic": the rounds each global batch is (``Cursor.applies``)
 
     KINDS = ("tasks", "elastic")
 
     def describe(self) -> str:
         """One line: the plan, for messages."""
         what = (f"{self.epochs} epoch(s) of tasks" if self.kind == "tasks"
-                else f"elastic, {self.micro_batches} micro-batches")
+                else f"elastic, {self.micro_batches} micro-batches"
+                + (f", {self.applies} rounds a batch" if self.applies > 1 else ""))
         return (f"{self.num_examples} examples, batches of {self.global_batch_size}, seed {self.seed}, {what}")
 
 
@@ -321,6 +323,7 @@ def _data_header(data: DataState, put) -> dict:
         "seed": int(data.seed),
         "epochs": int(data.epochs),
         "micro_batches": int(data.micro_batches),
+        "applies": int(data.applies),
         "tasks": int(data.tasks),
         **{k: ref(getattr(data, k), np.int64) for k in _TASK_ARRAYS},
         "epochs_complete": [int(e) for e in data.epochs_complete],
@@ -509,6 +512,7 @@ def _data_of(header: dict | None, f, data_start: int, data_len: int) -> DataStat
         kind=header["kind"], num_examples=int(header["num_examples"]),
         global_batch_size=int(header["global_batch_size"]), seed=int(header["seed"]),
         epochs=int(header["epochs"]), micro_batches=int(header["micro_batches"]), tasks=int(header.get("tasks", 0)),
+        applies=int(header.get("applies", 1)),
         **{k: read(header[k], "i").astype(np.int64) for k in _TASK_ARRAYS},
         epochs_complete=tuple(int(e) for e in header["epochs_complete"]),
         epochs_seen={int(e): read(ref, "u") for e, ref in header["epochs_seen"].items()},

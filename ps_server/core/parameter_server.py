@@ -379,7 +379,7 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
-        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches)
+        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches, plan.applies or 1)
 
     def _check_shard_group(self, group: ShardGroup | None) -> None:
         """Refuse, before anything is stored, a shard group this server cannot take."""
@@ -732,7 +732,7 @@ class ParameterServer:
             c = self.mode.cursor
             complete, seen = ledger
             return DataState("elastic", c.num_examples, c.global_batch_size, c.seed, 0, c.micro_batches,
-                             epochs_complete=complete, epochs_seen=seen)
+                             epochs_complete=complete, epochs_seen=seen, applies=c.applies)
         return None
 
     def _restored_data(self, data: DataState | None, group: ShardGroup | None = None):
@@ -762,7 +762,7 @@ class ParameterServer:
             raise ConfigMismatch(f"the checkpoint's rounds are cut into {data.micro_batches} micro-batches; this "
                                  f"server cuts them into {self.micro_batches} (--micro-batches): {where}")
         try:
-            cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches)
+            cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches, data.applies)
             return cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen)
         except InvalidArgument as e:
             raise ConfigMismatch(f"the checkpoint's ledger does not fit its own plan ({data.describe()}): {e}") \

@@ -16,6 +16,8 @@ import os
 import numpy as np
 import pytest
 
+from worker.client import PSClient
+
 from .conftest import ROOT
 from .test_keras_fit import alone, fit
 
@@ -130,6 +132,30 @@ def test_a_gan_s_two_optimizers_are_each_served_and_end_where_one_process_and_mi
     (tmp_path / "two").mkdir()  # over two shards: a push of one optimizer's variables reaches every shard
     two = fit(procs, tmp_path / "two", "sync", address=two_shards(procs), program=GAN)
     assert two[0]["weights"] == ours[0]["weights"] and two[0]["iterations"] == [32, 32]
+
+
+def test_a_gan_under_elastic_sync_is_two_rounds_a_batch_whose_bits_do_not_depend_on_who_computes(
+        procs, tmp_path, monkeypatch):
+    """``elastic=True`` (``TFPS_ELASTIC``): each batch is two rounds, the discriminator's update
+    of every micro-batch, then the generator's through it. Two workers, each computing one of a
+    round's two micro-batches, end at the bits of one worker computing both (a round's result is
+    a function of its micro-batches alone), each optimizer counting its 16 updates of the epoch;
+    the server counts 32 rounds and each example once. (One worker against ``model.fit``, to the
+    bit: tests/worker/test_keras_strategy.py.)"""
+    monkeypatch.setenv("TFPS_ELASTIC", "1")
+    runs = []
+    for workers in (2, 1):
+        _, address = procs.server("sync", workers, extra=("--elastic-min-workers", str(workers),
+                                                          "--micro-batches", "2"))
+        (tmp_path / str(workers)).mkdir()
+        runs.append(fit(procs, tmp_path / str(workers), "sync", "--epochs", "1", workers=workers, address=address,
+                        program=GAN))
+        with PSClient(address) as client:
+            status = client.status()
+        assert status.version == 32 and list(status.epoch_examples) == [1024]
+    (two, other), (one,) = runs
+    assert two["weights"] == other["weights"] == one["weights"]
+    assert two["iterations"] == one["iterations"] == [16, 16]
 
 
 @pytest.mark.slow  # a plain run and two workers' of the GAN (~30 s); the default tier holds the same rule

@@ -157,6 +157,40 @@ def test_an_elastic_job_restored_mid_epoch_goes_on_counting_and_ends_with_the_un
         np.testing.assert_array_equal(ours[name], theirs[name])
 
 
+def test_an_elastic_job_of_two_rounds_a_batch_restored_between_them_deals_the_batch_s_second_round(tmp_path):
+    """A step of two updates (``DataPlan.applies`` 2): the checkpoint keeps the plan's rounds a
+    batch; restored after round 2b, the server deals batch b again for round 2b + 1, counts
+    its examples once, and ends at the unrestarted run's bits. Another ``applies`` is another plan."""
+    plan = dataclasses.replace(elastic.PLAN, applies=2)
+
+    def job():
+        ps = elastic.server(Clock())
+        for w in (0, 1):
+            ps.register(w, 4)
+        ps.initialize(0, elastic.zeros(), elastic.ADAM, data_plan=plan)
+        return ps
+
+    undisturbed = job()
+    elastic_rounds(undisturbed, (0, 1), 15)
+    ps = job()
+    elastic_rounds(ps, (0, 1), 3)  # batch 1's first round done, its second not
+    assert ps.status().epoch_examples == (16,)
+    back = through_a_file(tmp_path, ps)
+    assert back.data.applies == 2 and back.round == 3
+    fresh = elastic.server(Clock())
+    fresh.restore(back)
+    for w in (0, 1):
+        fresh.register(w, 4)
+    assert fresh.initialize(0, elastic.zeros(), elastic.ADAM, data_plan=plan)[0] is False
+    with pytest.raises(SpecConflict, match="data plan"):
+        fresh.initialize(0, elastic.zeros(), elastic.ADAM, data_plan=elastic.PLAN)
+    elastic_rounds(fresh, (0, 1), 15)
+    assert fresh.status().epoch_examples == undisturbed.status().epoch_examples == (90, 16)
+    ours, theirs = fresh.pull()[1], undisturbed.pull()[1]
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name])
+
+
 def test_the_elastic_snapshot_and_its_ledger_are_of_the_same_round():
     ps = elastic_job()
     elastic_rounds(ps, (0, 1), 2)

@@ -32,6 +32,21 @@ def test_a_round_s_micro_batches_are_its_global_batch_and_each_worker_s_group_is
     assert cursor.steps_per_epoch == 9 and cursor.epoch_of(8) == 0 and cursor.epoch_of(9) == 1
 
 
+def test_a_batch_of_several_rounds_deals_the_same_micro_batches_and_counts_at_its_last_round():
+    """``applies`` 2 (a step of two updates): rounds 2b and 2b + 1 are global batch b, both of its
+    epoch; only the second counts its examples."""
+    cursor = Cursor(num_examples=100, global_batch_size=12, seed=3, micro_batches=3, applies=2)
+    for b in (0, 4, 8, 9):
+        batch = batches.global_batch(100, 12, 3, b)
+        for r in (2 * b, 2 * b + 1):
+            np.testing.assert_array_equal(np.concatenate(cursor.parts(r)), batch)
+            assert cursor.epoch_of(r) == b // 9
+        assert not cursor.counts(2 * b) and cursor.counts(2 * b + 1)
+    assert Cursor(100, 12, 3, 3).counts(0)
+    with pytest.raises(InvalidArgument, match="at least 1 round"):
+        Cursor(100, 12, 3, 3, applies=0)
+
+
 def test_fewer_workers_than_micro_batches_take_contiguous_groups_and_empty_parts_are_done():
     cursor = Cursor(num_examples=10, global_batch_size=8, seed=0, micro_batches=5)
     work = cursor.round(0, live=[1, 2])

@@ -59,7 +59,9 @@ class BatchLogs(keras.callbacks.Callback):
         self.logs.append({k: float(v) for k, v in logs.items()})
 
 
-def fit(overflow: str, strategy) -> dict:
+def fit(overflow: str, strategy, order=None) -> dict:
+    """``TwoScaled`` under ``mixed_float16``, two epochs; ``order``: the two epochs' examples in
+    this order, one epoch of them (as an elastic server deals them)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         keras.utils.set_random_seed(0)
@@ -68,6 +70,9 @@ def fit(overflow: str, strategy) -> dict:
                 "z": rng.normal(size=(BATCHES * BATCH, 3)).astype(np.float32)}
         y = rng.normal(size=(BATCHES * BATCH, 2)).astype(np.float32)
         data[overflow][OVERFLOW * BATCH + 5] = 1e4  # its float16 gradients overflow at any scale here
+        epochs = 2
+        if order is not None:
+            data, y, epochs = {k: v[order] for k, v in data.items()}, y[order], 1
         with strategy.scope():
             model = TwoScaled()
             model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 8,
@@ -75,7 +80,7 @@ def fit(overflow: str, strategy) -> dict:
                           keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 6,
                                                               dynamic_growth_steps=4))
         logs = BatchLogs()
-        model.fit(data, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[logs])
+        model.fit(data, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[logs])
         return {"weights": [v.numpy().tobytes() for v in model.trainable_variables], "logs": logs.logs,
                 "optimizers": [(float(o.dynamic_scale.numpy()), int(o.step_counter.numpy()), int(o.iterations.numpy()))
                                for o in (model.first_optimizer, model.second_optimizer)]}
@@ -107,6 +112,30 @@ def test_an_overflow_skips_only_its_own_optimizer_s_update_and_halves_only_its_s
     halved = plain["logs"][OVERFLOW]["first_scale"] < plain["logs"][OVERFLOW - 1]["first_scale"]
     assert halved == (overflow == "x")
     assert ours["weights"] == plain["weights"]
+
+
+@pytest.mark.parametrize("overflow", ["x", "z"])
+def test_an_elastic_step_of_two_scaled_optimizers_skips_each_one_s_own_rounds_as_model_fit_does(
+        server_config, overflow):
+    """Elastic sync deals each batch as two rounds, one for each optimizer's apply; a round that
+    overflows skips its optimizer's update alone, and each worker derives each optimizer's scale
+    from the skipped rounds of its own applies. One worker, a micro-batch a round: ``model.fit``
+    on the examples in the order the server deals them, to the bit, with each optimizer's scale,
+    counter and iterations."""
+    from ps_common.batches import global_batch
+
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=1)
+    strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
+    try:
+        ours = fit(overflow, strategy)
+        assert strategy.connection.version == 2 * 2 * BATCHES
+    finally:
+        strategy.close()
+    order = np.concatenate([global_batch(BATCHES * BATCH, BATCH, strategy.config.seed, r) for r in range(2 * BATCHES)])
+    plain = fit(overflow, tf.distribute.get_strategy(), order)
+    skipped = [2, 0] if overflow == "x" else [0, 2]
+    assert [iterations for _, _, iterations in plain["optimizers"]] == [2 * BATCHES - s for s in skipped]
+    assert (ours["optimizers"], ours["weights"]) == (plain["optimizers"], plain["weights"])
 
 
 def test_a_loss_scale_around_a_multi_optimizer_skips_its_one_push_as_model_fit_does(server):

@@ -98,6 +98,18 @@ class TwoParts(keras.Model):
         return {"loss": loss}
 
 
+class NormedParts(TwoParts):
+    """``TwoParts`` with a ``BatchNormalization`` after the first layer, whose statistics every
+    forward pass moves (both of a step's)."""
+
+    def __init__(self, other=None):
+        super().__init__(other)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x):
+        return self.second(self.norm(self.first(x), training=True))
+
+
 @pytest.mark.parametrize("other", [lambda: keras.optimizers.SGD(0.05, momentum=0.9), lambda: None])
 def test_a_train_step_s_optimizers_of_different_configs_or_one_to_some_variables_end_where_model_fit_ends(
         server, other):
@@ -511,13 +523,61 @@ def test_an_elastic_fit_serves_a_multi_optimizer_s_groups_or_one_optimizer_to_so
     if optimizer == "some":
         assert np.array_equal(model.second.kernel.numpy(), weights[2])
 
-    running = server_config(mode="sync", num_workers=2, elastic_min_workers=1, micro_batches=3)
-    strategy = Strategy(ps=running.address, worker_index=0, num_workers=2, elastic=True, deterministic=False)
-    with strategy.scope():
-        model = TwoParts(keras.optimizers.SGD(0.05))
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    with pytest.raises(ValueError, match="elastic=True: TwoParts.train_step applies 2 optimizers; where the server"):
+
+@pytest.mark.parametrize("micro_batches, kind", [(1, NormedParts), (3, TwoParts)])
+def test_an_elastic_step_of_two_optimizers_is_two_rounds_of_one_batch_each_update_seen_by_the_next(
+        server_config, micro_batches, kind):
+    """``TwoParts(SGD)`` compiled with Adam: each step applies Adam to the first layer, then SGD
+    to the second on gradients taken after Adam's update. Elastic sync deals each batch as two
+    rounds (``Cursor.applies``): the first pushes Adam's gradients of every micro-batch, the
+    second SGD's, each micro-batch's step taking the first round's values, and the statistics
+    its forward pass left (``NormedParts``), at its first apply. One worker, one micro-batch a
+    round: ``model.fit`` on the batches in the order the server deals them, to the bit (with
+    the batch normalization's statistics moved twice a step, not three times); three
+    micro-batches: within float rounding of it (each round's mean of three). The server counts every example once an epoch. A second fit goes on from the
+    job's round; an async server refuses the step in one line."""
+    import numpy as np
+    import tensorflow as tf
+
+    from ps_common.batches import global_batch
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(60, 4)).astype(np.float32), rng.normal(size=(60, 2)).astype(np.float32)
+
+    def build(scope):
+        with scope:
+            keras.utils.set_random_seed(0)
+            model = kind(keras.optimizers.SGD(0.05, momentum=0.5))
+            model.compile(optimizer=keras.optimizers.Adam(0.01))
+            model(x[:1])
+        return model
+
+    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=micro_batches)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
+    model = build(strategy.scope())
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)  # the job's second epoch
+    assert strategy.connection.version == 12 and list(strategy.connection.client.status().epoch_examples) == [60, 60]
+    served = [v.numpy() for v in model.weights]
+    strategy.close()
+
+    plain = build(tf.distribute.get_strategy().scope())
+    for epoch in range(2):  # each epoch's last batch is 12 examples
+        order = np.concatenate([global_batch(60, 24, strategy.config.seed, r) for r in range(3 * epoch, 3 * epoch + 3)])
+        plain.fit(x[order], y[order], batch_size=24, epochs=1, shuffle=False, verbose=0)
+    assert len(served) == len(plain.weights) == 4 + 4 * (kind is NormedParts)
+    for got, want in zip(served, plain.weights):
+        if micro_batches == 1:
+            np.testing.assert_array_equal(got, want.numpy())
+        else:
+            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+    running = server_config(mode="async", num_workers=1)
+    strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
+    model = build(strategy.scope())
+    with pytest.raises(ValueError, match=f"elastic=True: {kind.__name__}.train_step applies 2 times; on the server's"):
         model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    strategy.close()
     assert strategy.connection is None
 
 

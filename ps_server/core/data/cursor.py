@@ -58,23 +58,28 @@ class DataPlan:
     Async and ssp: ``global_batch_size`` is each task's batch (one push's examples) and
     ``epochs`` how many passes the job makes (``core.data.tasks``; with ``tasks``, its tasks, the
     last pass cut short: Keras' ``steps_per_epoch``); elastic sync's rounds go on while workers
-    ask (``epochs`` 0)."""
+    ask (``epochs`` 0), ``applies`` rounds each global batch (``Cursor``)."""
 
     num_examples: int
     global_batch_size: int
     seed: int
     epochs: int = 0
     tasks: int = 0
+    applies: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-    """The job's sequence of global batches, each cut into ``micro_batches`` parts."""
+    """The job's sequence of global batches, each cut into ``micro_batches`` parts, each the
+    batch of ``applies`` rounds in a row: a step that makes that many updates, one a round
+    (``tfps.keras``: a GAN's ``train_step`` applies two optimizers, the second on the first's
+    update of the whole batch). A batch's examples count in its epoch at its last round."""
 
     num_examples: int
     global_batch_size: int
     seed: int
     micro_batches: int
+    applies: int = 1
 
     def __post_init__(self) -> None:
         if self.num_examples < 1:
@@ -83,17 +88,23 @@ class Cursor:
             raise InvalidArgument(f"the global batch size must be >= 1, got {self.global_batch_size}")
         if self.micro_batches < 1:
             raise InvalidArgument(f"a global batch is cut into at least 1 micro-batch, got {self.micro_batches}")
+        if self.applies < 1:
+            raise InvalidArgument(f"a global batch is at least 1 round, got {self.applies}")
 
     @property
     def steps_per_epoch(self) -> int:
         return batches.steps_per_epoch(self.num_examples, self.global_batch_size)
 
     def epoch_of(self, round_: int) -> int:
-        return round_ // self.steps_per_epoch
+        return round_ // self.applies // self.steps_per_epoch
+
+    def counts(self, round_: int) -> bool:
+        """Whether round ``round_`` is its batch's last: its examples then count in the epoch."""
+        return round_ % self.applies == self.applies - 1
 
     def parts(self, round_: int) -> list[np.ndarray]:
         """Round ``round_``'s micro-batches: example indices, in order; together its global batch."""
-        batch = batches.global_batch(self.num_examples, self.global_batch_size, self.seed, round_)
+        batch = batches.global_batch(self.num_examples, self.global_batch_size, self.seed, round_ // self.applies)
         return batches.micro_batches(batch, self.micro_batches)
 
     def round(self, round_: int, live: Iterable[int]) -> "RoundWork":

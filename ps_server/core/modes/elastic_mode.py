@@ -11,7 +11,9 @@
     mode.workers_died([w])                       # lease expired (or worker_left): its undelivered part moves
 
 The data cursor belongs to the cluster (``core.data.cursor``): round ``r`` trains on
-global batch ``r`` of the seeded sequence, cut into the cursor's fixed
+global batch ``r`` of the seeded sequence (with the cursor's ``applies`` n, rounds ``b * n``
+to ``b * n + n - 1`` are batch ``b``: a step of n updates, each round's pushes of its own
+optimizer's variables), cut into the cursor's fixed
 micro-batches, dealt to the workers live when the round starts. A worker pushes
 one gradient per micro-batch (``Push.micro_batch``, its ``batch_size`` that
 micro-batch's examples), computed on the round's parameters (``work.round`` is the
@@ -396,7 +398,7 @@ class ElasticSyncMode(Mode):
         if self._skip:
             self._skipped.append(completed)
         micro = range(self.cursor.micro_batches)
-        for m in micro:
+        for m in micro if self.cursor.counts(completed) else ():  # a batch of several rounds: at its last
             self.ledger.fold(work.epoch, work.indices(m))
         sizes = [s for _, s in self._losses]
         self.stats.record(pushes=len(sizes), examples=sum(sizes), staleness=[0] * len(sizes),
