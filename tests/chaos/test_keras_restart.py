@@ -35,8 +35,8 @@ def _checkpointed(ckpt_dir) -> int:
 
 def restart_at(procs, server, port: int, ckpt_dir, version: int, done: threading.Event,
                finished: threading.Event, seen: list) -> None:
-    """Kill ``server`` once it reached ``version`` and a checkpoint, and went on past the newest
-    checkpoint (so the restart loses rounds the workers saw complete: each must notice and
+    """Kill ``server`` once it reached ``version`` and a checkpoint of some rounds, and went on past
+    the newest checkpoint (so the restart loses rounds the workers saw complete: each must notice and
     resume), then start it again and stay until ``finished``: the new server dies with the
     thread that started it (PDEATHSIG). ``seen``: the version read just before the kill."""
     with PSClient(f"127.0.0.1:{port}") as client:
@@ -44,7 +44,7 @@ def restart_at(procs, server, port: int, ckpt_dir, version: int, done: threading
         while time.monotonic() < deadline:
             try:
                 now = client.status().version
-                if now >= version and now > _checkpointed(ckpt_dir) >= 0:
+                if now >= version and now > _checkpointed(ckpt_dir) > 0:  # a checkpoint of some rounds
                     seen.append(now)
                     break
             except PSClientError:
