@@ -139,7 +139,8 @@ def test_a_model_file_saved_inside_a_window_the_elastic_server_holds_resumes_the
     def model_of(scope):
         with scope:
             keras.utils.set_random_seed(0)
-            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="relu"),
+                                      keras.layers.Dense(1)])
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=2), loss="mse")
         return model
 
