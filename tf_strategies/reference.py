@@ -28,7 +28,7 @@ from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.store import VariableStore
 from worker.config import WorkerConfig, add_training_flags, training_flags
 from worker.data import global_batches, load_dataset, shard, steps_per_epoch
-from worker.gradients import Gradients, zeros
+from worker.gradients import Gradients, get_values, set_values, zeros
 
 
 def run_reference(config: WorkerConfig, full_batch: bool = False) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -44,13 +44,13 @@ def run_reference(config: WorkerConfig, full_batch: bool = False) -> tuple[dict[
         model = models.build_model(config.model, config.seed)
     gradients = Gradients(model, models.loss)
     store = VariableStore()
-    store.initialize(models.get_weights(model), OptimizerSpec(**config.optimizer_spec()))
+    store.initialize(get_values(model), OptimizerSpec(**config.optimizer_spec()))
     parts = 1 if full_batch else config.num_workers
     losses = []
     batches = global_batches(n, config.global_batch_size, -(-total // per_epoch), config.seed)
     for _, batch in zip(range(total), batches):
         _, values = store.read()
-        models.set_weights(model, values)
+        set_values(model, values)
         contributions, step_losses = [], []
         for i in range(parts):
             mine = shard(batch, i, parts)

@@ -69,15 +69,6 @@ def build_model(name: str = "cnn", seed: int = 0):
                             name=name)
 
 
-def get_weights(model) -> dict[str, np.ndarray]:
-    return {v.path: np.array(v.numpy()) for v in model.trainable_variables}
-
-
-def set_weights(model, values: dict[str, np.ndarray]) -> None:
-    for v in model.trainable_variables:
-        v.assign(values[v.path])
-
-
 def save_npz(path: str, values: dict[str, np.ndarray]) -> None:
     """Variables by path to an .npz ('/' in names is stored as '__')."""
     np.savez(path, **{k.replace("/", "__"): v for k, v in values.items()})
