@@ -261,17 +261,15 @@ class Streams:
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
-        def method(make, name: str, request_serializer, response_deserializer):
-            return make(f"/{wire.SERVICE_NAME}/{name}", request_serializer, response_deserializer)
-
-        self.pull_stream = method(channel.unary_stream, "PullStream", pb.PullRequest.SerializeToString,
-                                  stream.deserializer(pb.PullChunk))
-        self.push_stream = method(channel.stream_unary, "PushStream", stream.serializer(pb.PushChunk),
-                                  pb.PushResponse.FromString)
-        self.push_pull_stream = method(channel.stream_stream, "PushPull", stream.serializer(pb.PushChunk),
-                                       stream.deserializer(pb.PushPullChunk))
-        self.initialize_stream = method(channel.stream_unary, "InitializeStream", stream.serializer(pb.InitializeChunk),
-                                        pb.InitializeResponse.FromString)
+        path = f"/{wire.SERVICE_NAME}/"
+        self.pull_stream = channel.unary_stream(path + "PullStream", pb.PullRequest.SerializeToString,
+                                                stream.deserializer(pb.PullChunk))
+        self.push_stream = channel.stream_unary(path + "PushStream", stream.serializer(pb.PushChunk),
+                                                pb.PushResponse.FromString)
+        self.push_pull_stream = channel.stream_stream(path + "PushPull", stream.serializer(pb.PushChunk),
+                                                      stream.deserializer(pb.PushPullChunk))
+        self.initialize_stream = channel.stream_unary(path + "InitializeStream", stream.serializer(pb.InitializeChunk),
+                                                      pb.InitializeResponse.FromString)
 
     def initialize(self, header: pb.InitializeHeader, arrays: list[np.ndarray]) -> pb.InitializeResponse:
         """One InitializeStream: ``header``, then the bytes of ``arrays`` (its variables in
