@@ -49,19 +49,15 @@ class Dataset:
     y_test: np.ndarray
 
 
-def _bilinear_matrix(n_in: int, n_out: int) -> np.ndarray:
-    """(n_out, n_in) matrix resizing a 1-D signal bilinearly (align-centers)."""
-    src = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5  # each output sample's position in the input
-    lo = np.floor(src).astype(np.int64)
-    m = np.zeros((n_out, n_in), dtype=np.float64)
-    for j, w in ((lo, 1.0 - (src - lo)), (lo + 1, src - lo)):
-        np.add.at(m, (np.arange(n_out), np.clip(j, 0, n_in - 1)), w)  # the edges clamp, both weights on one pixel
-    return m
-
-
 def resize_images(images: np.ndarray, size: int) -> np.ndarray:
-    """Bilinear resize of (n, h, w) square images to (n, size, size)."""
-    r = _bilinear_matrix(images.shape[1], size)
+    """Bilinear resize (align-centers) of (n, h, w) square images to (n, size, size): ``r @ image @ r.T``
+    with ``r`` the (size, h) matrix that resizes a row or a column."""
+    n_in = images.shape[1]
+    src = (np.arange(size) + 0.5) * (n_in / size) - 0.5  # each output sample's position in the input
+    lo = np.floor(src).astype(np.int64)
+    r = np.zeros((size, n_in), dtype=np.float64)
+    for j, w in ((lo, 1.0 - (src - lo)), (lo + 1, src - lo)):
+        np.add.at(r, (np.arange(size), np.clip(j, 0, n_in - 1)), w)  # the edges clamp, both weights on one pixel
     return np.einsum("ij,njk,lk->nil", r, images, r)
 
 
