@@ -35,6 +35,7 @@ server's parameters; compute that batch's gradients again on them::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -81,7 +82,7 @@ def train(model_fn: Callable, dataset_fn: Callable, *, loss=None, metrics: Seque
     return run(config, tasks.from_config(config, model_fn, dataset_fn, loss=loss, metrics=metrics))
 
 
-class Session:
+class Session(contextlib.AbstractContextManager):
     """A worker's connection for a hand-written loop (module docstring): the ``ps-worker``
     loop's own pull and push (``worker.connection``), with the gradients a tape gave made
     into a push by the loop's own function (``worker.gradients.as_pushed``). It registers (the
@@ -151,9 +152,6 @@ class Session:
             self.connection.leave()
         finally:
             self.connection.close()
-
-    def __enter__(self) -> "Session":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

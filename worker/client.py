@@ -26,13 +26,14 @@ names the call, the status code and the server's own explanation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import secrets
 import threading
 import time
-from typing import Iterable, Mapping, Self, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -75,7 +76,7 @@ class MicroReply(PushReply):
     more: pb.Assignment | None = None
 
 
-class PSClient:
+class PSClient(contextlib.AbstractContextManager):
     def __init__(
         self,
         address: str,
@@ -148,9 +149,6 @@ class PSClient:
             if self._beats is not None:
                 self._beats[0].close()
         self.shared_memory.close()
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -56,7 +56,7 @@ TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 30.0, 60.0, float("inf"))
 
 
-class Observer:
+class Observer(contextlib.AbstractContextManager):
     """Shows one worker's training as a bar or log lines, in TensorBoard and to Prometheus."""
 
     def __init__(self, worker_index: int = 0, total_steps: int = 0, log_every: int = 10, progress: str = "auto",
@@ -90,9 +90,6 @@ class Observer:
         self.metrics_port = 0
         if metrics_port is not None and metrics_port >= 0:
             self._start_exporter(metrics_port, metrics_host)
-
-    def __enter__(self) -> "Observer":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
