@@ -27,16 +27,12 @@ from ps_common.settings import command_config, to_json
 from worker.config import ConfigError, WorkerConfig
 
 
-def _dump_stacks_on_crash() -> None:
-    """A crash in TensorFlow or gRPC (SIGSEGV, SIGABRT ...) leaves each thread's Python stack
-    on the process's own stderr (fd 2, whatever ``sys.stderr`` is now: a test may have
-    replaced it with an object that has no file descriptor)."""
+def main(argv: list[str] | None = None) -> int:
+    # A crash in TensorFlow or gRPC (SIGSEGV, SIGABRT ...) leaves each thread's Python stack on the
+    # process's own stderr (fd 2, whatever sys.stderr is now: a test may have replaced it with an object
+    # that has no file descriptor).
     with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # no stderr to write to
         faulthandler.enable(file=sys.__stderr__)
-
-
-def main(argv: list[str] | None = None) -> int:
-    _dump_stacks_on_crash()
     config = command_config(WorkerConfig, argv, "ps-worker")
     allocator = wire.tune_allocator()  # first thing: before TensorFlow allocates
     wire.use_max_message_mb(config.max_message_mb)  # every channel this process opens
