@@ -33,7 +33,6 @@ import numpy as np
 from worker import elastic
 from worker import model as models
 from worker import task as tasks
-from worker.client import PSClientError
 from worker.config import ConfigError, WorkerConfig
 from worker.connection import TrainingError, Work
 from worker.engine import Engine
@@ -269,4 +268,4 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["train", "TrainingLoop", "TrainingError", "PSClientError"]
+__all__ = ["train", "TrainingLoop", "TrainingError"]
