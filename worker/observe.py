@@ -158,8 +158,7 @@ class Observer(contextlib.AbstractContextManager):
             handler.removeFilter(self._clear_bar_line)
         self._hooked.clear()
         if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
+            self._tb.close()  # flushes first
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
