@@ -117,8 +117,7 @@ class OutgoingPush:
 
 
 class Unary:
-    """One message each way, through ``call``: every control call, and pushes and pulls up to
-    ``small_bytes`` (a streamed call costs a thread on each side and ~0.3 ms more, bench/barrier.py)."""
+    """One message each way, by ``call``: control calls, and pushes and pulls up to PSClient's ``small_bytes``."""
 
     def __init__(self, channel: grpc.Channel, address: str, timeout: float):
         self.address, self.timeout = address, timeout
