@@ -196,7 +196,14 @@ class Observer(contextlib.AbstractContextManager):
         return f"{head}[{bar}]{tail}"[: self._bar_columns - 1]
 
     def _draw_bar(self) -> None:
-        self._hook_log_handlers()
+        # A terminal's log handlers clear the bar first; checked at every draw, not once: logging may be
+        # configured after this observer was made.
+        for logger in (logging.getLogger(), log):
+            for handler in logger.handlers:
+                stream = getattr(handler, "stream", None)
+                if handler not in self._hooked and stream is not None and (stream is self.stream or _isatty(stream)):
+                    handler.addFilter(self._clear_bar_line)
+                    self._hooked.append(handler)
         text = self._bar_text(self._last)
         with self._bar_lock:
             # Pad over a longer previous line instead of an ANSI erase: plain "\r" works everywhere.
@@ -221,15 +228,6 @@ class Observer(contextlib.AbstractContextManager):
                 self._bar_len = 0
                 if clear:
                     self._bar_drawn_at = float("-inf")
-
-    def _hook_log_handlers(self) -> None:
-        # Checked at every draw, not once: logging may be configured after this observer was made.
-        for logger in (logging.getLogger(), log):
-            for handler in logger.handlers:
-                stream = getattr(handler, "stream", None)
-                if handler not in self._hooked and stream is not None and (stream is self.stream or _isatty(stream)):
-                    handler.addFilter(self._clear_bar_line)
-                    self._hooked.append(handler)
 
     # TensorBoard.
 
