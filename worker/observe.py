@@ -79,7 +79,10 @@ class Observer(contextlib.AbstractContextManager):
         self._bar_len = 0  # characters of the bar on the current line; 0: none
         self._bar_drawn_at = float("-inf")  # time.monotonic() of the last draw
         self._bar_stale = False  # the newest record is not drawn yet
-        self._bar_columns = _columns(self.stream)
+        try:
+            self._bar_columns = os.get_terminal_size(self.stream.fileno()).columns or 80
+        except (AttributeError, ValueError, OSError):  # not a real terminal (a test's fake one)
+            self._bar_columns = 80
         self._bar_lock = threading.Lock()  # the bar's writes against other threads' log records clearing it
         self._hooked: list[logging.Handler] = []
         self._tb = self._tb_scalar = None  # the summary writer, created at the first write (the index is known by then)
@@ -340,13 +343,6 @@ def _isatty(stream) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed file
         return False
-
-
-def _columns(stream) -> int:
-    try:
-        return os.get_terminal_size(stream.fileno()).columns or 80
-    except (AttributeError, ValueError, OSError):  # not a real terminal (a test's fake one)
-        return 80
 
 
 def _duration(seconds: float) -> str:
