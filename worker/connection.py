@@ -167,9 +167,20 @@ class Connection:
             created = self._initialize()
             log.debug("%s the server's variables (%d tensors)",
                       "initialized" if created else "found identical state on", len(get_values(self.model)))
-        else:
-            self._check_against_server()
-            log.debug("the server's variables and optimizer match this worker's")
+            return
+        _, values = self.client.wait_initialized(self.worker_id, self.config.init_timeout)
+        mine = {path: tuple(a.shape) for path, a in get_values(self.model).items()}
+        theirs = {n: tuple(a.shape) for n, a in values.items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+            raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
+                              "start every worker with the same --model")
+        server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self.optimizer_spec)
+        differ = [k for k in self.optimizer_spec if getattr(server_opt, k) != getattr(wanted, k)]
+        if differ:
+            got, want = ({k: getattr(optimizer, k) for k in differ} for optimizer in (server_opt, wanted))
+            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {want}")
+        log.debug("the server's variables and optimizer match this worker's")
 
     def describe(self) -> str:
         """The registration in words, for the worker's start-up line."""
@@ -303,20 +314,6 @@ class Connection:
         or its optimizer's once initialized; before that (a server started without the flag)
         the one this worker's optimizer asks for, which the chief's Initialize gives it."""
         return self.registration.sparse_rule or self.optimizer_spec.get("sparse_rule") or "sum"
-
-    def _check_against_server(self) -> None:
-        _, values = self.client.wait_initialized(self.worker_id, self.config.init_timeout)
-        mine = {path: tuple(a.shape) for path, a in get_values(self.model).items()}
-        theirs = {n: tuple(a.shape) for n, a in values.items()}
-        if mine != theirs:
-            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
-            raise ConfigError(f"this worker's model does not match the server's variables (differences: {diff}); "
-                              "start every worker with the same --model")
-        server_opt, wanted = self.client.status().optimizer, pb.OptimizerConfig(**self.optimizer_spec)
-        differ = [k for k in self.optimizer_spec if getattr(server_opt, k) != getattr(wanted, k)]
-        if differ:
-            got, want = ({k: getattr(optimizer, k) for k in differ} for optimizer in (server_opt, wanted))
-            raise ConfigError(f"the server trains with optimizer {got}, this worker was started with {want}")
 
 
 class Heartbeat:
