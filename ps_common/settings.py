@@ -52,7 +52,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, TypeVar
+import os
+from typing import Any, Callable, Mapping, Self, TypeVar
 
 from ps_common.errors import ConfigError
 
@@ -193,6 +194,20 @@ def resolve(cls: type[T], args: argparse.Namespace | None, environ: Mapping[str,
         if env_value is not None:
             values[f.name] = env_value
     return cls(**values)
+
+
+class FromFlags:
+    """``from_args`` and ``from_namespace`` of a configuration dataclass with ``parser()``,
+    ``validate()`` and ``ROLE``, the role ``resolve`` reads the cluster for."""
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Self:
+        """Parse ``argv`` and resolve; ``ConfigError`` for a configuration that cannot run."""
+        return cls.from_namespace(cls.parser().parse_args(argv), environ)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Self:
+        return resolve(cls, args, os.environ if environ is None else environ, role=cls.ROLE).validate()
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

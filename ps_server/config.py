@@ -27,11 +27,12 @@ from ps_common.names import ASYNC_APPLIES, DEAD_WORKER_POLICIES, MODES, STALE_PO
 from ps_server.core.optim.sparse import SPARSE_RULES, SPARSE_UPDATES
 
 from protos.wire import check_max_message_mb, max_message_bytes
-from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
+from ps_common.settings import ConfigError, FromFlags, check_shared_fields, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(FromFlags):  # from_args, from_namespace
+    ROLE = "ps"
     host: str = d.HOST
     port: int = d.PORT
     mode: str = "sync"
@@ -228,16 +229,6 @@ class ServerConfig:
                        "(environment TFPS_SPARSE_RULE)")
         _add_transport_flags(p)
         return p
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "ServerConfig":
-        """Parse ``argv`` and resolve; ``ConfigError`` for a configuration that cannot run."""
-        return cls.from_namespace(cls.parser().parse_args(argv), environ)
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "ServerConfig":
-        environ = os.environ if environ is None else environ
-        return resolve(cls, args, environ, role="ps").validate()
 
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 
 from ps_common import defaults as d
 from ps_common.names import OPTIMIZER_DEFAULTS, OPTIMIZERS, optimizer_fields
-from ps_common.settings import ConfigError, check_shared_fields, resolve, setting
+from ps_common.settings import ConfigError, FromFlags, check_shared_fields, setting
 from protos.stream import WIRE_DTYPES
 from protos.wire import check_max_message_mb, max_message_bytes
 from worker.data import DATASETS
@@ -47,7 +46,8 @@ def _index(raw: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(FromFlags):  # from_args, from_namespace
+    ROLE = "worker"
     ps: str = d.PS_ADDRESS
     worker_index: int = setting(0, parse=_index)  # TFPS_WORKER_INDEX=auto too
     num_workers: int = 1
@@ -224,15 +224,6 @@ class WorkerConfig:
         p.add_argument("--print-config", action="store_true", default=None,
                        help="print the resolved configuration (flags, environment, TF_CONFIG) as JSON and exit")
         return p
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "WorkerConfig":
-        """Parse ``argv`` and resolve; ``ConfigError`` for a configuration that cannot run."""
-        return cls.from_namespace(cls.parser().parse_args(argv), environ)
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace, environ: dict | None = None) -> "WorkerConfig":
-        return resolve(cls, args, os.environ if environ is None else environ, role="worker").validate()
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
