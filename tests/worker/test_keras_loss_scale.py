@@ -221,18 +221,20 @@ def test_a_loss_scale_with_gradient_accumulation_skips_a_batch_out_of_its_window
     assert ours == plain
 
 
-@pytest.mark.parametrize("overwrite", [None, 2])
+@pytest.mark.parametrize("overwrite, shards", [(None, 1), (2, 1), (2, 2)])
 def test_a_loss_scale_with_gradient_accumulation_in_elastic_sync_skips_one_batch_as_model_fit_does(
-        server_config, overwrite):
+        server_config, overwrite, shards):
     """Elastic sync: a round is one batch and the server holds the window (its accumulators), so a
     batch that overflows is skipped alone, as in one process, and with ``use_ema`` overwriting the
     variables are the averages at each round of such a window. One worker, each round one
     micro-batch: ``model.fit`` on the examples in the order the server deals them, to the bit,
-    with the scale, its counter and the iterations."""
+    with the scale, its counter and the iterations; over two shards too (each holding its
+    variables' accumulators)."""
     from ps_common.batches import global_batch
 
-    running = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=1)
-    strategy = Strategy(ps=running.address, num_workers=1, elastic=True, deterministic=False)
+    address = ",".join(server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=1).address
+                       for _ in range(shards))
+    strategy = Strategy(ps=address, num_workers=1, elastic=True, deterministic=False)
     try:
         ours = accumulated(strategy, overwrite=overwrite)
         assert strategy.connection.client.status().epoch_examples == [96, 96]
