@@ -379,7 +379,7 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
-        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches, plan.applies or 1)
+        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches, plan.applies)
 
     def _check_shard_group(self, group: ShardGroup | None) -> None:
         """Refuse, before anything is stored, a shard group this server cannot take."""
