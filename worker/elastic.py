@@ -177,11 +177,12 @@ def task_at(engine, epoch: int | None = None) -> None:
                 return False
             engine.stop.sleep(WAIT_S)  # the last tasks are held by others; one may come back
             return True
-        if epoch is not None and offer.round // engine.task.steps_per_epoch > epoch:
+        batch = offer.round // _applies(engine)  # a step of n applies: n tasks a batch (``TaskQueue.applies``)
+        if epoch is not None and batch // engine.task.steps_per_epoch > epoch:
             engine.pending = offer
             return False
         # Task offer.round: its batch of the plan (engine.batch examples), through the one step.
-        indices = global_batch(engine.task.num_examples, engine.batch, engine.config.seed, offer.round)
+        indices = global_batch(engine.task.num_examples, engine.batch, engine.config.seed, batch)
         engine.record(engine(Work(engine.conn.step, len(indices), engine.task.examples(indices), task=offer.round))[0])
         return epoch is None
 
@@ -204,7 +205,7 @@ def task_epoch(engine) -> int:
     offer, task = engine.pending, engine.task
     epochs = -(-task.job_tasks(engine.conn.data_plan) // task.steps_per_epoch)  # the fits' so far
     if offer.sizes:
-        return offer.round // task.steps_per_epoch
+        return offer.round // _applies(engine) // task.steps_per_epoch
     if not offer.finished:
         engine.pending = None  # nothing to hand out now: the first step asks again
     return epochs if offer.finished else epochs - 1
@@ -273,10 +274,9 @@ def _compute_round(engine, work) -> None:
     engine.skipped_rounds = tuple(work.skipped_rounds)  # those before it (tfps.keras: its loss scale)
     knob_s = engine.knobs.before_step(work.round)  # --pause-at-step: this round waits for us meanwhile
     started, todo, rows = time.monotonic(), list(work.micro_batches), []
-    applies = (engine.conn.data_plan or {}).get("applies", 1)  # the rounds each batch is (a step's applies)
     while todo:
         m = todo.pop(0)
-        batch = micro_batches(task.global_batch(work.round // applies), work.parts)[m]
+        batch = micro_batches(task.global_batch(work.round // _applies(engine)), work.parts)[m]
         row, reply = engine(Work(work.round, len(batch), task.examples(batch), micro_batch=m), pull=False)
         rows.append(row)
         if reply.more is not None and reply.more.round == work.round:
@@ -289,3 +289,8 @@ def _compute_round(engine, work) -> None:
                  "pull_s": 0.0, "push_s": time.monotonic() - started - total["compute_s"],
                  "knob_s": knob_s + total["knob_s"]})
     engine.conn.step = work.round + 1
+
+
+def _applies(engine) -> int:
+    """The rounds (sync) or tasks (async, ssp) each batch is: the applies of a ``tfps.keras`` step."""
+    return (engine.conn.data_plan or {}).get("applies", 1)

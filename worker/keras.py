@@ -368,8 +368,8 @@ class _Attached:
             args, (self.dealt, kwargs) = (), _dealt(given, strategy.config, strategy.server_mode, self.per_update)
         self.model.train_function = None  # ours is made again by make_train_function
         self.wrap.prepare(_build(self.model, args, kwargs))
-        if self.dealt is not None:  # sync: a round for each apply of the step (a GAN's two optimizers: two)
-            self.dealt.applies = self.wrap.learned if strategy.server_mode() == "sync" else 1
+        if self.dealt is not None:  # a round (sync) or task (async, ssp) for each apply of the step (a GAN's: two)
+            self.dealt.applies = self.wrap.learned
             if fits > 1 and strategy.connection is not None:
                 self._go_on(strategy.connection, int(kwargs.get("initial_epoch") or 0))
         strategy._fits = fits
@@ -440,15 +440,16 @@ class _Attached:
         n rounds from n x ``next_round``, one each, ``compute``): this worker's micro-batches of it,
         if the server deals it some (``worker.elastic.round_at``: a worker that joined
         late skips the rounds the cluster is past), then the server's parameters. Async and
-        ssp: the next task the server hands out, if it is of this epoch (``task_at``)."""
+        ssp: the next task the server hands out, if it is of this epoch (``task_at``; a step of n
+        applies: the next n, each an apply of its batch, ``TaskQueue.applies``)."""
         from worker import elastic
 
         r, self.next_round = self.next_round, self.next_round + 1
-        if self.strategy.connection.sync:  # a round for each of the step's applies, in turn
-            for phase in range(self.dealt.applies):
+        for phase in range(self.dealt.applies):  # a round (a task) for each of the step's applies, in turn
+            if self.strategy.connection.sync:
                 elastic.round_at(self.strategy.engine, r * self.dealt.applies + phase)
-        else:
-            elastic.task_at(self.strategy.engine, r // self.dealt.steps_per_epoch)
+            else:
+                elastic.task_at(self.strategy.engine, r // self.dealt.steps_per_epoch)
         self._pull()
         if not all(getattr(m, "built", True) for m in self.model.metrics):
             return {}  # a worker that joined late and skipped its first steps has updated no metric yet
@@ -526,7 +527,7 @@ class _Attached:
         weight 0), its push's learning rate, and no metrics (each worker logs its own) but a loss
         scale's ``SKIP_UPDATE``."""
         sync, metrics = self.strategy.connection.sync, None
-        phase = work.step % self.dealt.applies if sync else 0  # the step's apply this round pushes
+        phase = (work.step if sync else work.task) % self.dealt.applies  # the step's apply this round (task) pushes
         optimizer = self.wrap._sites()[phase] if self.dealt.applies > 1 else self.model.optimizer
         if _scaled(optimizer) and sync:  # the round's scale, every worker's
             self._count_to(work.step, optimizer)
@@ -726,12 +727,6 @@ class _Wrap:
         accumulates = self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)
         if self.grouped and accumulates:
             raise ValueError(f"{name}: gradient_accumulation_steps is served with one optimizer")
-        strategy = self.attached.strategy
-        if self.learned > 1 and strategy.config.elastic:
-            if strategy.server_mode() != "sync":
-                raise ValueError(f"elastic=True: {name}.train_step applies {self.learned} times; on the server's "
-                                 f"{strategy.server_mode()} tasks each is one push: one apply a step (a "
-                                 "MultiOptimizer's groups too), or run sync")
 
     def spec(self) -> dict:
         """The server's optimizer: the one the step applies, or each with its variables (``groups``)."""

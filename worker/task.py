@@ -364,16 +364,17 @@ class DealtArrays:
         self.per_pass = ps_batches.steps_per_epoch(self.num_examples, global_batch_size)
         self.steps_per_epoch = steps_per_epoch or self.per_pass
         self.total_steps = epochs * self.steps_per_epoch
-        self.applies = 1  # sync: the rounds each batch is (tfps.keras: the applies of its step; ``Cursor.applies``)
+        self.applies = 1  # the rounds or tasks each batch is (tfps.keras: the applies of its step; ``Cursor.applies``)
 
     def plan(self, tasks: int | None = None) -> dict:
         """The data plan the chief sends with its Initialize (``ps_server.core.data.cursor.DataPlan``).
         With ``tasks`` (async and ssp) also the passes of the job's ``tasks`` (by default this fit's
         ``total_steps``; a later fit's: the job's with them), and their count where they stop
         within a pass (epochs that are not passes)."""
-        plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        plan = {"num_examples": self.num_examples, "global_batch_size": self.global_batch_size, "seed": self.seed,
+                **({"applies": self.applies} if self.applies > 1 else {})}
         if not self.tasks:
-            return {**plan, "applies": self.applies} if self.applies > 1 else plan
+            return plan
         tasks = self.total_steps if tasks is None else tasks
         passes = -(-tasks // self.per_pass)
         return {**plan, "epochs": passes, **({"tasks": tasks} if tasks != passes * self.per_pass else {})}

@@ -139,15 +139,15 @@ class DataState:
     done_versions: np.ndarray = dataclasses.field(default_factory=_no_ids)
     epochs_complete: tuple[int, ...] = ()
     epochs_seen: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    applies: int = 1  # "elastic": the rounds each global batch is (``Cursor.applies``)
+    applies: int = 1  # the rounds ("elastic", ``Cursor.applies``) or tasks (``TaskQueue.applies``) each batch is
 
     KINDS = ("tasks", "elastic")
 
     def describe(self) -> str:
         """One line: the plan, for messages."""
         what = (f"{self.epochs} epoch(s) of tasks" if self.kind == "tasks"
-                else f"elastic, {self.micro_batches} micro-batches"
-                + (f", {self.applies} rounds a batch" if self.applies > 1 else ""))
+                else f"elastic, {self.micro_batches} micro-batches")
+        what += (f", {self.applies} {'tasks' if self.kind == 'tasks' else 'rounds'} a batch" if self.applies > 1 else "")
         return (f"{self.num_examples} examples, batches of {self.global_batch_size}, seed {self.seed}, {what}")
 
 

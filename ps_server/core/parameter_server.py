@@ -288,7 +288,7 @@ class ParameterServer:
         if tasks is not None and self.tasks is None:
             self._use_tasks(tasks)
         elif tasks is not None and tasks.total_tasks > self.tasks.total_tasks:  # a later fit: the job goes on
-            self.tasks.extend(tasks.epochs, tasks.total_tasks)
+            self.tasks.extend(tasks.epochs, tasks.batches)
         return created, self.store.version
 
     # -- global_clipnorm over several shards (core.clip_group) -------------------------------
@@ -347,7 +347,7 @@ class ParameterServer:
             return None
         if plan is None:
             if self.tasks is not None:
-                raise SpecConflict(f"this job's data is dealt as tasks ({self._plan_text()}); an initialize "
+                raise SpecConflict(f"this job's data is dealt as tasks ({_plan_text(self.tasks)}); an initialize "
                                    f"without that data plan belongs to another job")
             return None
         if self.store.initialized and self.tasks is None:
@@ -357,18 +357,12 @@ class ParameterServer:
             raise InvalidArgument(f"an async or ssp data plan needs the job's epochs (>= 1), got {plan.epochs}")
         queue = TaskQueue(plan.num_examples, plan.global_batch_size, plan.seed, plan.epochs,
                           self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0,
-                          tasks=plan.tasks)
+                          tasks=plan.tasks, applies=plan.applies)
         # the same data; a later fit's plan goes on to more epochs, a restarted chief's first fit's to fewer
-        if self.tasks is not None and (self.tasks.num_examples, self.tasks.batch_size, self.tasks.seed) \
-                != (queue.num_examples, queue.batch_size, queue.seed):
-            raise SpecConflict(f"the job's data plan is {self._plan_text()}; this initialize brings "
-                               f"{plan.num_examples} examples, batches of {plan.global_batch_size}, seed "
-                               f"{plan.seed}, {plan.epochs} epoch(s)")
+        if self.tasks is not None and _plan_text(self.tasks, epochs=False) != _plan_text(queue, epochs=False):
+            raise SpecConflict(f"the job's data plan is {_plan_text(self.tasks)}; this initialize brings "
+                               f"{_plan_text(queue)}")
         return queue
-
-    def _plan_text(self) -> str:
-        t = self.tasks
-        return f"{t.num_examples} examples, batches of {t.batch_size}, seed {t.seed}, {t.epochs} epoch(s)"
 
     def _cursor_of(self, plan: "DataPlan | None") -> Cursor | None:
         if self.mode.data_plan != "elastic":
@@ -727,7 +721,7 @@ class ParameterServer:
         if tasks is not None:
             return DataState("tasks", tasks["num_examples"], tasks["batch_size"], tasks["seed"], tasks["epochs"],
                              tasks=tasks["tasks"], done_task_ids=tasks["done_task_ids"], done_workers=tasks["done_workers"],
-                             done_versions=tasks["done_versions"])
+                             done_versions=tasks["done_versions"], applies=tasks["applies"])
         if ledger is not None:
             c = self.mode.cursor
             complete, seen = ledger
@@ -748,6 +742,7 @@ class ParameterServer:
             try:
                 return TaskQueue.restore({"num_examples": data.num_examples, "batch_size": data.global_batch_size,
                                           "seed": data.seed, "epochs": data.epochs, "tasks": data.tasks,
+                                          "applies": data.applies,
                                           **{k: getattr(data, k) for k in
                                              ("done_task_ids", "done_workers", "done_versions")}},
                                          self.members.lease_timeout, self._clock,
@@ -878,3 +873,10 @@ class ParameterServer:
 
 
 __all__ = ["ParameterServer", "Push", "PushResult", "Registration", "Status"]
+
+
+def _plan_text(tasks: TaskQueue, epochs: bool = True) -> str:
+    """A task queue's data plan, in words (with its epochs, or only what the job's fits share)."""
+    return (f"{tasks.num_examples} examples, batches of {tasks.batch_size}, seed {tasks.seed}"
+            + (f", {tasks.applies} tasks a batch" if tasks.applies > 1 else "")
+            + (f", {tasks.epochs} epoch(s)" if epochs else ""))

@@ -158,6 +158,23 @@ def test_a_gan_under_elastic_sync_is_two_rounds_a_batch_whose_bits_do_not_depend
     assert two["iterations"] == one["iterations"] == [16, 16]
 
 
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow)])  # ssp: the same queue
+def test_a_gan_under_elastic_async_is_two_tasks_a_batch_each_applied_once(procs, tmp_path, monkeypatch, mode):
+    """``elastic=True`` on async (ssp) tasks: each batch of 32 (64 / 2 workers) is two tasks, the
+    discriminator's apply, then the generator's (``TaskQueue.applies``), each one push applied
+    on arrival. Two workers take them as they come: the server counts 64 tasks done, each once,
+    and each example of the epoch once. (One worker taking them in turn ends at ``model.fit``'s
+    bits: tests/worker/test_keras_strategy.py.)"""
+    monkeypatch.setenv("TFPS_ELASTIC", "1")
+    _, address = procs.server(mode, 2)
+    ours = fit(procs, tmp_path, mode, "--epochs", "1", address=address, program=GAN)
+    with PSClient(address) as client:
+        status = client.status()
+    assert (status.tasks_total, status.tasks_done, status.version) == (64, 64, 64)
+    assert list(status.epoch_examples) == [1024] and len(ours) == 2
+    assert all(np.isfinite(np.array(w)).all() for w in ours[0]["weights"])
+
+
 @pytest.mark.slow  # a plain run and two workers' of the GAN (~30 s); the default tier holds the same rule
 # in one worker against model.fit, to the bit (tests/worker/test_keras_strategy.py, two optimizers' callbacks)
 def test_a_callback_changing_a_gan_s_discriminator_rate_ends_where_one_process_ends(procs, tmp_path):

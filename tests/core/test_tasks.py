@@ -27,8 +27,8 @@ class Clock:
         return self.now
 
 
-def queue(num_examples=23, batch_size=5, seed=7, epochs=2, lease_timeout=10.0, clock=None):
-    return TaskQueue(num_examples, batch_size, seed, epochs, lease_timeout, clock=clock or Clock())
+def queue(num_examples=23, batch_size=5, seed=7, epochs=2, lease_timeout=10.0, clock=None, applies=1):
+    return TaskQueue(num_examples, batch_size, seed, epochs, lease_timeout, clock=clock or Clock(), applies=applies)
 
 
 def finish(q, worker, version=0):
@@ -199,8 +199,11 @@ def test_a_checkpoint_listing_a_done_task_twice_trips_the_guard():
         TaskQueue.restore(state, lease_timeout=10.0, clock=Clock())
 
 
-def test_state_and_restore_mid_run_repeat_no_done_batch_and_lose_none():
-    q = queue(num_examples=29, batch_size=4, epochs=3)
+@pytest.mark.parametrize("applies", [1, 2])
+def test_state_and_restore_mid_run_repeat_no_done_batch_and_lose_none(applies):
+    """With ``applies`` 2 (a GAN's step: two tasks a batch) the checkpoint falls between a batch's
+    two tasks, and one of the tasks held then is a first apply, another a second."""
+    q = queue(num_examples=29, batch_size=4, epochs=3, applies=applies)
     applied = {}
     for version in range(1, 12):  # eleven done, then three held when the server stops
         t = finish(q, version % 2, version)
@@ -211,6 +214,8 @@ def test_state_and_restore_mid_run_repeat_no_done_batch_and_lose_none():
     assert set(state) >= {"done_task_ids", "done_workers", "done_versions"}
     assert all(isinstance(v, (int, np.ndarray)) for v in state.values())
     r = TaskQueue.restore(state, lease_timeout=10.0, clock=Clock())
+    assert r.applies == applies and r.total_tasks == 3 * 8 * applies
+    assert [r.examples_done(e) for e in range(3)] == ([29, 12, 0] if applies == 1 else [20, 0, 0])  # whole batches
     assert r.record(10).version == 11 and r.begin(1, 10).version == 11  # a retry across the restart
     with pytest.raises(InvalidArgument, match="does not hold"):
         r.begin(2, held[0])  # it held that before the restart; now nobody does
@@ -225,10 +230,12 @@ def test_state_and_restore_mid_run_repeat_no_done_batch_and_lose_none():
     assert r.finished and [r.examples_done(e) for e in range(3)] == [29, 29, 29]
 
 
-def test_a_chaos_run_of_joins_deaths_retries_refusals_and_expiries_is_exactly_once():
+@pytest.mark.parametrize("applies", [1, 2])
+def test_a_chaos_run_of_joins_deaths_retries_refusals_and_expiries_is_exactly_once(applies):
+    """``applies`` 2: each batch is two tasks (a step of two optimizer applies), each exactly once."""
     rng = random.Random(17)
     clock = Clock()
-    q = queue(num_examples=100, batch_size=7, seed=3, epochs=3, lease_timeout=5.0, clock=clock)
+    q = queue(num_examples=100, batch_size=7, seed=3, epochs=3, lease_timeout=5.0, clock=clock, applies=applies)
     applies: dict[int, int] = {}
     version = 0
     live = [0, 1]
@@ -355,3 +362,30 @@ def test_unknown_tasks_and_tasks_a_worker_does_not_hold_are_refused_with_what_is
     assert q.done(0, t.task_id, 0)
     with pytest.raises(InvalidArgument, match="already done"):
         q.given_back(0, t.task_id)
+
+
+def test_a_step_of_two_applies_is_two_tasks_a_batch_whose_examples_count_once_both_are_done():
+    """``applies`` 2: batch b is tasks 2b and 2b + 1, each with the batch's examples, handed out,
+    given back and done on its own; the batch counts in its epoch once both are done, in either
+    order; a retry of either is answered from its own record. Epochs of tasks, and Keras'
+    ``steps_per_epoch`` (``tasks``: the batches) too."""
+    q = queue(num_examples=23, batch_size=5, epochs=2, applies=2)
+    assert (q.batches, q.total_tasks, q.steps_per_epoch) == (10, 20, 5)
+    first, second = q.take(0), q.take(1)
+    assert (first.task_id, second.task_id) == (0, 1) and first.index == second.index == 0
+    assert np.array_equal(first.indices, batches.global_batch(23, 5, 7, 0))
+    assert np.array_equal(second.indices, first.indices) and q.task(19).epoch == 1 and q.task(19).index == 4
+    assert q.begin(1, 1) is None and q.done(1, 1, 1)  # the second apply first: nothing counts yet
+    assert q.examples_done(0) == 0
+    assert q.lost(0)[0].task_id == 0  # the first apply's worker dies: the task comes back first
+    assert q.take(2).task_id == 0 and q.begin(2, 0) is None and q.done(2, 0, 2)
+    assert q.examples_done(0) == 5 and q.begin(1, 1).version == 1 and q.begin(2, 0).version == 2
+    with pytest.raises(InvalidArgument, match=r"tasks are 0..19 \(2 epochs of 5 batches, 2 tasks each\)"):
+        q.task(20)
+    while finish(q, 3) is not None:
+        pass
+    assert q.finished and [q.examples_done(e) for e in range(2)] == [23, 23]
+    cut = TaskQueue(23, 5, 7, 2, 10.0, clock=Clock(), tasks=7, applies=2)  # steps_per_epoch: 7 batches
+    assert cut.total_tasks == 14 and cut.task(13).epoch == 1 and cut.task(13).index == 1
+    cut.extend(3)
+    assert (cut.batches, cut.total_tasks, cut.state()["applies"]) == (15, 30, 2)

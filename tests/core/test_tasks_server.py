@@ -340,3 +340,32 @@ def test_epoch_examples_show_a_later_epoch_complete_before_an_earlier_one():
         step += 1
     assert task.epoch == 2  # taken, not pushed
     assert ps.status().epoch_examples == (EXAMPLES - first.size, EXAMPLES)  # epoch 1 shown, though 0 is not done
+
+
+def test_a_step_of_two_applies_is_two_tasks_a_batch_through_a_checkpoint_between_them(tmp_path):
+    """A data plan of ``applies`` 2 (``tfps.keras``: a GAN's step): each batch is two tasks, each
+    one push applied once; the batch counts in its epoch at its second. A checkpoint between a
+    batch's two tasks keeps the first done, and the restarted server hands out the second; a
+    plan of one apply a batch belongs to another job."""
+    from ps_server.core.checkpoint import read_checkpoint, write_checkpoint
+
+    clock = Clock()
+    per_pass = -(-EXAMPLES // 16)
+    ps = server(clock, num_workers=1)
+    ps.register(0, 1)
+    ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=1, applies=2))
+    assert ps.status().tasks_total == 2 * per_pass
+    for step in range(3):  # batch 0's two tasks, then batch 1's first
+        task = take(ps, 0)
+        assert task.task_id == step and np.array_equal(task.indices, global_batch(EXAMPLES, 16, 5, step // 2))
+        version, params = ps.pull(0)
+        ps.submit(Push(worker_id=0, step=step, base_version=version, batch_size=task.size,
+                       gradients=gradient(params, task.indices), task=task.task_id)).result(JOIN)
+    assert ps.status().epoch_examples == (16,) and ps.status().tasks_done == 3
+    with pytest.raises(SpecConflict, match="2 tasks a batch"):
+        ps.initialize(0, zeros(), ADAM, data_plan=DataPlan(EXAMPLES, 16, 5, epochs=1))
+    restarted = ParameterServer("async", num_workers=1, lease_timeout=5.0, clock=clock)
+    restarted.restore(read_checkpoint(write_checkpoint(str(tmp_path), ps.checkpoint_state())))
+    restarted.register(0, 1)
+    assert restarted.tasks.applies == 2 and take(restarted, 0).task_id == 3  # batch 1's second apply
+    assert restarted.status().epoch_examples == (16,) and restarted.status().tasks_done == 3

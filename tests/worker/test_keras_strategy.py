@@ -535,8 +535,9 @@ def test_an_elastic_step_of_two_optimizers_is_two_rounds_of_one_batch_each_updat
     ``model.fit`` on the batches in the order the server deals them, to the bit (the batch
     normalization's statistics moved twice a step, not three times), over one server or two
     shards. The server counts every example once an epoch. A second fit goes on from the job's
-    round; an async server refuses the step in one line. (Two workers, and one computing two micro-batches a round:
-    tests/cluster/test_keras_programs.py.)"""
+    round. On async tasks each batch is two tasks, one apply each (``TaskQueue.applies``): one
+    worker taking them in turn ends at the same bits. (Two workers, and one computing two
+    micro-batches a round: tests/cluster/test_keras_programs.py.)"""
     import numpy as np
     import tensorflow as tf
 
@@ -572,13 +573,18 @@ def test_an_elastic_step_of_two_optimizers_is_two_rounds_of_one_batch_each_updat
         np.testing.assert_array_equal(got, want.numpy())
     if shards > 1:
         return
+    # Async tasks: each batch two tasks (``TaskQueue.applies``), taken one after the other by the one worker.
     running = server_config(mode="async", num_workers=1)
     strategy = Strategy(ps=running.address, worker_index=0, num_workers=1, elastic=True, deterministic=False)
     model = build(strategy.scope())
-    with pytest.raises(ValueError, match="elastic=True: NormedParts.train_step applies 2 times; on the server's"):
-        model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    status = strategy.connection.client.status()
+    assert (status.tasks_total, status.tasks_done, list(status.epoch_examples)) == (12, 12, [60, 60])
+    assert strategy.connection.version == 12
+    for got, want in zip(model.weights, plain.weights):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
     strategy.close()
-    assert strategy.connection is None
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -74,6 +74,13 @@ refuses (``InvalidArgument``, nothing changed) one already marked: a bug guard, 
 the rules above already make it impossible. ``examples_done(e) == num_examples`` is
 "every example of epoch ``e`` applied exactly once", checked by the server.
 
+**A step of several applies** (``applies`` n: ``tfps.keras``, a GAN's ``train_step``
+applying two optimizers, the second on the first's update). Each batch is n tasks in a
+row, ``b * n + p`` for its apply ``p``: one push each, each handed out, leased, given back
+and done on its own, as any task, so a worker lost between two applies of a batch loses
+only the applies not yet done, and none is applied twice. A batch's examples count in its
+epoch once its n tasks are all done, in whatever order they were.
+
 **Checkpoints (``state`` / ``TaskQueue.restore``).** The state is the done tasks and their
 records, as NumPy int64 arrays, and the job's shape as ints. Held tasks are not kept:
 after a restore every task not done is handed out again, lowest id first, so a
@@ -147,8 +154,10 @@ class TaskStatus:
 
 class TaskQueue:
     def __init__(self, num_examples: int, batch_size: int, seed: int, epochs: int, lease_timeout: float,
-                 clock: Callable[[], float] = time.monotonic, follows: bool = False, tasks: int = 0):
-        for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs)):
+                 clock: Callable[[], float] = time.monotonic, follows: bool = False, tasks: int = 0,
+                 applies: int = 1):
+        for name, value in (("num_examples", num_examples), ("batch_size", batch_size), ("epochs", epochs),
+                            ("applies", applies)):
             if not _is_int(value) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}")
         if not lease_timeout > 0:
@@ -156,7 +165,9 @@ class TaskQueue:
         self.num_examples, self.batch_size = int(num_examples), int(batch_size)
         self.seed, self.epochs, self.lease_timeout = int(seed), int(epochs), float(lease_timeout)
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
-        self.total_tasks = self._total(self.epochs, tasks)
+        self.applies = int(applies)  # the tasks each batch is (module docstring)
+        self.batches = self._total(self.epochs, tasks)  # the job's batches; its tasks, ``applies`` each:
+        self.total_tasks = self.batches * self.applies
         self._clock = clock
         self.follows = follows  # a shard but 0: takes a task from whoever brings it (module docstring)
         self._lock = threading.Lock()  # guards everything below (module docstring)
@@ -178,7 +189,7 @@ class TaskQueue:
             return self._task(int(task_id))
 
     def _task(self, task_id: int) -> Task:
-        epoch, index = divmod(task_id, self.steps_per_epoch)
+        epoch, index = divmod(task_id // self.applies, self.steps_per_epoch)
         order = self._orders.pop(epoch, None)
         if order is None:
             order = batches.epoch_order(self.num_examples, self.seed, epoch)
@@ -189,7 +200,7 @@ class TaskQueue:
         return Task(task_id, epoch, index, order[index * self.batch_size:(index + 1) * self.batch_size])
 
     def _total(self, epochs: int, tasks: int) -> int:
-        """The job's tasks: ``epochs`` whole passes, or ``tasks`` (> 0) within those passes, the
+        """The job's batches: ``epochs`` whole passes, or ``tasks`` (> 0) within those passes, the
         last one reached (Keras' ``steps_per_epoch``: epochs that are not passes)."""
         if not _is_int(tasks) or tasks < 0 or tasks and -(-tasks // self.steps_per_epoch) != epochs:
             raise InvalidArgument(f"{tasks!r} tasks of {self.steps_per_epoch} a pass do not reach exactly "
@@ -200,10 +211,10 @@ class TaskQueue:
         """The job goes on to ``epochs`` (``tasks``: as ``__init__`` takes them), a later ``fit``
         of the same data: the tasks added are handed out after every task before them."""
         total = self._total(epochs, tasks)
-        if total < self.total_tasks:
-            raise InvalidArgument(f"a job of {self.total_tasks} tasks goes on to more, not {total}")
+        if total < self.batches:
+            raise InvalidArgument(f"a job of {self.batches} batches goes on to more, not {total}")
         with self._lock:
-            self.epochs, self.total_tasks = int(epochs), total
+            self.epochs, self.batches, self.total_tasks = int(epochs), total, total * self.applies
 
     # -- handing out -------------------------------------------------------------------
     def take(self, worker_id: int) -> Task | None:
@@ -266,7 +277,8 @@ class TaskQueue:
             if self._check_push(worker_id, task_id) is not None:
                 return False
             task = self._task(task_id)
-            self._ledger.fold(task.epoch, task.indices)  # the bug guard; raises before any change
+            if self._batch_done(task_id):  # its batch's last task: the examples count
+                self._ledger.fold(task.epoch, task.indices)  # the bug guard; raises before any change
             self._records[task_id] = TaskRecord(task_id, worker_id, int(applied_version))
             self._holder.pop(task_id, None), self._deadline.pop(task_id, None)
             self._pinned.discard(task_id)
@@ -291,6 +303,11 @@ class TaskQueue:
         self._check_id(task_id)
         with self._lock:
             return self._records.get(int(task_id))
+
+    def _batch_done(self, task_id: int) -> bool:
+        """Under the lock: whether every other task of ``task_id``'s batch is done."""
+        first = task_id - task_id % self.applies
+        return all(t in self._records for t in range(first, first + self.applies) if t != task_id)
 
     def _check_push(self, worker_id: int, task_id: int) -> TaskRecord | None:
         """Under the lock: None if ``worker_id`` holds ``task_id`` (not done), its record if this
@@ -377,7 +394,7 @@ class TaskQueue:
             ids = sorted(self._records)
             return {
                 "num_examples": self.num_examples, "batch_size": self.batch_size,
-                "seed": self.seed, "epochs": self.epochs, "tasks": self.total_tasks,
+                "seed": self.seed, "epochs": self.epochs, "tasks": self.batches, "applies": self.applies,
                 "done_task_ids": np.array(ids, np.int64),
                 "done_workers": np.array([self._records[t].worker_id for t in ids], np.int64),
                 "done_versions": np.array([self._records[t].version for t in ids], np.int64),
@@ -388,7 +405,8 @@ class TaskQueue:
                 clock: Callable[[], float] = time.monotonic, follows: bool = False) -> "TaskQueue":
         """A queue with ``state``'s done tasks done; every other task is handed out again."""
         queue = cls(int(state["num_examples"]), int(state["batch_size"]), int(state["seed"]),
-                    int(state["epochs"]), lease_timeout, clock, follows, int(state.get("tasks", 0)))
+                    int(state["epochs"]), lease_timeout, clock, follows, int(state.get("tasks", 0)),
+                    int(state.get("applies", 1)))
         ids, workers, versions = (np.asarray(state[k], np.int64).reshape(-1)
                                   for k in ("done_task_ids", "done_workers", "done_versions"))
         if not ids.size == workers.size == versions.size:
@@ -398,16 +416,21 @@ class TaskQueue:
             raise InvalidArgument("task state: done workers and versions must be >= 0")
         for t, w, v in zip(ids.tolist(), workers.tolist(), versions.tolist()):
             queue._check_id(t)
-            task = queue._task(t)
-            queue._ledger.fold(task.epoch, task.indices)  # a task listed twice is refused here
+            if t in queue._records:
+                raise InvalidArgument(f"task state: task {t} is listed twice: it would be trained on twice")
             queue._records[t] = TaskRecord(t, w, v)
+        for t in queue._records:
+            if t % queue.applies == queue.applies - 1 and queue._batch_done(t):
+                task = queue._task(t)
+                queue._ledger.fold(task.epoch, task.indices)
         return queue
 
     # -- checks ------------------------------------------------------------------------
     def _check_id(self, task_id: int) -> None:
         if not _is_int(task_id) or not 0 <= task_id < self.total_tasks:
             raise InvalidArgument(f"unknown task {task_id!r}: this job's tasks are 0..{self.total_tasks - 1} "
-                                  f"({self.epochs} epochs of {self.steps_per_epoch})")
+                                  f"({self.epochs} epochs of {self.steps_per_epoch} batches"
+                                  + (f", {self.applies} tasks each)" if self.applies > 1 else ")"))
 
     def _check_epoch(self, epoch: int) -> None:
         if not _is_int(epoch) or not 0 <= epoch < self.epochs:
