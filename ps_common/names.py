@@ -87,6 +87,17 @@ def asks_skip(metrics) -> bool:
     return bool(metrics) and SKIP_UPDATE in metrics and float(np.sum(metrics[SKIP_UPDATE])) > 0
 
 
+# A variable that two optimizers of a step apply to (``OptimizerSpec.groups`` naming it twice):
+# group g's (after the first that names it) state and pushes go by ``shared_name(name, g)``, a
+# second name of the same value on the server, with its own optimizer state (``core.store``).
+SHARED_MARK = "@group"
+
+
+def shared_name(name: str, group: int) -> str:
+    """The name by which group ``group``'s optimizer steps ``name`` where an earlier group steps it too."""
+    return f"{name}{SHARED_MARK}{group}"
+
+
 def broadcast_poster(key: str) -> int:
     """The worker that posts broadcast ``key``: the one a key ending in ``@w<i>`` names (a vote:
     each worker posts its own key and reads the others'), else the chief (worker 0)."""

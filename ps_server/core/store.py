@@ -73,6 +73,15 @@ mean of the workers' changes, so the stored moving mean becomes the mean of the
 workers' updated ones: for the moving mean, exactly what one process would
 compute on the global batch. In async mode each push adds its own change.
 
+A variable two optimizer groups step (``OptimizerSpec.shared``: a ``train_step`` that
+applies two optimizers to one variable) is stored once more under its second name
+(``ps_common.names.shared_name``), with the later group's own optimizer state. Both
+names hold one value: every write of either is spread to the other under ``_publish``
+(``_spread``), and they share one ``lock``, so an async step of one reads the other's
+last. A push of the later group's gradients names the second; reads give the
+variables alone (a pull names the second only if it asks for it by name); a checkpoint
+holds both, with both states. Such a variable is never row-wise.
+
 Arrays may arrive in either byte order (the codec decodes little-endian wire
 data, which is not native on a big-endian host); the store keeps native ones
 and converts gradients before the optimizer sees them, so a check that
@@ -418,6 +427,10 @@ class VariableStore:
         self.rule_given = sparse_rule
         self._publish = threading.Lock()
         self._vars: dict[str, _Variable] = {}
+        # A variable two optimizer groups step (``OptimizerSpec.shared``): its second name -> its
+        # name, and each name -> the others of the same value (module docstring).
+        self._shared: dict[str, str] = {}
+        self._linked: dict[str, tuple[str, ...]] = {}
         self._optimizer: Optimizer | None = None
         self._version = 0
         # The optimizer ``initialize`` was given, once ``set_learning_rates`` changed a rate of
@@ -456,17 +469,18 @@ class VariableStore:
         return self._initial_spec if self._initial_spec is not None else self.optimizer_spec
 
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Every name a gradient may come by: the variables' and their second names' (``_shared``)."""
         return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}
 
     def non_trainable(self) -> frozenset[str]:
         return frozenset(n for n, v in self._vars.items() if v.non_trainable)
 
     def num_parameters(self) -> int:
-        return sum(int(v.value.size) for v in self._vars.values())
+        return sum(int(v.value.size) for n, v in self._vars.items() if n not in self._shared)
 
     def nbytes(self) -> int:
         """The bytes of the values (not their optimizer state)."""
-        return sum(int(v.value.nbytes) for v in self._vars.values())
+        return sum(int(v.value.nbytes) for n, v in self._vars.items() if n not in self._shared)
 
     # -- initialization ----------------------------------------------------------
     def initialize(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
@@ -503,12 +517,42 @@ class VariableStore:
             optimizer = make_optimizer(spec)
             values = {name: _frozen(_native(value, copy=not (owned and value.flags.aligned)))
                       for name, value in variables.items()}
+            shared = self._shared_of(spec, variables, non_trainable)
+            values.update((second, values[name]) for second, name in shared.items())
             self._vars = {
                 name: _Variable(name, value, optimizer.of(name).init_state(value), non_trainable=name in non_trainable)
                 for name, value in values.items()
             }
+            self._link(shared)
             self._optimizer = optimizer
             return True
+
+    @staticmethod
+    def _shared_of(spec: OptimizerSpec, variables: Collection[str], non_trainable: Collection[str]) -> dict[str, str]:
+        """``spec.shared()`` of the variables held here (a shard holds some); refuses a second name
+        among the variables, or a non-trainable variable two groups name."""
+        shared = {second: name for second, name in spec.shared().items() if name in variables}
+        clash = sorted(set(shared) & set(variables)) or sorted(set(shared.values()) & set(non_trainable))
+        if clash:
+            raise InvalidArgument(f"variable {clash[0]!r}: two optimizer groups step it, so it must be trainable "
+                                  "and its second name no variable's")
+        return shared
+
+    def _link(self, shared: Mapping[str, str]) -> None:
+        """Each second name's variable holds its variable's value, under its lock (module docstring)."""
+        self._shared, linked = dict(shared), {}
+        for second, name in shared.items():
+            linked.setdefault(name, [name]).append(second)
+            self._vars[second].lock = self._vars[name].lock
+            self._vars[second].value, self._vars[second].changed = self._vars[name].value, self._vars[name].changed
+        self._linked = {n: tuple(m for m in names if m != n) for names in linked.values() for n in names}
+
+    def _spread(self, names: Iterable[str]) -> None:
+        """After a write of ``names`` (under ``_publish``): the other names of each hold its value."""
+        for name in names:
+            var = self._vars[name]
+            for other in self._linked.get(name, ()):
+                self._vars[other].value, self._vars[other].changed = var.value, var.changed
 
     def _check_sparse_updates(self, spec: OptimizerSpec) -> None:
         for s in spec.every():
@@ -523,6 +567,8 @@ class VariableStore:
         """None when a sparse gradient of ``var`` is stepped on its rows alone; else why not."""
         if var.non_trainable:
             return "it is not trainable"
+        if var.name in self._linked:
+            return "two optimizers step it"
         return sparse.row_wise(self._optimizer.of(var.name).spec, self.sparse_updates)
 
     def _rows_alone(self, name: str, g) -> bool:
@@ -539,7 +585,7 @@ class VariableStore:
 
     def _check_same(self, variables: Mapping[str, np.ndarray], spec: OptimizerSpec,
                     non_trainable: frozenset[str] = frozenset()) -> None:
-        mine = self.specs()
+        mine = {n: s for n, s in self.specs().items() if n not in self._shared}
         theirs = {n: (np.dtype(a.dtype).newbyteorder("="), tuple(a.shape)) for n, a in variables.items()}
         problems = []
         for name in sorted(set(mine) | set(theirs)):
@@ -593,7 +639,7 @@ class VariableStore:
             unknown = [n for n in names if n not in self._vars]
             if unknown:
                 raise NotFound(f"unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
-        chosen = names or list(self._vars)
+        chosen = names or [n for n in self._vars if n not in self._shared]
         while True:
             row_wise = sorted(n for n in chosen if self._vars[n].row_wise)
             with contextlib.ExitStack() as held:
@@ -645,6 +691,10 @@ class VariableStore:
         unknown = [n for n in specs if n not in self._vars]
         if unknown:
             raise NotFound(f"gradient for unknown variable(s): {', '.join(map(repr, unknown[:5]))}")
+        twice = sorted(n for n in specs if n in self._shared and self._shared[n] in specs)
+        if twice:
+            raise InvalidArgument(f"a push of {twice[0]!r} and {self._shared[twice[0]]!r}: one update steps a "
+                                  "variable by one optimizer")
         missing = [n for n in self._vars if n not in specs]
         if missing and self._optimizer.groups:  # each optimizer pushes its own variables
             missing = [] if any(n in specs for n, v in self._vars.items() if not v.non_trainable) else missing
@@ -769,6 +819,7 @@ class VariableStore:
                         _replace_whole(var, value, state, self._version)
                     else:
                         var.value, var.state, var.changed = _frozen(value), state, self._version
+                self._spread(new)
                 for name, (indices, _, _) in stepped.items():
                     self._vars[name].mark_rows(indices, self._version)
                 return self._version
@@ -850,6 +901,7 @@ class VariableStore:
                     _replace_whole(var, value, state, self._version + 1)
                 else:
                     var.value, var.state, var.changed = _frozen(value), state, self._version + 1
+                self._spread((name,))
 
     def _make_row_wise(self, var: _Variable) -> None:
         """From now on ``var`` is written in place, its rows tracked (module docstring): its
@@ -964,10 +1016,15 @@ class VariableStore:
                 slots[slot] = array
             variables[name] = _Variable(name, value, {**slots, "iterations": int(iterations)}, state.version,
                                         non_trainable=name in state.non_trainable)
+        shared = state.optimizer.shared()
+        if sorted(n for n in variables if n in shared) != sorted(s for s, n in shared.items() if n in variables):
+            raise InvalidArgument("the state to restore holds other second names of shared variables than its "
+                                  "optimizer groups give")
         with self._publish:
             if self._optimizer is not None:
                 raise SpecConflict("cannot restore a checkpoint into a store that already holds variables")
             self._vars, self._optimizer, self._version = variables, optimizer, state.version
+            self._link(self._shared_of(state.optimizer, [n for n in variables if n not in shared], state.non_trainable))
             self._initial_spec = state.initial_optimizer
 
     # -- the learning rate ------------------------------------------------------
@@ -1074,6 +1131,7 @@ class VariableStore:
                     _replace_whole(var, average, state, self._version)
                 else:
                     var.value, var.state, var.changed = _frozen(average), state, self._version
+                self._spread((name,))
 
     def optimizer_iterations(self, names: Iterable[str] | None = None) -> int:
         """The optimizer steps every trainable variable (of ``names``) has had: Keras'

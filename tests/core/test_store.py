@@ -460,9 +460,77 @@ def test_with_optimizer_groups_a_push_steps_the_variables_it_names_each_by_its_g
     with pytest.raises(InvalidArgument, match="missing gradient"):  # a push that steps nothing
         store.check_gradients({})
     with pytest.raises(InvalidArgument, match="'w' twice"):
-        OptimizerSpec("adam", groups=((("w",), adam), (("w", "b"), sgd))).validate()
+        OptimizerSpec("adam", groups=((("w", "w"), adam), (("b",), sgd))).validate()
     with pytest.raises(InvalidArgument, match="no groups of its own"):
         OptimizerSpec("adam", groups=((("w",), spec),)).validate()
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_variable_two_groups_step_keeps_each_group_s_state_and_one_value(how):
+    """A ``train_step`` that applies Adam to ``w``, then SGD with momentum to ``w`` and ``b``
+    (``groups`` naming ``w`` twice): SGD's pushes name ``w`` by its second name
+    (``shared_name(w, 1)``), whose state is SGD's own, and each update steps the one value
+    from the other's last, as one process's two ``apply`` calls do, to the bit, in sync rounds
+    (``apply_all``) and async pushes (``apply_push``). Reads give the variables alone; a push
+    naming ``w`` twice is refused; a checkpoint keeps both states and the one value."""
+    from ps_common.names import shared_name
+    from ps_server.core.optim.registry import make_optimizer
+
+    adam, sgd = OptimizerSpec("adam", learning_rate=0.1), OptimizerSpec("sgd", learning_rate=0.5, momentum=0.9)
+    spec = OptimizerSpec("adam", learning_rate=0.1, groups=((("w",), adam), (("w", "b"), sgd)))
+    second = shared_name("w", 1)
+    assert spec.shared() == {second: "w"}
+    store = VariableStore()
+    store.initialize(initial(), spec)
+    rng = np.random.default_rng(0)
+    pushes = [{"w": rng.normal(size=(2, 3)).astype(np.float32)} if i % 2 == 0 else
+              {second: rng.normal(size=(2, 3)).astype(np.float32), "b": rng.normal(size=2)} for i in range(6)]
+    for p in pushes:
+        store.check_gradients(p)
+        store.apply_all(p) if how == "sync" else (store.apply_push(p), store.bump_version())
+    # one process: Adam's and SGD's apply in turn on the same w, each with its own state
+    one_adam, one_sgd = make_optimizer(adam), make_optimizer(sgd)
+    w, b = initial()["w"], initial()["b"]
+    sa, sw, sb = one_adam.init_state(w), one_sgd.init_state(w), one_sgd.init_state(b)
+    for p in pushes:
+        if "w" in p:
+            w, sa = one_adam.apply(w, p["w"], sa)
+        else:
+            (w, sw), (b, sb) = one_sgd.apply(w, p[second], sw), one_sgd.apply(b, p["b"], sb)
+    version, values = store.read()
+    assert sorted(values) == ["b", "w"] and version == 6
+    assert values["w"].tobytes() == w.tobytes() and values["b"].tobytes() == b.tobytes()
+    state = store.export_state()
+    assert state.states["w"]["iterations"] == state.states[second]["iterations"] == 3
+    assert state.states[second]["momentum"].tobytes() == sw["momentum"].tobytes()
+    assert store.num_parameters() == 8 and store.specs()[second] == store.specs()["w"]
+    with pytest.raises(InvalidArgument, match="one update steps a variable by one optimizer"):
+        store.check_gradients({"w": pushes[0]["w"], second: pushes[0]["w"]})
+    assert store.initialize(initial(), spec) is False  # the same initialize again: harmless
+    restored = VariableStore()
+    restored.restore_state(dataclasses.replace(state, optimizer=OptimizerSpec.from_dict(
+        json.loads(json.dumps(spec.as_dict())))))
+    for s in (store, restored):
+        s.apply_all({second: pushes[1][second], "b": pushes[1]["b"]})
+    assert restored.read()[1]["w"].tobytes() == store.read()[1]["w"].tobytes() != w.tobytes()
+
+
+def test_a_variable_two_groups_step_is_refused_where_it_cannot_be_served():
+    """Non-trainable, named with the mark of second names, under both groups' moving averages,
+    or by Hogwild's in-place steps: each refused in one line."""
+    from ps_server.core.optim import hogwild
+
+    adam, sgd = OptimizerSpec("adam", learning_rate=0.1), OptimizerSpec("sgd", learning_rate=0.5)
+    shared = OptimizerSpec("adam", learning_rate=0.1, groups=((("w",), adam), (("w", "b"), sgd)))
+    with pytest.raises(InvalidArgument, match="'w': two optimizer groups step it, so it must be trainable"):
+        VariableStore().initialize(initial(), shared, non_trainable=["w"])
+    with pytest.raises(InvalidArgument, match="none with '@group' in its name"):
+        OptimizerSpec("adam", groups=((("w@group1",), adam), (("b",), sgd))).validate()
+    ema = OptimizerSpec("adam", learning_rate=0.1, use_ema=True)
+    with pytest.raises(InvalidArgument, match="takes no moving average"):
+        OptimizerSpec("adam", groups=((("w",), ema), (("w", "b"), sgd))).validate()
+    with pytest.raises(InvalidArgument, match="hogwild does not run a variable two optimizer groups step"):
+        hogwild.check_supported(OptimizerSpec("sgd", learning_rate=0.5, groups=((("w",), sgd), (("w",), sgd))))
 
 
 def test_take_averages_makes_each_named_variable_its_moving_average_and_keeps_the_version():

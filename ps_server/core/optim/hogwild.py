@@ -62,6 +62,9 @@ def check_supported(spec: OptimizerSpec) -> None:
     if spec.use_ema:
         raise InvalidArgument(f"--async-apply hogwild does not run use_ema ({spec.name} with use_ema=True): start "
                               "the server with --async-apply locked to train it")
+    if spec.shared():
+        raise InvalidArgument("--async-apply hogwild does not run a variable two optimizer groups step (each "
+                              "writes it in place): start the server with --async-apply locked to train it")
 
 
 def adopt(value: np.ndarray, state: dict) -> tuple[np.ndarray, np.ndarray, dict]:

@@ -83,8 +83,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, UNUSED_FIELD_VALUES,
-                             keras_optimizer_fields)
+from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, SHARED_MARK, UNUSED_FIELD_VALUES,
+                             keras_optimizer_fields, shared_name)
 from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
 
@@ -152,7 +152,9 @@ class OptimizerSpec:
     # The optimizers a model's step applies, each to its own variables (a GAN's two, of one
     # config or not): ((variable names, spec), ...); None: this one, to every variable. A push
     # may then name some of the trainable variables, each stepped by its group's optimizer
-    # (each variable counts its own steps); the fields above are the first group's.
+    # (each variable counts its own steps); the fields above are the first group's. A variable
+    # that a later group names again is that group's by ``ps_common.names.shared_name`` (its own
+    # state, the same value: ``core.store``).
     groups: tuple | None = None
 
     def __post_init__(self):
@@ -243,7 +245,6 @@ class OptimizerSpec:
             schedules.validate(self.learning_rate_schedule)
 
     def _validate_groups(self) -> None:
-        seen: set[str] = set()
         for names, spec in self.groups or ():
             if spec.groups:
                 raise InvalidArgument("an optimizer group holds no groups of its own")
@@ -251,12 +252,23 @@ class OptimizerSpec:
                                                                        self.gradient_accumulation_steps):
                 raise InvalidArgument("every optimizer group has the sparse_rule and gradient_accumulation_steps "
                                       "of the spec")
-            twice = seen.intersection(names)
-            if twice or not names or not all(isinstance(n, str) and n for n in names):
-                raise InvalidArgument(f"each optimizer group names its own variables, at least one, each once; "
-                                      f"got {list(names)}" + (f" ({sorted(twice)[0]!r} twice)" if twice else ""))
-            seen.update(names)
+            twice = sorted(n for n in set(names) if list(names).count(n) > 1)
+            if twice or not names or not all(isinstance(n, str) and n and SHARED_MARK not in n for n in names):
+                raise InvalidArgument(f"each optimizer group names variables, at least one, each once, none with "
+                                      f"{SHARED_MARK!r} in its name; got {list(names)}"
+                                      + (f" ({twice[0]!r} twice)" if twice else ""))
+            if spec.use_ema and any(n in other for n in names for other, _ in self.groups if other is not names):
+                raise InvalidArgument("a variable two optimizer groups step takes no moving average (use_ema): "
+                                      "whose average would it take")
             spec.validate()
+
+    def shared(self) -> dict[str, str]:
+        """Each second name of a variable a later group names again (``shared_name``): its variable's."""
+        seen, shared = set(), {}
+        for g, (names, _) in enumerate(self.groups or ()):
+            shared.update((shared_name(n, g), n) for n in names if n in seen)
+            seen.update(names)
+        return shared
 
     def every(self) -> list["OptimizerSpec"]:
         """This spec and each group's (``Optimizer.every`` of the specs)."""
