@@ -237,6 +237,7 @@ class ShardedClient:
                     f"nothing; list at most {len(placement.pieces)} servers")
         with self._refusing("Initialize", grpc.StatusCode.INVALID_ARGUMENT):
             per_shard = placement.split(variables)
+        optimizer = sharding.grouped(optimizer, placement)
         non_trainable = set(non_trainable)  # each shard is told which of its pieces they are
         of = {p.name: p.variable for p in placement.pieces}
         pieces = [{piece for piece in per_shard[i] if of[piece] in non_trainable} for i in range(self.num_shards)]

@@ -248,6 +248,18 @@ def norms_of(optimizer: Mapping) -> list[str]:
                     if optimizer.get("name") == name.lower()]
 
 
+def grouped(optimizer: Mapping, placement: Placement) -> Mapping:
+    """``optimizer`` (the server's fields) with each of its ``groups`` naming its variables'
+    pieces, as a shard holds them: a slice is stepped by its variable's group's optimizer."""
+    if not optimizer.get("groups"):
+        return optimizer
+    pieces: dict[str, list[str]] = {}
+    for p in placement.pieces:
+        pieces.setdefault(p.variable, []).append(p.name)
+    return {**optimizer, "groups": [{**g, "variables": [n for v in g["variables"] for n in pieces.get(v, [v])]}
+                                    for g in optimizer["groups"]]}
+
+
 def learn(per_shard: Sequence[Mapping[str, tuple]]) -> Placement:
     """The placement that the shards' contents describe: ``per_shard[s]`` is ``{piece: (shape,
     dtype)}`` (or ``{piece: array}``) of shard ``s``. Variables come out in the order their first

@@ -696,8 +696,9 @@ class VariableStore:
             raise InvalidArgument(f"a push of {twice[0]!r} and {self._shared[twice[0]]!r}: one update steps a "
                                   "variable by one optimizer")
         missing = [n for n in self._vars if n not in specs]
-        if missing and self._optimizer.groups:  # each optimizer pushes its own variables
-            missing = [] if any(n in specs for n, v in self._vars.items() if not v.non_trainable) else missing
+        if missing and self._optimizer.groups:  # each optimizer pushes its own variables (a shard: maybe none)
+            missing = [] if not specs or any(n in specs for n, v in self._vars.items() if not v.non_trainable) \
+                else missing
         if missing:
             raise InvalidArgument(f"missing gradient(s) for: {', '.join(map(repr, missing[:5]))}")
         for name, (dtype, shape) in specs.items():

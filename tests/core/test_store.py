@@ -457,8 +457,7 @@ def test_with_optimizer_groups_a_push_steps_the_variables_it_names_each_by_its_g
     restored.apply_all({"b": np.array([2.0, 4.0])})
     store.apply_all({"b": np.array([2.0, 4.0])})
     assert restored.read()[1]["b"].tobytes() == store.read()[1]["b"].tobytes()
-    with pytest.raises(InvalidArgument, match="missing gradient"):  # a push that steps nothing
-        store.check_gradients({})
+    store.check_gradients({})  # a shard that holds none of a group's variables: its push steps nothing
     with pytest.raises(InvalidArgument, match="'w' twice"):
         OptimizerSpec("adam", groups=((("w", "w"), adam), (("b",), sgd))).validate()
     with pytest.raises(InvalidArgument, match="no groups of its own"):
