@@ -44,7 +44,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ps_common.names import SKIP_UPDATE, asks_skip
+from ps_common.names import SKIP_UPDATE, asks_skip, shared_name
 from ps_common.procs import LEFT_JOB_STATUS
 from ps_common.sparse import SparseRows
 from worker.gradients import as_pushed, changes, non_trainable, set_values, trainable, zeros
@@ -614,7 +614,9 @@ class _Attached:
         _, values, states = conn.client.optimizer_state(conn.worker_id)
         set_values(self.model, values)
         for optimizer, _ in self.wrap.served:  # set by the first fit, before it connected
-            steps = [load_state(o, held, states, self.per_update) for o, held in self.wrap.owned[id(optimizer)]]
+            named = {v.path: states[self.wrap.pushed_as.get((id(optimizer), v.path), v.path)]
+                     for _, held in self.wrap.owned[id(optimizer)] for v in held}  # its own state of each
+            steps = [load_state(o, held, named, self.per_update) for o, held in self.wrap.owned[id(optimizer)]]
             if _is_multi(_inner(optimizer)):
                 _inner(optimizer)._iterations.assign(max(steps))
 
@@ -627,7 +629,8 @@ class _Attached:
         conn, optimizer = self.strategy.connection, self.model.optimizer
         # none before a fit, nor where a step of its own never applies the compiled optimizer
         parts = self.wrap.owned.get(id(optimizer), []) if conn is not None else []
-        names = [v.path for o, part in parts if o.use_ema for v in part]
+        key = id(optimizer)  # a variable another optimizer steps first: this one's average by its second name
+        names = [self.wrap.pushed_as.get((key, v.path), v.path) for o, part in parts if o.use_ema for v in part]
         if names:
             _, values, _ = conn.client.optimizer_state(conn.worker_id, averages=names,
                                                        window_batches=self.window.batches)
@@ -664,6 +667,7 @@ class _Wrap:
         self.served: list | None = None  # (optimizer, variables) of each optimizer the step applies
         self.parts: list = []  # (optimizer, variables) of each the server runs (a MultiOptimizer's each)
         self.owned: dict = {}  # id of each optimizer the step applies: its ``parts`` (what its push steps)
+        self.pushed_as: dict = {}  # (id of such an optimizer, a variable's path): its second name (``_check_served``)
         self.grouped = False  # served as groups: several optimizers, or one to some variables
         self.skipped: dict = {}  # id of each optimizer under a loss scale: its skipped updates (sync: every worker's)
         self.patch(attached.model.optimizer)
@@ -716,13 +720,17 @@ class _Wrap:
         """Refuse, in one line, what the server cannot serve of the optimizers the step applies."""
         name = type(self.attached.model).__name__
         paths = [v.path for _, variables in self.served for v in variables]
-        if len(paths) != len(set(paths)):
-            raise ValueError(f"{name}.train_step applies two optimizers to one variable; tfps.keras serves each "
-                             "optimizer its own variables")
         # Each optimizer its variables (a group of the server's spec), unless one steps them all.
         self.owned = {id(o): _parts(o, variables) for o, variables in self.served}
         self.parts = [part for parts in self.owned.values() for part in parts]
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
+        # A variable an earlier group steps too (two optimizers applied to it): pushed by its second name
+        self.pushed_as, seen, group = {}, set(), 0  # (id of an optimizer the step applies, path) -> name
+        for key, parts in self.owned.items():
+            for _, variables in parts:
+                self.pushed_as.update({(key, v.path): shared_name(v.path, group) for v in variables if v.path in seen})
+                seen.update(v.path for v in variables)
+                group += 1
         specs = [spec_fields(o) for o, _ in self.parts]
         accumulates = self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)
         if self.grouped and accumulates:
@@ -931,9 +939,9 @@ class _Wrap:
             grads = {p: tf.IndexedSlices(g.values / factor, g.indices, g.dense_shape)
                      if isinstance(g, tf.IndexedSlices) else g / factor for p, g in grads.items()}
         payload = as_pushed(model, grads, self.base, conn.sparse_rule, now)
-        if self.grouped:  # this optimizer's variables alone (OptimizerSpec.groups)
+        if self.grouped:  # this optimizer's variables alone (OptimizerSpec.groups), each by its name for it
             mine = {v.path for v in variables} | set(now)
-            payload = {p: g for p, g in payload.items() if p in mine}
+            payload = {self.pushed_as.get((id(optimizer), p), p): g for p, g in payload.items() if p in mine}
         if self.skip:  # zeros, which the server skips; its examples weigh as any push's (async refuses none)
             payload = zeros(payload)
         elif not all(np.isfinite(g.values if hasattr(g, "rows") else g).all() for g in payload.values()):

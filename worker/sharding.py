@@ -45,6 +45,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ps_common.names import SHARED_MARK
 from ps_common.sparse import SparseRows
 
 DEFAULT_MIN_SLICE_BYTES = 256 * 1024
@@ -128,31 +129,35 @@ class Placement:
         """One ``{piece: array}`` per shard: whole variables as they are, slices as row views. A
         ``SparseRows`` of a sliced variable goes to each slice's shard as the rows in the slice,
         renumbered from its first row. ``partial``: a variable not in ``values`` is left out
-        (a push of one optimizer's variables: each shard refuses it unless its spec allows)."""
+        (a push of one optimizer's variables: each shard refuses it unless its spec allows). A
+        variable's second name (``ps_common.names.shared_name``: a later optimizer group's) goes
+        as its pieces' second names."""
+        named: dict[str, list[tuple[str, str]]] = {}  # variable -> (key, suffix) of each of its names in values
+        for key in values:
+            variable = key if key in self.variables else unshared(key)[0]
+            named.setdefault(variable, []).append((key, key[len(variable):]))
         missing = [n for n in self.variables if n not in values and not partial]
-        extra = [n for n in values if n not in self.variables]
+        extra = [k for v, keys in named.items() if v not in self.variables for k, _ in keys]
         if missing or extra:
             raise ShardingError(f"values do not match the placement: missing {missing[:4]}, unknown {extra[:4]}")
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
-        for p in self.pieces:
-            if p.variable not in values:
-                continue
+        for p, (key, suffix) in ((p, k) for p in self.pieces for k in named.get(p.variable, ())):
             shape = self.variables[p.variable][0]
-            value = values[p.variable]
+            value = values[key]
             if isinstance(value, SparseRows):
                 if value.values.shape[1:] != shape[1:]:
                     raise ShardingError(f"sparse {p.variable!r} has rows of shape {list(value.values.shape[1:])}, "
                                         f"the placement says {list(shape[1:])}")
                 if p.parts == 1:
-                    out[p.shard][p.name] = value
+                    out[p.shard][p.name + suffix] = value
                 else:
                     mine = (value.rows >= p.start) & (value.rows < p.stop)
-                    out[p.shard][p.name] = SparseRows(value.rows[mine] - p.start, value.values[mine])
+                    out[p.shard][p.name + suffix] = SparseRows(value.rows[mine] - p.start, value.values[mine])
                 continue
             array = np.asarray(value)
             if array.shape != shape:
                 raise ShardingError(f"{p.variable!r} has shape {list(array.shape)}, the placement says {list(shape)}")
-            out[p.shard][p.name] = array if p.parts == 1 else array[p.start : p.stop]
+            out[p.shard][p.name + suffix] = array if p.parts == 1 else array[p.start : p.stop]
         return out
 
     def join(self, per_shard: Sequence[Mapping[str, np.ndarray]], partial: bool = False) -> dict[str, np.ndarray]:
@@ -246,6 +251,12 @@ def norms_of(optimizer: Mapping) -> list[str]:
     norms = [option for option in ("clipnorm", "global_clipnorm") if optimizer.get(option)]
     return norms + [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
                     if optimizer.get("name") == name.lower()]
+
+
+def unshared(name: str) -> tuple[str, int]:
+    """(variable, group) of a second name (``ps_common.names.shared_name``), else (name, -1)."""
+    variable, mark, group = name.rpartition(SHARED_MARK)
+    return (variable, int(group)) if mark and group.isdigit() else (name, -1)
 
 
 def grouped(optimizer: Mapping, placement: Placement) -> Mapping:

@@ -456,9 +456,9 @@ class ParameterServer:
         writes into a Keras model file."""
         if worker_id is not None and worker_id >= 0:
             self.members.require(worker_id)
-        state = self.store.export_state()
-        try:
-            values = {n: np.asarray(v) for n, v in state.values.items()}
+        state, shared = self.store.export_state(), self.store.shared
+        try:  # the values of the variables; the states of their second names too (``VariableStore.shared``)
+            values = {n: np.asarray(v) for n, v in state.values.items() if n not in shared}
             states = {n: {k: (np.asarray(a) if k != "iterations" else int(a)) for k, a in s.items()}
                       for n, s in state.states.items()}
             return state.version, values, states

@@ -468,6 +468,11 @@ class VariableStore:
         whatever learning rates ``set_learning_rates`` gave it since (``current_learning_rate``)."""
         return self._initial_spec if self._initial_spec is not None else self.optimizer_spec
 
+    @property
+    def shared(self) -> dict[str, str]:
+        """Each second name of a variable two optimizer groups step: its variable's (module docstring)."""
+        return dict(self._shared)
+
     def specs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Every name a gradient may come by: the variables' and their second names' (``_shared``)."""
         return {n: (v.value.dtype, v.value.shape) for n, v in self._vars.items()}

@@ -74,6 +74,30 @@ def test_an_overridden_train_step_trains_async_and_ssp(procs, tmp_path, mode):
     assert max(r["iterations"] for r in records) == 64  # the server's: 2 workers x 2 epochs x 16 steps
 
 
+def test_two_optimizers_applied_to_one_variable_under_sync_end_where_one_process_ends(procs, tmp_path):
+    """``--twice``: the guide's step applies Adam, then SGD with momentum, to every variable.
+    The server keeps each optimizer's state of each variable, SGD's by its second name
+    (``ps_common.names.shared_name``), and steps the one value from the other's update: sync
+    with two workers ends within 1e-6 of one process (the mean of two halves' gradients against
+    one batch's, twice a step), over one server and over two shards alike (one server's bits).
+    Async and ssp: ``test_two_optimizers_applied_to_one_variable_train_async_and_ssp``."""
+    plain = alone(tmp_path, "--no-norm", "--twice", program=CUSTOM_STEP)
+    ours = fit(procs, tmp_path, "sync", "--no-norm", "--twice", program=CUSTOM_STEP)
+    assert gap(ours[0], plain) < 1e-6 and ours[0]["weights"] == ours[1]["weights"]
+    assert ours[0]["iterations"] == plain["iterations"] == 32
+    (tmp_path / "two").mkdir()
+    two = fit(procs, tmp_path / "two", "sync", "--no-norm", "--twice", address=two_shards(procs), program=CUSTOM_STEP)
+    assert two[0]["weights"] == ours[0]["weights"]
+
+
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.slow)])
+def test_two_optimizers_applied_to_one_variable_train_async_and_ssp(procs, tmp_path, mode):
+    """Each push applied on arrival: each apply of a step one push, of its optimizer's state."""
+    records = fit(procs, tmp_path, mode, "--no-norm", "--twice", program=CUSTOM_STEP)
+    assert len(records) == 2
+    assert all(r["history"]["accuracy"][-1] > 0.7 for r in records), [r["history"] for r in records]
+
+
 CHECKPOINT_RESUME = os.path.join(ROOT, "tests", "cluster", "programs", "checkpoint_resume.py")
 
 

@@ -515,8 +515,8 @@ def test_a_variable_two_groups_step_keeps_each_group_s_state_and_one_value(how):
 
 
 def test_a_variable_two_groups_step_is_refused_where_it_cannot_be_served():
-    """Non-trainable, named with the mark of second names, under both groups' moving averages,
-    or by Hogwild's in-place steps: each refused in one line."""
+    """Non-trainable, named with the mark of second names, or by Hogwild's in-place steps: each
+    refused in one line."""
     from ps_server.core.optim import hogwild
 
     adam, sgd = OptimizerSpec("adam", learning_rate=0.1), OptimizerSpec("sgd", learning_rate=0.5)
@@ -525,9 +525,6 @@ def test_a_variable_two_groups_step_is_refused_where_it_cannot_be_served():
         VariableStore().initialize(initial(), shared, non_trainable=["w"])
     with pytest.raises(InvalidArgument, match="none with '@group' in its name"):
         OptimizerSpec("adam", groups=((("w@group1",), adam), (("b",), sgd))).validate()
-    ema = OptimizerSpec("adam", learning_rate=0.1, use_ema=True)
-    with pytest.raises(InvalidArgument, match="takes no moving average"):
-        OptimizerSpec("adam", groups=((("w",), ema), (("w", "b"), sgd))).validate()
     with pytest.raises(InvalidArgument, match="hogwild does not run a variable two optimizer groups step"):
         hogwild.check_supported(OptimizerSpec("sgd", learning_rate=0.5, groups=((("w",), sgd), (("w",), sgd))))
 

@@ -241,28 +241,77 @@ def test_callbacks_changing_a_multi_optimizer_s_rates_reach_each_group_and_fit_e
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
-def test_two_optimizers_applied_to_one_variable_are_refused_before_any_connection():
+class Twice(TwoParts):
+    """A step that applies ``self.optimizer``, then ``self.other``, to every variable, each
+    through its own tape: the second on the first's update."""
+
+    reverse = False  # ``self.other`` first
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        for optimizer in (self.other, self.optimizer) if self.reverse else (self.optimizer, self.other):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x) - y) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("how", ["sync", "two shards", "async", "elastic", "averages", "averages, reversed"])
+def test_two_optimizers_applied_to_one_variable_end_where_model_fit_ends(server, server_config, tmp_path, how):
+    """Adam, then SGD with momentum, each applied to every variable in turn: the server keeps
+    each optimizer's own state of each variable (SGD's by its second name,
+    ``ps_common.names.shared_name``) and steps the one value, each update from the other's
+    last. One worker's fit ends at the plain ``model.fit``'s weights, to the bit: sync over one
+    server and two shards, async (each apply one push), and elastic sync (each batch two
+    rounds; the plain fit on the batches as the server deals them); with moving averages over
+    two shards (``averages``: Adam's taken at the fit's end, SGD's overwriting the variables at
+    every second of its updates, each of its own state; ``reversed``: SGD first, so the
+    compiled Adam's are taken by the second names); and a save loads each
+    optimizer's own state of each variable (its slots and step count) into the model's
+    optimizers: the plain run's, to the bit."""
     import numpy as np
 
-    class Twice(TwoParts):
-        def train_step(self, data):
-            import tensorflow as tf
+    from ps_common.batches import global_batch
 
-            x, y = data
-            for optimizer in (self.optimizer, self.other):
-                with tf.GradientTape() as tape:
-                    loss = keras.ops.mean((self(x) - y) ** 2)
-                optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
-            return {}
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 4)).astype(np.float32), rng.normal(size=(48, 2)).astype(np.float32)
 
-    strategy = Strategy(ps="127.0.0.1:1")
-    with strategy.scope():
-        model = Twice(keras.optimizers.SGD(0.1))
-        model.compile(optimizer=keras.optimizers.Adam(0.001))
-    for _ in range(2):  # a fit tried again is refused again, not let through half checked
-        with pytest.raises(ValueError, match="applies two optimizers to one variable"):
-            model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), batch_size=4, verbose=0)
-    assert strategy.connection is None
+    def build():
+        keras.utils.set_random_seed(0)
+        averages = {"use_ema": True, "ema_momentum": 0.5} if how.startswith("averages") else {}
+        model = Twice(keras.optimizers.SGD(0.05, momentum=0.9, **averages,
+                                           **({"ema_overwrite_frequency": 2} if averages else {})))
+        model.reverse = how.endswith("reversed")
+        model.compile(optimizer=keras.optimizers.Adam(0.01, **averages))
+        return model
+
+    if how == "elastic":
+        address = server_config(mode="sync", num_workers=1, elastic_min_workers=1, micro_batches=1).address
+        strategy = Strategy(ps=address, num_workers=1, elastic=True, deterministic=False)
+    else:
+        strategy = Strategy(ps=",".join(server("async" if how == "async" else "sync", 1).address
+                                        for _ in range(1 if how in ("sync", "async") else 2)), num_workers=1)
+    seed = strategy.config.seed
+    ends = []
+    for strategy in (None, strategy):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = build()
+        if strategy is None and how == "elastic":  # the batches in the order the server deals them
+            order = np.concatenate([global_batch(48, 16, seed, r) for r in range(6)])
+            model.fit(x[order], y[order], batch_size=16, epochs=1, shuffle=False, verbose=0)
+        else:
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model.save_weights(tmp_path / f"{len(ends)}.weights.h5")  # under tfps: the server's state loaded first
+        slots = [v.numpy() for o in (model.optimizer, model.other) for v in o.variables]
+        ends.append(([v.numpy() for v in model.weights], slots))
+        if strategy:
+            strategy.close()
+    (plain, plain_slots), (ours, our_slots) = ends
+    assert len(plain) == 4 and len(plain_slots) == len(our_slots) > 4
+    for got, want in zip(ours + our_slots, plain + plain_slots):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_second_model_and_an_unknown_batches_choice_are_refused():

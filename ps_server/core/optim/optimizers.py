@@ -257,9 +257,6 @@ class OptimizerSpec:
                 raise InvalidArgument(f"each optimizer group names variables, at least one, each once, none with "
                                       f"{SHARED_MARK!r} in its name; got {list(names)}"
                                       + (f" ({twice[0]!r} twice)" if twice else ""))
-            if spec.use_ema and any(n in other for n in names for other, _ in self.groups if other is not names):
-                raise InvalidArgument("a variable two optimizer groups step takes no moving average (use_ema): "
-                                      "whose average would it take")
             spec.validate()
 
     def shared(self) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """A user's program as the keras.io guide "Customizing what happens in fit()" writes it: a
 subclassed model whose own ``train_step`` runs the tape, ``self.optimizer.apply`` and its own
 loss tracker and metric. BatchNormalization (unless ``--no-norm``) gives it non-trainable state.
+``--twice``: the step then applies a second optimizer (SGD with momentum) to every variable,
+on the gradients of a second forward pass: two optimizers applied to one variable.
 
-    python custom_step.py --out DIR [--alone | --mirrored]
+    python custom_step.py --out DIR [--alone | --mirrored] [--twice]
 
 ``--alone``: one plain process; ``--mirrored``: TensorFlow's MirroredStrategy over two logical
 CPUs; neither: tfps (``TF_CONFIG`` set, as ``ps-launch -- ...`` sets it). Writes
@@ -25,6 +27,7 @@ p.add_argument("--alone", action="store_true")
 p.add_argument("--mirrored", action="store_true")
 p.add_argument("--no-norm", action="store_true", help="without BatchNormalization, whose batch statistics are "
                "each worker's part's, as each replica's are under MirroredStrategy")
+p.add_argument("--twice", action="store_true", help="a second optimizer applied to every variable after the first")
 args = p.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -49,6 +52,7 @@ class CustomModel(keras.Model):
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+        self.second = keras.optimizers.SGD(learning_rate=0.05, momentum=0.9) if args.twice else None
 
     def call(self, x, training=False):
         return self.logits(self.norm(self.hidden(x), training=training))
@@ -61,6 +65,10 @@ class CustomModel(keras.Model):
         trainable_vars = self.trainable_variables
         gradients = tape.gradient(loss, trainable_vars)
         self.optimizer.apply(gradients, trainable_vars)
+        if self.second is not None:  # on the first's update: a second forward pass
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(y, self(x, training=True))
+            self.second.apply(tape.gradient(loss, trainable_vars), trainable_vars)
         self.loss_tracker.update_state(loss)
         self.accuracy.update_state(y, y_pred)
         return {"loss": self.loss_tracker.result(), "accuracy": self.accuracy.result()}
