@@ -274,7 +274,7 @@ class ShardedClient:
         for name in averages:  # a variable's, or its second name's (a later optimizer group's average)
             variable = name if name in placement.variables else sharding.unshared(name)[0]
             wanted.setdefault(variable, []).append(name[len(variable):])
-        pieces = {i: [p.name + suffix for p in placement.pieces if p.shard == i for suffix in wanted.get(p.variable, ())]
+        pieces = {i: [p.name + suffix for p in placement.on_shard(i) for suffix in wanted.get(p.variable, ())]
                   for i in range(self.num_shards)}
         replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i], window_batches))
         values = placement.join([r[1] for r in replies])

@@ -832,7 +832,7 @@ class ParameterServer:
             mean_staleness=mean_s,
             max_staleness_seen=max_s,
             optimizer=self.store.initialized_spec,  # the rate set since: learning_rate_now
-            num_variables=len(specs),
+            num_variables=len(specs) - len(self.store.shared),  # a second name (``VariableStore.shared``): none
             num_parameters=self.store.num_parameters(),
             uptime_s=time.monotonic() - self._started,
             rounds_timed_out=mode_status.rounds_timed_out,

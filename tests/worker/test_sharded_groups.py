@@ -56,6 +56,8 @@ def test_each_group_steps_its_variables_on_every_shard_as_one_server_does(server
                 version, _ = client.pull(reg.worker_id)
                 client.push(reg.worker_id, step, version, 8, push)
             ends.append(client.optimizer_state(reg.worker_id))
+            if shards == 1:  # a second name is no variable of the model's
+                assert (client.status().num_variables, client.status().num_parameters) == (3, 12 + 140002)
     (_, one, one_states), (_, two, two_states) = ends
     assert sorted(one) == sorted(two) == sorted(values())
     for name in one:
