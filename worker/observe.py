@@ -327,9 +327,7 @@ class _RecentRate:
             self._steps.popleft()
 
     def per_s(self) -> tuple[float, float]:
-        """(examples, steps) per second of the window."""
-        if not self._steps:
-            return 0.0, 0.0
+        """(examples, steps) per second of the window (called after ``add``: it holds a step)."""
         if len(self._steps) == 1:  # the first step since training started at t = 0
             (seconds, examples), steps = self._steps[0], 1
         else:
