@@ -264,17 +264,11 @@ class UserTask(Task):
     def batches(self, worker_index: int, num_workers: int):
         return _Sequential(self, worker_index, num_workers)
 
-    # elastic (``worker.elastic``): the examples the server deals, by index into ``dealt``
-    @property
-    def num_examples(self) -> int:
-        return self._elastic().num_examples
-
-    def global_batch(self, step: int) -> np.ndarray:
-        return self._elastic().global_batch(step)
-
-    def examples(self, indices: np.ndarray) -> tuple:
-        """(x, y, sample_weight) at ``indices`` of the train dataset read once (``read_once``)."""
-        return self._elastic().examples(indices)
+    # elastic (``worker.elastic``): the examples the server deals, by index into ``dealt`` (``examples(indices)``:
+    # x, y and sample_weight at ``indices`` of the train dataset read once, ``read_once``)
+    num_examples = property(lambda self: self._elastic().num_examples)
+    global_batch = property(lambda self: self._elastic().global_batch)
+    examples = property(lambda self: self._elastic().examples)
 
     def _elastic(self) -> "DealtArrays":
         if self.dealt is None:
