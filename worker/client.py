@@ -33,6 +33,7 @@ import math
 import secrets
 import threading
 import time
+from operator import attrgetter
 from typing import Iterable, Mapping, Sequence
 
 import grpc
@@ -131,15 +132,10 @@ class PSClient(contextlib.AbstractContextManager):
         self.overlap = overlap
         self.overlap_block_bytes = overlap_block_bytes
 
-    @property
-    def shm_active(self) -> bool:
-        """True while pushes and pulls go through shared memory."""
-        return self.shared_memory.active
-
-    @property
-    def shm_fallback_reason(self) -> str | None:
-        """Why the fast path went off for good; None: it did not (or was never asked for)."""
-        return self.shared_memory.fallback_reason
+    # The fast path's state, read where it is kept: True while pushes and pulls go through shared memory, and why
+    # it went off for good (None: it did not, or was never asked for).
+    shm_active = property(attrgetter("shared_memory.active"))
+    shm_fallback_reason = property(attrgetter("shared_memory.fallback_reason"))
 
     def close(self) -> None:
         if self.calls is not self.unary:
