@@ -161,8 +161,7 @@ class Connection:
         wait for that and check the model and optimizer match the server's. The lease is
         renewed from a thread from now until ``close``. ``worker.engine.Engine.join`` rides
         out a fault meanwhile."""
-        if self.heartbeat is None:
-            self.heartbeat = Heartbeat(self)
+        self.heartbeat = self.heartbeat or Heartbeat(self)
         if self.config.is_chief:
             created = self._initialize()
             log.debug("%s the server's variables (%d tensors)",

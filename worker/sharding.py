@@ -219,8 +219,7 @@ def plan(specs: Mapping[str, tuple], num_shards: int, min_slice_bytes: int = DEF
             raise ShardingError(f"variable {name!r} has a negative dimension: {list(shape)}")
         variables[name] = (shape, dtype)
         # Slicing (module docstring): a 0-d scalar stays whole, and so does a 1-row variable (min <= 1).
-        nbytes = math.prod(shape) * dtype.itemsize
-        n = max(1, min(num_shards, shape[0], nbytes // min_slice_bytes)) if shape else 1
+        n = max(1, min(num_shards, shape[0], math.prod(shape) * dtype.itemsize // min_slice_bytes)) if shape else 1
         rows = [shape[0] // n + (k < shape[0] % n) for k in range(n)] if shape else [0]  # np.array_split's sizes
         starts = [0, *itertools.accumulate(rows)]
         groups[name] = [Piece(piece_name(name, k, n), name, 0, k, n, starts[k], starts[k + 1],

@@ -151,8 +151,7 @@ class BuiltinTask(Task):
 
     def global_batch(self, step: int) -> np.ndarray:
         """The examples (indices) of global batch ``step``: the data plan the server deals from."""
-        config = self.config
-        return ps_batches.global_batch(self.num_examples, config.global_batch_size, config.seed, step)
+        return ps_batches.global_batch(self.num_examples, self.config.global_batch_size, self.config.seed, step)
 
     def examples(self, indices: np.ndarray):
         """(x, y) of the training examples at ``indices``."""
