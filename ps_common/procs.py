@@ -78,6 +78,13 @@ def dying_with_parent(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[st
     return [sys.executable, "-S", "-c", _SHIM, str(os.getpid()), str(int(sig)), *argv]
 
 
+def write_atomically(path: str, text: str) -> None:
+    """``text`` into ``path`` by way of ``path.tmp``: a reader never sees a half-written file."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 def wait_for_port_file(path: str, proc: subprocess.Popen, timeout: float) -> int:
     """The port ``proc`` wrote to ``path``; ServerStartError if it dies or takes longer than timeout."""
     deadline = time.monotonic() + timeout

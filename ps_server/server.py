@@ -47,6 +47,7 @@ from ps_server import peers
 from ps_server.aio import LoopServer
 from ps_server.config import ConfigError, ServerConfig
 from ps_common import security
+from ps_common.procs import write_atomically
 from ps_server.core import checkpoint
 from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer
@@ -312,10 +313,7 @@ def serve(config: ServerConfig) -> int:
              config.max_message_bytes // 2**20, config.barrier_timeout, os.getpid())
     log.debug(allocator)
     if config.port_file:
-        tmp = config.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{running.port}\n")
-        os.replace(tmp, config.port_file)  # readers never see a half-written file
+        write_atomically(config.port_file, f"{running.port}\n")
     stop = threading.Event()
 
     def on_signal(signum, _frame):

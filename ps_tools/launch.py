@@ -120,7 +120,7 @@ import time
 from protos import wire
 from ps_common import security
 from ps_common.ports import free_ports
-from ps_common.procs import LEFT_JOB_STATUS, ServerStartError, dying_with_parent, wait_for_port_file
+from ps_common.procs import LEFT_JOB_STATUS, ServerStartError, dying_with_parent, wait_for_port_file, write_atomically
 from ps_common.settings import deprecated_env, env_names, to_json
 from ps_server.config import ServerConfig
 from worker.config import ConfigError, WorkerConfig, add_training_flags, training_flags
@@ -1033,10 +1033,7 @@ def _report(args: argparse.Namespace, server_config: ServerConfig, elastic, resu
         flush=True,
     )
     if args.metrics_json:
-        tmp_path = args.metrics_json + ".tmp"
-        with open(tmp_path, "w") as f:
-            json.dump(metrics, f, indent=2)
-        os.replace(tmp_path, args.metrics_json)
+        write_atomically(args.metrics_json, json.dumps(metrics, indent=2))
 
 
 def _wait_for_server(server: Child, port_file: str, timeout: float) -> str:

@@ -52,7 +52,7 @@ import subprocess
 import sys
 
 from ps_common import slurm
-from ps_common.procs import dying_with_parent
+from ps_common.procs import dying_with_parent, write_atomically
 from ps_common.settings import CLUSTER_ENV, ConfigError
 
 STATUS_ENV = "TFPS_SLURM_STATUS"  # tfps.sbatch: where the servers and the chief write their status (record_status)
@@ -170,9 +170,7 @@ def record_status(environ: dict, cluster: slurm.SlurmCluster | None, status: int
     path, text = ((f"{prefix}.ps-{cluster.task_index}", f"{status}\n") if cluster.role == "ps" else
                   (f"{prefix}.chief", f"{status} {cluster.num_ps}\n"))
     try:
-        with open(f"{path}.tmp", "w") as f:
-            f.write(text)
-        os.replace(f"{path}.tmp", path)
+        write_atomically(path, text)
     except OSError as e:
         print(f"ps-slurm: cannot record this task's status in {path} ({e}); the job's is srun's", file=sys.stderr,
               flush=True)

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ps_common.procs import write_atomically
 from worker import elastic
 from worker import model as models
 from worker import task as tasks
@@ -184,10 +185,10 @@ class TrainingLoop:
         train_s = time.monotonic() - self.engine.t0
         self.observer.end_progress()
         if config.history_json:
-            _write_json(config.history_json, {"worker_index": config.worker_index, "mode": reg.mode,
-                                              "train_s": train_s, "knobs": self.knobs.settings(),
-                                              "eval_every": config.eval_every if config.is_chief else 0,
-                                              "steps": self.history, "evals": self.evals})
+            write_atomically(config.history_json, json.dumps(
+                {"worker_index": config.worker_index, "mode": reg.mode, "train_s": train_s,
+                 "knobs": self.knobs.settings(), "eval_every": config.eval_every if config.is_chief else 0,
+                 "steps": self.history, "evals": self.evals}, indent=2))
         log.info("worker %d finished %d steps in %.1f s", reg.worker_id, self.task.total_steps, train_s)
         result = self._finish_as_chief(train_s) if config.is_chief else {
             "worker_index": config.worker_index, "steps": self.task.total_steps, "train_s": train_s}
@@ -228,7 +229,7 @@ class TrainingLoop:
         log.info("final: %s, training loss %.4f at version %d", _scores_text(scores), train["final_loss"], version)
         print(f"test_accuracy={test_acc:.4f}", flush=True)
         if config.result_json:
-            _write_json(config.result_json, result)
+            write_atomically(config.result_json, json.dumps(result, indent=2))
         if config.save_weights:
             models.save_npz(config.save_weights, values)
         if config.save_model:  # the weights are the server's final ones (set above)
@@ -259,13 +260,6 @@ def _wait_for_others(config: WorkerConfig, client) -> None:
         if time.monotonic() > deadline:
             raise TrainingError(f"workers {running + never} did not finish within --final-wait {config.final_wait:g} s")
         time.sleep(0.2)
-
-
-def _write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp, path)
 
 
 __all__ = ["train", "TrainingLoop", "TrainingError"]
