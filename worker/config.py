@@ -305,7 +305,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    "(environment TFPS_WORKER_TLS_KEY_FILE)")
     p.add_argument("--tls-server-name", help="name to check the server certificate against (default: the --ps host)")
     p.add_argument("--auth-token-file", help="file holding the bearer token (or TFPS_AUTH_TOKEN; never a flag)")
-    # The experiment knobs (worker.knobs): training flags too, which ps-launch forwards.
+    _add_knob_flags(p)
+
+
+def _add_knob_flags(p: argparse.ArgumentParser) -> None:
+    """The experiment knobs (worker.knobs): training flags, which ps-launch forwards too."""
     k = p.add_argument_group("experiment knobs", "conditions to compare the modes under (each sleeps; "
                              "the history records how long)")
     k.add_argument("--slowdown", type=float, help="this worker computes F times slower: after a step's "
