@@ -16,6 +16,7 @@ Keras optimizer (``keras_optimizer_fields``), which the worker checks before tra
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
 import numpy as np
 
@@ -96,6 +97,23 @@ SHARED_MARK = "@group"
 def shared_name(name: str, group: int) -> str:
     """The name by which group ``group``'s optimizer steps ``name`` where an earlier group steps it too."""
     return f"{name}{SHARED_MARK}{group}"
+
+
+def unshared(name: str) -> tuple[str, int]:
+    """(name, group) of a second name (``shared_name``), else (``name``, -1)."""
+    variable, mark, group = name.rpartition(SHARED_MARK)
+    return (variable, int(group)) if mark and group.isdigit() else (name, -1)
+
+
+def stepped_names(groups: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The names each group's optimizer steps its variables by (``groups``: each one's variables,
+    in order): a variable an earlier group names too, by its second name."""
+    seen: set[str] = set()
+    stepped = []
+    for g, names in enumerate(groups):
+        stepped.append([shared_name(n, g) if n in seen else n for n in names])
+        seen.update(names)
+    return stepped
 
 
 def broadcast_poster(key: str) -> int:

@@ -44,7 +44,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ps_common.names import SKIP_UPDATE, asks_skip, shared_name
+from ps_common.names import SKIP_UPDATE, asks_skip, stepped_names
 from ps_common.procs import LEFT_JOB_STATUS
 from ps_common.sparse import SparseRows
 from worker.gradients import as_pushed, changes, non_trainable, set_values, trainable, zeros
@@ -725,12 +725,10 @@ class _Wrap:
         self.parts = [part for parts in self.owned.values() for part in parts]
         self.grouped = len(self.parts) > 1 or len(paths) != len(everything)
         # A variable an earlier group steps too (two optimizers applied to it): pushed by its second name
-        self.pushed_as, seen, group = {}, set(), 0  # (id of an optimizer the step applies, path) -> name
-        for key, parts in self.owned.items():
-            for _, variables in parts:
-                self.pushed_as.update({(key, v.path): shared_name(v.path, group) for v in variables if v.path in seen})
-                seen.update(v.path for v in variables)
-                group += 1
+        keyed = [(key, variables) for key, parts in self.owned.items() for _, variables in parts]
+        self.pushed_as = {(key, v.path): name for (key, variables), names in
+                          zip(keyed, stepped_names([[v.path for v in vs] for _, vs in keyed]))
+                          for v, name in zip(variables, names) if name != v.path}
         specs = [spec_fields(o) for o, _ in self.parts]
         accumulates = self.attached.window.steps > 1 or any(s.get("gradient_accumulation_steps") for s in specs)
         if self.grouped and accumulates:

@@ -54,7 +54,7 @@ import numpy as np
 
 from protos import tfps_pb2 as pb
 from ps_common.settings import ConfigError
-from ps_common.names import SKIP_UPDATE, shared_name
+from ps_common.names import SKIP_UPDATE, unshared
 from ps_common.records import PushReply, Registration
 from worker import sharding
 from worker.client import PSClient, PSClientError
@@ -272,21 +272,22 @@ class ShardedClient:
             self.pull(worker_id)  # learns the placement
         placement, wanted = self.placement, {}
         for name in averages:  # a variable's, or its second name's (a later optimizer group's average)
-            variable = name if name in placement.variables else sharding.unshared(name)[0]
+            variable = name if name in placement.variables else unshared(name)[0]
             wanted.setdefault(variable, []).append(name[len(variable):])
         pieces = {i: [p.name + suffix for p in placement.on_shard(i) for suffix in wanted.get(p.variable, ())]
                   for i in range(self.num_shards)}
         replies = self._each(self._data, lambda i, c: c.optimizer_state(worker_id, pieces[i], window_batches))
         values = placement.join([r[1] for r in replies])
+        of, parts = {p.name: p for p in placement.pieces}, {}  # a variable's states (a second name's too), by part
+        for _, _, held in replies:
+            for name, state in held.items():
+                piece = of[unshared(name)[0]]
+                parts.setdefault(piece.variable + name[len(piece.name):], {})[piece.part] = state
         states = {}
-        # the suffixes of the second names the shards hold (a later optimizer group's: ``shared_name``)
-        seconds = {shared_name("", g) for r in replies for g in (sharding.unshared(n)[1] for n in r[2]) if g >= 0}
-        for variable, suffix in ((v, s) for v in placement.variables for s in ("", *sorted(seconds))):
-            got = [replies[p.shard][2].get(p.name + suffix) for p in placement.pieces if p.variable == variable]
-            if None in got:  # a second name this variable has not
-                continue
-            states[variable + suffix] = {k: got[0][k] if len(got) == 1 or np.ndim(got[0][k]) == 0
-                                         else np.concatenate([g[k] for g in got]) for k in got[0]}
+        for name, by_part in parts.items():
+            got = [by_part[k] for k in sorted(by_part)]
+            states[name] = {k: got[0][k] if len(got) == 1 or np.ndim(got[0][k]) == 0
+                            else np.concatenate([g[k] for g in got]) for k in got[0]}
         return min(r[0] for r in replies), values, states
 
     def pull(self, worker_id: int = -1, names: Iterable[str] = ()) -> tuple[int, dict[str, np.ndarray]]:

@@ -45,7 +45,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_common.names import SHARED_MARK
+from ps_common.names import unshared
 from ps_common.sparse import SparseRows
 
 DEFAULT_MIN_SLICE_BYTES = 256 * 1024
@@ -250,12 +250,6 @@ def norms_of(optimizer: Mapping) -> list[str]:
     norms = [option for option in ("clipnorm", "global_clipnorm") if optimizer.get(option)]
     return norms + [f"{name}'s per-variable norms" for name in ("Lamb", "Adafactor")
                     if optimizer.get("name") == name.lower()]
-
-
-def unshared(name: str) -> tuple[str, int]:
-    """(variable, group) of a second name (``ps_common.names.shared_name``), else (name, -1)."""
-    variable, mark, group = name.rpartition(SHARED_MARK)
-    return (variable, int(group)) if mark and group.isdigit() else (name, -1)
 
 
 def grouped(optimizer: Mapping, placement: Placement) -> Mapping:

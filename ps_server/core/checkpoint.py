@@ -147,7 +147,8 @@ class DataState:
         """One line: the plan, for messages."""
         what = (f"{self.epochs} epoch(s) of tasks" if self.kind == "tasks"
                 else f"elastic, {self.micro_batches} micro-batches")
-        what += (f", {self.applies} {'tasks' if self.kind == 'tasks' else 'rounds'} a batch" if self.applies > 1 else "")
+        if self.applies > 1:
+            what += f", {self.applies} {'tasks' if self.kind == 'tasks' else 'rounds'} a batch"
         return (f"{self.num_examples} examples, batches of {self.global_batch_size}, seed {self.seed}, {what}")
 
 

@@ -359,7 +359,7 @@ class ParameterServer:
                           self.members.lease_timeout, self._clock, follows=group is not None and group.shard > 0,
                           tasks=plan.tasks, applies=plan.applies)
         # the same data; a later fit's plan goes on to more epochs, a restarted chief's first fit's to fewer
-        if self.tasks is not None and _plan_text(self.tasks, epochs=False) != _plan_text(queue, epochs=False):
+        if self.tasks is not None and self.tasks.data != queue.data:
             raise SpecConflict(f"the job's data plan is {_plan_text(self.tasks)}; this initialize brings "
                                f"{_plan_text(queue)}")
         return queue
@@ -875,8 +875,7 @@ class ParameterServer:
 __all__ = ["ParameterServer", "Push", "PushResult", "Registration", "Status"]
 
 
-def _plan_text(tasks: TaskQueue, epochs: bool = True) -> str:
-    """A task queue's data plan, in words (with its epochs, or only what the job's fits share)."""
+def _plan_text(tasks: TaskQueue) -> str:
+    """A task queue's data plan, in words."""
     return (f"{tasks.num_examples} examples, batches of {tasks.batch_size}, seed {tasks.seed}"
-            + (f", {tasks.applies} tasks a batch" if tasks.applies > 1 else "")
-            + (f", {tasks.epochs} epoch(s)" if epochs else ""))
+            + (f", {tasks.applies} tasks a batch" if tasks.applies > 1 else "") + f", {tasks.epochs} epoch(s)")

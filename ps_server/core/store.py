@@ -554,7 +554,7 @@ class VariableStore:
 
     def _spread(self, names: Iterable[str]) -> None:
         """After a write of ``names`` (under ``_publish``): the other names of each hold its value."""
-        for name in names:
+        for name in names if self._linked else ():  # every update passes here: nothing to look up without
             var = self._vars[name]
             for other in self._linked.get(name, ()):
                 self._vars[other].value, self._vars[other].changed = var.value, var.changed

@@ -166,8 +166,7 @@ class TaskQueue:
         self.seed, self.epochs, self.lease_timeout = int(seed), int(epochs), float(lease_timeout)
         self.steps_per_epoch = batches.steps_per_epoch(self.num_examples, self.batch_size)
         self.applies = int(applies)  # the tasks each batch is (module docstring)
-        self.batches = self._total(self.epochs, tasks)  # the job's batches; its tasks, ``applies`` each:
-        self.total_tasks = self.batches * self.applies
+        self.batches = self._total(self.epochs, tasks)  # the job's batches
         self._clock = clock
         self.follows = follows  # a shard but 0: takes a task from whoever brings it (module docstring)
         self._lock = threading.Lock()  # guards everything below (module docstring)
@@ -214,7 +213,17 @@ class TaskQueue:
         if total < self.batches:
             raise InvalidArgument(f"a job of {self.batches} batches goes on to more, not {total}")
         with self._lock:
-            self.epochs, self.batches, self.total_tasks = int(epochs), total, total * self.applies
+            self.epochs, self.batches = int(epochs), total
+
+    @property
+    def total_tasks(self) -> int:
+        """The job's tasks: ``applies`` a batch."""
+        return self.batches * self.applies
+
+    @property
+    def data(self) -> tuple[int, int, int, int]:
+        """(examples, batch size, seed, applies): what every plan of the job holds alike."""
+        return self.num_examples, self.batch_size, self.seed, self.applies
 
     # -- handing out -------------------------------------------------------------------
     def take(self, worker_id: int) -> Task | None:

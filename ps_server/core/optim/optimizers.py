@@ -84,7 +84,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ps_common.names import (NONE_AS_ZERO, OPTIMIZER_DEFAULTS, OPTIMIZERS, SHARED_MARK, UNUSED_FIELD_VALUES,
-                             keras_optimizer_fields, shared_name)
+                             keras_optimizer_fields, stepped_names)
 from ps_server.core.optim import kernels, schedules
 from ps_server.core.errors import InvalidArgument
 
@@ -259,13 +259,14 @@ class OptimizerSpec:
                                       + (f" ({twice[0]!r} twice)" if twice else ""))
             spec.validate()
 
+    def stepped_names(self) -> list[list[str]]:
+        """The names each group's optimizer steps its variables by (``ps_common.names.stepped_names``)."""
+        return stepped_names([names for names, _ in self.groups or ()])
+
     def shared(self) -> dict[str, str]:
         """Each second name of a variable a later group names again (``shared_name``): its variable's."""
-        seen, shared = set(), {}
-        for g, (names, _) in enumerate(self.groups or ()):
-            shared.update((shared_name(n, g), n) for n in names if n in seen)
-            seen.update(names)
-        return shared
+        return {s: n for (names, _), stepped in zip(self.groups or (), self.stepped_names())
+                for n, s in zip(names, stepped) if s != n}
 
     def every(self) -> list["OptimizerSpec"]:
         """This spec and each group's (``Optimizer.every`` of the specs)."""

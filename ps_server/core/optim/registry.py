@@ -9,7 +9,6 @@ Apart from the modules, which it imports: ``more_optimizers`` and ``muon`` build
 
 from __future__ import annotations
 
-from ps_common.names import shared_name
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.optim import more_optimizers as more
 from ps_server.core.optim.muon import Muon
@@ -30,7 +29,7 @@ def make_optimizer(spec: OptimizerSpec) -> Optimizer:
         if s.name not in OPTIMIZER_CLASSES:
             raise InvalidArgument(f"optimizer {s.name} is not available on this server")
     optimizer = OPTIMIZER_CLASSES[spec.name](spec)
-    for g, (names, group) in enumerate(spec.groups or ()):
-        each = OPTIMIZER_CLASSES[group.name](group)  # a variable an earlier group steps: by its second name
-        optimizer.groups.update(dict.fromkeys((shared_name(n, g) if n in optimizer.groups else n for n in names), each))
+    # each group's variables to its optimizer: one an earlier group steps too, by its second name
+    for stepped, (_, group) in zip(spec.stepped_names(), spec.groups or ()):
+        optimizer.groups.update(dict.fromkeys(stepped, OPTIMIZER_CLASSES[group.name](group)))
     return optimizer
