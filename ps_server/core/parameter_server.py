@@ -159,6 +159,7 @@ class ParameterServer:
         self.elastic = elastic_min_workers > 0
         self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
         self.async_apply = async_apply
+        self.allow_nonfinite = allow_nonfinite
         self.num_workers = num_workers
         self.barrier_timeout = barrier_timeout
         self.dead_worker_policy = dead_worker_policy
@@ -191,17 +192,17 @@ class ParameterServer:
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
         if self.elastic:
             self.mode = ElasticSyncMode(self.store, self.members, None, elastic_min_workers, barrier_timeout,
-                                        self.stats, clock=clock, allow_nonfinite=allow_nonfinite)
+                                        self.stats, clock=clock)
         elif mode == "sync":
             self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
                                  policy=dead_worker_policy, replacement_timeout=replacement_timeout,
-                                 replicas_to_aggregate=replicas_to_aggregate, allow_nonfinite=allow_nonfinite)
+                                 replicas_to_aggregate=replicas_to_aggregate)
         elif mode == "ssp":
             self.mode = SSPMode(self.store, self.members, staleness, barrier_timeout, self.stats,
-                                allow_nonfinite=allow_nonfinite, stale_policy=stale_gradient_policy,
+                                stale_policy=stale_gradient_policy,
                                 max_staleness=max_staleness, clock=clock, apply=async_apply)
         else:
-            self.mode = AsyncMode(self.store, self.members, self.stats, allow_nonfinite=allow_nonfinite,
+            self.mode = AsyncMode(self.store, self.members, self.stats,
                                   stale_policy=stale_gradient_policy, max_staleness=max_staleness, apply=async_apply)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "",
@@ -508,12 +509,16 @@ class ParameterServer:
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
         """Apply (or, in sync mode, contribute) one push: its work is done here, its wait (a
         sync round, the SSP bound) is the ticket, which the mode settles later (``core.modes``).
-        Gradients may be ``SparseRows`` (``core.optim.sparse``): they are checked here, before the
-        mode sees them, and made dense unless their rows alone are stepped (``--sparse-updates``).
+        A push is checked here, once, in every mode: its bounds (``Push.validate``) and each
+        gradient's name, shape, dtype and finiteness (``VariableStore.check_gradients``); a mode
+        takes it as checked. Gradients may be ``SparseRows`` (``core.optim.sparse``), made dense
+        unless their rows alone are stepped (``--sparse-updates``).
         ``consumed`` is called once the push's gradient arrays are no longer needed, possibly
         long before the round's outcome (``SyncMode.submit``)."""
-        try:
+        try:  # the one check of a push: the modes take it as checked
             self.members.require(push.worker_id)
+            push.validate()
+            self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
             arrived = self._clock()
             answered = self._task_begin(push)
             if answered is None:

@@ -720,18 +720,13 @@ class VariableStore:
                 raise InvalidArgument(f"gradient for {name!r} has dtype {np.dtype(dtype)}, variable has {value.dtype}")
 
     def prepare(self, grads: Mapping[str, "np.ndarray | SparseRows"], keep_sparse: bool = True) -> dict:
-        """``grads`` as the modes take them: every ``SparseRows`` checked against its variable,
+        """Gradients that passed ``check_gradients`` as the modes take them: every ``SparseRows``
         kept as it is where its rows alone are stepped (``core.optim.sparse.row_wise``, and
-        ``keep_sparse``), else made dense; dense gradients pass as they are, for
-        ``check_gradients``. Raises before anything is applied."""
-        self._require_initialized()
+        ``keep_sparse``), else made dense. Raises before anything is applied."""
         out = {}
         for name, g in grads.items():
             if isinstance(g, SparseRows):
-                var = self._vars.get(name)
-                if var is None:
-                    raise NotFound(f"gradient for unknown variable(s): {name!r}")
-                sparse.check(name, g, var.value.shape, var.value.dtype)
+                var = self._vars[name]
                 keras = self.sparse_rule == "keras" and not var.non_trainable
                 refusal = slices_refusal(self._optimizer.of(name).spec) if keras else None
                 if refusal:  # the optimizer asked for the rule (``_check_sparse_updates``)

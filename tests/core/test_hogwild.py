@@ -226,20 +226,6 @@ def snapshot(mode, store):
     return version, {n: a.tobytes() for n, a in values.items()}, mode.stats.pushes_applied
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"big": np.full((256, 256), np.nan, np.float32)}, "NaN or Inf"),
-    ({"big": np.ones((256, 255), np.float32)}, "shape"),
-    ({"big": np.ones((256, 256), np.float64)}, "dtype"),
-])
-def test_a_refused_push_writes_nothing(bad, message):
-    mode, store = make()
-    mode.submit(push(0, 0, ones())).result(JOIN)
-    before = snapshot(mode, store)
-    with pytest.raises(InvalidArgument, match=message):
-        mode.submit(push(0, 1, {**ones(), **bad}, base_version=1)).result(JOIN)
-    assert snapshot(mode, store) == before
-
-
 def test_a_replayed_push_is_answered_from_the_record_and_an_older_one_refused():
     mode, store = make()
     first = mode.submit(push(0, 0, ones())).result(JOIN)

@@ -22,7 +22,6 @@ from ps_server.core.errors import (
     BarrierTimeout,
     FutureRound,
     InvalidArgument,
-    NotInitialized,
     StaleRound,
     UnknownWorker,
 )
@@ -257,33 +256,6 @@ def test_push_computed_on_another_version_is_rejected_and_changes_nothing(base):
         push(mode, 0, step=1, base=0)  # the right round, but the old parameters
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(grads={"w": f32(1, np.nan, 0, 0), "b": np.array([1.0])}), "contains NaN or Inf"),
-        (dict(grads={"w": f32(1, 2), "b": np.array([1.0])}), "has shape [2], variable has [4]"),
-        (dict(grads={"w": f32(1, 2, 3, 4)}), "missing gradient(s) for: 'b'"),
-        (dict(size=-1), "batch_size must be >= 0"),
-        (dict(step=-1, base=0), "step must be >= 0"),
-        (dict(base=-1), "base_version must be >= 0"),
-    ],
-    ids=["nan", "shape", "missing", "negative_batch", "negative_step", "negative_base"],
-)
-def test_invalid_push_is_rejected_before_it_joins_the_round(kwargs, message):
-    mode, store = make()
-    t0 = start(lambda: push(mode, 0))
-    wait_until(lambda: mode.status().waiting_for == (1, 2))
-    with pytest.raises(InvalidArgument, match=re.escape(message)):
-        push(mode, 1, **kwargs)
-    assert mode.status().waiting_for == (1, 2)
-    assert store.version == 0
-    t1 = start(lambda: push(mode, 1))
-    wait_until(lambda: mode.status().waiting_for == (2,))
-    assert push(mode, 2).version == 1
-    finish(t0, t1)
-    assert_values(store, AFTER_ONE_ROUND)
-
-
 def test_worker_id_outside_the_cluster_is_rejected():
     mode, _ = make()
     with pytest.raises(InvalidArgument, match=r"worker id 3 is outside 0\.\.2"):
@@ -298,12 +270,6 @@ def test_push_of_an_unregistered_worker_is_rejected_by_the_server():
     with pytest.raises(UnknownWorker, match="worker 1 is not registered"):
         ps.submit(Push(1, 0, 0, 1, GRADS[1])).result(JOIN)
     assert ps.status().waiting_for == ()
-
-
-def test_push_before_initialization_is_rejected():
-    mode = SyncMode(VariableStore(), Membership(1), 1, JOIN)
-    with pytest.raises(NotInitialized):
-        mode.submit(Push(0, 0, 0, 1, {"w": f32(1)})).result(JOIN)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0])

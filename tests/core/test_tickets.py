@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ps_server.core.broadcast import Broadcasts, BroadcastTimeout
-from ps_server.core.errors import BarrierTimeout, InvalidArgument, WorkerDead
+from ps_server.core.errors import BarrierTimeout, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Push, Ticket
 from ps_server.core.optim.optimizers import OptimizerSpec
@@ -94,14 +94,6 @@ def test_a_dead_worker_settles_the_waiting_tickets_under_policy_abort():
     for t in waiting:
         with pytest.raises(WorkerDead):
             t.result()
-
-
-def test_a_refused_push_comes_back_as_a_settled_ticket():
-    mode, _, _ = sync()
-    ticket = mode.submit(push(0, g=f32(1, 2, 3)))
-    assert ticket.done()
-    with pytest.raises(InvalidArgument):
-        ticket.result()
 
 
 def test_ssp_tickets_are_released_when_the_slowest_worker_catches_up_or_time_runs_out():

@@ -5,7 +5,8 @@
 Owns:
 
 - ``base``: ``Mode``, what every mode gives the server and takes from it (``submit``, the
-  one way a push comes in, and its ``Ticket``), and what a push returns;
+  one way a push comes in, checked already by ``ParameterServer.submit``, and its
+  ``Ticket``), and what a push returns;
 - ``sync_mode``: one barrier per step, over ``rounds`` (the deterministic bookkeeping of
   sync rounds), ``aggregation`` (how a round combines gradients: ``RoundSum``, the exact
   weighted mean rounded once) and ``overlap`` (a round speculated block by block while it

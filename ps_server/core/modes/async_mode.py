@@ -124,7 +124,7 @@ class AsyncMode(Mode):
     data_plan = "tasks"
 
     def __init__(self, store: VariableStore, members: Membership, stats: Stats | None = None,
-                 allow_nonfinite: bool = False, stale_policy: str = "none", max_staleness: int = MAX_STALENESS,
+                 stale_policy: str = "none", max_staleness: int = MAX_STALENESS,
                  apply: str = "locked"):
         if apply not in ASYNC_APPLIES:
             raise InvalidArgument(f"apply must be one of {ASYNC_APPLIES}, got {apply!r}")
@@ -135,7 +135,6 @@ class AsyncMode(Mode):
         self.store = store
         self.members = members
         self.stats = stats or Stats()
-        self.allow_nonfinite = allow_nonfinite
         self.stale_policy = stale_policy
         self.max_staleness = max_staleness
         self.apply = apply
@@ -170,10 +169,8 @@ class AsyncMode(Mode):
         """Nothing waits in async mode."""
 
     def _push(self, push: Push) -> PushResult:
-        push.validate()
         if push.batch_size == 0:
             raise InvalidArgument(f"async push from worker {push.worker_id} has no examples (batch_size 0)")
-        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
         with self._worker_locks[push.worker_id]:  # one worker's pushes in order; others run beside
             if push.task >= 0:  # the task's record, not the step, says whether it was applied
                 answer = self._answered(push)

@@ -220,8 +220,9 @@ class Mode:
     ledger: "EpochLedger | None" = None  # elastic sync: every example's epoch, once the plan is known
 
     def submit(self, push: Push, consumed: Callable[[], None] | None = None) -> Ticket:
-        """Take ``push``; the ticket its answer settles. Never waits. ``consumed`` is called
-        once the mode no longer needs the push's gradient arrays."""
+        """Take ``push``, checked already (``ParameterServer.submit``: its bounds, every
+        gradient's name, shape, dtype and finiteness); the ticket its answer settles. Never
+        waits. ``consumed`` is called once the mode no longer needs the push's gradient arrays."""
         raise NotImplementedError
 
     def expire_overdue(self) -> None:

@@ -121,14 +121,13 @@ class ElasticSyncMode(Mode):
 
     def __init__(self, store: VariableStore, members: Membership, cursor: Cursor | None, min_workers: int,
                  barrier_timeout: float, stats: Stats | None = None,
-                 clock: Callable[[], float] = time.monotonic, allow_nonfinite: bool = False):
+                 clock: Callable[[], float] = time.monotonic):
         if min_workers < 1:
             raise InvalidArgument(f"min_workers must be >= 1, got {min_workers}")
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
         self.store, self.members = store, members
         self.min_workers, self.barrier_timeout = min_workers, barrier_timeout
-        self.allow_nonfinite = allow_nonfinite  # --allow-nonfinite: NaN and Inf gradients are applied
         self.stats = stats or Stats()
         self.cursor: Cursor | None = None
         self.ledger: EpochLedger | None = None
@@ -307,7 +306,6 @@ class ElasticSyncMode(Mode):
 
     # -- under the lock -------------------------------------------------------------
     def _take(self, push: Push, ticket: Ticket) -> None:
-        push.validate()
         if set(push.metrics or ()) - {SKIP_UPDATE}:
             raise InvalidArgument("elastic sync sums no metrics over a round (but a loss scale's "
                                   f"{SKIP_UPDATE}); nothing applied")
@@ -336,7 +334,6 @@ class ElasticSyncMode(Mode):
         if push.batch_size != size:
             raise InvalidArgument(f"round {r}'s micro-batch {m} holds {size} examples; the push says "
                                   f"{push.batch_size}")
-        self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)  # before anything is taken
         rates = push.set_learning_rates
         self.store.check_learning_rates(rates)
         if rates and self._rates not in ((), rates):

@@ -67,12 +67,12 @@ class SSPMode(AsyncMode):
     name = "ssp"
 
     def __init__(self, store: VariableStore, members: Membership, staleness_bound: int,
-                 barrier_timeout: float = BARRIER_TIMEOUT, stats: Stats | None = None, allow_nonfinite: bool = False,
+                 barrier_timeout: float = BARRIER_TIMEOUT, stats: Stats | None = None,
                  stale_policy: str = "none", max_staleness: int = MAX_STALENESS, clock: Callable[[], float] = time.monotonic,
                  apply: str = "locked"):
         if staleness_bound < 0:
             raise InvalidArgument(f"the staleness bound must be >= 0, got {staleness_bound}")
-        super().__init__(store, members, stats, allow_nonfinite=allow_nonfinite, stale_policy=stale_policy,
+        super().__init__(store, members, stats, stale_policy=stale_policy,
                          max_staleness=max_staleness, apply=apply)
         self.staleness_bound = staleness_bound
         self.barrier_timeout = barrier_timeout

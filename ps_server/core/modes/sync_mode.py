@@ -114,7 +114,6 @@ class SyncMode(Mode):
         policy: str = "abort",
         replacement_timeout: float = REPLACEMENT_TIMEOUT,
         replicas_to_aggregate: int = 0,
-        allow_nonfinite: bool = False,
     ):
         if barrier_timeout <= 0:
             raise InvalidArgument(f"barrier_timeout must be > 0, got {barrier_timeout}")
@@ -125,7 +124,6 @@ class SyncMode(Mode):
         self.barrier_timeout = barrier_timeout
         self.policy = policy
         self.replacement_timeout = replacement_timeout
-        self.allow_nonfinite = allow_nonfinite
         self.stats = stats or Stats()
         self._clock = clock
         self._lock = threading.Lock()
@@ -157,8 +155,6 @@ class SyncMode(Mode):
         ticket = Ticket()
         ticket.add_done_callback(lambda _: self.stats.pushed(time.perf_counter() - started))
         try:
-            push.validate()
-            self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
             with self._lock:
                 entered = self._enter(push, consumed)
                 if not isinstance(entered, PushResult):  # the current generation: settled when it ends
