@@ -10,14 +10,18 @@ on float32 arrays of each ``--sizes`` MiB:
 - numpy add: ``acc += g`` (``np.add(acc, g, out=acc)``), the bandwidth to beat;
 - aggregate k: ``ps_server.core.modes.aggregation.weighted_mean`` of k = 2 and 8
   pushes, the sync round's batch-weighted mean (a fresh result array each call,
-  as in the server);
+  as in the server), by the rule a server uses for that round: held whole and
+  summed in worker order while the k pushes fit ``HELD_BYTES`` (256 MiB), else
+  folded exactly;
+- fold 8: the exact fold of 8 pushes whatever their size (``RoundSum(hold=False)``),
+  what a round beyond ``HELD_BYTES`` costs;
 - adam apply: ``VariableStore.apply_all`` of one gradient with Adam (Keras-exact,
   copy-on-write: new value and slots each step), fused into one pass where numba
   is installed (``ps_server.core.optim.kernels``; ``TFPS_KERNELS=numpy`` for the NumPy
   step; ``bench/optimizer_step.py`` times both side by side).
 
 Throughput is gradient bytes in per second (k x size for aggregate k), the
-median of ``--reps`` after one warm-up, the four taking turns in each
+median of ``--reps`` after one warm-up, all of them taking turns in each
 repetition; each is also given as a ratio to numpy add of the same size in
 the same process.
 
@@ -80,9 +84,9 @@ def measure_inprocess(sizes: list[int], reps: int) -> dict:
 
 
 def _measure_size(mib: int, reps: int) -> dict[str, float]:
-    """The four take turns within each repetition, so a burst of other work on the
+    """They take turns within each repetition, so a burst of other work on the
     machine slows all of them alike rather than one."""
-    from ps_server.core.modes.aggregation import weighted_mean
+    from ps_server.core.modes.aggregation import RoundSum, weighted_mean
     from ps_server.core.optim.optimizers import OptimizerSpec
     from ps_server.core.store import VariableStore
 
@@ -98,6 +102,7 @@ def _measure_size(mib: int, reps: int) -> dict[str, float]:
         "numpy_add": (gib, lambda: np.add(acc, grads[0], out=acc)),
         "aggregate_2": (2 * gib, lambda: weighted_mean(pushes[2])),
         "aggregate_8": (8 * gib, lambda: weighted_mean(pushes[8])),
+        "fold_8": (8 * gib, lambda: _folded(RoundSum(), pushes[8])),
         "adam_apply": (gib, lambda: store.apply_all({"w": grads[0]})),
     }
     times: dict[str, list[float]] = {name: [] for name in work}
@@ -109,6 +114,12 @@ def _measure_size(mib: int, reps: int) -> dict[str, float]:
             fn()
             times[name].append(time.perf_counter() - t)
     return {name: size / statistics.median(times[name]) for name, (size, _) in work.items()}
+
+
+def _folded(total, pushes):
+    for worker, (b, grads) in enumerate(pushes):
+        total.add(worker, b, grads)
+    return total.mean()
 
 
 # -- load: 64 workers against 1 or 2 servers -------------------------------------------
@@ -296,16 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     load = {mode: {int(k): v for k, v in r.items()} for mode, r in load.items()}
 
     print(f"in-process, GiB/s of gradient bytes (median of {args.reps}); ratios to numpy add, same process")
-    print(f"{'allocator':<9} {'MiB':>4} {'numpy add':>9} {'agg 2':>7} {'agg 8':>7} {'adam':>7} "
-          f"{'agg2/add':>9} {'agg8/add':>9} {'adam/add':>9}")
+    print(f"{'allocator':<9} {'MiB':>4} {'numpy add':>9} {'agg 2':>7} {'agg 8':>7} {'fold 8':>7} {'adam':>7} "
+          f"{'agg2/add':>9} {'agg8/add':>9} {'fold8/add':>9} {'adam/add':>9}")
     for alloc, rows in inprocess.items():
         for mib in sizes:
             r = rows[mib]
-            for k in ("aggregate_2", "aggregate_8", "adam_apply"):
+            for k in ("aggregate_2", "aggregate_8", "fold_8", "adam_apply"):
                 r[f"{k}_ratio"] = r[k] / r["numpy_add"]
             print(f"{alloc:<9} {mib:>4} {r['numpy_add']:9.2f} {r['aggregate_2']:7.2f} {r['aggregate_8']:7.2f} "
-                  f"{r['adam_apply']:7.2f} {r['aggregate_2_ratio']:9.2f} {r['aggregate_8_ratio']:9.2f} "
-                  f"{r['adam_apply_ratio']:9.2f}")
+                  f"{r['fold_8']:7.2f} {r['adam_apply']:7.2f} {r['aggregate_2_ratio']:9.2f} "
+                  f"{r['aggregate_8_ratio']:9.2f} {r['fold_8_ratio']:9.2f} {r['adam_apply_ratio']:9.2f}")
     model_mib = NUM_VARIABLES * max(1, int(args.model_mib * MIB / 4 / NUM_VARIABLES)) * 4 / MIB
     print(f"\nload: {args.clients} workers in {args.procs} processes, {args.steps} steps each, "
           f"{model_mib:g} MiB model, Adam, tuned allocator")

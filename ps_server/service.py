@@ -41,7 +41,8 @@ from ps_server.core.data.cursor import DataPlan
 from ps_server.core.modes.elastic_mode import ElasticReply
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes.base import Push, ShardGroup
-from ps_server.core.modes.overlap import HELD_BYTES, MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, NOT_YET
+from ps_server.core.modes.aggregation import HELD_BYTES
+from ps_server.core.modes.overlap import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, NOT_YET
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
 from ps_common.names import NONE_AS_ZERO, schedule_from_wire, schedule_to_wire
@@ -409,7 +410,7 @@ def _data(chunk, method: str) -> memoryview:
 
 # Bytes of streamed pushes the server receives at once (``ps_server.aio.AsyncBudget``):
 # at least two pushes (two cores keep busy copying them in), at least RECEIVE_BYTES. A sync
-# round speculated by PushPull holds every push whole (at most core.overlap.HELD_BYTES of
+# round holds every push whole (at most core.modes.aggregation.HELD_BYTES of
 # them): for pushes of that size the budget takes them all.
 RECEIVE_BYTES = 16 << 20
 SEND_BYTES = 16 << 20  # bytes of PullStream replies being sent at once (one always, however large)

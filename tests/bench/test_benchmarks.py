@@ -44,8 +44,8 @@ def test_server_reports_inprocess_bandwidths_and_load_with_one_and_two_servers(t
     assert set(report["gib_per_s"]) == {"default", "tuned"}
     for rows in report["gib_per_s"].values():
         row = rows["1"]
-        for key in ("numpy_add", "aggregate_2", "aggregate_8", "adam_apply",
-                    "aggregate_2_ratio", "aggregate_8_ratio", "adam_apply_ratio"):
+        for key in ("numpy_add", "aggregate_2", "aggregate_8", "fold_8", "adam_apply",
+                    "aggregate_2_ratio", "aggregate_8_ratio", "fold_8_ratio", "adam_apply_ratio"):
             assert row[key] > 0, key
     results = report["load"]["results"]
     assert set(results) == {"sync", "async"}

@@ -86,6 +86,14 @@ def _exact_mean(contributions):
     return out.reshape(first.shape)
 
 
+def folded(contributions):
+    """The exact rule: a round folded push by push on arrival (beyond ``HELD_BYTES``)."""
+    total = RoundSum()
+    for worker, (b, g) in enumerate(contributions):
+        total.add(worker, b, g)
+    return total.mean()
+
+
 def _bits(a):
     return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
@@ -94,7 +102,7 @@ def test_uneven_weights_give_the_exact_weighted_mean_rounded_once():
     # 1/3 and 2/3 are not exact in binary: the rule rounds the exact mean once, not each product.
     rng = np.random.default_rng(1)
     g0, g1 = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
-    out = weighted_mean([(1, {"w": g0}), (2, {"w": g1})])["w"]
+    out = folded([(1, {"w": g0}), (2, {"w": g1})])["w"]
     np.testing.assert_array_equal(_bits(out), _bits(_exact_mean([(1, {"w": g0}), (2, {"w": g1})])))
 
 
@@ -103,7 +111,7 @@ def test_cancelling_products_give_the_exact_result_in_any_order():
     # one way round and keeps it the other; the exact sum keeps it both ways.
     c0, c1, c2 = (1, {"w": f32(2**24)}), (1, {"w": f32(1)}), (2, {"w": f32(-(2**23))})
     for order in itertools.permutations([c0, c1, c2]):
-        assert weighted_mean(list(order))["w"][0] == np.float32(0.25)
+        assert folded(list(order))["w"][0] == np.float32(0.25)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -122,7 +130,7 @@ def test_the_mean_does_not_depend_on_the_order_of_arrival_and_is_exactly_rounded
             contributions.append((int(rng.integers(1, 6)), {"w": g.astype(dtype)}))
         expected = _bits(_exact_mean(contributions))
         for order in itertools.permutations(contributions):
-            np.testing.assert_array_equal(_bits(weighted_mean(list(order))["w"]), expected)
+            np.testing.assert_array_equal(_bits(folded(list(order))["w"]), expected)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -142,11 +150,11 @@ def test_a_power_of_two_global_batch_with_remainders_is_exactly_rounded(dtype):
             contributions.append((b, {"w": g.astype(dtype)}))
         expected = _bits(_exact_mean(contributions))
         for order in (contributions, contributions[::-1]):
-            np.testing.assert_array_equal(_bits(weighted_mean(list(order))["w"]), expected)
+            np.testing.assert_array_equal(_bits(folded(list(order))["w"]), expected)
 
 
 def test_negative_zeros_sum_to_positive_zero_as_zero_plus_them_does():
-    out = weighted_mean([(1, {"w": f32(-0.0, -0.0, 1.0)}), (3, {"w": f32(-0.0, 0.0, -0.0)})])["w"]
+    out = folded([(1, {"w": f32(-0.0, -0.0, 1.0)}), (3, {"w": f32(-0.0, 0.0, -0.0)})])["w"]
     assert _bits(out).tolist() == _bits(f32(0.0, 0.0, 0.25)).tolist()
 
 
@@ -154,17 +162,17 @@ def test_a_float64_quotient_on_a_float32_midpoint_is_rounded_from_the_exact_valu
     # (1 + 2**-23) + 2**-24 + 1e-30, over 3: the float64 quotient may land on a midpoint that
     # the tiny third term decides; the exact mean is rounded once.
     gs = [f32(1 + 2**-23), f32(2**-24), f32(1e-30)]
-    out = weighted_mean([(1, {"w": g}) for g in gs])["w"]
+    out = folded([(1, {"w": g}) for g in gs])["w"]
     np.testing.assert_array_equal(_bits(out), _bits(_exact_mean([(1, {"w": g}) for g in gs])))
     two = [(1, {"w": f32(1.0)}), (1, {"w": f32(2**-23)})]  # (1 + 2**-23) / 2: halving is exact
-    np.testing.assert_array_equal(_bits(weighted_mean(two)["w"]), _bits(f32(1) * f32(0.5) + f32(2**-23) * f32(0.5)))
+    np.testing.assert_array_equal(_bits(folded(two)["w"]), _bits(f32(1) * f32(0.5) + f32(2**-23) * f32(0.5)))
 
 
 def test_batch_sizes_beyond_2_to_the_29_stay_exact():
     g0, g1 = f32(1 + 2**-23, 3), f32(-1, 1e-20)
     sizes = (2**31 + 12345, 3)
     contributions = [(sizes[0], {"w": g0}), (sizes[1], {"w": g1})]
-    np.testing.assert_array_equal(_bits(weighted_mean(contributions)["w"]), _bits(_exact_mean(contributions)))
+    np.testing.assert_array_equal(_bits(folded(contributions)["w"]), _bits(_exact_mean(contributions)))
 
 
 def test_a_round_sum_folded_push_by_push_equals_the_weighted_mean_and_keeps_no_push():
@@ -175,7 +183,7 @@ def test_a_round_sum_folded_push_by_push_equals_the_weighted_mean_and_keeps_no_p
     for w, b, g in reversed(pushes):
         total.add(w, b, g)
     mean = total.mean()
-    expected = weighted_mean([(b, g) for _, b, g in pushes])
+    expected = folded([(b, g) for _, b, g in pushes])
     for name in ("w", "b"):
         np.testing.assert_array_equal(_bits(mean[name]), _bits(expected[name]))
     assert not total._held  # float32: one accumulator per variable, no push kept
@@ -217,3 +225,48 @@ def test_scalar_variables_stay_arrays_so_the_optimizer_accepts_them():
     # optimizer ndarrays (found by the load test: every round with a () variable failed).
     mean = weighted_mean([(1, {"s": np.array(2.0, np.float32)}), (3, {"s": np.array(6.0, np.float32)})])
     assert isinstance(mean["s"], np.ndarray) and mean["s"].shape == () and mean["s"] == np.float32(5.0)
+
+
+# -- a round held whole (within HELD_BYTES): the weighted sum in worker-id order ------------
+
+def _worker_order_sum(contributions):
+    """sum_i g_i * w_i in float32, w_i = b_i / B rounded to float32, in the order given."""
+    weights = [np.float32(w) for w in batch_weights([b for b, _ in contributions])]
+    out = contributions[0][1]["w"] * weights[0]
+    for (_, g), w in zip(contributions[1:], weights[1:]):
+        out = out + g["w"] * w
+    return out
+
+
+def test_a_held_round_is_the_worker_order_weighted_sum_whatever_the_order_of_arrival():
+    rng = np.random.default_rng(5)
+    contributions = [(int(rng.integers(1, 9)), {"w": rng.standard_normal(500).astype(np.float32)}) for _ in range(4)]
+    expected = _bits(_worker_order_sum(contributions))
+    assert (expected != _bits(folded(contributions)["w"])).any()  # the two rules differ here
+    for order in itertools.permutations(range(4)):
+        total = RoundSum(hold=True)
+        for worker in order:
+            total.add(worker, *contributions[worker])
+        np.testing.assert_array_equal(_bits(total.mean()["w"]), expected)
+        assert total._held and not total._exact  # every push kept, nothing folded
+
+
+def test_a_held_round_of_two_equal_batches_is_the_exact_mean_as_mirrored_strategy_gives():
+    # Halving is exact and the one sum rounds once: (g0 + g1) / 2 rounded once, the fold's bits.
+    rng = np.random.default_rng(9)
+    g0, g1 = (rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 4000) for _ in range(2))
+    two = [(32, {"w": g0.astype(np.float32)}), (32, {"w": g1.astype(np.float32)})]
+    np.testing.assert_array_equal(_bits(weighted_mean(two)["w"]), _bits(folded(two)["w"]))
+
+
+def test_weighted_mean_holds_the_pushes_within_held_bytes_and_folds_them_exactly_beyond(monkeypatch):
+    from ps_server.core.modes import aggregation
+
+    rng = np.random.default_rng(6)
+    contributions = [(b, {"w": rng.standard_normal(256).astype(np.float32)}) for b in (1, 2, 4)]
+    held, exact = _bits(_worker_order_sum(contributions)), _bits(folded(contributions)["w"])
+    assert (held != exact).any()
+    np.testing.assert_array_equal(_bits(weighted_mean(contributions)["w"]), held)
+    assert aggregation.holds(3 * 1024, 3) and not aggregation.holds(3 * 1024, 2**20)
+    monkeypatch.setattr(aggregation, "HELD_BYTES", 3 * 1024 - 1)  # three pushes of 1 KiB: one byte short
+    np.testing.assert_array_equal(_bits(weighted_mean(contributions)["w"]), exact)

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from ps_server.core.modes import aggregation
 from ps_server.core.modes.aggregation import _round_exact
 from ps_server.core.errors import (
     BarrierTimeout,
@@ -150,9 +151,10 @@ def test_no_push_of_a_round_is_answered_before_the_round_is_applied():
         assert seen == expected  # the new version and its values are visible on return
 
 
-def test_a_round_gives_the_same_bits_whatever_the_order_of_arrival():
-    # Products 2**22, 1/4 and -2**22 (weights 1/4, 1/4, 1/2): a float32 fold in one order
-    # keeps the 1/4, in another loses it. The round's exact mean is 1/4 in every order.
+def test_a_round_gives_the_same_bits_whatever_the_order_of_arrival(rule):
+    # Products 2**22, 1/4 and -2**22 (weights 1/4, 1/4, 1/2): a float32 fold in arrival order
+    # keeps the 1/4 in one order and loses it in another. A held round sums in worker-id order
+    # (2**22 + 1/4 rounds to 2**22: a mean of 0); the exact mean is 1/4 in every order.
     grads = [{"w": f32(2**24)}, {"w": f32(1)}, {"w": f32(-(2**23))}]
     for order in itertools.permutations(range(3)):
         mode, store = make(variables={"w": f32(0)}, lr=1.0)
@@ -163,11 +165,13 @@ def test_a_round_gives_the_same_bits_whatever_the_order_of_arrival():
         wait_until(lambda: mode.status().waiting_for == (last,))
         push(mode, last, grads=grads[last])
         finish(*threads)
-        assert_values(store, {"w": f32(-0.25)})
+        assert_values(store, {"w": f32(0.0 if rule == "held" else -0.25)})
 
 
-def test_a_waiting_push_holds_no_gradient_once_folded():
-    # Memory that does not grow with the workers: the round keeps its sum, not the pushes.
+def test_a_waiting_push_holds_no_gradient_once_folded(monkeypatch):
+    # Beyond HELD_BYTES, memory that does not grow with the workers: the round keeps its sum,
+    # not the pushes.
+    monkeypatch.setattr(aggregation, "HELD_BYTES", 0)
     mode, _ = make()
     folded = []
     t = start(lambda: mode.submit(Push(worker_id=1, step=0, base_version=0, batch_size=1, gradients=GRADS[1]),
@@ -421,22 +425,36 @@ def gradient(worker, step, values):
     }
 
 
-def sequential(w0, lr):
+def sequential(w0, lr, held):
     """The same training, one round after another, in plain NumPy."""
     w = dict(w0)
     for step in range(ROUNDS):
         grads = [gradient(k, step, w) for k in range(N)]
         sizes = [batch_size(k, step) for k in range(N)]
         total = sum(sizes)
-        for name in w:  # the exact weighted mean, in rationals, rounded once (core.modes.aggregation)
-            mean = np.array([_round_exact(sum(Fraction(b) * Fraction(float(g[name].flat[i]))
-                                              for g, b in zip(grads, sizes)) / total, np.dtype(np.float32))
-                             for i in range(w[name].size)], np.float32).reshape(w[name].shape)
+        for name in w:
+            if held:  # the weighted sum in worker-id order, each product and sum rounded
+                weights = [np.float32(b / total) for b in sizes]
+                mean = grads[0][name] * weights[0]
+                for g, weight in zip(grads[1:], weights[1:]):
+                    mean = mean + g[name] * weight
+            else:  # the exact weighted mean, in rationals, rounded once (core.modes.aggregation)
+                mean = np.array([_round_exact(sum(Fraction(b) * Fraction(float(g[name].flat[i]))
+                                                  for g, b in zip(grads, sizes)) / total, np.dtype(np.float32))
+                                 for i in range(w[name].size)], np.float32).reshape(w[name].shape)
             w[name] = w[name] - mean * np.float32(lr)
     return w
 
 
-def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(tight_switching):
+@pytest.fixture(params=["held", "folded"])
+def rule(request, monkeypatch):
+    """A round within ``aggregation.HELD_BYTES`` (held whole), or beyond it (folded exactly)."""
+    if request.param == "folded":
+        monkeypatch.setattr(aggregation, "HELD_BYTES", 0)
+    return request.param
+
+
+def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(tight_switching, rule):
     rng = np.random.default_rng(0)
     w0 = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
     lr = 0.05
@@ -460,7 +478,7 @@ def test_many_rounds_with_threads_equal_the_sequential_computation_bit_for_bit(t
     # Every worker pulled the same parameters at the same version in every round.
     assert all(w.result == workers[0].result for w in workers)
     assert [v for v, _ in workers[0].result] == list(range(ROUNDS))
-    expected = sequential(w0, lr)
+    expected = sequential(w0, lr, held=rule == "held")
     version, values = store.read()
     assert version == ROUNDS
     for name in SHAPES:
@@ -508,3 +526,29 @@ def test_a_group_s_round_every_push_of_which_weighs_nothing_and_asks_to_skip_is_
     values = store.read()[1]
     assert values["a"].tolist() == [1.0, 1.0] and values["b"].tolist() == [0.25, 0.25]  # 1 - 0.5 * 1.5
     assert (store.optimizer_iterations(["a"]), store.optimizer_iterations(["b"])) == (0, 1)
+
+
+def test_a_round_within_held_bytes_holds_each_push_whole_until_it_completes():
+    mode, store = make()
+    t = start(lambda: push(mode, 1, grads=GRADS[1]))
+    wait_until(lambda: mode.status().waiting_for == (0, 2))
+    assert [p.gradients is not None and set(p.gradients) for p in mode._book.peek()] == [set(GRADS[1])]
+    assert not mode._sum.count  # nothing folded: summed in worker-id order at the end
+    complete_rest = [start(lambda: push(mode, 2, grads=GRADS[2]))]
+    wait_until(lambda: mode.status().waiting_for == (0,))
+    push(mode, 0, grads=GRADS[0])
+    finish(t, *complete_rest)
+    assert_values(store, AFTER_ONE_ROUND)
+
+
+def test_a_held_push_survives_its_caller_emptying_the_dict_it_passed():
+    # The unary service handler clears its request's gradients once submit returns.
+    mode, store = make()
+    passed = [dict(GRADS[w]) for w in range(3)]
+    tickets = []
+    for w in (1, 2, 0):
+        tickets.append(mode.submit(Push(worker_id=w, step=0, base_version=0, batch_size=SIZES[w],
+                                        gradients=passed[w])))
+        passed[w].clear()
+    assert [t.result(JOIN).version for t in tickets] == [1, 1, 1]
+    assert_values(store, AFTER_ONE_ROUND)

@@ -1,6 +1,7 @@
-"""A sync round holds one accumulator, not every push: streamed pushes give their
-receive buffers back as soon as the round has folded them, and the bytes received
-at once stay within the server's receive budget.
+"""A sync round beyond ``aggregation.HELD_BYTES`` holds one accumulator, not every push:
+streamed pushes give their receive buffers back as soon as the round has folded them;
+within it, a round holds its pushes whole until it ends, and the receive budget admits
+them all. The bytes received at once stay within the server's receive budget.
 
     python -m pytest tests/service/test_round_memory.py -q
 """
@@ -27,7 +28,12 @@ def _wait_until(predicate, timeout=15.0):
         time.sleep(0.01)
 
 
-def test_waiting_streamed_pushes_hold_no_receive_buffer_until_their_round_ends(ps, connect, bg):
+@pytest.mark.parametrize("held", [False, True], ids=["folded", "held"])
+def test_waiting_streamed_pushes_hold_no_receive_buffer_until_their_round_ends(ps, connect, bg, monkeypatch, held):
+    from ps_server.core.modes import aggregation
+
+    if not held:
+        monkeypatch.setattr(aggregation, "HELD_BYTES", 0)  # the server runs in this process
     n = 4
     running, client = ps(mode="sync", num_workers=n)
     clients = [client] + [connect(running) for _ in range(n - 1)]
@@ -40,14 +46,15 @@ def test_waiting_streamed_pushes_hold_no_receive_buffer_until_their_round_ends(p
     calls = [bg(clients[w].push, w, 0, 0, 1, grads[w]) for w in range(1, n)]
     core = running.core
     _wait_until(lambda: core.mode.status().waiting_for == (0,))
-    # Three pushes wait at the barrier; none of them holds its bytes any more (the budget is
-    # given back on the event loop, a moment after the fold).
-    _wait_until(lambda: running.servicer.receiving.in_use == 0, timeout=5)
+    # Three pushes wait at the barrier. Folded, none of them holds its bytes any more (the
+    # budget is given back on the event loop, a moment after the fold); held, all three do.
+    _wait_until(lambda: running.servicer.receiving.in_use == (3 * 1_600_000 if held else 0), timeout=5)
     clients[0].push(0, 0, 0, 1, grads[0])
     for call in calls:
         call.result(timeout=30)
     _, got = clients[0].pull(0)
     np.testing.assert_array_equal(got["w"], np.full(400_000, -2.5, np.float32))  # mean of 1..4
+    _wait_until(lambda: running.servicer.receiving.in_use == 0, timeout=5)
 
 
 def test_the_receive_budget_lets_one_push_in_however_large_and_bounds_the_rest():

@@ -1,6 +1,6 @@
 """How a sync round combines the workers' gradients.
 
-    total = RoundSum()
+    total = RoundSum(hold=holds(push_bytes(grads), num_workers))
     total.add(worker_id, batch_size, grads)   # as each push arrives, in any order
     mean = total.mean()                       # {name: array}: the round's gradient
     mean = weighted_mean([(batch_size, grads), ...])   # the same, all at once
@@ -12,17 +12,26 @@ batch of an epoch) are weighted right. It is also what TensorFlow's
 MirroredStrategy computes with ``tf.nn.compute_average_loss(global_batch_size=B)``
 and summed replica gradients.
 
-The rule, for float16 and float32 gradients: **the exact weighted mean, rounded
-once** to the gradients' dtype (round to nearest, ties to even). The bits are
-therefore a function of the pushes alone, not of the order they arrive in, so a
-round is folded push by push as they come (``RoundSum.add``) and holds one
-accumulator per variable instead of every push: memory does not grow with the
-number of workers. With two equal shards it is ``(g0 + g1) / 2`` rounded once,
-which is what MirroredStrategy's two replicas give (each halves its gradient
-exactly, their sum is rounded once): the parity gate's bit-identity holds.
-With more workers it is the correctly rounded mean, which no summation order
-beats; any fixed order (MirroredStrategy's all-reduce, ours before) differs from
-it by a few units in the last place.
+Either way a round's bits are a function of its pushes alone, not of the order
+they arrive in (elastic training and restarts depend on it). Two rules, by
+memory (``holds``):
+
+- **Held** (the round's pushes take at most ``HELD_BYTES`` together: every model
+  that fits one machine's memory many times over): every push is kept whole and
+  the round's gradient is ``g_0*w_0 + g_1*w_1 + ...`` in key order (worker id),
+  ``w_i = b_i / B`` rounded to the dtype, each
+  product and sum rounded to the dtype: NumPy's own speed, two passes per push
+  (``bench/server.py``). With two equal shards it is ``(g0 + g1) / 2`` rounded
+  once (halving is exact), which is what MirroredStrategy's two replicas give:
+  the parity gate's bit-identity holds.
+- **Folded** (beyond ``HELD_BYTES``: a thousand workers, or tables of millions of
+  rows), for float16 and float32 gradients: **the exact weighted mean, rounded
+  once** to the gradients' dtype (round to nearest, ties to even). Each push is
+  folded into it as it comes (``RoundSum.add``) and let go, so a round holds one
+  accumulator per variable: memory does not grow with the number of workers. It
+  costs about ten float64 operations per element and push (``_Exact``), 0.05-0.13
+  of NumPy's ``acc += g``. Elastic sync always folds (keyed by micro-batch): its
+  workers go on to their next micro-batch while the round still collects.
 
 How it stays exact: every ``b_i * g_i`` is exact in float64 (a 24-bit significand
 times a batch size below 2**29; a larger batch size is split into such pieces),
@@ -34,9 +43,8 @@ rounding are done in float64 and checked: only elements whose quotient lies
 within a few units in the last place of a midpoint between two float32 values
 can round wrong, and those are recomputed with exact rationals.
 
-Float64 gradients cannot be made exact this way: for them the round keeps every
-push and applies the rule of before, ``g_0*w_0 + g_1*w_1 + ...`` in worker-id
-order with ``w_i = b_i / B`` rounded to the dtype (memory grows with the workers).
+Float64 gradients cannot be made exact this way: a round always holds them (memory
+grows with the workers) and sums them by the held rule.
 
 Speed: the fold runs block by block (``BLOCK_BYTES`` of the accumulator at a
 time, in cache while the ~10 operations of a TwoSum run over it);
@@ -60,6 +68,9 @@ Contribution = tuple[int, Mapping[str, np.ndarray]]  # (batch_size, gradients by
 BLOCK_BYTES = 256 * 2**10
 _BLOCK = BLOCK_BYTES // 8  # float64 elements per block
 _EXACT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+# A sync round holds its pushes whole while all of them take at most this many bytes, and
+# sums them in key order at its end (``holds``); beyond, it folds them exactly on arrival.
+HELD_BYTES = 256 << 20
 # b * g is exact in float64 while b < 2**(53 - significand bits of g); float16 has 11, float32 24.
 _PIECE_BITS = {np.dtype(np.float16): 42, np.dtype(np.float32): 29}
 
@@ -283,11 +294,14 @@ class RoundSum:
     must carry the same names, shapes and dtypes (the store checks them first).
     Not thread-safe: the sync barrier's lock serializes it."""
 
-    def __init__(self, sparse_rule: "str | Callable[[], str]" = "sum") -> None:
+    def __init__(self, sparse_rule: "str | Callable[[], str]" = "sum", hold: bool = False) -> None:
         """``sparse_rule`` (``--sparse-rule``; or a function that gives it when a round is
         folded, the store's, decided at initialization): "sum" folds sparse pushes into the
-        mean of their summed rows; "keras" keeps every occurrence (``_concatenated``)."""
+        mean of their summed rows; "keras" keeps every occurrence (``_concatenated``).
+        ``hold``: keep every push and give their weighted sum in key order (``holds``); else
+        fold float16 and float32 pushes exactly on arrival. Set before the first ``add``."""
         self._rule = sparse_rule
+        self.hold = hold
         self._exact: dict[str, _Exact] = {}
         self._held: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # float64: (worker, b, g)
         # Sparse gradients (ps_common.sparse.SparseRows, an embedding's rows stepped row-wise):
@@ -316,7 +330,7 @@ class RoundSum:
                 self._rows.setdefault(name, []).append((worker_id, batch_size, g))
                 continue
             dtype = g.dtype.newbyteorder("=")
-            if dtype in _EXACT_DTYPES:
+            if dtype in _EXACT_DTYPES and not self.hold:
                 acc = self._exact.get(name)
                 if acc is None:
                     acc = self._exact[name] = _Exact(g.shape, dtype)
@@ -366,7 +380,7 @@ class RoundSum:
         values = combined[0][3]
         dtype = values.dtype.newbyteorder("=")
         shape = (len(union),) + values.shape[1:]
-        if dtype in _EXACT_DTYPES:
+        if dtype in _EXACT_DTYPES and not self.hold:
             acc = _Exact(shape, dtype)
             for _, b, rows, v in combined:
                 full = np.zeros(shape, dtype)
@@ -413,7 +427,7 @@ class RoundSum:
     def add_dense(self, worker_id: int, batch_size: int, name: str, g: np.ndarray) -> None:
         """One variable's dense gradient of a push already counted (``add``)."""
         dtype = g.dtype.newbyteorder("=")
-        if dtype in _EXACT_DTYPES:
+        if dtype in _EXACT_DTYPES and not self.hold:
             if batch_size:
                 self._exact[name].add(g, batch_size)
         else:
@@ -421,16 +435,28 @@ class RoundSum:
 
 
 def weighted_mean(contributions: Sequence[Contribution]) -> dict[str, np.ndarray]:
-    """Batch-weighted mean of per-worker mean gradients (``RoundSum``; the order given is
-    worker-id order, which only float64 gradients depend on)."""
+    """Batch-weighted mean of per-worker mean gradients, as a sync round of these pushes gives
+    it (``RoundSum``, held while they fit ``HELD_BYTES``; the order given is worker-id order)."""
     if not contributions:
         raise InvalidArgument("a round needs at least one contribution")
     if sum(b for b, _ in contributions) <= 0:
         raise InvalidArgument(f"a round needs at least one example, got batch sizes {[b for b, _ in contributions]}")
-    total = RoundSum()
+    total = RoundSum(hold=holds(push_bytes(contributions[0][1]), len(contributions)))
     for worker, (b, grads) in enumerate(contributions):
         total.add(worker, b, grads)
     return total.mean()
+
+
+def holds(nbytes: int, pushes: int) -> bool:
+    """Whether a round of ``pushes`` pushes of ``nbytes`` each is held whole and summed in key
+    order (module docstring), rather than folded exactly on arrival."""
+    return nbytes * pushes <= HELD_BYTES
+
+
+def push_bytes(gradients: Mapping[str, object]) -> int:
+    """The bytes of one push's gradients (a ``SparseRows``: its rows and values)."""
+    return sum(g.nbytes if isinstance(g, np.ndarray) else g.values.nbytes + np.asarray(g.rows).nbytes
+               for g in gradients.values())
 
 
 def _weighted_sum(grads: list[np.ndarray], weights: list[float]) -> np.ndarray:

@@ -11,7 +11,8 @@ into blocks of rows (``blocks``: about ``BLOCK_BYTES`` each; a 0-d or one-row
 variable is one block), and as soon as every active worker's bytes for a block
 have arrived (workers push the same variables in the same order), that block's
 new values are computed: the weighted mean of its gradients by the round's own
-rule (``aggregation.weighted_mean``: exact, rounded once), then the optimizer's step on those rows alone
+rule (``aggregation.RoundSum``, held: elementwise, so a block's bits are the round's), then the
+optimizer's step on those rows alone
 (``VariableStore.step_rows``). They go back to the workers while the later
 blocks still arrive: both directions of the link work at once.
 
@@ -33,9 +34,8 @@ that was aborted or timed out, a worker dropped meanwhile (shrink), and pushes
 that came some other way (unary, shared memory) and offered nothing.
 
 A speculated round keeps its pushes' gradients until it ends (the blocks and the
-confirmation need them), where a round without one folds each push on arrival
-(``aggregation.RoundSum``): so ``SyncMode`` speculates only while every worker's
-push together stays within ``HELD_BYTES``.
+confirmation need them), as every round within ``aggregation.HELD_BYTES`` does: so
+``SyncMode`` speculates only while every worker's push together stays within it.
 
 Not speculated (``SyncMode.overlap`` says None): rounds with backup workers (which
 pushes count is known only at the end), a push that sets the learning rate,
@@ -59,8 +59,6 @@ BLOCK_BYTES = OVERLAP_BLOCK_BYTES
 # What a push may ask for instead (PushHeader.overlap_block_bytes): on a slow link a smaller
 # block's values come back sooner; every block costs the server a step of its own.
 MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = MIN_OVERLAP_BLOCK_BYTES, MAX_OVERLAP_BLOCK_BYTES
-# A speculated round holds every push: at most this many bytes of them (module docstring).
-HELD_BYTES = 256 << 20
 _NO_COUNT = object()  # the state of a non-trainable variable has no update count
 NOT_YET = object()  # Speculation.peek: the block is still to come
 
@@ -106,7 +104,7 @@ class Speculation:
         try:
             # No checks here: only pushes the round took (checked whole: names, shapes, dtypes,
             # finite values) can confirm a speculation, by the identity of their arrays.
-            block_sum = RoundSum()
+            block_sum = RoundSum(hold=True)  # a round within HELD_BYTES: the round's own rule
             for (worker, _), rows_of_worker, size in zip(contributions, picked, sizes):
                 block_sum.add(worker, size, {name: rows_of_worker})
             mean = block_sum.mean()[name]

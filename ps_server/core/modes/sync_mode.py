@@ -4,11 +4,13 @@
     ticket = mode.submit(push)   # settled once the round completes (or ends otherwise)
 
 Round ``r`` waits until each active worker has pushed step ``r`` (or, with
-backup workers, until the first ``replicas_to_aggregate`` pushes arrived). Each
-push is folded into the round's sum as it arrives (``aggregation.RoundSum``: the
-exact batch-weighted mean, rounded once, whatever the order of arrival) and its
-gradients are let go (``consumed``), so a round holds one accumulator, not every
-push. The thread whose push fills the round takes the mean, applies the optimizer
+backup workers, until the first ``replicas_to_aggregate`` pushes arrived). While
+the round's pushes fit ``aggregation.HELD_BYTES`` together, each is held whole and
+the round's gradient is their batch-weighted sum in worker-id order; beyond, each
+push is folded on arrival into the exact batch-weighted mean, rounded once, and its
+gradients are let go (``consumed``), so such a round holds one accumulator, not every
+push (``aggregation.RoundSum``: either way the bits do not depend on the order of
+arrival). The thread whose push fills the round takes the mean, applies the optimizer
 once, bumps the version, and only then are all pushes of the round answered,
 each with the new version and ``next_step``. Every worker therefore pulls the
 same parameters for round ``r + 1``; the result equals one optimizer step on
@@ -90,11 +92,11 @@ import numpy as np
 from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES, asks_skip
 from ps_common.reasons import Reason
-from ps_server.core.modes.aggregation import RoundSum, metric_difference, metric_spec, sum_metrics, weighted_loss
+from ps_server.core.modes.aggregation import RoundSum, holds, push_bytes, metric_difference, metric_spec, sum_metrics, weighted_loss
 from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Commit, Mode, ModeStatus, Push, PushResult, Stats, Ticket
-from ps_server.core.modes.overlap import BLOCK_BYTES, HELD_BYTES, Speculation, blocks
+from ps_server.core.modes.overlap import BLOCK_BYTES, Speculation, blocks
 from ps_server.core.modes.rounds import ROUNDS_REMEMBERED, RoundBook
 from ps_server.core.store import StoreState, VariableStore
 
@@ -248,6 +250,10 @@ class SyncMode(Mode):
         spec = self._speculation
         if spec is not None and spec.generation == self._book.generation and push.worker_id in spec.sizes:
             return push
+        if not self._sum.count and holds(push_bytes(push.gradients), self._book.num_workers):
+            # Held whole, summed in worker-id order when the round completes; its own dict: a
+            # caller may empty the one it passed once ``submit`` returns (the arrays stay).
+            return dataclasses.replace(push, gradients=dict(push.gradients))
         generation = self._book.generation
         try:
             self._sum.add(push.worker_id, push.batch_size, push.gradients)
@@ -271,7 +277,7 @@ class SyncMode(Mode):
                 or spec_of_optimizer.global_clipnorm is not None or spec_of_optimizer.groups):
             return None
         held = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in gradients.values())
-        if held * self._book.num_workers > HELD_BYTES:
+        if not holds(held, self._book.num_workers):
             return None  # a speculated round holds every push whole: only while they fit
         specs, non_trainable = self.store.specs(), self.store.non_trainable()
         if any(name not in specs or specs[name] != (np.dtype(d), tuple(s)) for name, (d, s) in gradients.items()):
@@ -368,8 +374,11 @@ class SyncMode(Mode):
             # Every variable speculated from exactly these pushes: those values are the round's.
             mean = None
             if kept is None and not skip:
+                held = not self._sum.count  # every push kept whole (a follower's too): none folded
+                if held:
+                    self._sum.hold = holds(push_bytes(pushes[0].gradients), self._book.num_workers)
                 for p in pushes:
-                    if p.gradients:  # kept whole for a speculation that did not hold
+                    if held or p.gradients:  # else folded already
                         self._sum.add(p.worker_id, p.batch_size, p.gradients)
                 mean = self._sum.mean()
             with self.store.learning_rates(rates):  # this round is applied with them
