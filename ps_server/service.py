@@ -655,8 +655,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self._push_call(request)
 
     async def _push_call(self, request) -> pb.PushResponse:
+        """One hop to the pool for the push; a second only to encode the values a reply
+        carries (``return_values``), else the small reply is built on the loop."""
         result = await settled(await self._work(self._submit_unary, request))
-        return await self._work(self._push_reply, request, result)
+        if request.return_values and self._values_stay_current():
+            return await self._work(self._push_reply, request, result)
+        return self._stream_reply(result)
 
     def _submit_unary(self, request):
         gradients = self._decoded(codec.decode_many(request.gradients), request.gradients)
@@ -667,11 +671,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             request.ClearField("gradients")
 
     def _push_reply(self, request, result) -> pb.PushResponse:
-        """``_stream_reply``, and the values after the push when asked and they stay current."""
+        """``_stream_reply``, and the values after the push (asked, and they stay current)."""
         reply = self._stream_reply(result)
         result = result.result if isinstance(result, ElasticReply) else result  # None: the round goes on
-        if result is not None and request.return_values and self._values_stay_current() \
-                and not (result.dropped or result.replayed):
+        if result is not None and not (result.dropped or result.replayed):
             version, values = self.core.pull(request.worker_id)
             if version == result.version:
                 reply.variables.extend(codec.encode_many(values))
