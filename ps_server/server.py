@@ -51,6 +51,7 @@ from ps_common.procs import write_atomically
 from ps_server.core import checkpoint
 from ps_server.core.errors import ConfigMismatch, SpecConflict
 from ps_server.core.parameter_server import ParameterServer
+from ps_server.core.settings import Settings
 from ps_server.metrics import Metrics, MetricsEndpoint
 from ps_server.service import ParameterServerServicer, add_to_server
 
@@ -168,24 +169,7 @@ def build_server(config: ServerConfig, metrics_port: int | None = None) -> Runni
     Its first INFO line says what this server is (``describe``); the checkpoint it
     restored, its metrics endpoint and shared memory follow."""
     config.validate()
-    core = ParameterServer(
-        config.mode,
-        config.num_workers,
-        config.barrier_timeout,
-        lease_timeout=config.lease_timeout,
-        dead_worker_policy=config.dead_worker_policy,
-        replacement_timeout=config.replacement_timeout,
-        replicas_to_aggregate=config.replicas_to_aggregate,
-        allow_nonfinite=config.allow_nonfinite,
-        staleness=config.staleness,
-        stale_gradient_policy=config.stale_gradient_policy,
-        max_staleness=config.max_staleness,
-        async_apply=config.async_apply,
-        sparse_updates=config.sparse_updates,
-        sparse_rule=config.sparse_rule,
-        elastic_min_workers=config.elastic_min_workers,
-        micro_batches=config.micro_batches,
-    )
+    core = ParameterServer(**dataclasses.asdict(Settings.of(config)))
     token = security.load_token(config.auth_token_file, os.environ)
     lines = peers.Peers(config, token)
     core.clip_peer = lines.clip_norm  # global_clipnorm over shards: shard 0's norms

@@ -448,7 +448,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def __init__(self, core: ParameterServer, chunk_bytes: int | None = None, allow_shm: bool = True):
         self.core = core
         self.chunk_bytes = chunk_bytes or stream.CHUNK_BYTES
-        self.buffers = BufferPool(keep=max(4, 2 * core.num_workers), keep_bytes=RECEIVE_BYTES // 2)
+        self.buffers = BufferPool(keep=max(4, 2 * core.settings.num_workers), keep_bytes=RECEIVE_BYTES // 2)
         self.receiving = AsyncBudget(RECEIVE_BYTES)
         self.sending = AsyncBudget(SEND_BYTES)  # PullStream replies in flight
         self.pool = None  # the server's thread pool (ps_server.aio.LoopServer.pool): the work of a call
@@ -685,7 +685,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """Sync without backup workers: no round completes without every active worker,
         so the values after a worker's round are current until it pushes again."""
         core = self.core
-        return core.mode.rounds and core.replicas_to_aggregate in (0, core.num_workers)
+        return core.mode.rounds and core.settings.replicas_to_aggregate in (0, core.settings.num_workers)
 
     @_handled_async
     async def PushStream(self, request_iterator, context):
@@ -738,7 +738,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if reply.work is None:  # a follower shard took it: shard 0 says what next
             return pb.PushResponse(version=version, next_step=version)
         return pb.PushResponse(version=version, next_step=version,
-                               assignment=_assignment(reply.work, self.core.micro_batches))
+                               assignment=_assignment(reply.work, self.core.settings.micro_batches))
 
     async def _lend(self, nbytes: int, context) -> "_Loan":
         """A receive buffer of ``nbytes`` within the receive budget (``ps_server.buffers``);
@@ -752,8 +752,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         remaining = context.time_remaining() if context is not None else None
         wait = min(remaining, BUSY_WAIT_S) if remaining is not None else BUSY_WAIT_S
         limit = max(self.receiving.limit, 2 * nbytes)
-        if nbytes * self.core.num_workers <= HELD_BYTES:
-            limit = max(limit, nbytes * self.core.num_workers)  # a round PushPull may speculate
+        if nbytes * self.core.settings.num_workers <= HELD_BYTES:
+            limit = max(limit, nbytes * self.core.settings.num_workers)  # a round PushPull may speculate
         if not await self.receiving.acquire(nbytes, wait, limit):
             raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other streams, its "
                               f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "
@@ -767,7 +767,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         send the speculated values in the push's order; the last reply is the push's answer
         and whether those values are the round's (``confirmed``)."""
         h = await _header(request_iterator, "PushPull")
-        if self.core.elastic:
+        if self.core.settings.elastic:
             raise errors.InvalidArgument("PushPull: elastic sync takes its micro-batches through Push or PushStream")
         if h.shm_name or h.shm_offsets:
             raise codec.CodecError("PushPull: gradients come as data messages, not through shared memory")
@@ -878,7 +878,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     async def _work_call(self, request) -> pb.Assignment:
         ticket = await self._work(self.core.work, request.worker_id)
-        return _assignment(await settled(ticket), self.core.micro_batches)
+        return _assignment(await settled(ticket), self.core.settings.micro_batches)
 
     @_handled_stream
     async def Session(self, request_iterator, context):
@@ -941,7 +941,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ticket = self.core.clip_norm(request.key, request.shard, peers.squares_of(request))
         try:
             wait = request.timeout_s if math.isfinite(request.timeout_s) and request.timeout_s > 0 else 0.0
-            scale = await asyncio.wait_for(settled(ticket), min(wait, self.core.barrier_timeout))
+            scale = await asyncio.wait_for(settled(ticket), min(wait, self.core.settings.barrier_timeout))
         except asyncio.TimeoutError:
             self.core.norm_board.forget(request.key, request.shard)
             raise ClipTimeout(f"global_clipnorm: not every shard brought its norm for {request.key} in time; "

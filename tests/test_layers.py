@@ -15,7 +15,7 @@ and tests may import anything.
 Inside two packages the arrows point one way too (``CORE_RULES``, ``TOOLS_RULES``; each
 sub-package's ``__init__`` docstring says the same in words):
 
-    ps_server/core/   errors <- optim, data, membership <- store <- modes <- broadcast,
+    ps_server/core/   errors <- optim, data, membership, settings <- store <- modes <- broadcast,
                       clip_group <- checkpoint <- parameter_server
     ps_tools/         the operator's commands <- study
 
@@ -118,13 +118,14 @@ CORE_RULES = {
     "optim": {"errors"},  # the maths of one update: no store, no mode, no round
     "data": {"errors"},  # which examples a push trains on: indices, no gradient
     "membership": {"errors"},
+    "settings": {"errors"},
     "store": {"errors", "optim"},
     "modes": {"errors", "optim", "store", "membership", "data"},
     "broadcast": {"errors", "modes"},  # its waits are the modes' tickets
     "clip_group": {"errors", "modes"},  # global_clipnorm over shards: its waits are tickets too
     "checkpoint": {"errors", "optim", "membership", "modes", "clip_group"},
     "parameter_server": {"errors", "optim", "data", "membership", "store", "modes", "broadcast", "clip_group",
-                         "checkpoint"},
+                         "checkpoint", "settings"},
 }
 # Inside ps_tools: the study tools run the operator's commands; the commands do not know them.
 TOOLS_RULES = {"operators": {"operators"}, "study": {"operators", "study"}}

@@ -11,6 +11,7 @@ each part importing only those listed before it (``tests/test_layers.py``, ``COR
 - ``data/``: the data dealing: the data plan, elastic sync's micro-batches, leased tasks,
   the epoch ledger;
 - ``membership``: registered workers, their leases and what each last did;
+- ``settings``: the flags the core runs by, as one object (``Settings``);
 - ``store``: the variables, their optimizer state and the version (copy-on-write);
 - ``modes/``: the ``Mode`` interface and one module per consistency mode (sync, with its
   rounds, aggregation and overlap; async; ssp; elastic);

@@ -30,8 +30,6 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ps_common.defaults import (BARRIER_TIMEOUT, LEASE_TIMEOUT, MAX_STALENESS, REPLACEMENT_TIMEOUT, STALENESS,
-                                 server_settings_conflict, sparse_rule_conflict)
 from ps_common.names import broadcast_poster
 from ps_common.records import Registration
 from ps_common.sparse import SparseRows
@@ -46,6 +44,7 @@ from ps_server.core.errors import ConfigMismatch, InvalidArgument, PSError, Spec
 from ps_server.core.membership import Membership, MembershipEvent, WorkerRecord
 from ps_server.core.modes.base import ModeStatus, Push, PushResult, ShardGroup, Stats, Ticket
 from ps_server.core.optim.optimizers import OptimizerSpec
+from ps_server.core.settings import Settings
 from ps_server.core.store import StoreState, VariableStore
 from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.data.tasks import Task, TaskGate, TaskQueue
@@ -128,54 +127,33 @@ def _store_part(state) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(StoreState)}
 
 
+def _mode(s: Settings, store: VariableStore, members: Membership, stats: Stats, clock):
+    """The mode ``s`` asks for (``core.modes``)."""
+    if s.elastic:
+        return ElasticSyncMode(store, members, None, s.elastic_min_workers, s.barrier_timeout, stats, clock=clock)
+    if s.mode == "sync":
+        return SyncMode(store, members, s.num_workers, s.barrier_timeout, stats, clock=clock,
+                        policy=s.dead_worker_policy, replacement_timeout=s.replacement_timeout,
+                        replicas_to_aggregate=s.replicas_to_aggregate)
+    if s.mode == "ssp":
+        return SSPMode(store, members, s.staleness, s.barrier_timeout, stats, stale_policy=s.stale_gradient_policy,
+                       max_staleness=s.max_staleness, clock=clock, apply=s.async_apply)
+    return AsyncMode(store, members, stats, stale_policy=s.stale_gradient_policy, max_staleness=s.max_staleness,
+                     apply=s.async_apply)
+
+
 class ParameterServer:
-    def __init__(
-        self,
-        mode: str,
-        num_workers: int,
-        barrier_timeout: float = BARRIER_TIMEOUT,
-        lease_timeout: float = LEASE_TIMEOUT,
-        dead_worker_policy: str = "abort",
-        replacement_timeout: float = REPLACEMENT_TIMEOUT,
-        replicas_to_aggregate: int = 0,
-        allow_nonfinite: bool = False,
-        staleness: int = STALENESS,
-        stale_gradient_policy: str = "none",
-        max_staleness: int = MAX_STALENESS,
-        sparse_updates: str = "exact",
-        sparse_rule: str = "",
-        clock=time.monotonic,
-        async_apply: str = "locked",
-        elastic_min_workers: int = 0,
-        micro_batches: int = 0,
-    ):
-        conflict = server_settings_conflict(mode, num_workers, stale_gradient_policy, async_apply, elastic_min_workers,
-                                            micro_batches, replicas_to_aggregate)
-        conflict = conflict or sparse_rule_conflict(sparse_rule, async_apply)
-        if conflict:
-            raise InvalidArgument(conflict)
-        # Elastic sync (``core.modes.elastic_mode``): from elastic_min_workers up to num_workers
-        # workers, each global batch cut into micro_batches (default num_workers).
-        self.elastic = elastic_min_workers > 0
-        self.micro_batches = (micro_batches or num_workers) if self.elastic else 0
-        self.async_apply = async_apply
-        self.allow_nonfinite = allow_nonfinite
-        self.num_workers = num_workers
-        self.barrier_timeout = barrier_timeout
-        self.dead_worker_policy = dead_worker_policy
-        self.replicas_to_aggregate = replicas_to_aggregate
-        self.staleness = staleness if mode == "ssp" else -1
-        self.stale_gradient_policy, self.max_staleness = stale_gradient_policy, max_staleness
+    def __init__(self, mode: str = "sync", num_workers: int = 1, *, clock=time.monotonic, **settings):
+        """``settings``: the rest of ``core.settings.Settings``, by name."""
+        s = self.settings = Settings(mode, num_workers, **settings)
         self.incarnation = uuid.uuid4().hex[:12]
         self._clock = clock
         self.tasks: TaskQueue | None = None  # async and ssp with a data plan (core.data.tasks)
         self._gate = TaskGate()  # task pushes (shared) against checkpoints (exclusive): checkpoint_state
-        self.members = Membership(num_workers, lease_timeout, clock=clock)
-        if async_apply == "hogwild":  # adds a push's rows up: the optimizer cannot ask for the keras rule
-            sparse_rule = sparse_rule or "sum"
-        self.store = VariableStore(sparse_updates, sparse_rule)  # --sparse-updates, --sparse-rule: core.optim.sparse
+        self.members = Membership(num_workers, s.lease_timeout, clock=clock)
+        self.store = VariableStore(s.sparse_updates, s.sparse_rule)  # --sparse-updates, --sparse-rule: core.optim.sparse
         self.stats = Stats()
-        self.broadcasts = Broadcasts(timeout_limit=barrier_timeout, clock=clock)
+        self.broadcasts = Broadcasts(timeout_limit=s.barrier_timeout, clock=clock)
         # global_clipnorm over several shards: the group, shard 0's board, and how a shard
         # asks shard 0 (set by the server layer: ``clip_peer(address)`` gives a function
         # ``(key, shard, squares, timeout) -> factor``; None: in-process, shard 0 only).
@@ -190,20 +168,7 @@ class ParameterServer:
         self.round_peer = None
         self._started = time.monotonic()
         self._checkpoint: tuple[int, float] | None = None  # (version, monotonic time) of the last one
-        if self.elastic:
-            self.mode = ElasticSyncMode(self.store, self.members, None, elastic_min_workers, barrier_timeout,
-                                        self.stats, clock=clock)
-        elif mode == "sync":
-            self.mode = SyncMode(self.store, self.members, num_workers, barrier_timeout, self.stats, clock=clock,
-                                 policy=dead_worker_policy, replacement_timeout=replacement_timeout,
-                                 replicas_to_aggregate=replicas_to_aggregate)
-        elif mode == "ssp":
-            self.mode = SSPMode(self.store, self.members, staleness, barrier_timeout, self.stats,
-                                stale_policy=stale_gradient_policy,
-                                max_staleness=max_staleness, clock=clock, apply=async_apply)
-        else:
-            self.mode = AsyncMode(self.store, self.members, self.stats,
-                                  stale_policy=stale_gradient_policy, max_staleness=max_staleness, apply=async_apply)
+        self.mode = _mode(s, self.store, self.members, self.stats, clock)
 
     def register(self, worker_index: int, claimed_num_workers: int = 0, name: str = "",
                  process: str = "") -> Registration:
@@ -222,7 +187,7 @@ class ParameterServer:
         # incarnation, ...), read once from there, plus its id and the barrier timeout.
         status = self.status()
         shared = {f.name: getattr(status, f.name) for f in _REGISTRATION_FROM_STATUS}
-        return Registration(worker_id=rec.worker_id, barrier_timeout=self.barrier_timeout,
+        return Registration(worker_id=rec.worker_id, barrier_timeout=self.settings.barrier_timeout,
                             round_restored=self.mode.round_restored(), sparse_rule=self.store.sparse_rule, **shared)
 
     def _position(self) -> tuple[int, int]:
@@ -233,7 +198,7 @@ class ParameterServer:
     def finished(self) -> tuple[bool, list[int], list[int]]:
         """(done, left, dead): see Membership.finished; ps-server --exit-when-done stops on done.
         Elastic: once someone finished and nobody trains, however many indices were used."""
-        return self.members.finished(every_index=not self.elastic)
+        return self.members.finished(every_index=not self.settings.elastic)
 
     def heartbeat(self, worker_id: int, step: int = -1, process: str = "") -> None:
         """Renew the worker's lease and its tasks'; Superseded (renewing nothing) when ``process``
@@ -272,7 +237,7 @@ class ParameterServer:
         With ``async_apply="hogwild"`` an optimizer it cannot run in place is refused
         (InvalidArgument naming it) before anything is stored."""
         self.members.require(worker_id)
-        if self.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
+        if self.settings.async_apply == "hogwild":  # refused before anything is stored, naming the optimizer
             hogwild.check_supported(spec)
         self._check_shard_group(shard_group)
         cursor = self._cursor_of(data_plan)
@@ -312,7 +277,7 @@ class ParameterServer:
         self.clip_group = group
         self.norm_board = NormBoard(group, self.store.clip_scale_of) if group.shard == 0 else None
         ask = self.clip_peer(group.shards[0]) if group.shard else self._ask_board
-        timeout = self.barrier_timeout
+        timeout = self.settings.barrier_timeout
 
         def across(key: str, squares: Mapping[str, np.floating]) -> np.floating:
             return ask(key, group.shard, squares, timeout)
@@ -374,7 +339,7 @@ class ParameterServer:
         if plan is None:
             raise InvalidArgument("elastic sync needs the job's data plan with initialize (examples, global "
                                   "batch size, seed): the server deals every round's micro-batches")
-        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.micro_batches, plan.applies)
+        return Cursor(plan.num_examples, plan.global_batch_size, plan.seed, self.settings.micro_batches, plan.applies)
 
     def _check_shard_group(self, group: ShardGroup | None) -> None:
         """Refuse, before anything is stored, a shard group this server cannot take."""
@@ -390,7 +355,8 @@ class ParameterServer:
     def _commits_rounds(self) -> bool:
         """Shard 0 of a group decides what each round holds: elastic sync (its micro-batches),
         sync with backup workers (its contributors). Tasks are held by shard 0's queue."""
-        return self.elastic or (self.mode.rounds and 0 < self.replicas_to_aggregate < self.num_workers)
+        s = self.settings
+        return s.elastic or (self.mode.rounds and 0 < s.replicas_to_aggregate < s.num_workers)
 
     def _use_shards(self, group: ShardGroup | None) -> None:
         """From now on this server is its place in ``group``: shard 0 commits the rounds it
@@ -406,7 +372,7 @@ class ParameterServer:
             return
         commits = [self.round_peer(a) for a in group.shards[1:]]
         pool = concurrent.futures.ThreadPoolExecutor(len(commits), thread_name_prefix="commit-round")
-        timeout = self.barrier_timeout
+        timeout = self.settings.barrier_timeout
 
         def commit(round_: int, contributors: tuple) -> Callable[[], None]:
             started = [pool.submit(c, round_, contributors, timeout) for c in commits]
@@ -518,7 +484,7 @@ class ParameterServer:
         try:  # the one check of a push: the modes take it as checked
             self.members.require(push.worker_id)
             push.validate()
-            self.store.check_gradients(push.gradients, allow_nonfinite=self.allow_nonfinite)
+            self.store.check_gradients(push.gradients, allow_nonfinite=self.settings.allow_nonfinite)
             arrived = self._clock()
             answered = self._task_begin(push)
             if answered is None:
@@ -619,7 +585,7 @@ class ParameterServer:
         are all made dense."""
         if not any(isinstance(g, SparseRows) for g in push.gradients.values()):
             return push, consumed
-        dense = self.store.prepare(push.gradients, keep_sparse=self.async_apply != "hogwild")
+        dense = self.store.prepare(push.gradients, keep_sparse=self.settings.async_apply != "hogwild")
         given = consumed
 
         def dropped() -> None:
@@ -709,7 +675,7 @@ class ParameterServer:
             tasks = self.tasks.state() if self.tasks is not None else None
         return ServerState(
             mode=self.mode.name,
-            num_workers=self.num_workers,
+            num_workers=self.settings.num_workers,
             **_store_part(store_state),
             mode_status=ModeStatus(round=mode_status.round, rounds_timed_out=mode_status.rounds_timed_out,
                                    rounds_aborted=mode_status.rounds_aborted, skipped_rounds=mode_status.skipped_rounds),
@@ -758,9 +724,9 @@ class ParameterServer:
         if self.mode.data_plan != "elastic":
             raise ConfigMismatch(f"the checkpoint was written by an elastic sync server ({data.describe()}); this "
                                  f"server is not elastic (--elastic-min-workers): {where}")
-        if data.micro_batches != self.micro_batches:
+        if data.micro_batches != self.settings.micro_batches:
             raise ConfigMismatch(f"the checkpoint's rounds are cut into {data.micro_batches} micro-batches; this "
-                                 f"server cuts them into {self.micro_batches} (--micro-batches): {where}")
+                                 f"server cuts them into {self.settings.micro_batches} (--micro-batches): {where}")
         try:
             cursor = Cursor(data.num_examples, data.global_batch_size, data.seed, data.micro_batches, data.applies)
             return cursor, EpochLedger.restore(data.num_examples, data.epochs_complete, data.epochs_seen)
@@ -790,13 +756,13 @@ class ParameterServer:
         here without --elastic-min-workers, other micro-batches) is
         ConfigMismatch, and changes nothing.
         """
-        if state.mode != self.mode.name or state.num_workers != self.num_workers:
+        if state.mode != self.mode.name or state.num_workers != self.settings.num_workers:
             raise ConfigMismatch(
                 f"the checkpoint was written by a {state.mode} server with {state.num_workers} worker(s); "
-                f"this server runs {self.mode.name} with {self.num_workers}: start it with --mode {state.mode} "
+                f"this server runs {self.mode.name} with {self.settings.num_workers}: start it with --mode {state.mode} "
                 f"--num-workers {state.num_workers}, or use another --checkpoint-dir"
             )
-        if self.async_apply == "hogwild":
+        if self.settings.async_apply == "hogwild":
             hogwild.check_supported(state.optimizer)
         data = self._restored_data(state.data, state.shard_group)  # checked (and built) before anything changes
         if state.clip_group is not None:
@@ -808,7 +774,7 @@ class ParameterServer:
         self.mode.restore(state.mode_status)
         self.stats.restore(state.stats)
         # A restored worker may take the barrier timeout to register again (a requeued job's all start anew).
-        self.members.restore(list(state.members), grace=self.barrier_timeout)
+        self.members.restore(list(state.members), grace=self.settings.barrier_timeout)
         self._use_shards(state.shard_group)
         if isinstance(data, TaskQueue):
             self._use_tasks(data)
@@ -826,7 +792,7 @@ class ParameterServer:
         specs = self.store.specs()
         return Status(
             mode=self.mode.name,
-            num_workers=self.num_workers,
+            num_workers=self.settings.num_workers,
             initialized=self.store.initialized,
             version=self.store.version,
             round=mode_status.round,
@@ -846,15 +812,15 @@ class ParameterServer:
             pushes_dropped=self.stats.dropped,
             pushes_replayed=self.stats.replayed,
             rounds_aborted=mode_status.rounds_aborted,
-            dead_worker_policy=self.dead_worker_policy if self.mode.rounds else "",
-            replicas_to_aggregate=self.replicas_to_aggregate,
+            dead_worker_policy=self.settings.dead_worker_policy if self.mode.rounds else "",
+            replicas_to_aggregate=self.settings.replicas_to_aggregate,
             lease_timeout=self.members.lease_timeout,
             active_workers=mode_status.active_workers,
             last_checkpoint_version=self._checkpoint[0] if self._checkpoint else -1,
             checkpoint_age_s=time.monotonic() - self._checkpoint[1] if self._checkpoint else -1.0,
-            staleness=self.staleness,
-            stale_gradient_policy=self.stale_gradient_policy,
-            max_staleness=self.max_staleness,
+            staleness=self.settings.staleness,
+            stale_gradient_policy=self.settings.stale_gradient_policy,
+            max_staleness=self.settings.max_staleness,
             pushes_scaled=self.stats.scaled,
             max_ahead=mode_status.max_ahead,
             optimizer_iterations=self.store.optimizer_iterations() if self.store.initialized else 0,

@@ -45,7 +45,7 @@ G = [f32(4, 0, 0, 8), f32(0, 4, 0, -8), f32(0, 0, 4, 4)]  # worker k's gradient
 def server(num_workers=3, policy="abort", clock=None, barrier_timeout=JOIN, lease_timeout=LEASE,
            replacement_timeout=60.0, replicas=0, mode="sync"):
     """A ParameterServer with every worker registered (as "host:k") and W0 initialized."""
-    ps = ParameterServer(mode, num_workers, barrier_timeout, lease_timeout=lease_timeout,
+    ps = ParameterServer(mode, num_workers, barrier_timeout=barrier_timeout, lease_timeout=lease_timeout,
                          dead_worker_policy=policy, replacement_timeout=replacement_timeout,
                          replicas_to_aggregate=replicas, clock=clock or FakeClock())
     for k in range(num_workers):

@@ -70,7 +70,7 @@ def server(mode: str, num_workers: int = 1, **kwargs) -> ParameterServer:
 
 
 def good(ps: ParameterServer, **over) -> Push:
-    if ps.elastic:
+    if ps.settings.elastic:
         work = ps.work(0).result(JOIN)
         over = {"step": work.round, "base_version": work.round, "batch_size": work.sizes[0],
                 "micro_batch": work.micro_batches[0], **over}
@@ -96,7 +96,7 @@ def test_a_bad_push_is_refused_before_its_mode_and_changes_nothing(mode, bad):
         refused.result()
     assert state(ps) == before
     reply = ps.submit(good(ps)).result(JOIN)  # the worker goes on
-    assert (reply.result if ps.elastic else reply).version == 1
+    assert (reply.result if ps.settings.elastic else reply).version == 1
 
 
 @pytest.mark.parametrize("mode", MODES)

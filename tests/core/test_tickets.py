@@ -126,7 +126,7 @@ def test_a_broadcast_ticket_is_settled_by_the_chiefs_post_or_by_its_timeout():
 
 
 def test_parameter_server_submit_records_the_push_once_its_round_ends():
-    core = ParameterServer("sync", 2, 10.0)
+    core = ParameterServer("sync", 2, barrier_timeout=10.0)
     for w in range(2):
         core.register(w, 2, f"w{w}")
     core.initialize(0, {"w": f32(0, 0)}, OptimizerSpec("sgd", learning_rate=1.0))
