@@ -5,6 +5,7 @@ stated once, so ``ps-server`` and the core refuse alike."""
 import dataclasses
 import inspect
 import re
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from ps_server.core.modes.async_mode import AsyncMode
 from ps_server.core.errors import InvalidArgument
 from ps_server.core.membership import Membership
 from ps_server.core.parameter_server import ParameterServer
+from ps_server.core.settings import Settings
 from ps_server.core.modes.ssp_mode import SSPMode
 from ps_server.core.modes.sync_mode import SyncMode
 from worker.config import WorkerConfig
@@ -60,11 +62,14 @@ def _parameters(function) -> dict:
 
 
 def test_the_cores_defaults_are_the_server_configurations():
+    # Every setting of the core is a flag of ps-server, by the same name and default.
     config = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
-    core = _parameters(ParameterServer.__init__)
-    shared = sorted(set(core) & set(config))
-    assert {"barrier_timeout", "lease_timeout", "replacement_timeout", "max_staleness"} <= set(shared)
-    assert {name: core[name] for name in shared} == {name: config[name] for name in shared}
+    core = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert {"barrier_timeout", "lease_timeout", "replacement_timeout", "max_staleness"} <= set(core) <= set(config)
+    assert core == {name: config[name] for name in core}
+    assert _parameters(ParameterServer.__init__) == {"mode": core["mode"], "num_workers": core["num_workers"],
+                                                     "clock": time.monotonic}
+    assert Settings.of(ServerConfig()) == Settings()
 
 
 def test_each_constructor_and_record_takes_the_one_constant():
