@@ -41,7 +41,7 @@ from ps_server.core.data.cursor import DataPlan
 from ps_server.core.modes.elastic_mode import ElasticReply
 from ps_server.core.membership import MembershipEvent, WorkerRecord
 from ps_server.core.modes.base import Push, ShardGroup
-from ps_server.core.modes.aggregation import HELD_BYTES
+from ps_server.core.modes.aggregation import holds
 from ps_server.core.modes.overlap import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, NOT_YET
 from ps_server.core.optim.optimizers import OptimizerSpec
 from ps_server.core.parameter_server import ParameterServer, Status, TaskOffer
@@ -752,8 +752,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         remaining = context.time_remaining() if context is not None else None
         wait = min(remaining, BUSY_WAIT_S) if remaining is not None else BUSY_WAIT_S
         limit = max(self.receiving.limit, 2 * nbytes)
-        if nbytes * self.core.settings.num_workers <= HELD_BYTES:
-            limit = max(limit, nbytes * self.core.settings.num_workers)  # a round PushPull may speculate
+        workers = self.core.settings.num_workers
+        if holds(nbytes, workers):
+            limit = max(limit, nbytes * workers)  # a sync round holds every push whole
         if not await self.receiving.acquire(nbytes, wait, limit):
             raise errors.Busy(f"the server is receiving {self.receiving.in_use} bytes of other streams, its "
                               f"budget of {self.receiving.limit}; waited {wait:.0f} s for room for {nbytes}; "

@@ -29,8 +29,8 @@ memory (``holds``):
   once** to the gradients' dtype (round to nearest, ties to even). Each push is
   folded into it as it comes (``RoundSum.add``) and let go, so a round holds one
   accumulator per variable: memory does not grow with the number of workers. It
-  costs about ten float64 operations per element and push (``_Exact``), 0.05-0.13
-  of NumPy's ``acc += g``. Elastic sync always folds (keyed by micro-batch): its
+  costs about ten float64 operations per element and push (``_Exact``), 0.07-0.20
+  of NumPy's ``acc += g`` (``bench/server.py``: a TwoSum pass is bound by its operations). Elastic sync always folds (keyed by micro-batch): its
   workers go on to their next micro-batch while the round still collects.
 
 How it stays exact: every ``b_i * g_i`` is exact in float64 (a 24-bit significand

@@ -92,7 +92,8 @@ import numpy as np
 from ps_common.defaults import REPLACEMENT_TIMEOUT
 from ps_common.names import DEAD_WORKER_POLICIES, asks_skip
 from ps_common.reasons import Reason
-from ps_server.core.modes.aggregation import RoundSum, holds, push_bytes, metric_difference, metric_spec, sum_metrics, weighted_loss
+from ps_server.core.modes.aggregation import (RoundSum, holds, metric_difference, metric_spec, push_bytes, sum_metrics,
+                                               weighted_loss)
 from ps_server.core.errors import BarrierTimeout, ConfigMismatch, InvalidArgument, PSError, WorkerDead
 from ps_server.core.membership import Membership
 from ps_server.core.modes.base import Commit, Mode, ModeStatus, Push, PushResult, Stats, Ticket
